@@ -1,0 +1,123 @@
+package deduplicator
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/watermill-idempotency/internal/ident"
+)
+
+// DBTX runs statements: a pgx.Tx, a *pgx.Conn or a *pgxpool.Pool. Claims must
+// run in the caller's transaction to be useful.
+type DBTX interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Deduplicator claims event ids for one consumer group in a processed_event
+// table.
+type Deduplicator struct {
+	cfg    Config
+	logger watermill.LoggerAdapter
+	table  string // quoted schema.table
+
+	claimSQL      string
+	claimBatchSQL string
+	existsSQL     string
+}
+
+// New returns a Deduplicator. It does not touch the database; run [Migrate]
+// first.
+func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	t := ident.Quote(cfg.Schema, cfg.Table)
+	return &Deduplicator{
+		cfg:    cfg,
+		logger: logger,
+		table:  t,
+		claimSQL: "INSERT INTO " + t + " (event_id, consumer_group) VALUES ($1, $2) " +
+			"ON CONFLICT DO NOTHING",
+		claimBatchSQL: "INSERT INTO " + t + " (event_id, consumer_group) " +
+			"SELECT id, $2 FROM unnest($1::uuid[]) AS u(id) ORDER BY id " +
+			"ON CONFLICT DO NOTHING RETURNING event_id",
+		existsSQL: "SELECT EXISTS (SELECT 1 FROM " + t + " WHERE event_id = $1 AND consumer_group = $2)",
+	}, nil
+}
+
+// Config returns the configuration with defaults applied.
+func (d *Deduplicator) Config() Config { return d.cfg }
+
+// QuotedTable returns the quoted, schema-qualified table name.
+func (d *Deduplicator) QuotedTable() string { return d.table }
+
+// ClaimSQL returns the claim statement; its arguments are the event id and the
+// consumer group. The middleware queues it in the same round trip as BEGIN.
+func (d *Deduplicator) ClaimSQL() string { return d.claimSQL }
+
+// Claim records eventID as processed by the consumer group inside tx and
+// reports whether this is the first claim (true) or a duplicate (false).
+//
+// It uses INSERT ... ON CONFLICT DO NOTHING: if another transaction holds an
+// uncommitted claim of the same id, Claim waits for it; when that transaction
+// commits, Claim returns false; when it rolls back, Claim returns true. Under
+// REPEATABLE READ or SERIALIZABLE the wait ends with a serialization failure
+// (SQLSTATE 40001) instead, which the caller must retry, never treat as
+// processed.
+//
+// The claim is only visible to others once tx commits, so commit it together
+// with the business writes it protects.
+func (d *Deduplicator) Claim(ctx context.Context, tx DBTX, eventID uuid.UUID) (first bool, err error) {
+	tag, err := tx.Exec(ctx, d.claimSQL, eventID, d.cfg.ConsumerGroup)
+	if err != nil {
+		return false, fmt.Errorf("claim event %s: %w", eventID, err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// ClaimBatch claims several ids in one statement and returns those claimed
+// for the first time, sorted. Ids are inserted in sorted order, so two
+// batches that share ids lock them in the same order and cannot deadlock.
+func (d *Deduplicator) ClaimBatch(ctx context.Context, tx DBTX, eventIDs []uuid.UUID) ([]uuid.UUID, error) {
+	if len(eventIDs) == 0 {
+		return nil, nil
+	}
+	ids := slices.Clone(eventIDs)
+	slices.SortFunc(ids, func(a, b uuid.UUID) int { return compareUUID(a, b) })
+	ids = slices.Compact(ids)
+	rows, err := tx.Query(ctx, d.claimBatchSQL, ids, d.cfg.ConsumerGroup)
+	if err != nil {
+		return nil, fmt.Errorf("claim batch: %w", err)
+	}
+	first, err := pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+	if err != nil {
+		return nil, fmt.Errorf("claim batch: %w", err)
+	}
+	slices.SortFunc(first, func(a, b uuid.UUID) int { return compareUUID(a, b) })
+	return first, nil
+}
+
+// IsProcessed reports whether eventID has a committed claim for the group.
+func (d *Deduplicator) IsProcessed(ctx context.Context, db DBTX, eventID uuid.UUID) (bool, error) {
+	var ok bool
+	if err := db.QueryRow(ctx, d.existsSQL, eventID, d.cfg.ConsumerGroup).Scan(&ok); err != nil {
+		return false, fmt.Errorf("is processed %s: %w", eventID, err)
+	}
+	return ok, nil
+}
+
+// compareUUID orders ids as PostgreSQL's uuid type does (bytewise).
+func compareUUID(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) }

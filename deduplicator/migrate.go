@@ -1,0 +1,58 @@
+package deduplicator
+
+import (
+	"context"
+	"embed"
+	"io/fs"
+
+	"github.com/idemkit/watermill-idempotency/internal/migrate"
+)
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// MigrationTemplates holds the raw migration files (NNN_name.up.sql and
+// NNN_name.down.sql). They are text/template sources with {{ident ...}}
+// placeholders for the schema and table; use [Migrations] to get SQL ready
+// for goose or golang-migrate.
+var MigrationTemplates fs.FS = mustSub(migrationFiles, "migrations")
+
+func mustSub(fsys fs.FS, dir string) fs.FS {
+	sub, err := fs.Sub(fsys, dir)
+	if err != nil {
+		panic(err)
+	}
+	return sub
+}
+
+// Component is the name under which this package's migrations are recorded
+// in the idem_schema_migration table.
+const Component = "processed_event"
+
+// Migration is one schema version rendered for a schema and table.
+type Migration = migrate.Migration
+
+// Migrations returns the schema migrations rendered for cfg's schema and
+// table, oldest first. Write each Up/Down to files to manage the schema with
+// an external tool instead of [Migrate].
+func Migrations(cfg TableConfig) ([]Migration, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return migrate.Load(MigrationTemplates, cfg)
+}
+
+// Migrate creates or upgrades the processed_event table described by cfg.
+// Each version runs in its own transaction; concurrent callers are
+// serialised by an advisory lock, so every instance of a service may call it
+// at start-up. db is a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+func Migrate(ctx context.Context, db migrate.Beginner, cfg TableConfig) error {
+	migs, err := Migrations(cfg)
+	if err != nil {
+		return err
+	}
+	cfg.setDefaults()
+	_, err = migrate.Up(ctx, db, cfg.Schema, Component+":"+cfg.Table, migs)
+	return err
+}

@@ -1,0 +1,88 @@
+// Package kafkatest provides a Kafka-protocol broker for tests: the cluster
+// named by KAFKA_BROKERS when set, otherwise an in-process kfake broker on
+// 127.0.0.1 that real clients (Sarama via watermill-kafka) reach over TCP.
+package kafkatest
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kfake"
+)
+
+// Broker is a Kafka-protocol cluster for one test.
+type Broker struct {
+	Addrs []string
+	// Fake is the in-process cluster, nil when KAFKA_BROKERS is used.
+	Fake *kfake.Cluster
+}
+
+// External returns the brokers from KAFKA_BROKERS (comma separated), or nil.
+func External() []string {
+	v := strings.TrimSpace(os.Getenv("KAFKA_BROKERS"))
+	if v == "" {
+		return nil
+	}
+	return strings.Split(v, ",")
+}
+
+// Start returns a broker that lives until the test ends.
+func Start(tb testing.TB) *Broker {
+	tb.Helper()
+	if addrs := External(); addrs != nil {
+		return &Broker{Addrs: addrs}
+	}
+	c, err := NewFake()
+	if err != nil {
+		tb.Fatalf("kafkatest: start kfake: %v", err)
+	}
+	tb.Cleanup(c.Close)
+	return &Broker{Addrs: c.ListenAddrs(), Fake: c}
+}
+
+// NewFake starts an in-process single-node kfake cluster on a random
+// loopback port. The caller closes it.
+func NewFake(opts ...kfake.Opt) (*kfake.Cluster, error) {
+	base := []kfake.Opt{
+		kfake.NumBrokers(1),
+		kfake.DefaultNumPartitions(1),
+		// Sarama's default session timeout is 10s; kfake's minimum is 6s.
+		kfake.GroupMinSessionTimeout(100 * time.Millisecond),
+	}
+	return kfake.NewCluster(append(base, opts...)...)
+}
+
+// Topic creates a topic with a unique name and the given partition count and
+// returns its name.
+func (b *Broker) Topic(tb testing.TB, prefix string, partitions int32) string {
+	tb.Helper()
+	var rnd [4]byte
+	_, _ = rand.Read(rnd[:])
+	name := prefix + "-" + hex.EncodeToString(rnd[:])
+	if err := CreateTopic(b.Addrs, name, partitions); err != nil {
+		tb.Fatalf("kafkatest: create topic %s: %v", name, err)
+	}
+	return name
+}
+
+// CreateTopic creates topic through the Kafka admin API (works on kfake and
+// on a real cluster). An existing topic is not an error.
+func CreateTopic(brokers []string, topic string, partitions int32) error {
+	cfg := sarama.NewConfig()
+	admin, err := sarama.NewClusterAdmin(brokers, cfg)
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	err = admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
+	if errors.Is(err, sarama.ErrTopicAlreadyExists) {
+		return nil
+	}
+	return err
+}

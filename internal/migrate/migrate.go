@@ -1,0 +1,199 @@
+// Package migrate applies embedded, versioned SQL migrations: one transaction
+// per version, serialised across processes by an advisory lock, recorded in a
+// migration table shared by every component of the library.
+package migrate
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"path"
+	"regexp"
+	"sort"
+	"strconv"
+	"text/template"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/watermill-idempotency/internal/ident"
+)
+
+// Beginner begins a transaction: *pgxpool.Pool, *pgx.Conn and pgx.Tx all fit.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// Migration is one version, rendered for a schema and table.
+type Migration struct {
+	Version int
+	Name    string
+	Up      string
+	Down    string
+}
+
+// Table is the migration bookkeeping table, created in the target schema.
+const Table = "idem_schema_migration"
+
+var fileRe = regexp.MustCompile(`^(\d+)_([a-z0-9_]+)\.(up|down)\.sql$`)
+
+// Load reads NNN_name.up.sql / NNN_name.down.sql templates from fsys (its
+// root), and renders each with data. Templates may call {{ident "a" "b"}} to
+// quote identifiers.
+func Load(fsys fs.FS, data any) ([]Migration, error) {
+	entries, err := fs.ReadDir(fsys, ".")
+	if err != nil {
+		return nil, err
+	}
+	byVersion := map[int]*Migration{}
+	for _, e := range entries {
+		m := fileRe.FindStringSubmatch(e.Name())
+		if m == nil {
+			continue
+		}
+		v, _ := strconv.Atoi(m[1])
+		raw, err := fs.ReadFile(fsys, path.Clean(e.Name()))
+		if err != nil {
+			return nil, err
+		}
+		tpl, err := template.New(e.Name()).Funcs(template.FuncMap{"ident": ident.Quote}).Option("missingkey=error").Parse(string(raw))
+		if err != nil {
+			return nil, fmt.Errorf("parse %s: %w", e.Name(), err)
+		}
+		var buf bytes.Buffer
+		if err := tpl.Execute(&buf, data); err != nil {
+			return nil, fmt.Errorf("render %s: %w", e.Name(), err)
+		}
+		mig := byVersion[v]
+		if mig == nil {
+			mig = &Migration{Version: v, Name: m[2]}
+			byVersion[v] = mig
+		}
+		if m[3] == "up" {
+			mig.Up = buf.String()
+		} else {
+			mig.Down = buf.String()
+		}
+	}
+	out := make([]Migration, 0, len(byVersion))
+	for _, m := range byVersion {
+		if m.Up == "" {
+			return nil, fmt.Errorf("migration %d_%s has no up file", m.Version, m.Name)
+		}
+		out = append(out, *m)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Version < out[j].Version })
+	return out, nil
+}
+
+// Up applies every migration of component not yet recorded in schema's
+// migration table, in version order, each in its own transaction. It returns
+// the versions it applied.
+func Up(ctx context.Context, db Beginner, schema, component string, migrations []Migration) ([]int, error) {
+	if err := ident.Validate("schema", schema); err != nil {
+		return nil, err
+	}
+	var applied []int
+	for _, m := range migrations {
+		done, err := applyOne(ctx, db, schema, component, m)
+		if err != nil {
+			return applied, fmt.Errorf("migration %s %d_%s: %w", component, m.Version, m.Name, err)
+		}
+		if done {
+			applied = append(applied, m.Version)
+		}
+	}
+	return applied, nil
+}
+
+// Down reverts the migrations of component down to (but not including)
+// version target, newest first.
+func Down(ctx context.Context, db Beginner, schema, component string, migrations []Migration, target int) ([]int, error) {
+	if err := ident.Validate("schema", schema); err != nil {
+		return nil, err
+	}
+	var reverted []int
+	for i := len(migrations) - 1; i >= 0; i-- {
+		m := migrations[i]
+		if m.Version <= target {
+			break
+		}
+		done, err := inTx(ctx, db, schema, component, func(tx pgx.Tx, isApplied bool) (bool, error) {
+			if !isApplied {
+				return false, nil
+			}
+			if m.Down == "" {
+				return false, errors.New("no down migration")
+			}
+			if _, err := tx.Exec(ctx, m.Down); err != nil {
+				return false, err
+			}
+			_, err := tx.Exec(ctx, "DELETE FROM "+ident.Quote(schema, Table)+" WHERE component = $1 AND version = $2", component, m.Version)
+			return err == nil, err
+		}, m.Version)
+		if err != nil {
+			return reverted, fmt.Errorf("migration %s %d_%s down: %w", component, m.Version, m.Name, err)
+		}
+		if done {
+			reverted = append(reverted, m.Version)
+		}
+	}
+	return reverted, nil
+}
+
+func applyOne(ctx context.Context, db Beginner, schema, component string, m Migration) (bool, error) {
+	return inTx(ctx, db, schema, component, func(tx pgx.Tx, isApplied bool) (bool, error) {
+		if isApplied {
+			return false, nil
+		}
+		if _, err := tx.Exec(ctx, m.Up); err != nil {
+			return false, err
+		}
+		_, err := tx.Exec(ctx, "INSERT INTO "+ident.Quote(schema, Table)+" (component, version, name) VALUES ($1, $2, $3)", component, m.Version, m.Name)
+		return err == nil, err
+	}, m.Version)
+}
+
+// inTx opens a transaction, takes the per-schema migration lock, ensures the
+// bookkeeping table, tells fn whether version is applied, and commits.
+func inTx(ctx context.Context, db Beginner, schema, component string, fn func(tx pgx.Tx, isApplied bool) (bool, error), version int) (done bool, err error) {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer func() {
+		if err != nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+	}()
+	// One lock for the whole schema: concurrent CREATE ... IF NOT EXISTS can
+	// still collide in the catalog, so creators must be serialised.
+	if _, err = tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended('watermill-idempotency/migrate/' || $1, 0))", schema); err != nil {
+		return false, err
+	}
+	if _, err = tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident.Quote(schema)); err != nil {
+		return false, err
+	}
+	if _, err = tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+ident.Quote(schema, Table)+` (
+	component  text        NOT NULL,
+	version    integer     NOT NULL,
+	name       text        NOT NULL,
+	applied_at timestamptz NOT NULL DEFAULT now(),
+	PRIMARY KEY (component, version)
+)`); err != nil {
+		return false, err
+	}
+	var isApplied bool
+	if err = tx.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM "+ident.Quote(schema, Table)+" WHERE component = $1 AND version = $2)", component, version).Scan(&isApplied); err != nil {
+		return false, err
+	}
+	done, err = fn(tx, isApplied)
+	if err != nil {
+		return false, err
+	}
+	if err = tx.Commit(ctx); err != nil {
+		return false, err
+	}
+	return done, nil
+}

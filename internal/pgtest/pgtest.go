@@ -1,0 +1,131 @@
+// Package pgtest gives each test its own PostgreSQL schema on the real server
+// (DATABASE_URL, default postgres://postgres@127.0.0.1:5432/test), so packages
+// and tests run in parallel without seeing each other's rows.
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// DefaultURL is used when DATABASE_URL is not set.
+const DefaultURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+// URL returns DATABASE_URL or DefaultURL.
+func URL() string {
+	if u := os.Getenv("DATABASE_URL"); u != "" {
+		return u
+	}
+	return DefaultURL
+}
+
+// DB is a test's schema and a pool whose search_path points at it.
+type DB struct {
+	Pool   *pgxpool.Pool
+	Schema string
+	// URL connects with search_path set to Schema.
+	URL string
+}
+
+// New creates a fresh schema named after the test, and a pool bound to it.
+// Both are removed when the test ends. maxConns 0 means pgxpool's default.
+func New(tb testing.TB, maxConns int32) *DB {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	schema := SchemaName(tb.Name())
+	admin, err := pgx.Connect(ctx, URL())
+	if err != nil {
+		tb.Fatalf("pgtest: connect %s: %v (is PostgreSQL running? see README)", URL(), err)
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
+		tb.Fatalf("pgtest: create schema: %v", err)
+	}
+
+	cfg, err := pgxpool.ParseConfig(URL())
+	if err != nil {
+		tb.Fatalf("pgtest: %v", err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		tb.Fatalf("pgtest: pool: %v", err)
+	}
+	url := URL()
+	sep := "?"
+	if strings.Contains(url, "?") {
+		sep = "&"
+	}
+	db := &DB{Pool: pool, Schema: schema, URL: url + sep + "search_path=" + schema}
+	tb.Cleanup(func() {
+		pool.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, URL())
+		if err != nil {
+			tb.Errorf("pgtest: cleanup connect: %v", err)
+			return
+		}
+		defer conn.Close(ctx)
+		if os.Getenv("PGTEST_KEEP") != "" {
+			tb.Logf("pgtest: kept schema %s", schema)
+			return
+		}
+		if _, err := conn.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
+			tb.Errorf("pgtest: drop schema %s: %v", schema, err)
+		}
+	})
+	return db
+}
+
+// SchemaName turns a test name into a unique, valid schema name.
+func SchemaName(testName string) string {
+	var b strings.Builder
+	b.WriteString("t_")
+	for _, r := range strings.ToLower(testName) {
+		switch {
+		case r >= 'a' && r <= 'z', r >= '0' && r <= '9':
+			b.WriteRune(r)
+		default:
+			b.WriteByte('_')
+		}
+	}
+	name := b.String()
+	if len(name) > 40 {
+		name = name[:40]
+	}
+	var rnd [6]byte
+	_, _ = rand.Read(rnd[:])
+	return name + "_" + hex.EncodeToString(rnd[:])
+}
+
+// Count returns SELECT count(*) of the query's rows; it fails the test on error.
+func (db *DB) Count(tb testing.TB, query string, args ...any) int {
+	tb.Helper()
+	var n int
+	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM ("+query+") q", args...).Scan(&n); err != nil {
+		tb.Fatalf("pgtest: count %q: %v", query, err)
+	}
+	return n
+}
+
+// Exec runs sql and fails the test on error.
+func (db *DB) Exec(tb testing.TB, sql string, args ...any) {
+	tb.Helper()
+	if _, err := db.Pool.Exec(context.Background(), sql, args...); err != nil {
+		tb.Fatalf("pgtest: exec %q: %v", sql, err)
+	}
+}

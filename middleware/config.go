@@ -1,0 +1,154 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/eventid"
+)
+
+// Beginner begins the per-message transaction: *pgxpool.Pool (the usual
+// choice), *pgx.Conn or pgx.Tx (each message then runs in a savepoint). When
+// it also has BeginTx (pool and conn do), [Config.TxOptions] is used.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+type txOptionsBeginner interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// EventIDFunc extracts a message's event id. Return an error wrapping one of
+// the sentinel errors so the message can be routed to a poison queue.
+type EventIDFunc func(msg *message.Message) (uuid.UUID, error)
+
+// DefaultEventIDFunc reads the metadata key "event_id" (a Kafka header) and,
+// when it is absent, the top-level JSON payload field "eventId". The value
+// must be a canonical 36-character UUID (either case); braces, "urn:uuid:",
+// missing hyphens or surrounding spaces are refused as ErrInvalidEventID.
+func DefaultEventIDFunc(msg *message.Message) (uuid.UUID, error) {
+	return eventid.FromMessage(msg)
+}
+
+// MetadataEventIDFunc reads only the metadata key "event_id", never the payload.
+func MetadataEventIDFunc(msg *message.Message) (uuid.UUID, error) {
+	v, ok := msg.Metadata[eventid.MetadataEventID]
+	if !ok {
+		return uuid.Nil, &EventIDError{Reason: ErrMissingEventID, Source: "metadata", Detail: "no event_id metadata"}
+	}
+	m := &message.Message{Metadata: message.Metadata{eventid.MetadataEventID: v}}
+	return eventid.FromMessage(m)
+}
+
+// OutboxWriter writes messages inside the message's transaction. The outbox
+// package's Outbox implements it; the middleware uses it for the messages a
+// handler returns, so consuming one event and producing the next commit
+// atomically.
+type OutboxWriter interface {
+	PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error
+}
+
+// Defaults.
+const (
+	// DefaultRetention is how long processed_event rows are kept; see
+	// deduplicator.DefaultRetention.
+	DefaultRetention = deduplicator.DefaultRetention
+	// DefaultStaleMargin is subtracted from the retention before an event is
+	// considered stale, covering clock skew and a cleaner that runs early.
+	DefaultStaleMargin = time.Hour
+)
+
+// Config configures the dedup middleware.
+type Config struct {
+	// DB begins one transaction per message. Required.
+	DB Beginner
+
+	// ConsumerGroup is the second half of the dedup key (event id, consumer
+	// group). Required, never defaulted: use the Kafka consumer group of the
+	// subscriber, so two services on the same topic each apply an event once.
+	ConsumerGroup string
+
+	// Table names the processed_event table. Defaults to public.processed_event.
+	Table deduplicator.TableConfig
+
+	// EventIDFunc extracts the event id. Defaults to [DefaultEventIDFunc]
+	// (metadata "event_id", then JSON payload field "eventId").
+	EventIDFunc EventIDFunc
+
+	// AllowNonV7 accepts valid UUIDs of any version. Defaults to false: a
+	// non-v7 id is refused with ErrNotUUIDv7. Non-v7 ids cannot be checked
+	// for staleness and cannot be stored in a partitioned processed_event.
+	AllowNonV7 bool
+
+	// TxOptions for the per-message transaction. Defaults to the zero value:
+	// the server's default isolation (READ COMMITTED). Under REPEATABLE READ
+	// or SERIALIZABLE a concurrent duplicate fails with SQLSTATE 40001; the
+	// middleware returns it as an ordinary (retryable) error.
+	TxOptions pgx.TxOptions
+
+	// Outbox, when set, receives the messages a handler returns, in the
+	// message's transaction, and the router gets none back. Defaults to nil:
+	// returned messages go to the router's publisher after COMMIT, which is
+	// at-least-once (a crash between COMMIT and publish loses them, and a
+	// redelivered duplicate does not produce them again).
+	Outbox OutboxWriter
+
+	// Retention is how long the dedup table keeps rows (match the cleaner's).
+	// Defaults to [DefaultRetention] (7 days).
+	Retention time.Duration
+
+	// StaleMargin is subtracted from Retention when deciding that an event is
+	// stale. Defaults to [DefaultStaleMargin] (1 hour).
+	StaleMargin time.Duration
+
+	// ProcessStaleEvents processes events older than Retention-StaleMargin
+	// instead of refusing them with ErrStaleEvent. Defaults to false.
+	ProcessStaleEvents bool
+
+	// ReplayHorizon is how far back this consumer may be replayed (offset
+	// reset, DLQ replay). When it exceeds Retention-StaleMargin, New logs a
+	// warning. Defaults to 0 (no check).
+	ReplayHorizon time.Duration
+
+	// NowFunc returns the current time. Defaults to time.Now.
+	NowFunc func() time.Time
+}
+
+func (c *Config) setDefaults() {
+	if c.EventIDFunc == nil {
+		c.EventIDFunc = DefaultEventIDFunc
+	}
+	if c.Retention == 0 {
+		c.Retention = DefaultRetention
+	}
+	if c.StaleMargin == 0 {
+		c.StaleMargin = DefaultStaleMargin
+	}
+	if c.NowFunc == nil {
+		c.NowFunc = time.Now
+	}
+}
+
+// Validate reports the first invalid field.
+func (c Config) Validate() error {
+	if c.DB == nil {
+		return errors.New("DB: required")
+	}
+	if c.ConsumerGroup == "" {
+		return errors.New("ConsumerGroup: required (the dedup key is event id + consumer group; use the Kafka consumer group)")
+	}
+	if c.Retention < 0 {
+		return errors.New("Retention: must not be negative")
+	}
+	if c.StaleMargin < 0 || c.StaleMargin >= c.Retention {
+		return fmt.Errorf("StaleMargin: %s must be in [0, Retention=%s)", c.StaleMargin, c.Retention)
+	}
+	return nil
+}

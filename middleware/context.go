@@ -1,0 +1,50 @@
+package middleware
+
+import (
+	"context"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+)
+
+// TxFromContext returns the transaction the dedup middleware opened for the
+// message being handled. Run every business write of the handler on it: it
+// commits together with the event's claim.
+func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
+	v := idemctx.From(ctx)
+	if v == nil || v.Tx == nil {
+		return nil, false
+	}
+	return v.Tx, true
+}
+
+// MustTxFromContext is [TxFromContext] for handlers that cannot work without
+// the transaction. It panics when ctx has none.
+func MustTxFromContext(ctx context.Context) pgx.Tx {
+	tx, ok := TxFromContext(ctx)
+	if !ok {
+		panic("watermill-idempotency: no transaction in context; is the handler wrapped by the dedup middleware, and is it using msg.Context()?")
+	}
+	return tx
+}
+
+// EventIDFromContext returns the validated event id of the message being
+// handled.
+func EventIDFromContext(ctx context.Context) (uuid.UUID, bool) {
+	v := idemctx.From(ctx)
+	if v == nil {
+		return uuid.Nil, false
+	}
+	return v.EventID, true
+}
+
+// ConsumerGroupFromContext returns the consumer group the middleware claims for.
+func ConsumerGroupFromContext(ctx context.Context) (string, bool) {
+	v := idemctx.From(ctx)
+	if v == nil {
+		return "", false
+	}
+	return v.ConsumerGroup, true
+}

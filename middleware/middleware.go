@@ -1,0 +1,166 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/eventid"
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+)
+
+// Dedup is the transactional dedup middleware. Create it with [NewDedup] and
+// add [Dedup.Middleware] to a handler or router.
+type Dedup struct {
+	cfg    Config
+	dedup  *deduplicator.Deduplicator
+	logger watermill.LoggerAdapter
+	begin  func(ctx context.Context) (pgx.Tx, error)
+}
+
+// NewDedup validates cfg and returns the middleware. It does not touch the
+// database: run deduplicator.Migrate at start-up.
+func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	dd, err := deduplicator.New(deduplicator.Config{TableConfig: cfg.Table, ConsumerGroup: cfg.ConsumerGroup}, logger)
+	if err != nil {
+		return nil, fmt.Errorf("invalid config: Table: %w", err)
+	}
+	d := &Dedup{cfg: cfg, dedup: dd, logger: logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup})}
+	d.begin = cfg.DB.Begin
+	if b, ok := cfg.DB.(txOptionsBeginner); ok && cfg.TxOptions != (pgx.TxOptions{}) {
+		d.begin = func(ctx context.Context) (pgx.Tx, error) { return b.BeginTx(ctx, cfg.TxOptions) }
+	}
+	if h := cfg.ReplayHorizon; h > 0 && h > cfg.Retention-cfg.StaleMargin {
+		d.logger.Info("Dedup retention is shorter than the replay horizon: events replayed from further back will be refused as stale (ErrStaleEvent)", watermill.LogFields{
+			"retention": cfg.Retention.String(), "stale_margin": cfg.StaleMargin.String(), "replay_horizon": h.String(),
+		})
+	}
+	return d, nil
+}
+
+// Deduplicator returns the store the middleware claims in.
+func (d *Dedup) Deduplicator() *deduplicator.Deduplicator { return d.dedup }
+
+// Middleware wraps h so that each message is applied at most once per
+// consumer group, atomically with the handler's writes:
+//
+//  1. extract and validate the event id (a refusal is a permanent error);
+//  2. BEGIN; INSERT the claim ON CONFLICT DO NOTHING;
+//  3. duplicate: ROLLBACK and return nil (the message is acked, h not run);
+//  4. first: run h with the transaction in msg.Context();
+//  5. h returned an error or panicked: ROLLBACK and propagate it (nack);
+//  6. messages h returned go to [Config.Outbox] in the same transaction;
+//  7. COMMIT; only then does the router ack and the offset advance.
+//
+// The message's original context is restored when Middleware returns. Put
+// watermill's Retry middleware outside (before) this one, so every attempt
+// gets a fresh transaction.
+func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) (produced []*message.Message, err error) {
+		id, err := d.eventID(msg)
+		if err != nil {
+			d.logger.Error("Refusing message: unusable event id", err, watermill.LogFields{"message_uuid": msg.UUID})
+			return nil, err
+		}
+
+		origCtx := msg.Context()
+		defer msg.SetContext(origCtx)
+		fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
+
+		start := time.Now()
+		tx, err := d.begin(origCtx)
+		if err != nil {
+			return nil, fmt.Errorf("dedup: begin: %w", err)
+		}
+		done := false
+		defer func() {
+			if !done { // error, duplicate or panic
+				d.rollback(origCtx, tx, fields)
+			}
+		}()
+
+		first, err := d.dedup.Claim(origCtx, tx, id)
+		if err != nil {
+			return nil, fmt.Errorf("dedup: %w", err)
+		}
+		if !first {
+			d.logger.Debug("Duplicate event skipped", fields)
+			return nil, nil
+		}
+
+		msg.SetContext(idemctx.With(origCtx, &idemctx.Value{
+			Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup,
+			CorrelationID: msg.Metadata.Get(eventid.MetadataCorrelationID),
+		}))
+		produced, err = h(msg)
+		if err != nil {
+			return nil, err
+		}
+		if len(produced) > 0 && d.cfg.Outbox != nil {
+			topic := message.PublishTopicFromCtx(origCtx)
+			if topic == "" {
+				return nil, errors.New("dedup: handler returned messages but has no publish topic (add it with router.AddHandler)")
+			}
+			if err := d.cfg.Outbox.PublishInTx(msg.Context(), tx, topic, produced...); err != nil {
+				return nil, fmt.Errorf("dedup: write returned messages to outbox: %w", err)
+			}
+			produced = nil
+		}
+		if err := tx.Commit(origCtx); err != nil {
+			// The outcome is unknown (the COMMIT may have reached the server).
+			// Returning the error nacks the message; the redelivery's claim
+			// tells which way it went.
+			return nil, fmt.Errorf("dedup: commit: %w", err)
+		}
+		done = true
+		d.logger.Trace("Event processed", fields.Add(watermill.LogFields{"tx_duration": time.Since(start).String()}))
+		return produced, nil
+	}
+}
+
+func (d *Dedup) rollback(ctx context.Context, tx pgx.Tx, fields watermill.LogFields) {
+	err := tx.Rollback(context.WithoutCancel(ctx))
+	if err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+		d.logger.Error("Rollback failed", err, fields)
+	}
+}
+
+// eventID extracts and validates the message's id, including the stale guard.
+func (d *Dedup) eventID(msg *message.Message) (uuid.UUID, error) {
+	id, err := d.cfg.EventIDFunc(msg)
+	if err != nil {
+		var ee *EventIDError
+		if !errors.As(err, &ee) && !IsPermanent(err) {
+			// A custom EventIDFunc's own error: keep it, but make it routable.
+			err = &EventIDError{Reason: ErrInvalidEventID, Source: "func", Detail: err.Error()}
+		}
+		return uuid.Nil, err
+	}
+	if err := eventid.Validate(id, d.cfg.AllowNonV7); err != nil {
+		return uuid.Nil, &EventIDError{Reason: err, Value: id.String()}
+	}
+	if id.Version() == 7 && !d.cfg.ProcessStaleEvents {
+		sec, nsec := id.Time().UnixTime()
+		created := time.Unix(sec, nsec)
+		limit := d.cfg.NowFunc().Add(-(d.cfg.Retention - d.cfg.StaleMargin))
+		if created.Before(limit) {
+			return uuid.Nil, &EventIDError{Reason: ErrStaleEvent, Value: id.String(),
+				Detail: fmt.Sprintf("created %s, before %s (retention %s minus margin %s)", created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), d.cfg.Retention, d.cfg.StaleMargin)}
+		}
+	}
+	return id, nil
+}
