@@ -1,0 +1,50 @@
+# watermill-idempotency: effectively-once Watermill consumers on Kafka + PostgreSQL.
+# Tests and the demo need PostgreSQL (DATABASE_URL, default postgres://postgres@127.0.0.1:5432/test)
+# and run their own in-process Kafka-protocol broker unless KAFKA_BROKERS is set.
+
+GO            ?= go
+STATICCHECK   := honnef.co/go/tools/cmd/staticcheck@v0.7.0
+TEST_FLAGS    ?= -race -count=1 -timeout 10m
+PKGS          := ./...
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_\/-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+.PHONY: test
+test: ## Run every test (real Postgres + in-process Kafka broker), with -race
+	$(GO) test $(TEST_FLAGS) $(PKGS)
+
+.PHONY: test/short
+test/short: ## Run the fast tests only (-short), without -race
+	$(GO) test -short -count=1 $(PKGS)
+
+.PHONY: lint
+lint: ## gofmt, go vet, staticcheck
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet $(PKGS)
+	$(GO) run $(STATICCHECK) $(PKGS)
+
+.PHONY: bench
+bench: ## Benchmarks as ratios against same-run baselines; writes docs/benchmarks.md
+	$(GO) run ./internal/cmd/bench -out docs/benchmarks.md
+
+.PHONY: bench/short
+bench/short: ## A quick benchmark pass (CI smoke), prints the table only
+	$(GO) run ./internal/cmd/bench -short
+
+.PHONY: demo
+demo: ## Run the demo end to end on local Postgres and an in-process Kafka broker
+	$(GO) run ./examples/quickstart
+
+.PHONY: soak
+soak: ## Long chaos soak: 20,000 events with every fault type
+	$(GO) run ./internal/cmd/soak
+
+.PHONY: db/reset
+db/reset: ## Drop the test schemas left behind by interrupted test runs
+	psql "$${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}" -v ON_ERROR_STOP=1 -qAt \
+	  -c "SELECT 'DROP SCHEMA ' || quote_ident(nspname) || ' CASCADE;' FROM pg_namespace WHERE nspname LIKE 't\_%'" \
+	  | psql "$${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}" -v ON_ERROR_STOP=1 -q

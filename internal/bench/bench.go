@@ -1,0 +1,122 @@
+// Package bench holds the benchmark sections that `make bench` runs. Every
+// figure is a ratio against a baseline measured in the same process, the two
+// alternated over several rounds, with the median and min–max reported: the
+// machine is shared and noisy, so absolute numbers mean little.
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+)
+
+// Options are passed to every section.
+type Options struct {
+	// Short asks for a quick pass (CI smoke): fewer rounds, smaller sizes.
+	Short bool
+	// Rounds of baseline/subject alternation. Sections may scale it.
+	Rounds int
+	// DatabaseURL of the PostgreSQL server; sections create their own schema.
+	DatabaseURL string
+	// Brokers of a real Kafka cluster; nil means an in-process kfake broker.
+	Brokers []string
+	// Log receives progress lines.
+	Log io.Writer
+}
+
+// Logf writes a progress line.
+func (o Options) Logf(format string, args ...any) {
+	if o.Log != nil {
+		fmt.Fprintf(o.Log, format+"\n", args...)
+	}
+}
+
+// Section is one block of docs/benchmarks.md.
+type Section struct {
+	Title string
+	// Markdown is the body: usually a table plus a sentence on method.
+	Markdown string
+}
+
+// Func runs one benchmark section.
+type Func func(ctx context.Context, o Options) (Section, error)
+
+// Registered is a named section, in the order they are run.
+type Registered struct {
+	Name string
+	Run  Func
+}
+
+// Sections lists every section; each benchmark file adds itself in init.
+var Sections []Registered
+
+// Register adds a section. Call it from init.
+func Register(name string, f Func) { Sections = append(Sections, Registered{name, f}) }
+
+// Stats summarises repeated measurements.
+type Stats struct{ Median, Min, Max float64 }
+
+// Summarise returns the median, min and max of xs.
+func Summarise(xs []float64) Stats {
+	if len(xs) == 0 {
+		return Stats{}
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	n := len(s)
+	med := s[n/2]
+	if n%2 == 0 {
+		med = (s[n/2-1] + s[n/2]) / 2
+	}
+	return Stats{Median: med, Min: s[0], Max: s[n-1]}
+}
+
+func (s Stats) String() string {
+	return fmt.Sprintf("%.2f (%.2f–%.2f)", s.Median, s.Min, s.Max)
+}
+
+// Alternate runs baseline and subject alternately for rounds rounds (the
+// order flips each round to cancel drift) and returns, per round, the
+// measurements and subject/baseline ratios. Each func returns a rate (higher
+// is better), e.g. messages per second.
+func Alternate(rounds int, baseline, subject func() (float64, error)) (base, subj, ratios []float64, err error) {
+	for i := 0; i < rounds; i++ {
+		var b, s float64
+		if i%2 == 0 {
+			if b, err = baseline(); err != nil {
+				return
+			}
+			if s, err = subject(); err != nil {
+				return
+			}
+		} else {
+			if s, err = subject(); err != nil {
+				return
+			}
+			if b, err = baseline(); err != nil {
+				return
+			}
+		}
+		base, subj = append(base, b), append(subj, s)
+		if b > 0 {
+			ratios = append(ratios, s/b)
+		}
+	}
+	return
+}
+
+// Table renders a markdown table.
+func Table(header []string, rows [][]string) string {
+	var b strings.Builder
+	b.WriteString("| " + strings.Join(header, " | ") + " |\n|")
+	for range header {
+		b.WriteString("---|")
+	}
+	b.WriteString("\n")
+	for _, r := range rows {
+		b.WriteString("| " + strings.Join(r, " | ") + " |\n")
+	}
+	return b.String()
+}
