@@ -1,0 +1,32 @@
+// Package publisher is the producer half of the event-id contract: it stamps
+// every outgoing event with a UUIDv7 event id and the metadata consumers rely
+// on, and it builds Kafka (Sarama / watermill-kafka) configs that produce and
+// consume safely.
+//
+// # Stamping
+//
+// [Stamp] applies the rule: keep a valid event_id; else reuse msg.UUID when it
+// is a UUIDv7; else generate a new UUIDv7 ([NewEventID]). It never overwrites
+// the caller's msg.UUID and never replaces an existing invalid event_id (that
+// is a *[StampError], permanent for the middleware). It also writes
+// occurred_at (RFC 3339) and, inside a handler wrapped by the dedup
+// middleware, causation_id (the incoming event id) and correlation_id
+// (carried through the chain). [WithPartitionKey] sets the aggregate id that
+// becomes the Kafka record key.
+//
+//	msg := message.NewMessage(watermill.NewUUID(), payload)
+//	publisher.WithPartitionKey(msg, orderID)
+//	id, err := publisher.Stamp(ctx, msg)
+//
+// [NewStampingPublisher] wraps any message.Publisher so that everything it
+// publishes is stamped. The outbox package stamps on its own.
+//
+// # Kafka
+//
+// [NewKafkaPublisherConfig] and [NewKafkaSubscriberConfig] return
+// watermill-kafka configs with the idempotent producer (acks=all,
+// MaxOpenRequests=1), a [Marshaler] that keys records by partition_key, and a
+// consumer that starts at the oldest offset. [SaramaProducerConfig] gives the
+// same producer settings for a raw Sarama producer, as the outbox forwarder
+// uses.
+package publisher
