@@ -1,0 +1,22 @@
+// Package idemtest helps users of watermill-idempotency test their own
+// handlers, in the spirit of River's rivertest: assertions against the real
+// database and a transactional redelivery runner.
+//
+//   - [RequireProcessed] and [RequireNotProcessed] assert that an event has
+//     (or has not) been applied by a consumer group, that is, that its claim
+//     committed in the processed_event table;
+//   - [RunWithRedelivery] delivers one message several times, sequentially and
+//     concurrently, through the dedup middleware (Watermill's Duplicator idea,
+//     but transactional), optionally rolling back the first run after the
+//     handler returned, and fails the test unless exactly one run committed.
+//     Assert your own business rows afterwards: a handler that writes outside
+//     the middleware's transaction (the pool instead of
+//     middleware.MustTxFromContext) shows up as a second effect.
+//
+// Every helper takes a testing.TB and fails it with Fatalf, like testify's
+// require.
+//
+//	res := idemtest.RunWithRedelivery(ctx, t, dedup, handler, msg, &idemtest.RedeliveryOpts{Deliveries: 5, RollbackFirst: true})
+//	idemtest.RequireProcessed(ctx, t, pool, deduplicator.TableConfig{}, "billing", res.EventID)
+//	// then: SELECT count(*) FROM payment WHERE event_id = $1  -> 1
+package idemtest

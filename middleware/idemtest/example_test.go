@@ -1,0 +1,94 @@
+package idemtest_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/middleware/idemtest"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// exampleTB stands in for the *testing.T your test would pass.
+type exampleTB struct{ testing.TB }
+
+func (exampleTB) Helper()                   {}
+func (exampleTB) Fatalf(f string, a ...any) { panic(fmt.Sprintf(f, a...)) }
+
+// exampleDB creates a throw-away schema with the processed_event table and a
+// ledger table; drop() removes it.
+func exampleDB(ctx context.Context) (pool *pgxpool.Pool, table deduplicator.TableConfig, drop func()) {
+	schema := pgtest.SchemaName("example_idemtest")
+	admin, err := pgx.Connect(ctx, pgtest.URL())
+	if err != nil {
+		panic(err)
+	}
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
+		panic(err)
+	}
+	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	if err != nil {
+		panic(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pool, err = pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		panic(err)
+	}
+	table = deduplicator.TableConfig{Schema: schema}
+	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+		panic(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE ledger (event_id uuid NOT NULL, amount int NOT NULL)`); err != nil {
+		panic(err)
+	}
+	return pool, table, func() {
+		pool.Close()
+		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
+		_ = admin.Close(ctx)
+	}
+}
+
+// Deliver one event five times (two at a time), rolling the first run back
+// after the handler returned, then assert: processed once by "billing", and
+// exactly one ledger row.
+func ExampleRunWithRedelivery() {
+	ctx := context.Background()
+	t := exampleTB{} // in a test: t *testing.T
+	pool, table, drop := exampleDB(ctx)
+	defer drop()
+
+	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "billing", Table: table}, nil)
+	if err != nil {
+		panic(err)
+	}
+	handler := func(msg *message.Message) ([]*message.Message, error) {
+		tx := idem.MustTxFromContext(msg.Context()) // business writes go in the claim's tx
+		id, _ := idem.EventIDFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO ledger VALUES ($1, 10)`, id)
+		return nil, err
+	}
+
+	id := publisher.NewEventID()
+	msg := message.NewMessage(id.String(), []byte(`{"amount":10}`))
+	msg.Metadata.Set(publisher.MetadataEventID, id.String())
+
+	res := idemtest.RunWithRedelivery(ctx, t, dedup, handler, msg,
+		&idemtest.RedeliveryOpts{Deliveries: 5, Concurrency: 2, RollbackFirst: true})
+	idemtest.RequireProcessed(ctx, t, pool, table, "billing", id)
+	idemtest.RequireNotProcessed(ctx, t, pool, table, "shipping", id)
+
+	var rows int
+	_ = pool.QueryRow(ctx, `SELECT count(*) FROM ledger`).Scan(&rows)
+	fmt.Printf("deliveries=%d runs=%d committed=%d rolled back=%d duplicates=%d ledger rows=%d\n",
+		res.Deliveries, res.HandlerRuns, res.Committed, res.InjectedRollbacks, res.Duplicates, rows)
+	// Output:
+	// deliveries=7 runs=2 committed=1 rolled back=1 duplicates=5 ledger rows=1
+}

@@ -1,0 +1,217 @@
+package idemtest
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+)
+
+// DB runs the helpers' queries: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+type DB = deduplicator.DBTX
+
+// RequireProcessed fails tb unless eventID has a committed claim for group in
+// the processed_event table named by table (zero value: public.processed_event),
+// i.e. the event was applied by that group. The primary key makes "once"
+// implicit: there can be at most one row per (event, group).
+func RequireProcessed(ctx context.Context, tb testing.TB, db DB, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+	tb.Helper()
+	if !processed(ctx, tb, db, table, group, eventID) {
+		tb.Fatalf("idemtest: event %s was not processed by consumer group %q (no committed row in the processed_event table)", eventID, group)
+	}
+}
+
+// RequireNotProcessed fails tb if eventID has a committed claim for group.
+func RequireNotProcessed(ctx context.Context, tb testing.TB, db DB, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+	tb.Helper()
+	if processed(ctx, tb, db, table, group, eventID) {
+		tb.Fatalf("idemtest: event %s was processed by consumer group %q, expected it not to be", eventID, group)
+	}
+}
+
+func processed(ctx context.Context, tb testing.TB, db DB, table deduplicator.TableConfig, group string, eventID uuid.UUID) bool {
+	tb.Helper()
+	d, err := deduplicator.New(deduplicator.Config{TableConfig: table, ConsumerGroup: group}, nil)
+	if err != nil {
+		tb.Fatalf("idemtest: %v", err)
+	}
+	ok, err := d.IsProcessed(ctx, db, eventID)
+	if err != nil {
+		tb.Fatalf("idemtest: %v", err)
+	}
+	return ok
+}
+
+// Default values of [RedeliveryOpts].
+const (
+	DefaultDeliveries  = 4
+	DefaultConcurrency = 2
+)
+
+// RedeliveryOpts tunes [RunWithRedelivery]. A nil *RedeliveryOpts uses the
+// defaults.
+type RedeliveryOpts struct {
+	// Deliveries is how many times the message is delivered in total.
+	// Defaults to [DefaultDeliveries].
+	Deliveries int
+
+	// Concurrency is how many deliveries race at the same time; deliveries
+	// run in waves of this size (the last one may be smaller). 1 delivers
+	// sequentially. Defaults to [DefaultConcurrency]. The dedup middleware's
+	// DB must allow that many connections.
+	Concurrency int
+
+	// RollbackFirst makes the first run of the handler fail right after it
+	// returned successfully, so its transaction rolls back: a crash after the
+	// business writes and before COMMIT. The message is then redelivered
+	// (one extra delivery). Writes the handler made outside the middleware's
+	// transaction survive the rollback and show up as a second effect.
+	// Defaults to false.
+	RollbackFirst bool
+}
+
+func (o *RedeliveryOpts) withDefaults() RedeliveryOpts {
+	var r RedeliveryOpts
+	if o != nil {
+		r = *o
+	}
+	if r.Deliveries <= 0 {
+		r.Deliveries = DefaultDeliveries
+	}
+	if r.Concurrency <= 0 {
+		r.Concurrency = DefaultConcurrency
+	}
+	return r
+}
+
+// RedeliveryResult reports what [RunWithRedelivery] observed.
+type RedeliveryResult struct {
+	// EventID is the event id the middleware extracted.
+	EventID uuid.UUID
+	// Deliveries is the number of times the message was delivered,
+	// including the redelivery after an injected rollback.
+	Deliveries int
+	// HandlerRuns counts the handler's invocations (including rolled-back ones).
+	HandlerRuns int
+	// Committed counts runs whose transaction committed: always 1 when the
+	// helper returns.
+	Committed int
+	// Duplicates counts deliveries the middleware acknowledged without
+	// running the handler.
+	Duplicates int
+	// InjectedRollbacks counts runs rolled back on purpose (RollbackFirst).
+	InjectedRollbacks int
+}
+
+// ErrInjectedRollback is the error [RunWithRedelivery] returns from the first
+// handler run when RedeliveryOpts.RollbackFirst is set.
+var ErrInjectedRollback = errors.New("idemtest: injected failure after the handler returned (transaction rolled back)")
+
+// RunWithRedelivery delivers copies of msg to h wrapped by dedup's middleware
+// opts.Deliveries times, in concurrent waves, each copy with ctx as its
+// context, and fails tb unless:
+//   - every delivery was acknowledged (the middleware returned nil), apart
+//     from the injected rollback;
+//   - the handler's work committed exactly once, the other deliveries being
+//     absorbed as duplicates;
+//   - the event is then recorded as processed for dedup's consumer group.
+//
+// Handler errors fail the test: RunWithRedelivery is for the happy path under
+// duplicates. Check your business rows afterwards (exactly one effect).
+func RunWithRedelivery(ctx context.Context, tb testing.TB, dedup *idem.Dedup, h message.HandlerFunc, msg *message.Message, opts *RedeliveryOpts) RedeliveryResult {
+	tb.Helper()
+	o := opts.withDefaults()
+	if dedup == nil || h == nil || msg == nil {
+		tb.Fatalf("idemtest: RunWithRedelivery needs a dedup middleware, a handler and a message")
+	}
+
+	var runs, committed, injected atomic.Int64
+	var eventID atomic.Value
+	var injectOnce atomic.Bool
+	injectOnce.Store(o.RollbackFirst)
+	counting := func(m *message.Message) ([]*message.Message, error) {
+		runs.Add(1)
+		out, err := h(m)
+		if err != nil {
+			return nil, err
+		}
+		if injectOnce.CompareAndSwap(true, false) {
+			injected.Add(1)
+			return nil, ErrInjectedRollback
+		}
+		// Counted before COMMIT; a failed COMMIT returns an error below and
+		// fails the test anyway.
+		committed.Add(1)
+		if id, ok := idem.EventIDFromContext(m.Context()); ok {
+			eventID.Store(id)
+		}
+		return out, nil
+	}
+	wrapped := dedup.Middleware(counting)
+
+	deliveries := o.Deliveries
+	if o.RollbackFirst {
+		deliveries++
+	}
+	var (
+		mu   sync.Mutex
+		errs []error
+	)
+	for done := 0; done < deliveries; {
+		wave := min(o.Concurrency, deliveries-done)
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for range wave {
+			wg.Go(func() {
+				m := msg.Copy()
+				m.SetContext(ctx)
+				<-start
+				_, err := wrapped(m)
+				if err != nil && !errors.Is(err, ErrInjectedRollback) {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+		done += wave
+	}
+	if len(errs) > 0 {
+		tb.Fatalf("idemtest: %d of %d deliveries failed: %v", len(errs), deliveries, errors.Join(errs...))
+	}
+	res := RedeliveryResult{
+		Deliveries:        deliveries,
+		HandlerRuns:       int(runs.Load()),
+		Committed:         int(committed.Load()),
+		InjectedRollbacks: int(injected.Load()),
+	}
+	res.Duplicates = res.Deliveries - res.HandlerRuns
+	if res.Committed != 1 {
+		tb.Fatalf("idemtest: the handler committed %d times over %d deliveries, want exactly 1 (runs %d, injected rollbacks %d)",
+			res.Committed, res.Deliveries, res.HandlerRuns, res.InjectedRollbacks)
+	}
+	res.EventID, _ = eventID.Load().(uuid.UUID)
+
+	// One more delivery proves the claim is committed: it must be skipped.
+	m := msg.Copy()
+	m.SetContext(ctx)
+	before := runs.Load()
+	if _, err := wrapped(m); err != nil {
+		tb.Fatalf("idemtest: delivery after the commit failed: %v", err)
+	}
+	if runs.Load() != before {
+		tb.Fatalf("idemtest: a delivery after the commit ran the handler again: the claim of event %s is not committed", res.EventID)
+	}
+	res.Deliveries++
+	res.Duplicates++
+	return res
+}

@@ -1,0 +1,160 @@
+package idemtest_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/middleware/idemtest"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+func setup(t *testing.T, group string) (*pgtest.DB, deduplicator.TableConfig, *idem.Dedup) {
+	t.Helper()
+	db := pgtest.New(t, 10)
+	table := deduplicator.TableConfig{Schema: db.Schema}
+	require.NoError(t, deduplicator.Migrate(context.Background(), db.Pool, table))
+	db.Exec(t, `CREATE TABLE ledger (event_id uuid NOT NULL, amount int NOT NULL)`)
+	dedup, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: group, Table: table}, nil)
+	require.NoError(t, err)
+	return db, table, dedup
+}
+
+func newMsg(id uuid.UUID) *message.Message {
+	m := message.NewMessage(id.String(), []byte(`{"amount":7}`))
+	m.Metadata.Set(publisher.MetadataEventID, id.String())
+	return m
+}
+
+// txHandler writes its effect in the middleware's transaction (correct).
+func txHandler(msg *message.Message) ([]*message.Message, error) {
+	id, _ := idem.EventIDFromContext(msg.Context())
+	_, err := idem.MustTxFromContext(msg.Context()).Exec(msg.Context(), `INSERT INTO ledger VALUES ($1, 7)`, id)
+	return nil, err
+}
+
+// failTB records Fatalf instead of stopping the real test.
+type failTB struct {
+	testing.TB
+	failed string
+}
+
+type fatal struct{}
+
+func (f *failTB) Helper() {}
+func (f *failTB) Fatalf(format string, args ...any) {
+	f.failed = fmt.Sprintf(format, args...)
+	panic(fatal{})
+}
+
+// expectFatal runs fn with a recording TB and returns the failure message.
+func expectFatal(t *testing.T, fn func(tb testing.TB)) string {
+	t.Helper()
+	tb := &failTB{TB: t}
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				if _, ok := r.(fatal); !ok {
+					panic(r)
+				}
+			}
+		}()
+		fn(tb)
+	}()
+	require.NotEmpty(t, tb.failed, "expected the helper to fail the test")
+	return tb.failed
+}
+
+func TestRunWithRedelivery(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		opts *idemtest.RedeliveryOpts
+		runs int
+	}{
+		{"defaults", nil, 1},
+		{"sequential", &idemtest.RedeliveryOpts{Deliveries: 3, Concurrency: 1}, 1},
+		{"concurrent", &idemtest.RedeliveryOpts{Deliveries: 8, Concurrency: 8}, 1},
+		{"rollback first", &idemtest.RedeliveryOpts{Deliveries: 4, Concurrency: 2, RollbackFirst: true}, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db, table, dedup := setup(t, "billing")
+			id := publisher.NewEventID()
+			res := idemtest.RunWithRedelivery(ctx, t, dedup, txHandler, newMsg(id), tc.opts)
+			require.Equal(t, id, res.EventID)
+			require.Equal(t, 1, res.Committed)
+			require.Equal(t, tc.runs, res.HandlerRuns)
+			require.Equal(t, res.Deliveries-res.HandlerRuns, res.Duplicates)
+			require.Equal(t, 1, db.Count(t, `SELECT 1 FROM ledger WHERE event_id = $1`, id))
+			idemtest.RequireProcessed(ctx, t, db.Pool, table, "billing", id)
+			idemtest.RequireNotProcessed(ctx, t, db.Pool, table, "shipping", id)
+		})
+	}
+}
+
+// A handler that writes through the pool instead of the middleware's
+// transaction keeps its effect after the injected rollback: the runner
+// exposes it as a second ledger row.
+func TestRunWithRedeliveryExposesWritesOutsideTheTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, _, dedup := setup(t, "billing")
+	wrong := func(msg *message.Message) ([]*message.Message, error) {
+		id, _ := idem.EventIDFromContext(msg.Context())
+		_, err := db.Pool.Exec(msg.Context(), `INSERT INTO ledger VALUES ($1, 7)`, id)
+		return nil, err
+	}
+	id := publisher.NewEventID()
+	res := idemtest.RunWithRedelivery(ctx, t, dedup, wrong, newMsg(id), &idemtest.RedeliveryOpts{RollbackFirst: true})
+	require.Equal(t, 1, res.InjectedRollbacks)
+	require.Equal(t, 2, db.Count(t, `SELECT 1 FROM ledger WHERE event_id = $1`, id), "the non-transactional write survived the rollback")
+}
+
+func TestRunWithRedeliveryFailsOnHandlerError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, _, dedup := setup(t, "billing")
+	failing := func(*message.Message) ([]*message.Message, error) { return nil, fmt.Errorf("boom") }
+	msg := expectFatal(t, func(tb testing.TB) {
+		idemtest.RunWithRedelivery(ctx, tb, dedup, failing, newMsg(publisher.NewEventID()), nil)
+	})
+	require.Contains(t, msg, "boom")
+}
+
+func TestRunWithRedeliveryFailsOnBadEventID(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, _, dedup := setup(t, "billing")
+	bad := message.NewMessage("x", []byte(`{}`))
+	msg := expectFatal(t, func(tb testing.TB) {
+		idemtest.RunWithRedelivery(ctx, tb, dedup, txHandler, bad, nil)
+	})
+	require.Contains(t, msg, "event id missing")
+}
+
+func TestRequireProcessedFails(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, table, dedup := setup(t, "billing")
+	id := publisher.NewEventID()
+	msg := expectFatal(t, func(tb testing.TB) { idemtest.RequireProcessed(ctx, tb, db.Pool, table, "billing", id) })
+	require.Contains(t, msg, "was not processed")
+
+	idemtest.RunWithRedelivery(ctx, t, dedup, txHandler, newMsg(id), nil)
+	msg = expectFatal(t, func(tb testing.TB) { idemtest.RequireNotProcessed(ctx, tb, db.Pool, table, "billing", id) })
+	require.Contains(t, msg, "expected it not to be")
+
+	msg = expectFatal(t, func(tb testing.TB) {
+		idemtest.RequireProcessed(ctx, tb, db.Pool, deduplicator.TableConfig{Schema: "x; DROP TABLE y"}, "billing", id)
+	})
+	require.Contains(t, msg, "not a plain identifier")
+}
