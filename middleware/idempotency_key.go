@@ -1,0 +1,68 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+
+	"github.com/google/uuid"
+
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+)
+
+// IdempotencyKeyNamespace is the UUIDv5 namespace of the keys [IdempotencyKey]
+// derives for named operations. It is fixed forever: changing it would give
+// every redelivered event a new key, and the downstream provider would apply
+// the call a second time.
+const IdempotencyKeyNamespace = "143bda33-98c2-4c97-9cde-adc9f5df8776"
+
+var idempotencyKeyNamespace = uuid.MustParse(IdempotencyKeyNamespace)
+
+// ErrNoEventInContext is returned by [IdempotencyKey] and by the
+// [IdempotencyKeyTransport] when the context does not come from the dedup
+// middleware (no event id to derive a key from). Use msg.Context() of the
+// handled message, or a context derived from it.
+var ErrNoEventInContext = errors.New("watermill-idempotency: no event in context (is the call made from a handler wrapped by the dedup middleware, with msg.Context()?)")
+
+// IdempotencyKey returns the Idempotency-Key for a downstream call made while
+// handling the event in ctx (msg.Context() inside a handler wrapped by the
+// dedup middleware). The same event always yields the same key, so a call
+// repeated after a rollback and redelivery is recognised by the provider:
+//
+//   - operation "": the event id itself (canonical lowercase UUID string);
+//   - a named operation: a UUIDv5 in [IdempotencyKeyNamespace] over the
+//     name "<event id>/<len(group)>:<group>/<operation>", e.g.
+//     "0190...-...-.../23:billing-order-confirmed/charge". Two calls made for
+//     one event (charge, then refund-fee) or two consumer groups calling the
+//     same provider for one event then never share a key.
+//
+// Use a named operation whenever one event leads to more than one call to the
+// same provider, or more than one consumer group calls it. The key depends on
+// nothing else (not the time, not the attempt), so keep the operation name
+// stable across releases.
+//
+// It returns an error wrapping [ErrNoEventInContext] when ctx carries no event.
+func IdempotencyKey(ctx context.Context, operation string) (string, error) {
+	v := idemctx.From(ctx)
+	if v == nil || v.EventID == uuid.Nil {
+		return "", ErrNoEventInContext
+	}
+	if operation == "" {
+		return v.EventID.String(), nil
+	}
+	return idempotencyKeyFor(v.EventID, v.ConsumerGroup, operation), nil
+}
+
+func idempotencyKeyFor(eventID uuid.UUID, group, operation string) string {
+	var b strings.Builder
+	b.Grow(36 + 1 + 4 + len(group) + 1 + len(operation))
+	b.WriteString(eventID.String())
+	b.WriteByte('/')
+	b.WriteString(strconv.Itoa(len(group)))
+	b.WriteByte(':')
+	b.WriteString(group)
+	b.WriteByte('/')
+	b.WriteString(operation)
+	return uuid.NewSHA1(idempotencyKeyNamespace, []byte(b.String())).String()
+}
