@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/eventid"
@@ -23,6 +24,9 @@ type Dedup struct {
 	dedup  *deduplicator.Deduplicator
 	logger watermill.LoggerAdapter
 	begin  func(ctx context.Context) (pgx.Tx, error)
+	// send, when DB is a *pgxpool.Pool or a *pgx.Conn, sends BEGIN and the
+	// claim as one pipelined batch (one round trip instead of two).
+	send func(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
 // NewDedup validates cfg and returns the middleware. It does not touch the
@@ -44,6 +48,15 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	if b, ok := cfg.DB.(txOptionsBeginner); ok && cfg.TxOptions != (pgx.TxOptions{}) {
 		d.begin = func(ctx context.Context) (pgx.Tx, error) { return b.BeginTx(ctx, cfg.TxOptions) }
 	}
+	// Only the types known to return the transaction of a batch that begins
+	// one (pgx.Batch.BeginTx); a pgx.Tx (savepoints) and other Beginners take
+	// the two-statement path.
+	switch db := cfg.DB.(type) {
+	case *pgxpool.Pool:
+		d.send = db.SendBatch
+	case *pgx.Conn:
+		d.send = db.SendBatch
+	}
 	if h := cfg.ReplayHorizon; h > 0 && h > cfg.Retention-cfg.StaleMargin {
 		d.logger.Info("Dedup retention is shorter than the replay horizon: events replayed from further back will be refused as stale (ErrStaleEvent)", watermill.LogFields{
 			"retention": cfg.Retention.String(), "stale_margin": cfg.StaleMargin.String(), "replay_horizon": h.String(),
@@ -59,7 +72,7 @@ func (d *Dedup) Deduplicator() *deduplicator.Deduplicator { return d.dedup }
 // consumer group, atomically with the handler's writes:
 //
 //  1. extract and validate the event id (a refusal is a permanent error);
-//  2. BEGIN; INSERT the claim ON CONFLICT DO NOTHING;
+//  2. BEGIN; INSERT the claim ON CONFLICT DO NOTHING (one round trip);
 //  3. duplicate: ROLLBACK and return nil (the message is acked, h not run);
 //  4. first: run h with the transaction in msg.Context();
 //  5. h returned an error or panicked: ROLLBACK and propagate it (nack);
@@ -82,9 +95,9 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
 
 		start := time.Now()
-		tx, err := d.begin(origCtx)
-		if err != nil {
-			return nil, fmt.Errorf("dedup: begin: %w", err)
+		tx, first, err := d.beginClaim(origCtx, id)
+		if tx == nil {
+			return nil, err
 		}
 		done := false
 		defer func() {
@@ -92,10 +105,8 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				d.rollback(origCtx, tx, fields)
 			}
 		}()
-
-		first, err := d.dedup.Claim(origCtx, tx, id)
 		if err != nil {
-			return nil, fmt.Errorf("dedup: %w", err)
+			return nil, err
 		}
 		if !first {
 			d.logger.Debug("Duplicate event skipped", fields)
@@ -130,6 +141,44 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		d.logger.Trace("Event processed", fields.Add(watermill.LogFields{"tx_duration": time.Since(start).String()}))
 		return produced, nil
 	}
+}
+
+// beginClaim begins the message's transaction and claims id in it. With a
+// pool or a conn, BEGIN and the claim's INSERT ... ON CONFLICT DO NOTHING go
+// out as one pipelined batch: one round trip. A duplicate's claim inserts
+// nothing, so its transaction never gets a transaction id and its ROLLBACK
+// writes no WAL.
+//
+// A non-nil tx must be rolled back or committed by the caller, even with an
+// error (for a pool, that releases the connection); a nil tx comes with an
+// error and nothing to release.
+func (d *Dedup) beginClaim(ctx context.Context, id uuid.UUID) (tx pgx.Tx, first bool, err error) {
+	if d.send == nil {
+		if tx, err = d.begin(ctx); err != nil {
+			return nil, false, fmt.Errorf("dedup: begin: %w", err)
+		}
+		if first, err = d.dedup.Claim(ctx, tx, id); err != nil {
+			return tx, false, fmt.Errorf("dedup: %w", err)
+		}
+		return tx, first, nil
+	}
+	b := &pgx.Batch{}
+	b.BeginTx(d.cfg.TxOptions)
+	b.Queue(d.dedup.ClaimSQL(), id, d.cfg.ConsumerGroup)
+	br := d.send(ctx, b)
+	tx = br.Tx()
+	if _, err = br.Exec(); err != nil {
+		_ = br.Close()
+		return tx, false, fmt.Errorf("dedup: begin: %w", err)
+	}
+	tag, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return tx, false, fmt.Errorf("dedup: claim event %s: %w", id, err)
+	}
+	return tx, tag.RowsAffected() == 1, nil
 }
 
 func (d *Dedup) rollback(ctx context.Context, tx pgx.Tx, fields watermill.LogFields) {

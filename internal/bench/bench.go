@@ -6,10 +6,19 @@ package bench
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Options are passed to every section.
@@ -119,4 +128,97 @@ func Table(header []string, rows [][]string) string {
 		b.WriteString("| " + strings.Join(r, " | ") + " |\n")
 	}
 	return b.String()
+}
+
+// DB is a schema of its own on the benchmark server and a pool whose
+// search_path points at it.
+type DB struct {
+	Pool   *pgxpool.Pool
+	Schema string
+	url    string
+}
+
+// NewDB creates a fresh schema named after prefix and a pool bound to it with
+// at most maxConns connections. configure, if not nil, may adjust the pool
+// config (tracers, dialers, runtime parameters) before it is opened. Close
+// drops the schema.
+func NewDB(ctx context.Context, o Options, prefix string, maxConns int32, configure func(*pgxpool.Config)) (*DB, error) {
+	var rnd [4]byte
+	_, _ = rand.Read(rnd[:])
+	schema := "bench_" + prefix + "_" + hex.EncodeToString(rnd[:])
+	admin, err := pgx.Connect(ctx, o.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("connect %s: %w", o.DatabaseURL, err)
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
+		return nil, fmt.Errorf("create schema: %w", err)
+	}
+	db := &DB{Schema: schema, url: o.DatabaseURL}
+	cfg, err := pgxpool.ParseConfig(o.DatabaseURL)
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = maxConns
+	if configure != nil {
+		configure(cfg)
+	}
+	if db.Pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+		db.Close()
+		return nil, err
+	}
+	return db, nil
+}
+
+// Close closes the pool and drops the schema.
+func (db *DB) Close() {
+	if db.Pool != nil {
+		db.Pool.Close()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, db.url)
+	if err != nil {
+		return
+	}
+	defer conn.Close(ctx)
+	_, _ = conn.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{db.Schema}.Sanitize()+" CASCADE")
+}
+
+// Drive runs op in a loop on workers goroutines for d and returns the
+// completed operations per second. The first error stops every worker and is
+// returned.
+func Drive(ctx context.Context, workers int, d time.Duration, op func(ctx context.Context, worker int) error) (float64, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		n        atomic.Int64
+		wg       sync.WaitGroup
+		errOnce  sync.Once
+		firstErr error
+	)
+	start := time.Now()
+	deadline := start.Add(d)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) && ctx.Err() == nil {
+				if err := op(ctx, w); err != nil {
+					if !errors.Is(err, context.Canceled) {
+						errOnce.Do(func() { firstErr = err; cancel() })
+					}
+					return
+				}
+				n.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	if firstErr != nil {
+		return 0, firstErr
+	}
+	return float64(n.Load()) / time.Since(start).Seconds(), nil
 }
