@@ -1,0 +1,422 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// Forwarder defaults.
+const (
+	// DefaultForwarderGroup names the forwarder's position row in each
+	// topic's offsets table.
+	DefaultForwarderGroup = "outbox_forwarder"
+	// DefaultBatchSize is how many rows one forwarder transaction reads and
+	// sends.
+	DefaultBatchSize = 500
+	// DefaultPollInterval is the wait after an empty read.
+	DefaultPollInterval = 100 * time.Millisecond
+	// DefaultRetryInterval is the wait after a failed batch.
+	DefaultRetryInterval = time.Second
+	// DefaultShutdownTimeout bounds how long an in-flight batch may take to
+	// finish after Close or context cancellation.
+	DefaultShutdownTimeout = 30 * time.Second
+)
+
+// TxBeginner begins the forwarder's transactions (*pgxpool.Pool, *pgx.Conn).
+type TxBeginner interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// ForwarderConfig configures a [Forwarder]. Exactly one of Producer and
+// Publisher is required.
+type ForwarderConfig struct {
+	// DB is the database holding the outbox tables. Required.
+	DB TxBeginner
+	// Outbox names the tables. Required.
+	Outbox *Outbox
+	// Producer is a Sarama SyncProducer built with
+	// publisher.SaramaProducerConfig (idempotent, acks=all,
+	// MaxOpenRequests=1): each batch goes out in one SendMessages call, in
+	// order, keyed by partition_key. This is the fast path; see
+	// [NewKafkaProducer]. The forwarder does not close it.
+	Producer sarama.SyncProducer
+	// Publisher is any Watermill publisher, e.g. a watermill-kafka publisher
+	// built from publisher.NewKafkaPublisherConfig; each batch is one
+	// Publish(topic, batch...) call. watermill-kafka sends the messages of
+	// one call one at a time, so prefer Producer for Kafka. The forwarder
+	// does not close it.
+	Publisher message.Publisher
+	// Marshaler turns rows into Kafka records when Producer is used.
+	// Defaults to publisher.Marshaler (metadata as headers, key =
+	// partition_key).
+	Marshaler kafka.Marshaler
+	// Topics to forward; each is published to the broker topic of the same
+	// name. Defaults to the Outbox's Config.Topics.
+	Topics []string
+	// ConsumerGroup names this forwarder's position in the offsets tables.
+	// Instances with the same group share the work (one at a time per
+	// topic, by row lock); a different group forwards everything again.
+	// Defaults to [DefaultForwarderGroup].
+	ConsumerGroup string
+	// BatchSize is the most rows read and sent per transaction. Defaults to
+	// [DefaultBatchSize].
+	BatchSize int
+	// PollInterval is the wait after an empty read. Defaults to
+	// [DefaultPollInterval].
+	PollInterval time.Duration
+	// RetryInterval is the wait after a failed batch (its transaction is
+	// rolled back and the same rows are read again). Defaults to
+	// [DefaultRetryInterval].
+	RetryInterval time.Duration
+	// ShutdownTimeout is how long the in-flight batch may still take after
+	// Close or cancellation before it is aborted (and later resent).
+	// Defaults to [DefaultShutdownTimeout].
+	ShutdownTimeout time.Duration
+}
+
+func (c *ForwarderConfig) setDefaults() {
+	if c.Marshaler == nil {
+		c.Marshaler = publisher.Marshaler{}
+	}
+	if len(c.Topics) == 0 && c.Outbox != nil {
+		c.Topics = c.Outbox.cfg.Topics
+	}
+	if c.ConsumerGroup == "" {
+		c.ConsumerGroup = DefaultForwarderGroup
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = DefaultPollInterval
+	}
+	if c.RetryInterval == 0 {
+		c.RetryInterval = DefaultRetryInterval
+	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = DefaultShutdownTimeout
+	}
+}
+
+// Validate reports the first invalid field.
+func (c ForwarderConfig) Validate() error {
+	switch {
+	case c.DB == nil:
+		return errors.New("DB: required")
+	case c.Outbox == nil:
+		return errors.New("Outbox: required")
+	case c.Producer == nil && c.Publisher == nil:
+		return errors.New("Producer or Publisher: one is required")
+	case c.Producer != nil && c.Publisher != nil:
+		return errors.New("Producer and Publisher: set only one")
+	case len(c.Topics) == 0:
+		return errors.New("Topics: required (here or in the Outbox's Config.Topics)")
+	case c.BatchSize < 0:
+		return errors.New("BatchSize: must not be negative")
+	case c.PollInterval < 0 || c.RetryInterval < 0 || c.ShutdownTimeout < 0:
+		return errors.New("PollInterval, RetryInterval, ShutdownTimeout: must not be negative")
+	case len(c.ConsumerGroup) > 255:
+		return errors.New("ConsumerGroup: longer than 255 bytes")
+	}
+	for _, t := range c.Topics {
+		if err := c.Outbox.cfg.validateTopic(t); err != nil {
+			return fmt.Errorf("Topics: %w", err)
+		}
+	}
+	return nil
+}
+
+// NewKafkaProducer returns a Sarama SyncProducer with the safe settings of
+// publisher.SaramaProducerConfig, for [ForwarderConfig.Producer].
+func NewKafkaProducer(cfg publisher.KafkaConfig) (sarama.SyncProducer, error) {
+	if len(cfg.Brokers) == 0 {
+		return nil, errors.New("invalid config: Brokers: required")
+	}
+	return sarama.NewSyncProducer(cfg.Brokers, publisher.SaramaProducerConfig(cfg.Sarama))
+}
+
+// ForwarderStats are counters since the forwarder was created.
+type ForwarderStats struct {
+	// Forwarded counts rows sent and acknowledged in the database.
+	Forwarded uint64
+	// Batches counts committed non-empty batches; Polls counts every read.
+	Batches, Polls uint64
+	// Errors counts failed batches (rolled back, retried).
+	Errors uint64
+}
+
+// Forwarder relays committed outbox rows to the broker: per topic, it reads
+// a batch of rows in (transaction_id, offset) order, only below the
+// snapshot's xmin, sends them in that order, then advances its position in
+// the same transaction. A crash between send and commit resends the batch
+// (at-least-once; the event ids make the copies harmless to a dedup
+// consumer).
+type Forwarder struct {
+	cfg    ForwarderConfig
+	schema wsql.DefaultPostgreSQLSchema
+	logger watermill.LoggerAdapter
+
+	closing   chan struct{}
+	closeOnce sync.Once
+	running   sync.WaitGroup
+
+	forwarded, batches, polls, errs atomic.Uint64
+
+	// beforeAck, when set (tests), runs after a batch was sent and before
+	// its position is committed; an error aborts Run like a crash would.
+	beforeAck func(topic string, n int) error
+}
+
+// NewForwarder validates cfg and returns a Forwarder; [Forwarder.Run] starts it.
+func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forwarder, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	cfg.Topics = append([]string(nil), cfg.Topics...)
+	schema := *cfg.Outbox.schema
+	schema.SubscribeBatchSize = cfg.BatchSize
+	return &Forwarder{
+		cfg:     cfg,
+		schema:  schema,
+		logger:  logger.With(watermill.LogFields{"forwarder_group": cfg.ConsumerGroup}),
+		closing: make(chan struct{}),
+	}, nil
+}
+
+// Stats returns the counters.
+func (f *Forwarder) Stats() ForwarderStats {
+	return ForwarderStats{Forwarded: f.forwarded.Load(), Batches: f.batches.Load(), Polls: f.polls.Load(), Errors: f.errs.Load()}
+}
+
+// Run forwards until ctx is done or Close is called, then lets the in-flight
+// batches finish (within ShutdownTimeout) and returns nil. It returns an
+// error at once if a topic's tables are missing.
+func (f *Forwarder) Run(ctx context.Context) error {
+	f.running.Add(1)
+	defer f.running.Done()
+	select {
+	case <-f.closing:
+		return nil
+	default:
+	}
+	for _, topic := range f.cfg.Topics {
+		if err := f.register(ctx, topic); err != nil {
+			return err
+		}
+	}
+	stopCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go func() {
+		select {
+		case <-f.closing:
+			stop()
+		case <-stopCtx.Done():
+		}
+	}()
+	f.logger.Info("Outbox forwarder started", watermill.LogFields{"topics": strings.Join(f.cfg.Topics, ",")})
+
+	var wg sync.WaitGroup
+	errs := make([]error, len(f.cfg.Topics))
+	for i, topic := range f.cfg.Topics {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := f.loop(stopCtx, topic); err != nil {
+				errs[i] = err
+				stop()
+			}
+		}()
+	}
+	wg.Wait()
+	f.logger.Info("Outbox forwarder stopped", nil)
+	return errors.Join(errs...)
+}
+
+// Close stops Run gracefully and waits for it to return.
+func (f *Forwarder) Close() error {
+	f.closeOnce.Do(func() { close(f.closing) })
+	f.running.Wait()
+	return nil
+}
+
+// register inserts the forwarder's zero position row (watermill-sql's
+// before-subscribing query), so that the row lock serialises instances.
+func (f *Forwarder) register(ctx context.Context, topic string) error {
+	queries, err := f.cfg.Outbox.offsets.BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams{Topic: topic, ConsumerGroup: f.cfg.ConsumerGroup})
+	if err != nil {
+		return fmt.Errorf("outbox forwarder: %w", err)
+	}
+	for _, q := range queries {
+		if _, err := f.exec(ctx, q); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
+				return fmt.Errorf("%w: topic %q: %w", ErrTopicNotMigrated, topic, err)
+			}
+			return fmt.Errorf("outbox forwarder: register topic %q: %w", topic, err)
+		}
+	}
+	return nil
+}
+
+func (f *Forwarder) exec(ctx context.Context, q wsql.Query) (pgconn.CommandTag, error) {
+	tx, err := f.cfg.DB.BeginTx(ctx, pgx.TxOptions{})
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	defer rollback(ctx, tx)
+	tag, err := tx.Exec(ctx, q.Query, q.Args...)
+	if err != nil {
+		return tag, err
+	}
+	return tag, tx.Commit(ctx)
+}
+
+func (f *Forwarder) loop(stopCtx context.Context, topic string) error {
+	logger := f.logger.With(watermill.LogFields{"topic": topic})
+	for {
+		if stopCtx.Err() != nil {
+			return nil
+		}
+		n, err := f.forwardBatch(stopCtx, topic, logger)
+		var wait time.Duration
+		switch {
+		case errors.Is(err, errCrash):
+			return err
+		case err != nil:
+			f.errs.Add(1)
+			if isSerializationFailure(err) {
+				// Another instance of the group moved the position under us.
+				logger.Debug("Outbox batch conflicted with another forwarder, retrying", watermill.LogFields{"err": err.Error()})
+			} else {
+				logger.Error("Outbox batch failed, retrying", err, watermill.LogFields{"retry_in": f.cfg.RetryInterval.String()})
+				wait = f.cfg.RetryInterval
+			}
+		case n < f.cfg.BatchSize:
+			wait = f.cfg.PollInterval
+		}
+		if wait > 0 {
+			t := time.NewTimer(wait)
+			select {
+			case <-stopCtx.Done():
+				t.Stop()
+				return nil
+			case <-t.C:
+			}
+		}
+	}
+}
+
+var errCrash = errors.New("outbox forwarder: stopped by test hook")
+
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.SerializationFailure || pgErr.Code == pgerrcode.DeadlockDetected)
+}
+
+// forwardBatch forwards up to BatchSize rows of topic in one transaction.
+func (f *Forwarder) forwardBatch(stopCtx context.Context, topic string, logger watermill.LoggerAdapter) (n int, err error) {
+	// The batch itself is not cancelled by a stop: it gets ShutdownTimeout
+	// to finish, so a graceful stop does not resend it.
+	ctx, cancel := context.WithCancel(context.WithoutCancel(stopCtx))
+	defer cancel()
+	stopWatch := context.AfterFunc(stopCtx, func() { time.AfterFunc(f.cfg.ShutdownTimeout, cancel) })
+	defer stopWatch()
+
+	f.polls.Add(1)
+	tx, err := f.cfg.DB.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer rollback(ctx, tx)
+
+	// watermill-sql's query: the position row FOR UPDATE, then the rows
+	// after it with transaction_id < pg_snapshot_xmin(pg_current_snapshot()),
+	// in (transaction_id, offset) order.
+	q, err := f.schema.SelectQuery(wsql.SelectQueryParams{Topic: topic, ConsumerGroup: f.cfg.ConsumerGroup, OffsetsAdapter: f.cfg.Outbox.offsets})
+	if err != nil {
+		return 0, err
+	}
+	rows, err := tx.Query(ctx, q.Query, q.Args...)
+	if err != nil {
+		return 0, fmt.Errorf("select: %w", err)
+	}
+	var batch []wsql.Row
+	for rows.Next() {
+		r, err := f.schema.UnmarshalMessage(wsql.UnmarshalMessageParams{Row: rows})
+		if err != nil {
+			rows.Close()
+			return 0, err
+		}
+		batch = append(batch, r)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return 0, fmt.Errorf("select: %w", err)
+	}
+	if len(batch) == 0 {
+		return 0, nil
+	}
+
+	if err := f.send(topic, batch); err != nil {
+		return 0, fmt.Errorf("send %d messages: %w", len(batch), err)
+	}
+	if f.beforeAck != nil {
+		if err := f.beforeAck(topic, len(batch)); err != nil {
+			return 0, fmt.Errorf("%w: %w", errCrash, err)
+		}
+	}
+	last := batch[len(batch)-1]
+	ack, err := f.cfg.Outbox.offsets.AckMessageQuery(wsql.AckMessageQueryParams{Topic: topic, LastRow: last, Rows: batch, ConsumerGroup: f.cfg.ConsumerGroup})
+	if err != nil {
+		return 0, err
+	}
+	if _, err := tx.Exec(ctx, ack.Query, ack.Args...); err != nil {
+		return 0, fmt.Errorf("advance position: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, fmt.Errorf("commit position: %w", err)
+	}
+	f.forwarded.Add(uint64(len(batch)))
+	f.batches.Add(1)
+	logger.Debug("Outbox batch forwarded", watermill.LogFields{"messages": len(batch), "last_offset": last.Offset})
+	return len(batch), nil
+}
+
+func (f *Forwarder) send(topic string, batch []wsql.Row) error {
+	if f.cfg.Publisher != nil {
+		msgs := make([]*message.Message, len(batch))
+		for i, r := range batch {
+			msgs[i] = r.Msg
+		}
+		return f.cfg.Publisher.Publish(topic, msgs...)
+	}
+	pms := make([]*sarama.ProducerMessage, len(batch))
+	for i, r := range batch {
+		pm, err := f.cfg.Marshaler.Marshal(topic, r.Msg)
+		if err != nil {
+			return fmt.Errorf("marshal message %s: %w", r.Msg.UUID, err)
+		}
+		pms[i] = pm
+	}
+	return f.cfg.Producer.SendMessages(pms)
+}

@@ -1,0 +1,368 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// Defaults.
+const (
+	// DefaultSchema holds the outbox tables.
+	DefaultSchema = "public"
+	// DefaultTablePrefix prefixes the topic in the table names: the messages
+	// of topic T live in outbox_T, the forwarders' positions in outbox_T__offsets.
+	DefaultTablePrefix = "outbox_"
+	// DefaultPayloadType is the payload column type: BYTEA stores any payload.
+	DefaultPayloadType = "BYTEA"
+)
+
+// maxTableName is PostgreSQL's identifier limit; longer names are silently
+// truncated by the server, so two long topics could share a table.
+const maxTableName = 63
+
+// offsetsSuffix names a topic's offsets table.
+const offsetsSuffix = "__offsets"
+
+var (
+	// ErrNoTransaction is returned by [Outbox.PublisherFromContext] when the
+	// context does not come from a handler wrapped by the dedup middleware.
+	ErrNoTransaction = errors.New("outbox: no transaction in context; is the handler wrapped by the dedup middleware, and does it pass msg.Context()?")
+	// ErrTopicNotMigrated is returned when a topic's table does not exist:
+	// add the topic to Config.Topics (or call MigrateTopics) at start-up.
+	ErrTopicNotMigrated = errors.New("outbox: topic table does not exist; create it with Migrate at start-up")
+	// ErrInvalidTopic is returned for a topic that cannot name a table.
+	ErrInvalidTopic = errors.New("outbox: invalid topic")
+)
+
+var topicRe = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)
+
+// Config configures an [Outbox].
+type Config struct {
+	// Schema is the PostgreSQL schema of the outbox tables. Defaults to
+	// [DefaultSchema] ("public").
+	Schema string
+	// TablePrefix is prepended to the topic to name its table (watermill-sql's
+	// one table per topic): prefix+topic holds the messages and
+	// prefix+topic+"__offsets" the forwarders' positions. The whole name must
+	// fit PostgreSQL's 63-byte limit. Defaults to [DefaultTablePrefix]
+	// ("outbox_").
+	TablePrefix string
+	// Topics are the topics whose tables [Outbox.Migrate] creates, and that
+	// a [Forwarder] forwards unless told otherwise. Defaults to none.
+	Topics []string
+	// PayloadType is the payload column type: BYTEA, JSON or JSONB. JSON
+	// types refuse non-JSON payloads. Defaults to [DefaultPayloadType] (BYTEA).
+	PayloadType string
+}
+
+func (c *Config) setDefaults() {
+	if c.Schema == "" {
+		c.Schema = DefaultSchema
+	}
+	if c.TablePrefix == "" {
+		c.TablePrefix = DefaultTablePrefix
+	}
+	if c.PayloadType == "" {
+		c.PayloadType = DefaultPayloadType
+	}
+}
+
+// Validate reports the first invalid field.
+func (c Config) Validate() error {
+	if err := ident.Validate("Schema", c.Schema); err != nil {
+		return err
+	}
+	if err := ident.Validate("TablePrefix", c.TablePrefix); err != nil {
+		return err
+	}
+	switch strings.ToUpper(c.PayloadType) {
+	case "BYTEA", "JSON", "JSONB":
+	default:
+		return fmt.Errorf("PayloadType: %q must be BYTEA, JSON or JSONB", c.PayloadType)
+	}
+	for _, t := range c.Topics {
+		if err := c.validateTopic(t); err != nil {
+			return fmt.Errorf("Topics: %w", err)
+		}
+	}
+	return nil
+}
+
+func (c Config) validateTopic(topic string) error {
+	if !topicRe.MatchString(topic) {
+		return fmt.Errorf("%w: %q (allowed: letters, digits and -$:._)", ErrInvalidTopic, topic)
+	}
+	if n := len(c.TablePrefix) + len(topic) + len(offsetsSuffix); n > maxTableName {
+		return fmt.Errorf("%w: %q makes a table name of %d bytes, over PostgreSQL's %d (shorten TablePrefix or the topic)", ErrInvalidTopic, topic, n, maxTableName)
+	}
+	return nil
+}
+
+// Beginner begins a transaction: *pgxpool.Pool, *pgx.Conn or a pgx.Tx
+// (which then opens a savepoint).
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// Outbox writes messages as rows of watermill-sql's PostgreSQL schema (one
+// table per topic, with the writing transaction's id) inside the caller's
+// transaction. It is safe for concurrent use.
+type Outbox struct {
+	cfg     Config
+	schema  *wsql.DefaultPostgreSQLSchema
+	offsets wsql.DefaultPostgreSQLOffsetsAdapter
+	logger  watermill.LoggerAdapter
+}
+
+var _ interface {
+	PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error
+} = (*Outbox)(nil)
+
+// New validates cfg and returns an Outbox. It does not touch the database:
+// call [Outbox.Migrate] at start-up.
+func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	cfg.Topics = append([]string(nil), cfg.Topics...)
+	o := &Outbox{cfg: cfg, logger: logger}
+	payloadType := strings.ToUpper(cfg.PayloadType)
+	o.schema = &wsql.DefaultPostgreSQLSchema{
+		GenerateMessagesTableName: o.MessagesTable,
+		GeneratePayloadType:       func(string) string { return payloadType },
+		InitializeSchemaLock:      wsql.DefaultSchemaInitializationLock("idemkit_outbox"),
+	}
+	o.offsets = wsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: o.OffsetsTable}
+	return o, nil
+}
+
+// Config returns the configuration with defaults applied.
+func (o *Outbox) Config() Config { return o.cfg }
+
+// MessagesTable returns the quoted, schema-qualified table of topic.
+func (o *Outbox) MessagesTable(topic string) string {
+	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic)
+}
+
+// OffsetsTable returns the quoted, schema-qualified table holding the
+// forwarders' (and watermill-sql subscribers') positions in topic.
+func (o *Outbox) OffsetsTable(topic string) string {
+	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic+offsetsSuffix)
+}
+
+// SchemaAdapter returns the watermill-sql schema adapter of the outbox
+// tables, to read them with a watermill-sql Subscriber.
+func (o *Outbox) SchemaAdapter() *wsql.DefaultPostgreSQLSchema { return o.schema }
+
+// OffsetsAdapter returns the watermill-sql offsets adapter of the outbox
+// tables, to read them with a watermill-sql Subscriber.
+func (o *Outbox) OffsetsAdapter() wsql.DefaultPostgreSQLOffsetsAdapter { return o.offsets }
+
+// Migrate creates the schema (if missing) and the tables of Config.Topics.
+// Run it at start-up: watermill-sql cannot create tables inside a caller's
+// transaction.
+func (o *Outbox) Migrate(ctx context.Context, db Beginner) error {
+	return o.MigrateTopics(ctx, db, o.cfg.Topics...)
+}
+
+// MigrateTopics creates the tables of topics, in one transaction, under
+// watermill-sql's advisory lock. It is idempotent.
+func (o *Outbox) MigrateTopics(ctx context.Context, db Beginner, topics ...string) (err error) {
+	var queries []wsql.Query
+	for _, topic := range topics {
+		if err := o.cfg.validateTopic(topic); err != nil {
+			return err
+		}
+		q, err := o.schema.SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams{Topic: topic})
+		if err != nil {
+			return fmt.Errorf("outbox: schema queries: %w", err)
+		}
+		queries = append(queries, q...)
+		q, err = o.offsets.SchemaInitializingQueries(wsql.OffsetsSchemaInitializingQueriesParams{Topic: topic})
+		if err != nil {
+			return fmt.Errorf("outbox: offsets queries: %w", err)
+		}
+		queries = append(queries, q...)
+	}
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("outbox: migrate: begin: %w", err)
+	}
+	defer rollback(ctx, tx)
+	if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident.Quote(o.cfg.Schema)); err != nil {
+		return fmt.Errorf("outbox: migrate: %w", err)
+	}
+	for _, q := range queries {
+		if _, err := tx.Exec(ctx, q.Query, q.Args...); err != nil {
+			return fmt.Errorf("outbox: migrate: %w", err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("outbox: migrate: commit: %w", err)
+	}
+	o.logger.Debug("Outbox tables ready", watermill.LogFields{"topics": strings.Join(topics, ","), "schema": o.cfg.Schema})
+	return nil
+}
+
+func rollback(ctx context.Context, tx pgx.Tx) {
+	_ = tx.Rollback(context.WithoutCancel(ctx)) // pgx.ErrTxClosed after a commit is expected
+}
+
+// PublishInTx stamps msgs ([publisher.Stamp] with ctx: inside a handler the
+// causation and correlation ids come from the incoming event) and inserts
+// them, in order, into topic's table on tx. They become visible to the
+// forwarder only if tx commits. It implements the dedup middleware's
+// OutboxWriter. If a message cannot be stamped, nothing is written.
+func (o *Outbox) PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
+	for _, msg := range msgs {
+		if _, err := publisher.Stamp(ctx, msg); err != nil {
+			return fmt.Errorf("outbox: %w", err)
+		}
+	}
+	return o.insert(ctx, tx, topic, msgs)
+}
+
+// insert writes already stamped msgs through watermill-sql's publisher on tx.
+func (o *Outbox) insert(ctx context.Context, tx pgx.Tx, topic string, msgs []*message.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	if err := o.cfg.validateTopic(topic); err != nil {
+		return err
+	}
+	p, err := wsql.NewPublisher(ctxExecutor{Tx: wsql.TxFromPgx(tx), ctx: ctx}, wsql.PublisherConfig{SchemaAdapter: o.schema}, o.logger)
+	if err != nil {
+		return fmt.Errorf("outbox: %w", err)
+	}
+	if err := p.Publish(topic, msgs...); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
+			return fmt.Errorf("%w: topic %q (table %s): %w", ErrTopicNotMigrated, topic, o.MessagesTable(topic), err)
+		}
+		return fmt.Errorf("outbox: insert into %s: %w", o.MessagesTable(topic), err)
+	}
+	for _, msg := range msgs {
+		o.logger.Trace("Message written to outbox", watermill.LogFields{"topic": topic, "message_uuid": msg.UUID, "event_id": msg.Metadata.Get(publisher.MetadataEventID)})
+	}
+	return nil
+}
+
+// ctxExecutor runs watermill-sql's statements with the caller's context
+// instead of the first message's.
+type ctxExecutor struct {
+	wsql.Tx
+	ctx context.Context
+}
+
+func (e ctxExecutor) ExecContext(_ context.Context, query string, args ...any) (wsql.Result, error) {
+	return e.Tx.ExecContext(e.ctx, query, args...)
+}
+
+func (e ctxExecutor) QueryContext(_ context.Context, query string, args ...any) (wsql.Rows, error) {
+	return e.Tx.QueryContext(e.ctx, query, args...)
+}
+
+// Publisher returns a message.Publisher that writes to the outbox on tx.
+// Each message is stamped with its own context (set it to the handler
+// message's context to get causation and correlation ids). Close is a
+// no-op: tx belongs to the caller.
+func (o *Outbox) Publisher(tx pgx.Tx) message.Publisher {
+	return &txPublisher{o: o, tx: tx}
+}
+
+// PublisherFromContext returns a Publisher bound to the transaction of the
+// dedup middleware found in ctx (a handler's msg.Context()); messages get
+// causation_id = the incoming event id. It returns [ErrNoTransaction]
+// outside such a handler.
+func (o *Outbox) PublisherFromContext(ctx context.Context) (message.Publisher, error) {
+	v := idemctx.From(ctx)
+	if v == nil || v.Tx == nil {
+		return nil, ErrNoTransaction
+	}
+	return &txPublisher{o: o, tx: v.Tx, ctx: ctx}, nil
+}
+
+type txPublisher struct {
+	o   *Outbox
+	tx  pgx.Tx
+	ctx context.Context // nil: each message's own context
+}
+
+func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
+	ctx := p.ctx
+	for _, msg := range msgs {
+		sctx := ctx
+		if sctx == nil {
+			sctx = msg.Context()
+		}
+		if _, err := publisher.Stamp(sctx, msg); err != nil {
+			return fmt.Errorf("outbox: %w", err)
+		}
+	}
+	if ctx == nil {
+		ctx = context.Background()
+		if len(msgs) > 0 {
+			ctx = msgs[0].Context()
+		}
+	}
+	return p.o.insert(ctx, p.tx, topic, msgs)
+}
+
+func (p *txPublisher) Close() error { return nil }
+
+// PoolPublisher returns a message.Publisher that opens its own transaction
+// on db for every Publish call (all messages of one call commit together).
+// Use it for events that are not part of a business transaction; for those
+// that are, use [Outbox.Publisher] on that transaction.
+func (o *Outbox) PoolPublisher(db Beginner) message.Publisher {
+	return &poolPublisher{o: o, db: db}
+}
+
+type poolPublisher struct {
+	o  *Outbox
+	db Beginner
+}
+
+func (p *poolPublisher) Publish(topic string, msgs ...*message.Message) (err error) {
+	if len(msgs) == 0 {
+		return nil
+	}
+	for _, msg := range msgs {
+		if _, err := publisher.Stamp(msg.Context(), msg); err != nil {
+			return fmt.Errorf("outbox: %w", err)
+		}
+	}
+	ctx := msgs[0].Context()
+	tx, err := p.db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("outbox: begin: %w", err)
+	}
+	defer rollback(ctx, tx)
+	if err := p.o.insert(ctx, tx, topic, msgs); err != nil {
+		return err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("outbox: commit: %w", err)
+	}
+	return nil
+}
+
+func (p *poolPublisher) Close() error { return nil }
