@@ -20,6 +20,11 @@ type TableConfig struct {
 	Schema string
 	// Table name. Must be a plain identifier. Defaults to "processed_event".
 	Table string
+	// Layout of the table: [LayoutPlain] (delete old rows with a [Cleaner])
+	// or [LayoutPartitioned] (daily partitions on event_id, dropped whole).
+	// [Migrate] converts a plain table to the partitioned layout, keeping
+	// every row. Defaults to LayoutPlain.
+	Layout Layout
 }
 
 func (c *TableConfig) setDefaults() {
@@ -33,7 +38,7 @@ func (c *TableConfig) setDefaults() {
 
 // Validate checks that the names are plain SQL identifiers.
 func (c TableConfig) Validate() error {
-	return errors.Join(ident.Validate("Schema", c.Schema), ident.Validate("Table", c.Table))
+	return errors.Join(ident.Validate("Schema", c.Schema), ident.Validate("Table", c.Table), c.Layout.validate(c.Table))
 }
 
 // Config configures a [Deduplicator].

@@ -40,7 +40,7 @@ func Migrations(cfg TableConfig) ([]Migration, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return migrate.Load(MigrationTemplates, cfg)
+	return loadMigrations(cfg)
 }
 
 // Migrate creates or upgrades the processed_event table described by cfg.

@@ -1,0 +1,485 @@
+package deduplicator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/google/uuid"
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/internal/ident"
+)
+
+// Cleaner defaults.
+const (
+	// DefaultCleanerBatchSize is the number of rows deleted per transaction.
+	DefaultCleanerBatchSize = 10_000
+	// DefaultCleanerInterval is the pause between two passes of [Cleaner.Run].
+	DefaultCleanerInterval = 10 * time.Minute
+	// DefaultCleanerStatementTimeout bounds each batch (statement_timeout).
+	DefaultCleanerStatementTimeout = 10 * time.Second
+	// DefaultCleanerBackoff is the first pause after a batch hit the
+	// statement timeout; it doubles with each consecutive timeout.
+	DefaultCleanerBackoff = time.Second
+	// DefaultCleanerMaxTimeouts is how many consecutive timed-out batches end
+	// a pass with an error.
+	DefaultCleanerMaxTimeouts = 5
+	// DefaultPartitionsAhead is how many days of partitions after today's
+	// exist at all times in the partitioned layout.
+	DefaultPartitionsAhead = 3
+	// DefaultPartitionLockTimeout bounds how long partition DDL waits for
+	// its lock (lock_timeout). Claims queue behind a waiting ACCESS
+	// EXCLUSIVE request, so this is also about the longest a claim waits.
+	DefaultPartitionLockTimeout = 500 * time.Millisecond
+	// DefaultPartitionLockRetries is how many times partition DDL is retried
+	// after a lock timeout before the pass gives up (the next pass retries).
+	DefaultPartitionLockRetries = 5
+)
+
+// minBatchSize is the floor the batch size is halved down to after timeouts.
+const minBatchSize = 100
+
+// Acquirer hands out a dedicated connection: *pgxpool.Pool. The cleaner needs
+// one connection for a whole pass, because the session advisory lock that
+// elects the single working instance belongs to a connection.
+type Acquirer interface {
+	Acquire(ctx context.Context) (*pgxpool.Conn, error)
+}
+
+var _ Acquirer = (*pgxpool.Pool)(nil)
+
+// ErrCleanerTimeout is returned (wrapped, with the server's error) when
+// MaxTimeouts consecutive batches hit the statement timeout.
+var ErrCleanerTimeout = errors.New("cleaner: batches keep hitting statement_timeout")
+
+// ErrLayoutMismatch is returned when the table's layout in the database is
+// not the configured one (run Migrate with the same TableConfig).
+var ErrLayoutMismatch = errors.New("cleaner: table layout in the database does not match TableConfig.Layout")
+
+// CleanerConfig configures a [Cleaner].
+type CleanerConfig struct {
+	TableConfig
+
+	// DB gives the cleaner one connection per pass. Required.
+	DB Acquirer
+
+	// Retention is how long rows are kept, measured from the event's UUIDv7
+	// time (when the producer created it), not from processed_at. Keep it
+	// equal to the middleware's Retention, whose stale guard refuses events
+	// older than Retention minus a margin. Topics replayed from a
+	// dead-letter queue need the longest replay delay plus a margin: 30
+	// days is common. Defaults to [DefaultRetention] (7 days).
+	Retention time.Duration
+
+	// BatchSize is the number of rows deleted per transaction. Defaults to
+	// [DefaultCleanerBatchSize] (10,000).
+	BatchSize int
+
+	// Interval is the pause between passes of [Cleaner.Run]. Defaults to
+	// [DefaultCleanerInterval] (10 minutes).
+	Interval time.Duration
+
+	// StatementTimeout bounds each batch (SET LOCAL statement_timeout).
+	// Defaults to [DefaultCleanerStatementTimeout] (10 s).
+	StatementTimeout time.Duration
+
+	// Backoff is the pause after a batch hit StatementTimeout (SQLSTATE
+	// 57014); it doubles per consecutive timeout and the batch size halves
+	// (down to 100). Defaults to [DefaultCleanerBackoff] (1 s).
+	Backoff time.Duration
+
+	// MaxTimeouts consecutive timed-out batches end the pass with
+	// [ErrCleanerTimeout]. Defaults to [DefaultCleanerMaxTimeouts] (5).
+	MaxTimeouts int
+
+	// DeleteNonV7 also deletes rows whose event id is not a UUIDv7 (they
+	// carry no time) by processed_at older than Retention, through the
+	// processed_at index. Set it when the middleware runs with AllowNonV7.
+	// Plain layout only. Defaults to false.
+	DeleteNonV7 bool
+
+	// PartitionsAhead is how many daily partitions after today's the
+	// partitioned layout keeps ready. Defaults to [DefaultPartitionsAhead] (3).
+	PartitionsAhead int
+
+	// LockTimeout bounds the wait for the locks of partition DDL (create,
+	// detach, drop), so concurrent claims are never queued behind it for
+	// longer. Defaults to [DefaultPartitionLockTimeout] (500 ms).
+	LockTimeout time.Duration
+
+	// LockRetries is how many times partition DDL is retried after a lock
+	// timeout, with a jittered pause. Defaults to
+	// [DefaultPartitionLockRetries] (5).
+	LockRetries int
+
+	// NowFunc returns the current time; the cutoff is NowFunc() - Retention.
+	// Defaults to time.Now.
+	NowFunc func() time.Time
+}
+
+func (c *CleanerConfig) setDefaults() {
+	c.TableConfig.setDefaults()
+	if c.Retention == 0 {
+		c.Retention = DefaultRetention
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultCleanerBatchSize
+	}
+	if c.Interval == 0 {
+		c.Interval = DefaultCleanerInterval
+	}
+	if c.StatementTimeout == 0 {
+		c.StatementTimeout = DefaultCleanerStatementTimeout
+	}
+	if c.Backoff == 0 {
+		c.Backoff = DefaultCleanerBackoff
+	}
+	if c.MaxTimeouts == 0 {
+		c.MaxTimeouts = DefaultCleanerMaxTimeouts
+	}
+	if c.PartitionsAhead == 0 {
+		c.PartitionsAhead = DefaultPartitionsAhead
+	}
+	if c.LockTimeout == 0 {
+		c.LockTimeout = DefaultPartitionLockTimeout
+	}
+	if c.LockRetries == 0 {
+		c.LockRetries = DefaultPartitionLockRetries
+	}
+	if c.NowFunc == nil {
+		c.NowFunc = time.Now
+	}
+}
+
+// Validate reports the first invalid field.
+func (c CleanerConfig) Validate() error {
+	switch {
+	case c.DB == nil:
+		return errors.New("DB: required")
+	case c.Retention < 0:
+		return errors.New("Retention: must not be negative")
+	case c.BatchSize < 1:
+		return errors.New("BatchSize: must be positive")
+	case c.Interval < 0, c.StatementTimeout < 0, c.Backoff < 0, c.LockTimeout < 0:
+		return errors.New("Interval, StatementTimeout, Backoff, LockTimeout: must not be negative")
+	case c.MaxTimeouts < 1 || c.LockRetries < 1:
+		return errors.New("MaxTimeouts, LockRetries: must be positive")
+	case c.PartitionsAhead < 0:
+		return errors.New("PartitionsAhead: must not be negative")
+	case c.DeleteNonV7 && c.Layout == LayoutPartitioned:
+		return errors.New("DeleteNonV7: the partitioned layout holds no non-v7 ids")
+	}
+	if err := c.TableConfig.Validate(); err != nil {
+		return fmt.Errorf("TableConfig: %w", err)
+	}
+	return nil
+}
+
+// Result reports one pass of the cleaner.
+type Result struct {
+	// Skipped is true when another instance held the cleaner's lock: this
+	// pass did nothing.
+	Skipped bool
+	// Deleted rows (batched DELETEs; rows in dropped partitions are not counted).
+	Deleted int64
+	// Batches run, and Timeouts: batches that hit the statement timeout.
+	Batches, Timeouts int
+	// PartitionsCreated, PartitionsDropped and RowsMoved (from the DEFAULT
+	// partition into a new daily partition): partitioned layout only.
+	PartitionsCreated, PartitionsDropped int
+	RowsMoved                            int64
+	// Duration of the pass.
+	Duration time.Duration
+}
+
+// Cleaner enforces the retention of a processed_event table. In the plain
+// layout it deletes rows older than the retention in bounded batches, each
+// in its own short transaction: UUIDv7 rows by an event_id range through the
+// primary key (the cutoff time gives the boundary uuid), non-v7 rows by
+// processed_at when DeleteNonV7 is set. In the partitioned layout it creates
+// the daily partitions ahead, moves rows out of the DEFAULT partition into a
+// new partition covering them, detaches and drops partitions wholly older
+// than the retention, and deletes old rows left in the DEFAULT partition.
+//
+// Only one instance works at a time: a pass starts by taking a session
+// advisory lock (pg_try_advisory_lock) and is skipped when another instance
+// holds it. Run it in every replica of a service or from cron ([Cleaner.RunOnce]).
+type Cleaner struct {
+	cfg     CleanerConfig
+	logger  watermill.LoggerAdapter
+	table   string // quoted schema.table
+	lockKey string
+
+	// beforeBatch, when set (tests), runs before every batch with the
+	// batch number.
+	beforeBatch func(n int)
+}
+
+// NewCleaner returns a Cleaner. It does not touch the database.
+func NewCleaner(cfg CleanerConfig, logger watermill.LoggerAdapter) (*Cleaner, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid config: %w", err)
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	return &Cleaner{
+		cfg:     cfg,
+		logger:  logger.With(watermill.LogFields{"table": cfg.Schema + "." + cfg.Table, "layout": cfg.Layout.String()}),
+		table:   ident.Quote(cfg.Schema, cfg.Table),
+		lockKey: "watermill-idempotency/retention/" + cfg.Schema + "." + cfg.Table,
+	}, nil
+}
+
+// Config returns the configuration with defaults applied.
+func (c *Cleaner) Config() CleanerConfig { return c.cfg }
+
+// Run runs a pass now and then every Interval until ctx is done; it returns
+// nil when ctx is cancelled. A failed pass is logged and retried at the next
+// interval.
+func (c *Cleaner) Run(ctx context.Context) error {
+	for {
+		res, err := c.RunOnce(ctx)
+		switch {
+		case ctx.Err() != nil:
+			return nil
+		case err != nil:
+			c.logger.Error("Retention pass failed", err, nil)
+		case !res.Skipped:
+			c.logger.Info("Retention pass done", res.logFields())
+		}
+		t := time.NewTimer(c.cfg.Interval)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// RunOnce runs one pass and returns what it did. It returns promptly when ctx
+// is cancelled (the running batch is cancelled and rolled back), with the
+// result so far and ctx's error.
+func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
+	start := time.Now()
+	defer func() { res.Duration = time.Since(start) }()
+
+	pc, err := c.cfg.DB.Acquire(ctx)
+	if err != nil {
+		return res, fmt.Errorf("cleaner: acquire connection: %w", err)
+	}
+	conn := pc.Conn()
+	var locked bool
+	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock(hashtextextended($1, 0))", c.lockKey).Scan(&locked); err != nil {
+		pc.Release()
+		return res, fmt.Errorf("cleaner: advisory lock: %w", err)
+	}
+	if !locked {
+		pc.Release()
+		c.logger.Debug("Retention pass skipped: another instance holds the lock", nil)
+		res.Skipped = true
+		return res, nil
+	}
+	defer func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if _, uerr := conn.Exec(uctx, "SELECT pg_advisory_unlock(hashtextextended($1, 0))", c.lockKey); uerr != nil {
+			// The lock must not outlive the pass: close the session.
+			_ = conn.Close(uctx)
+		}
+		pc.Release()
+	}()
+
+	var kind string
+	if err := conn.QueryRow(ctx, "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", c.table).Scan(&kind); err != nil {
+		if errors.Is(err, pgx.ErrNoRows) {
+			return res, fmt.Errorf("cleaner: table %s does not exist (run Migrate)", c.table)
+		}
+		return res, fmt.Errorf("cleaner: %w", err)
+	}
+	partitioned := kind == "p"
+	if partitioned != (c.cfg.Layout == LayoutPartitioned) {
+		return res, fmt.Errorf("%w: %s is %s, configured %s", ErrLayoutMismatch, c.table, map[bool]string{true: "partitioned", false: "plain"}[partitioned], c.cfg.Layout)
+	}
+
+	cutoff := c.cfg.NowFunc().Add(-c.cfg.Retention)
+	if partitioned {
+		err = c.maintainPartitions(ctx, conn, cutoff, &res)
+		if err == nil {
+			// Old rows left in the DEFAULT partition (far past ids).
+			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table)), cutoff, &res)
+		}
+	} else {
+		err = c.deleteV7(ctx, conn, c.table, cutoff, &res)
+		if err == nil && c.cfg.DeleteNonV7 {
+			err = c.deleteNonV7(ctx, conn, cutoff, &res)
+		}
+	}
+	if err != nil && ctx.Err() != nil {
+		err = ctx.Err()
+	}
+	return res, err
+}
+
+func (r Result) logFields() watermill.LogFields {
+	return watermill.LogFields{
+		"deleted": r.Deleted, "batches": r.Batches, "timeouts": r.Timeouts,
+		"partitions_created": r.PartitionsCreated, "partitions_dropped": r.PartitionsDropped,
+		"rows_moved": r.RowsMoved, "duration": r.Duration.String(),
+	}
+}
+
+// deleteV7 deletes the UUIDv7 rows of table (the parent or one partition)
+// created before cutoff, walking the primary key upwards in batches.
+func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, cutoff time.Time, res *Result) error {
+	// Keyset: each batch starts at the last id the previous one deleted, so
+	// rows the filter skips (non-v7, locked) are not rescanned every batch.
+	q := `WITH doomed AS (
+	SELECT event_id, consumer_group FROM ` + table + `
+	WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4 = 7
+	ORDER BY event_id LIMIT $3
+	FOR UPDATE SKIP LOCKED
+), del AS (
+	DELETE FROM ` + table + ` p USING doomed d
+	WHERE p.event_id = d.event_id AND p.consumer_group = d.consumer_group
+	RETURNING p.event_id
+)
+SELECT count(*), (SELECT event_id FROM del ORDER BY event_id DESC LIMIT 1) FROM del`
+	from := uuid.Nil
+	boundary := UUIDv7Floor(cutoff)
+	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (int64, error) {
+		var n int64
+		var last *uuid.UUID
+		if err := tx.QueryRow(ctx, q, from, boundary, limit).Scan(&n, &last); err != nil {
+			return 0, err
+		}
+		if last != nil {
+			from = *last
+		}
+		return n, nil
+	})
+}
+
+// deleteNonV7 deletes non-v7 rows processed before cutoff.
+func (c *Cleaner) deleteNonV7(ctx context.Context, conn *pgx.Conn, cutoff time.Time, res *Result) error {
+	q := `WITH doomed AS (
+	SELECT event_id, consumer_group FROM ` + c.table + `
+	WHERE processed_at < $1 AND get_byte(uuid_send(event_id), 6) >> 4 <> 7
+	ORDER BY processed_at LIMIT $2
+	FOR UPDATE SKIP LOCKED
+)
+DELETE FROM ` + c.table + ` p USING doomed d
+WHERE p.event_id = d.event_id AND p.consumer_group = d.consumer_group`
+	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (int64, error) {
+		tag, err := tx.Exec(ctx, q, cutoff, limit)
+		return tag.RowsAffected(), err
+	})
+}
+
+// batches runs batch in its own transaction until it deletes fewer rows than
+// asked, backing off and shrinking the batch when one hits the statement
+// timeout.
+func (c *Cleaner) batches(ctx context.Context, conn *pgx.Conn, res *Result, batch func(tx pgx.Tx, limit int) (int64, error)) error {
+	limit := c.cfg.BatchSize
+	consecutive := 0
+	setTimeout := "SET LOCAL statement_timeout = " + strconv.FormatInt(c.cfg.StatementTimeout.Milliseconds(), 10)
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if c.beforeBatch != nil {
+			c.beforeBatch(res.Batches)
+		}
+		n, err := c.inTx(ctx, conn, func(tx pgx.Tx) (int64, error) {
+			if c.cfg.StatementTimeout > 0 {
+				if _, err := tx.Exec(ctx, setTimeout); err != nil {
+					return 0, err
+				}
+			}
+			return batch(tx, limit)
+		})
+		if err != nil {
+			if ctx.Err() != nil || !isStatementTimeout(err) {
+				return fmt.Errorf("cleaner: delete batch: %w", err)
+			}
+			res.Timeouts++
+			consecutive++
+			if consecutive >= c.cfg.MaxTimeouts {
+				return fmt.Errorf("%w (%d in a row, batch size %d): %w", ErrCleanerTimeout, consecutive, limit, err)
+			}
+			limit = max(limit/2, min(minBatchSize, c.cfg.BatchSize))
+			pause := c.cfg.Backoff << (consecutive - 1)
+			c.logger.Info("Retention batch hit statement_timeout, backing off", watermill.LogFields{
+				"batch_size": limit, "pause": pause.String(), "consecutive": consecutive,
+			})
+			if err := cleanerSleep(ctx, pause); err != nil {
+				return err
+			}
+			continue
+		}
+		consecutive = 0
+		res.Batches++
+		res.Deleted += n
+		c.logger.Trace("Retention batch deleted", watermill.LogFields{"rows": n})
+		if n < int64(limit) {
+			return nil
+		}
+	}
+}
+
+// inTx runs fn in a transaction on conn and commits it.
+func (c *Cleaner) inTx(ctx context.Context, conn *pgx.Conn, fn func(tx pgx.Tx) (int64, error)) (int64, error) {
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return 0, err
+	}
+	n, err := fn(tx)
+	if err != nil {
+		cleanerRollback(ctx, tx)
+		return 0, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, err
+	}
+	return n, nil
+}
+
+func cleanerRollback(ctx context.Context, tx pgx.Tx) {
+	_ = tx.Rollback(context.WithoutCancel(ctx)) // ErrTxClosed and a dead conn both mean nothing is left to undo
+}
+
+func isStatementTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.QueryCanceled
+}
+
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.LockNotAvailable
+}
+
+func cleanerSleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// jitter returns d scaled by a random factor in [0.5, 1.5).
+func cleanerJitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.5 + rand.Float64()))
+}

@@ -1,0 +1,358 @@
+package deduplicator
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+)
+
+func TestUUIDv7FloorAndBounds(t *testing.T) {
+	t.Parallel()
+	day := time.Date(2026, 3, 14, 0, 0, 0, 0, time.UTC)
+	lastMs := day.Add(-time.Millisecond) // 23:59:59.999 of the day before
+
+	from, to := PartitionBounds(day.Add(13 * time.Hour))
+	require.Equal(t, UUIDv7Floor(day), from)
+	require.Equal(t, UUIDv7Floor(day.AddDate(0, 0, 1)), to)
+	require.Equal(t, "019ce9a4-8800-7000-8000-000000000000", from.String())
+	require.Equal(t, uint8(7), uint8(from.Version()))
+
+	// The largest id of 23:59:59.999 is below the bound, the smallest of
+	// 00:00:00.000 is the bound itself.
+	maxLate := v7AtMax(lastMs)
+	require.Negative(t, bytes.Compare(maxLate[:], from[:]))
+	require.Equal(t, from, UUIDv7Floor(day))
+	require.Equal(t, "t_p20260313", PartitionName("t", lastMs))
+	require.Equal(t, "t_p20260314", PartitionName("t", day))
+	require.Equal(t, "t_p20260314", PartitionName("t", day.In(time.FixedZone("x", -5*3600)))) // UTC days
+
+	ts, ok := UUIDv7Time(v7At(lastMs))
+	require.True(t, ok)
+	require.True(t, ts.Equal(lastMs))
+	_, ok = UUIDv7Time(uuid.New())
+	require.False(t, ok)
+}
+
+func TestPartitionedBoundaryRowsLandInTheirDay(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPartitioned)
+	ctx := context.Background()
+	today := utcDay(time.Now())
+	tomorrow := today.AddDate(0, 0, 1)
+
+	late := v7AtMax(tomorrow.Add(-time.Millisecond)) // today 23:59:59.999, max random bits
+	early := UUIDv7Floor(tomorrow)                   // tomorrow 00:00:00.000, min random bits
+	d, err := New(Config{TableConfig: tc, ConsumerGroup: "g"}, nil)
+	require.NoError(t, err)
+	for _, id := range []uuid.UUID{late, early} {
+		first, err := d.Claim(ctx, db.Pool, id)
+		require.NoError(t, err)
+		require.True(t, first)
+	}
+	require.Equal(t, PartitionName(tc.Table, today), partitionOf(t, db, tc, late))
+	require.Equal(t, PartitionName(tc.Table, tomorrow), partitionOf(t, db, tc, early))
+}
+
+func TestPartitionedMigrateCreatesDaysAheadAndDefault(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPartitioned)
+	today := utcDay(time.Now())
+	want := []string{tc.Table + "_default"}
+	for i := 0; i <= DefaultPartitionsAhead; i++ {
+		want = append(want, PartitionName(tc.Table, today.AddDate(0, 0, i)))
+	}
+	require.ElementsMatch(t, want, partitionNames(t, db, tc))
+	// Idempotent.
+	require.NoError(t, Migrate(context.Background(), db.Pool, tc))
+	require.ElementsMatch(t, want, partitionNames(t, db, tc))
+}
+
+func TestCleanerPartitionedCreatesAheadAndDropsOld(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPartitioned)
+	ctx := context.Background()
+	start := time.Now()
+	today := utcDay(start)
+	old := v7At(today.Add(time.Hour))
+	insertRows(t, db.Pool, tc, "g", start, old)
+
+	// Ten days later, with a 7-day retention.
+	now := start.AddDate(0, 0, 10)
+	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: func() time.Time { return now }}, nil)
+	require.NoError(t, err)
+	res, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+
+	// Migrate made today..today+3; those wholly before now-7d are dropped.
+	boundary := UUIDv7Floor(now.Add(-DefaultRetention))
+	want := []string{tc.Table + "_default"}
+	dropped := 0
+	for i := 0; i <= DefaultPartitionsAhead; i++ {
+		d := today.AddDate(0, 0, i)
+		if _, to := PartitionBounds(d); bytes.Compare(to[:], boundary[:]) > 0 {
+			want = append(want, PartitionName(tc.Table, d))
+		} else {
+			dropped++
+		}
+		want = append(want, PartitionName(tc.Table, utcDay(now).AddDate(0, 0, i)))
+	}
+	require.ElementsMatch(t, want, partitionNames(t, db, tc))
+	require.Equal(t, 4, res.PartitionsCreated) // now .. now+3
+	require.Equal(t, dropped, res.PartitionsDropped)
+	require.Positive(t, dropped)
+	require.Zero(t, db.Count(t, "SELECT 1 FROM "+tc.Table+" WHERE event_id = $1", old))
+
+	// A second pass has nothing to do.
+	res, err = c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Zero(t, res.PartitionsCreated+res.PartitionsDropped)
+}
+
+// An event redelivered after its neighbours' partitions were created and
+// dropped is still a duplicate; a far-future id lands in the DEFAULT
+// partition, is moved into its own partition once that day is near, and
+// stays a duplicate throughout.
+func TestPartitionedDedupSurvivesMaintenance(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPartitioned)
+	ctx := context.Background()
+	start := time.Now()
+	d, err := New(Config{TableConfig: tc, ConsumerGroup: "g"}, nil)
+	require.NoError(t, err)
+	claim := func(id uuid.UUID) bool {
+		t.Helper()
+		first, err := d.Claim(ctx, db.Pool, id)
+		require.NoError(t, err)
+		return first
+	}
+
+	recent := v7At(start.Add(-time.Minute))
+	yesterday := v7At(start.AddDate(0, 0, -1))   // no partition yet: DEFAULT
+	future := v7At(start.AddDate(0, 0, 20))      // far future: DEFAULT
+	twoDaysAgo := v7At(start.AddDate(0, 0, -2)) // DEFAULT
+	for _, id := range []uuid.UUID{recent, yesterday, future, twoDaysAgo} {
+		require.True(t, claim(id))
+	}
+	def := tc.Table + "_default"
+	require.Equal(t, def, partitionOf(t, db, tc, future))
+	require.Equal(t, def, partitionOf(t, db, tc, yesterday))
+
+	now := start
+	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: func() time.Time { return now }}, nil)
+	require.NoError(t, err)
+	res, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 2, res.PartitionsCreated, "yesterday and two days ago get their partitions")
+	require.EqualValues(t, 2, res.RowsMoved)
+	require.Equal(t, PartitionName(tc.Table, start.AddDate(0, 0, -1)), partitionOf(t, db, tc, yesterday))
+	require.Equal(t, def, partitionOf(t, db, tc, future))
+	for _, id := range []uuid.UUID{recent, yesterday, future, twoDaysAgo} {
+		require.False(t, claim(id), "redelivery after partitions were created must be a duplicate")
+	}
+
+	// 18 days later: the future day is within the ahead window, its row is
+	// moved; the old partitions are dropped.
+	now = start.AddDate(0, 0, 18)
+	res, err = c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, res.RowsMoved)
+	require.Positive(t, res.PartitionsDropped)
+	require.Equal(t, PartitionName(tc.Table, start.AddDate(0, 0, 20)), partitionOf(t, db, tc, future))
+	require.False(t, claim(future), "redelivery after its neighbours were dropped must be a duplicate")
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM "+tc.Table))
+}
+
+// Claims of ids spread over many days (some in the DEFAULT partition) run
+// while passes create, move and drop partitions. Each id is claimed by two
+// workers, retrying errors (a claim that waited on a moved DEFAULT row
+// fails with 23514 and is retried, as the router would): every id must be
+// claimed first exactly once and end with exactly one row.
+func TestPartitionMaintenanceRacesClaims(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPartitioned)
+	ctx := context.Background()
+	start := time.Now()
+	d, err := New(Config{TableConfig: tc, ConsumerGroup: "g"}, nil)
+	require.NoError(t, err)
+
+	var ids []uuid.UUID
+	for i := 0; i < 300; i++ {
+		ids = append(ids, v7At(start.Add(time.Duration(i%12-3)*24*time.Hour+time.Duration(i)*time.Second)))
+	}
+	var mu sync.Mutex
+	now := start
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, Retention: 30 * 24 * time.Hour, NowFunc: clock, LockRetries: 50}, nil)
+	require.NoError(t, err)
+	// Old partitions for the first racing pass to drop.
+	now = start.AddDate(0, 0, -35)
+	_, err = c.RunOnce(ctx)
+	require.NoError(t, err)
+	now = start
+
+	stop := make(chan struct{})
+	var passes sync.WaitGroup
+	passes.Add(1)
+	var passErr error
+	var total Result
+	go func() {
+		defer passes.Done()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			res, err := c.RunOnce(ctx)
+			if err != nil {
+				passErr = err
+				return
+			}
+			total.Batches++
+			total.PartitionsCreated += res.PartitionsCreated
+			total.PartitionsDropped += res.PartitionsDropped
+			total.RowsMoved += res.RowsMoved
+			mu.Lock()
+			now = now.Add(12 * time.Hour) // a new ahead day every other pass
+			mu.Unlock()
+		}
+	}()
+
+	var firsts sync.Map
+	var retried sync.Map
+	var wg sync.WaitGroup
+	for w := 0; w < 4; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			for i := range ids {
+				id := ids[(i+w*75)%len(ids)]
+				for attempt := 0; ; attempt++ {
+					first, err := d.Claim(ctx, db.Pool, id)
+					if err == nil {
+						if first {
+							n, _ := firsts.LoadOrStore(id, new(int))
+							mu.Lock()
+							*n.(*int)++
+							mu.Unlock()
+						}
+						break
+					}
+					var pgErr *pgconn.PgError
+					require.True(t, errors.As(err, &pgErr) && pgErr.Code == pgerrcode.CheckViolation, "unexpected claim error: %v", err)
+					retried.Store(id, true)
+					require.Less(t, attempt, 100)
+				}
+			}
+		}(w)
+	}
+	wg.Wait()
+	close(stop)
+	passes.Wait()
+	require.NoError(t, passErr)
+	nRetried := 0
+	retried.Range(func(any, any) bool { nRetried++; return true })
+	t.Logf("passes %d, partitions created %d, dropped %d, rows moved %d, ids whose claim was retried %d",
+		total.Batches, total.PartitionsCreated, total.PartitionsDropped, total.RowsMoved, nRetried)
+	require.Positive(t, total.PartitionsCreated)
+	require.Positive(t, total.PartitionsDropped)
+
+	for _, id := range ids {
+		n, ok := firsts.Load(id)
+		require.True(t, ok, "id %s never claimed first", id)
+		require.Equal(t, 1, *n.(*int), "id %s claimed first more than once", id)
+	}
+	require.Equal(t, len(ids), db.Count(t, "SELECT DISTINCT event_id FROM "+tc.Table))
+	require.Equal(t, len(ids), db.Count(t, "SELECT 1 FROM "+tc.Table))
+}
+
+func TestMigratePlainToPartitionedKeepsEveryRow(t *testing.T) {
+	t.Parallel()
+	db, plain := retentionDB(t, LayoutPlain)
+	ctx := context.Background()
+	now := time.Now()
+	var ids []uuid.UUID
+	for i := -40; i < 40; i++ { // 40 days back, today, far future
+		for j := 0; j < 5; j++ {
+			ids = append(ids, v7At(now.Add(time.Duration(i)*24*time.Hour+time.Duration(j)*time.Minute)))
+		}
+	}
+	ids = append(ids, v7At(time.Date(2001, 1, 1, 0, 0, 0, 0, time.UTC)), v7At(time.Date(2200, 1, 1, 0, 0, 0, 0, time.UTC)))
+	insertRows(t, db.Pool, plain, "a", now, ids...)
+	insertRows(t, db.Pool, plain, "b", now, ids[:10]...)
+	snapshot := func() []string {
+		rows, err := db.Pool.Query(ctx, "SELECT event_id::text || '/' || consumer_group || '/' || processed_at::text FROM "+plain.Table+" ORDER BY 1")
+		require.NoError(t, err)
+		var out []string
+		for rows.Next() {
+			var s string
+			require.NoError(t, rows.Scan(&s))
+			out = append(out, s)
+		}
+		require.NoError(t, rows.Err())
+		return out
+	}
+	before := snapshot()
+	require.Len(t, before, len(ids)+10)
+
+	part := plain
+	part.Layout = LayoutPartitioned
+	require.NoError(t, Migrate(ctx, db.Pool, part))
+	require.Equal(t, before, snapshot())
+	var kind string
+	require.NoError(t, db.Pool.QueryRow(ctx, "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", plain.Table).Scan(&kind))
+	require.Equal(t, "p", kind)
+	require.Equal(t, PartitionName(part.Table, now.AddDate(0, 0, -39)), partitionOf(t, db, part, ids[5]))
+	require.Equal(t, part.Table+"_default", partitionOf(t, db, part, ids[len(ids)-1]))
+	// Rows outside every daily partition (far future) are still deduped.
+	dd, err := New(Config{TableConfig: part, ConsumerGroup: "a"}, nil)
+	require.NoError(t, err)
+	for _, id := range []uuid.UUID{ids[0], ids[len(ids)-1], ids[len(ids)/2]} {
+		first, err := dd.Claim(ctx, db.Pool, id)
+		require.NoError(t, err)
+		require.False(t, first)
+	}
+
+	// And back, still keeping every row.
+	migs, err := Migrations(part)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, migs[len(migs)-1].Down)
+	require.NoError(t, err)
+	require.Equal(t, before, snapshot())
+}
+
+func TestMigrateToPartitionedRefusesNonV7Rows(t *testing.T) {
+	t.Parallel()
+	db, plain := retentionDB(t, LayoutPlain)
+	ctx := context.Background()
+	insertRows(t, db.Pool, plain, "g", time.Now(), v7At(time.Now()), uuid.New())
+	part := plain
+	part.Layout = LayoutPartitioned
+	err := Migrate(ctx, db.Pool, part)
+	var pgErr *pgconn.PgError
+	require.True(t, errors.As(err, &pgErr), "got %v", err)
+	require.Equal(t, pgerrcode.CheckViolation, pgErr.Code)
+	require.Contains(t, pgErr.Message, "1 rows")
+	var kind string
+	require.NoError(t, db.Pool.QueryRow(ctx, "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", plain.Table).Scan(&kind))
+	require.Equal(t, "r", kind, "nothing changed")
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM "+plain.Table))
+}
+
+func TestLayoutValidation(t *testing.T) {
+	t.Parallel()
+	long := fmt.Sprintf("%054d", 0)
+	long = "t" + long[1:]
+	require.Error(t, TableConfig{Schema: "s", Table: long, Layout: LayoutPartitioned}.Validate())
+	require.NoError(t, TableConfig{Schema: "s", Table: long, Layout: LayoutPlain}.Validate())
+	require.Error(t, TableConfig{Schema: "s", Table: "t", Layout: Layout(9)}.Validate())
+}
