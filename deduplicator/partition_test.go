@@ -136,8 +136,8 @@ func TestPartitionedDedupSurvivesMaintenance(t *testing.T) {
 	}
 
 	recent := v7At(start.Add(-time.Minute))
-	yesterday := v7At(start.AddDate(0, 0, -1))   // no partition yet: DEFAULT
-	future := v7At(start.AddDate(0, 0, 20))      // far future: DEFAULT
+	yesterday := v7At(start.AddDate(0, 0, -1))  // no partition yet: DEFAULT
+	future := v7At(start.AddDate(0, 0, 20))     // far future: DEFAULT
 	twoDaysAgo := v7At(start.AddDate(0, 0, -2)) // DEFAULT
 	for _, id := range []uuid.UUID{recent, yesterday, future, twoDaysAgo} {
 		require.True(t, claim(id))
