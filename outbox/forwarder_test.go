@@ -1,0 +1,266 @@
+package outbox_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/outbox"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+type payload struct {
+	Aggregate string `json:"aggregate"`
+	Seq       int    `json:"seq"`
+}
+
+func decode(t *testing.T, v string) payload {
+	t.Helper()
+	var p payload
+	require.NoError(t, json.Unmarshal([]byte(v), &p))
+	return p
+}
+
+// requirePerKeyOrder checks that every aggregate's records are in one
+// partition with seq 0, 1, 2, ... in offset order.
+func requirePerKeyOrder(t *testing.T, recs []record, perKey int) {
+	t.Helper()
+	next := map[string]int{}
+	part := map[string]int32{}
+	for _, r := range recs {
+		p := decode(t, r.Value)
+		require.Equal(t, p.Aggregate, r.Key)
+		if pt, ok := part[r.Key]; ok {
+			require.Equal(t, pt, r.Partition, "aggregate %s spans partitions", r.Key)
+		}
+		part[r.Key] = r.Partition
+		require.Equal(t, next[r.Key], p.Seq, "aggregate %s out of order at partition %d offset %d", r.Key, r.Partition, r.Offset)
+		next[r.Key]++
+	}
+	for k, n := range next {
+		require.Equal(t, perKey, n, "aggregate %s", k)
+	}
+}
+
+func TestForwarder_PerAggregateOrder10k(t *testing.T) {
+	t.Parallel()
+	const (
+		writers      = 5
+		perWriter    = 10 // aggregates
+		perAggregate = 200
+		total        = writers * perWriter * perAggregate
+	)
+	e := newEnv(t, 12)
+	topic := e.topic(t, "order", 4)
+	f := e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}})
+
+	// Writers publish concurrently, so transaction ids interleave; each
+	// aggregate belongs to one writer, which publishes its events in order.
+	var wg sync.WaitGroup
+	for w := 0; w < writers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for seq := 0; seq < perAggregate; seq++ {
+				msgs := make([]*message.Message, 0, perWriter)
+				for a := 0; a < perWriter; a++ {
+					msgs = append(msgs, event(fmt.Sprintf("agg-%02d", w*perWriter+a), seq))
+				}
+				e.publishTx(t, topic, msgs...)
+			}
+		}()
+	}
+	wg.Wait()
+
+	recs := consume(t, e.broker.Addrs, topic, total)
+	require.Zero(t, f.Stats().Errors)
+	require.Len(t, recs, total)
+	requirePerKeyOrder(t, recs, perAggregate)
+}
+
+func TestForwarder_LongRunningTransactionIsNotSkipped(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, 0)
+	topic := e.topic(t, "slow", 1)
+	f := e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}})
+
+	e.publishTx(t, topic, event("warm-up", 0))
+	require.Eventually(t, func() bool { return f.Stats().Forwarded == 1 }, eventuallyTimeout, 5*time.Millisecond)
+
+	// A slow transaction writes its event first (lower offset and
+	// transaction id) and stays open.
+	slow, err := e.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer slow.Rollback(ctx)
+	require.NoError(t, e.outbox.Publisher(slow).Publish(topic, event("order-1", 0)))
+
+	// A later transaction commits events behind it.
+	e.publishTx(t, topic, event("order-1", 1), event("order-2", 0))
+
+	// Several full reads later, nothing was forwarded past the open
+	// transaction: its id holds the snapshot xmin back. An offset-based
+	// reader would have forwarded the later rows and skipped the slow one.
+	waitPolls(t, f, 3)
+	require.EqualValues(t, 1, f.Stats().Forwarded)
+
+	require.NoError(t, slow.Commit(ctx))
+	recs := consume(t, e.broker.Addrs, topic, 4)
+	require.Len(t, recs, 4)
+	var got []string
+	for _, r := range recs {
+		p := decode(t, r.Value)
+		got = append(got, fmt.Sprintf("%s/%d", p.Aggregate, p.Seq))
+	}
+	require.Equal(t, []string{"warm-up/0", "order-1/0", "order-1/1", "order-2/0"}, got)
+}
+
+// service runs a Watermill router consuming topic in group with the dedup
+// middleware (Outbox set). When outTopic is set, the messages h returns go
+// to the outbox for outTopic in the same transaction.
+func (e *env) service(t *testing.T, topic, group, outTopic string, h message.HandlerFunc) {
+	t.Helper()
+	ctx := context.Background()
+	logger := watermill.NopLogger{}
+	table := deduplicator.TableConfig{Schema: e.db.Schema}
+	require.NoError(t, deduplicator.Migrate(ctx, e.db.Pool, table))
+	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: e.broker.Addrs}, group)
+	require.NoError(t, err)
+	sub, err := kafka.NewSubscriber(subCfg, logger)
+	require.NoError(t, err)
+	dedup, err := idem.NewDedup(idem.Config{DB: e.db.Pool, ConsumerGroup: group, Table: table, Outbox: e.outbox}, logger)
+	require.NoError(t, err)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	require.NoError(t, err)
+	router.AddMiddleware(dedup.Middleware)
+	if outTopic == "" {
+		router.AddConsumerHandler(group, topic, sub, func(m *message.Message) error {
+			_, err := h(m)
+			return err
+		})
+	} else {
+		router.AddHandler(group, topic, sub, outTopic, refusingPublisher{t}, h)
+	}
+	go func() { _ = router.Run(ctx) }()
+	t.Cleanup(func() {
+		_ = router.Close()
+		_ = sub.Close()
+	})
+	<-router.Running()
+}
+
+// refusingPublisher fails the test if the router publishes anything: with an
+// outbox in the middleware, handler-returned messages must not reach it.
+type refusingPublisher struct{ t *testing.T }
+
+func (p refusingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	p.t.Errorf("router publisher got %d messages for %s; they should have gone to the outbox", len(msgs), topic)
+	return fmt.Errorf("unexpected publish")
+}
+func (refusingPublisher) Close() error { return nil }
+
+// groupOffsets returns the sum of group's committed offsets on topic.
+func groupOffsets(t *testing.T, brokers []string, group, topic string) int64 {
+	t.Helper()
+	admin, err := sarama.NewClusterAdmin(brokers, sarama.NewConfig())
+	require.NoError(t, err)
+	defer admin.Close()
+	resp, err := admin.ListConsumerGroupOffsets(group, nil)
+	require.NoError(t, err)
+	var n int64
+	for _, b := range resp.Blocks[topic] {
+		if b.Offset > 0 {
+			n += b.Offset
+		}
+	}
+	return n
+}
+
+func TestForwarder_CrashAndRestart_DedupAppliesOnce(t *testing.T) {
+	t.Parallel()
+	const (
+		aggregates = 50
+		perKey     = 40 // 2,000 events
+		batch      = 100
+		crashAfter = 5 // batches sent; the 5th is sent but its position not committed
+	)
+	ctx := context.Background()
+	e := newEnv(t, 12)
+	topic := e.topic(t, "crash", 4)
+	e.db.Exec(t, `CREATE TABLE applied (event_id uuid NOT NULL, aggregate text NOT NULL, seq int NOT NULL)`)
+
+	publishHalf := func(from, to int) {
+		for seq := from; seq < to; seq++ {
+			msgs := make([]*message.Message, 0, aggregates)
+			for a := 0; a < aggregates; a++ {
+				msgs = append(msgs, event(fmt.Sprintf("agg-%02d", a), seq))
+			}
+			e.publishTx(t, topic, msgs...)
+		}
+	}
+	publishHalf(0, perKey/2)
+
+	// First forwarder: dies right after sending its 5th batch, before the
+	// position of that batch is committed.
+	f1, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: e.producer(t), Topics: []string{topic}, BatchSize: batch}, nil)
+	require.NoError(t, err)
+	sent := 0
+	outbox.SetBeforeAckHook(f1, func(string, int) error {
+		sent++
+		if sent == crashAfter {
+			return errCrash
+		}
+		return nil
+	})
+	require.ErrorIs(t, f1.Run(ctx), errCrash)
+	require.EqualValues(t, (crashAfter-1)*batch, f1.Stats().Forwarded)
+	require.EqualValues(t, crashAfter*batch, highWater(t, e.broker.Addrs, topic), "the 5th batch reached Kafka")
+
+	// The consuming service.
+	group := topic + "-svc"
+	e.service(t, topic, group, "", func(m *message.Message) ([]*message.Message, error) {
+		ctx := m.Context()
+		id, _ := idem.EventIDFromContext(ctx)
+		p := decode(t, string(m.Payload))
+		_, err := idem.MustTxFromContext(ctx).Exec(ctx, `INSERT INTO applied VALUES ($1, $2, $3)`, id, p.Aggregate, p.Seq)
+		return nil, err
+	})
+
+	// Restart while the producer keeps writing.
+	f2 := e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}, BatchSize: batch})
+	publishHalf(perKey/2, perKey)
+
+	const total = aggregates * perKey
+	wantRecords := int64(total + batch) // the unacknowledged batch went out twice
+	require.Eventually(t, func() bool {
+		return f2.Stats().Forwarded == total-(crashAfter-1)*batch
+	}, eventuallyTimeout, 10*time.Millisecond)
+	require.EqualValues(t, wantRecords, highWater(t, e.broker.Addrs, topic))
+	// Wait until the service consumed every record, duplicates included.
+	require.Eventually(t, func() bool {
+		return groupOffsets(t, e.broker.Addrs, group, topic) == wantRecords
+	}, eventuallyTimeout, 50*time.Millisecond)
+
+	require.Equal(t, total, e.db.Count(t, `SELECT 1 FROM applied`), "each event applied exactly once")
+	require.Equal(t, total, e.db.Count(t, `SELECT DISTINCT event_id FROM applied`))
+	require.Equal(t, total, e.db.Count(t, `SELECT DISTINCT aggregate, seq FROM applied`))
+
+	// Every record arrived, and the last copy of each key's events is in order.
+	recs := consume(t, e.broker.Addrs, topic, int(wantRecords))
+	seen := map[string]bool{}
+	for _, r := range recs {
+		seen[r.Headers[publisher.MetadataEventID]] = true
+	}
+	require.Len(t, seen, total)
+}
