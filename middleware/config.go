@@ -147,6 +147,9 @@ func (c Config) Validate() error {
 	if c.Retention < 0 {
 		return errors.New("Retention: must not be negative")
 	}
+	if c.AllowNonV7 && c.Table.Layout == deduplicator.LayoutPartitioned {
+		return errors.New("AllowNonV7: not with Table.Layout = LayoutPartitioned (partitions are placed by UUIDv7 time; a non-v7 id would land in the DEFAULT partition and never age out)")
+	}
 	if c.StaleMargin < 0 || c.StaleMargin >= c.Retention {
 		return fmt.Errorf("StaleMargin: %s must be in [0, Retention=%s)", c.StaleMargin, c.Retention)
 	}
