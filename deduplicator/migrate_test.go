@@ -1,0 +1,130 @@
+package deduplicator_test
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+func TestMigrateIsIdempotent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	tc := deduplicator.TableConfig{Schema: db.Schema}
+	for range 3 {
+		require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
+	}
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'processed_event'", db.Schema))
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", deduplicator.Component+":processed_event"))
+	// The documented shape: primary key (event_id, consumer_group).
+	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid
+		WHERE c.relname = 'processed_event' AND c.relnamespace = $1::regnamespace AND i.indisprimary
+		AND pg_get_indexdef(i.indexrelid) LIKE '%(event_id, consumer_group)%'`, db.Schema))
+}
+
+// Every instance of a service may call Migrate at start-up: concurrent calls
+// are serialised and the schema is created once.
+func TestMigrateConcurrently(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 8)
+	tc := deduplicator.TableConfig{Schema: db.Schema}
+	errs := make([]error, 4)
+	var wg sync.WaitGroup
+	for i := range errs {
+		wg.Go(func() { errs[i] = deduplicator.Migrate(ctx, db.Pool, tc) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
+}
+
+// Custom schema and table names, created if missing, quoted everywhere, and
+// used by Claim; two tables in one schema keep separate migration records.
+func TestMigrateCustomNames(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	schema := db.Schema + "_Dedup" // mixed case: only correct if quoted
+	t.Cleanup(func() {
+		_, _ = db.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	})
+	orders := deduplicator.TableConfig{Schema: schema, Table: "Orders_seen"}
+	refunds := deduplicator.TableConfig{Schema: schema, Table: "refunds_seen"}
+	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, orders))
+	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, refunds))
+	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, orders))
+
+	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", schema), "two tables plus the migration table")
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'Orders_seen_processed_at_idx'", schema))
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()))
+
+	d, err := deduplicator.New(deduplicator.Config{TableConfig: orders, ConsumerGroup: "g"}, nil)
+	require.NoError(t, err)
+	id := publisher.NewEventID()
+	inTx(t, db, func(tx pgx.Tx) {
+		first, err := d.Claim(ctx, tx, id)
+		require.NoError(t, err)
+		require.True(t, first)
+	})
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "Orders_seen"}.Sanitize()))
+	require.Zero(t, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "refunds_seen"}.Sanitize()))
+}
+
+// Names that are not plain identifiers never reach SQL.
+func TestMigrateRefusesInjection(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	db.Exec(t, "CREATE TABLE victim (id int)")
+	for _, tc := range []deduplicator.TableConfig{
+		{Schema: db.Schema, Table: `x"; DROP TABLE victim; --`},
+		{Schema: db.Schema + `"; DROP TABLE victim; --`},
+		{Schema: db.Schema, Table: "x; DROP TABLE victim"},
+		{Schema: db.Schema, Table: "a.b"},
+		{Schema: db.Schema, Table: "täble"},
+		{Schema: db.Schema, Table: strings.Repeat("t", 64)},
+	} {
+		require.Error(t, tc.Validate(), "%+v", tc)
+		require.Error(t, deduplicator.Migrate(ctx, db.Pool, tc), "%+v", tc)
+		_, err := deduplicator.Migrations(tc)
+		require.Error(t, err, "%+v", tc)
+	}
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "only victim exists")
+}
+
+// The rendered SQL is what goose or golang-migrate users apply: it creates
+// and drops exactly the configured table.
+func TestMigrationsRawSQLUpAndDown(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t, 2)
+	migs, err := deduplicator.Migrations(deduplicator.TableConfig{Schema: db.Schema, Table: "seen"})
+	require.NoError(t, err)
+	require.NotEmpty(t, migs)
+	require.Equal(t, 1, migs[0].Version)
+	require.Contains(t, migs[0].Up, pgx.Identifier{db.Schema, "seen"}.Sanitize())
+
+	for _, m := range migs {
+		db.Exec(t, m.Up)
+	}
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'seen'", db.Schema))
+	for i := len(migs) - 1; i >= 0; i-- {
+		db.Exec(t, migs[i].Down)
+	}
+	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'seen'", db.Schema))
+
+	// The templates themselves are exposed too.
+	raw, err := deduplicator.MigrationTemplates.Open("001_processed_event.up.sql")
+	require.NoError(t, err)
+	require.NoError(t, raw.Close())
+}
