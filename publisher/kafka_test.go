@@ -1,0 +1,219 @@
+package publisher_test
+
+import (
+	"context"
+	"crypto/tls"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// unsafeBase is a user's config with security settings and every delivery
+// setting the helpers must override set to the unsafe value.
+func unsafeBase() *sarama.Config {
+	c := sarama.NewConfig()
+	c.ClientID = "billing-service"
+	c.Version = sarama.V0_11_0_0
+	c.Net.TLS.Enable = true
+	c.Net.TLS.Config = &tls.Config{ServerName: "kafka.internal", MinVersion: tls.VersionTLS12}
+	c.Net.SASL.Enable = true
+	c.Net.SASL.Mechanism = sarama.SASLTypePlaintext
+	c.Net.SASL.User = "svc"
+	c.Net.SASL.Password = "secret"
+	c.Producer.Compression = sarama.CompressionSnappy
+	c.Producer.Idempotent = false
+	c.Producer.RequiredAcks = sarama.NoResponse
+	c.Producer.Retry.Max = 0
+	c.Producer.Return.Successes = false
+	c.Net.MaxOpenRequests = 5
+	c.Consumer.Offsets.Initial = sarama.OffsetNewest
+	c.Consumer.Offsets.AutoCommit.Enable = false
+	c.Consumer.Return.Errors = false
+	return c
+}
+
+func requireSecurityPreserved(t *testing.T, got, base *sarama.Config) {
+	t.Helper()
+	require.Equal(t, "billing-service", got.ClientID)
+	require.True(t, got.Net.TLS.Enable)
+	require.Same(t, base.Net.TLS.Config, got.Net.TLS.Config)
+	require.True(t, got.Net.SASL.Enable)
+	require.Equal(t, sarama.SASLMechanism(sarama.SASLTypePlaintext), got.Net.SASL.Mechanism)
+	require.Equal(t, "svc", got.Net.SASL.User)
+	require.Equal(t, "secret", got.Net.SASL.Password)
+}
+
+func TestSaramaProducerConfigEnforcesSafeSettings(t *testing.T) {
+	t.Parallel()
+	base := unsafeBase()
+	got := publisher.SaramaProducerConfig(base)
+	require.NotSame(t, base, got)
+	require.True(t, got.Producer.Idempotent)
+	require.Equal(t, sarama.WaitForAll, got.Producer.RequiredAcks)
+	require.Equal(t, 1, got.Net.MaxOpenRequests)
+	require.GreaterOrEqual(t, got.Producer.Retry.Max, 10)
+	require.True(t, got.Producer.Return.Successes)
+	require.True(t, got.Version.IsAtLeast(publisher.MinKafkaVersion))
+	require.Equal(t, sarama.CompressionSnappy, got.Producer.Compression)
+	requireSecurityPreserved(t, got, base)
+	require.NoError(t, got.Validate())
+
+	// The caller's config is not modified.
+	require.False(t, base.Producer.Idempotent)
+	require.Equal(t, sarama.NoResponse, base.Producer.RequiredAcks)
+	require.Equal(t, 5, base.Net.MaxOpenRequests)
+
+	// A newer version and a larger retry budget are kept.
+	base.Version = sarama.V3_6_0_0
+	base.Producer.Retry.Max = 50
+	got = publisher.SaramaProducerConfig(base)
+	require.Equal(t, sarama.V3_6_0_0, got.Version)
+	require.Equal(t, 50, got.Producer.Retry.Max)
+
+	nilBase := publisher.SaramaProducerConfig(nil)
+	require.True(t, nilBase.Producer.Idempotent)
+	require.NoError(t, nilBase.Validate())
+}
+
+func TestSaramaConsumerConfigEnforcesSafeSettings(t *testing.T) {
+	t.Parallel()
+	base := unsafeBase()
+	got := publisher.SaramaConsumerConfig(base)
+	require.Equal(t, sarama.OffsetOldest, got.Consumer.Offsets.Initial)
+	require.True(t, got.Consumer.Offsets.AutoCommit.Enable)
+	require.True(t, got.Consumer.Return.Errors)
+	require.True(t, got.Version.IsAtLeast(publisher.MinKafkaVersion))
+	requireSecurityPreserved(t, got, base)
+	require.NoError(t, got.Validate())
+	require.Equal(t, sarama.OffsetNewest, base.Consumer.Offsets.Initial, "the caller's config is not modified")
+}
+
+func TestNewKafkaSubscriberConfig(t *testing.T) {
+	t.Parallel()
+	_, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{}, "g")
+	require.ErrorContains(t, err, "Brokers")
+	_, err = publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}}, "")
+	require.ErrorContains(t, err, "consumerGroup")
+	bad := sarama.NewConfig()
+	bad.Net.SASL.Enable = true // no user: Sarama refuses it
+	_, err = publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}, Sarama: bad}, "g")
+	require.ErrorContains(t, err, "invalid config: Sarama")
+
+	base := unsafeBase()
+	cfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}, Sarama: base}, "billing")
+	require.NoError(t, err)
+	require.Equal(t, "billing", cfg.ConsumerGroup)
+	require.Equal(t, []string{"k:9092"}, cfg.Brokers)
+	require.IsType(t, publisher.Marshaler{}, cfg.Unmarshaler)
+	require.Equal(t, sarama.OffsetOldest, cfg.OverwriteSaramaConfig.Consumer.Offsets.Initial)
+	requireSecurityPreserved(t, cfg.OverwriteSaramaConfig, base)
+}
+
+func TestNewKafkaPublisherConfig(t *testing.T) {
+	t.Parallel()
+	_, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{})
+	require.ErrorContains(t, err, "Brokers")
+
+	base := unsafeBase()
+	cfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}, Sarama: base})
+	require.NoError(t, err)
+	require.IsType(t, publisher.Marshaler{}, cfg.Marshaler)
+	require.True(t, cfg.OverwriteSaramaConfig.Producer.Idempotent)
+	require.Equal(t, sarama.WaitForAll, cfg.OverwriteSaramaConfig.Producer.RequiredAcks)
+	requireSecurityPreserved(t, cfg.OverwriteSaramaConfig, base)
+}
+
+func TestMarshalerKeysByPartitionKey(t *testing.T) {
+	t.Parallel()
+	m := message.NewMessage(uuid.NewString(), []byte("p"))
+	m.Metadata.Set(publisher.MetadataEventID, publisher.NewEventID().String())
+	pm, err := publisher.Marshaler{}.Marshal("t", m)
+	require.NoError(t, err)
+	require.Nil(t, pm.Key, "no partition_key, no record key")
+
+	m.Metadata.Set(publisher.MetadataPartitionKey, "account-42")
+	pm, err = publisher.Marshaler{}.Marshal("t", m)
+	require.NoError(t, err)
+	key, err := pm.Key.Encode()
+	require.NoError(t, err)
+	require.Equal(t, "account-42", string(key))
+	var headers []string
+	for _, h := range pm.Headers {
+		headers = append(headers, string(h.Key))
+	}
+	require.Contains(t, headers, publisher.MetadataEventID)
+}
+
+// Against the broker: a group created after the events were produced still
+// reads them (OffsetOldest), and events sharing a partition_key land in one
+// partition, in publish order.
+func TestKafkaConfigsAgainstBroker(t *testing.T) {
+	t.Parallel()
+	broker := kafkatest.Start(t)
+	topic := broker.Topic(t, "accounts", 4)
+	logger := watermill.NopLogger{}
+
+	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	require.NoError(t, err)
+	pub, err := kafka.NewPublisher(pubCfg, logger)
+	require.NoError(t, err)
+	defer pub.Close()
+
+	const perKey = 10
+	keys := []string{"a", "b", "c", "d", "e", "f"}
+	for i := range perKey {
+		for _, k := range keys {
+			m := message.NewMessage(uuid.NewString(), []byte(fmt.Sprint(i)))
+			m.Metadata.Set(publisher.MetadataEventID, publisher.NewEventID().String())
+			m.Metadata.Set(publisher.MetadataPartitionKey, k)
+			require.NoError(t, pub.Publish(topic, m))
+		}
+	}
+
+	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: broker.Addrs}, topic+"-late-group")
+	require.NoError(t, err)
+	sub, err := kafka.NewSubscriber(subCfg, logger)
+	require.NoError(t, err)
+	defer sub.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	msgs, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	partitionOf := map[string]map[int32]bool{}
+	seq := map[string][]string{}
+	for range perKey * len(keys) {
+		select {
+		case m := <-msgs:
+			p, ok := kafka.MessagePartitionFromCtx(m.Context())
+			require.True(t, ok)
+			k := m.Metadata.Get(publisher.MetadataPartitionKey)
+			if partitionOf[k] == nil {
+				partitionOf[k] = map[int32]bool{}
+			}
+			partitionOf[k][p] = true
+			seq[k] = append(seq[k], string(m.Payload))
+			m.Ack()
+		case <-ctx.Done():
+			t.Fatal("timed out: the late group did not read the earlier events (OffsetOldest)")
+		}
+	}
+	for _, k := range keys {
+		require.Len(t, partitionOf[k], 1, "key %s in one partition", k)
+		want := make([]string, perKey)
+		for i := range want {
+			want[i] = fmt.Sprint(i)
+		}
+		require.Equal(t, want, seq[k], "key %s in publish order", k)
+	}
+}
