@@ -173,7 +173,7 @@ func startConcurrentClaim(t *testing.T, f *ledgerFixture, d *idem.Dedup) *concur
 		if _, err := f.insertHandler(1, &c.firstCalls)(m); err != nil {
 			return nil, err
 		}
-		pid <- backendPID(t, ctx, idem.MustTxFromContext(m.Context()))
+		pid <- ledgerBackendPID(t, ctx, idem.MustTxFromContext(m.Context()))
 		return nil, <-c.release
 	})
 	go func() {
@@ -329,7 +329,7 @@ func TestDuplicateEndsWithRollbackAndLeavesClaimUnchanged(t *testing.T) {
 	require.Zero(t, f.pool.Stat().AcquiredConns())
 }
 
-type ctxKey struct{}
+type restoreCtxKey struct{}
 
 // The handler sees the transaction, event id and consumer group in
 // msg.Context(); whatever the outcome, the message's original context is
@@ -346,11 +346,11 @@ func TestOriginalContextRestored(t *testing.T) {
 		want error
 	}{{"error", boom}, {"success", nil}, {"duplicate", nil}} {
 		m := f.msg(id)
-		orig := context.WithValue(context.Background(), ctxKey{}, "caller value")
+		orig := context.WithValue(context.Background(), restoreCtxKey{}, "caller value")
 		m.SetContext(orig)
 		_, err := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
 			ctx := m.Context()
-			require.Equal(t, "caller value", ctx.Value(ctxKey{}), "the handler's context derives from the message's")
+			require.Equal(t, "caller value", ctx.Value(restoreCtxKey{}), "the handler's context derives from the message's")
 			_, ok := idem.TxFromContext(ctx)
 			require.True(t, ok)
 			gotID, ok := idem.EventIDFromContext(ctx)

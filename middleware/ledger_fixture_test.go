@@ -98,8 +98,8 @@ func (f *ledgerFixture) claims(t *testing.T) int {
 	return f.db.Count(t, "SELECT 1 FROM processed_event")
 }
 
-// backendPID returns the server pid of the connection running tx.
-func backendPID(t *testing.T, ctx context.Context, tx pgx.Tx) int32 {
+// ledgerBackendPID returns the server pid of the connection running tx.
+func ledgerBackendPID(t *testing.T, ctx context.Context, tx pgx.Tx) int32 {
 	t.Helper()
 	var pid int32
 	require.NoError(t, tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid))

@@ -22,8 +22,8 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// v7At returns a UUIDv7 whose timestamp is t.
-func v7At(t time.Time) uuid.UUID {
+// poisonV7At returns a UUIDv7 whose timestamp is t.
+func poisonV7At(t time.Time) uuid.UUID {
 	id := publisher.NewEventID()
 	var ms [8]byte
 	binary.BigEndian.PutUint64(ms[:], uint64(t.UnixMilli()))
@@ -80,7 +80,7 @@ func TestRouterRoutesRefusedMessagesToPoisonTopic(t *testing.T) {
 		addBad("garbage", `{"amount":1}`, idem.ErrInvalidEventID.Error()),
 		addBad(uuid.Nil.String(), `{"amount":1}`, idem.ErrNilEventID.Error()),
 		addBad(uuid.NewString(), `{"amount":1}`, idem.ErrNotUUIDv7.Error()),
-		addBad(v7At(time.Now().Add(-30*24*time.Hour)).String(), `{"amount":1}`, idem.ErrStaleEvent.Error()),
+		addBad(poisonV7At(time.Now().Add(-30*24*time.Hour)).String(), `{"amount":1}`, idem.ErrStaleEvent.Error()),
 		addBad(publisher.NewEventID().String(), `{"amount":"lots"}`, idem.ErrMalformedPayload.Error()),
 	}
 	all := append(append(append([]*message.Message{}, good...), dup), badMsgs...)
