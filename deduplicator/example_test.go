@@ -1,0 +1,101 @@
+package deduplicator_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// examplePool connects to DATABASE_URL (or the local test database) and
+// returns a fresh schema name with a cleanup that drops it.
+func examplePool(ctx context.Context) (*pgxpool.Pool, string, func()) {
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		url = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		panic(err)
+	}
+	var rnd [6]byte
+	_, _ = rand.Read(rnd[:])
+	schema := "example_dedup_" + hex.EncodeToString(rnd[:])
+	return pool, schema, func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		pool.Close()
+	}
+}
+
+// Migrate creates the processed_event table (and its schema) at start-up;
+// calling it again, from any number of instances, is safe.
+func ExampleMigrate() {
+	ctx := context.Background()
+	pool, schema, cleanup := examplePool(ctx)
+	defer cleanup()
+
+	table := deduplicator.TableConfig{Schema: schema} // Table defaults to processed_event
+	for range 2 {
+		if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+			panic(err)
+		}
+	}
+
+	var versions int
+	_ = pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()).Scan(&versions)
+	fmt.Println("applied versions:", versions)
+
+	// The same SQL, rendered for goose or golang-migrate users.
+	migs, _ := deduplicator.Migrations(table)
+	fmt.Printf("%03d_%s\n", migs[0].Version, migs[0].Name)
+	// Output:
+	// applied versions: 1
+	// 001_processed_event
+}
+
+// Claim runs in the caller's transaction: commit it together with the
+// business writes it protects. A second claim of the same event is a
+// duplicate.
+func ExampleDeduplicator_Claim() {
+	ctx := context.Background()
+	pool, schema, cleanup := examplePool(ctx)
+	defer cleanup()
+	table := deduplicator.TableConfig{Schema: schema}
+	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+		panic(err)
+	}
+	dedup, err := deduplicator.New(deduplicator.Config{TableConfig: table, ConsumerGroup: "billing"}, nil)
+	if err != nil {
+		panic(err)
+	}
+
+	eventID := publisher.NewEventID()
+	for range 2 {
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			first, err := dedup.Claim(ctx, tx, eventID)
+			if err != nil {
+				return err
+			}
+			if !first {
+				fmt.Println("duplicate: skip")
+				return nil
+			}
+			// ... business writes on tx ...
+			fmt.Println("first time: apply")
+			return nil
+		})
+		if err != nil {
+			panic(err)
+		}
+	}
+	// Output:
+	// first time: apply
+	// duplicate: skip
+}
