@@ -1,0 +1,76 @@
+// Package middleware is the Watermill handler middleware that applies each
+// event at most once per consumer group, in the same PostgreSQL transaction
+// as the handler's own writes. Kafka delivers at least once; with this
+// middleware the business effect lands in Postgres exactly once, whatever is
+// redelivered (a crash after COMMIT, a rebalance, a replay).
+//
+// Import it under an alias, next to Watermill's own middleware package:
+//
+//	import (
+//		"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+//		idem "github.com/idemkit/watermill-idempotency/middleware"
+//	)
+//
+// # How a message is handled
+//
+// [Dedup.Middleware] reads the event id (metadata "event_id", else the JSON
+// payload field "eventId"; see [DefaultEventIDFunc]), begins a transaction,
+// and claims (event id, consumer group) in the processed_event table with
+// INSERT ... ON CONFLICT DO NOTHING ([deduplicator.Deduplicator.Claim]):
+//
+//   - first delivery: the handler runs with the transaction in msg.Context()
+//     ([TxFromContext], [MustTxFromContext], [EventIDFromContext]); when it
+//     returns nil the middleware COMMITs, and only then does the router ack;
+//   - duplicate: ROLLBACK, the handler is not run, the message is acked;
+//   - handler error or panic: ROLLBACK, the error (or panic) propagates, the
+//     message is nacked and redelivered, and the redelivery finds no claim;
+//   - concurrent delivery of the same event (a rebalance): the second claim
+//     waits for the first transaction, then skips (it committed) or
+//     processes (it rolled back). Under REPEATABLE READ or SERIALIZABLE
+//     ([Config.TxOptions]) the second fails with SQLSTATE 40001 instead,
+//     returned as an ordinary, retryable error.
+//
+// The message's original context is restored when the middleware returns.
+//
+//	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "billing"}, logger)
+//	...
+//	router.AddConsumerHandler("ledger", "payments", sub, func(msg *message.Message) error {
+//		tx := idem.MustTxFromContext(msg.Context())
+//		_, err := tx.Exec(msg.Context(), "INSERT INTO ledger (amount) VALUES ($1)", amount)
+//		return err
+//	})
+//
+// Run [deduplicator.Migrate] at start-up to create the table.
+//
+// # Where Retry and PoisonQueue go
+//
+// Order the router's middlewares poison queue, then Retry, then dedup:
+//
+//	poison, _ := middleware.PoisonQueueWithFilter(pub, "payments.poison", idem.IsPermanent)
+//	retry := middleware.Retry{MaxRetries: 5, InitialInterval: 100 * time.Millisecond,
+//		ShouldRetry: func(p middleware.RetryParams) bool { return !idem.IsPermanent(p.Err) }}
+//	router.AddMiddleware(poison, retry.Middleware, dedup.Middleware)
+//
+// Retry must wrap the dedup middleware, not sit inside it: after an error
+// PostgreSQL aborts the transaction, so every attempt needs a fresh one. The
+// poison queue sits outside Retry so that a message is poisoned once, after
+// its last attempt.
+//
+// # Bad input
+//
+// A message whose event id is missing ([ErrMissingEventID]), malformed
+// ([ErrInvalidEventID]), the nil UUID ([ErrNilEventID]), not a UUIDv7
+// ([ErrNotUUIDv7], unless [Config.AllowNonV7]) or older than the dedup
+// retention ([ErrStaleEvent]) is refused before any transaction begins, with
+// an [*EventIDError] telling why. These errors, [ErrMalformedPayload] and
+// anything wrapped with [Permanent] satisfy [IsPermanent], so
+// PoisonQueueWithFilter routes them to the poison topic (with the reason in
+// the "reason_poisoned" metadata) instead of retrying forever. Nothing is
+// processed without a usable id.
+//
+// # Downstream calls
+//
+// [IdempotencyKey] and [NewIdempotencyKeyTransport] derive an
+// Idempotency-Key from the event being handled, so a payment provider called
+// again after a rollback sees the same key and dedups the call.
+package middleware
