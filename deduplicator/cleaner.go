@@ -339,57 +339,67 @@ func (r Result) logFields() watermill.LogFields {
 	}
 }
 
-// deleteV7 deletes the UUIDv7 rows of table (the parent or one partition)
-// created before cutoff, walking the primary key upwards in batches.
+// deleteV7 deletes the UUIDv7 rows of table (the plain table or the DEFAULT
+// partition) created before cutoff, walking the primary key upwards in
+// batches.
 func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, cutoff time.Time, res *Result) error {
-	// Keyset: each batch starts at the last id the previous one deleted, so
-	// rows the filter skips (non-v7, locked) are not rescanned every batch.
-	q := `WITH doomed AS (
-	SELECT event_id, consumer_group FROM ` + table + `
-	WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4 = 7
-	ORDER BY event_id LIMIT $3
-	FOR UPDATE SKIP LOCKED
+	// Each batch takes the next rows in primary-key order below the boundary
+	// (an index range scan: filtering the version inside the scan would
+	// spoil the planner's estimate and turn it into a sort of the whole
+	// range), deletes the UUIDv7 ones, and the next batch starts after the
+	// last key seen, so skipped rows (non-v7) are not rescanned.
+	//
+	// Deleted by ctid: the table is a heap and processed_event rows are never
+	// updated, so a row's ctid is stable within the statement. No FOR
+	// UPDATE: claims never lock existing rows (ON CONFLICT DO NOTHING does
+	// not), and locking would write every tuple twice.
+	q := `WITH batch AS MATERIALIZED (
+	SELECT ctid, event_id, consumer_group FROM ` + table + `
+	WHERE (event_id, consumer_group) > ($1, $2) AND event_id < $3
+	ORDER BY event_id, consumer_group LIMIT $4
 ), del AS (
-	DELETE FROM ` + table + ` p USING doomed d
-	WHERE p.event_id = d.event_id AND p.consumer_group = d.consumer_group
-	RETURNING p.event_id
+	DELETE FROM ` + table + ` WHERE ctid = ANY (ARRAY (
+		SELECT ctid FROM batch WHERE get_byte(uuid_send(event_id), 6) >> 4 = 7))
+	RETURNING 1
+), last AS (
+	SELECT event_id, consumer_group FROM batch ORDER BY event_id DESC, consumer_group DESC LIMIT 1
 )
-SELECT count(*), (SELECT event_id FROM del ORDER BY event_id DESC LIMIT 1) FROM del`
-	from := uuid.Nil
+SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM del), last.event_id, last.consumer_group
+FROM (SELECT 1) one LEFT JOIN last ON true`
+	var (
+		fromID    = uuid.Nil
+		fromGroup = ""
+	)
 	boundary := UUIDv7Floor(cutoff)
-	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (int64, error) {
-		var n int64
-		var last *uuid.UUID
-		if err := tx.QueryRow(ctx, q, from, boundary, limit).Scan(&n, &last); err != nil {
-			return 0, err
+	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (scanned, deleted int64, err error) {
+		var lastID *uuid.UUID
+		var lastGroup *string
+		if err := tx.QueryRow(ctx, q, fromID, fromGroup, boundary, limit).Scan(&scanned, &deleted, &lastID, &lastGroup); err != nil {
+			return 0, 0, err
 		}
-		if last != nil {
-			from = *last
+		if lastID != nil && lastGroup != nil {
+			fromID, fromGroup = *lastID, *lastGroup
 		}
-		return n, nil
+		return scanned, deleted, nil
 	})
 }
 
 // deleteNonV7 deletes non-v7 rows processed before cutoff.
 func (c *Cleaner) deleteNonV7(ctx context.Context, conn *pgx.Conn, cutoff time.Time, res *Result) error {
-	q := `WITH doomed AS (
-	SELECT event_id, consumer_group FROM ` + c.table + `
+	q := `DELETE FROM ` + c.table + ` WHERE ctid = ANY (ARRAY (
+	SELECT ctid FROM ` + c.table + `
 	WHERE processed_at < $1 AND get_byte(uuid_send(event_id), 6) >> 4 <> 7
-	ORDER BY processed_at LIMIT $2
-	FOR UPDATE SKIP LOCKED
-)
-DELETE FROM ` + c.table + ` p USING doomed d
-WHERE p.event_id = d.event_id AND p.consumer_group = d.consumer_group`
-	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (int64, error) {
+	ORDER BY processed_at LIMIT $2))`
+	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (int64, int64, error) {
 		tag, err := tx.Exec(ctx, q, cutoff, limit)
-		return tag.RowsAffected(), err
+		return tag.RowsAffected(), tag.RowsAffected(), err
 	})
 }
 
-// batches runs batch in its own transaction until it deletes fewer rows than
+// batches runs batch in its own transaction until it scans fewer rows than
 // asked, backing off and shrinking the batch when one hits the statement
 // timeout.
-func (c *Cleaner) batches(ctx context.Context, conn *pgx.Conn, res *Result, batch func(tx pgx.Tx, limit int) (int64, error)) error {
+func (c *Cleaner) batches(ctx context.Context, conn *pgx.Conn, res *Result, batch func(tx pgx.Tx, limit int) (scanned, deleted int64, err error)) error {
 	limit := c.cfg.BatchSize
 	consecutive := 0
 	setTimeout := "SET LOCAL statement_timeout = " + strconv.FormatInt(c.cfg.StatementTimeout.Milliseconds(), 10)
@@ -400,13 +410,16 @@ func (c *Cleaner) batches(ctx context.Context, conn *pgx.Conn, res *Result, batc
 		if c.beforeBatch != nil {
 			c.beforeBatch(res.Batches)
 		}
+		var scanned int64
 		n, err := c.inTx(ctx, conn, func(tx pgx.Tx) (int64, error) {
 			if c.cfg.StatementTimeout > 0 {
 				if _, err := tx.Exec(ctx, setTimeout); err != nil {
 					return 0, err
 				}
 			}
-			return batch(tx, limit)
+			s, d, err := batch(tx, limit)
+			scanned = s
+			return d, err
 		})
 		if err != nil {
 			if ctx.Err() != nil || !isStatementTimeout(err) {
@@ -431,7 +444,7 @@ func (c *Cleaner) batches(ctx context.Context, conn *pgx.Conn, res *Result, batc
 		res.Batches++
 		res.Deleted += n
 		c.logger.Trace("Retention batch deleted", watermill.LogFields{"rows": n})
-		if n < int64(limit) {
+		if scanned < int64(limit) {
 			return nil
 		}
 	}

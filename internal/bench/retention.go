@@ -1,0 +1,265 @@
+package bench
+
+import (
+	"context"
+	"crypto/rand"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+)
+
+func init() { Register("retention", retention) }
+
+// retentionWorkers claim new events while each retention strategy runs.
+const retentionWorkers = 4
+
+// retentionResult is one strategy's measurement.
+type retentionResult struct {
+	name      string
+	deleted   int64
+	elapsed   time.Duration
+	walBytes  int64
+	sizeAfter int64
+	claims    int
+	p99       time.Duration
+}
+
+// retention compares three ways to remove the half of a processed_event
+// table that is older than the retention: one DELETE statement, the batched
+// Cleaner, and dropping daily partitions (the partitioned layout's Cleaner).
+// Each strategy gets its own freshly loaded table with the same rows (14
+// days of UUIDv7 ids, half of them older than 7 days), a CHECKPOINT first
+// (so each pays its full-page images), and 4 workers claiming new events
+// through the whole operation (at least 1 s).
+func retention(ctx context.Context, o Options) (Section, error) {
+	rows := 2_000_000
+	if o.Short {
+		rows = 100_000
+	}
+	db, err := NewDB(ctx, o, "retention", retentionWorkers+2, nil)
+	if err != nil {
+		return Section{}, err
+	}
+	defer db.Close()
+
+	// Day-aligned: the data covers [D-14d, D) and the cleaners run at D with
+	// a 7-day retention, so all three remove exactly the same rows.
+	d := time.Now().UTC().Truncate(24 * time.Hour)
+	retention := deduplicator.DefaultRetention
+	clock := func() time.Time { return d }
+
+	var results []retentionResult
+	for _, s := range []struct {
+		name   string
+		layout deduplicator.Layout
+		run    func(ctx context.Context, tc deduplicator.TableConfig) (int64, error)
+	}{
+		{"DROP partitions (partitioned layout, Cleaner)", deduplicator.LayoutPartitioned, func(ctx context.Context, tc deduplicator.TableConfig) (int64, error) {
+			c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: tc, DB: db.Pool, Retention: retention, NowFunc: clock}, nil)
+			if err != nil {
+				return 0, err
+			}
+			res, err := c.RunOnce(ctx)
+			if err == nil && res.PartitionsDropped != 7 {
+				err = fmt.Errorf("dropped %d partitions, want 7", res.PartitionsDropped)
+			}
+			return int64(rows / 2), err
+		}},
+		{"single DELETE", deduplicator.LayoutPlain, func(ctx context.Context, tc deduplicator.TableConfig) (int64, error) {
+			tag, err := db.Pool.Exec(ctx, "DELETE FROM "+tc.Table+" WHERE event_id < $1", deduplicator.UUIDv7Floor(d.Add(-retention)))
+			return tag.RowsAffected(), err
+		}},
+		{"batched Cleaner (10,000 rows per tx)", deduplicator.LayoutPlain, func(ctx context.Context, tc deduplicator.TableConfig) (int64, error) {
+			c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: tc, DB: db.Pool, Retention: retention, NowFunc: clock}, nil)
+			if err != nil {
+				return 0, err
+			}
+			res, err := c.RunOnce(ctx)
+			return res.Deleted, err
+		}},
+	} {
+		tc := deduplicator.TableConfig{Schema: db.Schema, Table: fmt.Sprintf("pe_%d", len(results)), Layout: s.layout}
+		o.Logf("bench: retention: loading %d rows for %s", rows, s.name)
+		if err := loadRetentionTable(ctx, db.Pool, tc, d, rows); err != nil {
+			return Section{}, fmt.Errorf("%s: load: %w", s.name, err)
+		}
+		r, err := measureRetention(ctx, db.Pool, tc, s.run)
+		if err != nil {
+			return Section{}, fmt.Errorf("%s: %w", s.name, err)
+		}
+		if r.deleted != int64(rows/2) {
+			return Section{}, fmt.Errorf("%s: deleted %d rows, want %d", s.name, r.deleted, rows/2)
+		}
+		r.name = s.name
+		o.Logf("bench: retention: %s: %s, %d B WAL, p99 claim %s over %d claims", s.name, r.elapsed, r.walBytes, r.p99, r.claims)
+		results = append(results, r)
+		if _, err := db.Pool.Exec(ctx, "DROP TABLE "+tc.Table); err != nil {
+			return Section{}, err
+		}
+	}
+
+	drop := results[0]
+	ratio := func(x, base float64) string {
+		if base <= 0 {
+			return "n/a"
+		}
+		return fmt.Sprintf("%.1f×", x/base)
+	}
+	var tbl [][]string
+	for _, r := range results {
+		tbl = append(tbl, []string{
+			r.name,
+			fmt.Sprintf("%s (%s)", ratio(float64(r.elapsed), float64(drop.elapsed)), r.elapsed.Round(time.Millisecond)),
+			fmt.Sprintf("%s (%s)", ratio(float64(r.walBytes), float64(drop.walBytes)), mib(r.walBytes)),
+			fmt.Sprintf("%s (%s)", ratio(float64(r.sizeAfter), float64(drop.sizeAfter)), mib(r.sizeAfter)),
+			fmt.Sprintf("%s (%s, %d claims)", ratio(float64(r.p99), float64(drop.p99)), r.p99.Round(10*time.Microsecond), r.claims),
+		})
+	}
+	md := fmt.Sprintf("%d processed_event rows over 14 days of UUIDv7 ids (one consumer group), %d of them older than the 7-day retention. "+
+		"Each strategy runs once on its own freshly loaded table, after a CHECKPOINT, while %d workers claim new events (BEGIN; claim; COMMIT); "+
+		"cells are the ratio to DROP, with the raw figure in brackets. WAL is the server-wide pg_current_wal_lsn() difference "+
+		"(other sessions on the server add noise); size is the table with its indexes right after, without VACUUM; "+
+		"claim p99 covers the claims that ran during the operation (at least 1 s).\n\n",
+		rows, rows/2, retentionWorkers)
+	md += Table([]string{"strategy", "time", "WAL", "size after", "claim p99"}, tbl)
+	return Section{Title: "Retention: DROP partition vs DELETE vs batched Cleaner", Markdown: md}, nil
+}
+
+func mib(b int64) string {
+	switch {
+	case b >= 10<<20:
+		return fmt.Sprintf("%.0f MiB", float64(b)/(1<<20))
+	case b >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
+	default:
+		return fmt.Sprintf("%.0f KiB", float64(b)/(1<<10))
+	}
+}
+
+// loadRetentionTable creates tc (migrated; in the partitioned layout with
+// daily partitions for the 14 days before d) and COPYs rows UUIDv7 rows
+// spread evenly over [d-14d, d), in id order.
+func loadRetentionTable(ctx context.Context, pool *pgxpool.Pool, tc deduplicator.TableConfig, d time.Time, rows int) error {
+	if err := deduplicator.Migrate(ctx, pool, tc); err != nil {
+		return err
+	}
+	if tc.Layout == deduplicator.LayoutPartitioned {
+		for i := 1; i <= 14; i++ {
+			day := d.AddDate(0, 0, -i)
+			from, to := deduplicator.PartitionBounds(day)
+			if _, err := pool.Exec(ctx, fmt.Sprintf("CREATE TABLE %s PARTITION OF %s FOR VALUES FROM ('%s') TO ('%s')",
+				pgx.Identifier{tc.Schema, deduplicator.PartitionName(tc.Table, day)}.Sanitize(), pgx.Identifier{tc.Schema, tc.Table}.Sanitize(), from, to)); err != nil {
+				return err
+			}
+		}
+	} else if _, err := pool.Exec(ctx, "ALTER TABLE "+tc.Table+" SET (autovacuum_enabled = off)"); err != nil {
+		return err // a vacuum running in the middle would blur the DELETE figures
+	}
+	span := 14 * 24 * time.Hour
+	start := d.Add(-span)
+	var rnd [16]byte
+	i := 0
+	_, err := pool.CopyFrom(ctx, pgx.Identifier{tc.Table}, []string{"event_id", "consumer_group", "processed_at"},
+		pgx.CopyFromFunc(func() ([]any, error) {
+			if i == rows {
+				return nil, nil
+			}
+			at := start.Add(time.Duration(int64(span) / int64(rows) * int64(i)))
+			i++
+			id := deduplicator.UUIDv7Floor(at)
+			_, _ = rand.Read(rnd[:])
+			id[7], id[9], id[10], id[11], id[12], id[13], id[14], id[15] = rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5], rnd[6], rnd[7]
+			return []any{id, "bench", at.Add(time.Second)}, nil
+		}))
+	if err != nil {
+		return err
+	}
+	_, err = pool.Exec(ctx, "ANALYZE "+tc.Table)
+	return err
+}
+
+// measureRetention runs op after a CHECKPOINT while workers claim new
+// events, and returns time, WAL, size after and the claims' p99.
+func measureRetention(ctx context.Context, pool *pgxpool.Pool, tc deduplicator.TableConfig, op func(context.Context, deduplicator.TableConfig) (int64, error)) (retentionResult, error) {
+	var r retentionResult
+	if _, err := pool.Exec(ctx, "CHECKPOINT"); err != nil {
+		return r, err
+	}
+	dd, err := deduplicator.New(deduplicator.Config{TableConfig: tc, ConsumerGroup: "bench"}, nil)
+	if err != nil {
+		return r, err
+	}
+	claimCtx, stopClaims := context.WithCancel(ctx)
+	defer stopClaims()
+	var (
+		mu        sync.Mutex
+		latencies []time.Duration
+		claimErr  error
+		wg        sync.WaitGroup
+	)
+	for range retentionWorkers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for claimCtx.Err() == nil {
+				t0 := time.Now()
+				err := pgx.BeginFunc(claimCtx, pool, func(tx pgx.Tx) error {
+					_, err := dd.Claim(claimCtx, tx, uuid.Must(uuid.NewV7()))
+					return err
+				})
+				if err != nil {
+					if claimCtx.Err() == nil {
+						mu.Lock()
+						claimErr = err
+						mu.Unlock()
+					}
+					return
+				}
+				mu.Lock()
+				latencies = append(latencies, time.Since(t0))
+				mu.Unlock()
+			}
+		}()
+	}
+
+	var lsn0 string
+	if err := pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&lsn0); err != nil {
+		return r, err
+	}
+	start := time.Now()
+	r.deleted, err = op(ctx, tc)
+	r.elapsed = time.Since(start)
+	if err != nil {
+		return r, err
+	}
+	if err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint", lsn0).Scan(&r.walBytes); err != nil {
+		return r, err
+	}
+	if rest := time.Second - r.elapsed; rest > 0 {
+		time.Sleep(rest)
+	}
+	stopClaims()
+	wg.Wait()
+	if claimErr != nil {
+		return r, fmt.Errorf("concurrent claim: %w", claimErr)
+	}
+	if err := pool.QueryRow(ctx, `SELECT CASE WHEN c.relkind = 'p'
+	THEN (SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(c.oid))
+	ELSE pg_total_relation_size(c.oid) END::bigint
+FROM pg_class c WHERE c.oid = to_regclass($1)`, tc.Table).Scan(&r.sizeAfter); err != nil {
+		return r, err
+	}
+	slices.Sort(latencies)
+	r.claims = len(latencies)
+	if n := len(latencies); n > 0 {
+		r.p99 = latencies[min(n-1, n*99/100)]
+	}
+	return r, nil
+}
