@@ -55,8 +55,7 @@ func retention(ctx context.Context, o Options) (Section, error) {
 	retention := deduplicator.DefaultRetention
 	clock := func() time.Time { return d }
 
-	var results []retentionResult
-	for _, s := range []struct {
+	strategies := []struct {
 		name   string
 		layout deduplicator.Layout
 		run    func(ctx context.Context, tc deduplicator.TableConfig) (int64, error)
@@ -84,50 +83,77 @@ func retention(ctx context.Context, o Options) (Section, error) {
 			res, err := c.RunOnce(ctx)
 			return res.Deleted, err
 		}},
-	} {
-		tc := deduplicator.TableConfig{Schema: db.Schema, Table: fmt.Sprintf("pe_%d", len(results)), Layout: s.layout}
-		o.Logf("bench: retention: loading %d rows for %s", rows, s.name)
-		if err := loadRetentionTable(ctx, db.Pool, tc, d, rows); err != nil {
-			return Section{}, fmt.Errorf("%s: load: %w", s.name, err)
-		}
-		r, err := measureRetention(ctx, db.Pool, tc, s.run)
-		if err != nil {
-			return Section{}, fmt.Errorf("%s: %w", s.name, err)
-		}
-		if r.deleted != int64(rows/2) {
-			return Section{}, fmt.Errorf("%s: deleted %d rows, want %d", s.name, r.deleted, rows/2)
-		}
-		r.name = s.name
-		o.Logf("bench: retention: %s: %s, %d B WAL, p99 claim %s over %d claims", s.name, r.elapsed, r.walBytes, r.p99, r.claims)
-		results = append(results, r)
-		if _, err := db.Pool.Exec(ctx, "DROP TABLE "+tc.Table); err != nil {
-			return Section{}, err
+	}
+	rounds := min(max(o.Rounds, 1), 3)
+	if o.Short {
+		rounds = 1
+	}
+	results := make([][]retentionResult, len(strategies)) // [strategy][round]
+	for round := range rounds {
+		for k := range strategies {
+			i := (k + round) % len(strategies) // rotate the order each round
+			s := strategies[i]
+			tc := deduplicator.TableConfig{Schema: db.Schema, Table: fmt.Sprintf("pe_%d_%d", round, i), Layout: s.layout}
+			o.Logf("bench: retention: loading %d rows for %s", rows, s.name)
+			if err := loadRetentionTable(ctx, db.Pool, tc, d, rows); err != nil {
+				return Section{}, fmt.Errorf("%s: load: %w", s.name, err)
+			}
+			r, err := measureRetention(ctx, db.Pool, tc, s.run)
+			if err != nil {
+				return Section{}, fmt.Errorf("%s: %w", s.name, err)
+			}
+			if r.deleted != int64(rows/2) {
+				return Section{}, fmt.Errorf("%s: deleted %d rows, want %d", s.name, r.deleted, rows/2)
+			}
+			r.name = s.name
+			o.Logf("bench: retention: round %d, %s: %s, %d B WAL, p99 claim %s over %d claims", round+1, s.name, r.elapsed, r.walBytes, r.p99, r.claims)
+			results[i] = append(results[i], r)
+			if _, err := db.Pool.Exec(ctx, "DROP TABLE "+tc.Table); err != nil {
+				return Section{}, err
+			}
 		}
 	}
 
-	drop := results[0]
-	ratio := func(x, base float64) string {
-		if base <= 0 {
-			return "n/a"
+	// Per round, each strategy's figure over DROP's in the same round.
+	drops := results[0]
+	cell := func(rs []retentionResult, get func(retentionResult) float64, raw func(float64) string) string {
+		var ratios, raws []float64
+		for j, r := range rs {
+			raws = append(raws, get(r))
+			if base := get(drops[j]); base > 0 {
+				ratios = append(ratios, get(r)/base)
+			}
 		}
-		return fmt.Sprintf("%.1f×", x/base)
+		st := Summarise(ratios)
+		if len(ratios) == 1 {
+			return fmt.Sprintf("%.1f× (%s)", st.Median, raw(Summarise(raws).Median))
+		}
+		return fmt.Sprintf("%.1f× (%.1f–%.1f) (%s)", st.Median, st.Min, st.Max, raw(Summarise(raws).Median))
 	}
+	dur := func(f float64) string { return time.Duration(f).Round(time.Millisecond).String() }
 	var tbl [][]string
-	for _, r := range results {
+	for _, rs := range results {
+		claims := 0
+		for _, r := range rs {
+			claims += r.claims
+		}
 		tbl = append(tbl, []string{
-			r.name,
-			fmt.Sprintf("%s (%s)", ratio(float64(r.elapsed), float64(drop.elapsed)), r.elapsed.Round(time.Millisecond)),
-			fmt.Sprintf("%s (%s)", ratio(float64(r.walBytes), float64(drop.walBytes)), mib(r.walBytes)),
-			fmt.Sprintf("%s (%s)", ratio(float64(r.sizeAfter), float64(drop.sizeAfter)), mib(r.sizeAfter)),
-			fmt.Sprintf("%s (%s, %d claims)", ratio(float64(r.p99), float64(drop.p99)), r.p99.Round(10*time.Microsecond), r.claims),
+			rs[0].name,
+			cell(rs, func(r retentionResult) float64 { return float64(r.elapsed) }, dur),
+			cell(rs, func(r retentionResult) float64 { return float64(r.walBytes) }, func(f float64) string { return mib(int64(f)) }),
+			cell(rs, func(r retentionResult) float64 { return float64(r.sizeAfter) }, func(f float64) string { return mib(int64(f)) }),
+			cell(rs, func(r retentionResult) float64 { return float64(r.p99) }, func(f float64) string {
+				return time.Duration(f).Round(10*time.Microsecond).String() + fmt.Sprintf(", %d claims", claims)
+			}),
 		})
 	}
 	md := fmt.Sprintf("%d processed_event rows over 14 days of UUIDv7 ids (one consumer group), %d of them older than the 7-day retention. "+
-		"Each strategy runs once on its own freshly loaded table, after a CHECKPOINT, while %d workers claim new events (BEGIN; claim; COMMIT); "+
-		"cells are the ratio to DROP, with the raw figure in brackets. WAL is the server-wide pg_current_wal_lsn() difference "+
+		"Each strategy runs on its own freshly loaded table, after a CHECKPOINT, while %d workers claim new events (BEGIN; claim; COMMIT), "+
+		"%d round(s), the order rotated each round; cells are the median ratio to DROP in the same round (min–max over rounds), "+
+		"then the median raw figure. WAL is the server-wide pg_current_wal_lsn() difference "+
 		"(other sessions on the server add noise); size is the table with its indexes right after, without VACUUM; "+
 		"claim p99 covers the claims that ran during the operation (at least 1 s).\n\n",
-		rows, rows/2, retentionWorkers)
+		rows, rows/2, retentionWorkers, rounds)
 	md += Table([]string{"strategy", "time", "WAL", "size after", "claim p99"}, tbl)
 	return Section{Title: "Retention: DROP partition vs DELETE vs batched Cleaner", Markdown: md}, nil
 }
