@@ -1,0 +1,111 @@
+package deduplicator_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+)
+
+// retentionExamplePool connects to DATABASE_URL (or the local test database)
+// with search_path set to a fresh schema, dropped by the returned cleanup.
+func retentionExamplePool(ctx context.Context) (*pgxpool.Pool, string, func()) {
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		url = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	}
+	var rnd [6]byte
+	_, _ = rand.Read(rnd[:])
+	schema := "example_retention_" + hex.EncodeToString(rnd[:])
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		panic(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		panic(err)
+	}
+	return pool, schema, func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		pool.Close()
+	}
+}
+
+// A Cleaner deletes the rows whose UUIDv7 event time is older than the
+// retention, in batches of its own short transactions. Run it in every
+// replica with Run (only one works at a time), or from cron with RunOnce.
+func ExampleCleaner_RunOnce() {
+	ctx := context.Background()
+	pool, schema, cleanup := retentionExamplePool(ctx)
+	defer cleanup()
+	table := deduplicator.TableConfig{Schema: schema}
+	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+		panic(err)
+	}
+	now := time.Now()
+	for _, created := range []time.Time{now.AddDate(0, 0, -8), now.AddDate(0, 0, -9), now.Add(-time.Hour)} {
+		id := deduplicator.UUIDv7Floor(created) // a UUIDv7 created then
+		if _, err := pool.Exec(ctx, "INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'billing')", id); err != nil {
+			panic(err)
+		}
+	}
+
+	cleaner, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{
+		TableConfig: table,
+		DB:          pool,
+		Retention:   7 * 24 * time.Hour, // as the middleware's Retention; 30 days for DLQ-replayed topics
+	}, nil)
+	if err != nil {
+		panic(err)
+	}
+	res, err := cleaner.RunOnce(ctx)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("deleted:", res.Deleted)
+	// Output:
+	// deleted: 2
+}
+
+// With LayoutPartitioned, Migrate creates processed_event RANGE-partitioned
+// on event_id (one partition per UTC day plus a DEFAULT partition) or
+// converts an existing plain table, and the Cleaner creates partitions ahead
+// and drops those wholly older than the retention.
+func ExampleCleaner_partitioned() {
+	ctx := context.Background()
+	pool, schema, cleanup := retentionExamplePool(ctx)
+	defer cleanup()
+	table := deduplicator.TableConfig{Schema: schema, Layout: deduplicator.LayoutPartitioned}
+	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+		panic(err)
+	}
+	var partitions int
+	_ = pool.QueryRow(ctx, "SELECT count(*) FROM pg_inherits WHERE inhparent = 'processed_event'::regclass").Scan(&partitions)
+	fmt.Println("partitions after Migrate:", partitions) // today, 3 days ahead, DEFAULT
+
+	tenDaysLater := time.Now().AddDate(0, 0, 10)
+	cleaner, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{
+		TableConfig: table,
+		DB:          pool,
+		NowFunc:     func() time.Time { return tenDaysLater },
+	}, nil)
+	if err != nil {
+		panic(err)
+	}
+	res, err := cleaner.RunOnce(ctx)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("created:", res.PartitionsCreated, "dropped:", res.PartitionsDropped)
+	// Output:
+	// partitions after Migrate: 5
+	// created: 4 dropped: 3
+}
