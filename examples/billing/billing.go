@@ -1,0 +1,154 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// Errors of the charge call. ErrProviderBusy and ErrChargeOutcomeUnknown are
+// transient: the handler fails, its transaction (and dedup claim) rolls back,
+// the message is redelivered and the call is repeated with the same
+// Idempotency-Key.
+var (
+	ErrProviderBusy         = errors.New("payment provider: a request with this key is still in progress (409)")
+	ErrChargeOutcomeUnknown = errors.New("payment provider: charge outcome unknown (response lost)")
+	ErrChargeRejected       = errors.New("payment provider: charge rejected")
+)
+
+// BillingService charges confirmed orders. Its handler runs inside the dedup
+// middleware of group billing-order-confirmed:
+//
+//  1. decode and validate order.confirmed.v1 (bad payload: permanent error,
+//     poison topic);
+//  2. POST /charges to the payment provider through a client whose
+//     transport sets Idempotency-Key from the event (operation "charge");
+//  3. INSERT the ledger row on the middleware's transaction;
+//  4. return billing.charged.v1, which the middleware writes to the outbox in
+//     the same transaction.
+//
+// If anything fails after the provider charged (lost response, crash, failed
+// COMMIT), the transaction rolls back and the redelivered event calls the
+// provider again with the same key: the provider answers with the first
+// charge instead of charging twice.
+type BillingService struct {
+	ProviderURL string
+	Client      *http.Client // its Transport is an idem.IdempotencyKeyTransport
+}
+
+// NewBillingService returns a service that charges through providerURL.
+func NewBillingService(providerURL string) *BillingService {
+	return &BillingService{
+		ProviderURL: providerURL,
+		Client: &http.Client{
+			Transport: idem.NewIdempotencyKeyTransport(http.DefaultTransport, "charge"),
+			Timeout:   10 * time.Second,
+		},
+	}
+}
+
+// Handle is the Watermill handler.
+func (s *BillingService) Handle(msg *message.Message) ([]*message.Message, error) {
+	ctx := msg.Context()
+	ev, err := decodeOrderConfirmed(ctx, msg.Payload)
+	if err != nil {
+		return nil, err
+	}
+	charge, err := s.charge(msg, ev)
+	if err != nil {
+		return nil, err
+	}
+	tx := idem.MustTxFromContext(ctx)
+	eventID, _ := idem.EventIDFromContext(ctx)
+	if _, err := tx.Exec(ctx,
+		`INSERT INTO ledger (order_id, customer_id, amount, currency, charge_id, event_id)
+		 VALUES ($1, $2, $3::numeric, $4, $5, $6)`,
+		ev.OrderID, ev.CustomerID, ev.TotalAmount, ev.Currency, charge.ChargeID, eventID); err != nil {
+		return nil, fmt.Errorf("ledger: %w", err)
+	}
+
+	outID := publisher.NewEventID()
+	now := time.Now().UTC()
+	payload, err := json.Marshal(BillingCharged{
+		EventID: outID.String(), EventType: EventBillingCharged, OccurredAt: now, AggregateType: "Order",
+		OrderID: ev.OrderID, ChargeID: charge.ChargeID, Amount: charge.Amount, Currency: charge.Currency,
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := message.NewMessage(outID.String(), payload)
+	out.Metadata.Set("event_type", EventBillingCharged)
+	publisher.WithPartitionKey(out, ev.OrderID)
+	return []*message.Message{out}, nil // to the outbox, in this transaction
+}
+
+func (s *BillingService) charge(msg *message.Message, ev OrderConfirmed) (chargeResponse, error) {
+	// The body must be byte-identical on every attempt: the provider answers
+	// 422 to a key reused with a different body.
+	body, err := json.Marshal(chargeRequest{OrderID: ev.OrderID, CustomerID: ev.CustomerID, Amount: ev.TotalAmount, Currency: ev.Currency})
+	if err != nil {
+		return chargeResponse{}, err
+	}
+	req, err := http.NewRequestWithContext(msg.Context(), http.MethodPost, s.ProviderURL+"/charges", bytes.NewReader(body))
+	if err != nil {
+		return chargeResponse{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := s.Client.Do(req)
+	if err != nil {
+		return chargeResponse{}, fmt.Errorf("%w: %w", ErrChargeOutcomeUnknown, err)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	switch {
+	case err != nil:
+		// Status line received, body cut: the charge may have happened.
+		return chargeResponse{}, fmt.Errorf("%w: reading the response: %w", ErrChargeOutcomeUnknown, err)
+	case resp.StatusCode == http.StatusConflict:
+		return chargeResponse{}, ErrProviderBusy
+	case resp.StatusCode >= 500:
+		return chargeResponse{}, fmt.Errorf("%w: status %d", ErrChargeOutcomeUnknown, resp.StatusCode)
+	case resp.StatusCode == http.StatusUnprocessableEntity, resp.StatusCode >= 400:
+		// A key reused with another body, or a request the provider refuses:
+		// retrying cannot help. Poison queue, with the provider's reason.
+		return chargeResponse{}, idem.Permanent(fmt.Errorf("%w: status %d: %s", ErrChargeRejected, resp.StatusCode, bytes.TrimSpace(raw)))
+	}
+	var cr chargeResponse
+	if err := json.Unmarshal(raw, &cr); err != nil || cr.ChargeID == "" {
+		return chargeResponse{}, fmt.Errorf("%w: undecodable %d response", ErrChargeOutcomeUnknown, resp.StatusCode)
+	}
+	return cr, nil
+}
+
+// NotificationService sends an "order confirmed" notification once per
+// order. It consumes the same topic as billing in its own group
+// (notification-order-confirmed): the dedup key is (event id, group), so
+// each service applies every event once, independently.
+type NotificationService struct{}
+
+// Handle is the Watermill handler.
+func (NotificationService) Handle(msg *message.Message) error {
+	ctx := msg.Context()
+	ev, err := decodeOrderConfirmed(ctx, msg.Payload)
+	if err != nil {
+		return err
+	}
+	eventID, _ := idem.EventIDFromContext(ctx)
+	// A real service would enqueue the e-mail here, on this transaction
+	// (e.g. a River job), so it is sent only if the claim commits.
+	if _, err := idem.MustTxFromContext(ctx).Exec(ctx,
+		`INSERT INTO notifications (order_id, customer_id, kind, event_id) VALUES ($1, $2, 'order_confirmed_email', $3)`,
+		ev.OrderID, ev.CustomerID, eventID); err != nil {
+		return fmt.Errorf("notification: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,223 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+)
+
+// TestDemo runs the demo's whole scenario, small: real PostgreSQL, the
+// Kafka-protocol broker, every injected fault, and all invariants.
+func TestDemo(t *testing.T) {
+	t.Parallel()
+	var progress bytes.Buffer
+	rep, err := RunDemo(context.Background(), DemoConfig{
+		DatabaseURL:          pgtest.URL(),
+		Brokers:              kafkatest.External(),
+		Orders:               40,
+		Partitions:           3,
+		BillingInstances:     2,
+		RedeliverEvery:       4,
+		ConcurrentDuplicates: 3,
+		LostResponses:        2,
+		ConcurrentLatency:    50 * time.Millisecond,
+		Timeout:              2 * time.Minute,
+		Progress:             &progress,
+	})
+	require.NoError(t, err, progress.String())
+	var out bytes.Buffer
+	PrintReport(&out, rep)
+	t.Log("\n" + progress.String() + out.String())
+
+	require.Empty(t, rep.Violations)
+	const orders = 40 + 3
+	require.Equal(t, orders, rep.Orders)
+	require.Equal(t, orders, rep.Provider.Charges, "one charge per order")
+	require.Equal(t, orders, rep.LedgerRows)
+	require.Equal(t, orders, rep.Notifications)
+	require.Equal(t, 2, rep.Provider.Dropped)
+	require.GreaterOrEqual(t, rep.Provider.Replayed, 2, "each lost response is followed by a call with the same key")
+	require.GreaterOrEqual(t, rep.Billing.Failed, int64(2), "each lost response rolls the billing transaction back")
+	require.Equal(t, 10, rep.Redelivered)
+	require.Equal(t, 9, rep.ConcurrentSent)
+	require.Equal(t, int64(10+9), rep.Billing.Skipped)
+	require.Equal(t, int64(10+9), rep.Notification.Skipped)
+	require.Equal(t, 3, rep.Billing.Poisoned)
+	require.Equal(t, 3, rep.Notification.Poisoned)
+	require.Contains(t, out.String(), "OK: every order charged once")
+}
+
+func TestProvider_IdempotencyKeySemantics(t *testing.T) {
+	t.Parallel()
+	p, err := NewProvider(0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+
+	post := func(key, body string) (*http.Response, string) {
+		t.Helper()
+		req, err := http.NewRequest(http.MethodPost, p.URL()+"/charges", strings.NewReader(body))
+		require.NoError(t, err)
+		if key != "" {
+			req.Header.Set(idem.IdempotencyKeyHeader, key)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		raw, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp, string(raw)
+	}
+	body := `{"orderId":"o1","customerId":"c1","amount":"10.00","currency":"EUR"}`
+
+	r1, b1 := post("k1", body)
+	require.Equal(t, http.StatusCreated, r1.StatusCode)
+	r2, b2 := post("k1", body)
+	require.Equal(t, http.StatusCreated, r2.StatusCode)
+	require.Equal(t, b1, b2, "a repeated key returns the first response")
+	require.Equal(t, "true", r2.Header.Get("Idempotent-Replayed"))
+
+	r3, _ := post("k1", `{"orderId":"o1","customerId":"c1","amount":"99.00","currency":"EUR"}`)
+	require.Equal(t, http.StatusUnprocessableEntity, r3.StatusCode, "a key reused with another body")
+
+	r4, _ := post("", body)
+	require.Equal(t, http.StatusBadRequest, r4.StatusCode, "no key")
+
+	r5, _ := post("k2", body)
+	require.Equal(t, http.StatusCreated, r5.StatusCode, "a new key is a new charge")
+
+	st := p.Stats()
+	require.Equal(t, ProviderStats{Requests: 5, Charges: 2, Replayed: 1, Mismatched: 1}, st)
+	require.Equal(t, map[string]int{"o1": 2}, p.ChargesPerOrder())
+}
+
+func TestProvider_InFlightKeyGets409(t *testing.T) {
+	t.Parallel()
+	p, err := NewProvider(0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	p.SlowCharge("o1", 2*time.Second)
+	body := `{"orderId":"o1","customerId":"c1","amount":"10.00","currency":"EUR"}`
+	send := func() int {
+		req, _ := http.NewRequest(http.MethodPost, p.URL()+"/charges", strings.NewReader(body))
+		req.Header.Set(idem.IdempotencyKeyHeader, "k")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return -1
+		}
+		_ = resp.Body.Close()
+		return resp.StatusCode
+	}
+	var wg sync.WaitGroup
+	var first int
+	wg.Add(1)
+	go func() { defer wg.Done(); first = send() }()
+	require.Eventually(t, func() bool { return p.Stats().Requests == 1 }, 10*time.Second, 5*time.Millisecond)
+	require.Equal(t, http.StatusConflict, send())
+	wg.Wait()
+	require.Equal(t, http.StatusCreated, first)
+	require.Equal(t, 1, p.Stats().Charges)
+	require.Equal(t, 1, p.Stats().InFlight)
+}
+
+// The lost response, at the HTTP level: the charge is recorded, the client
+// gets a cut response; the same key again returns the stored charge.
+func TestBillingService_LostResponseSameKeyOneCharge(t *testing.T) {
+	t.Parallel()
+	p, err := NewProvider(0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	svc := NewBillingService(p.URL())
+	p.DropResponse("o1")
+
+	id := uuid.Must(uuid.NewV7())
+	ctx := idemctx.With(context.Background(), &idemctx.Value{EventID: id, ConsumerGroup: GroupBilling})
+	ev := OrderConfirmed{EventID: id.String(), OrderID: "o1", CustomerID: "c1", TotalAmount: "10.00", Currency: "EUR"}
+	msg := newTestMessage(ctx)
+
+	_, err = svc.charge(msg, ev)
+	require.ErrorIs(t, err, ErrChargeOutcomeUnknown)
+	require.False(t, idem.IsPermanent(err), "a lost response must be retried")
+	require.Equal(t, 1, p.Stats().Charges)
+
+	cr, err := svc.charge(msg, ev)
+	require.NoError(t, err)
+	require.Equal(t, "o1", cr.OrderID)
+	st := p.Stats()
+	require.Equal(t, 1, st.Charges, "the retry with the same key did not charge again")
+	require.Equal(t, 1, st.Replayed)
+	require.Equal(t, 1, st.Dropped)
+}
+
+func TestBillingService_RefusesWithoutEvent(t *testing.T) {
+	t.Parallel()
+	p, err := NewProvider(0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	svc := NewBillingService(p.URL())
+	_, err = svc.charge(newTestMessage(context.Background()), OrderConfirmed{OrderID: "o1", CustomerID: "c", TotalAmount: "1.00", Currency: "EUR"})
+	require.ErrorIs(t, err, idem.ErrNoEventInContext)
+	require.Zero(t, p.Stats().Requests, "no money call without an Idempotency-Key")
+}
+
+func TestDecodeOrderConfirmed(t *testing.T) {
+	t.Parallel()
+	id := uuid.Must(uuid.NewV7())
+	ctx := idemctx.With(context.Background(), &idemctx.Value{EventID: id, ConsumerGroup: GroupBilling})
+	valid := OrderConfirmed{
+		EventID: id.String(), EventType: EventOrderConfirmed, OccurredAt: time.Now().UTC(), AggregateType: "Order",
+		OrderID: "o1", CustomerID: "c1", TotalAmount: "129.90", Currency: "EUR",
+	}
+	enc := func(mut func(*OrderConfirmed)) []byte {
+		v := valid
+		if mut != nil {
+			mut(&v)
+		}
+		b, err := json.Marshal(v)
+		require.NoError(t, err)
+		return b
+	}
+	got, err := decodeOrderConfirmed(ctx, enc(nil))
+	require.NoError(t, err)
+	require.Equal(t, "129.90", got.TotalAmount)
+
+	for name, payload := range map[string][]byte{
+		"not json":        []byte("nope"),
+		"event type":      enc(func(o *OrderConfirmed) { o.EventType = "order.created.v1" }),
+		"aggregate type":  enc(func(o *OrderConfirmed) { o.AggregateType = "Customer" }),
+		"no order id":     enc(func(o *OrderConfirmed) { o.OrderID = "" }),
+		"no customer id":  enc(func(o *OrderConfirmed) { o.CustomerID = "" }),
+		"negative amount": enc(func(o *OrderConfirmed) { o.TotalAmount = "-1.00" }),
+		"zero amount":     enc(func(o *OrderConfirmed) { o.TotalAmount = "0.00" }),
+		"3 decimals":      enc(func(o *OrderConfirmed) { o.TotalAmount = "1.234" }),
+		"currency":        enc(func(o *OrderConfirmed) { o.Currency = "eur" }),
+		"no occurredAt":   enc(func(o *OrderConfirmed) { o.OccurredAt = time.Time{} }),
+		"eventId differs": enc(func(o *OrderConfirmed) { o.EventID = uuid.Must(uuid.NewV7()).String() }),
+	} {
+		_, err := decodeOrderConfirmed(ctx, payload)
+		require.Error(t, err, name)
+		require.True(t, errors.Is(err, idem.ErrMalformedPayload), name)
+		require.True(t, idem.IsPermanent(err), "%s: must go to the poison topic", name)
+	}
+}
+
+func newTestMessage(ctx context.Context) *message.Message {
+	m := message.NewMessage(uuid.NewString(), nil)
+	m.SetContext(ctx)
+	return m
+}
