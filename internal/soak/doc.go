@@ -1,0 +1,12 @@
+// Package soak is the chaos soak of watermill-idempotency: a producer service
+// and two consumer groups of routers on a multi-partition topic, with faults
+// injected at seeded random moments, and a checker of the invariant "every
+// event applied exactly once per consumer group" at the end.
+//
+// [Run] builds everything in a fresh PostgreSQL schema (dropped afterwards)
+// and an in-process Kafka-protocol broker (or the cluster in
+// [Config.Brokers]), and returns a [Report]: the faults injected, the
+// duplicates the dedup middleware absorbed and the violations found. `make
+// soak` runs the full version (internal/cmd/soak); TestSoakShort runs a short
+// one inside `make test`. See docs/soak.md.
+package soak

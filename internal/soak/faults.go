@@ -1,0 +1,258 @@
+package soak
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+)
+
+// crashDelay is how long a crashed instance stays down before its
+// replacement starts.
+func (h *harness) crashDelay() time.Duration { return 300 * time.Millisecond }
+
+// progress is produced + applied by each group, out of 3 x Events.
+func (h *harness) progress() int64 {
+	p := h.produced.Load()
+	for _, g := range h.groups {
+		p += g.applied.Load()
+	}
+	return p
+}
+
+// runFaults fires the schedule as progress reaches each fault's mark, and
+// waits for every fault it started to finish.
+func (h *harness) runFaults(ctx context.Context, schedule []scheduled) {
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for _, f := range schedule {
+		for h.progress() < f.at {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+		wg.Go(func() { h.inject(ctx, f) })
+	}
+}
+
+func (h *harness) inject(ctx context.Context, f scheduled) {
+	g := h.groups[f.group]
+	switch f.kind {
+	case faultKillMid, faultKillCommit:
+		inst := g.pickLive(f.pick)
+		if inst == nil {
+			h.fault(f.kind, true)
+			return
+		}
+		p := pendingKillMid
+		if f.kind == faultKillCommit {
+			p = pendingKillCommit
+		}
+		inst.pending.Store(p) // counted when the instance executes it
+		h.armed.Add(1)
+	case faultJoin:
+		if err := g.start(ctx); err != nil {
+			h.violation("%s: join: %v", g.name, err)
+			return
+		}
+		h.fault(f.kind, false)
+		for h.progress() < f.until {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+		g.mu.Lock()
+		var leaving *instance
+		if len(g.live) > g.base && !g.resetting {
+			leaving = g.live[len(g.live)-1]
+		}
+		g.mu.Unlock()
+		if leaving == nil {
+			h.fault(faultLeave, true)
+			return
+		}
+		g.stop(leaving)
+		h.fault(faultLeave, false)
+	case faultTermConsumer:
+		inst := g.pickLive(f.pick)
+		if inst == nil {
+			h.fault(f.kind, true)
+			return
+		}
+		h.terminate(ctx, f.kind, inst.name)
+	case faultTermProducer:
+		h.terminate(ctx, f.kind, "producer")
+	case faultRestartFwd:
+		if err := h.prod.restart(ctx); err != nil {
+			h.violation("restart forwarder: %v", err)
+			return
+		}
+		h.fault(f.kind, false)
+	case faultOffsetReset:
+		if err := h.resetOffsets(ctx, g); err != nil {
+			h.violation("%s: offset reset: %v", g.name, err)
+			return
+		}
+		h.fault(f.kind, false)
+	}
+}
+
+// terminate kills every PostgreSQL backend of a component, found by its
+// application_name.
+func (h *harness) terminate(ctx context.Context, kind, component string) {
+	var n int
+	err := h.admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()`,
+		h.appName(component)).Scan(&n)
+	if err != nil {
+		h.violation("%s %s: %v", kind, component, err)
+		return
+	}
+	if n == 0 {
+		h.fault(kind, true)
+		return
+	}
+	h.terminated.Add(int64(n))
+	h.fault(kind, false)
+}
+
+// resetOffsets stops every instance of g (Kafka only lets an empty group's
+// offsets be changed), commits offset 0 on every partition through an
+// OffsetManager (works on any Kafka cluster), and starts the instances
+// again: the group re-reads the whole topic.
+func (h *harness) resetOffsets(ctx context.Context, g *group) error {
+	g.mu.Lock()
+	g.resetting = true
+	live := append([]*instance(nil), g.live...)
+	n := max(len(live), g.base)
+	g.mu.Unlock()
+	defer func() {
+		g.mu.Lock()
+		g.resetting = false
+		g.mu.Unlock()
+	}()
+
+	var wg sync.WaitGroup
+	for _, inst := range live {
+		wg.Go(func() { g.stop(inst) })
+	}
+	wg.Wait()
+
+	h.logf("%s: offset reset: %d instances stopped", g.name, len(live))
+	attempt := 0
+	err := retry(ctx, "commit offsets", func() error {
+		err := h.commitOffsetsToStart(g.name)
+		if attempt++; err != nil && attempt%25 == 1 {
+			h.logf("%s: offset reset: %v (retrying)", g.name, err)
+		}
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.resetting = false
+	for len(g.live) < n {
+		if err := g.startLocked(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (h *harness) commitOffsetsToStart(groupName string) error {
+	client, err := sarama.NewClient(h.brokers, sarama.NewConfig())
+	if err != nil {
+		return err
+	}
+	defer client.Close()
+	om, err := sarama.NewOffsetManagerFromClient(groupName, client)
+	if err != nil {
+		return err
+	}
+	oldest := make([]int64, h.cfg.Partitions)
+	for p := range h.cfg.Partitions {
+		if oldest[p], err = client.GetOffset(h.topic, p, sarama.OffsetOldest); err != nil {
+			_ = om.Close()
+			return err
+		}
+		pom, err := om.ManagePartition(h.topic, p)
+		if err != nil {
+			_ = om.Close()
+			return err
+		}
+		// Moves the committed offset back (a group without one already
+		// starts at the oldest offset: Offsets.Initial = OffsetOldest).
+		pom.ResetOffset(oldest[p], "soak: offset reset")
+	}
+	om.Commit()
+	// Close flushes once more and releases the partition managers (their
+	// Close would block until then).
+	if err := om.Close(); err != nil {
+		return err
+	}
+
+	// Verify through the admin API: commit errors are only logged by Sarama.
+	admin, err := sarama.NewClusterAdminFromClient(client)
+	if err != nil {
+		return err
+	}
+	parts := make([]int32, h.cfg.Partitions)
+	for i := range parts {
+		parts[i] = int32(i)
+	}
+	resp, err := admin.ListConsumerGroupOffsets(groupName, map[string][]int32{h.topic: parts})
+	if err != nil {
+		return err
+	}
+	for _, p := range parts {
+		b := resp.GetBlock(h.topic, p)
+		if b == nil || b.Err != sarama.ErrNoError {
+			return fmt.Errorf("partition %d: committed offset not readable", p)
+		}
+		if b.Offset != oldest[p] && b.Offset != -1 {
+			return fmt.Errorf("partition %d: committed offset %d, want %d", p, b.Offset, oldest[p])
+		}
+	}
+	return nil
+}
+
+// lag returns the number of records of topic not yet committed by groupName.
+func (h *harness) lag(groupName, topic string) (int64, error) {
+	client, err := sarama.NewClient(h.brokers, sarama.NewConfig())
+	if err != nil {
+		return 0, err
+	}
+	defer client.Close()
+	admin, err := sarama.NewClusterAdminFromClient(client)
+	if err != nil {
+		return 0, err
+	}
+	parts := make([]int32, h.cfg.Partitions)
+	for i := range parts {
+		parts[i] = int32(i)
+	}
+	resp, err := admin.ListConsumerGroupOffsets(groupName, map[string][]int32{topic: parts})
+	if err != nil {
+		return 0, err
+	}
+	var lag int64
+	for _, p := range parts {
+		hw, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return 0, err
+		}
+		committed := int64(0)
+		if b := resp.GetBlock(topic, p); b != nil && b.Offset >= 0 {
+			committed = b.Offset
+		}
+		lag += hw - committed
+	}
+	return lag, nil
+}

@@ -1,0 +1,44 @@
+package soak_test
+
+import (
+	"context"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/internal/soak"
+)
+
+// TestSoakShort is a short, seeded chaos soak: every fault kind at least
+// once, then "every event applied exactly once per group".
+func TestSoakShort(t *testing.T) {
+	if testing.Short() {
+		t.Skip("soak: skipped in -short mode")
+	}
+	t.Parallel()
+	cfg := soak.Config{
+		Seed:        20261130,
+		Events:      1500,
+		Aggregates:  32,
+		Faults:      soak.ShortFaults,
+		Timeout:     60 * time.Second,
+		DatabaseURL: pgtest.URL(),
+		Brokers:     kafkatest.External(),
+	}
+	if testing.Verbose() {
+		cfg.Log = os.Stderr
+	}
+	rep, err := soak.Run(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Log("\n" + rep.String())
+	require.True(t, rep.OK(), "soak violations (seed %d):\n%s", rep.Seed, rep.String())
+	for _, g := range rep.Groups {
+		require.Equal(t, cfg.Events, g.LedgerRows, g.Name)
+		require.Positive(t, g.Duplicates, "%s: the faults produced no duplicate to absorb", g.Name)
+	}
+	require.Positive(t, rep.Faults["offset-reset"])
+}

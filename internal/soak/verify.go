@@ -1,0 +1,75 @@
+package soak
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// verify checks the invariants and fills the report.
+func (h *harness) verify(ctx context.Context) error {
+	r := h.report
+	r.TerminatedBackends = int(h.terminated.Load())
+	r.DLQReplayed = int(h.dlqSent.Load())
+	r.DoublePublished = int(h.doublePublished.Load())
+
+	var events int
+	var sum int64
+	if err := h.admin.QueryRow(ctx, `SELECT count(*), coalesce(sum(amount), 0) FROM soak_event`).Scan(&events, &sum); err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
+	if events != h.cfg.Events {
+		h.violation("producer: %d business rows, want %d", events, h.cfg.Events)
+	}
+
+	for _, g := range h.groups {
+		gr := GroupReport{Name: g.name, Deliveries: g.deliveries.Load(), Applied: g.applied.Load(), Duplicates: g.duplicates.Load(), Failed: g.failed.Load()}
+		if err := h.admin.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id), coalesce(sum(amount), 0) FROM soak_ledger WHERE grp = $1`, g.name).
+			Scan(&gr.LedgerRows, &gr.DistinctEvents, &gr.Sum); err != nil {
+			return fmt.Errorf("verify: %w", err)
+		}
+		r.Groups = append(r.Groups, gr)
+		if gr.LedgerRows != events || gr.DistinctEvents != events {
+			h.violation("%s: %d ledger rows for %d distinct events, want %d of each", g.name, gr.LedgerRows, gr.DistinctEvents, events)
+		}
+		if gr.Sum != sum {
+			h.violation("%s: ledger sum %d, want %d", g.name, gr.Sum, sum)
+		}
+		checks := []struct{ what, sql string }{
+			{"events never applied", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)`},
+			{"events applied more than once", `SELECT count(*) FROM (SELECT event_id FROM soak_ledger WHERE grp = $1 GROUP BY event_id HAVING count(*) > 1) x`},
+			{"applied events the producer never committed", `SELECT count(*) FROM soak_ledger l WHERE grp = $1 AND NOT EXISTS (SELECT 1 FROM soak_event e WHERE e.event_id = l.event_id)`},
+			{"ledger rows whose data differs from the event", `SELECT count(*) FROM soak_ledger l JOIN soak_event e USING (event_id) WHERE l.grp = $1 AND (l.aggregate, l.seq, l.amount) <> (e.aggregate, e.seq, e.amount)`},
+			{"per-aggregate order breaks (seq not previous+1 in apply order)", `SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY aggregate ORDER BY applied) AS prev FROM soak_ledger WHERE grp = $1) x WHERE seq <> coalesce(prev, 0) + 1`},
+			{"events without a processed_event row", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND p.event_id = e.event_id)`},
+			{"processed_event rows without a ledger row", `SELECT count(*) FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = p.event_id)`},
+		}
+		for _, c := range checks {
+			var n int
+			if err := h.admin.QueryRow(ctx, c.sql, g.name).Scan(&n); err != nil {
+				return fmt.Errorf("verify %s: %w", c.what, err)
+			}
+			if n > 0 {
+				h.violation("%s: %d %s", g.name, n, c.what)
+			}
+		}
+		g.mu.Lock()
+		for _, inst := range g.live {
+			switch inst.pending.Load() {
+			case pendingKillMid:
+				h.fault(faultKillMid, true)
+			case pendingKillCommit:
+				h.fault(faultKillCommit, true)
+			}
+		}
+		g.mu.Unlock()
+	}
+	if n, err := h.prod.pending(ctx); err != nil || n > 0 {
+		h.violation("outbox: %d rows not forwarded (%v)", n, err)
+	}
+	h.mu.Lock()
+	r.Violations = append(r.Violations, h.violations...)
+	h.mu.Unlock()
+	return nil
+}
