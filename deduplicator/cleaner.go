@@ -165,11 +165,11 @@ func (c CleanerConfig) Validate() error {
 	case c.DB == nil:
 		return errors.New("DB: required")
 	case c.Retention < 0:
-		return errors.New("Retention: must not be negative")
+		return errors.New("CleanerConfig.Retention: must not be negative")
 	case c.BatchSize < 1:
 		return errors.New("BatchSize: must be positive")
 	case c.Interval < 0, c.StatementTimeout < 0, c.Backoff < 0, c.LockTimeout < 0:
-		return errors.New("Interval, StatementTimeout, Backoff, LockTimeout: must not be negative")
+		return errors.New("CleanerConfig.Interval, StatementTimeout, Backoff, LockTimeout: must not be negative")
 	case c.MaxTimeouts < 1 || c.LockRetries < 1:
 		return errors.New("MaxTimeouts, LockRetries: must be positive")
 	case c.PartitionsAhead < 0:

@@ -52,7 +52,7 @@ func (l Layout) validate(table string) error {
 		return nil
 	case LayoutPartitioned:
 		if len(table) > maxPartitionedTableLen {
-			return fmt.Errorf("Table: %q is longer than %d bytes, too long for partition names (%s_pYYYYMMDD)", table, maxPartitionedTableLen, table)
+			return fmt.Errorf("LayoutPartitioned: table name %q is longer than %d bytes, too long for its partition names (%s_pYYYYMMDD)", table, maxPartitionedTableLen, table)
 		}
 		return nil
 	default:
