@@ -29,6 +29,10 @@ type retentionResult struct {
 	sizeAfter int64
 	claims    int
 	p99       time.Duration
+	// vacuum is the VACUUM that DELETE-based retention needs afterwards
+	// (autovacuum would run it); zero for DROP.
+	vacuum    time.Duration
+	vacuumWAL int64
 }
 
 // retention compares three ways to remove the half of a processed_event
@@ -145,6 +149,7 @@ func retention(ctx context.Context, o Options) (Section, error) {
 			cell(rs, func(r retentionResult) float64 { return float64(r.p99) }, func(f float64) string {
 				return time.Duration(f).Round(10*time.Microsecond).String() + fmt.Sprintf(", %d claims", claims)
 			}),
+			vacuumCell(rs),
 		})
 	}
 	md := fmt.Sprintf("%d processed_event rows over 14 days of UUIDv7 ids (one consumer group), %d of them older than the 7-day retention. "+
@@ -152,10 +157,22 @@ func retention(ctx context.Context, o Options) (Section, error) {
 		"%d round(s), the order rotated each round; cells are the median ratio to DROP in the same round (min–max over rounds), "+
 		"then the median raw figure. WAL is the server-wide pg_current_wal_lsn() difference "+
 		"(other sessions on the server add noise); size is the table with its indexes right after, without VACUUM; "+
-		"claim p99 covers the claims that ran during the operation (at least 1 s).\n\n",
+		"claim p99 covers the claims that ran during the operation (at least 1 s). The last column is the VACUUM the DELETE strategies "+
+		"still owe (autovacuum would run it; it makes the space reusable but does not shrink the files), median raw figures.\n\n",
 		rows, rows/2, retentionWorkers, rounds)
-	md += Table([]string{"strategy", "time", "WAL", "size after", "claim p99"}, tbl)
+	md += Table([]string{"strategy", "time", "WAL", "size after", "claim p99", "then VACUUM: time, WAL"}, tbl)
 	return Section{Title: "Retention: DROP partition vs DELETE vs batched Cleaner", Markdown: md}, nil
+}
+
+func vacuumCell(rs []retentionResult) string {
+	var t, w []float64
+	for _, r := range rs {
+		t, w = append(t, float64(r.vacuum)), append(w, float64(r.vacuumWAL))
+	}
+	if Summarise(t).Max == 0 {
+		return "none needed"
+	}
+	return time.Duration(Summarise(t).Median).Round(time.Millisecond).String() + ", " + mib(int64(Summarise(w).Median))
 }
 
 func mib(b int64) string {
@@ -281,6 +298,19 @@ func measureRetention(ctx context.Context, pool *pgxpool.Pool, tc deduplicator.T
 	ELSE pg_total_relation_size(c.oid) END::bigint
 FROM pg_class c WHERE c.oid = to_regclass($1)`, tc.Table).Scan(&r.sizeAfter); err != nil {
 		return r, err
+	}
+	if tc.Layout == deduplicator.LayoutPlain {
+		if err := pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&lsn0); err != nil {
+			return r, err
+		}
+		t0 := time.Now()
+		if _, err := pool.Exec(ctx, "VACUUM "+tc.Table); err != nil {
+			return r, err
+		}
+		r.vacuum = time.Since(t0)
+		if err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint", lsn0).Scan(&r.vacuumWAL); err != nil {
+			return r, err
+		}
 	}
 	slices.Sort(latencies)
 	r.claims = len(latencies)
