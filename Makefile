@@ -36,8 +36,8 @@ bench/short: ## A quick benchmark pass (CI smoke), prints the table only
 	$(GO) run ./internal/cmd/bench -short
 
 .PHONY: demo
-demo: ## Run the demo end to end on local Postgres and an in-process Kafka broker
-	$(GO) run ./examples/quickstart
+demo: ## Run the billing example end to end (orders, billing with Idempotency-Key, notifications) with injected faults
+	$(GO) run ./examples/billing
 
 .PHONY: soak
 soak: ## Long chaos soak: 20,000 events with every fault type

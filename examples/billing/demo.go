@@ -405,7 +405,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (rep *Report, err error) {
 	if err != nil {
 		return nil, err
 	}
-	h := notifyRouter.AddNoPublisherHandler("notification", n.orders, notifySub, NotificationService{}.Handle)
+	h := notifyRouter.AddConsumerHandler("notification", n.orders, notifySub, NotificationService{}.Handle)
 	h.AddMiddleware(poisonMW, notifyStats.outer, notifyDedup.Middleware, inner)
 
 	// Audit consumers: what reached the poison topic and billing.charged.
@@ -448,6 +448,27 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (rep *Report, err error) {
 		progress("%s: outbox forwarded %d · billing %d processed, %d skipped, %d retried · notification %d processed, %d skipped · provider %d charges, %d replayed · poisoned %d",
 			phase, fwd.Stats().Forwarded, b.Processed, b.Skipped, b.Failed, nt.Processed, nt.Skipped, ps.Charges, ps.Replayed, audit.poisonedTotal())
 	}
+	// The forwarder reads only rows below the oldest running transaction of
+	// the whole server (watermill-sql's visibility rule): say so when that
+	// holds it back.
+	var lastForwarded uint64
+	lastMoved := time.Now()
+	stallHint := func() {
+		if f := fwd.Stats().Forwarded; f != lastForwarded {
+			lastForwarded, lastMoved = f, time.Now()
+			return
+		}
+		if time.Since(lastMoved) < 3*time.Second {
+			return
+		}
+		var age float64
+		var pid int
+		err := pool.QueryRow(ctx, `SELECT extract(epoch FROM now() - xact_start), pid FROM pg_stat_activity
+			WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid() ORDER BY xact_start LIMIT 1`).Scan(&age, &pid)
+		if err == nil && age > 2 {
+			progress("  outbox forwarder waiting: transaction of pid %d has been open %.0fs on this server; outbox rows committed after it started become visible to the forwarder only when it ends", pid, age)
+		}
+	}
 	// waitFor polls cond, printing progress about once a second.
 	waitFor := func(phase string, cond func() bool) error {
 		last := time.Now()
@@ -462,6 +483,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (rep *Report, err error) {
 			}
 			if time.Since(last) >= time.Second {
 				status(phase)
+				stallHint()
 				last = time.Now()
 			}
 		}
