@@ -131,6 +131,13 @@ func (r *sqlRecorder) reset() {
 	r.stmt = nil
 }
 
+// total returns how many statements were recorded.
+func (r *sqlRecorder) total() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.stmt)
+}
+
 // count returns how many recorded statements are exactly sql (lower case).
 func (r *sqlRecorder) count(sql string) int {
 	r.mu.Lock()
