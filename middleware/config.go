@@ -145,6 +145,7 @@ func (c Config) Validate() error {
 		return errors.New("ConsumerGroup: required (the dedup key is event id + consumer group; use the Kafka consumer group)")
 	}
 	if c.Retention < 0 {
+		//lint:ignore ST1005 validation errors start with the field's name
 		return errors.New("Retention: must not be negative")
 	}
 	if c.AllowNonV7 && c.Table.Layout == deduplicator.LayoutPartitioned {
