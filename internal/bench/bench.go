@@ -222,3 +222,57 @@ func Drive(ctx context.Context, workers int, d time.Duration, op func(ctx contex
 	}
 	return float64(n.Load()) / time.Since(start).Seconds(), nil
 }
+
+// Interleave measures variants under identical conditions by alternating
+// them call by call: each of workers goroutines calls ops[0], ops[1], ...,
+// ops[0], ... back to back for d (worker w starts at ops[w%len(ops)], so at
+// any moment the variants run side by side in equal numbers), timing each
+// call. It repeats for rounds and returns rates[variant][round]: workers
+// divided by the mean time of one call of that variant, i.e. the throughput
+// that many workers running only that variant would reach under the same
+// load. On a noisy machine this cancels drift that time-sliced alternation
+// ([Alternate]) cannot: both variants see the same milliseconds.
+func Interleave(ctx context.Context, rounds, workers int, d time.Duration, ops ...func(ctx context.Context) error) ([][]float64, error) {
+	rates := make([][]float64, len(ops))
+	for range rounds {
+		busy := make([]atomic.Int64, len(ops))
+		calls := make([]atomic.Int64, len(ops))
+		next := make([]int, workers)
+		for w := range next {
+			next[w] = w % len(ops)
+		}
+		_, err := Drive(ctx, workers, d, func(ctx context.Context, w int) error {
+			i := next[w]
+			next[w] = (i + 1) % len(ops)
+			start := time.Now()
+			if err := ops[i](ctx); err != nil {
+				return err
+			}
+			busy[i].Add(int64(time.Since(start)))
+			calls[i].Add(1)
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		for i := range ops {
+			if calls[i].Load() == 0 {
+				return nil, fmt.Errorf("interleave: variant %d never completed a call in %s", i, d)
+			}
+			mean := time.Duration(busy[i].Load() / calls[i].Load())
+			rates[i] = append(rates[i], float64(workers)/mean.Seconds())
+		}
+	}
+	return rates, nil
+}
+
+// Ratios returns subj[i]/base[i] for each round.
+func Ratios(base, subj []float64) []float64 {
+	out := make([]float64, 0, len(base))
+	for i := range base {
+		if i < len(subj) && base[i] > 0 {
+			out = append(out, subj[i]/base[i])
+		}
+	}
+	return out
+}
