@@ -144,6 +144,9 @@ func (c Config) Validate() error {
 	if c.ConsumerGroup == "" {
 		return errors.New("ConsumerGroup: required (the dedup key is event id + consumer group; use the Kafka consumer group)")
 	}
+	if _, ok := c.DB.(txOptionsBeginner); !ok && c.TxOptions != (pgx.TxOptions{}) {
+		return fmt.Errorf("TxOptions: DB (%T) has no BeginTx, so the options would be ignored (a pgx.Tx runs each message in a savepoint of its own transaction)", c.DB)
+	}
 	if c.Retention < 0 {
 		//lint:ignore ST1005 validation errors start with the field's name
 		return errors.New("Retention: must not be negative")
