@@ -33,6 +33,9 @@ type retentionResult struct {
 	// (autovacuum would run it); zero for DROP.
 	vacuum    time.Duration
 	vacuumWAL int64
+	// deadLeft: dead tuples VACUUM could not remove (an older snapshot
+	// elsewhere on the server holds the horizon back).
+	deadLeft int64
 }
 
 // retention compares three ways to remove the half of a processed_event
@@ -88,7 +91,7 @@ func retention(ctx context.Context, o Options) (Section, error) {
 			return res.Deleted, err
 		}},
 	}
-	rounds := min(max(o.Rounds, 1), 3)
+	rounds := min(max(o.Rounds, 1), 2) // each round loads 3 × rows: ~1 min for 2 rounds of 2M
 	if o.Short {
 		rounds = 1
 	}
@@ -172,7 +175,15 @@ func vacuumCell(rs []retentionResult) string {
 	if Summarise(t).Max == 0 {
 		return "none needed"
 	}
-	return time.Duration(Summarise(t).Median).Round(time.Millisecond).String() + ", " + mib(int64(Summarise(w).Median))
+	out := time.Duration(Summarise(t).Median).Round(time.Millisecond).String() + ", " + mib(int64(Summarise(w).Median))
+	var dead int64
+	for _, r := range rs {
+		dead = max(dead, r.deadLeft)
+	}
+	if dead > 0 {
+		out += fmt.Sprintf(" (incomplete: up to %d dead tuples left, held back by an older snapshot on the server)", dead)
+	}
+	return out
 }
 
 func mib(b int64) string {
@@ -309,6 +320,9 @@ FROM pg_class c WHERE c.oid = to_regclass($1)`, tc.Table).Scan(&r.sizeAfter); er
 		}
 		r.vacuum = time.Since(t0)
 		if err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint", lsn0).Scan(&r.vacuumWAL); err != nil {
+			return r, err
+		}
+		if err := pool.QueryRow(ctx, "SELECT pg_stat_get_dead_tuples(to_regclass($1))", tc.Table).Scan(&r.deadLeft); err != nil {
 			return r, err
 		}
 	}
