@@ -368,3 +368,97 @@ func TestOriginalContextRestored(t *testing.T) {
 	}
 	require.Equal(t, 1, f.claims(t))
 }
+
+// A COMMIT that fails (here a deferred constraint) is returned as an error
+// (nack): neither the claim nor the business row exist, and the handler's
+// returned messages are not handed to the router.
+func TestCommitFailureIsReturnedAndLeavesNothing(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	f.db.Exec(t, "CREATE TABLE once (k int, CONSTRAINT once_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)")
+	d := f.dedup(t, "billing", nil)
+	var calls atomic.Int32
+	out, err := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		if _, err := f.insertHandler(1, &calls)(m); err != nil {
+			return nil, err
+		}
+		_, err := idem.MustTxFromContext(m.Context()).Exec(m.Context(), "INSERT INTO once VALUES (1), (1)") // checked at COMMIT
+		return []*message.Message{message.NewMessage(uuid.NewString(), nil)}, err
+	})(f.msg(publisher.NewEventID()))
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, pgerrcode.UniqueViolation, pgErr.Code)
+	require.False(t, idem.IsPermanent(err))
+	require.Empty(t, out)
+	require.EqualValues(t, 1, calls.Load())
+	require.Zero(t, f.claims(t))
+	require.Zero(t, f.ledgerRows(t))
+	require.Zero(t, f.pool.Stat().AcquiredConns())
+}
+
+// Messages a handler returns (no outbox configured) reach the router after
+// COMMIT on the first delivery, and never for a duplicate.
+func TestReturnedMessagesOnlyForFirstDelivery(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	d := f.dedup(t, "billing", nil)
+	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		return []*message.Message{message.NewMessage(uuid.NewString(), []byte("next"))}, nil
+	})
+	id := publisher.NewEventID()
+	out, err := h(f.msg(id))
+	require.NoError(t, err)
+	require.Len(t, out, 1)
+	out, err = h(f.msg(id))
+	require.NoError(t, err)
+	require.Empty(t, out)
+}
+
+// Shutdown while a claim waits on another consumer's transaction: the
+// waiting delivery returns promptly with the context's error (nack) and
+// leaves nothing; the first is unaffected.
+func TestWaitingClaimReturnsOnContextCancel(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	d := f.dedup(t, "billing", nil)
+	ctx := context.Background()
+	id := publisher.NewEventID()
+	release := make(chan struct{})
+	pid := make(chan int32, 1)
+	firstErr := make(chan error, 1)
+	var firstCalls, secondCalls atomic.Int32
+	go func() {
+		_, err := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+			if _, err := f.insertHandler(1, &firstCalls)(m); err != nil {
+				return nil, err
+			}
+			pid <- ledgerBackendPID(t, ctx, idem.MustTxFromContext(m.Context()))
+			<-release
+			return nil, nil
+		})(f.msg(id))
+		firstErr <- err
+	}()
+	firstPID := <-pid
+
+	secondCtx, cancel := context.WithCancel(ctx)
+	second := f.msg(id)
+	second.SetContext(secondCtx)
+	secondErr := make(chan error, 1)
+	go func() {
+		_, err := d.Middleware(f.insertHandler(2, &secondCalls))(second)
+		secondErr <- err
+	}()
+	require.Eventually(t, func() bool { return f.blockedBy(t, firstPID) == 1 }, 30*time.Second, 10*time.Millisecond)
+	cancel() // the router is closing
+	err := <-secondErr
+	require.Error(t, err)
+	require.False(t, idem.IsPermanent(err))
+	require.Zero(t, secondCalls.Load())
+	require.Equal(t, secondCtx, second.Context())
+
+	close(release)
+	require.NoError(t, <-firstErr)
+	require.Equal(t, 1, f.claims(t))
+	require.Equal(t, 1, f.ledgerRows(t))
+	require.Eventually(t, func() bool { return f.pool.Stat().AcquiredConns() == 0 }, 30*time.Second, 10*time.Millisecond)
+}
