@@ -254,8 +254,10 @@ func (c *Cleaner) Run(ctx context.Context) error {
 			return nil
 		case err != nil:
 			c.logger.Error("Retention pass failed", err, nil)
-		case !res.Skipped:
+		case res.Deleted+res.RowsMoved+int64(res.PartitionsCreated+res.PartitionsDropped) > 0:
 			c.logger.Info("Retention pass done", res.logFields())
+		case !res.Skipped:
+			c.logger.Debug("Retention pass done, nothing to do", res.logFields())
 		}
 		t := time.NewTimer(c.cfg.Interval)
 		select {

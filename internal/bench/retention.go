@@ -181,7 +181,7 @@ func vacuumCell(rs []retentionResult) string {
 		dead = max(dead, r.deadLeft)
 	}
 	if dead > 0 {
-		out += fmt.Sprintf(" (incomplete: up to %d dead tuples left, held back by an older snapshot on the server)", dead)
+		out += fmt.Sprintf(" (incomplete: ~%d dead tuples left by the statistics, held back by an older snapshot elsewhere on the server)", dead)
 	}
 	return out
 }
