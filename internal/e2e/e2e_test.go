@@ -103,7 +103,8 @@ func TestKafkaToPostgresExactlyOnceAcrossRebalance(t *testing.T) {
 	require.Len(t, append(phase1, phase2...), events+duplicates)
 
 	var ackedMu sync.Mutex
-	acked := map[string]bool{} // message UUIDs the dedup layer acked
+	var deliveries atomic.Int32 // acked deliveries, redeliveries included
+	acked := map[string]bool{}  // message UUIDs the dedup layer acked
 	ackedCount := func() int {
 		ackedMu.Lock()
 		defer ackedMu.Unlock()
@@ -132,6 +133,7 @@ func TestKafkaToPostgresExactlyOnceAcrossRebalance(t *testing.T) {
 			return func(m *message.Message) ([]*message.Message, error) {
 				out, err := h(m)
 				if err == nil {
+					deliveries.Add(1)
 					ackedMu.Lock()
 					acked[m.UUID] = true
 					ackedMu.Unlock()
@@ -166,11 +168,15 @@ func TestKafkaToPostgresExactlyOnceAcrossRebalance(t *testing.T) {
 		60*time.Second, 20*time.Millisecond, "the first router consumes")
 
 	second := start("b")
-	// The rebalance: wait until the group has both members, each owning
-	// partitions of the topic (works the same on kfake and real Kafka).
+	// The first half of phase 2 is produced while the group rebalances; the
+	// second half once both routers own partitions (works the same on kfake
+	// and real Kafka), so the second router certainly gets events.
+	during := make(chan error, 1)
+	go func() { during <- pub.Publish(topic, phase2[:len(phase2)/2]...) }()
 	require.Eventually(t, func() bool { return bothMembersAssigned(t, broker.Addrs, group, topic) },
 		60*time.Second, 50*time.Millisecond, "both routers own partitions after the rebalance")
-	require.NoError(t, pub.Publish(topic, phase2...))
+	require.NoError(t, <-during)
+	require.NoError(t, pub.Publish(topic, phase2[len(phase2)/2:]...))
 
 	require.Eventually(t, func() bool { return ackedCount() == events+duplicates },
 		90*time.Second, 50*time.Millisecond, "every published message is acked")
@@ -185,7 +191,8 @@ func TestKafkaToPostgresExactlyOnceAcrossRebalance(t *testing.T) {
 	require.Equal(t, events, db.Count(t, "SELECT 1 FROM processed_event WHERE consumer_group = $1", group))
 	require.Positive(t, first.calls.Load())
 	require.Positive(t, second.calls.Load(), "the second router processed events after the rebalance")
-	t.Logf("handler calls: a=%d b=%d (ledger rows %d)", first.calls.Load(), second.calls.Load(), events)
+	t.Logf("handler calls: a=%d b=%d; acked deliveries %d for %d messages (%d redelivered by the rebalance); ledger rows %d",
+		first.calls.Load(), second.calls.Load(), deliveries.Load(), events+duplicates, int(deliveries.Load())-(events+duplicates), events)
 }
 
 // bothMembersAssigned reports whether group has two members that each own at
@@ -215,4 +222,126 @@ func mustJSON(t *testing.T, v any) []byte {
 	b, err := json.Marshal(v)
 	require.NoError(t, err)
 	return b
+}
+
+// Crash after COMMIT, before the offset commit, through the real Kafka path:
+// consumer A commits event 1 and "dies" before acking it (its subscriber is
+// closed while the ack is withheld); consumer B in the same group gets event
+// 1 again from the last committed offset, skips it, and applies event 2.
+func TestCrashAfterCommitBeforeAckOverKafka(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	db := pgtest.New(t, 4)
+	table := deduplicator.TableConfig{Schema: db.Schema}
+	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	db.Exec(t, "CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, amount bigint NOT NULL)")
+	broker := kafkatest.Start(t)
+	topic := broker.Topic(t, "crash", 1)
+	group := topic + "-ledger"
+	logger := watermill.NopLogger{}
+
+	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	require.NoError(t, err)
+	pub, err := kafka.NewPublisher(pubCfg, logger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	var msgs []*message.Message
+	for i := range 3 {
+		m := message.NewMessage(uuid.NewString(), mustJSON(t, orderPaid{Amount: int64(10 * (i + 1))}))
+		m.Metadata.Set(publisher.MetadataEventID, publisher.NewEventID().String())
+		msgs = append(msgs, m)
+	}
+	require.NoError(t, pub.Publish(topic, msgs...))
+	crashOn := msgs[1].Metadata.Get(publisher.MetadataEventID)
+
+	dedup, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: group, Table: table}, logger)
+	require.NoError(t, err)
+	insert := func(calls *atomic.Int32) message.NoPublishHandlerFunc {
+		return func(m *message.Message) error {
+			calls.Add(1)
+			var e orderPaid
+			if err := json.Unmarshal(m.Payload, &e); err != nil {
+				return idem.Permanent(err)
+			}
+			ctx := m.Context()
+			id, _ := idem.EventIDFromContext(ctx)
+			_, err := idem.MustTxFromContext(ctx).Exec(ctx, "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)", id, e.Amount)
+			return err
+		}
+	}
+	newSub := func() *kafka.Subscriber {
+		cfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: broker.Addrs}, group)
+		require.NoError(t, err)
+		sub, err := kafka.NewSubscriber(cfg, logger)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sub.Close() })
+		return sub
+	}
+
+	// Consumer A: after the middleware committed event 1, the process "dies":
+	// the handler chain never returns, so the message is never acked.
+	committed := make(chan struct{})
+	dead := make(chan struct{})
+	crashAfterCommit := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(m *message.Message) ([]*message.Message, error) {
+			out, err := h(m)
+			if err == nil && m.Metadata.Get(publisher.MetadataEventID) == crashOn {
+				close(committed)
+				<-dead
+			}
+			return out, err
+		}
+	}
+	var callsA, callsB atomic.Int32
+	subA := newSub()
+	routerA, err := message.NewRouter(message.RouterConfig{CloseTimeout: time.Second}, logger)
+	require.NoError(t, err)
+	routerA.AddMiddleware(crashAfterCommit, dedup.Middleware)
+	routerA.AddConsumerHandler("ledger-a", topic, subA, insert(&callsA))
+	go func() { _ = routerA.Run(ctx) }()
+	t.Cleanup(func() { _ = routerA.Close() })
+	t.Cleanup(func() { close(dead) }) // runs first: let A's stuck handler return
+	<-routerA.Running()
+	select {
+	case <-committed:
+	case <-ctx.Done():
+		t.Fatal("consumer A never committed event 1")
+	}
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM ledger"), "events 0 and 1 committed")
+	require.NoError(t, subA.Close()) // the crash: A leaves the group without acking event 1
+
+	// Consumer B takes over the partition.
+	var ackedMu sync.Mutex
+	acked := map[string]bool{}
+	countAcks := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(m *message.Message) ([]*message.Message, error) {
+			out, err := h(m)
+			if err == nil {
+				ackedMu.Lock()
+				acked[m.UUID] = true
+				ackedMu.Unlock()
+			}
+			return out, err
+		}
+	}
+	routerB, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	require.NoError(t, err)
+	routerB.AddMiddleware(countAcks, dedup.Middleware)
+	routerB.AddConsumerHandler("ledger-b", topic, newSub(), insert(&callsB))
+	go func() { _ = routerB.Run(ctx) }()
+	t.Cleanup(func() { _ = routerB.Close() })
+	<-routerB.Running()
+	require.Eventually(t, func() bool {
+		ackedMu.Lock()
+		defer ackedMu.Unlock()
+		return acked[msgs[1].UUID] && acked[msgs[2].UUID]
+	}, 60*time.Second, 20*time.Millisecond, "B receives event 1 again and event 2")
+	require.NoError(t, routerB.Close())
+
+	require.EqualValues(t, 2, callsA.Load())
+	require.EqualValues(t, 1, callsB.Load(), "B ran the handler for event 2 only: event 1 was a duplicate")
+	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM ledger"))
+	require.Equal(t, 3, db.Count(t, "SELECT DISTINCT event_id FROM ledger"))
+	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM processed_event"))
 }
