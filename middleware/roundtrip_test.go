@@ -6,7 +6,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -146,4 +148,74 @@ func TestDuplicateAssignsNoTransactionID(t *testing.T) {
 			require.Nil(t, xid(false, false), "a duplicate's claim must not assign a transaction id (no WAL)")
 		})
 	}
+}
+
+// TestRoundTrips_Conn: a single *pgx.Conn as DB takes the same one-round-trip
+// path as a pool.
+func TestRoundTrips_Conn(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 1)
+	table := deduplicator.TableConfig{Schema: db.Schema}
+	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	db.Exec(t, "CREATE TABLE business (event_id uuid PRIMARY KEY)")
+	rt := &rtcount.Counter{}
+	cfg, err := pgx.ParseConfig(db.URL)
+	require.NoError(t, err)
+	cfg.DialFunc = rt.DialFunc()
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	d, err := NewDedup(Config{DB: conn, ConsumerGroup: "g", Table: table}, nil)
+	require.NoError(t, err)
+
+	handle := func(id uuid.UUID) (int64, bool) {
+		ran := false
+		h := d.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			ran = true
+			_, err := MustTxFromContext(msg.Context()).Exec(msg.Context(), "INSERT INTO business (event_id) VALUES ($1)", id)
+			return nil, err
+		})
+		msg := message.NewMessage(id.String(), nil)
+		msg.Metadata.Set(eventid.MetadataEventID, id.String())
+		rt.Reset()
+		_, err := h(msg)
+		require.NoError(t, err)
+		return rt.Load(), ran
+	}
+	warm := uuid.Must(uuid.NewV7())
+	handle(warm)
+	handle(warm)
+	id := uuid.Must(uuid.NewV7())
+	n, ran := handle(id)
+	require.True(t, ran)
+	require.EqualValues(t, 3, n)
+	n, ran = handle(id)
+	require.False(t, ran)
+	require.EqualValues(t, 2, n)
+	require.Equal(t, byte('I'), conn.PgConn().TxStatus(), "the duplicate's transaction is closed")
+}
+
+// TestBeginClaimErrorReleasesConn: when the pipelined claim fails (here the
+// table does not exist), the error carries the SQLSTATE, the transaction is
+// rolled back and the pool's connection comes back usable.
+func TestBeginClaimErrorReleasesConn(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 1)
+	d, err := NewDedup(Config{DB: db.Pool, ConsumerGroup: "g", Table: deduplicator.TableConfig{Schema: db.Schema, Table: "missing"}}, nil)
+	require.NoError(t, err)
+	id := uuid.Must(uuid.NewV7())
+	msg := message.NewMessage(id.String(), nil)
+	msg.Metadata.Set(eventid.MetadataEventID, id.String())
+	_, err = d.Middleware(func(*message.Message) ([]*message.Message, error) {
+		t.Fatal("handler must not run")
+		return nil, nil
+	})(msg)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, pgerrcode.UndefinedTable, pgErr.Code)
+	require.Zero(t, db.Pool.Stat().AcquiredConns())
+	var one int
+	require.NoError(t, db.Pool.QueryRow(ctx, "SELECT 1").Scan(&one))
 }
