@@ -33,7 +33,8 @@ const Component = "processed_event"
 type Migration = migrate.Migration
 
 // Migrations returns the schema migrations rendered for cfg's schema and
-// table, oldest first. Write each Up/Down to files to manage the schema with
+// table, oldest first; with [LayoutPartitioned] they include
+// [PartitionedMigrationTemplates] (version 100 onward). Write each Up/Down to files to manage the schema with
 // an external tool instead of [Migrate].
 func Migrations(cfg TableConfig) ([]Migration, error) {
 	cfg.setDefaults()
