@@ -131,11 +131,8 @@ func (g *group) startLocked(ctx context.Context) error {
 // group; in-flight messages are not acked) and removes it from the group.
 func (g *group) stop(inst *instance) {
 	inst.kill.Do(func() {
-		switch inst.pending.Swap(pendingNone) { // armed but never executed
-		case pendingKillMid:
-			g.h.fault(faultKillMid, true)
-		case pendingKillCommit:
-			g.h.fault(faultKillCommit, true)
+		if p := inst.pending.Swap(pendingNone); p != pendingNone {
+			g.rearm(inst, p) // armed but never executed
 		}
 		if err := inst.router.Close(); err != nil {
 			g.h.logf("%s: close: %v", inst.name, err)
@@ -245,12 +242,35 @@ func waitDone(ctx context.Context) {
 	}
 }
 
-// pickLive returns a live instance chosen by pick, or nil.
-func (g *group) pickLive(pick uint64) *instance {
+// rearm hands a fault that a stopping instance did not execute to another
+// live instance, or counts it as skipped.
+func (g *group) rearm(from *instance, p int32) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if len(g.live) == 0 || g.resetting {
-		return nil
+	for _, inst := range g.live {
+		if inst != from && inst.pending.CompareAndSwap(pendingNone, p) {
+			return
+		}
 	}
-	return g.live[pick%uint64(len(g.live))]
+	kind := faultKillMid
+	if p == pendingKillCommit {
+		kind = faultKillCommit
+	}
+	g.h.fault(kind, true)
+}
+
+// arm hands fault p to a live instance (chosen by pick) that has none
+// pending; it executes it on its next applied message.
+func (g *group) arm(pick uint64, p int32) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.resetting {
+		return false
+	}
+	for i := range g.live {
+		if g.live[(int(pick%uint64(len(g.live)))+i)%len(g.live)].pending.CompareAndSwap(pendingNone, p) {
+			return true
+		}
+	}
+	return false
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
 )
 
 // crashDelay is how long a crashed instance stays down before its
@@ -43,17 +44,13 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 	g := h.groups[f.group]
 	switch f.kind {
 	case faultKillMid, faultKillCommit:
-		inst := g.pickLive(f.pick)
-		if inst == nil {
-			h.fault(f.kind, true)
-			return
-		}
 		p := pendingKillMid
 		if f.kind == faultKillCommit {
 			p = pendingKillCommit
 		}
-		inst.pending.Store(p) // counted when the instance executes it
-		h.armed.Add(1)
+		if !g.arm(f.pick, p) { // counted when the instance executes it
+			h.fault(f.kind, true)
+		}
 	case faultJoin:
 		if err := g.start(ctx); err != nil {
 			h.violation("%s: join: %v", g.name, err)
@@ -80,14 +77,11 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		g.stop(leaving)
 		h.fault(faultLeave, false)
 	case faultTermConsumer:
-		inst := g.pickLive(f.pick)
-		if inst == nil {
-			h.fault(f.kind, true)
-			return
-		}
-		h.terminate(ctx, f.kind, inst.name)
+		h.terminate(ctx, f.kind, g.name+"-i", f.pick)
 	case faultTermProducer:
-		h.terminate(ctx, f.kind, "producer")
+		c := h.prod.dbComponents()
+		target := c[f.pick%uint64(len(c))]
+		h.terminate(ctx, "pg-terminate-"+target, target, f.pick)
 	case faultRestartFwd:
 		if err := h.prod.restart(ctx); err != nil {
 			h.violation("restart forwarder: %v", err)
@@ -103,22 +97,42 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 	}
 }
 
-// terminate kills every PostgreSQL backend of a component, found by its
-// application_name.
-func (h *harness) terminate(ctx context.Context, kind, component string) {
-	var n int
-	err := h.admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()`,
-		h.appName(component)).Scan(&n)
-	if err != nil {
-		h.violation("%s %s: %v", kind, component, err)
-		return
+// terminate kills every PostgreSQL backend of one component whose name
+// starts with prefix (chosen by pick among those with open connections),
+// found by application_name. It retries for a while when none has a
+// connection open (pools connect lazily, and reconnect after a kill).
+func (h *harness) terminate(ctx context.Context, kind, prefix string, pick uint64) {
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		var names []string
+		rows, err := h.admin.Query(ctx, `SELECT DISTINCT application_name FROM pg_stat_activity WHERE starts_with(application_name, $1) ORDER BY 1`, h.appName(prefix))
+		if err == nil {
+			names, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		}
+		if err != nil {
+			h.violation("%s %s: %v", kind, prefix, err)
+			return
+		}
+		if len(names) > 0 {
+			var n int
+			err := h.admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()`,
+				names[pick%uint64(len(names))]).Scan(&n)
+			if err != nil {
+				h.violation("%s %s: %v", kind, prefix, err)
+				return
+			}
+			if n > 0 {
+				h.terminated.Add(int64(n))
+				h.fault(kind, false)
+				return
+			}
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			h.fault(kind, true)
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
-	if n == 0 {
-		h.fault(kind, true)
-		return
-	}
-	h.terminated.Add(int64(n))
-	h.fault(kind, false)
 }
 
 // resetOffsets stops every instance of g (Kafka only lets an empty group's

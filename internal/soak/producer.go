@@ -30,6 +30,9 @@ type producer interface {
 	restart(ctx context.Context) error
 	// pending returns how many produced events are not yet on Kafka.
 	pending(ctx context.Context) (int, error)
+	// dbComponents names the components whose backends the
+	// pg_terminate_backend fault targets.
+	dbComponents() []string
 	close()
 	kind() string
 }
@@ -91,6 +94,8 @@ func newKafkaProducer(ctx context.Context, h *harness) (*kafkaProducer, error) {
 }
 
 func (p *kafkaProducer) kind() string { return "kafka (business row, then direct publish)" }
+
+func (p *kafkaProducer) dbComponents() []string { return []string{"producer"} }
 
 func (p *kafkaProducer) produce(ctx context.Context, ev event, msg *message.Message) error {
 	id := msg.Metadata.Get(publisher.MetadataEventID)

@@ -65,6 +65,10 @@ type Config struct {
 	// Faults is how many of each fault kind to inject (offset resets: per
 	// group, at most 1 by default). Defaults to [FullFaults].
 	Faults FaultCounts
+	// DirectPublish makes the producer publish to Kafka after committing
+	// the business row, instead of writing the outbox in the same
+	// transaction for the forwarder. Defaults to false (outbox + forwarder).
+	DirectPublish bool
 	// Timeout bounds the whole run. Defaults to [DefaultTimeout].
 	Timeout time.Duration
 	// DatabaseURL of the PostgreSQL server. Required.
@@ -131,11 +135,11 @@ func (c *Config) setDefaults() {
 func (c Config) Validate() error {
 	switch {
 	case c.DatabaseURL == "":
-		return errors.New("DatabaseURL: required")
+		return errors.New("field DatabaseURL: required")
 	case c.Events < 1, c.Aggregates < 1, c.Partitions < 1, c.Instances < 1, c.SecondInstances < 1, c.Producers < 1:
-		return errors.New("Events, Aggregates, Partitions, Instances, SecondInstances, Producers: must be positive")
+		return errors.New("fields Events, Aggregates, Partitions, Instances, SecondInstances, Producers: must be positive")
 	case c.DLQPercent < 0 || c.DLQPercent > 100, c.DoublePercent < 0 || c.DoublePercent > 100:
-		return errors.New("DLQPercent, DoublePercent: must be in [0, 100]")
+		return errors.New("fields DLQPercent, DoublePercent: must be in [0, 100]")
 	}
 	return nil
 }
@@ -182,7 +186,9 @@ func (r *Report) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "soak seed=%d events=%d producer=%s elapsed=%s\n", r.Seed, r.Events, r.Producer, r.Elapsed.Round(time.Millisecond))
 	b.WriteString("faults injected:\n")
-	for _, k := range slices.Sorted(maps.Keys(r.Faults)) {
+	kinds := maps.Clone(r.Faults)
+	maps.Copy(kinds, r.Skipped)
+	for _, k := range slices.Sorted(maps.Keys(kinds)) {
 		fmt.Fprintf(&b, "  %-22s %d", k, r.Faults[k])
 		if s := r.Skipped[k]; s > 0 {
 			fmt.Fprintf(&b, " (%d skipped: no target)", s)
@@ -234,7 +240,6 @@ type harness struct {
 	dlqReplayedIDs  sync.Map
 	doublePublished atomic.Int64
 	terminated      atomic.Int64
-	armed           atomic.Int64 // kill faults handed to an instance
 }
 
 func (h *harness) logf(format string, args ...any) {
@@ -453,7 +458,7 @@ func (h *harness) shutdown() {
 }
 
 func (h *harness) progressLog(ctx context.Context, faultsDone <-chan struct{}) {
-	t := time.NewTicker(5 * time.Second)
+	t := time.NewTicker(3 * time.Second)
 	defer t.Stop()
 	for {
 		select {
@@ -461,7 +466,8 @@ func (h *harness) progressLog(ctx context.Context, faultsDone <-chan struct{}) {
 			return
 		case <-t.C:
 		}
-		line := fmt.Sprintf("produced=%d", h.produced.Load())
+		pend, _ := h.prod.pending(ctx)
+		line := fmt.Sprintf("produced=%d outbox pending=%d", h.produced.Load(), pend)
 		for _, g := range h.groups {
 			line += fmt.Sprintf(" %s: applied=%d dup=%d failed=%d", g.name, g.applied.Load(), g.duplicates.Load(), g.failed.Load())
 		}
@@ -527,5 +533,8 @@ func (h *harness) converged(ctx context.Context) (bool, string) {
 }
 
 func (h *harness) newProducer(ctx context.Context) (producer, error) {
-	return newKafkaProducer(ctx, h)
+	if h.cfg.DirectPublish {
+		return newKafkaProducer(ctx, h)
+	}
+	return newOutboxProducer(ctx, h)
 }

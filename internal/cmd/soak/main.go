@@ -1,0 +1,69 @@
+// Command soak runs the chaos soak of internal/soak (`make soak`): by default
+// 20,000 events over 64 aggregates with every fault kind, then checks that
+// every event was applied exactly once per consumer group. It prints the
+// faults injected and the duplicates absorbed, and exits 1 on a violation,
+// printing the seed to reproduce the event plan and fault schedule.
+//
+//	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-keep] [-v]
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/internal/soak"
+)
+
+func main() {
+	seed := flag.Uint64("seed", uint64(time.Now().UnixNano()), "seed of the event plan and the fault schedule")
+	events := flag.Int("events", soak.DefaultEvents, "events to produce")
+	aggregates := flag.Int("aggregates", soak.DefaultAggregates, "aggregates (partition keys)")
+	partitions := flag.Int("partitions", soak.DefaultPartitions, "partitions of the topic")
+	timeout := flag.Duration("timeout", soak.DefaultTimeout, "abort (and fail) after this long")
+	short := flag.Bool("short", false, "2,000 events and the short fault mix")
+	keep := flag.Bool("keep", false, "keep the PostgreSQL schema for inspection")
+	verbose := flag.Bool("v", false, "log the components (Watermill, middleware) at info level")
+	flag.Parse()
+
+	cfg := soak.Config{
+		Seed:        *seed,
+		Events:      *events,
+		Aggregates:  *aggregates,
+		Partitions:  int32(*partitions),
+		Timeout:     *timeout,
+		DatabaseURL: pgtest.URL(),
+		Brokers:     kafkatest.External(),
+		KeepSchema:  *keep,
+		Log:         os.Stderr,
+	}
+	if *short {
+		cfg.Events = 2000
+		cfg.Faults = soak.ShortFaults
+	}
+	if *verbose {
+		cfg.Logger = watermill.NewStdLogger(false, false)
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	rep, err := soak.Run(ctx, cfg)
+	if rep != nil {
+		fmt.Print(rep.String())
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "soak: %v (seed %d)\n", err, cfg.Seed)
+		os.Exit(2)
+	}
+	if !rep.OK() {
+		fmt.Fprintf(os.Stderr, "soak: FAILED, reproduce the plan with: go run ./internal/cmd/soak -seed %d -events %d\n", cfg.Seed, cfg.Events)
+		os.Exit(1)
+	}
+}

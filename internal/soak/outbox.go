@@ -1,0 +1,165 @@
+package soak
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/outbox"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// outboxProducer is the producer service as the library intends it: the
+// business row and the outbox row commit in one transaction; a forwarder
+// relays the outbox to Kafka.
+type outboxProducer struct {
+	h     *harness
+	pool  *pgxpool.Pool // producer, application_name ...-producer
+	fpool *pgxpool.Pool // forwarder, application_name ...-forwarder
+	ob    *outbox.Outbox
+	sp    sarama.SyncProducer
+
+	mu     sync.Mutex
+	fwd    *outbox.Forwarder
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func newOutboxProducer(ctx context.Context, h *harness) (*outboxProducer, error) {
+	ob, err := outbox.New(outbox.Config{Schema: h.schema, Topics: []string{h.topic}}, h.logger)
+	if err != nil {
+		return nil, err
+	}
+	p := &outboxProducer{h: h, ob: ob}
+	if p.pool, err = h.pool(ctx, "producer", int32(2*h.cfg.Producers+2)); err != nil {
+		return nil, err
+	}
+	if p.fpool, err = h.pool(ctx, "forwarder", 4); err != nil {
+		p.pool.Close()
+		return nil, err
+	}
+	if err := ob.Migrate(ctx, p.pool); err != nil {
+		p.close()
+		return nil, fmt.Errorf("outbox migrate: %w", err)
+	}
+	if p.sp, err = outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: h.brokers}); err != nil {
+		p.close()
+		return nil, err
+	}
+	if err := p.startForwarder(); err != nil {
+		p.close()
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *outboxProducer) kind() string { return "outbox+forwarder" }
+
+func (p *outboxProducer) dbComponents() []string { return []string{"forwarder", "producer"} }
+
+func (p *outboxProducer) startForwarder() error {
+	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{
+		DB: p.fpool, Outbox: p.ob, Producer: p.sp,
+		RetryInterval: 100 * time.Millisecond,
+		// A kill, not a graceful stop: the in-flight batch is aborted and
+		// sent again by the next forwarder.
+		ShutdownTimeout: time.Nanosecond,
+	}, p.h.logger)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := fwd.Run(ctx); err != nil {
+			p.h.violation("forwarder: %v", err)
+		}
+	}()
+	p.fwd, p.cancel, p.done = fwd, cancel, done
+	return nil
+}
+
+func (p *outboxProducer) stopForwarder() {
+	if p.cancel != nil {
+		p.cancel()
+		<-p.done
+		p.cancel = nil
+	}
+}
+
+func (p *outboxProducer) restart(context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.stopForwarder()
+	return p.startForwarder()
+}
+
+func (p *outboxProducer) produce(ctx context.Context, ev event, msg *message.Message) error {
+	id := msg.Metadata.Get(publisher.MetadataEventID)
+	var wg sync.WaitGroup
+	var dupErr error
+	if ev.double {
+		// The same event written to the outbox a second time, by a
+		// concurrent transaction (a retried request, a second producer).
+		p.h.doublePublished.Add(1)
+		m := msg.Copy()
+		wg.Go(func() {
+			dupErr = retry(ctx, "outbox duplicate", func() error {
+				return pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error { return p.ob.PublishInTx(ctx, tx, p.h.topic, m) })
+			})
+		})
+	}
+	err := retry(ctx, "produce", func() error {
+		return pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+			tag, err := tx.Exec(ctx, `INSERT INTO soak_event (event_id, aggregate, seq, amount) VALUES ($1, $2, $3, $4) ON CONFLICT (event_id) DO NOTHING`,
+				id, ev.aggregate, ev.seq, ev.amount)
+			if err != nil {
+				return err
+			}
+			if tag.RowsAffected() == 0 {
+				return nil // an earlier attempt committed (its outcome was unknown)
+			}
+			return p.ob.PublishInTx(ctx, tx, p.h.topic, msg)
+		})
+	})
+	wg.Wait()
+	return errors.Join(err, dupErr)
+}
+
+// pending counts outbox rows after the forwarder's committed position.
+func (p *outboxProducer) pending(ctx context.Context) (int, error) {
+	var xid string
+	var off int64
+	err := p.h.admin.QueryRow(ctx, `SELECT last_processed_transaction_id::text, offset_acked FROM `+p.ob.OffsetsTable(p.h.topic)+` WHERE consumer_group = $1`,
+		outbox.DefaultForwarderGroup).Scan(&xid, &off)
+	if errors.Is(err, pgx.ErrNoRows) {
+		xid, off, err = "0", 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	var n int
+	err = p.h.admin.QueryRow(ctx, `SELECT count(*) FROM `+p.ob.MessagesTable(p.h.topic)+` WHERE (transaction_id, "offset") > ($1::xid8, $2::bigint)`, xid, off).Scan(&n)
+	return n, err
+}
+
+func (p *outboxProducer) close() {
+	p.mu.Lock()
+	p.stopForwarder()
+	p.mu.Unlock()
+	if p.sp != nil {
+		_ = p.sp.Close()
+	}
+	if p.fpool != nil {
+		p.fpool.Close()
+	}
+	p.pool.Close()
+}
