@@ -187,15 +187,20 @@ func TestCleanerBacksOffOnStatementTimeout(t *testing.T) {
 	logs := &logCapture{}
 	c, err = NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, BatchSize: 1000, StatementTimeout: 50 * time.Millisecond, Backoff: 5 * time.Millisecond, MaxTimeouts: 1000}, logs)
 	require.NoError(t, err)
-	done := make(chan Result, 1)
+	type outcome struct {
+		res Result
+		err error
+	}
+	done := make(chan outcome, 1)
 	go func() {
 		r, err := c.RunOnce(ctx)
-		require.NoError(t, err)
-		done <- r
+		done <- outcome{r, err}
 	}()
 	require.Eventually(t, func() bool { return logs.has("Retention batch hit statement_timeout, backing off") }, 30*time.Second, 10*time.Millisecond)
 	release()
-	res = <-done
+	out := <-done
+	require.NoError(t, out.err)
+	res = out.res
 	require.Positive(t, res.Timeouts)
 	require.EqualValues(t, 30, res.Deleted)
 }

@@ -356,3 +356,55 @@ func TestLayoutValidation(t *testing.T) {
 	require.NoError(t, TableConfig{Schema: "s", Table: long, Layout: LayoutPlain}.Validate())
 	require.Error(t, TableConfig{Schema: "s", Table: "t", Layout: Layout(9)}.Validate())
 }
+
+// A partition drop needs the parent's ACCESS EXCLUSIVE lock, which waits for
+// every open claim transaction. With lock_timeout it gives up quickly
+// (so claims queued behind it are not held for long) and retries; after
+// LockRetries attempts the pass fails with the server's 55P03.
+func TestPartitionDropRetriesOnLockTimeout(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPartitioned)
+	ctx := context.Background()
+	d, err := New(Config{TableConfig: tc, ConsumerGroup: "g"}, nil)
+	require.NoError(t, err)
+	openClaim := func() (commit func()) {
+		tx, err := db.Pool.Begin(ctx)
+		require.NoError(t, err)
+		first, err := d.Claim(ctx, tx, v7At(time.Now()))
+		require.NoError(t, err)
+		require.True(t, first)
+		return func() { require.NoError(t, tx.Commit(ctx)) }
+	}
+	later := time.Now().AddDate(0, 0, 10) // today's partitions are then wholly old
+
+	commit := openClaim()
+	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: func() time.Time { return later },
+		LockTimeout: 20 * time.Millisecond, LockRetries: 2}, nil)
+	require.NoError(t, err)
+	_, err = c.RunOnce(ctx)
+	require.True(t, isLockTimeout(err), "got %v", err)
+	require.ErrorContains(t, err, "attempt 2")
+	commit()
+
+	commit = openClaim()
+	logs := &logCapture{}
+	c, err = NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: func() time.Time { return later },
+		LockTimeout: 20 * time.Millisecond, LockRetries: 10_000}, logs)
+	require.NoError(t, err)
+	type outcome struct {
+		res Result
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		res, err := c.RunOnce(ctx)
+		done <- outcome{res, err}
+	}()
+	require.Eventually(t, func() bool { return logs.has("Partition DDL hit lock_timeout, retrying") }, 30*time.Second, 5*time.Millisecond)
+	commit()
+	out := <-done
+	require.NoError(t, out.err)
+	res := out.res
+	require.Positive(t, res.PartitionsDropped)
+	require.Equal(t, 0, db.Count(t, "SELECT 1 FROM "+tc.Table), "the claim's partition was old and is gone")
+}
