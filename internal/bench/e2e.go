@@ -1,0 +1,498 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/outbox"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+func init() { Register("end-to-end", endToEnd) }
+
+const (
+	e2ePartitions = 8
+	// sentAtKey carries the publish time (Unix nanoseconds) from the input
+	// record, through the handler and the outbox, to the forwarded record.
+	sentAtKey = "bench_sent_at"
+)
+
+// e2eRig is the broker, the database and the input topic shared by every
+// round; each round consumes the whole input topic with a new consumer group
+// (so every event is new to the dedup table) and forwards to a new topic.
+type e2eRig struct {
+	o       Options
+	brokers []string
+	db      *DB
+	outbox  *outbox.Outbox
+	table   deduplicator.TableConfig
+	in      string
+	n       int
+	seq     atomic.Int64
+	close   func()
+}
+
+func newE2ERig(ctx context.Context, o Options, n int) (*e2eRig, error) {
+	r := &e2eRig{o: o, n: n, brokers: o.Brokers, close: func() {}}
+	if len(r.brokers) == 0 {
+		c, err := kafkatest.NewFake()
+		if err != nil {
+			return nil, fmt.Errorf("start kfake: %w", err)
+		}
+		r.brokers = c.ListenAddrs()
+		r.close = c.Close
+	}
+	db, err := NewDB(ctx, o, "e2e", 24, nil)
+	if err != nil {
+		r.close()
+		return nil, err
+	}
+	r.db = db
+	prev := r.close
+	r.close = func() { db.Close(); prev() }
+	r.table = deduplicator.TableConfig{Schema: db.Schema}
+	if err := deduplicator.Migrate(ctx, db.Pool, r.table); err != nil {
+		r.close()
+		return nil, err
+	}
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE bench_order (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, ref text NOT NULL, amount bigint NOT NULL)"); err != nil {
+		r.close()
+		return nil, err
+	}
+	if r.outbox, err = outbox.New(outbox.Config{Schema: db.Schema}, nil); err != nil {
+		r.close()
+		return nil, err
+	}
+	if err := r.outbox.Migrate(ctx, db.Pool); err != nil {
+		r.close()
+		return nil, err
+	}
+	if r.in, err = r.topic("bench-in"); err != nil {
+		r.close()
+		return nil, err
+	}
+	if err := r.produce(r.in, n, 0); err != nil {
+		r.close()
+		return nil, err
+	}
+	return r, nil
+}
+
+// topic creates a unique topic with e2ePartitions partitions.
+func (r *e2eRig) topic(prefix string) (string, error) {
+	name := fmt.Sprintf("%s-%d-%s", prefix, r.seq.Add(1), uuid.NewString()[:8])
+	return name, kafkatest.CreateTopic(r.brokers, name, e2ePartitions)
+}
+
+// produce publishes n events (UUIDv7 event id, 64 aggregates as partition
+// keys, the send time in sentAtKey) with the idempotent producer. With rate
+// > 0 they are paced at rate per second, else sent in batches of 500.
+func (r *e2eRig) produce(topic string, n int, rate float64) error {
+	p, err := sarama.NewSyncProducer(r.brokers, publisher.SaramaProducerConfig(nil))
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	m := publisher.Marshaler{}
+	batch := 500
+	var interval time.Duration
+	if rate > 0 {
+		batch = 1
+		interval = time.Duration(float64(time.Second) / rate)
+	}
+	start := time.Now()
+	var pending []*sarama.ProducerMessage
+	for i := 0; i < n; i++ {
+		id := uuid.Must(uuid.NewV7())
+		msg := message.NewMessage(id.String(), []byte(`{"amount":42}`))
+		msg.Metadata.Set(publisher.MetadataEventID, id.String())
+		publisher.WithPartitionKey(msg, "agg-"+strconv.Itoa(i%64))
+		if interval > 0 {
+			if d := time.Until(start.Add(time.Duration(i) * interval)); d > 0 {
+				time.Sleep(d)
+			}
+		}
+		msg.Metadata.Set(sentAtKey, strconv.FormatInt(time.Now().UnixNano(), 10))
+		pm, err := m.Marshal(topic, msg)
+		if err != nil {
+			return err
+		}
+		if pending = append(pending, pm); len(pending) == batch || i == n-1 {
+			if err := p.SendMessages(pending); err != nil {
+				return err
+			}
+			pending = pending[:0]
+		}
+	}
+	return nil
+}
+
+// refusing is the router's publisher: with the outbox in the middleware it
+// must never be called.
+type refusing struct{}
+
+func (refusing) Publish(string, ...*message.Message) error {
+	return errors.New("bench: router publisher called; messages should go to the outbox")
+}
+func (refusing) Close() error { return nil }
+
+// runRouter consumes topic with a new consumer group through h until done
+// is closed, and returns the first handler error.
+func (r *e2eRig) runRouter(ctx context.Context, topic, group, outTopic string, h message.HandlerFunc, done <-chan struct{}) error {
+	logger := watermill.NopLogger{}
+	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: r.brokers}, group)
+	if err != nil {
+		return err
+	}
+	sub, err := kafka.NewSubscriber(subCfg, logger)
+	if err != nil {
+		return err
+	}
+	defer sub.Close()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		return err
+	}
+	var handlerErr atomic.Pointer[error]
+	failed := make(chan struct{})
+	var once sync.Once
+	wrapped := func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		if err != nil {
+			handlerErr.CompareAndSwap(nil, &err)
+			once.Do(func() { close(failed) })
+		}
+		return out, err
+	}
+	if outTopic == "" {
+		router.AddConsumerHandler(group, topic, sub, func(msg *message.Message) error { _, err := wrapped(msg); return err })
+	} else {
+		router.AddHandler(group, topic, sub, outTopic, refusing{}, wrapped)
+	}
+	runErr := make(chan error, 1)
+	go func() { runErr <- router.Run(ctx) }()
+	var timeout error
+	select {
+	case <-done:
+	case <-failed:
+	case err := <-runErr:
+		return err
+	case <-time.After(e2eRoundTimeout):
+		timeout = fmt.Errorf("bench: end-to-end round did not finish in %s", e2eRoundTimeout)
+	}
+	_ = router.Close()
+	<-runErr
+	if p := handlerErr.Load(); p != nil {
+		return *p
+	}
+	return timeout
+}
+
+// e2eRoundTimeout bounds one round; a transaction left open elsewhere on the
+// server holds the forwarder back (see xminHolder).
+const e2eRoundTimeout = 60 * time.Second
+
+// span records the first and last of n events.
+type span struct {
+	n           int64
+	count       atomic.Int64
+	first, last atomic.Int64
+	done        chan struct{}
+}
+
+func newSpan(n int) *span { return &span{n: int64(n), done: make(chan struct{})} }
+
+func (s *span) mark() {
+	now := time.Now().UnixNano()
+	s.first.CompareAndSwap(0, now)
+	if s.count.Add(1) == s.n {
+		s.last.Store(now)
+		close(s.done)
+	}
+}
+
+// rate is events per second from the first to the last mark.
+func (s *span) rate() float64 {
+	return float64(s.n-1) / time.Duration(s.last.Load()-s.first.Load()).Seconds()
+}
+
+// ceiling consumes the input topic with a no-op handler and no database.
+func (r *e2eRig) ceiling(ctx context.Context) (float64, error) {
+	sp := newSpan(r.n)
+	h := func(*message.Message) ([]*message.Message, error) { sp.mark(); return nil, nil }
+	if err := r.runRouter(ctx, r.in, fmt.Sprintf("bench-ceiling-%d", r.seq.Add(1)), "", h, sp.done); err != nil {
+		return 0, err
+	}
+	return sp.rate(), nil
+}
+
+// e2eResult is one pipeline round.
+type e2eResult struct {
+	consumed  float64 // first handled to last committed (router + dedup + row + outbox)
+	forwarded float64 // first handled to last forwarded record read back
+	latencies []time.Duration
+}
+
+// pipeline is one full round: router + dedup + business row + outbox, the
+// forwarder, and a consumer of the forwarded topic. With produceRate > 0 the
+// n events are published to in while it runs, else in must hold n events.
+func (r *e2eRig) pipeline(ctx context.Context, in string, n int, produceRate float64, poll time.Duration) (e2eResult, error) {
+	var res e2eResult
+	out, err := r.topic("bench-out")
+	if err != nil {
+		return res, err
+	}
+	if err := r.outbox.MigrateTopics(ctx, r.db.Pool, out); err != nil {
+		return res, err
+	}
+	group := fmt.Sprintf("bench-e2e-%d", r.seq.Add(1))
+	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox}, nil)
+	if err != nil {
+		return res, err
+	}
+	producer, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: r.brokers})
+	if err != nil {
+		return res, err
+	}
+	defer producer.Close()
+	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: r.db.Pool, Outbox: r.outbox, Producer: producer, Topics: []string{out}, PollInterval: poll}, nil)
+	if err != nil {
+		return res, err
+	}
+	fctx, stopFwd := context.WithCancel(ctx)
+	fwdErr := make(chan error, 1)
+	go func() { fwdErr <- fwd.Run(fctx) }()
+	defer func() { stopFwd(); <-fwdErr }()
+
+	consumed, forwarded := newSpan(n), newSpan(n)
+	res.latencies = make([]time.Duration, 0, n)
+	stopRead, readErr := r.readAll(out, n, func(sentAt int64, now time.Time) {
+		res.latencies = append(res.latencies, now.Sub(time.Unix(0, sentAt)))
+		forwarded.mark()
+	})
+	defer stopRead()
+
+	inner := func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
+			return nil, err
+		}
+		fwdMsg := message.NewMessage(watermill.NewUUID(), msg.Payload)
+		fwdMsg.Metadata.Set(sentAtKey, msg.Metadata.Get(sentAtKey))
+		publisher.WithPartitionKey(fwdMsg, msg.Metadata.Get(publisher.MetadataPartitionKey))
+		return []*message.Message{fwdMsg}, nil
+	}
+	mw := dedup.Middleware(inner)
+	h := func(msg *message.Message) ([]*message.Message, error) {
+		if consumed.first.Load() == 0 {
+			consumed.first.CompareAndSwap(0, time.Now().UnixNano())
+			forwarded.first.CompareAndSwap(0, consumed.first.Load())
+		}
+		out, err := mw(msg)
+		if err == nil {
+			consumed.mark() // after COMMIT
+		}
+		return out, err
+	}
+	if produceRate > 0 {
+		go func() { _ = r.produce(in, n, produceRate) }()
+	}
+	if err := r.runRouter(ctx, in, group, out, h, forwarded.done); err != nil {
+		return res, fmt.Errorf("%w (handled %d, forwarded %d of %d)", err, consumed.count.Load(), forwarded.count.Load(), n)
+	}
+	if err := readErr(); err != nil {
+		return res, err
+	}
+	res.consumed, res.forwarded = consumed.rate(), forwarded.rate()
+	return res, nil
+}
+
+// xminHolder describes the oldest transaction on the server that holds the
+// snapshot xmin back, if it is older than a second: the forwarder only reads
+// outbox rows below the xmin, so such a transaction (in any database of the
+// cluster) delays every forward.
+func (r *e2eRig) xminHolder(ctx context.Context) string {
+	var age float64
+	var state string
+	err := r.db.Pool.QueryRow(ctx, `SELECT extract(epoch FROM now() - xact_start), coalesce(state, '')
+		FROM pg_stat_activity
+		WHERE (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL) AND pid <> pg_backend_pid()
+		ORDER BY xact_start LIMIT 1`).Scan(&age, &state)
+	if err != nil || age < 1 {
+		return ""
+	}
+	return fmt.Sprintf("a transaction open for %.0f s (%s)", age, state)
+}
+
+// readAll consumes every partition of topic from the start and calls got
+// (from one goroutine at a time) for each of the first n records.
+func (r *e2eRig) readAll(topic string, n int, got func(sentAt int64, now time.Time)) (stop func(), errf func() error) {
+	cfg := sarama.NewConfig()
+	cfg.Version = publisher.MinKafkaVersion
+	c, err := sarama.NewConsumer(r.brokers, cfg)
+	if err != nil {
+		return func() {}, func() error { return err }
+	}
+	var (
+		mu    sync.Mutex
+		count int
+		wg    sync.WaitGroup
+		rerr  error
+	)
+	quit := make(chan struct{})
+	for p := int32(0); p < e2ePartitions; p++ {
+		pc, err := c.ConsumePartition(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			close(quit)
+			wg.Wait()
+			_ = c.Close()
+			return func() {}, func() error { return err }
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer pc.Close()
+			for {
+				select {
+				case <-quit:
+					return
+				case m := <-pc.Messages():
+					now := time.Now()
+					var sentAt int64
+					for _, h := range m.Headers {
+						if string(h.Key) == sentAtKey {
+							sentAt, _ = strconv.ParseInt(string(h.Value), 10, 64)
+						}
+					}
+					mu.Lock()
+					if sentAt == 0 && rerr == nil {
+						rerr = errors.New("bench: forwarded record without " + sentAtKey)
+					}
+					if count < n {
+						count++
+						got(sentAt, now)
+					}
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	var once sync.Once
+	return func() {
+			once.Do(func() { close(quit); wg.Wait(); _ = c.Close() })
+		}, func() error {
+			mu.Lock()
+			defer mu.Unlock()
+			return rerr
+		}
+}
+
+func percentile(xs []time.Duration, p float64) time.Duration {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	i := int(p * float64(len(s)-1))
+	return s[i]
+}
+
+func endToEnd(ctx context.Context, o Options) (Section, error) {
+	n, rounds, liveN := 6000, 3, 2000
+	if o.Short {
+		n, rounds, liveN = 1500, 2, 500
+	}
+	r, err := newE2ERig(ctx, o, n)
+	if err != nil {
+		return Section{}, err
+	}
+	defer r.close()
+	holderBefore := r.xminHolder(ctx)
+
+	var consumed []float64
+	base, subj, ratios, err := Alternate(rounds,
+		func() (float64, error) { return r.ceiling(ctx) },
+		func() (float64, error) {
+			res, err := r.pipeline(ctx, r.in, n, 0, 0)
+			consumed = append(consumed, res.consumed)
+			return res.forwarded, err
+		})
+	if err != nil {
+		return Section{}, err
+	}
+	var consumedRatios []float64
+	for i := range consumed {
+		consumedRatios = append(consumedRatios, consumed[i]/base[i])
+	}
+	st, cst := Summarise(ratios), Summarise(consumedRatios)
+	o.Logf("  end-to-end: ceiling %s msg/s, consumed %s msg/s (ratio %s), forwarded %s msg/s (ratio %s)", fmtRate(base), fmtRate(consumed), cst, fmtRate(subj), st)
+
+	// Latency: a fresh input topic fed at half the pipeline's median rate
+	// while the pipeline runs, so records do not queue behind a backlog; with
+	// the forwarder's default poll interval, then a short one.
+	liveRate := Summarise(subj).Median / 2
+	var latRows [][]string
+	for _, poll := range []time.Duration{outbox.DefaultPollInterval, 10 * time.Millisecond} {
+		live, err := r.topic("bench-live")
+		if err != nil {
+			return Section{}, err
+		}
+		res, err := r.pipeline(ctx, live, liveN, liveRate, poll)
+		if err != nil {
+			return Section{}, err
+		}
+		p50, p99 := percentile(res.latencies, 0.50), percentile(res.latencies, 0.99)
+		o.Logf("  end-to-end latency at %.0f msg/s, poll %s: p50 %s, p99 %s", liveRate, poll, p50, p99)
+		latRows = append(latRows, []string{poll.String(), p50.Round(100 * time.Microsecond).String(), p99.Round(100 * time.Microsecond).String()})
+	}
+	holderAfter := r.xminHolder(ctx)
+
+	rows := [][]string{
+		{"no-op handler, no database (ceiling)", fmtRate(base), "1"},
+		{"dedup + business row + outbox row, committed", fmtRate(consumed), cst.String()},
+		{"… and forwarded to Kafka by the forwarder, read back", fmtRate(subj), st.String()},
+	}
+	var b strings.Builder
+	b.WriteString(Table([]string{"consumer", "msg/s (median)", "ratio to ceiling"}, rows))
+	fmt.Fprintf(&b, "\nKafka (%s) → watermill Router (watermill-kafka subscriber, %d partitions, one handler per partition) → "+
+		"dedup middleware → handler writing one business row and returning one event → outbox row in the same transaction → "+
+		"forwarder (Sarama idempotent producer, default settings) → Kafka → a consumer of the forwarded topic. "+
+		"Each round drains a backlog of %d events with a new consumer group; rates run from the first handled event to the last committed one "+
+		"(second row) or to the last forwarded record read back (third row); the ceiling is the same router with a no-op handler. %d rounds, alternated.\n\n",
+		kafkaDesc(o.Brokers), e2ePartitions, n, rounds)
+	fmt.Fprintf(&b, "The ceiling is Kafka consumption alone (no database, no per-message transaction); the library's own cost against "+
+		"a plain transaction is the dedup-overhead section above.\n\n"+
+		"Latency from publish to the forwarded record's arrival, %d events published at %.0f msg/s (half the median forwarded rate), "+
+		"with the forwarder's default poll interval (%s, its wait after a read that returned less than a full batch) and a short one:\n\n",
+		liveN, liveRate, outbox.DefaultPollInterval)
+	b.WriteString(Table([]string{"forwarder PollInterval", "p50", "p99"}, latRows))
+	if h := holderBefore + holderAfter; h != "" {
+		fmt.Fprintf(&b, "\n**Caution**: while this ran, the server had %s: the forwarder reads only rows below the cluster-wide snapshot xmin "+
+			"(so it never skips a slow transaction's row), and such a transaction delays every forward; the forwarded rate and latency above include that wait.\n",
+			strings.TrimSpace(holderBefore+" "+holderAfter))
+	}
+	return Section{Title: "End to end: Kafka → dedup → Postgres → outbox → forwarder → Kafka", Markdown: b.String()}, nil
+}
+
+func kafkaDesc(brokers []string) string {
+	if len(brokers) == 0 {
+		return "in-process kfake broker over TCP"
+	}
+	return strings.Join(brokers, ",")
+}
