@@ -82,8 +82,8 @@ func PrintReport(w io.Writer, r *Report) {
 	row("provider responses lost after charging", r.Provider.Dropped, "-")
 	row("billing.charged.v1 (outbox rows / on Kafka)", fmt.Sprintf("%d / %d", r.ChargedOutbox, r.ChargedConsumed), "-")
 	_ = tw.Flush()
-	fmt.Fprintf(w, "\ninjected: %d redelivered copies, %d concurrent copies, %d malformed events, %d lost responses; outbox forwarded %d messages\n",
-		r.Redelivered, r.ConcurrentSent, r.Malformed, r.LostResponses, r.Forwarded)
+	fmt.Fprintf(w, "\ninjected: %d redelivered copies, %d concurrent copies, %d malformed events, %d lost responses; outbox forwarded %d messages, then pruned %d rows\n",
+		r.Redelivered, r.ConcurrentSent, r.Malformed, r.LostResponses, r.Forwarded, r.OutboxPruned)
 	if len(r.PoisonReasons) > 0 {
 		fmt.Fprintln(w, "poison reasons:")
 		for _, reason := range r.PoisonReasons {
