@@ -6,6 +6,7 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -173,7 +174,7 @@ func startConcurrentClaim(t *testing.T, f *ledgerFixture, d *idem.Dedup) *concur
 		if _, err := f.insertHandler(1, &c.firstCalls)(m); err != nil {
 			return nil, err
 		}
-		pid <- ledgerBackendPID(t, ctx, idem.MustTxFromContext(m.Context()))
+		pid <- ledgerBackendPID(ctx, idem.MustTxFromContext(m.Context()))
 		return nil, <-c.release
 	})
 	go func() {
@@ -181,6 +182,15 @@ func startConcurrentClaim(t *testing.T, f *ledgerFixture, d *idem.Dedup) *concur
 		c.firstErr <- err
 	}()
 	c.firstBackend = <-pid // the first claim is inserted and uncommitted
+	require.Positive(t, c.firstBackend)
+	// Should the test fail while the first handler waits, let it return, so
+	// the pool can close.
+	t.Cleanup(func() {
+		select {
+		case c.release <- errors.New("test ended"):
+		default:
+		}
+	})
 
 	second := d.Middleware(f.insertHandler(2, &c.secondCalls))
 	go func() {
@@ -432,13 +442,17 @@ func TestWaitingClaimReturnsOnContextCancel(t *testing.T) {
 			if _, err := f.insertHandler(1, &firstCalls)(m); err != nil {
 				return nil, err
 			}
-			pid <- ledgerBackendPID(t, ctx, idem.MustTxFromContext(m.Context()))
+			pid <- ledgerBackendPID(ctx, idem.MustTxFromContext(m.Context()))
 			<-release
 			return nil, nil
 		})(f.msg(id))
 		firstErr <- err
 	}()
 	firstPID := <-pid
+	require.Positive(t, firstPID)
+	var once sync.Once
+	releaseFirst := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(releaseFirst) // let the first handler return even if the test fails
 
 	secondCtx, cancel := context.WithCancel(ctx)
 	second := f.msg(id)
@@ -456,7 +470,7 @@ func TestWaitingClaimReturnsOnContextCancel(t *testing.T) {
 	require.Zero(t, secondCalls.Load())
 	require.Equal(t, secondCtx, second.Context())
 
-	close(release)
+	releaseFirst()
 	require.NoError(t, <-firstErr)
 	require.Equal(t, 1, f.claims(t))
 	require.Equal(t, 1, f.ledgerRows(t))

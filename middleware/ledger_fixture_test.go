@@ -98,11 +98,13 @@ func (f *ledgerFixture) claims(t *testing.T) int {
 	return f.db.Count(t, "SELECT 1 FROM processed_event")
 }
 
-// ledgerBackendPID returns the server pid of the connection running tx.
-func ledgerBackendPID(t *testing.T, ctx context.Context, tx pgx.Tx) int32 {
-	t.Helper()
+// ledgerBackendPID returns the server pid of the connection running tx, or
+// -1 on error (it runs in handler goroutines, where t.FailNow is not allowed).
+func ledgerBackendPID(ctx context.Context, tx pgx.Tx) int32 {
 	var pid int32
-	require.NoError(t, tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		return -1
+	}
 	return pid
 }
 
