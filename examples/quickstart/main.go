@@ -98,6 +98,7 @@ func run() error {
 	if err := createTopics(brokers, topic, poisonTopic); err != nil {
 		return err
 	}
+	defer deleteTopics(brokers, topic, poisonTopic) // matters on a real cluster
 	fmt.Printf("PostgreSQL schema %s, Kafka %s, topic %s, consumer group %s\n\n", schema, where, topic, group)
 
 	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: brokers})
@@ -339,6 +340,17 @@ func createTopics(brokers []string, topics ...string) error {
 		}
 	}
 	return nil
+}
+
+func deleteTopics(brokers []string, topics ...string) {
+	admin, err := sarama.NewClusterAdmin(brokers, sarama.NewConfig())
+	if err != nil {
+		return
+	}
+	defer admin.Close()
+	for _, t := range topics {
+		_ = admin.DeleteTopic(t)
+	}
 }
 
 func randomSuffix() string {
