@@ -30,7 +30,10 @@
 //     ([Config.TxOptions]) the second fails with SQLSTATE 40001 instead,
 //     returned as an ordinary, retryable error.
 //
-// The message's original context is restored when the middleware returns.
+// Messages the handler returns are written to [Config.Outbox] in the same
+// transaction when one is set (consume and produce commit atomically), else
+// handed to the router after COMMIT. The message's original context is
+// restored when the middleware returns.
 //
 //	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "billing"}, logger)
 //	...
