@@ -1,0 +1,275 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
+	"github.com/idemkit/watermill-idempotency/outbox"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+func init() { Register("forwarder", forwarderThroughput) }
+
+const (
+	fwdPartitions = 4
+	fwdAggregates = 50
+	fwdBatch      = outbox.DefaultBatchSize
+)
+
+// fwdRig holds the broker, the database and the producers shared by the
+// rounds; every measurement gets a fresh outbox table and Kafka topic with
+// the same n messages.
+type fwdRig struct {
+	brokers  []string
+	db       *DB
+	outbox   *outbox.Outbox
+	producer sarama.SyncProducer // the idempotent producer (baseline and relay)
+	wmPub    *kafka.Publisher    // watermill-kafka with the same Sarama settings
+	n        int
+	seq      atomic.Int64
+	closers  []func() // run in reverse order by close
+}
+
+func (r *fwdRig) close() {
+	for i := len(r.closers) - 1; i >= 0; i-- {
+		r.closers[i]()
+	}
+}
+
+func newFwdRig(ctx context.Context, o Options, n int) (*fwdRig, error) {
+	r := &fwdRig{brokers: o.Brokers, n: n}
+	if len(r.brokers) == 0 {
+		c, err := kafkatest.NewFake()
+		if err != nil {
+			return nil, fmt.Errorf("start kfake: %w", err)
+		}
+		r.brokers = c.ListenAddrs()
+		r.closers = append(r.closers, c.Close)
+	}
+	fail := func(err error) (*fwdRig, error) { r.close(); return nil, err }
+	db, err := NewDB(ctx, o, "fwd", 8, nil)
+	if err != nil {
+		return fail(err)
+	}
+	r.db = db
+	r.closers = append(r.closers, db.Close)
+	if r.outbox, err = outbox.New(outbox.Config{Schema: db.Schema}, nil); err != nil {
+		return fail(err)
+	}
+	kc := publisher.KafkaConfig{Brokers: r.brokers}
+	if r.producer, err = outbox.NewKafkaProducer(kc); err != nil {
+		return fail(err)
+	}
+	r.closers = append(r.closers, func() { _ = r.producer.Close() })
+	pc, err := publisher.NewKafkaPublisherConfig(kc)
+	if err != nil {
+		return fail(err)
+	}
+	if r.wmPub, err = kafka.NewPublisher(pc, watermill.NopLogger{}); err != nil {
+		return fail(err)
+	}
+	r.closers = append(r.closers, func() { _ = r.wmPub.Close() })
+	return r, nil
+}
+
+func (r *fwdRig) messages() []*message.Message {
+	msgs := make([]*message.Message, r.n)
+	for i := range msgs {
+		key := fmt.Sprintf("aggregate-%02d", i%fwdAggregates)
+		m := message.NewMessage(uuid.NewString(), []byte(fmt.Sprintf(`{"orderId":%q,"seq":%d,"amount":%d,"currency":"EUR","note":"benchmark event of about one hundred and fifty bytes"}`, key, i/fwdAggregates, 1000+i)))
+		msgs[i] = publisher.WithPartitionKey(m, key)
+	}
+	return msgs
+}
+
+// fill creates a Kafka topic and an outbox table holding n committed rows,
+// and returns the topic.
+func (r *fwdRig) fill(ctx context.Context) (string, error) {
+	topic := fmt.Sprintf("bench-fwd-%d-%s", r.seq.Add(1), uuid.NewString()[:8])
+	if err := kafkatest.CreateTopic(r.brokers, topic, fwdPartitions); err != nil {
+		return "", err
+	}
+	if err := r.outbox.MigrateTopics(ctx, r.db.Pool, topic); err != nil {
+		return "", err
+	}
+	msgs := r.messages()
+	pub := r.outbox.PoolPublisher(r.db.Pool)
+	for i := 0; i < len(msgs); i += 1000 {
+		if err := pub.Publish(topic, msgs[i:min(i+1000, len(msgs))]...); err != nil {
+			return "", err
+		}
+	}
+	return topic, nil
+}
+
+// raw sends the same n stamped messages straight through the idempotent
+// SyncProducer, in batches of the relay's size: the ceiling.
+func (r *fwdRig) raw(ctx context.Context) (float64, error) {
+	topic := fmt.Sprintf("bench-raw-%d-%s", r.seq.Add(1), uuid.NewString()[:8])
+	if err := kafkatest.CreateTopic(r.brokers, topic, fwdPartitions); err != nil {
+		return 0, err
+	}
+	msgs := r.messages()
+	pms := make([]*sarama.ProducerMessage, len(msgs))
+	for i, m := range msgs {
+		if _, err := publisher.Stamp(ctx, m); err != nil {
+			return 0, err
+		}
+		pm, err := publisher.Marshaler{}.Marshal(topic, m)
+		if err != nil {
+			return 0, err
+		}
+		pms[i] = pm
+	}
+	start := time.Now()
+	for i := 0; i < len(pms); i += fwdBatch {
+		if err := r.producer.SendMessages(pms[i:min(i+fwdBatch, len(pms))]); err != nil {
+			return 0, err
+		}
+	}
+	return float64(r.n) / time.Since(start).Seconds(), nil
+}
+
+// relay drains a filled table with the outbox Forwarder (fast path:
+// SyncProducer.SendMessages per batch), or with pub set, the Forwarder
+// handing each batch to a Watermill publisher.
+func (r *fwdRig) relay(ctx context.Context, pub message.Publisher) (float64, error) {
+	topic, err := r.fill(ctx)
+	if err != nil {
+		return 0, err
+	}
+	cfg := outbox.ForwarderConfig{DB: r.db.Pool, Outbox: r.outbox, Topics: []string{topic}, PollInterval: time.Millisecond}
+	if pub != nil {
+		cfg.Publisher = pub
+	} else {
+		cfg.Producer = r.producer
+	}
+	f, err := outbox.NewForwarder(cfg, nil)
+	if err != nil {
+		return 0, err
+	}
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() { done <- f.Run(ctx) }()
+	for f.Stats().Forwarded < uint64(r.n) {
+		select {
+		case err := <-done:
+			return 0, fmt.Errorf("forwarder stopped: %v", err)
+		case <-time.After(time.Millisecond):
+		}
+	}
+	elapsed := time.Since(start)
+	_ = f.Close()
+	if err := <-done; err != nil {
+		return 0, err
+	}
+	return float64(r.n) / elapsed.Seconds(), nil
+}
+
+// watermill drains a filled table the stock way: a watermill-sql v4
+// Subscriber on the same table hands out one row at a time, each published
+// with the watermill-kafka publisher (same Sarama settings) and acked.
+func (r *fwdRig) watermill(ctx context.Context) (float64, error) {
+	topic, err := r.fill(ctx)
+	if err != nil {
+		return 0, err
+	}
+	schema := *r.outbox.SchemaAdapter()
+	schema.SubscribeBatchSize = fwdBatch
+	sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(r.db.Pool), wsql.SubscriberConfig{
+		ConsumerGroup:  "watermill-forwarder",
+		SchemaAdapter:  &schema,
+		OffsetsAdapter: r.outbox.OffsetsAdapter(),
+		PollInterval:   time.Millisecond,
+	}, nil)
+	if err != nil {
+		return 0, err
+	}
+	defer sub.Close()
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	start := time.Now()
+	ch, err := sub.Subscribe(sctx, topic)
+	if err != nil {
+		return 0, err
+	}
+	for i := 0; i < r.n; i++ {
+		msg, ok := <-ch
+		if !ok {
+			return 0, errors.New("subscriber closed early")
+		}
+		if err := r.wmPub.Publish(topic, msg); err != nil {
+			msg.Nack()
+			return 0, err
+		}
+		msg.Ack()
+	}
+	return float64(r.n) / time.Since(start).Seconds(), nil
+}
+
+func forwarderThroughput(ctx context.Context, o Options) (Section, error) {
+	n, rounds := 10000, o.Rounds
+	if o.Short {
+		n = 2000
+	}
+	if rounds < 1 {
+		rounds = 1
+	}
+	r, err := newFwdRig(ctx, o, n)
+	if err != nil {
+		return Section{}, err
+	}
+	defer r.close()
+
+	subjects := []struct {
+		name string
+		run  func(context.Context) (float64, error)
+	}{
+		{"raw idempotent Sarama SyncProducer (baseline)", r.raw},
+		{"watermill-sql Subscriber → watermill-kafka Publisher, one message at a time", r.watermill},
+		{"outbox.Forwarder, Publisher = watermill-kafka (batched reads, one send per message)", func(ctx context.Context) (float64, error) { return r.relay(ctx, r.wmPub) }},
+		{"outbox.Forwarder, Producer = SyncProducer (batching relay, SendMessages per batch)", func(ctx context.Context) (float64, error) { return r.relay(ctx, nil) }},
+	}
+	rates := make([][]float64, len(subjects))
+	ratios := make([][]float64, len(subjects))
+	for round := 0; round < rounds; round++ {
+		got := make([]float64, len(subjects))
+		for k := range subjects {
+			i := (k + round) % len(subjects) // rotate the order each round
+			rate, err := subjects[i].run(ctx)
+			if err != nil {
+				return Section{}, fmt.Errorf("%s: %w", subjects[i].name, err)
+			}
+			got[i] = rate
+		}
+		for i := range subjects {
+			rates[i] = append(rates[i], got[i])
+			ratios[i] = append(ratios[i], got[i]/got[0])
+		}
+		o.Logf("bench: forwarder round %d: %v msg/s", round+1, got)
+	}
+	var rows [][]string
+	for i, s := range subjects {
+		rs := Summarise(rates[i])
+		rows = append(rows, []string{s.name, fmt.Sprintf("%.0f (%.0f–%.0f)", rs.Median, rs.Min, rs.Max), Summarise(ratios[i]).String()})
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d messages (~150 B, %d aggregates as keys, %d partitions) already committed in the outbox table, drained to Kafka "+
+		"(%s) with the idempotent producer (acks=all, MaxOpenRequests=1); the baseline sends the same messages straight from memory "+
+		"in SendMessages batches of %d. %d rounds, order rotated each round; ratio = subject / baseline of the same round.\n\n",
+		n, fwdAggregates, fwdPartitions, kafkaDesc(o.Brokers), fwdBatch, rounds)
+	b.WriteString(Table([]string{"path", "msg/s median (min–max)", "ratio to raw producer"}, rows))
+	return Section{Title: "Outbox forwarder vs raw idempotent producer", Markdown: b.String()}, nil
+}
