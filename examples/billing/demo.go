@@ -509,7 +509,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (rep *Report, err error) {
 	svc := &OrderService{DB: pool, Outbox: ob}
 	confirmed := make([]*message.Message, len(orders))
 	var published, redelivered atomic.Int64
-	progress("phase 1: confirming %d orders (orders row + outbox event in one tx), %d lost provider responses, every %d-th event published twice",
+	progress("phase 1: confirming %d orders (orders row + outbox event in one tx), %d lost provider responses, 1 event in %d published twice",
 		len(orders), rep.LostResponses, cfg.RedeliverEvery)
 	var eg errgroup.Group
 	eg.SetLimit(4)

@@ -5,7 +5,7 @@
 // malformed events injected. It prints a summary table and exits non-zero if
 // any order was charged, booked or notified other than exactly once.
 //
-//	go run ./examples/billing [-orders 200] [-v]
+//	go run ./examples/billing [-orders 1000] [-v]
 //
 // DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test) names the
 // PostgreSQL server; the demo uses a fresh schema and drops it at the end.
