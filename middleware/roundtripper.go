@@ -25,6 +25,10 @@ const IdempotencyKeyHeader = "Idempotency-Key"
 // sees through). Use a dedicated client for the calls that need a key.
 //
 // The request passed in is never modified; a shallow clone carries the header.
+//
+// Go's http.Transport treats a request with an Idempotency-Key as
+// replayable: on a reused connection that fails before the first response
+// byte it resends it itself, with the same key, which the provider dedups.
 type IdempotencyKeyTransport struct {
 	// Next sends the request. Defaults to http.DefaultTransport.
 	Next http.RoundTripper
