@@ -5,6 +5,10 @@
 //   - [RequireProcessed] and [RequireNotProcessed] assert that an event has
 //     (or has not) been applied by a consumer group, that is, that its claim
 //     committed in the processed_event table;
+//   - [RequireOutboxMessage] and [RequireNoOutboxMessage] assert that the
+//     outbox holds (or does not hold) a message for a topic, optionally with
+//     a given event id, causation id, metadata and exact count; pass the
+//     code under test's transaction to see its uncommitted writes;
 //   - [RunWithRedelivery] delivers one message several times, sequentially and
 //     concurrently, through the dedup middleware (Watermill's Duplicator idea,
 //     but transactional), optionally rolling back the first run after the
@@ -18,5 +22,6 @@
 //
 //	res := idemtest.RunWithRedelivery(ctx, t, dedup, handler, msg, &idemtest.RedeliveryOpts{Deliveries: 5, RollbackFirst: true})
 //	idemtest.RequireProcessed(ctx, t, pool, deduplicator.TableConfig{}, "billing", res.EventID)
+//	idemtest.RequireOutboxMessage(ctx, t, pool, ob, "invoices", &idemtest.RequireOutboxOpts{CausationID: res.EventID, Count: 1})
 //	// then: SELECT count(*) FROM payment WHERE event_id = $1  -> 1
 package idemtest

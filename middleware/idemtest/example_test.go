@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -13,6 +14,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/idemtest"
+	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -91,4 +93,44 @@ func ExampleRunWithRedelivery() {
 		res.Deliveries, res.HandlerRuns, res.Committed, res.InjectedRollbacks, res.Duplicates, rows)
 	// Output:
 	// deliveries=7 runs=2 committed=1 rolled back=1 duplicates=5 ledger rows=1
+}
+
+// A handler that emits a follow-up event through the outbox: under
+// redelivery the outbox still holds exactly one message caused by the event.
+func ExampleRequireOutboxMessage() {
+	ctx := context.Background()
+	t := exampleTB{} // in a test: t *testing.T
+	pool, table, drop := exampleDB(ctx)
+	defer drop()
+
+	ob, err := outbox.New(outbox.Config{Schema: table.Schema, Topics: []string{"invoices"}}, nil)
+	if err != nil {
+		panic(err)
+	}
+	if err := ob.Migrate(ctx, pool); err != nil {
+		panic(err)
+	}
+	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "billing", Table: table}, nil)
+	if err != nil {
+		panic(err)
+	}
+	handler := func(msg *message.Message) ([]*message.Message, error) {
+		pub, err := ob.PublisherFromContext(msg.Context()) // bound to the claim's tx
+		if err != nil {
+			return nil, err
+		}
+		invoice := message.NewMessage(watermill.NewUUID(), []byte(`{"invoice":1}`))
+		invoice.SetContext(msg.Context()) // causation_id = the incoming event id
+		return nil, pub.Publish("invoices", invoice)
+	}
+
+	id := publisher.NewEventID()
+	msg := message.NewMessage(id.String(), []byte(`{"order":1}`))
+	msg.Metadata.Set(publisher.MetadataEventID, id.String())
+	idemtest.RunWithRedelivery(ctx, t, dedup, handler, msg, &idemtest.RedeliveryOpts{Deliveries: 3, RollbackFirst: true})
+
+	got := idemtest.RequireOutboxMessage(ctx, t, pool, ob, "invoices", &idemtest.RequireOutboxOpts{CausationID: id, Count: 1})
+	fmt.Println(len(got), string(got[0].Payload))
+	// Output:
+	// 1 {"invoice":1}
 }
