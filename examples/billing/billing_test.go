@@ -63,6 +63,34 @@ func TestDemo(t *testing.T) {
 	require.Contains(t, out.String(), "OK: every order charged once")
 }
 
+// A negative control: with a provider that ignores the Idempotency-Key, each
+// lost response turns into a second charge, and the demo must report it (the
+// dedup table alone cannot prevent it: the first transaction rolled back).
+func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
+	t.Parallel()
+	var progress bytes.Buffer
+	rep, err := RunDemo(context.Background(), DemoConfig{
+		DatabaseURL:         pgtest.URL(),
+		Brokers:             kafkatest.External(),
+		Orders:              20,
+		Partitions:          2,
+		BillingInstances:    1,
+		LostResponses:       2,
+		Timeout:             2 * time.Minute,
+		Progress:            &progress,
+		providerIgnoresKeys: true,
+	})
+	require.NoError(t, err, progress.String())
+	require.Equal(t, 22, rep.Provider.Charges, "two orders charged twice")
+	require.Zero(t, rep.Provider.Replayed)
+	require.Equal(t, 20, rep.LedgerRows, "our side still books each order once")
+	require.NotEmpty(t, rep.Violations)
+	var out bytes.Buffer
+	PrintReport(&out, rep)
+	require.Contains(t, out.String(), "FAILED")
+	require.Contains(t, out.String(), "was charged 2 times")
+}
+
 func TestProvider_IdempotencyKeySemantics(t *testing.T) {
 	t.Parallel()
 	p, err := NewProvider(0)

@@ -67,6 +67,10 @@ type DemoConfig struct {
 	Progress io.Writer
 	// Logger for the library and Watermill; nil for none.
 	Logger watermill.LoggerAdapter
+
+	// providerIgnoresKeys makes the payment provider charge every request,
+	// whatever its Idempotency-Key (tests: the invariants must catch it).
+	providerIgnoresKeys bool
 }
 
 func (c *DemoConfig) setDefaults() {
@@ -354,6 +358,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (rep *Report, err error) {
 	if err != nil {
 		return nil, err
 	}
+	provider.ignoreKeys = cfg.providerIgnoresKeys
 	defer provider.Close()
 	progress("payment provider on %s", provider.URL())
 

@@ -70,7 +70,10 @@ type Provider struct {
 	slow     map[string]time.Duration
 	stats    ProviderStats
 	latency  time.Duration
-	nextID   int
+	// ignoreKeys turns the provider's dedup off (a negative control: the
+	// demo must then detect double charges).
+	ignoreKeys bool
+	nextID     int
 
 	srv      *http.Server
 	listener net.Listener
@@ -153,7 +156,7 @@ func (p *Provider) handleCharge(w http.ResponseWriter, r *http.Request) {
 		writeJSONError(w, http.StatusBadRequest, "Idempotency-Key header required")
 		return
 	}
-	if prev, ok := p.keys[key]; ok {
+	if prev, ok := p.keys[key]; ok && !p.ignoreKeys {
 		switch {
 		case prev.bodyHash != hash:
 			p.stats.Mismatched++
