@@ -35,11 +35,108 @@ type orderPaid struct {
 	Amount int64 `json:"amount"`
 }
 
-// consumer is one service instance: its own pool, subscriber, dedup
-// middleware and router, in the shared consumer group.
-type consumer struct {
-	router *message.Router
-	calls  atomic.Int32 // handler invocations (committed or not)
+// env is one test's PostgreSQL schema (processed_event + ledger), broker and
+// Kafka publisher.
+type env struct {
+	db     *pgtest.DB
+	table  deduplicator.TableConfig
+	broker *kafkatest.Broker
+	pub    *kafka.Publisher
+	logger watermill.LoggerAdapter
+}
+
+func newEnv(ctx context.Context, t *testing.T) *env {
+	t.Helper()
+	e := &env{db: pgtest.New(t, 4), broker: kafkatest.Start(t), logger: watermill.NopLogger{}}
+	e.table = deduplicator.TableConfig{Schema: e.db.Schema}
+	require.NoError(t, deduplicator.Migrate(ctx, e.db.Pool, e.table))
+	e.db.Exec(t, "CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, amount bigint NOT NULL)")
+	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: e.broker.Addrs})
+	require.NoError(t, err)
+	e.pub, err = kafka.NewPublisher(pubCfg, e.logger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = e.pub.Close() })
+	return e
+}
+
+// subscriber joins group (the safe consumer config).
+func (e *env) subscriber(t *testing.T, group string) *kafka.Subscriber {
+	t.Helper()
+	cfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: e.broker.Addrs}, group)
+	require.NoError(t, err)
+	sub, err := kafka.NewSubscriber(cfg, e.logger)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sub.Close() })
+	return sub
+}
+
+// run starts a router with the middlewares and the ledger handler on topic;
+// it is closed when the test ends.
+func (e *env) run(ctx context.Context, t *testing.T, name, topic string, sub message.Subscriber, calls *atomic.Int32, mws ...message.HandlerMiddleware) *message.Router {
+	t.Helper()
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, e.logger)
+	require.NoError(t, err)
+	router.AddMiddleware(mws...)
+	router.AddConsumerHandler(name, topic, sub, ledgerHandler(calls))
+	go func() { _ = router.Run(ctx) }()
+	t.Cleanup(func() { _ = router.Close() })
+	<-router.Running()
+	return router
+}
+
+// ledgerHandler inserts the event's amount into ledger in the middleware's
+// transaction and counts its calls.
+func ledgerHandler(calls *atomic.Int32) message.NoPublishHandlerFunc {
+	return func(m *message.Message) error {
+		calls.Add(1)
+		var e orderPaid
+		if err := json.Unmarshal(m.Payload, &e); err != nil {
+			return idem.Permanent(err)
+		}
+		ctx := m.Context()
+		id, _ := idem.EventIDFromContext(ctx)
+		_, err := idem.MustTxFromContext(ctx).Exec(ctx, "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)", id, e.Amount)
+		return err
+	}
+}
+
+// acks records the messages acked by the handler chain inside it.
+type acks struct {
+	mu         sync.Mutex
+	uuids      map[string]bool
+	deliveries atomic.Int32 // redeliveries included
+}
+
+func newAcks() *acks { return &acks{uuids: map[string]bool{}} }
+
+func (a *acks) middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(m *message.Message) ([]*message.Message, error) {
+		out, err := h(m)
+		if err == nil {
+			a.deliveries.Add(1)
+			a.mu.Lock()
+			a.uuids[m.UUID] = true
+			a.mu.Unlock()
+		}
+		return out, err
+	}
+}
+
+func (a *acks) count() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.uuids)
+}
+
+func (a *acks) has(uuids ...string) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, u := range uuids {
+		if !a.uuids[u] {
+			return false
+		}
+	}
+	return true
 }
 
 // 1,000 events plus 300 re-published duplicates (same event_id, new
@@ -50,22 +147,9 @@ func TestKafkaToPostgresExactlyOnceAcrossRebalance(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-
-	db := pgtest.New(t, 4)
-	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
-	db.Exec(t, "CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, amount bigint NOT NULL)")
-
-	broker := kafkatest.Start(t)
-	topic := broker.Topic(t, "payments", partitions)
+	e := newEnv(ctx, t)
+	topic := e.broker.Topic(t, "payments", partitions)
 	group := topic + "-ledger"
-	logger := watermill.NopLogger{}
-
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
-	require.NoError(t, err)
-	pub, err := kafka.NewPublisher(pubCfg, logger)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
 
 	// The events, and the order they are published in: phase 1 has events
 	// 0..499 with 100 duplicates of them, phase 2 events 500..999 with 100
@@ -102,97 +186,56 @@ func TestKafkaToPostgresExactlyOnceAcrossRebalance(t *testing.T) {
 	}
 	require.Len(t, append(phase1, phase2...), events+duplicates)
 
-	var ackedMu sync.Mutex
-	var deliveries atomic.Int32 // acked deliveries, redeliveries included
-	acked := map[string]bool{}  // message UUIDs the dedup layer acked
-	ackedCount := func() int {
-		ackedMu.Lock()
-		defer ackedMu.Unlock()
-		return len(acked)
-	}
-	start := func(name string) *consumer {
-		c := &consumer{}
-		cfg, err := pgxpool.ParseConfig(db.URL)
+	// One service instance: its own pool, subscriber, dedup middleware and
+	// router, in the shared consumer group.
+	acked := newAcks()
+	start := func(name string, calls *atomic.Int32) *message.Router {
+		cfg, err := pgxpool.ParseConfig(e.db.URL)
 		require.NoError(t, err)
 		cfg.MaxConns = 4
 		pool, err := pgxpool.NewWithConfig(ctx, cfg)
 		require.NoError(t, err)
 		t.Cleanup(pool.Close)
-
-		subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: broker.Addrs}, group)
+		dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: group, Table: e.table}, e.logger)
 		require.NoError(t, err)
-		sub, err := kafka.NewSubscriber(subCfg, logger)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = sub.Close() })
-
-		dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: group, Table: table}, logger)
-		require.NoError(t, err)
-		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, logger)
-		require.NoError(t, err)
-		countAcks := func(h message.HandlerFunc) message.HandlerFunc {
-			return func(m *message.Message) ([]*message.Message, error) {
-				out, err := h(m)
-				if err == nil {
-					deliveries.Add(1)
-					ackedMu.Lock()
-					acked[m.UUID] = true
-					ackedMu.Unlock()
-				}
-				return out, err
-			}
-		}
 		retry := wmiddleware.Retry{MaxRetries: 5, InitialInterval: 20 * time.Millisecond,
 			ShouldRetry: func(p wmiddleware.RetryParams) bool { return !idem.IsPermanent(p.Err) }}
-		router.AddMiddleware(countAcks, retry.Middleware, dedup.Middleware)
-		router.AddConsumerHandler("ledger-"+name, topic, sub, func(m *message.Message) error {
-			c.calls.Add(1)
-			var e orderPaid
-			if err := json.Unmarshal(m.Payload, &e); err != nil {
-				return idem.Permanent(err)
-			}
-			ctx := m.Context()
-			id, _ := idem.EventIDFromContext(ctx)
-			_, err := idem.MustTxFromContext(ctx).Exec(ctx, "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)", id, e.Amount)
-			return err
-		})
-		c.router = router
-		go func() { _ = router.Run(ctx) }()
-		t.Cleanup(func() { _ = router.Close() })
-		<-router.Running()
-		return c
+		return e.run(ctx, t, "ledger-"+name, topic, e.subscriber(t, group), calls, acked.middleware, retry.Middleware, dedup.Middleware)
 	}
 
-	require.NoError(t, pub.Publish(topic, phase1...))
-	first := start("a")
-	require.Eventually(t, func() bool { return db.Count(t, "SELECT 1 FROM ledger") >= 200 },
+	var callsA, callsB atomic.Int32 // handler invocations (committed or not)
+	require.NoError(t, e.pub.Publish(topic, phase1...))
+	first := start("a", &callsA)
+	require.Eventually(t, func() bool { return e.db.Count(t, "SELECT 1 FROM ledger") >= 200 },
 		60*time.Second, 20*time.Millisecond, "the first router consumes")
 
-	second := start("b")
+	second := start("b", &callsB)
 	// The first half of phase 2 is produced while the group rebalances; the
 	// second half once both routers own partitions (works the same on kfake
 	// and real Kafka), so the second router certainly gets events.
 	during := make(chan error, 1)
-	go func() { during <- pub.Publish(topic, phase2[:len(phase2)/2]...) }()
-	require.Eventually(t, func() bool { return bothMembersAssigned(t, broker.Addrs, group, topic) },
+	go func() { during <- e.pub.Publish(topic, phase2[:len(phase2)/2]...) }()
+	require.Eventually(t, func() bool { return bothMembersAssigned(t, e.broker.Addrs, group, topic) },
 		60*time.Second, 50*time.Millisecond, "both routers own partitions after the rebalance")
 	require.NoError(t, <-during)
-	require.NoError(t, pub.Publish(topic, phase2[len(phase2)/2:]...))
+	require.NoError(t, e.pub.Publish(topic, phase2[len(phase2)/2:]...))
 
-	require.Eventually(t, func() bool { return ackedCount() == events+duplicates },
+	require.Eventually(t, func() bool { return acked.count() == events+duplicates },
 		90*time.Second, 50*time.Millisecond, "every published message is acked")
-	require.NoError(t, first.router.Close())
-	require.NoError(t, second.router.Close())
+	require.NoError(t, first.Close())
+	require.NoError(t, second.Close())
 
-	require.Equal(t, events, db.Count(t, "SELECT 1 FROM ledger"), "one ledger row per event")
-	require.Equal(t, events, db.Count(t, "SELECT DISTINCT event_id FROM ledger"))
+	require.Equal(t, events, e.db.Count(t, "SELECT 1 FROM ledger"), "one ledger row per event")
+	require.Equal(t, events, e.db.Count(t, "SELECT DISTINCT event_id FROM ledger"))
 	var sum int64
-	require.NoError(t, db.Pool.QueryRow(ctx, "SELECT sum(amount) FROM ledger").Scan(&sum))
+	require.NoError(t, e.db.Pool.QueryRow(ctx, "SELECT sum(amount) FROM ledger").Scan(&sum))
 	require.Equal(t, wantSum, sum)
-	require.Equal(t, events, db.Count(t, "SELECT 1 FROM processed_event WHERE consumer_group = $1", group))
-	require.Positive(t, first.calls.Load())
-	require.Positive(t, second.calls.Load(), "the second router processed events after the rebalance")
+	require.Equal(t, events, e.db.Count(t, "SELECT 1 FROM processed_event WHERE consumer_group = $1", group))
+	require.Positive(t, callsA.Load())
+	require.Positive(t, callsB.Load(), "the second router processed events after the rebalance")
+	n := int(acked.deliveries.Load())
 	t.Logf("handler calls: a=%d b=%d; acked deliveries %d for %d messages (%d redelivered by the rebalance); ledger rows %d",
-		first.calls.Load(), second.calls.Load(), deliveries.Load(), events+duplicates, int(deliveries.Load())-(events+duplicates), events)
+		callsA.Load(), callsB.Load(), n, events+duplicates, n-(events+duplicates), events)
 }
 
 // bothMembersAssigned reports whether group has two members that each own at
@@ -232,52 +275,20 @@ func TestCrashAfterCommitBeforeAckOverKafka(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	db := pgtest.New(t, 4)
-	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
-	db.Exec(t, "CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, amount bigint NOT NULL)")
-	broker := kafkatest.Start(t)
-	topic := broker.Topic(t, "crash", 1)
+	e := newEnv(ctx, t)
+	topic := e.broker.Topic(t, "crash", 1)
 	group := topic + "-ledger"
-	logger := watermill.NopLogger{}
 
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
-	require.NoError(t, err)
-	pub, err := kafka.NewPublisher(pubCfg, logger)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
 	var msgs []*message.Message
 	for i := range 3 {
 		m := message.NewMessage(uuid.NewString(), mustJSON(t, orderPaid{Amount: int64(10 * (i + 1))}))
 		m.Metadata.Set(publisher.MetadataEventID, publisher.NewEventID().String())
 		msgs = append(msgs, m)
 	}
-	require.NoError(t, pub.Publish(topic, msgs...))
+	require.NoError(t, e.pub.Publish(topic, msgs...))
 	crashOn := msgs[1].Metadata.Get(publisher.MetadataEventID)
-
-	dedup, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: group, Table: table}, logger)
+	dedup, err := idem.NewDedup(idem.Config{DB: e.db.Pool, ConsumerGroup: group, Table: e.table}, e.logger)
 	require.NoError(t, err)
-	insert := func(calls *atomic.Int32) message.NoPublishHandlerFunc {
-		return func(m *message.Message) error {
-			calls.Add(1)
-			var e orderPaid
-			if err := json.Unmarshal(m.Payload, &e); err != nil {
-				return idem.Permanent(err)
-			}
-			ctx := m.Context()
-			id, _ := idem.EventIDFromContext(ctx)
-			_, err := idem.MustTxFromContext(ctx).Exec(ctx, "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)", id, e.Amount)
-			return err
-		}
-	}
-	newSub := func() *kafka.Subscriber {
-		cfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: broker.Addrs}, group)
-		require.NoError(t, err)
-		sub, err := kafka.NewSubscriber(cfg, logger)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = sub.Close() })
-		return sub
-	}
 
 	// Consumer A: after the middleware committed event 1, the process "dies":
 	// the handler chain never returns, so the message is never acked.
@@ -294,54 +305,27 @@ func TestCrashAfterCommitBeforeAckOverKafka(t *testing.T) {
 		}
 	}
 	var callsA, callsB atomic.Int32
-	subA := newSub()
-	routerA, err := message.NewRouter(message.RouterConfig{CloseTimeout: time.Second}, logger)
-	require.NoError(t, err)
-	routerA.AddMiddleware(crashAfterCommit, dedup.Middleware)
-	routerA.AddConsumerHandler("ledger-a", topic, subA, insert(&callsA))
-	go func() { _ = routerA.Run(ctx) }()
-	t.Cleanup(func() { _ = routerA.Close() })
-	t.Cleanup(func() { close(dead) }) // runs first: let A's stuck handler return
-	<-routerA.Running()
+	subA := e.subscriber(t, group)
+	e.run(ctx, t, "ledger-a", topic, subA, &callsA, crashAfterCommit, dedup.Middleware)
+	t.Cleanup(func() { close(dead) }) // runs before the router's Close: let the stuck handler return
 	select {
 	case <-committed:
 	case <-ctx.Done():
 		t.Fatal("consumer A never committed event 1")
 	}
-	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM ledger"), "events 0 and 1 committed")
+	require.Equal(t, 2, e.db.Count(t, "SELECT 1 FROM ledger"), "events 0 and 1 committed")
 	require.NoError(t, subA.Close()) // the crash: A leaves the group without acking event 1
 
 	// Consumer B takes over the partition.
-	var ackedMu sync.Mutex
-	acked := map[string]bool{}
-	countAcks := func(h message.HandlerFunc) message.HandlerFunc {
-		return func(m *message.Message) ([]*message.Message, error) {
-			out, err := h(m)
-			if err == nil {
-				ackedMu.Lock()
-				acked[m.UUID] = true
-				ackedMu.Unlock()
-			}
-			return out, err
-		}
-	}
-	routerB, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-	require.NoError(t, err)
-	routerB.AddMiddleware(countAcks, dedup.Middleware)
-	routerB.AddConsumerHandler("ledger-b", topic, newSub(), insert(&callsB))
-	go func() { _ = routerB.Run(ctx) }()
-	t.Cleanup(func() { _ = routerB.Close() })
-	<-routerB.Running()
-	require.Eventually(t, func() bool {
-		ackedMu.Lock()
-		defer ackedMu.Unlock()
-		return acked[msgs[1].UUID] && acked[msgs[2].UUID]
-	}, 60*time.Second, 20*time.Millisecond, "B receives event 1 again and event 2")
+	acked := newAcks()
+	routerB := e.run(ctx, t, "ledger-b", topic, e.subscriber(t, group), &callsB, acked.middleware, dedup.Middleware)
+	require.Eventually(t, func() bool { return acked.has(msgs[1].UUID, msgs[2].UUID) },
+		60*time.Second, 20*time.Millisecond, "B receives event 1 again and event 2")
 	require.NoError(t, routerB.Close())
 
 	require.EqualValues(t, 2, callsA.Load())
 	require.EqualValues(t, 1, callsB.Load(), "B ran the handler for event 2 only: event 1 was a duplicate")
-	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM ledger"))
-	require.Equal(t, 3, db.Count(t, "SELECT DISTINCT event_id FROM ledger"))
-	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM processed_event"))
+	require.Equal(t, 3, e.db.Count(t, "SELECT 1 FROM ledger"))
+	require.Equal(t, 3, e.db.Count(t, "SELECT DISTINCT event_id FROM ledger"))
+	require.Equal(t, 3, e.db.Count(t, "SELECT 1 FROM processed_event"))
 }
