@@ -38,10 +38,7 @@ func TestBeginnerPathsBehaveAlike(t *testing.T) {
 			var calls atomic.Int32
 			id := publisher.NewEventID()
 
-			_, err := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
-				_, _ = f.insertHandler(1, &calls)(m)
-				return nil, errors.New("fail once")
-			})(f.msg(id))
+			_, err := d.Middleware(f.failingHandler(1, &calls, errors.New("fail once")))(f.msg(id))
 			require.Error(t, err)
 			require.Zero(t, f.claims(t))
 
@@ -95,10 +92,7 @@ func TestSavepointPerMessageInCallerTx(t *testing.T) {
 	require.NoError(t, err)
 	_, err = h(f.msg(a))
 	require.NoError(t, err, "duplicate inside the same outer tx")
-	_, err = d.Middleware(func(m *message.Message) ([]*message.Message, error) {
-		_, _ = f.insertHandler(1, &calls)(m)
-		return nil, errors.New("boom")
-	})(f.msg(b))
+	_, err = d.Middleware(f.failingHandler(1, &calls, errors.New("boom")))(f.msg(b))
 	require.Error(t, err)
 	require.NoError(t, outer.Commit(ctx))
 

@@ -59,10 +59,7 @@ func TestHandlerErrorRollsBackThenRedeliveryProcessesOnce(t *testing.T) {
 	var failing, ok atomic.Int32
 
 	id := publisher.NewEventID()
-	_, err := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
-		_, _ = f.insertHandler(100, &failing)(m) // the write happens, then the handler fails
-		return nil, boom
-	})(f.msg(id))
+	_, err := d.Middleware(f.failingHandler(100, &failing, boom))(f.msg(id))
 	require.ErrorIs(t, err, boom)
 	require.False(t, idem.IsPermanent(err), "a handler error is retried, not poisoned")
 	require.Equal(t, 0, f.claims(t), "no claim row after rollback")

@@ -88,6 +88,18 @@ func (f *ledgerFixture) insertHandler(amount int64, calls *atomic.Int32) message
 	}
 }
 
+// failingHandler writes its ledger row like insertHandler, then fails with
+// err: the write must not survive.
+func (f *ledgerFixture) failingHandler(amount int64, calls *atomic.Int32, err error) message.HandlerFunc {
+	insert := f.insertHandler(amount, calls)
+	return func(m *message.Message) ([]*message.Message, error) {
+		if _, ierr := insert(m); ierr != nil {
+			return nil, ierr
+		}
+		return nil, err
+	}
+}
+
 func (f *ledgerFixture) ledgerRows(t *testing.T) int {
 	t.Helper()
 	return f.db.Count(t, "SELECT 1 FROM ledger")

@@ -198,12 +198,7 @@ func TestHandlerMalformedPayloadIsPermanentAndRolledBack(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	var calls atomic.Int32
-	h := f.dedup(t, "billing", nil).Middleware(func(m *message.Message) ([]*message.Message, error) {
-		if _, err := f.insertHandler(1, &calls)(m); err != nil {
-			return nil, err
-		}
-		return nil, fmt.Errorf("decode order: %w", idem.ErrMalformedPayload)
-	})
+	h := f.dedup(t, "billing", nil).Middleware(f.failingHandler(1, &calls, fmt.Errorf("decode order: %w", idem.ErrMalformedPayload)))
 	_, err := h(f.msg(publisher.NewEventID()))
 	require.ErrorIs(t, err, idem.ErrMalformedPayload)
 	require.True(t, idem.IsPermanent(err))
