@@ -365,7 +365,10 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (rep *Report, err error) {
 	// --- Everything that runs in the background.
 	bg, bgCtx := errgroup.WithContext(ctx)
 	stopBG, stopAll := context.WithCancel(bgCtx)
-	defer stopAll()
+	defer func() { // on early returns too: stop and wait for every service
+		stopAll()
+		_ = bg.Wait()
+	}()
 
 	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: pool, Outbox: ob, Producer: producer, PollInterval: 20 * time.Millisecond}, logger)
 	if err != nil {
