@@ -789,7 +789,7 @@ func openSchema(ctx context.Context, url, schema string) (*pgxpool.Pool, error) 
 		return nil, err
 	}
 	pcfg.ConnConfig.RuntimeParams["search_path"] = schema
-	pcfg.MaxConns = 24
+	pcfg.MaxConns = 12 // a winner never needs a second connection, so waiting claims cannot starve it
 	return pgxpool.NewWithConfig(ctx, pcfg)
 }
 
