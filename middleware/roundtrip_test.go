@@ -219,3 +219,28 @@ func TestBeginClaimErrorReleasesConn(t *testing.T) {
 	var one int
 	require.NoError(t, db.Pool.QueryRow(ctx, "SELECT 1").Scan(&one))
 }
+
+// TestPipelinedClaimEveryExecMode: the pipelined {BEGIN + claim} works in
+// every pgx exec mode a pool may be configured with, and a duplicate is
+// skipped in each.
+func TestPipelinedClaimEveryExecMode(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			f := newRTFixture(t, mode)
+			for range 2 {
+				id := uuid.Must(uuid.NewV7())
+				_, ran := f.handle(t, id)
+				require.True(t, ran)
+				_, ran = f.handle(t, id)
+				require.False(t, ran)
+			}
+			var rows int
+			require.NoError(t, f.pool.QueryRow(context.Background(), "SELECT count(*) FROM business").Scan(&rows))
+			require.Equal(t, 2, rows)
+			require.Zero(t, f.pool.Stat().AcquiredConns())
+		})
+	}
+}
