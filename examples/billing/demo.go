@@ -87,7 +87,7 @@ func (c *DemoConfig) setDefaults() {
 		c.ConcurrentLatency = 100 * time.Millisecond
 	}
 	if c.Timeout == 0 {
-		c.Timeout = 50 * time.Second
+		c.Timeout = 3 * time.Minute // normally ~5 s; generous for a shared server (see the "forwarder waiting" hint)
 	}
 	if c.Progress == nil {
 		c.Progress = io.Discard
