@@ -14,29 +14,37 @@ import (
 // replacement starts.
 func (h *harness) crashDelay() time.Duration { return 300 * time.Millisecond }
 
-// progress is produced + applied by each group, out of 3 x Events.
-func (h *harness) progress() int64 {
-	p := h.produced.Load()
+// progress returns the count a fault's mark refers to.
+func (h *harness) progress(f scheduled) int64 {
+	switch f.by {
+	case byProduced:
+		return h.produced.Load()
+	case byGroup:
+		return h.groups[f.group].applied.Load()
+	}
+	var p int64
 	for _, g := range h.groups {
 		p += g.applied.Load()
 	}
 	return p
 }
 
-// runFaults fires the schedule as progress reaches each fault's mark, and
-// waits for every fault it started to finish.
+// runFaults fires each scheduled fault, in its own goroutine, once the
+// progress it counts reaches its mark, and waits for all of them.
 func (h *harness) runFaults(ctx context.Context, schedule []scheduled) {
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	for _, f := range schedule {
-		for h.progress() < f.at {
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(10 * time.Millisecond):
+		wg.Go(func() {
+			for h.progress(f) < f.at {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(10 * time.Millisecond):
+				}
 			}
-		}
-		wg.Go(func() { h.inject(ctx, f) })
+			h.inject(ctx, f)
+		})
 	}
 }
 
@@ -57,7 +65,7 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 			return
 		}
 		h.fault(f.kind, false)
-		for h.progress() < f.until {
+		for h.progress(f) < f.until {
 			select {
 			case <-ctx.Done():
 				return

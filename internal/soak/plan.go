@@ -2,8 +2,6 @@ package soak
 
 import (
 	"math/rand/v2"
-	"slices"
-	"time"
 )
 
 // event is one planned business event.
@@ -36,58 +34,68 @@ func makePlan(cfg Config) []event {
 
 // Fault kinds, as printed in the report.
 const (
-	faultKillMid        = "kill-mid-handler"
-	faultKillCommit     = "kill-after-commit"
-	faultJoin           = "join (rebalance)"
-	faultLeave          = "leave (rebalance)"
-	faultRestart        = "restart (rejoin)"
-	faultTermConsumer   = "pg-terminate-consumer"
-	faultTermProducer   = "pg-terminate-producer"
-	faultRestartFwd     = "restart-forwarder"
-	faultOffsetReset    = "offset-reset"
-	progressDenominator = 3 // produced + applied by group 1 + applied by group 2
+	faultKillMid      = "kill-mid-handler"
+	faultKillCommit   = "kill-after-commit"
+	faultJoin         = "join (rebalance)"
+	faultLeave        = "leave (rebalance)"
+	faultRestart      = "restart (rejoin)"
+	faultTermConsumer = "pg-terminate-consumer"
+	faultTermProducer = "pg-terminate-producer"
+	faultRestartFwd   = "restart-forwarder"
+	faultOffsetReset  = "offset-reset"
 )
 
-// scheduled is one fault, fired once progress reaches at (in units of
-// produced + applied events, out of 3 x Events).
+// What a fault's progress mark counts.
+const (
+	byApplied  = iota // events applied by both groups (out of 2 x Events)
+	byProduced        // events produced (out of Events)
+	byGroup           // events applied by the fault's group (out of Events)
+)
+
+// scheduled is one fault, fired once the progress it counts reaches at.
 type scheduled struct {
 	at    int64
+	by    int
 	kind  string
 	group int
-	pick  uint64        // chooses the target among the live ones
-	delay time.Duration // before a killed instance is replaced
-	until int64         // join: progress at which the extra instance leaves
+	pick  uint64 // chooses the target among the live ones
+	until int64  // join: progress at which the extra instance leaves
 }
 
 func makeSchedule(cfg Config) []scheduled {
 	r := rand.New(rand.NewPCG(cfg.Seed, 0xfa17_5eed))
-	total := int64(progressDenominator * cfg.Events)
-	at := func(lo, hi float64) int64 {
-		return int64(lo*float64(total)) + r.Int64N(max(1, int64((hi-lo)*float64(total))))
+	span := func(by int) int64 {
+		if by == byApplied {
+			return int64(2 * cfg.Events)
+		}
+		return int64(cfg.Events)
+	}
+	at := func(by int, lo, hi float64) int64 {
+		total := float64(span(by))
+		return int64(lo*total) + r.Int64N(max(1, int64((hi-lo)*total)))
 	}
 	var s []scheduled
-	add := func(n int, kind string, lo, hi float64) {
+	add := func(n int, kind string, by int, lo, hi float64) {
 		for range n {
-			f := scheduled{at: at(lo, hi), kind: kind, group: r.IntN(2), pick: r.Uint64(),
-				delay: time.Duration(100+r.IntN(900)) * time.Millisecond}
+			f := scheduled{at: at(by, lo, hi), by: by, kind: kind, group: r.IntN(2), pick: r.Uint64()}
 			if kind == faultJoin {
+				total := span(by)
 				f.until = min(total*9/10, f.at+total/10+r.Int64N(total/10+1))
 			}
 			s = append(s, f)
 		}
 	}
 	fc := cfg.Faults
-	add(fc.KillMidHandler, faultKillMid, 0.03, 0.9)
-	add(fc.KillAfterCommit, faultKillCommit, 0.03, 0.9)
-	add(fc.Join, faultJoin, 0.03, 0.7)
-	add(fc.TerminateConsumer, faultTermConsumer, 0.03, 0.9)
-	add(fc.TerminateProducer, faultTermProducer, 0.01, 0.3)
-	add(fc.RestartForwarder, faultRestartFwd, 0.01, 0.3)
+	add(fc.KillMidHandler, faultKillMid, byApplied, 0.03, 0.9)
+	add(fc.KillAfterCommit, faultKillCommit, byApplied, 0.03, 0.9)
+	add(fc.Join, faultJoin, byApplied, 0.03, 0.7)
+	add(fc.TerminateConsumer, faultTermConsumer, byApplied, 0.03, 0.9)
+	add(fc.TerminateProducer, faultTermProducer, byProduced, 0.05, 0.9)
+	add(fc.RestartForwarder, faultRestartFwd, byProduced, 0.05, 0.9)
 	for g := range 2 {
 		for range fc.OffsetResetPerGrp {
-			s = append(s, scheduled{at: at(0.3, 0.7), kind: faultOffsetReset, group: g, pick: r.Uint64()})
+			s = append(s, scheduled{at: at(byGroup, 0.3, 0.7), by: byGroup, kind: faultOffsetReset, group: g, pick: r.Uint64()})
 		}
 	}
-	slices.SortStableFunc(s, func(a, b scheduled) int { return int(a.at - b.at) })
 	return s
 }

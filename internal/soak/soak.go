@@ -156,6 +156,9 @@ type Report struct {
 	Skipped map[string]int
 	// TerminatedBackends counts PostgreSQL backends killed by pg_terminate_backend.
 	TerminatedBackends int
+	// OutboxRows is the number of outbox rows written (all forwarded when
+	// the run passes); 0 with DirectPublish.
+	OutboxRows int
 	// DLQReplayed and DoublePublished count the duplicate copies sent.
 	DLQReplayed     int
 	DoublePublished int
@@ -198,6 +201,9 @@ func (r *Report) String() string {
 	fmt.Fprintf(&b, "  %-22s %d\n", "backends terminated", r.TerminatedBackends)
 	fmt.Fprintf(&b, "  %-22s %d\n", "dlq replayed", r.DLQReplayed)
 	fmt.Fprintf(&b, "  %-22s %d\n", "published twice", r.DoublePublished)
+	if r.OutboxRows > 0 {
+		fmt.Fprintf(&b, "outbox rows written and forwarded: %d\n", r.OutboxRows)
+	}
 	for _, g := range r.Groups {
 		fmt.Fprintf(&b, "group %s: deliveries=%d applied=%d duplicates absorbed=%d failed+redelivered=%d ledger rows=%d distinct=%d sum=%d\n",
 			g.Name, g.Deliveries, g.Applied, g.Duplicates, g.Failed, g.LedgerRows, g.DistinctEvents, g.Sum)

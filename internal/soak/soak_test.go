@@ -25,7 +25,7 @@ func TestSoakShort(t *testing.T) {
 		Events:      1500,
 		Aggregates:  32,
 		Faults:      soak.ShortFaults,
-		Timeout:     60 * time.Second,
+		Timeout:     100 * time.Second,
 		DatabaseURL: pgtest.URL(),
 		Brokers:     kafkatest.External(),
 	}
@@ -40,5 +40,11 @@ func TestSoakShort(t *testing.T) {
 		require.Equal(t, cfg.Events, g.LedgerRows, g.Name)
 		require.Positive(t, g.Duplicates, "%s: the faults produced no duplicate to absorb", g.Name)
 	}
-	require.Positive(t, rep.Faults["offset-reset"])
+	for _, kind := range []string{"kill-mid-handler", "kill-after-commit", "join (rebalance)", "pg-terminate-consumer", "restart-forwarder", "offset-reset"} {
+		require.Positive(t, rep.Faults[kind], "fault %q was never injected", kind)
+	}
+	require.Positive(t, rep.Faults["pg-terminate-forwarder"]+rep.Faults["pg-terminate-producer"], "no producer-side backend terminated")
+	require.Positive(t, rep.DLQReplayed)
+	require.Positive(t, rep.DoublePublished)
+	require.GreaterOrEqual(t, rep.OutboxRows, cfg.Events+rep.DoublePublished)
 }

@@ -68,6 +68,16 @@ func (h *harness) verify(ctx context.Context) error {
 	if n, err := h.prod.pending(ctx); err != nil || n > 0 {
 		h.violation("outbox: %d rows not forwarded (%v)", n, err)
 	}
+	if op, ok := h.prod.(*outboxProducer); ok {
+		var rows int
+		if err := h.admin.QueryRow(ctx, `SELECT count(*) FROM `+op.ob.MessagesTable(h.topic)).Scan(&rows); err != nil {
+			return fmt.Errorf("verify outbox: %w", err)
+		}
+		r.OutboxRows = rows
+		if want := events + r.DoublePublished; rows < want {
+			h.violation("outbox: %d rows, want at least %d (events + published twice)", rows, want)
+		}
+	}
 	h.mu.Lock()
 	r.Violations = append(r.Violations, h.violations...)
 	h.mu.Unlock()
