@@ -347,9 +347,81 @@ func roundTrips(ctx context.Context, o Options) (Section, error) {
 		o.Logf("  round-trips %s: plain %.1f, first-time %.1f, duplicate %.1f", mode, plain, first, dup)
 		rows = append(rows, []string{mode.String(), fmt.Sprintf("%g", plain), fmt.Sprintf("%g", first), fmt.Sprintf("%g", dup)})
 	}
+	wal, err := walPerStatement(ctx, o)
+	if err != nil {
+		return Section{}, err
+	}
 	var b strings.Builder
 	b.WriteString(Table([]string{"pgx exec mode", "plain tx (BEGIN; INSERT; COMMIT)", "dedup, first-time", "dedup, duplicate"}, rows))
 	b.WriteString("\nPostgreSQL round trips per message, counted at the net.Conn level (a burst of writes followed by the server's answer), " +
-		"averaged over 20 messages on a warm connection; the handler makes one INSERT. Asserted exactly in `middleware/roundtrip_test.go`.\n")
+		"averaged over 20 messages on a warm connection; the handler makes one INSERT. Asserted exactly in `middleware/roundtrip_test.go`.\n\n")
+	b.WriteString("WAL written by each statement (EXPLAIN (ANALYZE, WAL), so only that statement is counted, second run, no full-page images); " +
+		"the COMMIT record of a transaction that wrote comes on top:\n\n")
+	b.WriteString(Table([]string{"statement", "WAL records", "WAL bytes", "transaction id assigned"}, wal))
 	return Section{Title: "Round trips per message", Markdown: b.String()}, nil
+}
+
+// walPerStatement measures with EXPLAIN (ANALYZE, WAL) the WAL of the claim
+// of a new event, of a duplicate's claim, and of the business INSERT, each
+// run twice (the first may write full-page images) and reported for the
+// second, inside transactions that are rolled back.
+func walPerStatement(ctx context.Context, o Options) ([][]string, error) {
+	rig, err := newDedupRig(ctx, o, "wal", 1, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer rig.close()
+	claimSQL := rig.dedup.Deduplicator().ClaimSQL()
+	dupID := uuid.Must(uuid.NewV7())
+	if _, err := rig.deduped(eventMessage(ctx, dupID)); err != nil {
+		return nil, err
+	}
+	type walUse struct {
+		Plan struct {
+			Records int64 `json:"WAL Records"`
+			FPI     int64 `json:"WAL FPI"`
+			Bytes   int64 `json:"WAL Bytes"`
+		}
+	}
+	measure := func(sql string, args func() []any) (walUse, bool, error) {
+		var w walUse
+		var xid *int64
+		for range 2 {
+			tx, err := rig.db.Pool.Begin(ctx)
+			if err != nil {
+				return w, false, err
+			}
+			var out []walUse
+			err = tx.QueryRow(ctx, "EXPLAIN (ANALYZE, WAL, FORMAT JSON) "+sql, args()...).Scan(&out)
+			if err == nil {
+				err = tx.QueryRow(ctx, "SELECT txid_current_if_assigned()").Scan(&xid)
+			}
+			_ = tx.Rollback(ctx)
+			if err != nil {
+				return w, false, err
+			}
+			if len(out) == 1 {
+				w = out[0]
+			}
+		}
+		return w, xid != nil, nil
+	}
+	var rows [][]string
+	for _, c := range []struct {
+		name string
+		sql  string
+		args func() []any
+	}{
+		{"claim, first-time", claimSQL, func() []any { return []any{uuid.Must(uuid.NewV7()), "bench"} }},
+		{"claim, duplicate", claimSQL, func() []any { return []any{dupID, "bench"} }},
+		{"business INSERT (the handler's row)", businessSQL, func() []any { return []any{uuid.NewString(), int64(13)} }},
+	} {
+		w, xid, err := measure(c.sql, c.args)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", c.name, err)
+		}
+		o.Logf("  WAL %s: %d records, %d bytes (FPI %d), xid assigned %v", c.name, w.Plan.Records, w.Plan.Bytes, w.Plan.FPI, xid)
+		rows = append(rows, []string{c.name, fmt.Sprint(w.Plan.Records), fmt.Sprint(w.Plan.Bytes), pass(xid)})
+	}
+	return rows, nil
 }
