@@ -12,6 +12,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -83,7 +84,13 @@ func (g *group) startLocked(ctx context.Context) error {
 	g.next++
 	inst := &instance{g: g, id: g.next, stopped: make(chan struct{})}
 	inst.name = fmt.Sprintf("%s-i%d", g.name, inst.id)
-	pool, err := h.pool(ctx, inst.name, 4)
+	maxConns := int32(4)
+	if h.cfg.UnsafeLedgerOutsideTx {
+		// Each concurrently handled partition holds a transaction and needs
+		// a second connection for the unsafe write.
+		maxConns = 2*h.cfg.Partitions + 2
+	}
+	pool, err := h.pool(ctx, inst.name, maxConns)
 	if err != nil {
 		return err
 	}
@@ -214,8 +221,13 @@ func (g *group) handler(inst *instance) message.HandlerFunc {
 			return nil, idem.Permanent(fmt.Errorf("%w: %v", idem.ErrMalformedPayload, err))
 		}
 		id, _ := idem.EventIDFromContext(ctx)
-		tx := idem.MustTxFromContext(ctx)
-		if _, err := tx.Exec(ctx, `INSERT INTO soak_ledger (grp, event_id, aggregate, seq, amount) VALUES ($1, $2, $3, $4, $5)`,
+		var db interface {
+			Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+		} = idem.MustTxFromContext(ctx)
+		if g.h.cfg.UnsafeLedgerOutsideTx {
+			db = inst.pool
+		}
+		if _, err := db.Exec(ctx, `INSERT INTO soak_ledger (grp, event_id, aggregate, seq, amount) VALUES ($1, $2, $3, $4, $5)`,
 			g.name, id, p.Aggregate, p.Seq, p.Amount); err != nil {
 			return nil, err
 		}

@@ -57,10 +57,10 @@ type Config struct {
 	Producers int
 	// DLQPercent of the events are copied to a dead-letter topic after the
 	// first group applied them, and replayed from there to the main topic.
-	// Defaults to [DefaultDLQPercent].
+	// Defaults to [DefaultDLQPercent]; negative means none.
 	DLQPercent int
 	// DoublePercent of the events are published a second time, concurrently
-	// with the first. Defaults to [DefaultDoublePercent].
+	// with the first. Defaults to [DefaultDoublePercent]; negative means none.
 	DoublePercent int
 	// Faults is how many of each fault kind to inject (offset resets: per
 	// group, at most 1 by default). Defaults to [FullFaults].
@@ -69,6 +69,11 @@ type Config struct {
 	// the business row, instead of writing the outbox in the same
 	// transaction for the forwarder. Defaults to false (outbox + forwarder).
 	DirectPublish bool
+	// UnsafeLedgerOutsideTx makes the handler write its ledger row through
+	// the instance's pool instead of the middleware's transaction: a broken
+	// handler, to check that the soak catches double application. Defaults
+	// to false.
+	UnsafeLedgerOutsideTx bool
 	// Timeout bounds the whole run. Defaults to [DefaultTimeout].
 	Timeout time.Duration
 	// DatabaseURL of the PostgreSQL server. Required.
@@ -114,6 +119,7 @@ func (c *Config) setDefaults() {
 	def(&c.Producers, DefaultProducers)
 	def(&c.DLQPercent, DefaultDLQPercent)
 	def(&c.DoublePercent, DefaultDoublePercent)
+	c.DLQPercent, c.DoublePercent = max(c.DLQPercent, 0), max(c.DoublePercent, 0) // negative: none
 	if c.Partitions == 0 {
 		c.Partitions = DefaultPartitions
 	}

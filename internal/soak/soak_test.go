@@ -3,6 +3,7 @@ package soak_test
 import (
 	"context"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -47,4 +48,30 @@ func TestSoakShort(t *testing.T) {
 	require.Positive(t, rep.DLQReplayed)
 	require.Positive(t, rep.DoublePublished)
 	require.GreaterOrEqual(t, rep.OutboxRows, cfg.Events+rep.DoublePublished)
+}
+
+// The checker can fail: a handler that writes outside the middleware's
+// transaction applies an event twice when it is killed mid-handler, and the
+// soak must report it.
+func TestSoakDetectsNonTransactionalHandler(t *testing.T) {
+	if testing.Short() {
+		t.Skip("soak: skipped in -short mode")
+	}
+	t.Parallel()
+	rep, err := soak.Run(context.Background(), soak.Config{
+		Seed:                  7,
+		Events:                300,
+		Aggregates:            16,
+		Faults:                soak.FaultCounts{KillMidHandler: 3},
+		DLQPercent:            -1,
+		DoublePercent:         -1,
+		UnsafeLedgerOutsideTx: true,
+		Timeout:               60 * time.Second,
+		DatabaseURL:           pgtest.URL(),
+		Brokers:               kafkatest.External(),
+	})
+	require.NoError(t, err)
+	require.False(t, rep.OK(), "the soak missed a double application:\n%s", rep.String())
+	require.Positive(t, rep.Faults["kill-mid-handler"])
+	require.Contains(t, strings.Join(rep.Violations, "\n"), "applied more than once")
 }

@@ -4,7 +4,7 @@
 // faults injected and the duplicates absorbed, and exits 1 on a violation,
 // printing the seed to reproduce the event plan and fault schedule.
 //
-//	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-keep] [-v]
+//	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-direct] [-keep] [-v]
 package main
 
 import (
@@ -31,18 +31,20 @@ func main() {
 	short := flag.Bool("short", false, "2,000 events and the short fault mix")
 	keep := flag.Bool("keep", false, "keep the PostgreSQL schema for inspection")
 	verbose := flag.Bool("v", false, "log the components (Watermill, middleware) at info level")
+	direct := flag.Bool("direct", false, "producer publishes directly to Kafka after its commit (no outbox)")
 	flag.Parse()
 
 	cfg := soak.Config{
-		Seed:        *seed,
-		Events:      *events,
-		Aggregates:  *aggregates,
-		Partitions:  int32(*partitions),
-		Timeout:     *timeout,
-		DatabaseURL: pgtest.URL(),
-		Brokers:     kafkatest.External(),
-		KeepSchema:  *keep,
-		Log:         os.Stderr,
+		Seed:          *seed,
+		Events:        *events,
+		Aggregates:    *aggregates,
+		Partitions:    int32(*partitions),
+		Timeout:       *timeout,
+		DatabaseURL:   pgtest.URL(),
+		Brokers:       kafkatest.External(),
+		KeepSchema:    *keep,
+		DirectPublish: *direct,
+		Log:           os.Stderr,
 	}
 	if *short {
 		cfg.Events = 2000
