@@ -29,6 +29,9 @@ const (
 	// DefaultBatchSize is how many rows one forwarder transaction reads and
 	// sends.
 	DefaultBatchSize = 500
+	// DefaultBatchesPerTransaction is how many batches one forwarder
+	// transaction sends before it commits its position.
+	DefaultBatchesPerTransaction = 4
 	// DefaultPollInterval is the wait after an empty read.
 	DefaultPollInterval = 100 * time.Millisecond
 	// DefaultRetryInterval is the wait after a failed batch.
@@ -77,7 +80,13 @@ type ForwarderConfig struct {
 	// BatchSize is the most rows read and sent per transaction. Defaults to
 	// [DefaultBatchSize].
 	BatchSize int
-	// PollInterval is the wait after an empty read. Defaults to
+	// BatchesPerTransaction is how many batches one transaction may send
+	// before it commits the position; the next batch is read while the
+	// previous one is being sent. A crash resends at most
+	// BatchSize*BatchesPerTransaction rows. Defaults to
+	// [DefaultBatchesPerTransaction].
+	BatchesPerTransaction int
+	// PollInterval is the wait after a read that was not full. Defaults to
 	// [DefaultPollInterval].
 	PollInterval time.Duration
 	// RetryInterval is the wait after a failed batch (its transaction is
@@ -102,6 +111,9 @@ func (c *ForwarderConfig) setDefaults() {
 	}
 	if c.BatchSize == 0 {
 		c.BatchSize = DefaultBatchSize
+	}
+	if c.BatchesPerTransaction == 0 {
+		c.BatchesPerTransaction = DefaultBatchesPerTransaction
 	}
 	if c.PollInterval == 0 {
 		c.PollInterval = DefaultPollInterval
@@ -129,6 +141,8 @@ func (c ForwarderConfig) Validate() error {
 		return errors.New("Topics: required (here or in the Outbox's Config.Topics)")
 	case c.BatchSize < 0:
 		return errors.New("BatchSize: must not be negative")
+	case c.BatchesPerTransaction < 0:
+		return errors.New("BatchesPerTransaction: must not be negative")
 	case c.PollInterval < 0 || c.RetryInterval < 0 || c.ShutdownTimeout < 0:
 		return errors.New("PollInterval, RetryInterval, ShutdownTimeout: must not be negative")
 	case len(c.ConsumerGroup) > 255:
@@ -155,8 +169,8 @@ func NewKafkaProducer(cfg publisher.KafkaConfig) (sarama.SyncProducer, error) {
 type ForwarderStats struct {
 	// Forwarded counts rows sent and acknowledged in the database.
 	Forwarded uint64
-	// Batches counts committed non-empty batches; Polls counts every read.
-	Batches, Polls uint64
+	// Commits counts committed position updates; Polls counts every read.
+	Commits, Polls uint64
 	// Errors counts failed batches (rolled back, retried).
 	Errors uint64
 }
@@ -205,7 +219,7 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 
 // Stats returns the counters.
 func (f *Forwarder) Stats() ForwarderStats {
-	return ForwarderStats{Forwarded: f.forwarded.Load(), Batches: f.batches.Load(), Polls: f.polls.Load(), Errors: f.errs.Load()}
+	return ForwarderStats{Forwarded: f.forwarded.Load(), Commits: f.batches.Load(), Polls: f.polls.Load(), Errors: f.errs.Load()}
 }
 
 // Run forwards until ctx is done or Close is called, then lets the in-flight
@@ -297,7 +311,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string) error {
 		if stopCtx.Err() != nil {
 			return nil
 		}
-		n, err := f.forwardBatch(stopCtx, topic, logger)
+		_, full, err := f.forwardTx(stopCtx, topic, logger)
 		var wait time.Duration
 		switch {
 		case errors.Is(err, errCrash):
@@ -311,7 +325,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string) error {
 				logger.Error("Outbox batch failed, retrying", err, watermill.LogFields{"retry_in": f.cfg.RetryInterval.String()})
 				wait = f.cfg.RetryInterval
 			}
-		case n < f.cfg.BatchSize:
+		case !full:
 			wait = f.cfg.PollInterval
 		}
 		if wait > 0 {
@@ -333,73 +347,119 @@ func isSerializationFailure(err error) bool {
 	return errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.SerializationFailure || pgErr.Code == pgerrcode.DeadlockDetected)
 }
 
-// forwardBatch forwards up to BatchSize rows of topic in one transaction.
-func (f *Forwarder) forwardBatch(stopCtx context.Context, topic string, logger watermill.LoggerAdapter) (n int, err error) {
-	// The batch itself is not cancelled by a stop: it gets ShutdownTimeout
-	// to finish, so a graceful stop does not resend it.
+// forwardTx forwards up to BatchesPerTransaction batches of topic in one
+// transaction and reports how many rows it committed and whether the last
+// read came back full (more rows are probably waiting).
+//
+// Within the transaction (REPEATABLE READ: one snapshot, so one xmin), batch
+// k+1 is read while batch k is on its way to the broker: the position is
+// advanced in the transaction right after batch k was read, so
+// watermill-sql's query returns the rows after it. Batch k+1 is sent only
+// once batch k was acknowledged, which keeps the order. The position
+// commits when every batch of the transaction was sent; if any send fails,
+// the transaction rolls back and all of them are sent again later.
+func (f *Forwarder) forwardTx(stopCtx context.Context, topic string, logger watermill.LoggerAdapter) (n int, full bool, err error) {
+	// The transaction itself is not cancelled by a stop: it gets
+	// ShutdownTimeout to finish, so a graceful stop does not resend.
 	ctx, cancel := context.WithCancel(context.WithoutCancel(stopCtx))
 	defer cancel()
 	stopWatch := context.AfterFunc(stopCtx, func() { time.AfterFunc(f.cfg.ShutdownTimeout, cancel) })
 	defer stopWatch()
 
-	f.polls.Add(1)
 	tx, err := f.cfg.DB.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 	if err != nil {
-		return 0, fmt.Errorf("begin: %w", err)
+		return 0, false, fmt.Errorf("begin: %w", err)
 	}
 	defer rollback(ctx, tx)
+	// The position may commit asynchronously: if a server crash loses that
+	// commit, the batches are sent again (at-least-once), never skipped.
+	if _, err := tx.Exec(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
+		return 0, false, fmt.Errorf("set synchronous_commit: %w", err)
+	}
 
-	// watermill-sql's query: the position row FOR UPDATE, then the rows
-	// after it with transaction_id < pg_snapshot_xmin(pg_current_snapshot()),
-	// in (transaction_id, offset) order.
+	batch, err := f.read(ctx, tx, topic)
+	if err != nil {
+		return 0, false, err
+	}
+	var last wsql.Row
+	for i := 0; len(batch) > 0; i++ {
+		full = len(batch) == f.cfg.BatchSize
+		sent := make(chan error, 1)
+		go func(batch []wsql.Row) { sent <- f.send(topic, batch) }(batch)
+
+		// While the broker works: advance the position past this batch and,
+		// unless this is the transaction's last batch, read the next one.
+		last = batch[len(batch)-1]
+		var next []wsql.Row
+		err := f.ack(ctx, tx, topic, last)
+		if err == nil && full && i+1 < f.cfg.BatchesPerTransaction && stopCtx.Err() == nil {
+			next, err = f.read(ctx, tx, topic)
+		}
+		if sendErr := <-sent; sendErr != nil {
+			return 0, false, fmt.Errorf("send %d messages: %w", len(batch), sendErr)
+		}
+		if err != nil {
+			return 0, false, err
+		}
+		if f.beforeAck != nil {
+			if err := f.beforeAck(topic, len(batch)); err != nil {
+				return 0, false, fmt.Errorf("%w: %w", errCrash, err)
+			}
+		}
+		n += len(batch)
+		batch = next
+	}
+	if n == 0 {
+		return 0, false, nil
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, false, fmt.Errorf("commit position: %w", err)
+	}
+	f.forwarded.Add(uint64(n))
+	f.batches.Add(1)
+	logger.Debug("Outbox messages forwarded", watermill.LogFields{"messages": n, "last_offset": last.Offset})
+	return n, full, nil
+}
+
+// read returns the next batch with watermill-sql's query: the position row
+// FOR UPDATE (one forwarder of the group at a time), then the rows after it
+// with transaction_id < pg_snapshot_xmin(pg_current_snapshot()), in
+// (transaction_id, offset) order.
+func (f *Forwarder) read(ctx context.Context, tx pgx.Tx, topic string) ([]wsql.Row, error) {
+	f.polls.Add(1)
 	q, err := f.schema.SelectQuery(wsql.SelectQueryParams{Topic: topic, ConsumerGroup: f.cfg.ConsumerGroup, OffsetsAdapter: f.cfg.Outbox.offsets})
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	rows, err := tx.Query(ctx, q.Query, q.Args...)
 	if err != nil {
-		return 0, fmt.Errorf("select: %w", err)
+		return nil, fmt.Errorf("select: %w", err)
 	}
-	var batch []wsql.Row
+	defer rows.Close()
+	batch := make([]wsql.Row, 0, f.cfg.BatchSize)
 	for rows.Next() {
 		r, err := f.schema.UnmarshalMessage(wsql.UnmarshalMessageParams{Row: rows})
 		if err != nil {
-			rows.Close()
-			return 0, err
+			return nil, err
 		}
 		batch = append(batch, r)
 	}
-	rows.Close()
 	if err := rows.Err(); err != nil {
-		return 0, fmt.Errorf("select: %w", err)
+		return nil, fmt.Errorf("select: %w", err)
 	}
-	if len(batch) == 0 {
-		return 0, nil
-	}
+	return batch, nil
+}
 
-	if err := f.send(topic, batch); err != nil {
-		return 0, fmt.Errorf("send %d messages: %w", len(batch), err)
-	}
-	if f.beforeAck != nil {
-		if err := f.beforeAck(topic, len(batch)); err != nil {
-			return 0, fmt.Errorf("%w: %w", errCrash, err)
-		}
-	}
-	last := batch[len(batch)-1]
-	ack, err := f.cfg.Outbox.offsets.AckMessageQuery(wsql.AckMessageQueryParams{Topic: topic, LastRow: last, Rows: batch, ConsumerGroup: f.cfg.ConsumerGroup})
+// ack moves the position (in tx) to last.
+func (f *Forwarder) ack(ctx context.Context, tx pgx.Tx, topic string, last wsql.Row) error {
+	q, err := f.cfg.Outbox.offsets.AckMessageQuery(wsql.AckMessageQueryParams{Topic: topic, LastRow: last, ConsumerGroup: f.cfg.ConsumerGroup})
 	if err != nil {
-		return 0, err
+		return err
 	}
-	if _, err := tx.Exec(ctx, ack.Query, ack.Args...); err != nil {
-		return 0, fmt.Errorf("advance position: %w", err)
+	if _, err := tx.Exec(ctx, q.Query, q.Args...); err != nil {
+		return fmt.Errorf("advance position: %w", err)
 	}
-	if err := tx.Commit(ctx); err != nil {
-		return 0, fmt.Errorf("commit position: %w", err)
-	}
-	f.forwarded.Add(uint64(len(batch)))
-	f.batches.Add(1)
-	logger.Debug("Outbox batch forwarded", watermill.LogFields{"messages": len(batch), "last_offset": last.Offset})
-	return len(batch), nil
+	return nil
 }
 
 func (f *Forwarder) send(topic string, batch []wsql.Row) error {
