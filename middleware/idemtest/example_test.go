@@ -134,3 +134,31 @@ func ExampleRequireOutboxMessage() {
 	// Output:
 	// 1 {"invoice":1}
 }
+
+// Assert, after running a message through the dedup middleware, that the
+// event is recorded as processed by its consumer group and by no other.
+func ExampleRequireProcessed() {
+	ctx := context.Background()
+	t := exampleTB{} // in a test: t *testing.T
+	pool, table, drop := exampleDB(ctx)
+	defer drop()
+
+	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "shipping", Table: table}, nil)
+	if err != nil {
+		panic(err)
+	}
+	id := publisher.NewEventID()
+	msg := message.NewMessage(id.String(), []byte(`{}`))
+	msg.Metadata.Set(publisher.MetadataEventID, id.String())
+
+	idemtest.RequireNotProcessed(ctx, t, pool, table, "shipping", id)
+	noop := func(*message.Message) ([]*message.Message, error) { return nil, nil }
+	if _, err := dedup.Middleware(noop)(msg); err != nil {
+		panic(err)
+	}
+	idemtest.RequireProcessed(ctx, t, pool, table, "shipping", id)
+	idemtest.RequireNotProcessed(ctx, t, pool, table, "billing", id)
+	fmt.Println("processed once by shipping")
+	// Output:
+	// processed once by shipping
+}
