@@ -265,7 +265,8 @@ func TestSecurityPayloadNotLoggedAboveDebug(t *testing.T) {
 	require.NoError(t, err)
 	poisonMW, err := wmiddleware.PoisonQueueWithFilter(pubsub, "poison", idem.IsPermanent)
 	require.NoError(t, err)
-	router.AddMiddleware(poisonMW, wmiddleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond, Logger: logger}.Middleware, dedup.Middleware)
+	router.AddMiddleware(poisonMW, wmiddleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond, Logger: logger,
+		ShouldRetry: func(p wmiddleware.RetryParams) bool { return !idem.IsPermanent(p.Err) }}.Middleware, dedup.Middleware)
 
 	failing := map[string]bool{}
 	var mu sync.Mutex
