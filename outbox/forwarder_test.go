@@ -268,3 +268,34 @@ func TestForwarder_CrashAndRestart_DedupAppliesOnce(t *testing.T) {
 	}
 	require.Len(t, seen, total)
 }
+
+func TestForwarder_SameGroupInstancesDoNotDuplicate(t *testing.T) {
+	t.Parallel()
+	const n = 3000
+	e := newEnv(t, 12)
+	topic := e.topic(t, "replicas", 2)
+	var fs []*outbox.Forwarder
+	for i := 0; i < 3; i++ {
+		fs = append(fs, e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}, BatchSize: 100}))
+	}
+	for i := 0; i < n; i += 100 {
+		msgs := make([]*message.Message, 0, 100)
+		for j := i; j < i+100; j++ {
+			msgs = append(msgs, event(fmt.Sprintf("agg-%02d", j%20), j/20))
+		}
+		e.publishTx(t, topic, msgs...)
+	}
+	forwarded := func() (sum uint64) {
+		for _, f := range fs {
+			sum += f.Stats().Forwarded
+		}
+		return sum
+	}
+	require.Eventually(t, func() bool { return forwarded() >= n }, eventuallyTimeout, 10*time.Millisecond)
+	for _, f := range fs {
+		waitPolls(t, f, 2)
+	}
+	require.EqualValues(t, n, forwarded(), "the position lock lets one instance at a time forward")
+	require.EqualValues(t, n, highWater(t, e.broker.Addrs, topic))
+	requirePerKeyOrder(t, consume(t, e.broker.Addrs, topic, n), n/20)
+}
