@@ -188,7 +188,8 @@ type Forwarder struct {
 
 	closing   chan struct{}
 	closeOnce sync.Once
-	running   sync.WaitGroup
+	mu        sync.Mutex
+	done      chan struct{} // closed when Run returns; nil before Run
 
 	forwarded, batches, polls, errs atomic.Uint64
 
@@ -226,13 +227,21 @@ func (f *Forwarder) Stats() ForwarderStats {
 // batches finish (within ShutdownTimeout) and returns nil. It returns an
 // error at once if a topic's tables are missing.
 func (f *Forwarder) Run(ctx context.Context) error {
-	f.running.Add(1)
-	defer f.running.Done()
+	f.mu.Lock()
 	select {
 	case <-f.closing:
+		f.mu.Unlock()
 		return nil
 	default:
 	}
+	if f.done != nil {
+		f.mu.Unlock()
+		return errors.New("outbox forwarder: Run called twice")
+	}
+	done := make(chan struct{})
+	f.done = done
+	f.mu.Unlock()
+	defer close(done)
 	for _, topic := range f.cfg.Topics {
 		if err := f.register(ctx, topic); err != nil {
 			return err
@@ -268,8 +277,13 @@ func (f *Forwarder) Run(ctx context.Context) error {
 
 // Close stops Run gracefully and waits for it to return.
 func (f *Forwarder) Close() error {
+	f.mu.Lock()
 	f.closeOnce.Do(func() { close(f.closing) })
-	f.running.Wait()
+	done := f.done
+	f.mu.Unlock()
+	if done != nil {
+		<-done
+	}
 	return nil
 }
 

@@ -299,3 +299,37 @@ func TestForwarder_SameGroupInstancesDoNotDuplicate(t *testing.T) {
 	require.EqualValues(t, n, highWater(t, e.broker.Addrs, topic))
 	requirePerKeyOrder(t, consume(t, e.broker.Addrs, topic, n), n/20)
 }
+
+func TestForwarder_Lifecycle(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, 0, "orders")
+	p := e.producer(t)
+
+	f, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: p, Topics: []string{"never-migrated"}}, nil)
+	require.NoError(t, err)
+	require.ErrorIs(t, f.Run(ctx), outbox.ErrTopicNotMigrated)
+
+	// Topics default to the Outbox's; Close stops Run and may be repeated.
+	f, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: p, PollInterval: time.Millisecond}, nil)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	require.Eventually(t, func() bool { return f.Stats().Polls > 2 }, eventuallyTimeout, time.Millisecond)
+	require.Error(t, f.Run(ctx), "a second Run is refused")
+	require.NoError(t, f.Close())
+	require.NoError(t, <-done)
+	require.NoError(t, f.Close())
+
+	// Cancelling the context stops Run gracefully too.
+	f, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: p}, nil)
+	require.NoError(t, err)
+	cctx, cancel := context.WithCancel(ctx)
+	go func() { done <- f.Run(cctx) }()
+	require.Eventually(t, func() bool { return f.Stats().Polls > 0 }, eventuallyTimeout, time.Millisecond)
+	cancel()
+	require.NoError(t, <-done)
+
+	_, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: p, Publisher: refusingPublisher{t}}, nil)
+	require.ErrorContains(t, err, "set only one")
+}
