@@ -58,7 +58,7 @@ func newE2ERig(ctx context.Context, o Options, n int) (*e2eRig, error) {
 		r.brokers = c.ListenAddrs()
 		r.close = c.Close
 	}
-	db, err := NewDB(ctx, o, "e2e", 24, nil)
+	db, err := NewDB(ctx, o, "e2e", 12, nil)
 	if err != nil {
 		r.close()
 		return nil, err
