@@ -275,7 +275,7 @@ func duplicatePath(ctx context.Context, o Options) (Section, error) {
 		return err
 	}
 	var rows [][]string
-	for _, w := range []int{1, 4} {
+	for _, w := range []int{1, 4, 16} {
 		rates, err := Interleave(ctx, rounds, w, d, freshOp(rig.deduped, seen), dupOp)
 		if err != nil {
 			return Section{}, err
