@@ -28,7 +28,7 @@ const (
 	DefaultForwarderGroup = "outbox_forwarder"
 	// DefaultBatchSize is how many rows one forwarder transaction reads and
 	// sends.
-	DefaultBatchSize = 500
+	DefaultBatchSize = 1000
 	// DefaultBatchesPerTransaction is how many batches one forwarder
 	// transaction sends before it commits its position.
 	DefaultBatchesPerTransaction = 4
