@@ -191,7 +191,7 @@ type Forwarder struct {
 	mu        sync.Mutex
 	done      chan struct{} // closed when Run returns; nil before Run
 
-	forwarded, batches, polls, errs atomic.Uint64
+	forwarded, commits, polls, errs atomic.Uint64
 
 	// beforeAck, when set (tests), runs after a batch was sent and before
 	// its position is committed; an error aborts Run like a crash would.
@@ -220,7 +220,7 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 
 // Stats returns the counters.
 func (f *Forwarder) Stats() ForwarderStats {
-	return ForwarderStats{Forwarded: f.forwarded.Load(), Commits: f.batches.Load(), Polls: f.polls.Load(), Errors: f.errs.Load()}
+	return ForwarderStats{Forwarded: f.forwarded.Load(), Commits: f.commits.Load(), Polls: f.polls.Load(), Errors: f.errs.Load()}
 }
 
 // Run forwards until ctx is done or Close is called, then lets the in-flight
@@ -430,7 +430,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, topic string, logger wate
 		return 0, false, fmt.Errorf("commit position: %w", err)
 	}
 	f.forwarded.Add(uint64(n))
-	f.batches.Add(1)
+	f.commits.Add(1)
 	logger.Debug("Outbox messages forwarded", watermill.LogFields{"messages": n, "last_offset": last.Offset})
 	return n, full, nil
 }
