@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -452,10 +453,29 @@ func (f *Forwarder) read(ctx context.Context, tx pgx.Tx, topic string) ([]wsql.R
 	defer rows.Close()
 	batch := make([]wsql.Row, 0, f.cfg.BatchSize)
 	for rows.Next() {
-		r, err := f.schema.UnmarshalMessage(wsql.UnmarshalMessageParams{Row: rows})
-		if err != nil {
-			return nil, err
+		// The columns of DefaultPostgreSQLSchema.UnmarshalMessage, scanned
+		// directly: its generic Scan and encoding/json were most of the
+		// read time.
+		var (
+			r    wsql.Row
+			xid  string
+			uuid string
+		)
+		if err := rows.Scan(&r.Offset, &xid, &uuid, &r.Payload, &r.Metadata); err != nil {
+			return nil, fmt.Errorf("scan row: %w", err)
 		}
+		txID, err := strconv.ParseUint(xid, 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("scan row: transaction_id %q: %w", xid, err)
+		}
+		r.UUID = []byte(uuid)
+		r.Msg = message.NewMessage(uuid, r.Payload)
+		if r.Metadata != nil {
+			if r.Msg.Metadata, err = decodeMetadata(r.Metadata); err != nil {
+				return nil, fmt.Errorf("row %d: metadata: %w", r.Offset, err)
+			}
+		}
+		r.ExtraData = map[string]any{"transaction_id": wsql.XID8(txID)}
 		batch = append(batch, r)
 	}
 	if err := rows.Err(); err != nil {

@@ -1,0 +1,82 @@
+package outbox
+
+import (
+	"bytes"
+	"encoding/json"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// decodeMetadata decodes a row's metadata JSON object. Metadata written by
+// watermill-sql is the compact json.Marshal form of a map[string]string;
+// without escapes it is decoded by a fast path (decoding dominated the
+// forwarder's read time), anything else by encoding/json.
+func decodeMetadata(b []byte) (message.Metadata, error) {
+	if md, ok := decodeFlat(b); ok {
+		return md, nil
+	}
+	md := message.Metadata{}
+	if err := json.Unmarshal(b, &md); err != nil {
+		return nil, err
+	}
+	if md == nil { // JSON null
+		md = message.Metadata{}
+	}
+	return md, nil
+}
+
+// decodeFlat decodes {"k":"v",...} with no whitespace and no backslash.
+// It reports false for anything else, including valid JSON it does not
+// handle, so the caller falls back to encoding/json.
+func decodeFlat(b []byte) (message.Metadata, bool) {
+	if len(b) < 2 || b[0] != '{' || b[len(b)-1] != '}' || bytes.IndexByte(b, '\\') >= 0 {
+		return nil, false
+	}
+	md := make(message.Metadata, 8)
+	if len(b) == 2 {
+		return md, true
+	}
+	i := 1
+	for {
+		k, n, ok := flatString(b, i)
+		if !ok || n >= len(b) || b[n] != ':' {
+			return nil, false
+		}
+		v, n, ok := flatString(b, n+1)
+		if !ok || n >= len(b) {
+			return nil, false
+		}
+		md[k] = v
+		switch {
+		case b[n] == ',':
+			i = n + 1
+		case b[n] == '}' && n == len(b)-1:
+			return md, true
+		default:
+			return nil, false
+		}
+	}
+}
+
+// flatString reads the string starting at b[i] == '"' (no escapes) and
+// returns it with the index after its closing quote.
+func flatString(b []byte, i int) (string, int, bool) {
+	if i >= len(b) || b[i] != '"' {
+		return "", 0, false
+	}
+	j := bytes.IndexByte(b[i+1:], '"')
+	if j < 0 {
+		return "", 0, false
+	}
+	s := b[i+1 : i+1+j]
+	for _, c := range s {
+		if c < 0x20 {
+			return "", 0, false
+		}
+	}
+	if !utf8.Valid(s) {
+		return "", 0, false
+	}
+	return string(s), i + 2 + j, true
+}
