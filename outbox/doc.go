@@ -29,8 +29,9 @@
 //
 // # Forwarding
 //
-// The [Forwarder] reads each topic's table with watermill-sql's query: rows
-// after its position, only with transaction_id below the snapshot's xmin
+// The [Forwarder] reads each topic's table by watermill-sql's rule: rows
+// after its position (watermill-sql's offsets table, row-locked), only with
+// transaction_id below the snapshot's xmin
 // (pg_snapshot_xmin(pg_current_snapshot())), in (transaction_id, offset)
 // order, a batch at a time. A transaction that is still open holds the
 // position back instead of being skipped. The batch goes to Kafka in one

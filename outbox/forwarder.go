@@ -184,7 +184,6 @@ type ForwarderStats struct {
 // consumer).
 type Forwarder struct {
 	cfg    ForwarderConfig
-	schema wsql.DefaultPostgreSQLSchema
 	logger watermill.LoggerAdapter
 
 	closing   chan struct{}
@@ -209,11 +208,8 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 		logger = watermill.NopLogger{}
 	}
 	cfg.Topics = append([]string(nil), cfg.Topics...)
-	schema := *cfg.Outbox.schema
-	schema.SubscribeBatchSize = cfg.BatchSize
 	return &Forwarder{
 		cfg:     cfg,
-		schema:  schema,
 		logger:  logger.With(watermill.LogFields{"forwarder_group": cfg.ConsumerGroup}),
 		closing: make(chan struct{}),
 	}, nil
@@ -366,10 +362,10 @@ func isSerializationFailure(err error) bool {
 // transaction and reports how many rows it committed and whether the last
 // read came back full (more rows are probably waiting).
 //
-// Within the transaction (REPEATABLE READ: one snapshot, so one xmin), batch
-// k+1 is read while batch k is on its way to the broker: the position is
-// advanced in the transaction right after batch k was read, so
-// watermill-sql's query returns the rows after it. Batch k+1 is sent only
+// The transaction locks the group's position row, then (REPEATABLE READ:
+// one snapshot, so one xmin) reads batch k+1 after batch k's last row while
+// batch k is on its way to the broker, and moves the position row past
+// batch k with watermill-sql's ack query. Batch k+1 is sent only
 // once batch k was acknowledged, which keeps the order. The position
 // commits when every batch of the transaction was sent; if any send fails,
 // the transaction rolls back and all of them are sent again later.
@@ -392,7 +388,11 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, topic string, logger wate
 		return 0, false, fmt.Errorf("set synchronous_commit: %w", err)
 	}
 
-	batch, err := f.read(ctx, tx, topic)
+	pos, err := f.lock(ctx, tx, topic)
+	if err != nil {
+		return 0, false, err
+	}
+	batch, err := f.read(ctx, tx, topic, pos)
 	if err != nil {
 		return 0, false, err
 	}
@@ -405,10 +405,11 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, topic string, logger wate
 		// While the broker works: advance the position past this batch and,
 		// unless this is the transaction's last batch, read the next one.
 		last = batch[len(batch)-1]
+		pos = position{txID: strconv.FormatUint(uint64(last.ExtraData["transaction_id"].(wsql.XID8)), 10), offset: last.Offset}
 		var next []wsql.Row
 		err := f.ack(ctx, tx, topic, last)
 		if err == nil && full && i+1 < f.cfg.BatchesPerTransaction && stopCtx.Err() == nil {
-			next, err = f.read(ctx, tx, topic)
+			next, err = f.read(ctx, tx, topic, pos)
 		}
 		if sendErr := <-sent; sendErr != nil {
 			return 0, false, fmt.Errorf("send %d messages: %w", len(batch), sendErr)
@@ -436,24 +437,51 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, topic string, logger wate
 	return n, full, nil
 }
 
-// read returns the next batch with watermill-sql's query: the position row
-// FOR UPDATE (one forwarder of the group at a time), then the rows after it
-// with transaction_id < pg_snapshot_xmin(pg_current_snapshot()), in
-// (transaction_id, offset) order.
-func (f *Forwarder) read(ctx context.Context, tx pgx.Tx, topic string) ([]wsql.Row, error) {
-	f.polls.Add(1)
-	q, err := f.schema.SelectQuery(wsql.SelectQueryParams{Topic: topic, ConsumerGroup: f.cfg.ConsumerGroup, OffsetsAdapter: f.cfg.Outbox.offsets})
+// position is the last forwarded row: (transaction_id, offset).
+type position struct {
+	txID   string // xid8 as text
+	offset int64
+}
+
+// lock reads the group's position in topic FOR UPDATE (watermill-sql's
+// offsets row), so one forwarder of the group works on a topic at a time.
+func (f *Forwarder) lock(ctx context.Context, tx pgx.Tx, topic string) (position, error) {
+	var p position
+	err := tx.QueryRow(ctx, `SELECT last_processed_transaction_id::text, offset_acked FROM `+f.cfg.Outbox.OffsetsTable(topic)+
+		` WHERE consumer_group = $1 FOR UPDATE`, f.cfg.ConsumerGroup).Scan(&p.txID, &p.offset)
 	if err != nil {
-		return nil, err
+		return p, fmt.Errorf("lock position: %w", err)
 	}
-	rows, err := tx.Query(ctx, q.Query, q.Args...)
+	return p, nil
+}
+
+// readSQL selects the rows after a position, only those written by
+// transactions older than the snapshot's xmin, in (transaction_id, offset)
+// order: watermill-sql's rule. Unlike watermill-sql's query, whose OR form
+// is planned as a bitmap scan of every pending row plus a top-N sort (30 ms
+// per batch with 100,000 rows pending, measured), the row comparison walks
+// the primary key in order and stops after LIMIT rows, so a backlog does
+// not slow every batch down. The text column is aliased: ORDER BY must see
+// the xid8 column, not its text (where "10" sorts before "9").
+func (f *Forwarder) readSQL(topic string) string {
+	return `SELECT "offset", transaction_id::text AS xid, uuid, payload, metadata FROM ` + f.cfg.Outbox.MessagesTable(topic) + `
+		WHERE (transaction_id, "offset") > ($1::xid8, $2)
+		  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
+		ORDER BY transaction_id, "offset"
+		LIMIT $3`
+}
+
+// read returns the batch after pos.
+func (f *Forwarder) read(ctx context.Context, tx pgx.Tx, topic string, pos position) ([]wsql.Row, error) {
+	f.polls.Add(1)
+	rows, err := tx.Query(ctx, f.readSQL(topic), pos.txID, pos.offset, f.cfg.BatchSize)
 	if err != nil {
 		return nil, fmt.Errorf("select: %w", err)
 	}
 	defer rows.Close()
 	batch := make([]wsql.Row, 0, f.cfg.BatchSize)
 	for rows.Next() {
-		// The columns of DefaultPostgreSQLSchema.UnmarshalMessage, scanned
+		// What DefaultPostgreSQLSchema.UnmarshalMessage returns, scanned
 		// directly: its generic Scan and encoding/json were most of the
 		// read time.
 		var (
