@@ -40,6 +40,9 @@
 // same Postgres transaction. A crash in between resends the batch: consumers
 // dedup by event_id.
 //
+// The forwarder never deletes rows; [Outbox.DeleteForwarded] removes those
+// every listed group has passed.
+//
 // See docs/outbox.md for the visibility rule, ordering, failure behaviour and
 // the measured throughput.
 package outbox
