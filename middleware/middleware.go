@@ -26,7 +26,8 @@ type Dedup struct {
 	begin  func(ctx context.Context) (pgx.Tx, error)
 	// send, when DB is a *pgxpool.Pool or a *pgx.Conn, sends BEGIN and the
 	// claim as one pipelined batch (one round trip instead of two).
-	send func(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+	send  func(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+	stats counters
 }
 
 // NewDedup validates cfg and returns the middleware. It does not touch the
@@ -65,6 +66,9 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	return d, nil
 }
 
+// Stats returns the middleware's counters since it was created.
+func (d *Dedup) Stats() Stats { return d.stats.snapshot() }
+
 // Deduplicator returns the store the middleware claims in.
 func (d *Dedup) Deduplicator() *deduplicator.Deduplicator { return d.dedup }
 
@@ -86,6 +90,7 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) (produced []*message.Message, err error) {
 		id, err := d.eventID(msg)
 		if err != nil {
+			d.stats.rejected(err)
 			d.logger.Error("Refusing message: unusable event id", err, watermill.LogFields{"message_uuid": msg.UUID})
 			return nil, err
 		}
@@ -96,7 +101,9 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 
 		start := time.Now()
 		tx, first, err := d.beginClaim(origCtx, id)
+		d.stats.claimed(time.Since(start))
 		if tx == nil {
+			d.stats.claimErrors.Add(1)
 			return nil, err
 		}
 		done := false
@@ -106,12 +113,19 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			}
 		}()
 		if err != nil {
+			d.stats.claimErrors.Add(1)
 			return nil, err
 		}
 		if !first {
+			d.stats.duplicates.Add(1)
 			d.logger.Debug("Duplicate event skipped", fields)
 			return nil, nil
 		}
+		defer func() {
+			if !done { // handler error or panic, outbox or commit failure
+				d.stats.failed.Add(1)
+			}
+		}()
 
 		msg.SetContext(idemctx.With(origCtx, &idemctx.Value{
 			Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup,
@@ -138,6 +152,8 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, fmt.Errorf("dedup: commit: %w", err)
 		}
 		done = true
+		d.stats.processed.Add(1)
+		d.stats.txNanos.Add(uint64(time.Since(start)))
 		d.logger.Trace("Event processed", fields.Add(watermill.LogFields{"tx_duration": time.Since(start).String()}))
 		return produced, nil
 	}

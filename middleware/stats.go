@@ -1,0 +1,87 @@
+package middleware
+
+import (
+	"errors"
+	"sync/atomic"
+	"time"
+)
+
+// Stats are the middleware's cumulative counters since [NewDedup]. Read them
+// with [Dedup.Stats]; the middleware/idemprom package exports them to
+// Prometheus.
+type Stats struct {
+	// Processed counts messages whose handler ran and whose transaction
+	// committed.
+	Processed uint64
+	// Duplicates counts messages acked without running the handler because
+	// their claim already existed.
+	Duplicates uint64
+	// Failed counts first-time messages rolled back: the handler returned an
+	// error or panicked, or writing the outbox or COMMIT failed.
+	Failed uint64
+	// ClaimErrors counts messages whose BEGIN or claim failed (connection
+	// errors, serialization failures under REPEATABLE READ/SERIALIZABLE).
+	ClaimErrors uint64
+	// Rejected counts messages refused before any SQL, by reason.
+	Rejected RejectedStats
+	// ClaimDuration is the total time spent in BEGIN + claim, including the
+	// wait for a concurrent claim of the same id; ClaimCount claims were
+	// timed.
+	ClaimDuration time.Duration
+	ClaimCount    uint64
+	// TxDuration is the total time from BEGIN to COMMIT of processed
+	// messages (Processed of them).
+	TxDuration time.Duration
+}
+
+// RejectedStats counts refused messages by reason.
+type RejectedStats struct {
+	MissingEventID, InvalidEventID, NilEventID, NotUUIDv7, Stale uint64
+}
+
+// Total is the sum over reasons.
+func (r RejectedStats) Total() uint64 {
+	return r.MissingEventID + r.InvalidEventID + r.NilEventID + r.NotUUIDv7 + r.Stale
+}
+
+type counters struct {
+	processed, duplicates, failed, claimErrors atomic.Uint64
+	missing, invalid, nilID, notV7, stale      atomic.Uint64
+	claimNanos, claimCount, txNanos            atomic.Uint64
+}
+
+func (c *counters) rejected(err error) {
+	switch {
+	case errors.Is(err, ErrStaleEvent):
+		c.stale.Add(1)
+	case errors.Is(err, ErrNotUUIDv7):
+		c.notV7.Add(1)
+	case errors.Is(err, ErrNilEventID):
+		c.nilID.Add(1)
+	case errors.Is(err, ErrMissingEventID):
+		c.missing.Add(1)
+	default:
+		c.invalid.Add(1)
+	}
+}
+
+func (c *counters) claimed(d time.Duration) {
+	c.claimNanos.Add(uint64(d))
+	c.claimCount.Add(1)
+}
+
+func (c *counters) snapshot() Stats {
+	return Stats{
+		Processed:   c.processed.Load(),
+		Duplicates:  c.duplicates.Load(),
+		Failed:      c.failed.Load(),
+		ClaimErrors: c.claimErrors.Load(),
+		Rejected: RejectedStats{
+			MissingEventID: c.missing.Load(), InvalidEventID: c.invalid.Load(),
+			NilEventID: c.nilID.Load(), NotUUIDv7: c.notV7.Load(), Stale: c.stale.Load(),
+		},
+		ClaimDuration: time.Duration(c.claimNanos.Load()),
+		ClaimCount:    c.claimCount.Load(),
+		TxDuration:    time.Duration(c.txNanos.Load()),
+	}
+}
