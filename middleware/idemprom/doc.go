@@ -1,0 +1,31 @@
+// Package idemprom exports the counters of the dedup middleware and the
+// outbox forwarder to Prometheus. It lives apart from the core packages (like
+// franz-go's plugin/kprom) so that services not using Prometheus never link
+// it.
+//
+//	c := idemprom.NewCollector()
+//	c.AddDedup(dedup)                    // *middleware.Dedup
+//	c.AddForwarder("orders", forwarder)  // *outbox.Forwarder
+//	prometheus.MustRegister(c)
+//
+// # Metrics
+//
+// All counters are cumulative since the component was created:
+//
+//	idem_dedup_processed_total{consumer_group}          handler ran, COMMIT succeeded
+//	idem_dedup_duplicates_total{consumer_group}         acked without running the handler
+//	idem_dedup_failed_total{consumer_group}             rolled back (handler error/panic, outbox or COMMIT failure)
+//	idem_dedup_claim_errors_total{consumer_group}       BEGIN or claim failed (connection, SQLSTATE 40001)
+//	idem_dedup_rejected_total{consumer_group,reason}    refused before SQL: missing, invalid, nil, not_v7, stale
+//	idem_dedup_claim_seconds_total{consumer_group}      time in BEGIN + claim, including waits on a concurrent claim
+//	idem_dedup_claims_total{consumer_group}             claims timed (divide the two for the mean claim wait)
+//	idem_dedup_tx_seconds_total{consumer_group}         BEGIN to COMMIT of processed messages
+//	idem_outbox_forwarded_total{forwarder}              rows sent to Kafka and acknowledged in the database
+//	idem_outbox_forwarder_commits_total{forwarder}      committed position updates
+//	idem_outbox_forwarder_polls_total{forwarder}        reads of the outbox
+//	idem_outbox_forwarder_errors_total{forwarder}       failed batches (rolled back, retried)
+//
+// Alert on a growing rate of rejected or failed messages, and on
+// idem_outbox_forwarded_total not moving while rows are pending (the SQL for
+// the outbox backlog is in docs/operations.md).
+package idemprom

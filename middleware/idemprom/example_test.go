@@ -1,0 +1,26 @@
+package idemprom_test
+
+import (
+	"net/http"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/middleware/idemprom"
+)
+
+// Export the dedup middleware's counters on /metrics.
+func ExampleNewCollector() {
+	var pool *pgxpool.Pool // your pool
+	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "billing"}, nil)
+	if err != nil {
+		panic(err)
+	}
+	c := idemprom.NewCollector()
+	c.AddDedup(dedup)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(c)
+	http.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+}
