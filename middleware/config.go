@@ -67,7 +67,9 @@ const (
 
 // Config configures the dedup middleware.
 type Config struct {
-	// DB begins one transaction per message. Required.
+	// DB begins one transaction per message. Required. With a *pgxpool.Pool
+	// or *pgx.Conn, BEGIN and the claim travel in one pipelined round trip;
+	// other Beginners (a pgx.Tx: one savepoint per message) take two.
 	DB Beginner
 
 	// ConsumerGroup is the second half of the dedup key (event id, consumer
@@ -96,8 +98,9 @@ type Config struct {
 	// Outbox, when set, receives the messages a handler returns, in the
 	// message's transaction, and the router gets none back. Defaults to nil:
 	// returned messages go to the router's publisher after COMMIT, which is
-	// at-least-once (a crash between COMMIT and publish loses them, and a
-	// redelivered duplicate does not produce them again).
+	// at-most-once for them: a crash or publish failure between COMMIT and
+	// publish loses them, because the redelivered message is a duplicate and
+	// its handler does not run again. Set Outbox for consume→produce steps.
 	Outbox OutboxWriter
 
 	// Retention is how long the dedup table keeps rows (match the cleaner's).
