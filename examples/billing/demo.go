@@ -399,7 +399,11 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (rep *Report, err error) {
 		if err != nil {
 			return nil, err
 		}
-		h := billingRouter.AddHandler("billing-"+strconv.Itoa(i), n.orders, sub, n.charged, kafkaPub, billingSvc.Handle)
+		// The router closes each handler's publisher on shutdown; the handlers
+		// share kafkaPub (closed by the defer above), so each gets a view whose
+		// Close does nothing: watermill-kafka's Close is not safe to call twice
+		// concurrently.
+		h := billingRouter.AddHandler("billing-"+strconv.Itoa(i), n.orders, sub, n.charged, sharedPublisher{kafkaPub}, billingSvc.Handle)
 		h.AddMiddleware(poisonMW, billingStats.outer, billingDedup.Middleware, inner)
 	}
 	notifyRouter, err := newRouter()
@@ -820,3 +824,9 @@ func PruneForwarded(ctx context.Context, db *pgxpool.Pool, ob *outbox.Outbox, to
 	}
 	return tag.RowsAffected(), nil
 }
+
+// sharedPublisher lends a publisher to a router handler without letting the
+// router close it.
+type sharedPublisher struct{ message.Publisher }
+
+func (sharedPublisher) Close() error { return nil }
