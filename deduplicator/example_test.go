@@ -2,10 +2,9 @@ package deduplicator_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
-	"os"
+
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -17,21 +16,7 @@ import (
 // examplePool connects to DATABASE_URL (or the local test database) and
 // returns a fresh schema name with a cleanup that drops it.
 func examplePool(ctx context.Context) (*pgxpool.Pool, string, func()) {
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		url = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
-	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		panic(err)
-	}
-	var rnd [6]byte
-	_, _ = rand.Read(rnd[:])
-	schema := "example_dedup_" + hex.EncodeToString(rnd[:])
-	return pool, schema, func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-		pool.Close()
-	}
+	return pgtest.ForExample(ctx, "example_dedup")
 }
 
 // Migrate creates the processed_event table (and its schema) at start-up;

@@ -2,13 +2,11 @@ package deduplicator_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
-	"os"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -17,26 +15,7 @@ import (
 // retentionExamplePool connects to DATABASE_URL (or the local test database)
 // with search_path set to a fresh schema, dropped by the returned cleanup.
 func retentionExamplePool(ctx context.Context) (*pgxpool.Pool, string, func()) {
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		url = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
-	}
-	var rnd [6]byte
-	_, _ = rand.Read(rnd[:])
-	schema := "example_retention_" + hex.EncodeToString(rnd[:])
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		panic(err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		panic(err)
-	}
-	return pool, schema, func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-		pool.Close()
-	}
+	return pgtest.ForExample(ctx, "example_retention")
 }
 
 // A Cleaner deletes the rows whose UUIDv7 event time is older than the

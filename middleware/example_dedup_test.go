@@ -2,18 +2,17 @@ package middleware_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
 	"time"
 
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -25,32 +24,14 @@ import (
 // ledger table, and returns a pool whose search_path is that schema, the
 // schema's name, and a cleanup that drops it.
 func dedupExampleDB(ctx context.Context) (*pgxpool.Pool, string, func()) {
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		url = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
-	}
-	var rnd [6]byte
-	_, _ = rand.Read(rnd[:])
-	schema := "example_dedup_" + hex.EncodeToString(rnd[:])
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		panic(err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		panic(err)
-	}
+	pool, schema, drop := pgtest.ForExample(ctx, "example_dedup")
 	if err := deduplicator.Migrate(ctx, pool, deduplicator.TableConfig{Schema: schema}); err != nil {
 		panic(err)
 	}
 	if _, err := pool.Exec(ctx, "CREATE TABLE ledger (event_id uuid NOT NULL, amount bigint NOT NULL)"); err != nil {
 		panic(err)
 	}
-	return pool, schema, func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-		pool.Close()
-	}
+	return pool, schema, drop
 }
 
 // The handler's writes and the event's claim commit in one transaction; a

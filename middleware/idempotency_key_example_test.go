@@ -2,18 +2,16 @@ package middleware_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strings"
+
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -23,31 +21,11 @@ import (
 // idemKeyExampleDB creates a throwaway schema with the processed_event table
 // and returns a pool on it and a cleanup that drops the schema.
 func idemKeyExampleDB(ctx context.Context) (*pgxpool.Pool, string, func()) {
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		url = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
-	}
-	var rnd [6]byte
-	_, _ = rand.Read(rnd[:])
-	schema := "example_idemkey_" + hex.EncodeToString(rnd[:])
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		panic(err)
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		panic(err)
-	}
-	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
-		panic(err)
-	}
+	pool, schema, drop := pgtest.ForExample(ctx, "example_idemkey")
 	if err := deduplicator.Migrate(ctx, pool, deduplicator.TableConfig{Schema: schema}); err != nil {
 		panic(err)
 	}
-	return pool, schema, func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-		pool.Close()
-	}
+	return pool, schema, drop
 }
 
 // A handler derives one key per downstream operation from the event it

@@ -129,3 +129,28 @@ func (db *DB) Exec(tb testing.TB, sql string, args ...any) {
 		tb.Fatalf("pgtest: exec %q: %v", sql, err)
 	}
 }
+
+// ForExample is New for testable Examples, which have no testing.TB: it
+// creates a fresh schema named prefix_<random>, returns a pool whose
+// search_path is that schema, and a cleanup that drops the schema and closes
+// the pool. It panics on error.
+func ForExample(ctx context.Context, prefix string) (pool *pgxpool.Pool, schema string, cleanup func()) {
+	var rnd [6]byte
+	_, _ = rand.Read(rnd[:])
+	schema = prefix + "_" + hex.EncodeToString(rnd[:])
+	cfg, err := pgxpool.ParseConfig(URL())
+	if err != nil {
+		panic(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+		panic(err)
+	}
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
+		panic(err)
+	}
+	return pool, schema, func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		pool.Close()
+	}
+}

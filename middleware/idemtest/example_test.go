@@ -7,7 +7,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -27,23 +26,7 @@ func (exampleTB) Fatalf(f string, a ...any) { panic(fmt.Sprintf(f, a...)) }
 // exampleDB creates a throw-away schema with the processed_event table and a
 // ledger table; drop() removes it.
 func exampleDB(ctx context.Context) (pool *pgxpool.Pool, table deduplicator.TableConfig, drop func()) {
-	schema := pgtest.SchemaName("example_idemtest")
-	admin, err := pgx.Connect(ctx, pgtest.URL())
-	if err != nil {
-		panic(err)
-	}
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
-		panic(err)
-	}
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	if err != nil {
-		panic(err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	pool, err = pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		panic(err)
-	}
+	pool, schema, drop := pgtest.ForExample(ctx, "example_idemtest")
 	table = deduplicator.TableConfig{Schema: schema}
 	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
 		panic(err)
@@ -51,11 +34,7 @@ func exampleDB(ctx context.Context) (pool *pgxpool.Pool, table deduplicator.Tabl
 	if _, err := pool.Exec(ctx, `CREATE TABLE ledger (event_id uuid NOT NULL, amount int NOT NULL)`); err != nil {
 		panic(err)
 	}
-	return pool, table, func() {
-		pool.Close()
-		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
-		_ = admin.Close(ctx)
-	}
+	return pool, table, drop
 }
 
 // Deliver one event five times (two at a time), rolling the first run back
