@@ -5,6 +5,8 @@ import (
 	"embed"
 	"io/fs"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/idemkit/watermill-idempotency/internal/migrate"
 )
 
@@ -29,8 +31,20 @@ func mustSub(fsys fs.FS, dir string) fs.FS {
 // in the idem_schema_migration table.
 const Component = "processed_event"
 
-// Migration is one schema version rendered for a schema and table.
-type Migration = migrate.Migration
+// Migration is one schema version rendered for a schema and table: write
+// Up and Down to NNN_name.up.sql / NNN_name.down.sql for goose or
+// golang-migrate.
+type Migration struct {
+	Version int
+	Name    string
+	Up      string
+	Down    string
+}
+
+// Beginner begins a transaction: *pgxpool.Pool, *pgx.Conn and pgx.Tx fit.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
 
 // Migrations returns the schema migrations rendered for cfg's schema and
 // table, oldest first; with [LayoutPartitioned] they include
@@ -41,19 +55,30 @@ func Migrations(cfg TableConfig) ([]Migration, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return loadMigrations(cfg)
+	migs, err := loadMigrations(cfg)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Migration, len(migs))
+	for i, m := range migs {
+		out[i] = Migration(m)
+	}
+	return out, nil
 }
 
 // Migrate creates or upgrades the processed_event table described by cfg.
 // Each version runs in its own transaction; concurrent callers are
 // serialised by an advisory lock, so every instance of a service may call it
 // at start-up. db is a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
-func Migrate(ctx context.Context, db migrate.Beginner, cfg TableConfig) error {
-	migs, err := Migrations(cfg)
+func Migrate(ctx context.Context, db Beginner, cfg TableConfig) error {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	migs, err := loadMigrations(cfg)
 	if err != nil {
 		return err
 	}
-	cfg.setDefaults()
 	_, err = migrate.Up(ctx, db, cfg.Schema, Component+":"+cfg.Table, migs)
 	return err
 }

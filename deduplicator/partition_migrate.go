@@ -19,7 +19,7 @@ var partitionedMigrationFiles embed.FS
 var PartitionedMigrationTemplates fs.FS = mustSub(partitionedMigrationFiles, "migrations/partitioned")
 
 // loadMigrations renders the migrations of cfg's layout, oldest first.
-func loadMigrations(cfg TableConfig) ([]Migration, error) {
+func loadMigrations(cfg TableConfig) ([]migrate.Migration, error) {
 	migs, err := migrate.Load(MigrationTemplates, cfg)
 	if err != nil || cfg.Layout != LayoutPartitioned {
 		return migs, err
@@ -29,6 +29,6 @@ func loadMigrations(cfg TableConfig) ([]Migration, error) {
 		return nil, err
 	}
 	migs = append(migs, more...)
-	slices.SortStableFunc(migs, func(a, b Migration) int { return a.Version - b.Version })
+	slices.SortStableFunc(migs, func(a, b migrate.Migration) int { return a.Version - b.Version })
 	return migs, nil
 }

@@ -9,20 +9,20 @@ import (
 // Metadata keys written on every outgoing message (Kafka headers).
 const (
 	// MetadataEventID carries the UUIDv7 event id, the consumer's dedup key.
-	MetadataEventID = eventid.MetadataEventID
+	MetadataEventID = "event_id"
 	// MetadataOccurredAt is the RFC 3339 time the event was stamped.
-	MetadataOccurredAt = eventid.MetadataOccurredAt
+	MetadataOccurredAt = "occurred_at"
 	// MetadataCausationID is the event id of the message whose handler
 	// produced this one.
-	MetadataCausationID = eventid.MetadataCausationID
+	MetadataCausationID = "causation_id"
 	// MetadataCorrelationID is carried unchanged through a chain of events.
-	MetadataCorrelationID = eventid.MetadataCorrelationID
+	MetadataCorrelationID = "correlation_id"
 	// MetadataPartitionKey becomes the Kafka record key (the aggregate id), so
 	// all events of one aggregate land in one partition, in order.
-	MetadataPartitionKey = eventid.MetadataPartitionKey
+	MetadataPartitionKey = "partition_key"
 	// PayloadEventIDField is the JSON payload field the consumer falls back to
 	// when the event_id header is absent.
-	PayloadEventIDField = eventid.PayloadField
+	PayloadEventIDField = "eventId"
 )
 
 // NewEventID returns a new UUIDv7. Ids from one process are strictly
