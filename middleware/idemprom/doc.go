@@ -6,11 +6,10 @@
 //	c := idemprom.NewCollector()
 //	c.AddDedup(dedup)                    // *middleware.Dedup
 //	c.AddForwarder("orders", forwarder)  // *outbox.Forwarder
+//	c.AddOutboxBacklog(ob, pool, "")     // outbox lag, queried at scrape
 //	prometheus.MustRegister(c)
 //
 // # Metrics
-//
-// All counters are cumulative since the component was created:
 //
 //	idem_dedup_processed_total{consumer_group}          handler ran, COMMIT succeeded
 //	idem_dedup_duplicates_total{consumer_group}         acked without running the handler
@@ -24,8 +23,12 @@
 //	idem_outbox_forwarder_commits_total{forwarder}      committed position updates
 //	idem_outbox_forwarder_polls_total{forwarder}        reads of the outbox
 //	idem_outbox_forwarder_errors_total{forwarder}       failed batches (rolled back, retried)
+//	idem_outbox_pending_rows{topic,forwarder_group}     outbox rows not forwarded yet (AddOutboxBacklog)
+//	idem_outbox_oldest_pending_seconds{topic,forwarder_group}  age of the oldest of them
 //
-// Alert on a growing rate of rejected or failed messages, and on
-// idem_outbox_forwarded_total not moving while rows are pending (the SQL for
-// the outbox backlog is in docs/operations.md).
+// The backlog gauges are queried from the database at scrape time; all
+// others are counters, cumulative since the component was created. Alert on
+// a growing rate of rejected or failed messages, and on a growing
+// idem_outbox_oldest_pending_seconds (a stopped forwarder, or one held back by
+// an old transaction on the server).
 package idemprom

@@ -1,7 +1,9 @@
 package idemprom
 
 import (
+	"context"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -26,7 +28,19 @@ var (
 	descCommits   = prometheus.NewDesc("idem_outbox_forwarder_commits_total", "Committed forwarder position updates.", fwd, nil)
 	descPolls     = prometheus.NewDesc("idem_outbox_forwarder_polls_total", "Reads of the outbox by the forwarder.", fwd, nil)
 	descFwdErrors = prometheus.NewDesc("idem_outbox_forwarder_errors_total", "Failed forwarder batches (rolled back and retried).", fwd, nil)
+
+	descPending = prometheus.NewDesc("idem_outbox_pending_rows", "Committed outbox rows the forwarder group has not forwarded yet.", []string{"topic", "forwarder_group"}, nil)
+	descOldest  = prometheus.NewDesc("idem_outbox_oldest_pending_seconds", "Age of the oldest outbox row not forwarded yet (0 when none).", []string{"topic", "forwarder_group"}, nil)
 )
+
+// BacklogTimeout bounds the backlog query of one scrape.
+const BacklogTimeout = 5 * time.Second
+
+type backlogSource struct {
+	ob    *outbox.Outbox
+	db    outbox.Beginner
+	group string
+}
 
 // Collector is a prometheus.Collector over dedup middlewares and outbox
 // forwarders. It reads their counters at scrape time; it is safe for
@@ -35,6 +49,7 @@ type Collector struct {
 	mu         sync.Mutex
 	dedups     []*idem.Dedup
 	forwarders map[string]*outbox.Forwarder
+	backlogs   []backlogSource
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -60,9 +75,22 @@ func (c *Collector) AddForwarder(name string, f *outbox.Forwarder) {
 	c.forwarders[name] = f
 }
 
+// AddOutboxBacklog exports the outbox lag of ob's topics for the forwarder
+// group (empty: outbox.DefaultForwarderGroup), queried from db at each scrape
+// (bounded by [BacklogTimeout]; a failed query fails the scrape's metric
+// rather than reporting a stale value).
+func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db outbox.Beginner, group string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if group == "" {
+		group = outbox.DefaultForwarderGroup
+	}
+	c.backlogs = append(c.backlogs, backlogSource{ob: ob, db: db, group: group})
+}
+
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec, descForwarded, descCommits, descPolls, descFwdErrors} {
+	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec, descForwarded, descCommits, descPolls, descFwdErrors, descPending, descOldest} {
 		ch <- d
 	}
 }
@@ -70,11 +98,17 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 // Collect implements prometheus.Collector.
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	dedups := append([]*idem.Dedup(nil), c.dedups...)
+	forwarders := make(map[string]*outbox.Forwarder, len(c.forwarders))
+	for k, v := range c.forwarders {
+		forwarders[k] = v
+	}
+	backlogs := append([]backlogSource(nil), c.backlogs...)
+	c.mu.Unlock()
 
 	byGroup := map[string]*idem.Stats{}
 	var order []string
-	for _, d := range c.dedups {
+	for _, d := range dedups {
 		g := d.Deduplicator().Config().ConsumerGroup
 		s := d.Stats()
 		acc, ok := byGroup[g]
@@ -114,11 +148,24 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descClaims, float64(s.ClaimCount), g)
 		counter(descTxSec, s.TxDuration.Seconds(), g)
 	}
-	for name, f := range c.forwarders {
+	for name, f := range forwarders {
 		s := f.Stats()
 		counter(descForwarded, float64(s.Forwarded), name)
 		counter(descCommits, float64(s.Commits), name)
 		counter(descPolls, float64(s.Polls), name)
 		counter(descFwdErrors, float64(s.Errors), name)
+	}
+	for _, b := range backlogs {
+		ctx, cancel := context.WithTimeout(context.Background(), BacklogTimeout)
+		rows, err := b.ob.Backlog(ctx, b.db, b.group)
+		cancel()
+		if err != nil {
+			ch <- prometheus.NewInvalidMetric(descPending, err)
+			continue
+		}
+		for _, r := range rows {
+			ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(r.Pending), r.Topic, b.group)
+			ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, r.OldestAge.Seconds(), r.Topic, b.group)
+		}
 	}
 }

@@ -63,6 +63,7 @@ func TestCollectorExportsDedupAndForwarder(t *testing.T) {
 	c := idemprom.NewCollector()
 	c.AddDedup(d)
 	c.AddForwarder("orders", fwd)
+	c.AddOutboxBacklog(ob, db.Pool, "")
 	reg := prometheus.NewPedanticRegistry()
 	require.NoError(t, reg.Register(c))
 
@@ -81,13 +82,17 @@ idem_dedup_rejected_total{consumer_group="billing",reason="missing"} 0
 idem_dedup_rejected_total{consumer_group="billing",reason="nil"} 0
 idem_dedup_rejected_total{consumer_group="billing",reason="not_v7"} 0
 idem_dedup_rejected_total{consumer_group="billing",reason="stale"} 0
+# HELP idem_outbox_pending_rows Committed outbox rows the forwarder group has not forwarded yet.
+# TYPE idem_outbox_pending_rows gauge
+idem_outbox_pending_rows{forwarder_group="outbox_forwarder",topic="TOPIC"} 0
 # HELP idem_outbox_forwarded_total Outbox rows sent to Kafka and acknowledged in the database.
 # TYPE idem_outbox_forwarded_total counter
 idem_outbox_forwarded_total{forwarder="orders"} 1
 `
+	expected = strings.ReplaceAll(expected, "TOPIC", topic)
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(expected),
-		"idem_dedup_duplicates_total", "idem_dedup_processed_total", "idem_dedup_rejected_total", "idem_outbox_forwarded_total"))
+		"idem_dedup_duplicates_total", "idem_dedup_processed_total", "idem_dedup_rejected_total", "idem_outbox_forwarded_total", "idem_outbox_pending_rows"))
 	n, err := testutil.GatherAndCount(reg)
 	require.NoError(t, err)
-	require.Equal(t, 16, n) // 12 dedup series (5 rejected reasons) + 4 forwarder series
+	require.Equal(t, 18, n) // 12 dedup series (5 rejected reasons) + 4 forwarder + 2 backlog series
 }
