@@ -57,6 +57,9 @@ func New(tb testing.TB, maxConns int32) *DB {
 		tb.Fatalf("pgtest: %v", err)
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	// A transaction a test leaves open holds back the server-wide xmin, which
+	// stalls every outbox forwarder of every parallel test: end it.
+	cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "120s"
 	if maxConns > 0 {
 		cfg.MaxConns = maxConns
 	}
