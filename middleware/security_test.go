@@ -43,15 +43,23 @@ var securityBadIdents = []string{
 	strings.Repeat("a", 64), // over NAMEDATALEN-1: the server would truncate it silently
 }
 
-// securitySnapshot lists the schema's relations and the server's schemas.
+// securitySnapshot lists the schema's relations and the schemas named like
+// one of the refused identifiers (other tests create and drop their own
+// schemas in parallel, so a server-wide count would not be attributable).
 func securitySnapshot(t *testing.T, db *pgtest.DB) string {
 	t.Helper()
 	var rels, schemas string
 	require.NoError(t, db.Pool.QueryRow(context.Background(),
 		`SELECT coalesce(string_agg(relname, ',' ORDER BY relname), '') FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1`, db.Schema).Scan(&rels))
+	names := make([]string, 0, len(securityBadIdents))
+	for _, n := range securityBadIdents {
+		if !strings.ContainsRune(n, 0) { // a text parameter cannot carry NUL
+			names = append(names, n, n[:min(len(n), 63)])
+		}
+	}
 	require.NoError(t, db.Pool.QueryRow(context.Background(),
-		`SELECT count(*)::text FROM pg_namespace`).Scan(&schemas))
-	return rels + " / schemas:" + schemas
+		`SELECT count(*)::text FROM pg_namespace WHERE nspname = ANY($1)`, names).Scan(&schemas))
+	return rels + " / schemas named like a refused identifier:" + schemas
 }
 
 // Schema and table names from configuration are validated before any SQL is
