@@ -58,7 +58,7 @@ func securitySnapshot(t *testing.T, db *pgtest.DB) string {
 		}
 	}
 	require.NoError(t, db.Pool.QueryRow(context.Background(),
-		`SELECT count(*)::text FROM pg_namespace WHERE nspname = ANY($1)`, names).Scan(&schemas))
+		`SELECT count(*)::text FROM pg_namespace WHERE nspname::text = ANY($1::text[])`, names).Scan(&schemas))
 	return rels + " / schemas named like a refused identifier:" + schemas
 }
 
