@@ -88,12 +88,7 @@ func TestCleanerOnlyOneInstanceWorks(t *testing.T) {
 			<-release
 		}
 	}
-	type outcome struct {
-		res Result
-		err error
-	}
-	done := make(chan outcome, 1)
-	go func() { r, err := a.RunOnce(ctx); done <- outcome{r, err} }()
+	done := runOnceAsync(ctx, a)
 	<-inBatch
 	resB, err := b.RunOnce(ctx)
 	require.NoError(t, err)
@@ -187,15 +182,7 @@ func TestCleanerBacksOffOnStatementTimeout(t *testing.T) {
 	logs := &logCapture{}
 	c, err = NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, BatchSize: 1000, StatementTimeout: 50 * time.Millisecond, Backoff: 5 * time.Millisecond, MaxTimeouts: 1000}, logs)
 	require.NoError(t, err)
-	type outcome struct {
-		res Result
-		err error
-	}
-	done := make(chan outcome, 1)
-	go func() {
-		r, err := c.RunOnce(ctx)
-		done <- outcome{r, err}
-	}()
+	done := runOnceAsync(ctx, c)
 	require.Eventually(t, func() bool { return logs.has("Retention batch hit statement_timeout, backing off") }, 30*time.Second, 10*time.Millisecond)
 	release()
 	out := <-done

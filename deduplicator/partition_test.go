@@ -391,15 +391,7 @@ func TestPartitionDropRetriesOnLockTimeout(t *testing.T) {
 	c, err = NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: func() time.Time { return later },
 		LockTimeout: 20 * time.Millisecond, LockRetries: 10_000}, logs)
 	require.NoError(t, err)
-	type outcome struct {
-		res Result
-		err error
-	}
-	done := make(chan outcome, 1)
-	go func() {
-		res, err := c.RunOnce(ctx)
-		done <- outcome{res, err}
-	}()
+	done := runOnceAsync(ctx, c)
 	require.Eventually(t, func() bool { return logs.has("Partition DDL hit lock_timeout, retrying") }, 30*time.Second, 5*time.Millisecond)
 	commit()
 	out := <-done

@@ -110,3 +110,19 @@ func (l *logCapture) Info(msg string, _ watermill.LogFields)           { l.add(m
 func (l *logCapture) Debug(msg string, _ watermill.LogFields)          { l.add(msg) }
 func (l *logCapture) Trace(msg string, _ watermill.LogFields)          { l.add(msg) }
 func (l *logCapture) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+// runOnceOutcome is what a RunOnce started by runOnceAsync returned.
+type runOnceOutcome struct {
+	res Result
+	err error
+}
+
+// runOnceAsync starts c.RunOnce in the background and returns its outcome channel.
+func runOnceAsync(ctx context.Context, c *Cleaner) <-chan runOnceOutcome {
+	done := make(chan runOnceOutcome, 1)
+	go func() {
+		r, err := c.RunOnce(ctx)
+		done <- runOnceOutcome{r, err}
+	}()
+	return done
+}
