@@ -71,14 +71,6 @@ type CleanerConfig struct {
 	// DB gives the cleaner one connection per pass. Required.
 	DB Acquirer
 
-	// Retention is how long rows are kept, measured from the event's UUIDv7
-	// time (when the producer created it), not from processed_at. Keep it
-	// equal to the middleware's Retention, whose stale guard refuses events
-	// older than Retention minus a margin. Topics replayed from a
-	// dead-letter queue need the longest replay delay plus a margin: 30
-	// days is common. Defaults to [DefaultRetention] (7 days).
-	Retention time.Duration
-
 	// BatchSize is the number of rows deleted per transaction. Defaults to
 	// [DefaultCleanerBatchSize] (10,000).
 	BatchSize int
@@ -120,16 +112,14 @@ type CleanerConfig struct {
 	// [DefaultPartitionLockRetries] (5).
 	LockRetries int
 
-	// NowFunc returns the current time; the cutoff is NowFunc() - Retention.
+	// NowFunc returns the current time; the cutoff is NowFunc() minus the
+	// table's recorded retention.
 	// Defaults to time.Now.
 	NowFunc func() time.Time
 }
 
 func (c *CleanerConfig) setDefaults() {
 	c.TableConfig.setDefaults()
-	if c.Retention == 0 {
-		c.Retention = DefaultRetention
-	}
 	if c.BatchSize == 0 {
 		c.BatchSize = DefaultCleanerBatchSize
 	}
@@ -159,17 +149,21 @@ func (c *CleanerConfig) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
+// Validate reports the first invalid field, after applying the defaults to
+// a copy (so a config with only DB set is valid).
 func (c CleanerConfig) Validate() error {
+	c.setDefaults()
+	return c.validate()
+}
+
+func (c CleanerConfig) validate() error {
 	switch {
 	case c.DB == nil:
 		return errors.New("DB: required")
-	case c.Retention < 0:
-		return errors.New("CleanerConfig.Retention: must not be negative")
 	case c.BatchSize < 1:
 		return errors.New("BatchSize: must be positive")
 	case c.Interval < 0, c.StatementTimeout < 0, c.Backoff < 0, c.LockTimeout < 0:
-		return errors.New("CleanerConfig.Interval, StatementTimeout, Backoff, LockTimeout: must not be negative")
+		return errors.New("Interval, StatementTimeout, Backoff, LockTimeout: must not be negative")
 	case c.MaxTimeouts < 1 || c.LockRetries < 1:
 		return errors.New("MaxTimeouts, LockRetries: must be positive")
 	case c.PartitionsAhead < 0:
@@ -177,10 +171,7 @@ func (c CleanerConfig) Validate() error {
 	case c.DeleteNonV7 && c.Layout == LayoutPartitioned:
 		return errors.New("DeleteNonV7: the partitioned layout holds no non-v7 ids")
 	}
-	if err := c.TableConfig.Validate(); err != nil {
-		return fmt.Errorf("TableConfig: %w", err)
-	}
-	return nil
+	return c.TableConfig.validate()
 }
 
 // Result reports one pass of the cleaner.
@@ -196,6 +187,16 @@ type Result struct {
 	// partition into a new daily partition): partitioned layout only.
 	PartitionsCreated, PartitionsDropped int
 	RowsMoved                            int64
+	// PartitionsKept: partitions old enough to drop that were kept because
+	// a young group (see YoungGroups) holds claims in them.
+	PartitionsKept int
+	// Retention is the table's recorded retention the pass applied.
+	Retention time.Duration
+	// YoungGroups are the consumer groups first seen less than a retention
+	// ago: their claims are kept whatever the event's age, because their
+	// stale guard lets old events through (none of their claims can have
+	// been cleaned yet).
+	YoungGroups []string
 	// Duration of the pass.
 	Duration time.Duration
 }
@@ -226,8 +227,8 @@ type Cleaner struct {
 // NewCleaner returns a Cleaner. It does not touch the database.
 func NewCleaner(cfg CleanerConfig, logger watermill.LoggerAdapter) (*Cleaner, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("invalid config: %w", err)
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("cleaner: invalid config: %w", err)
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -314,15 +315,21 @@ func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
 		return res, fmt.Errorf("%w: %s is %s, configured %s", ErrLayoutMismatch, c.table, map[bool]string{true: "partitioned", false: "plain"}[partitioned], c.cfg.Layout)
 	}
 
-	cutoff := c.cfg.NowFunc().Add(-c.cfg.Retention)
+	now := c.cfg.NowFunc()
+	retention, young, err := c.retention(ctx, conn, now)
+	if err != nil {
+		return res, err
+	}
+	res.Retention, res.YoungGroups = retention, young
+	cutoff := now.Add(-retention)
 	if partitioned {
-		err = c.maintainPartitions(ctx, conn, cutoff, &res)
+		err = c.maintainPartitions(ctx, conn, cutoff, young, &res)
 		if err == nil {
 			// Old rows left in the DEFAULT partition (far past ids).
-			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table)), cutoff, &res)
+			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table)), cutoff, young, &res)
 		}
 	} else {
-		err = c.deleteV7(ctx, conn, c.table, cutoff, &res)
+		err = c.deleteV7(ctx, conn, c.table, cutoff, young, &res)
 		if err == nil && c.cfg.DeleteNonV7 {
 			err = c.deleteNonV7(ctx, conn, cutoff, &res)
 		}
@@ -333,18 +340,49 @@ func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
 	return res, err
 }
 
+// retention returns the table's recorded retention and the groups first seen
+// less than a retention ago, whose claims must be kept. It refuses
+// ([ErrRetentionMismatch]) a configured retention that differs from the
+// recorded one, and a recorded one shorter than a group's consumers started
+// with: their stale guard would let through events whose claims this pass
+// deletes.
+func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) (time.Duration, []string, error) {
+	retention, err := effectiveRetention(ctx, conn, c.cfg.TableConfig)
+	if err != nil {
+		return 0, nil, fmt.Errorf("cleaner: %w", err)
+	}
+	gs, err := groups(ctx, conn, c.cfg.TableConfig)
+	if err != nil {
+		return 0, nil, fmt.Errorf("cleaner: %w", err)
+	}
+	young := []string{} // never nil: a NULL array would make <> ALL keep every row
+	for _, g := range gs {
+		if g.Retention > retention {
+			return 0, nil, fmt.Errorf("cleaner: %w: the consumers of group %q started with retention %s, the table now records %s; restart them (they adopt %s) or remove the group with ForgetGroup",
+				ErrRetentionMismatch, g.Name, g.Retention, retention, retention)
+		}
+		if g.Young(now, retention) {
+			young = append(young, g.Name)
+		}
+	}
+	return retention, young, nil
+}
+
 func (r Result) logFields() watermill.LogFields {
 	return watermill.LogFields{
 		"deleted": r.Deleted, "batches": r.Batches, "timeouts": r.Timeouts,
 		"partitions_created": r.PartitionsCreated, "partitions_dropped": r.PartitionsDropped,
-		"rows_moved": r.RowsMoved, "duration": r.Duration.String(),
+		"rows_moved": r.RowsMoved, "partitions_kept": r.PartitionsKept, "duration": r.Duration.String(),
 	}
 }
 
 // deleteV7 deletes the UUIDv7 rows of table (the plain table or the DEFAULT
 // partition) created before cutoff, walking the primary key upwards in
 // batches.
-func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, cutoff time.Time, res *Result) error {
+//
+// The claims of young groups are kept: their stale guard lets old events
+// through, so deleting a claim would let a redelivery apply it again.
+func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, cutoff time.Time, young []string, res *Result) error {
 	// Each batch takes the next rows in primary-key order below the boundary
 	// (an index range scan: filtering the version inside the scan would
 	// spoil the planner's estimate and turn it into a sort of the whole
@@ -361,7 +399,7 @@ func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, cu
 	ORDER BY event_id, consumer_group LIMIT $4
 ), del AS (
 	DELETE FROM ` + table + ` WHERE ctid = ANY (ARRAY (
-		SELECT ctid FROM batch WHERE get_byte(uuid_send(event_id), 6) >> 4 = 7))
+		SELECT ctid FROM batch WHERE get_byte(uuid_send(event_id), 6) >> 4 = 7 AND consumer_group <> ALL ($5::text[])))
 	RETURNING 1
 ), last AS (
 	SELECT event_id, consumer_group FROM batch ORDER BY event_id DESC, consumer_group DESC LIMIT 1
@@ -376,7 +414,7 @@ FROM (SELECT 1) one LEFT JOIN last ON true`
 	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (scanned, deleted int64, err error) {
 		var lastID *uuid.UUID
 		var lastGroup *string
-		if err := tx.QueryRow(ctx, q, fromID, fromGroup, boundary, limit).Scan(&scanned, &deleted, &lastID, &lastGroup); err != nil {
+		if err := tx.QueryRow(ctx, q, fromID, fromGroup, boundary, limit, young).Scan(&scanned, &deleted, &lastID, &lastGroup); err != nil {
 			return 0, 0, err
 		}
 		if lastID != nil && lastGroup != nil {

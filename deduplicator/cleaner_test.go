@@ -39,7 +39,7 @@ func TestCleanerPlainDeletesOnlyRowsOlderThanRetention(t *testing.T) {
 	insertRows(t, db.Pool, tc, "a", now.Add(-retention-time.Hour), oldV4)
 	insertRows(t, db.Pool, tc, "a", now, youngV4)
 
-	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, Retention: retention, BatchSize: 7, NowFunc: func() time.Time { return now }}, nil)
+	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, BatchSize: 7, NowFunc: func() time.Time { return now }}, nil)
 	require.NoError(t, err)
 	res, err := c.RunOnce(ctx)
 	require.NoError(t, err)
@@ -52,7 +52,7 @@ func TestCleanerPlainDeletesOnlyRowsOlderThanRetention(t *testing.T) {
 	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM "+tc.Table+" WHERE event_id = ANY($1)", []uuid.UUID{oldV4, youngV4}), "non-v7 rows untouched without DeleteNonV7")
 	require.Equal(t, len(lowV4), db.Count(t, "SELECT 1 FROM "+tc.Table+" WHERE event_id = ANY($1)", lowV4))
 
-	c, err = NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, Retention: retention, DeleteNonV7: true, NowFunc: func() time.Time { return now }}, nil)
+	c, err = NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, DeleteNonV7: true, NowFunc: func() time.Time { return now }}, nil)
 	require.NoError(t, err)
 	res, err = c.RunOnce(ctx)
 	require.NoError(t, err)

@@ -14,7 +14,10 @@ const (
 	DefaultTable  = "processed_event"
 )
 
-// TableConfig names the processed_event table.
+// TableConfig describes the processed_event table: its name, layout and
+// retention. Build it once and give the same value to [Migrate], the
+// middleware (idem.Config.Table) and the [Cleaner]. The zero value is valid:
+// public.processed_event, plain layout, the recorded retention.
 type TableConfig struct {
 	// Schema holding the table. Must be a plain identifier. Defaults to "public".
 	Schema string
@@ -25,6 +28,15 @@ type TableConfig struct {
 	// [Migrate] converts a plain table to the partitioned layout, keeping
 	// every row. Defaults to LayoutPlain.
 	Layout Layout
+	// Retention is how long claims are kept. It has one source of truth:
+	// the value recorded with the table. [Migrate] records it when it
+	// creates the table (this field, or [DefaultRetention] when zero); the
+	// middleware's stale guard and the [Cleaner] read it. A non-zero value
+	// that differs from the recorded one is refused with
+	// [ErrRetentionMismatch]: change it with [SetRetention]. Topics replayed
+	// from a dead-letter queue need the longest replay delay plus a margin
+	// (30 days is common). Defaults to 0: use the recorded retention.
+	Retention time.Duration
 }
 
 func (c *TableConfig) setDefaults() {
@@ -36,9 +48,31 @@ func (c *TableConfig) setDefaults() {
 	}
 }
 
-// Validate checks that the names are plain SQL identifiers.
+// Validate reports the first invalid field, after applying the defaults to
+// a copy (so the zero value is valid).
 func (c TableConfig) Validate() error {
-	return errors.Join(ident.Validate("Schema", c.Schema), ident.Validate("Table", c.Table), c.Layout.validate(c.Table))
+	c.setDefaults()
+	return c.validate()
+}
+
+// maxTableLen keeps the companion tables' names (<table>_setting,
+// <table>_group) within PostgreSQL's 63 bytes.
+const maxTableLen = 63 - len(settingSuffix)
+
+func (c TableConfig) validate() error {
+	if err := ident.Validate("Schema", c.Schema); err != nil {
+		return err
+	}
+	if err := ident.Validate("Table", c.Table); err != nil {
+		return err
+	}
+	if len(c.Table) > maxTableLen {
+		return fmt.Errorf("Table: %q is longer than %d bytes, too long for its companion table %s%s", c.Table, maxTableLen, c.Table, settingSuffix)
+	}
+	if c.Retention < 0 {
+		return errors.New("Retention: must not be negative")
+	}
+	return c.Layout.validate(c.Table)
 }
 
 // Config configures a [Deduplicator].
@@ -54,15 +88,18 @@ func (c *Config) setDefaults() {
 	c.TableConfig.setDefaults()
 }
 
-// Validate reports the first invalid field.
+// Validate reports the first invalid field, after applying the defaults to
+// a copy.
 func (c Config) Validate() error {
+	c.setDefaults()
+	return c.validate()
+}
+
+func (c Config) validate() error {
 	if c.ConsumerGroup == "" {
 		return errors.New("ConsumerGroup: required (the dedup key is event id + consumer group)")
 	}
-	if err := c.TableConfig.Validate(); err != nil {
-		return fmt.Errorf("TableConfig: %w", err)
-	}
-	return nil
+	return c.TableConfig.validate()
 }
 
 // DefaultRetention is how long processed_event rows are kept: 7 days. Topics

@@ -39,10 +39,13 @@ func ExampleMigrate() {
 
 	// The same SQL, rendered for goose or golang-migrate users.
 	migs, _ := deduplicator.Migrations(table)
-	fmt.Printf("%03d_%s\n", migs[0].Version, migs[0].Name)
+	for _, m := range migs {
+		fmt.Printf("%03d_%s\n", m.Version, m.Name)
+	}
 	// Output:
-	// applied versions: 1
+	// applied versions: 2
 	// 001_processed_event
+	// 002_retention_and_groups
 }
 
 // Claim runs in the caller's transaction: commit it together with the

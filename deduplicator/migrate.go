@@ -79,6 +79,12 @@ func Migrate(ctx context.Context, db Beginner, cfg TableConfig) error {
 	if err != nil {
 		return err
 	}
-	_, err = migrate.Up(ctx, db, cfg.Schema, Component+":"+cfg.Table, migs)
-	return err
+	if _, err = migrate.Up(ctx, db, cfg.Schema, Component+":"+cfg.Table, migs); err != nil {
+		return err
+	}
+	// A new table recorded cfg.Retention; an existing one keeps its own.
+	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		_, err := effectiveRetention(ctx, tx, cfg)
+		return err
+	})
 }

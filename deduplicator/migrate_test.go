@@ -23,7 +23,7 @@ func TestMigrateIsIdempotent(t *testing.T) {
 		require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
 	}
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'processed_event'", db.Schema))
-	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", deduplicator.Component+":processed_event"))
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", deduplicator.Component+":processed_event"))
 	// The documented shape: primary key (event_id, consumer_group).
 	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid
 		WHERE c.relname = 'processed_event' AND c.relnamespace = $1::regnamespace AND i.indisprimary
@@ -46,7 +46,7 @@ func TestMigrateConcurrently(t *testing.T) {
 	for _, err := range errs {
 		require.NoError(t, err)
 	}
-	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
 }
 
 // Custom schema and table names, created if missing, quoted everywhere, and
@@ -65,9 +65,9 @@ func TestMigrateCustomNames(t *testing.T) {
 	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, refunds))
 	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, orders))
 
-	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", schema), "two tables plus the migration table")
+	require.Equal(t, 7, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", schema), "two tables, their _setting and _group, and the migration table")
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'Orders_seen_processed_at_idx'", schema))
-	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()))
+	require.Equal(t, 4, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()))
 
 	d, err := deduplicator.New(deduplicator.Config{TableConfig: orders, ConsumerGroup: "g"}, nil)
 	require.NoError(t, err)

@@ -54,7 +54,11 @@ WHERE i.inhparent = to_regclass($1) ORDER BY 1`, c.table)
 // days after it, creates a partition for every day within the retention
 // that has rows in the DEFAULT partition (moving them), and drops the
 // partitions whose upper bound is at or below the cutoff.
-func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, cutoff time.Time, res *Result) error {
+//
+// A partition that holds claims of a young group is kept: that group's stale
+// guard lets old events through, so their claims must stay until the group
+// is older than the retention.
+func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, cutoff time.Time, young []string, res *Result) error {
 	parts, err := c.listPartitions(ctx, conn)
 	if err != nil {
 		return fmt.Errorf("cleaner: list partitions: %w", err)
@@ -112,6 +116,17 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 	for _, p := range parts {
 		if p.isDefault || !p.parsed || bytes.Compare(p.to[:], boundary[:]) > 0 {
 			continue
+		}
+		if len(young) > 0 {
+			var held bool
+			if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM "+ident.Quote(c.cfg.Schema, p.name)+" WHERE consumer_group = ANY ($1::text[]))", young).Scan(&held); err != nil {
+				return fmt.Errorf("cleaner: check partition %s: %w", p.name, err)
+			}
+			if held {
+				c.logger.Info("Keeping an old partition: it holds claims of a consumer group first seen less than a retention ago", watermill.LogFields{"partition": p.name, "young_groups": young})
+				res.PartitionsKept++
+				continue
+			}
 		}
 		if err := c.dropPartition(ctx, conn, p.name); err != nil {
 			return err

@@ -20,15 +20,27 @@ var PartitionedMigrationTemplates fs.FS = mustSub(partitionedMigrationFiles, "mi
 
 // loadMigrations renders the migrations of cfg's layout, oldest first.
 func loadMigrations(cfg TableConfig) ([]migrate.Migration, error) {
-	migs, err := migrate.Load(MigrationTemplates, cfg)
+	data := templateData{Schema: cfg.Schema, Table: cfg.Table, RetentionMicros: cfg.Retention.Microseconds()}
+	if cfg.Retention == 0 {
+		data.RetentionMicros = DefaultRetention.Microseconds()
+	}
+	migs, err := migrate.Load(MigrationTemplates, data)
 	if err != nil || cfg.Layout != LayoutPartitioned {
 		return migs, err
 	}
-	more, err := migrate.Load(PartitionedMigrationTemplates, cfg)
+	more, err := migrate.Load(PartitionedMigrationTemplates, data)
 	if err != nil {
 		return nil, err
 	}
 	migs = append(migs, more...)
 	slices.SortStableFunc(migs, func(a, b migrate.Migration) int { return a.Version - b.Version })
 	return migs, nil
+}
+
+// templateData is what the migration templates see: the quoted names come
+// from Schema and Table; RetentionMicros is the retention a new table
+// records (TableConfig.Retention, or DefaultRetention).
+type templateData struct {
+	Schema, Table   string
+	RetentionMicros int64
 }

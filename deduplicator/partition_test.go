@@ -191,7 +191,8 @@ func TestPartitionMaintenanceRacesClaims(t *testing.T) {
 	var mu sync.Mutex
 	now := start
 	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
-	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, Retention: 30 * 24 * time.Hour, NowFunc: clock, LockRetries: 50}, nil)
+	require.NoError(t, SetRetention(ctx, db.Pool, tc, 30*24*time.Hour))
+	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: clock, LockRetries: 50}, nil)
 	require.NoError(t, err)
 	// Old partitions for the first racing pass to drop.
 	now = start.AddDate(0, 0, -35)

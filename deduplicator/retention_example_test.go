@@ -25,7 +25,9 @@ func ExampleCleaner_RunOnce() {
 	ctx := context.Background()
 	pool, schema, cleanup := retentionExamplePool(ctx)
 	defer cleanup()
-	table := deduplicator.TableConfig{Schema: schema}
+	// One value for every component: Migrate records the retention with the
+	// table, the middleware and the Cleaner read it from there.
+	table := deduplicator.TableConfig{Schema: schema, Retention: 7 * 24 * time.Hour}
 	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
 		panic(err)
 	}
@@ -40,7 +42,6 @@ func ExampleCleaner_RunOnce() {
 	cleaner, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{
 		TableConfig: table,
 		DB:          pool,
-		Retention:   7 * 24 * time.Hour, // as the middleware's Retention; 30 days for DLQ-replayed topics
 	}, nil)
 	if err != nil {
 		panic(err)

@@ -68,7 +68,7 @@ func retention(ctx context.Context, o Options) (Section, error) {
 		run    func(ctx context.Context, tc deduplicator.TableConfig) (int64, error)
 	}{
 		{"DROP partitions (partitioned layout, Cleaner)", deduplicator.LayoutPartitioned, func(ctx context.Context, tc deduplicator.TableConfig) (int64, error) {
-			c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: tc, DB: db.Pool, Retention: retention, NowFunc: clock}, nil)
+			c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: clock}, nil)
 			if err != nil {
 				return 0, err
 			}
@@ -83,7 +83,7 @@ func retention(ctx context.Context, o Options) (Section, error) {
 			return tag.RowsAffected(), err
 		}},
 		{"batched Cleaner (10,000 rows per tx)", deduplicator.LayoutPlain, func(ctx context.Context, tc deduplicator.TableConfig) (int64, error) {
-			c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: tc, DB: db.Pool, Retention: retention, NowFunc: clock}, nil)
+			c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: clock}, nil)
 			if err != nil {
 				return 0, err
 			}

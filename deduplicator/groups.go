@@ -1,0 +1,314 @@
+package deduplicator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/idemkit/watermill-idempotency/internal/ident"
+)
+
+// Companion tables of a processed_event table (migration 002).
+const (
+	settingSuffix = "_setting"
+	groupSuffix   = "_group"
+)
+
+// ErrRetentionMismatch is returned when a retention differs from the one
+// recorded with the table: a configured [TableConfig.Retention], or the
+// retention the consumers of a group started with, which the [Cleaner] must
+// not undercut. Every component reads the recorded retention, so the
+// middleware's stale guard and the Cleaner cannot disagree; change it with
+// [SetRetention].
+var ErrRetentionMismatch = errors.New("retention does not match the table's recorded retention")
+
+// ErrNamespaceMismatch is returned by [Deduplicator.Register] when the
+// configured Idempotency-Key namespace differs from the one recorded for
+// the group: the downstream keys of every event would change, and a
+// provider would apply a call a second time.
+var ErrNamespaceMismatch = errors.New("idempotency namespace does not match the one recorded for the consumer group")
+
+// ErrGroupExists is returned by [RenameGroup] when the new name is already
+// registered or holds claims.
+var ErrGroupExists = errors.New("consumer group already exists")
+
+// ErrGroupNotFound is returned by [RenameGroup] and [ForgetGroup] for a group
+// that is not registered.
+var ErrGroupNotFound = errors.New("consumer group not registered")
+
+// Group is a consumer group registered with a table, as recorded.
+type Group struct {
+	// Name is the consumer group (the second half of the dedup key).
+	Name string
+	// FirstSeen is when the group's consumers first started on this table
+	// (-infinity, i.e. the zero time, for groups that held claims before the
+	// registry existed). A group first seen less than a retention ago cannot
+	// have lost a claim to the Cleaner: its stale guard lets old events
+	// through, and the Cleaner keeps its claims until it is older.
+	FirstSeen time.Time
+	// IdempotencyNamespace is mixed into named Idempotency-Keys instead of
+	// the group's name, so a renamed group keeps its keys.
+	IdempotencyNamespace string
+	// Retention is the retention the group's consumers last started with.
+	Retention time.Duration
+	// StartedAt is when a consumer of the group last started.
+	StartedAt time.Time
+}
+
+// Young reports whether the group was first seen less than retention before
+// now: none of its claims can have been cleaned yet.
+func (g Group) Young(now time.Time, retention time.Duration) bool {
+	return g.FirstSeen.After(now.Add(-retention))
+}
+
+func companion(cfg TableConfig, suffix string) string {
+	return ident.Quote(cfg.Schema, cfg.Table+suffix)
+}
+
+// withDefaults applies and checks cfg's defaults for the functions that take
+// a TableConfig.
+func withDefaults(cfg TableConfig) (TableConfig, error) {
+	cfg.setDefaults()
+	return cfg, cfg.validate()
+}
+
+// RecordedRetention returns the retention recorded with the table.
+func RecordedRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Duration, error) {
+	cfg, err := withDefaults(cfg)
+	if err != nil {
+		return 0, err
+	}
+	return recordedRetention(ctx, db, cfg)
+}
+
+func recordedRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Duration, error) {
+	var us int64
+	err := db.QueryRow(ctx, "SELECT (extract(epoch FROM retention) * 1000000)::bigint FROM "+companion(cfg, settingSuffix)).Scan(&us)
+	if err != nil {
+		return 0, fmt.Errorf("read retention of %s: %w", ident.Quote(cfg.Schema, cfg.Table), notMigrated(err))
+	}
+	return time.Duration(us) * time.Microsecond, nil
+}
+
+// effectiveRetention returns the recorded retention, refusing a configured
+// one that differs.
+func effectiveRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Duration, error) {
+	recorded, err := recordedRetention(ctx, db, cfg)
+	if err != nil {
+		return 0, err
+	}
+	if cfg.Retention != 0 && cfg.Retention != recorded {
+		return 0, fmt.Errorf("%w: %s records %s, configured %s (leave TableConfig.Retention zero to use the recorded value, or change it for every component with SetRetention)",
+			ErrRetentionMismatch, ident.Quote(cfg.Schema, cfg.Table), recorded, cfg.Retention)
+	}
+	return recorded, nil
+}
+
+// SetRetention changes the retention recorded with the table. Lengthening it
+// is safe at any time; running consumers adopt it when they restart (until
+// then their stale guard refuses a little more than it must). After
+// shortening it, the [Cleaner] refuses to run ([ErrRetentionMismatch]) until
+// the consumers of every registered group have restarted under the new
+// value, or the group was removed with [ForgetGroup]: a consumer still
+// running with the longer retention would take an event whose claim the
+// Cleaner deleted for new.
+func SetRetention(ctx context.Context, db DBTX, cfg TableConfig, retention time.Duration) error {
+	cfg, err := withDefaults(cfg)
+	if err != nil {
+		return err
+	}
+	if retention <= 0 {
+		return errors.New("retention: must be positive")
+	}
+	_, err = db.Exec(ctx, "UPDATE "+companion(cfg, settingSuffix)+" SET retention = interval '1 microsecond' * $1, updated_at = now()", retention.Microseconds())
+	if err != nil {
+		return fmt.Errorf("set retention of %s: %w", ident.Quote(cfg.Schema, cfg.Table), notMigrated(err))
+	}
+	return nil
+}
+
+const groupColumns = "consumer_group, first_seen_at, idempotency_namespace, (extract(epoch FROM retention) * 1000000)::bigint, started_at"
+
+func scanGroup(row pgx.Row) (Group, error) {
+	var (
+		g     Group
+		first pgtype.Timestamptz
+		us    int64
+	)
+	if err := row.Scan(&g.Name, &first, &g.IdempotencyNamespace, &us, &g.StartedAt); err != nil {
+		return Group{}, err
+	}
+	if first.Valid && first.InfinityModifier == pgtype.Finite {
+		g.FirstSeen = first.Time
+	} // -infinity: the zero time (before every retention)
+	g.Retention = time.Duration(us) * time.Microsecond
+	return g, nil
+}
+
+// Groups returns the consumer groups registered with the table, by name.
+func Groups(ctx context.Context, db DBTX, cfg TableConfig) ([]Group, error) {
+	cfg, err := withDefaults(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return groups(ctx, db, cfg)
+}
+
+func groups(ctx context.Context, db DBTX, cfg TableConfig) ([]Group, error) {
+	rows, err := db.Query(ctx, "SELECT "+groupColumns+" FROM "+companion(cfg, groupSuffix)+" ORDER BY consumer_group")
+	if err != nil {
+		return nil, fmt.Errorf("read consumer groups of %s: %w", ident.Quote(cfg.Schema, cfg.Table), notMigrated(err))
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Group, error) { return scanGroup(r) })
+	if err != nil {
+		return nil, fmt.Errorf("read consumer groups of %s: %w", ident.Quote(cfg.Schema, cfg.Table), err)
+	}
+	return out, nil
+}
+
+// Register records that a consumer of the deduplicator's group starts, and
+// returns the group as recorded: when it was first seen, its Idempotency-Key
+// namespace and the table's retention, which the consumer must use. The
+// middleware calls it at start-up.
+//
+// namespace is the Idempotency-Key namespace the consumer is configured
+// with; "" takes the recorded one (the group's name at its first start). A
+// different non-empty namespace is refused with [ErrNamespaceMismatch]. A
+// configured TableConfig.Retention that differs from the recorded one is
+// refused with [ErrRetentionMismatch].
+func (d *Deduplicator) Register(ctx context.Context, db DBTX, namespace string) (Group, error) {
+	retention, err := effectiveRetention(ctx, db, d.cfg.TableConfig)
+	if err != nil {
+		return Group{}, err
+	}
+	ns := namespace
+	if ns == "" {
+		ns = d.cfg.ConsumerGroup
+	}
+	g, err := scanGroup(db.QueryRow(ctx, "INSERT INTO "+companion(d.cfg.TableConfig, groupSuffix)+
+		" AS g (consumer_group, idempotency_namespace, retention) VALUES ($1, $2, interval '1 microsecond' * $3)"+
+		" ON CONFLICT (consumer_group) DO UPDATE SET retention = EXCLUDED.retention, started_at = now()"+
+		" RETURNING "+groupColumns, d.cfg.ConsumerGroup, ns, retention.Microseconds()))
+	if err != nil {
+		return Group{}, fmt.Errorf("register consumer group %q: %w", d.cfg.ConsumerGroup, notMigrated(err))
+	}
+	if namespace != "" && g.IdempotencyNamespace != namespace {
+		return Group{}, fmt.Errorf("%w: group %q records %q, configured %q (a renamed group keeps its namespace: leave it empty)",
+			ErrNamespaceMismatch, d.cfg.ConsumerGroup, g.IdempotencyNamespace, namespace)
+	}
+	return g, nil
+}
+
+// RenameResult reports what [RenameGroup] did.
+type RenameResult struct {
+	// ClaimsCopied is the number of claims copied to the new name.
+	ClaimsCopied int64
+	// Group is the new group as recorded: first seen and Idempotency-Key
+	// namespace are the old group's.
+	Group Group
+}
+
+// RenameGroup gives consumer group from's claims and registration to the
+// new name to, in one transaction: the claims are copied (so every event
+// from applied stays applied for to), and to takes from's first-seen time
+// and Idempotency-Key namespace, so the keys of downstream calls do not
+// change and a provider recognises a call repeated after the rename. from's
+// claims and registration are kept until [ForgetGroup] removes them.
+//
+// Run it with the consumers of both names stopped, then move the Kafka
+// offsets with Kafka's tooling and start the consumers under the new name.
+// It returns [ErrGroupNotFound] when from is not registered and
+// [ErrGroupExists] when to is registered or holds claims.
+func RenameGroup(ctx context.Context, db Beginner, cfg TableConfig, from, to string) (RenameResult, error) {
+	cfg, err := withDefaults(cfg)
+	if err != nil {
+		return RenameResult{}, err
+	}
+	if from == "" || to == "" || from == to {
+		return RenameResult{}, errors.New("rename group: from and to must be two different, non-empty names")
+	}
+	var res RenameResult
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		grp := companion(cfg, groupSuffix)
+		// Serialise with registrations and other renames of these names.
+		if _, err := tx.Exec(ctx, "LOCK TABLE "+grp+" IN SHARE ROW EXCLUSIVE MODE"); err != nil {
+			return notMigrated(err)
+		}
+		var exists bool
+		if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM "+grp+" WHERE consumer_group = $1) OR EXISTS (SELECT 1 FROM "+
+			ident.Quote(cfg.Schema, cfg.Table)+" WHERE consumer_group = $1)", to).Scan(&exists); err != nil {
+			return err
+		}
+		if exists {
+			return fmt.Errorf("%w: %q", ErrGroupExists, to)
+		}
+		g, err := scanGroup(tx.QueryRow(ctx, "INSERT INTO "+grp+" (consumer_group, first_seen_at, idempotency_namespace, retention)"+
+			" SELECT $2, first_seen_at, idempotency_namespace, retention FROM "+grp+" WHERE consumer_group = $1"+
+			" RETURNING "+groupColumns, from, to))
+		if errors.Is(err, pgx.ErrNoRows) {
+			return fmt.Errorf("%w: %q", ErrGroupNotFound, from)
+		}
+		if err != nil {
+			return err
+		}
+		res.Group = g
+		tag, err := tx.Exec(ctx, "INSERT INTO "+ident.Quote(cfg.Schema, cfg.Table)+" (event_id, consumer_group, processed_at)"+
+			" SELECT event_id, $2, processed_at FROM "+ident.Quote(cfg.Schema, cfg.Table)+" WHERE consumer_group = $1 ON CONFLICT DO NOTHING", from, to)
+		if err != nil {
+			return err
+		}
+		res.ClaimsCopied = tag.RowsAffected()
+		return nil
+	})
+	if err != nil {
+		return RenameResult{}, fmt.Errorf("rename group %q to %q: %w", from, to, err)
+	}
+	return res, nil
+}
+
+// ForgetGroup deletes a consumer group's claims and registration, in one
+// transaction, and returns the number of claims deleted. Use it for a group
+// that no longer consumes (after [RenameGroup], or a decommissioned
+// service): its claims are dead weight, and its recorded retention would
+// keep the [Cleaner] from applying a shorter one. A consumer of that group
+// started afterwards is new: it applies every event it reads again.
+func ForgetGroup(ctx context.Context, db Beginner, cfg TableConfig, group string) (int64, error) {
+	cfg, err := withDefaults(cfg)
+	if err != nil {
+		return 0, err
+	}
+	var n int64
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(ctx, "DELETE FROM "+companion(cfg, groupSuffix)+" WHERE consumer_group = $1", group)
+		if err != nil {
+			return notMigrated(err)
+		}
+		if tag.RowsAffected() == 0 {
+			return fmt.Errorf("%w: %q", ErrGroupNotFound, group)
+		}
+		tag, err = tx.Exec(ctx, "DELETE FROM "+ident.Quote(cfg.Schema, cfg.Table)+" WHERE consumer_group = $1", group)
+		n = tag.RowsAffected()
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("forget group %q: %w", group, err)
+	}
+	return n, nil
+}
+
+// ErrNotMigrated is returned when a table the library needs does not exist
+// (SQLSTATE 42P01): run [Migrate].
+var ErrNotMigrated = errors.New("table missing: run deduplicator.Migrate")
+
+func notMigrated(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+		return fmt.Errorf("%w (%s)", ErrNotMigrated, pgErr.Message)
+	}
+	return err
+}
