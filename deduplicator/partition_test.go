@@ -401,3 +401,40 @@ func TestPartitionDropRetriesOnLockTimeout(t *testing.T) {
 	require.Positive(t, res.PartitionsDropped)
 	require.Equal(t, 0, db.Count(t, "SELECT 1 FROM "+tc.Table), "the claim's partition was old and is gone")
 }
+
+// A young consumer group (first seen less than a retention ago) lets old
+// events through its stale guard, so a partition holding its claims is kept
+// although it is wholly older than the retention; the claims of old groups
+// in the DEFAULT partition are deleted, the young group's are kept.
+func TestCleanerKeepsYoungGroupsClaims(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, tc := retentionDB(t, LayoutPartitioned)
+	now := time.Now()
+	oldDay := utcDay(now.AddDate(0, 0, -10))
+	from, to := PartitionBounds(oldDay)
+	db.Exec(t, "CREATE TABLE "+PartitionName(tc.Table, oldDay)+" PARTITION OF "+tc.Table+" FOR VALUES FROM ('"+from.String()+"') TO ('"+to.String()+"')")
+	emptyDay := oldDay.AddDate(0, 0, -1)
+	from, to = PartitionBounds(emptyDay)
+	db.Exec(t, "CREATE TABLE "+PartitionName(tc.Table, emptyDay)+" PARTITION OF "+tc.Table+" FOR VALUES FROM ('"+from.String()+"') TO ('"+to.String()+"')")
+
+	young, err := New(Config{TableConfig: tc, ConsumerGroup: "young"}, nil)
+	require.NoError(t, err)
+	_, err = young.Register(ctx, db.Pool, "")
+	require.NoError(t, err)
+	inPartition := v7At(oldDay.Add(time.Hour))
+	inDefault := v7At(now.AddDate(0, 0, -40))
+	insertRows(t, db.Pool, tc, "young", now, inPartition, inDefault)
+	insertRows(t, db.Pool, tc, "veteran", now, v7At(now.AddDate(0, 0, -41)))
+
+	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool}, nil)
+	require.NoError(t, err)
+	res, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []string{"young"}, res.YoungGroups)
+	require.Equal(t, 1, res.PartitionsKept, "the young group's partition")
+	require.Equal(t, 1, res.PartitionsDropped, "the empty old partition")
+	require.EqualValues(t, 1, res.Deleted, "the veteran's row in DEFAULT")
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM "+tc.Table+" WHERE consumer_group = 'young'"))
+	require.Zero(t, db.Count(t, "SELECT 1 FROM "+tc.Table+" WHERE consumer_group = 'veteran'"))
+}

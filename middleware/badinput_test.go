@@ -109,8 +109,8 @@ func TestBadInput(t *testing.T) {
 		{name: "nil UUID with AllowNonV7", header: badInputPtr(uuid.Nil.String()), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.AllowNonV7 = true }, want: poison(idem.ErrNilEventID)},
 		{name: "max UUID (non-RFC variant)", header: badInputPtr("ffffffff-ffff-ffff-ffff-ffffffffffff"), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.AllowNonV7 = true }, want: poison(idem.ErrInvalidEventID)},
 		{name: "UUIDv7 from the far future", header: badInputPtr(badInputV7At(time.Now().AddDate(30, 0, 0)).String()), payload: []byte(`{}`), want: processed},
-		{name: "UUIDv7 older than the retention", header: badInputPtr(badInputV7At(time.Now().Add(-idem.DefaultRetention - time.Minute)).String()), payload: []byte(`{}`), want: poison(idem.ErrStaleEvent)},
-		{name: "UUIDv7 older than the retention, ProcessStaleEvents", header: badInputPtr(badInputV7At(time.Now().Add(-idem.DefaultRetention - time.Minute)).String()), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.ProcessStaleEvents = true }, want: processed},
+		{name: "UUIDv7 older than the retention", header: badInputPtr(badInputV7At(time.Now().Add(-deduplicator.DefaultRetention - time.Minute)).String()), payload: []byte(`{}`), want: poison(idem.ErrStaleEvent)},
+		{name: "UUIDv7 older than the retention, ProcessStaleEvents", header: badInputPtr(badInputV7At(time.Now().Add(-deduplicator.DefaultRetention - time.Minute)).String()), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.ProcessStaleEvents = true }, want: processed},
 		{name: "non-JSON payload, no header (JSON fallback on)", payload: []byte("amount=1\x00\xff"), want: poison(idem.ErrMissingEventID)},
 		{name: "non-JSON payload with a valid header", header: badInputPtr(v7()), payload: []byte("amount=1\x00\xff"), want: processed},
 		{name: "JSON eventId only (fallback)", payload: []byte(`{"eventId":"` + v7() + `","amount":1}`), want: processed},
@@ -131,6 +131,7 @@ func TestBadInput(t *testing.T) {
 			if tc.cfg != nil {
 				tc.cfg(&cfg)
 			}
+			ageGroup(t, db, group) // a group that may have lost claims: its stale guard is on
 			dedup, err := idem.NewDedup(cfg, nil)
 			require.NoError(t, err)
 			poisonPub := &badInputPoison{}

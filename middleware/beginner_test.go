@@ -1,6 +1,9 @@
 package middleware_test
 
 import (
+	"strings"
+	"time"
+
 	"context"
 	"errors"
 	"sync/atomic"
@@ -125,11 +128,27 @@ func TestNewDedupValidatesConfig(t *testing.T) {
 	}{
 		{idem.Config{ConsumerGroup: "g"}, "DB"},
 		{idem.Config{DB: f.pool}, "ConsumerGroup"},
-		{idem.Config{DB: f.pool, ConsumerGroup: "g", Retention: -1}, "Retention"},
+		{idem.Config{DB: f.pool, ConsumerGroup: "g", Table: deduplicator.TableConfig{Retention: -1}}, "Table.Retention: must not be negative"},
+		{idem.Config{DB: f.pool, ConsumerGroup: "g", StaleMargin: 8 * 24 * time.Hour, Table: deduplicator.TableConfig{Schema: f.db.Schema}}, "StaleMargin: 192h0m0s must be shorter than the table's retention (168h0m0s)"},
 		{idem.Config{DB: f.pool, ConsumerGroup: "g", Table: deduplicator.TableConfig{Table: `x"; DROP TABLE ledger; --`}}, "Table"},
 	} {
 		_, err := idem.NewDedup(tc.cfg, nil)
 		require.ErrorContains(t, err, "invalid config")
 		require.ErrorContains(t, err, tc.want)
+		require.Equal(t, 1, strings.Count(err.Error(), "invalid config"), "read once: %v", err)
 	}
+}
+
+// The zero values the docs call valid validate, and a bad field is named
+// once, with its path.
+func TestConfigValidateZeroValues(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	require.NoError(t, idem.Config{DB: f.pool, ConsumerGroup: "g"}.Validate())
+	require.NoError(t, deduplicator.TableConfig{}.Validate())
+	require.NoError(t, deduplicator.CleanerConfig{DB: f.pool}.Validate())
+	err := idem.Config{DB: f.pool, ConsumerGroup: "g", Table: deduplicator.TableConfig{Schema: "a b"}}.Validate()
+	require.EqualError(t, err, `Table.Schema: "a b" is not a plain identifier (letters, digits, underscore; not starting with a digit)`)
+	_, err = idem.NewDedup(idem.Config{DB: f.pool, ConsumerGroup: "g", Table: deduplicator.TableConfig{Schema: "a b"}}, nil)
+	require.EqualError(t, err, `dedup: invalid config: Table.Schema: "a b" is not a plain identifier (letters, digits, underscore; not starting with a digit)`)
 }

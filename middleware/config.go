@@ -57,12 +57,11 @@ type OutboxWriter interface {
 
 // Defaults.
 const (
-	// DefaultRetention is how long processed_event rows are kept; see
-	// deduplicator.DefaultRetention.
-	DefaultRetention = deduplicator.DefaultRetention
 	// DefaultStaleMargin is subtracted from the retention before an event is
 	// considered stale, covering clock skew and a cleaner that runs early.
 	DefaultStaleMargin = time.Hour
+	// DefaultStartupTimeout bounds the start-up check of [NewDedup].
+	DefaultStartupTimeout = 30 * time.Second
 )
 
 // Config configures the dedup middleware.
@@ -77,7 +76,10 @@ type Config struct {
 	// subscriber, so two services on the same topic each apply an event once.
 	ConsumerGroup string
 
-	// Table names the processed_event table. Defaults to public.processed_event.
+	// Table describes the processed_event table: pass the same value to
+	// deduplicator.Migrate and the Cleaner. Its retention is the one
+	// recorded with the table (Table.Retention, when set, must match it).
+	// Defaults to public.processed_event, plain layout.
 	Table deduplicator.TableConfig
 
 	// EventIDFunc extracts the event id. Defaults to [DefaultEventIDFunc]
@@ -103,22 +105,38 @@ type Config struct {
 	// its handler does not run again. Set Outbox for consume→produce steps.
 	Outbox OutboxWriter
 
-	// Retention is how long the dedup table keeps rows (match the cleaner's).
-	// Defaults to [DefaultRetention] (7 days).
-	Retention time.Duration
-
-	// StaleMargin is subtracted from Retention when deciding that an event is
-	// stale. Defaults to [DefaultStaleMargin] (1 hour).
+	// StaleMargin is subtracted from the table's retention when deciding
+	// that an event is stale. Defaults to [DefaultStaleMargin] (1 hour); it
+	// must be shorter than the retention.
 	StaleMargin time.Duration
 
-	// ProcessStaleEvents processes events older than Retention-StaleMargin
-	// instead of refusing them with ErrStaleEvent. Defaults to false.
+	// ProcessStaleEvents processes events older than the retention minus
+	// StaleMargin instead of refusing them with ErrStaleEvent, even when
+	// their claim may have been cleaned. Defaults to false: such an event is
+	// refused, unless the consumer group was first seen less than a
+	// retention ago (it cannot have lost a claim yet, so a new group drains
+	// an old backlog normally).
 	ProcessStaleEvents bool
 
 	// ReplayHorizon is how far back this consumer may be replayed (offset
-	// reset, DLQ replay). When it exceeds Retention-StaleMargin, New logs a
-	// warning. Defaults to 0 (no check).
+	// reset, DLQ replay). When it exceeds the retention minus StaleMargin,
+	// NewDedup logs it (events replayed from further back will be refused
+	// as stale). Defaults to 0 (no check).
 	ReplayHorizon time.Duration
+
+	// IdempotencyNamespace is mixed into the keys of named operations
+	// ([IdempotencyKey]) in place of the group's name. It is recorded with
+	// the group at its first start and kept from then on, also across a
+	// rename (deduplicator.RenameGroup), so a downstream provider always
+	// sees the same key for the same call. Defaults to "": the recorded
+	// namespace, which is ConsumerGroup for a new group. A value that
+	// differs from the recorded one is refused (ErrNamespaceMismatch).
+	IdempotencyNamespace string
+
+	// StartupTimeout bounds the start-up work of [NewDedup]: checking the
+	// table and registering the consumer group. Defaults to
+	// [DefaultStartupTimeout] (30 s).
+	StartupTimeout time.Duration
 
 	// NowFunc returns the current time. Defaults to time.Now.
 	NowFunc func() time.Time
@@ -128,8 +146,8 @@ func (c *Config) setDefaults() {
 	if c.EventIDFunc == nil {
 		c.EventIDFunc = DefaultEventIDFunc
 	}
-	if c.Retention == 0 {
-		c.Retention = DefaultRetention
+	if c.StartupTimeout == 0 {
+		c.StartupTimeout = DefaultStartupTimeout
 	}
 	if c.StaleMargin == 0 {
 		c.StaleMargin = DefaultStaleMargin
@@ -139,8 +157,15 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
+// Validate reports the first invalid field, after applying the defaults to
+// a copy (a Config with only DB and ConsumerGroup set is valid). It does not
+// touch the database: [NewDedup] checks the table.
 func (c Config) Validate() error {
+	c.setDefaults()
+	return c.validate()
+}
+
+func (c Config) validate() error {
 	if c.DB == nil {
 		return errors.New("DB: required")
 	}
@@ -150,15 +175,20 @@ func (c Config) Validate() error {
 	if _, ok := c.DB.(txOptionsBeginner); !ok && c.TxOptions != (pgx.TxOptions{}) {
 		return fmt.Errorf("TxOptions: DB (%T) has no BeginTx, so the options would be ignored (a pgx.Tx runs each message in a savepoint of its own transaction)", c.DB)
 	}
-	if c.Retention < 0 {
-		//lint:ignore ST1005 validation errors start with the field's name
-		return errors.New("Retention: must not be negative")
+	if err := c.Table.Validate(); err != nil {
+		return fmt.Errorf("Table.%w", err)
 	}
 	if c.AllowNonV7 && c.Table.Layout == deduplicator.LayoutPartitioned {
 		return errors.New("AllowNonV7: not with Table.Layout = LayoutPartitioned (partitions are placed by UUIDv7 time; a non-v7 id would land in the DEFAULT partition and never age out)")
 	}
-	if c.StaleMargin < 0 || c.StaleMargin >= c.Retention {
-		return fmt.Errorf("StaleMargin: %s must be in [0, Retention=%s)", c.StaleMargin, c.Retention)
+	if c.StaleMargin < 0 {
+		return errors.New("StaleMargin: must not be negative")
+	}
+	if c.Table.Retention != 0 && c.StaleMargin >= c.Table.Retention {
+		return fmt.Errorf("StaleMargin: %s must be shorter than Table.Retention (%s)", c.StaleMargin, c.Table.Retention)
+	}
+	if c.StartupTimeout < 0 {
+		return errors.New("StartupTimeout: must not be negative")
 	}
 	return nil
 }

@@ -32,10 +32,13 @@ var ErrNoEventInContext = errors.New("watermill-idempotency: no event in context
 //
 //   - operation "": the event id itself (canonical lowercase UUID string);
 //   - a named operation: a UUIDv5 in [IdempotencyKeyNamespace] over the
-//     name "<event id>/<len(group)>:<group>/<operation>", e.g.
+//     name "<event id>/<len(ns)>:<ns>/<operation>", where ns is the group's
+//     recorded namespace ([Config.IdempotencyNamespace]: the group's name at
+//     its first start, kept across deduplicator.RenameGroup), e.g.
 //     "0190...-...-.../23:billing-order-confirmed/charge". Two calls made for
 //     one event (charge, then refund-fee) or two consumer groups calling the
-//     same provider for one event then never share a key.
+//     same provider for one event then never share a key, and renaming a
+//     group does not change its keys.
 //
 // Use a named operation whenever one event leads to more than one call to the
 // same provider, or more than one consumer group calls it. The key depends on
@@ -51,7 +54,11 @@ func IdempotencyKey(ctx context.Context, operation string) (string, error) {
 	if operation == "" {
 		return v.EventID.String(), nil
 	}
-	return idempotencyKeyFor(v.EventID, v.ConsumerGroup, operation), nil
+	ns := v.KeyNamespace
+	if ns == "" {
+		ns = v.ConsumerGroup
+	}
+	return idempotencyKeyFor(v.EventID, ns, operation), nil
 }
 
 func idempotencyKeyFor(eventID uuid.UUID, group, operation string) string {

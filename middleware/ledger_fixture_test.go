@@ -186,3 +186,13 @@ var (
 	_ pgx.QueryTracer = (*sqlRecorder)(nil)
 	_ pgx.BatchTracer = (*sqlRecorder)(nil)
 )
+
+// ageGroup registers group with processed_event (in db's schema) as first
+// seen long ago, as a group that has run for longer than the retention is:
+// its claims may have been cleaned, so its stale guard refuses old events. A
+// group first seen now lets them through (it cannot have lost a claim).
+func ageGroup(t *testing.T, db *pgtest.DB, group string) {
+	t.Helper()
+	db.Exec(t, `INSERT INTO processed_event_group (consumer_group, first_seen_at, idempotency_namespace, retention)
+VALUES ($1, '-infinity', $1, interval '1 day') ON CONFLICT (consumer_group) DO UPDATE SET first_seen_at = '-infinity'`, group)
+}

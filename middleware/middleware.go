@@ -28,21 +28,32 @@ type Dedup struct {
 	// claim as one pipelined batch (one round trip instead of two).
 	send  func(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 	stats counters
+
+	// From the start-up check: the table's recorded retention and the
+	// group as registered (first seen, Idempotency-Key namespace).
+	retention time.Duration
+	group     deduplicator.Group
 }
 
-// NewDedup validates cfg and returns the middleware. It does not touch the
-// database: run deduplicator.Migrate at start-up.
+// NewDedup validates cfg, checks the table and registers the consumer group,
+// and returns the middleware. Run deduplicator.Migrate first: NewDedup
+// refuses, at start-up rather than at the first message, a missing table or
+// pending migrations, a retention that differs from the one recorded with
+// the table (deduplicator.ErrRetentionMismatch), an Idempotency-Key
+// namespace that differs from the group's (deduplicator.ErrNamespaceMismatch)
+// and a StaleMargin not shorter than the retention. The check runs in one
+// transaction of cfg.DB, bounded by [Config.StartupTimeout].
 func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("invalid config: %w", err)
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("dedup: invalid config: %w", err)
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
 	dd, err := deduplicator.New(deduplicator.Config{TableConfig: cfg.Table, ConsumerGroup: cfg.ConsumerGroup}, logger)
 	if err != nil {
-		return nil, fmt.Errorf("invalid config: Table: %w", err)
+		return nil, fmt.Errorf("dedup: %w", err)
 	}
 	d := &Dedup{cfg: cfg, dedup: dd, logger: logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup})}
 	d.begin = cfg.DB.Begin
@@ -58,12 +69,39 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	case *pgx.Conn:
 		d.send = db.SendBatch
 	}
-	if h := cfg.ReplayHorizon; h > 0 && h > cfg.Retention-cfg.StaleMargin {
+	if err := d.start(); err != nil {
+		return nil, err
+	}
+	if h := cfg.ReplayHorizon; h > 0 && h > d.retention-cfg.StaleMargin {
 		d.logger.Info("Dedup retention is shorter than the replay horizon: events replayed from further back will be refused as stale (ErrStaleEvent)", watermill.LogFields{
-			"retention": cfg.Retention.String(), "stale_margin": cfg.StaleMargin.String(), "replay_horizon": h.String(),
+			"retention": d.retention.String(), "stale_margin": cfg.StaleMargin.String(), "replay_horizon": h.String(),
 		})
 	}
 	return d, nil
+}
+
+// start checks the table and registers the group, in one transaction.
+func (d *Dedup) start() error {
+	ctx, cancel := context.WithTimeout(context.Background(), d.cfg.StartupTimeout)
+	defer cancel()
+	err := pgx.BeginFunc(ctx, d.cfg.DB, func(tx pgx.Tx) error {
+		g, err := d.dedup.Register(ctx, tx, d.cfg.IdempotencyNamespace)
+		if err != nil {
+			return err
+		}
+		d.group, d.retention = g, g.Retention
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("dedup: start-up check of consumer group %q: %w", d.cfg.ConsumerGroup, err)
+	}
+	if d.cfg.StaleMargin >= d.retention {
+		return fmt.Errorf("dedup: invalid config: StaleMargin: %s must be shorter than the table's retention (%s)", d.cfg.StaleMargin, d.retention)
+	}
+	d.logger.Debug("Dedup started", watermill.LogFields{
+		"retention": d.retention.String(), "group_first_seen": d.group.FirstSeen, "idempotency_namespace": d.group.IdempotencyNamespace,
+	})
+	return nil
 }
 
 // Stats returns the middleware's counters since it was created.
@@ -128,7 +166,7 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}()
 
 		msg.SetContext(idemctx.With(origCtx, &idemctx.Value{
-			Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup,
+			Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
 			CorrelationID: msg.Metadata.Get(eventid.MetadataCorrelationID),
 		}))
 		produced, err = h(msg)
@@ -219,13 +257,34 @@ func (d *Dedup) eventID(msg *message.Message) (uuid.UUID, error) {
 		return uuid.Nil, &EventIDError{Reason: err, Value: id.String()}
 	}
 	if id.Version() == 7 && !d.cfg.ProcessStaleEvents {
-		sec, nsec := id.Time().UnixTime()
-		created := time.Unix(sec, nsec)
-		limit := d.cfg.NowFunc().Add(-(d.cfg.Retention - d.cfg.StaleMargin))
-		if created.Before(limit) {
-			return uuid.Nil, &EventIDError{Reason: ErrStaleEvent, Value: id.String(),
-				Detail: fmt.Sprintf("created %s, before %s (retention %s minus margin %s)", created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), d.cfg.Retention, d.cfg.StaleMargin)}
+		if err := d.staleGuard(id); err != nil {
+			return uuid.Nil, err
 		}
 	}
 	return id, nil
+}
+
+// staleGuard refuses a UUIDv7 older than the retention minus the margin,
+// whose claim the Cleaner may have deleted, so that a redelivery cannot apply
+// it again unnoticed. It lets it through when the consumer group was first
+// seen less than that long ago: none of its claims can have been cleaned (the
+// Cleaner keeps a young group's claims), so the claim still decides.
+func (d *Dedup) staleGuard(id uuid.UUID) error {
+	sec, nsec := id.Time().UnixTime()
+	created := time.Unix(sec, nsec)
+	now := d.cfg.NowFunc()
+	limit := now.Add(-(d.retention - d.cfg.StaleMargin))
+	if !created.Before(limit) || d.group.FirstSeen.After(limit) {
+		return nil
+	}
+	return &EventIDError{Reason: ErrStaleEvent, Value: id.String(),
+		Detail: fmt.Sprintf("created %s, before %s (retention %s minus margin %s), and consumer group first seen %s: its claim may have been cleaned",
+			created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), d.retention, d.cfg.StaleMargin, firstSeen(d.group.FirstSeen))}
+}
+
+func firstSeen(t time.Time) string {
+	if t.IsZero() {
+		return "before the registry (long ago)"
+	}
+	return t.UTC().Format(time.RFC3339)
 }

@@ -113,6 +113,7 @@ func TestRouterRoutesRefusedMessagesToPoisonTopic(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sub.Close() })
 
+	ageGroup(t, f.db, group) // its stale guard is on: the 30-day-old event is refused
 	dedup := f.dedup(t, group, nil)
 	poison, err := wmiddleware.PoisonQueueWithFilter(pub, poisonTopic, idem.IsPermanent)
 	require.NoError(t, err)

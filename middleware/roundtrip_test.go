@@ -197,13 +197,17 @@ func TestRoundTrips_Conn(t *testing.T) {
 }
 
 // TestBeginClaimErrorReleasesConn: when the pipelined claim fails (here the
-// table does not exist), the error carries the SQLSTATE, the transaction is
+// table was dropped after the start-up check), the error carries the SQLSTATE, the transaction is
 // rolled back and the pool's connection comes back usable.
 func TestBeginClaimErrorReleasesConn(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.New(t, 1)
-	d, err := NewDedup(Config{DB: db.Pool, ConsumerGroup: "g", Table: deduplicator.TableConfig{Schema: db.Schema, Table: "missing"}}, nil)
+	table := deduplicator.TableConfig{Schema: db.Schema, Table: "dropped"}
+	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	d, err := NewDedup(Config{DB: db.Pool, ConsumerGroup: "g", Table: table}, nil)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, "DROP TABLE dropped")
 	require.NoError(t, err)
 	id := uuid.Must(uuid.NewV7())
 	msg := message.NewMessage(id.String(), nil)

@@ -120,7 +120,7 @@ func TestSecurityIdentifiersQuoted(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.New(t, 4)
-	long := strings.Repeat("p", 63)
+	long := strings.Repeat("p", 55) // 63 bytes with its companion table's suffix (_setting)
 	for _, table := range []string{"select", "user", "Processed_Event", long} {
 		cfg := deduplicator.TableConfig{Schema: db.Schema, Table: table}
 		require.NoError(t, deduplicator.Migrate(ctx, db.Pool, cfg), table)

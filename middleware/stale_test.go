@@ -1,7 +1,8 @@
 package middleware_test
 
-// The stale-event guard: a UUIDv7 older than Retention-StaleMargin is refused
-// with ErrStaleEvent (its dedup row may be gone); a UUIDv7 from the future is
+// The stale-event guard: a UUIDv7 older than the retention minus StaleMargin
+// is refused with ErrStaleEvent (its dedup row may be gone) when the consumer
+// group is old enough to have lost claims; a UUIDv7 from the future is
 // accepted and deduplicated like any other.
 
 import (
@@ -42,8 +43,12 @@ func newStaleFixture(t *testing.T, layout deduplicator.Layout) *staleFixture {
 	db := pgtest.New(t, 4)
 	tc := deduplicator.TableConfig{Schema: db.Schema, Layout: layout}
 	require.NoError(t, deduplicator.Migrate(context.Background(), db.Pool, tc))
-	return &staleFixture{db: db, table: tc}
+	f := &staleFixture{db: db, table: tc}
+	f.ageGroup(t, "g")
+	return f
 }
+
+func (f *staleFixture) ageGroup(t *testing.T, group string) { ageGroup(t, f.db, group) }
 
 func (f *staleFixture) handler(t *testing.T, cfg idem.Config, logger watermill.LoggerAdapter) message.HandlerFunc {
 	t.Helper()
@@ -67,7 +72,7 @@ func TestStaleGuardRefusesOnlyBeyondRetentionMinusMargin(t *testing.T) {
 	f := newStaleFixture(t, deduplicator.LayoutPlain)
 	now := time.UnixMilli(time.Now().UnixMilli()) // whole milliseconds, like a UUIDv7
 	h := f.handler(t, idem.Config{NowFunc: func() time.Time { return now }}, nil)
-	limit := idem.DefaultRetention - idem.DefaultStaleMargin // 7 days - 1 hour
+	limit := deduplicator.DefaultRetention - idem.DefaultStaleMargin // 7 days - 1 hour
 
 	for _, tc := range []struct {
 		name  string
@@ -78,8 +83,8 @@ func TestStaleGuardRefusesOnlyBeyondRetentionMinusMargin(t *testing.T) {
 		{"one ms inside the limit", limit - time.Millisecond, false},
 		{"exactly at the limit", limit, false},
 		{"one ms beyond the limit", limit + time.Millisecond, true},
-		{"inside the margin, row may still exist", idem.DefaultRetention - time.Minute, true},
-		{"beyond the retention", idem.DefaultRetention + time.Hour, true},
+		{"inside the margin, row may still exist", deduplicator.DefaultRetention - time.Minute, true},
+		{"beyond the retention", deduplicator.DefaultRetention + time.Hour, true},
 	} {
 		id := staleIDAt(now.Add(-tc.age))
 		before := f.calls.Load()
@@ -104,7 +109,8 @@ func TestStaleGuardFollowsConfiguredRetention(t *testing.T) {
 	f := newStaleFixture(t, deduplicator.LayoutPlain)
 	now := time.Now()
 	// A DLQ-replayed topic: 30 days of retention, 2 hours of margin.
-	h := f.handler(t, idem.Config{Retention: 30 * 24 * time.Hour, StaleMargin: 2 * time.Hour, NowFunc: func() time.Time { return now }}, nil)
+	require.NoError(t, deduplicator.SetRetention(context.Background(), f.db.Pool, f.table, 30*24*time.Hour))
+	h := f.handler(t, idem.Config{StaleMargin: 2 * time.Hour, NowFunc: func() time.Time { return now }}, nil)
 	_, err := h(staleMsg(staleIDAt(now.Add(-20 * 24 * time.Hour))))
 	require.NoError(t, err)
 	_, err = h(staleMsg(staleIDAt(now.Add(-30*24*time.Hour + time.Hour))))
@@ -190,6 +196,7 @@ func TestReplayHorizonLongerThanRetentionWarns(t *testing.T) {
 
 	quiet := &staleLogCapture{}
 	f.handler(t, idem.Config{ReplayHorizon: 24 * time.Hour}, quiet)
-	f.handler(t, idem.Config{ReplayHorizon: 14 * 24 * time.Hour, Retention: 30 * 24 * time.Hour}, quiet)
+	require.NoError(t, deduplicator.SetRetention(context.Background(), f.db.Pool, f.table, 30*24*time.Hour))
+	f.handler(t, idem.Config{ReplayHorizon: 14 * 24 * time.Hour}, quiet)
 	require.Empty(t, quiet.info)
 }

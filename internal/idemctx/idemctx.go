@@ -15,6 +15,9 @@ type Value struct {
 	Tx            pgx.Tx
 	EventID       uuid.UUID
 	ConsumerGroup string
+	// KeyNamespace replaces the group's name in named Idempotency-Keys: the
+	// group's recorded namespace, kept across a rename.
+	KeyNamespace string
 	// CorrelationID is the incoming message's correlation id, if any.
 	CorrelationID string
 }
