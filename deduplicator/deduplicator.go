@@ -38,8 +38,8 @@ type Deduplicator struct {
 // first.
 func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("invalid config: %w", err)
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("deduplicator: invalid config: %w", err)
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/outbox"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -147,6 +148,7 @@ func TestConfigValidateZeroValues(t *testing.T) {
 	require.NoError(t, idem.Config{DB: f.pool, ConsumerGroup: "g"}.Validate())
 	require.NoError(t, deduplicator.TableConfig{}.Validate())
 	require.NoError(t, deduplicator.CleanerConfig{DB: f.pool}.Validate())
+	require.NoError(t, outbox.Config{}.Validate())
 	err := idem.Config{DB: f.pool, ConsumerGroup: "g", Table: deduplicator.TableConfig{Schema: "a b"}}.Validate()
 	require.EqualError(t, err, `Table.Schema: "a b" is not a plain identifier (letters, digits, underscore; not starting with a digit)`)
 	_, err = idem.NewDedup(idem.Config{DB: f.pool, ConsumerGroup: "g", Table: deduplicator.TableConfig{Schema: "a b"}}, nil)

@@ -127,8 +127,14 @@ func (c *ForwarderConfig) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
+// Validate reports the first invalid field, after applying the defaults to
+// a copy.
 func (c ForwarderConfig) Validate() error {
+	c.setDefaults()
+	return c.validate()
+}
+
+func (c ForwarderConfig) validate() error {
 	switch {
 	case c.DB == nil:
 		return errors.New("DB: required")
@@ -201,8 +207,8 @@ type Forwarder struct {
 // NewForwarder validates cfg and returns a Forwarder; [Forwarder.Run] starts it.
 func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forwarder, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("invalid config: %w", err)
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("forwarder: invalid config: %w", err)
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}

@@ -81,8 +81,14 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// Validate reports the first invalid field.
+// Validate reports the first invalid field, after applying the defaults to
+// a copy (the zero Config is valid).
 func (c Config) Validate() error {
+	c.setDefaults()
+	return c.validate()
+}
+
+func (c Config) validate() error {
 	if err := ident.Validate("Schema", c.Schema); err != nil {
 		return err
 	}
@@ -136,8 +142,8 @@ var _ interface {
 // call [Outbox.Migrate] at start-up.
 func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("invalid config: %w", err)
+	if err := cfg.validate(); err != nil {
+		return nil, fmt.Errorf("outbox: invalid config: %w", err)
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
