@@ -82,9 +82,9 @@ func UUIDv7Floor(t time.Time) uuid.UUID {
 	return u
 }
 
-// UUIDv7Time returns the creation time of a UUIDv7 (millisecond precision)
+// uuidv7Time returns the creation time of a UUIDv7 (millisecond precision)
 // and false for an id of another version.
-func UUIDv7Time(id uuid.UUID) (time.Time, bool) {
+func uuidv7Time(id uuid.UUID) (time.Time, bool) {
 	if id.Version() != 7 {
 		return time.Time{}, false
 	}

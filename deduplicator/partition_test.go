@@ -35,10 +35,10 @@ func TestUUIDv7FloorAndBounds(t *testing.T) {
 	require.Equal(t, "t_p20260314", PartitionName("t", day))
 	require.Equal(t, "t_p20260314", PartitionName("t", day.In(time.FixedZone("x", -5*3600)))) // UTC days
 
-	ts, ok := UUIDv7Time(v7At(lastMs))
+	ts, ok := uuidv7Time(v7At(lastMs))
 	require.True(t, ok)
 	require.True(t, ts.Equal(lastMs))
-	_, ok = UUIDv7Time(uuid.New())
+	_, ok = uuidv7Time(uuid.New())
 	require.False(t, ok)
 }
 

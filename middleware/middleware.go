@@ -10,7 +10,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/eventid"
@@ -23,11 +22,7 @@ type Dedup struct {
 	cfg    Config
 	dedup  *deduplicator.Deduplicator
 	logger watermill.LoggerAdapter
-	begin  func(ctx context.Context) (pgx.Tx, error)
-	// send, when DB is a *pgxpool.Pool or a *pgx.Conn, sends BEGIN and the
-	// claim as one pipelined batch (one round trip instead of two).
-	send  func(ctx context.Context, b *pgx.Batch) pgx.BatchResults
-	stats counters
+	stats  counters
 
 	// From the start-up check: the table's recorded retention and the
 	// group as registered (first seen, Idempotency-Key namespace).
@@ -56,19 +51,6 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 		return nil, fmt.Errorf("dedup: %w", err)
 	}
 	d := &Dedup{cfg: cfg, dedup: dd, logger: logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup})}
-	d.begin = cfg.DB.Begin
-	if b, ok := cfg.DB.(txOptionsBeginner); ok && cfg.TxOptions != (pgx.TxOptions{}) {
-		d.begin = func(ctx context.Context) (pgx.Tx, error) { return b.BeginTx(ctx, cfg.TxOptions) }
-	}
-	// Only the types known to return the transaction of a batch that begins
-	// one (pgx.Batch.BeginTx); a pgx.Tx (savepoints) and other Beginners take
-	// the two-statement path.
-	switch db := cfg.DB.(type) {
-	case *pgxpool.Pool:
-		d.send = db.SendBatch
-	case *pgx.Conn:
-		d.send = db.SendBatch
-	}
 	if err := d.start(); err != nil {
 		return nil, err
 	}
@@ -138,8 +120,11 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
 
 		start := time.Now()
-		tx, first, err := d.beginClaim(origCtx, id)
+		tx, first, err := d.dedup.BeginClaim(origCtx, d.cfg.DB, d.cfg.TxOptions, id)
 		d.stats.claimed(time.Since(start))
+		if err != nil {
+			err = fmt.Errorf("dedup: %w", err)
+		}
 		if tx == nil {
 			d.stats.claimErrors.Add(1)
 			return nil, err
@@ -195,44 +180,6 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		d.logger.Trace("Event processed", fields.Add(watermill.LogFields{"tx_duration": time.Since(start).String()}))
 		return produced, nil
 	}
-}
-
-// beginClaim begins the message's transaction and claims id in it. With a
-// pool or a conn, BEGIN and the claim's INSERT ... ON CONFLICT DO NOTHING go
-// out as one pipelined batch: one round trip. A duplicate's claim inserts
-// nothing, so its transaction never gets a transaction id and its ROLLBACK
-// writes no WAL.
-//
-// A non-nil tx must be rolled back or committed by the caller, even with an
-// error (for a pool, that releases the connection); a nil tx comes with an
-// error and nothing to release.
-func (d *Dedup) beginClaim(ctx context.Context, id uuid.UUID) (tx pgx.Tx, first bool, err error) {
-	if d.send == nil {
-		if tx, err = d.begin(ctx); err != nil {
-			return nil, false, fmt.Errorf("dedup: begin: %w", err)
-		}
-		if first, err = d.dedup.Claim(ctx, tx, id); err != nil {
-			return tx, false, fmt.Errorf("dedup: %w", err)
-		}
-		return tx, first, nil
-	}
-	b := &pgx.Batch{}
-	b.BeginTx(d.cfg.TxOptions)
-	b.Queue(d.dedup.ClaimSQL(), id, d.cfg.ConsumerGroup)
-	br := d.send(ctx, b)
-	tx = br.Tx()
-	if _, err = br.Exec(); err != nil {
-		_ = br.Close()
-		return tx, false, fmt.Errorf("dedup: begin: %w", err)
-	}
-	tag, err := br.Exec()
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return tx, false, fmt.Errorf("dedup: claim event %s: %w", id, err)
-	}
-	return tx, tag.RowsAffected() == 1, nil
 }
 
 func (d *Dedup) rollback(ctx context.Context, tx pgx.Tx, fields watermill.LogFields) {

@@ -13,7 +13,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/eventid"
+	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 	"github.com/idemkit/watermill-idempotency/internal/rtcount"
 )
@@ -24,6 +26,7 @@ type rtFixture struct {
 	pool  *pgxpool.Pool
 	rt    *rtcount.Counter
 	dedup *Dedup
+	table deduplicator.TableConfig
 }
 
 func newRTFixture(t *testing.T, mode pgx.QueryExecMode) *rtFixture {
@@ -48,7 +51,8 @@ func newRTFixture(t *testing.T, mode pgx.QueryExecMode) *rtFixture {
 
 	d, err := NewDedup(Config{DB: pool, ConsumerGroup: "g", Table: table}, nil)
 	require.NoError(t, err)
-	return &rtFixture{pool: pool, rt: rt, dedup: d}
+	table.Table = deduplicator.DefaultTable
+	return &rtFixture{pool: pool, rt: rt, dedup: d, table: table}
 }
 
 // handle runs one message through the middleware around a handler that
@@ -113,7 +117,7 @@ func TestClaimPreparedOncePerConn(t *testing.T) {
 	}
 	var n int
 	require.NoError(t, f.pool.QueryRow(context.Background(),
-		"SELECT count(*) FROM pg_prepared_statements WHERE statement = $1", f.dedup.Deduplicator().ClaimSQL()).Scan(&n))
+		"SELECT count(*) FROM pg_prepared_statements WHERE statement = $1", claimsql.Claim(ident.Quote(f.table.Schema, f.table.Table))).Scan(&n))
 	require.Equal(t, 1, n)
 }
 
@@ -132,7 +136,7 @@ func TestDuplicateAssignsNoTransactionID(t *testing.T) {
 			id := uuid.Must(uuid.NewV7())
 
 			xid := func(wantFirst bool, commit bool) *int64 {
-				tx, first, err := f.dedup.beginClaim(ctx, id)
+				tx, first, err := f.dedup.Deduplicator().BeginClaim(ctx, f.pool, pgx.TxOptions{}, id)
 				require.NoError(t, err)
 				require.Equal(t, wantFirst, first)
 				var x *int64

@@ -15,8 +15,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/eventid"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/rtcount"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 )
@@ -34,6 +36,7 @@ const businessSQL = "INSERT INTO bench_order (ref, amount) VALUES ($1, $2)"
 // handler, the plain-transaction baseline and the dedup middleware around it.
 type dedupRig struct {
 	db      *DB
+	table   deduplicator.TableConfig
 	dedup   *idem.Dedup
 	handler message.HandlerFunc
 	plain   message.HandlerFunc // BEGIN; handler; COMMIT
@@ -69,7 +72,8 @@ func newDedupRig(ctx context.Context, o Options, prefix string, maxConns int32, 
 		_, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload)))
 		return nil, err
 	}
-	return &dedupRig{db: db, dedup: d, handler: handler, plain: plainTx(db.Pool)(handler), deduped: d.Middleware(handler)}, nil
+	table.Table = deduplicator.DefaultTable
+	return &dedupRig{db: db, table: table, dedup: d, handler: handler, plain: plainTx(db.Pool)(handler), deduped: d.Middleware(handler)}, nil
 }
 
 // plainTx is the baseline: the same handler in its own transaction, with the
@@ -191,7 +195,7 @@ func dedupOverhead(ctx context.Context, o Options) (Section, error) {
 		return Section{}, err
 	}
 	defer rig.close()
-	twoRT, err := idem.NewDedup(idem.Config{DB: poolOnly{rig.db.Pool}, ConsumerGroup: "bench-2rt", Table: rig.dedup.Deduplicator().Config().TableConfig}, nil)
+	twoRT, err := idem.NewDedup(idem.Config{DB: poolOnly{rig.db.Pool}, ConsumerGroup: "bench-2rt", Table: rig.table}, nil)
 	if err != nil {
 		return Section{}, err
 	}
@@ -371,7 +375,7 @@ func walPerStatement(ctx context.Context, o Options) ([][]string, error) {
 		return nil, err
 	}
 	defer rig.close()
-	claimSQL := rig.dedup.Deduplicator().ClaimSQL()
+	claimSQL := claimsql.Claim(ident.Quote(rig.table.Schema, rig.table.Table))
 	dupID := uuid.Must(uuid.NewV7())
 	if _, err := rig.deduped(eventMessage(ctx, dupID)); err != nil {
 		return nil, err
