@@ -48,18 +48,17 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
 	}
 	t := ident.Quote(cfg.Schema, cfg.Table)
 	return &Deduplicator{
-		cfg:    cfg,
-		logger: logger,
-		table:  t,
+		cfg:           cfg,
+		logger:        logger,
+		table:         t,
 		claimSQL:      claimsql.Claim(t),
 		claimBatchSQL: claimsql.ClaimBatch(t),
-		existsSQL: "SELECT EXISTS (SELECT 1 FROM " + t + " WHERE event_id = $1 AND consumer_group = $2)",
+		existsSQL:     "SELECT EXISTS (SELECT 1 FROM " + t + " WHERE event_id = $1 AND consumer_group = $2)",
 	}, nil
 }
 
 // Config returns the configuration with defaults applied.
 func (d *Deduplicator) Config() Config { return d.cfg }
-
 
 // Claim records eventID as processed by the consumer group inside tx and
 // reports whether this is the first claim (true) or a duplicate (false).
