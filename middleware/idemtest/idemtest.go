@@ -9,34 +9,57 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 )
 
-// DB runs the helpers' queries: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
-type DB = deduplicator.DBTX
-
 // RequireProcessed fails tb unless eventID has a committed claim for group in
-// the processed_event table named by table (zero value: public.processed_event),
-// i.e. the event was applied by that group. The primary key makes "once"
-// implicit: there can be at most one row per (event, group).
-func RequireProcessed(ctx context.Context, tb testing.TB, db DB, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+// the processed_event table described by table (zero value:
+// public.processed_event), i.e. the event was applied by that group. The
+// primary key makes "once" implicit: there can be at most one row per
+// (event, group). [RequireProcessedTx] asks inside a transaction.
+func RequireProcessed(ctx context.Context, tb testing.TB, pool *pgxpool.Pool, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+	tb.Helper()
+	requireProcessed(ctx, tb, pool, table, group, eventID)
+}
+
+// RequireProcessedTx is [RequireProcessed] inside tx: the claims tx sees,
+// its own uncommitted ones included.
+func RequireProcessedTx(ctx context.Context, tb testing.TB, tx pgx.Tx, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+	tb.Helper()
+	requireProcessed(ctx, tb, tx, table, group, eventID)
+}
+
+// RequireNotProcessed fails tb if eventID has a committed claim for group.
+func RequireNotProcessed(ctx context.Context, tb testing.TB, pool *pgxpool.Pool, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+	tb.Helper()
+	requireNotProcessed(ctx, tb, pool, table, group, eventID)
+}
+
+// RequireNotProcessedTx is [RequireNotProcessed] inside tx.
+func RequireNotProcessedTx(ctx context.Context, tb testing.TB, tx pgx.Tx, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+	tb.Helper()
+	requireNotProcessed(ctx, tb, tx, table, group, eventID)
+}
+
+func requireProcessed(ctx context.Context, tb testing.TB, db deduplicator.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
 	tb.Helper()
 	if !processed(ctx, tb, db, table, group, eventID) {
 		tb.Fatalf("idemtest: event %s was not processed by consumer group %q (no committed row in the processed_event table)", eventID, group)
 	}
 }
 
-// RequireNotProcessed fails tb if eventID has a committed claim for group.
-func RequireNotProcessed(ctx context.Context, tb testing.TB, db DB, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+func requireNotProcessed(ctx context.Context, tb testing.TB, db deduplicator.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
 	tb.Helper()
 	if processed(ctx, tb, db, table, group, eventID) {
 		tb.Fatalf("idemtest: event %s was processed by consumer group %q, expected it not to be", eventID, group)
 	}
 }
 
-func processed(ctx context.Context, tb testing.TB, db DB, table deduplicator.TableConfig, group string, eventID uuid.UUID) bool {
+func processed(ctx context.Context, tb testing.TB, db deduplicator.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) bool {
 	tb.Helper()
 	d, err := deduplicator.New(deduplicator.Config{TableConfig: table, ConsumerGroup: group}, nil)
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -157,4 +158,22 @@ func TestRequireProcessedFails(t *testing.T) {
 		idemtest.RequireProcessed(ctx, tb, db.Pool, deduplicator.TableConfig{Schema: "x; DROP TABLE y"}, "billing", id)
 	})
 	require.Contains(t, msg, "not a plain identifier")
+}
+
+// The Tx twins see the transaction's own uncommitted claim; the pool
+// versions see only committed ones.
+func TestRequireProcessedTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, table, dedup := setup(t, "billing")
+	id := publisher.NewEventID()
+	tx, first, err := dedup.Deduplicator().BeginClaim(ctx, db.Pool, pgx.TxOptions{}, id)
+	require.NoError(t, err)
+	require.True(t, first)
+	defer func() { _ = tx.Rollback(ctx) }()
+	idemtest.RequireProcessedTx(ctx, t, tx, table, "billing", id)
+	idemtest.RequireNotProcessedTx(ctx, t, tx, table, "shipping", id)
+	idemtest.RequireNotProcessed(ctx, t, db.Pool, table, "billing", id)
+	msg := expectFatal(t, func(tb testing.TB) { idemtest.RequireNotProcessedTx(ctx, tb, tx, table, "billing", id) })
+	require.Contains(t, msg, "expected it not to be")
 }

@@ -12,7 +12,9 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -50,13 +52,37 @@ func (o *RequireOutboxOpts) matches(m *message.Message) bool {
 	return true
 }
 
-// RequireOutboxMessage fails tb unless ob's table for topic holds a message
-// matching opts (exactly opts.Count of them when set) visible to db, and
-// returns the matching messages in outbox order. Pass the transaction of the
-// code under test as db to see its uncommitted writes, or a pool to see
-// committed ones. Forwarded rows stay in the table, so this also works after
-// the forwarder ran.
-func RequireOutboxMessage(ctx context.Context, tb testing.TB, db DB, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
+// RequireOutboxMessage fails tb unless ob's table for topic holds a committed
+// message matching opts (exactly opts.Count of them when set), and returns
+// the matching messages in outbox order. [RequireOutboxMessageTx] looks
+// inside the code under test's transaction, uncommitted writes included.
+// Forwarded rows stay in the table, so this also works after the forwarder
+// ran.
+func RequireOutboxMessage(ctx context.Context, tb testing.TB, pool *pgxpool.Pool, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
+	tb.Helper()
+	return requireOutboxMessage(ctx, tb, pool, ob, topic, opts)
+}
+
+// RequireOutboxMessageTx is [RequireOutboxMessage] inside tx.
+func RequireOutboxMessageTx(ctx context.Context, tb testing.TB, tx pgx.Tx, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
+	tb.Helper()
+	return requireOutboxMessage(ctx, tb, tx, ob, topic, opts)
+}
+
+// RequireNoOutboxMessage fails tb if ob's table for topic holds a committed
+// message matching opts.
+func RequireNoOutboxMessage(ctx context.Context, tb testing.TB, pool *pgxpool.Pool, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
+	tb.Helper()
+	requireNoOutboxMessage(ctx, tb, pool, ob, topic, opts)
+}
+
+// RequireNoOutboxMessageTx is [RequireNoOutboxMessage] inside tx.
+func RequireNoOutboxMessageTx(ctx context.Context, tb testing.TB, tx pgx.Tx, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
+	tb.Helper()
+	requireNoOutboxMessage(ctx, tb, tx, ob, topic, opts)
+}
+
+func requireOutboxMessage(ctx context.Context, tb testing.TB, db deduplicator.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
 	tb.Helper()
 	all := outboxMessages(ctx, tb, db, ob, topic)
 	var match []*message.Message
@@ -78,9 +104,7 @@ func RequireOutboxMessage(ctx context.Context, tb testing.TB, db DB, ob *outbox.
 	return match
 }
 
-// RequireNoOutboxMessage fails tb if ob's table for topic holds a message
-// matching opts.
-func RequireNoOutboxMessage(ctx context.Context, tb testing.TB, db DB, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
+func requireNoOutboxMessage(ctx context.Context, tb testing.TB, db deduplicator.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
 	tb.Helper()
 	n := 0
 	for _, m := range outboxMessages(ctx, tb, db, ob, topic) {
@@ -100,7 +124,7 @@ func (o *RequireOutboxOpts) describe() string {
 	return fmt.Sprintf("{EventID:%s CausationID:%s Metadata:%v}", o.EventID, o.CausationID, o.Metadata)
 }
 
-func outboxMessages(ctx context.Context, tb testing.TB, db DB, ob *outbox.Outbox, topic string) []*message.Message {
+func outboxMessages(ctx context.Context, tb testing.TB, db deduplicator.DBTX, ob *outbox.Outbox, topic string) []*message.Message {
 	tb.Helper()
 	if ob == nil {
 		tb.Fatalf("idemtest: nil *outbox.Outbox")
