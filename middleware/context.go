@@ -2,12 +2,22 @@ package middleware
 
 import (
 	"context"
+	"errors"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 )
+
+// ErrNotInHandler is returned when the context does not come from a handler
+// wrapped by the dedup middleware, so there is no message transaction and no
+// event: by [IdempotencyKey] and the [IdempotencyKeyTransport] (no key to
+// derive; the request is not sent), by outbox.PublisherFromContext (no
+// transaction to write in), and it is the value [MustTxFromContext] panics
+// with. Use msg.Context() of the handled message, or a context derived from
+// it.
+var ErrNotInHandler = errors.New("watermill-idempotency: not in a dedup handler: the context carries no message transaction or event (is the handler wrapped by the dedup middleware, and does it use msg.Context()?)")
 
 // TxFromContext returns the transaction the dedup middleware opened for the
 // message being handled. Run every business write of the handler on it: it
@@ -21,11 +31,11 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 }
 
 // MustTxFromContext is [TxFromContext] for handlers that cannot work without
-// the transaction. It panics when ctx has none.
+// the transaction. It panics with [ErrNotInHandler] when ctx has none.
 func MustTxFromContext(ctx context.Context) pgx.Tx {
 	tx, ok := TxFromContext(ctx)
 	if !ok {
-		panic("watermill-idempotency: no transaction in context; is the handler wrapped by the dedup middleware, and is it using msg.Context()?")
+		panic(ErrNotInHandler)
 	}
 	return tx
 }

@@ -2,7 +2,6 @@ package middleware
 
 import (
 	"context"
-	"errors"
 	"strconv"
 	"strings"
 
@@ -18,12 +17,6 @@ import (
 const IdempotencyKeyNamespace = "143bda33-98c2-4c97-9cde-adc9f5df8776"
 
 var idempotencyKeyNamespace = uuid.MustParse(IdempotencyKeyNamespace)
-
-// ErrNoEventInContext is returned by [IdempotencyKey] and by the
-// [IdempotencyKeyTransport] when the context does not come from the dedup
-// middleware (no event id to derive a key from). Use msg.Context() of the
-// handled message, or a context derived from it.
-var ErrNoEventInContext = errors.New("watermill-idempotency: no event in context (is the call made from a handler wrapped by the dedup middleware, with msg.Context()?)")
 
 // IdempotencyKey returns the Idempotency-Key for a downstream call made while
 // handling the event in ctx (msg.Context() inside a handler wrapped by the
@@ -45,11 +38,11 @@ var ErrNoEventInContext = errors.New("watermill-idempotency: no event in context
 // nothing else (not the time, not the attempt), so keep the operation name
 // stable across releases.
 //
-// It returns an error wrapping [ErrNoEventInContext] when ctx carries no event.
+// It returns an error wrapping [ErrNotInHandler] when ctx carries no event.
 func IdempotencyKey(ctx context.Context, operation string) (string, error) {
 	v := idemctx.From(ctx)
 	if v == nil || v.EventID == uuid.Nil {
-		return "", ErrNoEventInContext
+		return "", ErrNotInHandler
 	}
 	if operation == "" {
 		return v.EventID.String(), nil

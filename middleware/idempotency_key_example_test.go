@@ -64,7 +64,7 @@ func ExampleIdempotencyKey() {
 	}
 
 	_, err = idem.IdempotencyKey(context.Background(), "charge")
-	fmt.Println("outside a handler:", errors.Is(err, idem.ErrNoEventInContext))
+	fmt.Println("outside a handler:", errors.Is(err, idem.ErrNotInHandler))
 	// Output:
 	// "" is the event id: true
 	// charge is a UUIDv5: true
@@ -117,7 +117,7 @@ func ExampleNewIdempotencyKeyTransport() {
 	// Outside a handler there is no event: the request is never sent.
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, provider.URL+"/charges", nil)
 	_, err = client.Do(req)
-	fmt.Println("refused:", errors.Is(err, idem.ErrNoEventInContext))
+	fmt.Println("refused:", errors.Is(err, idem.ErrNotInHandler))
 	// Output:
 	// provider got a key: true
 	// status: 201

@@ -116,7 +116,7 @@ func TestIdempotencyKey_NoEventInContext(t *testing.T) {
 	t.Parallel()
 	for _, ctx := range []context.Context{context.Background(), idemctx.With(context.Background(), &idemctx.Value{})} {
 		key, err := idem.IdempotencyKey(ctx, "charge")
-		require.ErrorIs(t, err, idem.ErrNoEventInContext)
+		require.ErrorIs(t, err, idem.ErrNotInHandler)
 		require.Empty(t, key)
 	}
 }
@@ -176,7 +176,7 @@ func TestIdempotencyKeyTransport_RefusesWithoutEvent(t *testing.T) {
 	if resp != nil {
 		_ = resp.Body.Close()
 	}
-	require.ErrorIs(t, err, idem.ErrNoEventInContext)
+	require.ErrorIs(t, err, idem.ErrNotInHandler)
 	require.Contains(t, err.Error(), "refusing to send POST")
 	require.Zero(t, srv.hits.Load(), "the request must not reach the server")
 	require.True(t, body.closed.Load(), "RoundTrip closes the body on refusal")
@@ -257,4 +257,16 @@ func TestIdempotencyKeyTransport_SameKeyAcrossRedelivery(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, k, keys[0])
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM processed_event WHERE event_id = $1", id))
+}
+
+// Outside a handler every accessor reports the one sentinel: the key
+// helpers return it, MustTxFromContext panics with it.
+func TestNotInHandlerIsOneError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, err := idem.IdempotencyKey(ctx, "charge")
+	require.ErrorIs(t, err, idem.ErrNotInHandler)
+	require.PanicsWithError(t, idem.ErrNotInHandler.Error(), func() { idem.MustTxFromContext(ctx) })
+	_, ok := idem.TxFromContext(ctx)
+	require.False(t, ok)
 }

@@ -21,7 +21,7 @@ const IdempotencyKeyHeader = "Idempotency-Key"
 //
 // A key the caller already set on the request is kept. A request whose
 // context carries no event is not sent: RoundTrip returns an error wrapping
-// [ErrNoEventInContext] (http.Client wraps it in a *url.Error; errors.Is
+// [ErrNotInHandler] (http.Client wraps it in a *url.Error; errors.Is
 // sees through). Use a dedicated client for the calls that need a key.
 //
 // The request passed in is never modified; a shallow clone carries the header.

@@ -199,7 +199,7 @@ func TestBillingService_RefusesWithoutEvent(t *testing.T) {
 	t.Cleanup(func() { _ = p.Close() })
 	svc := NewBillingService(p.URL())
 	_, err = svc.charge(newTestMessage(context.Background()), OrderConfirmed{OrderID: "o1", CustomerID: "c", TotalAmount: "1.00", Currency: "EUR"})
-	require.ErrorIs(t, err, idem.ErrNoEventInContext)
+	require.ErrorIs(t, err, idem.ErrNotInHandler)
 	require.Zero(t, p.Stats().Requests, "no money call without an Idempotency-Key")
 }
 
