@@ -10,6 +10,8 @@
 //	if err := deduplicator.Migrate(ctx, pool, deduplicator.TableConfig{}); err != nil { ... }
 //	dedup, err := deduplicator.New(deduplicator.Config{ConsumerGroup: "billing"}, logger)
 //	...
+//	group, err := dedup.Register(ctx, pool, "") // at start-up: the group and the table's retention
+//	...
 //	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 //		first, err := dedup.Claim(ctx, tx, eventID)
 //		if err != nil || !first {
@@ -32,10 +34,13 @@
 // # Schema and migrations
 //
 // [Migrate] creates or upgrades the table named by [TableConfig] (default
-// public.processed_event): embedded, versioned migrations, one transaction
-// per version, recorded in idem_schema_migration, serialised by an advisory
-// lock so every instance may call it at start-up. Schema and table names
-// must be plain identifiers ([TableConfig.Validate]) and are always quoted.
+// public.processed_event) and its two companion tables, <table>_setting (the
+// retention) and <table>_group (the consumer groups): embedded, versioned
+// migrations, one transaction per version, recorded in idem_schema_migration,
+// serialised by an advisory lock so every instance may call it at start-up.
+// Schema and table names must be plain identifiers ([TableConfig.Validate];
+// the table at most 55 bytes, so that <table>_setting fits PostgreSQL's 63)
+// and are always quoted.
 // Teams that manage schemas with goose or golang-migrate take the rendered
 // SQL from [Migrations] (or the raw templates in [MigrationTemplates])
 // instead.
@@ -43,9 +48,35 @@
 // # Retention
 //
 // The table must not grow without bound: a [Cleaner] deletes rows older than
-// the retention ([DefaultRetention], 7 days) in bounded batches, or, with
-// [LayoutPartitioned], drops whole daily partitions keyed on the UUIDv7
-// event id. Keep the retention longer than any replay of the topic; the
-// middleware refuses events older than it (ErrStaleEvent) rather than
-// reprocess them silently.
+// the retention in bounded batches, or, with [LayoutPartitioned], drops whole
+// daily partitions keyed on the UUIDv7 event id. Keep the retention longer
+// than any replay of the topic; the middleware refuses events older than it
+// (ErrStaleEvent) rather than reprocess them silently.
+//
+// The retention has one source of truth: the value recorded with the table.
+// [Migrate] records [TableConfig.Retention] when it creates the table
+// ([DefaultRetention], 7 days, when zero); the middleware's stale guard and
+// the Cleaner read it. A non-zero TableConfig.Retention that differs is
+// refused with [ErrRetentionMismatch] by Migrate, the middleware at start-up
+// and [Cleaner.RunOnce]. [SetRetention] changes it and [RecordedRetention]
+// reads it. After a shortening the Cleaner refuses to run until the
+// consumers of every registered group have restarted under the new value, or
+// the group was removed with [ForgetGroup]; a lengthening does not bring back
+// claims already cleaned.
+//
+// # Consumer groups
+//
+// [Deduplicator.Register] records a consumer group's start in <table>_group:
+// when it was first seen, its Idempotency-Key namespace and the retention it
+// started with. The middleware calls it at start-up; call it yourself when you
+// claim directly. [Groups] lists the registered groups. A group first seen
+// less than a retention ago ([Group.Young]) cannot have lost a claim: the
+// middleware lets its old events through, and the Cleaner keeps its claims,
+// and any old partition holding them ([Result.YoungGroups],
+// [Result.PartitionsKept]), until it is older than the retention.
+//
+// [RenameGroup] gives a group's claims and registration (first seen,
+// Idempotency-Key namespace) to a new name in one transaction, so a renamed
+// group keeps its dedup and its downstream Idempotency-Keys; [ForgetGroup]
+// then removes the old name, claims included.
 package deduplicator

@@ -43,7 +43,14 @@
 //		return err
 //	})
 //
-// Run [deduplicator.Migrate] at start-up to create the table.
+// Run [deduplicator.Migrate] at start-up, before [NewDedup]: NewDedup checks
+// the table and registers the consumer group in one transaction (bounded by
+// [Config.StartupTimeout], 30 s), and fails at start-up, not at the first
+// message, on a missing or unmigrated table (deduplicator.ErrNotMigrated), a
+// Table.Retention that differs from the one recorded with the table
+// (deduplicator.ErrRetentionMismatch), an [Config.IdempotencyNamespace] that
+// differs from the group's (deduplicator.ErrNamespaceMismatch) or a
+// [Config.StaleMargin] not shorter than the retention.
 //
 // # Where Retry and PoisonQueue go
 //
@@ -63,17 +70,34 @@
 //
 // A message whose event id is missing ([ErrMissingEventID]), malformed
 // ([ErrInvalidEventID]), the nil UUID ([ErrNilEventID]), not a UUIDv7
-// ([ErrNotUUIDv7], unless [Config.AllowNonV7]) or older than the dedup
-// retention ([ErrStaleEvent]) is refused before any transaction begins, with
+// ([ErrNotUUIDv7], unless [Config.AllowNonV7]) or stale ([ErrStaleEvent],
+// see below) is refused before any transaction begins, with
 // an [*EventIDError] telling why. These errors, [ErrMalformedPayload] and
 // anything wrapped with [Permanent] satisfy [IsPermanent], so
 // PoisonQueueWithFilter routes them to the poison topic (with the reason in
 // the "reason_poisoned" metadata) instead of retrying forever. Nothing is
 // processed without a usable id.
 //
+// # Retention and stale events
+//
+// The dedup table's retention is recorded with the table
+// (deduplicator.TableConfig.Retention, deduplicator.SetRetention); the
+// middleware reads it at start-up, so its stale guard and the
+// deduplicator.Cleaner always agree. A UUIDv7 older than the retention minus
+// [Config.StaleMargin] may have lost its claim to the Cleaner, so it is
+// refused with [ErrStaleEvent] rather than applied again, unless the consumer
+// group was first seen less than that long ago: a young group has lost no
+// claim (the Cleaner keeps them until the group is older than the
+// retention), so a new group reading a topic from the oldest offset drains
+// its old backlog normally. [Config.ProcessStaleEvents] turns the refusal
+// off.
+//
 // # Downstream calls
 //
 // [IdempotencyKey] and [NewIdempotencyKeyTransport] derive an
 // Idempotency-Key from the event being handled, so a payment provider called
-// again after a rollback sees the same key and dedups the call.
+// again after a rollback sees the same key and dedups the call. Named keys
+// mix in the consumer group's recorded namespace (its name at its first
+// start) rather than its current name: deduplicator.RenameGroup keeps them,
+// so a call retried after a rename carries the same key.
 package middleware
