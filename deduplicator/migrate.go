@@ -3,6 +3,7 @@ package deduplicator
 import (
 	"context"
 	"embed"
+	"fmt"
 	"io/fs"
 
 	"github.com/jackc/pgx/v5"
@@ -70,6 +71,13 @@ func Migrations(cfg TableConfig) ([]Migration, error) {
 // Each version runs in its own transaction; concurrent callers are
 // serialised by an advisory lock, so every instance of a service may call it
 // at start-up. db is a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+//
+// A table that already exists is verified first: if its key, partitioning
+// or columns are not what claims need (the reference recipe's PRIMARY KEY
+// (event_id), or partitions on processed_at), Migrate returns a
+// [*TableError] and neither changes nor records anything; [ConvertTable]
+// converts such a table. After migrating, Migrate runs [Check] and returns
+// its error.
 func Migrate(ctx context.Context, db Beginner, cfg TableConfig) error {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -79,7 +87,13 @@ func Migrate(ctx context.Context, db Beginner, cfg TableConfig) error {
 	if err != nil {
 		return err
 	}
-	if _, err = migrate.Up(ctx, db, cfg.Schema, Component+":"+cfg.Table, migs); err != nil {
+	if err := readTx(ctx, db, func(tx pgx.Tx) error { return checkBeforeMigrate(ctx, tx, cfg) }); err != nil {
+		return err
+	}
+	if _, err := migrate.Up(ctx, db, cfg.Schema, componentKey(cfg), migs); err != nil {
+		return err
+	}
+	if err := readTx(ctx, db, func(tx pgx.Tx) error { return check(ctx, tx, cfg, migs) }); err != nil {
 		return err
 	}
 	// A new table recorded cfg.Retention; an existing one keeps its own.
@@ -87,4 +101,15 @@ func Migrate(ctx context.Context, db Beginner, cfg TableConfig) error {
 		_, err := effectiveRetention(ctx, tx, cfg)
 		return err
 	})
+}
+
+// readTx runs fn in a transaction (a savepoint when db is a pgx.Tx) that is
+// rolled back: fn only reads.
+func readTx(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) error {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("deduplicator: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	return fn(tx)
 }
