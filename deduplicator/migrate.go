@@ -5,6 +5,7 @@ import (
 	"embed"
 	"fmt"
 	"io/fs"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 
@@ -51,6 +52,11 @@ type Beginner interface {
 // table, oldest first; with [LayoutPartitioned] they include
 // [PartitionedMigrationTemplates] (version 100 onward). Write each Up/Down to files to manage the schema with
 // an external tool instead of [Migrate].
+//
+// Each Up ends by recording its version in the schema's
+// idem_schema_migration table (created if missing), and each Down by
+// deleting that record, as [Migrate] does: [Check] (which the middleware
+// runs at start-up) refuses a table whose migrations are not recorded.
 func Migrations(cfg TableConfig) ([]Migration, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -62,7 +68,15 @@ func Migrations(cfg TableConfig) ([]Migration, error) {
 	}
 	out := make([]Migration, len(migs))
 	for i, m := range migs {
+		up, down, err := migrate.RecordSQL(cfg.Schema, componentKey(cfg), m)
+		if err != nil {
+			return nil, err
+		}
 		out[i] = Migration(m)
+		out[i].Up = strings.TrimRight(m.Up, "\n") + "\n\n-- Recorded as applied, for deduplicator.Check.\n" + up
+		if m.Down != "" {
+			out[i].Down = strings.TrimRight(m.Down, "\n") + "\n" + down
+		}
 	}
 	return out, nil
 }

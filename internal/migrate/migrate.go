@@ -182,6 +182,39 @@ func Pending(ctx context.Context, db Querier, schema, component string, migratio
 	return pending, nil
 }
 
+// createTableSQL creates schema's migration table if it is missing.
+func createTableSQL(schema string) string {
+	return `CREATE TABLE IF NOT EXISTS ` + ident.Quote(schema, Table) + ` (
+	component  text        NOT NULL,
+	version    integer     NOT NULL,
+	name       text        NOT NULL,
+	applied_at timestamptz NOT NULL DEFAULT now(),
+	PRIMARY KEY (component, version)
+)`
+}
+
+var literalRe = regexp.MustCompile(`^[A-Za-z0-9_:.$-]*$`)
+
+// RecordSQL returns SQL that records m as applied for component in
+// schema's migration table (creating the table if missing), and SQL that
+// deletes that record: what [Up] and [Down] do besides m's own SQL, for
+// those who apply the rendered migrations with another tool. component and
+// m.Name travel as literals, so they are limited to letters, digits and
+// _:.$- .
+func RecordSQL(schema, component string, m Migration) (up, down string, err error) {
+	if err := ident.Validate("schema", schema); err != nil {
+		return "", "", err
+	}
+	if !literalRe.MatchString(component) || !literalRe.MatchString(m.Name) {
+		return "", "", fmt.Errorf("migration record: component %q or name %q has characters outside [A-Za-z0-9_:.$-]", component, m.Name)
+	}
+	t := ident.Quote(schema, Table)
+	up = createTableSQL(schema) + ";\n" +
+		"INSERT INTO " + t + " (component, version, name) VALUES ('" + component + "', " + strconv.Itoa(m.Version) + ", '" + m.Name + "') ON CONFLICT DO NOTHING;\n"
+	down = "DELETE FROM " + t + " WHERE component = '" + component + "' AND version = " + strconv.Itoa(m.Version) + ";\n"
+	return up, down, nil
+}
+
 // tableExists reports whether schema has a migration table.
 func tableExists(ctx context.Context, db Querier, schema string) (bool, error) {
 	var exists bool
@@ -253,13 +286,7 @@ func inTx(ctx context.Context, db Beginner, schema, component string, fn func(tx
 	if _, err = tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident.Quote(schema)); err != nil {
 		return false, err
 	}
-	if _, err = tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+ident.Quote(schema, Table)+` (
-	component  text        NOT NULL,
-	version    integer     NOT NULL,
-	name       text        NOT NULL,
-	applied_at timestamptz NOT NULL DEFAULT now(),
-	PRIMARY KEY (component, version)
-)`); err != nil {
+	if _, err = tx.Exec(ctx, createTableSQL(schema)); err != nil {
 		return false, err
 	}
 	var isApplied bool

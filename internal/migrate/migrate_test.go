@@ -188,3 +188,35 @@ func TestPendingAndForget(t *testing.T) {
 	require.NoError(t, migrate.Forget(ctx, tx, empty.Schema, "thing", []int{1}))
 	require.NoError(t, tx.Rollback(ctx))
 }
+
+// RecordSQL does what Up and Down do to the migration table, for another
+// tool; it refuses names that cannot travel as literals.
+func TestRecordSQL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	migs := load(t, files, db.Schema)
+	for _, m := range migs {
+		up, _, err := migrate.RecordSQL(db.Schema, "thing:t", m)
+		require.NoError(t, err)
+		db.Exec(t, m.Up+";"+up)
+		db.Exec(t, up) // idempotent
+	}
+	pending, err := migrate.Pending(ctx, db.Pool, db.Schema, "thing:t", migs)
+	require.NoError(t, err)
+	require.Empty(t, pending)
+	applied, err := migrate.Up(ctx, db.Pool, db.Schema, "thing:t", migs)
+	require.NoError(t, err)
+	require.Empty(t, applied)
+	_, down, err := migrate.RecordSQL(db.Schema, "thing:t", migs[1])
+	require.NoError(t, err)
+	db.Exec(t, migs[1].Down+";"+down)
+	pending, err = migrate.Pending(ctx, db.Pool, db.Schema, "thing:t", migs)
+	require.NoError(t, err)
+	require.Equal(t, []int{2}, pending)
+
+	_, _, err = migrate.RecordSQL(db.Schema, "it's", migs[0])
+	require.Error(t, err)
+	_, _, err = migrate.RecordSQL(`a"b`, "thing", migs[0])
+	require.Error(t, err)
+}
