@@ -68,7 +68,9 @@ func TestCheck_TableShape(t *testing.T) {
 		problem string
 	}{
 		"no transaction_id": {
-			alter:   func(o *outbox.Outbox) string { return "ALTER TABLE " + o.MessagesTable("orders") + " DROP COLUMN transaction_id" },
+			alter: func(o *outbox.Outbox) string {
+				return "ALTER TABLE " + o.MessagesTable("orders") + " DROP COLUMN transaction_id"
+			},
 			table:   func(o *outbox.Outbox) string { return o.MessagesTable("orders") },
 			problem: "has no transaction_id column",
 		},
@@ -80,7 +82,9 @@ func TestCheck_TableShape(t *testing.T) {
 			problem: "last_processed_transaction_id is bigint, want xid8",
 		},
 		"offsets without key": {
-			alter:   func(o *outbox.Outbox) string { return "ALTER TABLE " + o.OffsetsTable("orders") + " DROP CONSTRAINT \"outbox_orders__offsets_pkey\"" },
+			alter: func(o *outbox.Outbox) string {
+				return "ALTER TABLE " + o.OffsetsTable("orders") + " DROP CONSTRAINT \"outbox_orders__offsets_pkey\""
+			},
 			table:   func(o *outbox.Outbox) string { return o.OffsetsTable("orders") },
 			problem: "unique index on consumer_group",
 		},
