@@ -7,7 +7,9 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/internal/migrate"
 )
@@ -93,6 +95,10 @@ func check(ctx context.Context, db DBTX, cfg TableConfig, migs []migrate.Migrati
 	}
 	pending, err := migrate.Pending(ctx, db, cfg.Schema, componentKey(cfg), migs)
 	if err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
+			return fmt.Errorf("deduplicator: check table %s.%s: cannot read %s.%s (GRANT SELECT on it to this role): %w", cfg.Schema, cfg.Table, cfg.Schema, migrate.Table, err)
+		}
 		return fmt.Errorf("deduplicator: check table %s.%s: %w", cfg.Schema, cfg.Table, err)
 	}
 	if len(pending) > 0 {

@@ -7,7 +7,9 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -239,4 +241,33 @@ func TestTableErrorMessage(t *testing.T) {
 	require.Equal(t, "deduplicator: table public.processed_event: primary key is (event_id); fix: convert it", err.Error())
 	require.True(t, errors.Is(err, deduplicator.ErrTableKey))
 	require.True(t, strings.HasPrefix(deduplicator.ErrTableKey.Error(), "deduplicator: "))
+}
+
+// A service role that may claim but not read the migration table gets an
+// error that says which GRANT is missing, with the server's SQLSTATE.
+func TestCheck_MigrationTableNotReadable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	tc := deduplicator.TableConfig{Schema: db.Schema}
+	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
+	role := db.Schema + "_svc"
+	db.Exec(t, "CREATE ROLE "+pgx.Identifier{role}.Sanitize()+" NOLOGIN")
+	t.Cleanup(func() {
+		_, _ = db.Pool.Exec(context.Background(), "DROP OWNED BY "+pgx.Identifier{role}.Sanitize())
+		_, _ = db.Pool.Exec(context.Background(), "DROP ROLE "+pgx.Identifier{role}.Sanitize())
+	})
+	db.Exec(t, "GRANT USAGE ON SCHEMA "+pgx.Identifier{db.Schema}.Sanitize()+" TO "+pgx.Identifier{role}.Sanitize())
+	db.Exec(t, "GRANT SELECT, INSERT ON processed_event TO "+pgx.Identifier{role}.Sanitize())
+
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, "SET LOCAL ROLE "+pgx.Identifier{role}.Sanitize())
+	require.NoError(t, err)
+	err = deduplicator.Check(ctx, tx, tc)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, pgerrcode.InsufficientPrivilege, pgErr.Code)
+	require.ErrorContains(t, err, "GRANT SELECT")
 }
