@@ -236,20 +236,38 @@ ORDER BY event_id, processed_at`
 	if _, err := exec("drop the old table", "DROP TABLE "+old); err != nil {
 		return err
 	}
-	// The new table is plain: versions that partitioned the old one must run
-	// again.
-	partitioned, err := migrate.Load(PartitionedMigrationTemplates, cfg)
+	// The new table is plain: the versions only the partitioned layout has
+	// must run again.
+	versions, err := partitionedOnlyVersions(cfg)
 	if err != nil {
 		return err
-	}
-	versions := make([]int, len(partitioned))
-	for i, m := range partitioned {
-		versions[i] = m.Version
 	}
 	if err := migrate.Forget(ctx, tx, cfg.Schema, componentKey(cfg), versions); err != nil {
 		return fmt.Errorf("deduplicator: convert %s: forget partitioned versions: %w", name, err)
 	}
 	return nil
+}
+
+// partitionedOnlyVersions returns the versions of [LayoutPartitioned] that
+// [LayoutPlain] does not have.
+func partitionedOnlyVersions(cfg TableConfig) ([]int, error) {
+	cfg.Layout = LayoutPlain
+	plain, err := loadMigrations(cfg)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Layout = LayoutPartitioned
+	part, err := loadMigrations(cfg)
+	if err != nil {
+		return nil, err
+	}
+	var versions []int
+	for _, m := range part {
+		if !slices.ContainsFunc(plain, func(p migrate.Migration) bool { return p.Version == m.Version }) {
+			versions = append(versions, m.Version)
+		}
+	}
+	return versions, nil
 }
 
 // baseType strips a type modifier: "character varying(100)" → "character varying".

@@ -100,6 +100,15 @@ func TestConvertTable_ReferencePrimaryKey(t *testing.T) {
 			require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
 			require.Equal(t, layout == deduplicator.LayoutPartitioned, db.Count(t, "SELECT 1 FROM pg_partitioned_table WHERE partrelid = 'processed_event'::regclass") == 1)
 			require.Zero(t, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'ix_processed_event_processed_at'", db.Schema), "the old table's indexes went with it")
+			// Migration 2 registered the groups found in the converted rows
+			// as old ones (first seen unknown: their stale guard stays on).
+			groups, err := deduplicator.Groups(ctx, db.Pool, tc)
+			require.NoError(t, err)
+			require.Len(t, groups, 2)
+			for _, g := range groups {
+				require.Contains(t, []string{"billing", "notifications"}, g.Name)
+				require.True(t, g.FirstSeen.IsZero(), "%+v", g)
+			}
 
 			require.True(t, claimRolledBack(t, db, tc, "notifications", x), "after: notifications processes x")
 			require.False(t, claimRolledBack(t, db, tc, "billing", x), "after: billing still skips x")
