@@ -3,7 +3,9 @@ package deduplicator
 import (
 	"context"
 	"embed"
+	"fmt"
 	"io/fs"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 
@@ -50,6 +52,11 @@ type Beginner interface {
 // table, oldest first; with [LayoutPartitioned] they include
 // [PartitionedMigrationTemplates] (version 100 onward). Write each Up/Down to files to manage the schema with
 // an external tool instead of [Migrate].
+//
+// Each Up ends by recording its version in the schema's
+// idem_schema_migration table (created if missing), and each Down by
+// deleting that record, as [Migrate] does: [Check] (which the middleware
+// runs at start-up) refuses a table whose migrations are not recorded.
 func Migrations(cfg TableConfig) ([]Migration, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -61,7 +68,15 @@ func Migrations(cfg TableConfig) ([]Migration, error) {
 	}
 	out := make([]Migration, len(migs))
 	for i, m := range migs {
+		up, down, err := migrate.RecordSQL(cfg.Schema, componentKey(cfg), m)
+		if err != nil {
+			return nil, err
+		}
 		out[i] = Migration(m)
+		out[i].Up = strings.TrimRight(m.Up, "\n") + "\n\n-- Recorded as applied, for deduplicator.Check.\n" + up
+		if m.Down != "" {
+			out[i].Down = strings.TrimRight(m.Down, "\n") + "\n" + down
+		}
 	}
 	return out, nil
 }
@@ -70,6 +85,13 @@ func Migrations(cfg TableConfig) ([]Migration, error) {
 // Each version runs in its own transaction; concurrent callers are
 // serialised by an advisory lock, so every instance of a service may call it
 // at start-up. db is a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+//
+// A table that already exists is verified first: if its key, partitioning
+// or columns are not what claims need (the reference recipe's PRIMARY KEY
+// (event_id), or partitions on processed_at), Migrate returns a
+// [*TableError] and neither changes nor records anything; [ConvertTable]
+// converts such a table. After migrating, Migrate runs [Check] and returns
+// its error.
 func Migrate(ctx context.Context, db Beginner, cfg TableConfig) error {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -79,7 +101,13 @@ func Migrate(ctx context.Context, db Beginner, cfg TableConfig) error {
 	if err != nil {
 		return err
 	}
-	if _, err = migrate.Up(ctx, db, cfg.Schema, Component+":"+cfg.Table, migs); err != nil {
+	if err := readTx(ctx, db, func(tx pgx.Tx) error { return checkBeforeMigrate(ctx, tx, cfg) }); err != nil {
+		return err
+	}
+	if _, err := migrate.Up(ctx, db, cfg.Schema, componentKey(cfg), migs); err != nil {
+		return err
+	}
+	if err := readTx(ctx, db, func(tx pgx.Tx) error { return check(ctx, tx, cfg, migs) }); err != nil {
 		return err
 	}
 	// A new table recorded cfg.Retention; an existing one keeps its own.
@@ -87,4 +115,15 @@ func Migrate(ctx context.Context, db Beginner, cfg TableConfig) error {
 		_, err := effectiveRetention(ctx, tx, cfg)
 		return err
 	})
+}
+
+// readTx runs fn in a transaction (a savepoint when db is a pgx.Tx) that is
+// rolled back: fn only reads.
+func readTx(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) error {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("deduplicator: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	return fn(tx)
 }

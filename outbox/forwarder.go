@@ -40,6 +40,8 @@ const (
 	// DefaultShutdownTimeout bounds how long an in-flight batch may take to
 	// finish after Close or context cancellation.
 	DefaultShutdownTimeout = 30 * time.Second
+	// DefaultStartupCheckTimeout bounds the table check of [NewForwarder].
+	DefaultStartupCheckTimeout = 10 * time.Second
 )
 
 // TxBeginner begins the forwarder's transactions (*pgxpool.Pool, *pgx.Conn).
@@ -98,6 +100,10 @@ type ForwarderConfig struct {
 	// Close or cancellation before it is aborted (and later resent).
 	// Defaults to [DefaultShutdownTimeout].
 	ShutdownTimeout time.Duration
+	// StartupCheckTimeout bounds the check of the topics' tables that
+	// [NewForwarder] runs (a few catalog queries). Defaults to
+	// [DefaultStartupCheckTimeout] (10 s).
+	StartupCheckTimeout time.Duration
 }
 
 func (c *ForwarderConfig) setDefaults() {
@@ -125,6 +131,9 @@ func (c *ForwarderConfig) setDefaults() {
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = DefaultShutdownTimeout
 	}
+	if c.StartupCheckTimeout == 0 {
+		c.StartupCheckTimeout = DefaultStartupCheckTimeout
+	}
 }
 
 // Validate reports the first invalid field, after applying the defaults to
@@ -150,8 +159,8 @@ func (c ForwarderConfig) validate() error {
 		return errors.New("BatchSize: must not be negative")
 	case c.BatchesPerTransaction < 0:
 		return errors.New("BatchesPerTransaction: must not be negative")
-	case c.PollInterval < 0 || c.RetryInterval < 0 || c.ShutdownTimeout < 0:
-		return errors.New("PollInterval, RetryInterval, ShutdownTimeout: must not be negative")
+	case c.PollInterval < 0 || c.RetryInterval < 0 || c.ShutdownTimeout < 0 || c.StartupCheckTimeout < 0:
+		return errors.New("PollInterval, RetryInterval, ShutdownTimeout, StartupCheckTimeout: must not be negative")
 	case len(c.ConsumerGroup) > 255:
 		return errors.New("ConsumerGroup: longer than 255 bytes")
 	}
@@ -204,7 +213,12 @@ type Forwarder struct {
 	beforeAck func(topic string, n int) error
 }
 
-// NewForwarder validates cfg and returns a Forwarder; [Forwarder.Run] starts it.
+// NewForwarder validates cfg, verifies the tables of its topics as
+// [Outbox.Check] does (within StartupCheckTimeout), and returns a Forwarder;
+// [Forwarder.Run] starts it. A missing table is a [*TableError] wrapping
+// [ErrTopicNotMigrated], a table of another shape one wrapping
+// [ErrTableShape]: the service fails at start-up, not at its first batch.
+// Create the tables (Outbox.Migrate) before the forwarder.
 func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forwarder, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
@@ -214,11 +228,28 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 		logger = watermill.NopLogger{}
 	}
 	cfg.Topics = append([]string(nil), cfg.Topics...)
+	if err := checkForwarderTables(cfg); err != nil {
+		return nil, err
+	}
 	return &Forwarder{
 		cfg:     cfg,
 		logger:  logger.With(watermill.LogFields{"forwarder_group": cfg.ConsumerGroup}),
 		closing: make(chan struct{}),
 	}, nil
+}
+
+// checkForwarderTables verifies the topics' tables in a read-only
+// transaction bounded by StartupCheckTimeout. Constructors here take no
+// context, so the bound is the config's.
+func checkForwarderTables(cfg ForwarderConfig) error {
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.StartupCheckTimeout)
+	defer cancel()
+	tx, err := cfg.DB.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+	if err != nil {
+		return fmt.Errorf("outbox forwarder: check tables: begin: %w", err)
+	}
+	defer rollback(ctx, tx)
+	return cfg.Outbox.checkTopics(ctx, tx, cfg.Topics)
 }
 
 // Stats returns the counters.

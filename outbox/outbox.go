@@ -138,8 +138,11 @@ var _ interface {
 	PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error
 } = (*Outbox)(nil)
 
-// New validates cfg and returns an Outbox. It does not touch the database:
-// call [Outbox.Migrate] at start-up.
+// New validates cfg and returns an Outbox. It does not touch the database
+// (it has no connection: writes use the caller's transaction): call
+// [Outbox.Migrate] at start-up, or [Outbox.Check] when another process owns
+// the migrations, so that a missing table fails the start-up rather than the
+// first message.
 func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
@@ -190,7 +193,9 @@ func (o *Outbox) Migrate(ctx context.Context, db Beginner) error {
 }
 
 // MigrateTopics creates the tables of topics, in one transaction, under
-// watermill-sql's advisory lock. It is idempotent.
+// watermill-sql's advisory lock, then verifies them as [Outbox.Check] does:
+// a table that already existed with another shape is a [*TableError] and
+// nothing is committed. It is idempotent.
 func (o *Outbox) MigrateTopics(ctx context.Context, db Beginner, topics ...string) (err error) {
 	var queries []wsql.Query
 	for _, topic := range topics {
@@ -220,6 +225,11 @@ func (o *Outbox) MigrateTopics(ctx context.Context, db Beginner, topics ...strin
 		if _, err := tx.Exec(ctx, q.Query, q.Args...); err != nil {
 			return fmt.Errorf("outbox: migrate: %w", err)
 		}
+	}
+	// CREATE TABLE IF NOT EXISTS keeps a table of that name whatever its
+	// shape: verify it before committing.
+	if err := o.checkTopics(ctx, tx, topics); err != nil {
+		return err
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return fmt.Errorf("outbox: migrate: commit: %w", err)

@@ -25,6 +25,12 @@ type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
 
+// Querier reads: a pgx.Tx, a *pgx.Conn or a *pgxpool.Pool.
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
 // Migration is one version, rendered for a schema and table.
 type Migration struct {
 	Version int
@@ -142,6 +148,111 @@ func Down(ctx context.Context, db Beginner, schema, component string, migrations
 	return reverted, nil
 }
 
+// Pending returns the versions of migrations (in their order) that schema's
+// migration table does not record for component. Without a migration table
+// every version is pending. It only reads.
+func Pending(ctx context.Context, db Querier, schema, component string, migrations []Migration) ([]int, error) {
+	if err := ident.Validate("schema", schema); err != nil {
+		return nil, err
+	}
+	exists, err := tableExists(ctx, db, schema)
+	if err != nil {
+		return nil, fmt.Errorf("pending migrations of %s: %w", component, err)
+	}
+	recorded := map[int]bool{}
+	if exists {
+		rows, err := db.Query(ctx, "SELECT version FROM "+ident.Quote(schema, Table)+" WHERE component = $1", component)
+		if err != nil {
+			return nil, fmt.Errorf("pending migrations of %s: %w", component, err)
+		}
+		versions, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+		if err != nil {
+			return nil, fmt.Errorf("pending migrations of %s: %w", component, err)
+		}
+		for _, v := range versions {
+			recorded[int(v)] = true
+		}
+	}
+	var pending []int
+	for _, m := range migrations {
+		if !recorded[m.Version] {
+			pending = append(pending, m.Version)
+		}
+	}
+	return pending, nil
+}
+
+// createTableSQL creates schema's migration table if it is missing.
+func createTableSQL(schema string) string {
+	return `CREATE TABLE IF NOT EXISTS ` + ident.Quote(schema, Table) + ` (
+	component  text        NOT NULL,
+	version    integer     NOT NULL,
+	name       text        NOT NULL,
+	applied_at timestamptz NOT NULL DEFAULT now(),
+	PRIMARY KEY (component, version)
+)`
+}
+
+var literalRe = regexp.MustCompile(`^[A-Za-z0-9_:.$-]*$`)
+
+// RecordSQL returns SQL that records m as applied for component in
+// schema's migration table (creating the table if missing), and SQL that
+// deletes that record: what [Up] and [Down] do besides m's own SQL, for
+// those who apply the rendered migrations with another tool. component and
+// m.Name travel as literals, so they are limited to letters, digits and
+// _:.$- .
+func RecordSQL(schema, component string, m Migration) (up, down string, err error) {
+	if err := ident.Validate("schema", schema); err != nil {
+		return "", "", err
+	}
+	if !literalRe.MatchString(component) || !literalRe.MatchString(m.Name) {
+		return "", "", fmt.Errorf("migration record: component %q or name %q has characters outside [A-Za-z0-9_:.$-]", component, m.Name)
+	}
+	t := ident.Quote(schema, Table)
+	up = createTableSQL(schema) + ";\n" +
+		"INSERT INTO " + t + " (component, version, name) VALUES ('" + component + "', " + strconv.Itoa(m.Version) + ", '" + m.Name + "') ON CONFLICT DO NOTHING;\n"
+	down = "DELETE FROM " + t + " WHERE component = '" + component + "' AND version = " + strconv.Itoa(m.Version) + ";\n"
+	return up, down, nil
+}
+
+// tableExists reports whether schema has a migration table.
+func tableExists(ctx context.Context, db Querier, schema string) (bool, error) {
+	var exists bool
+	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
+	JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+	WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p'))`, schema, Table).Scan(&exists)
+	return exists, err
+}
+
+// Lock takes the per-schema migration lock in tx (released at its end):
+// the lock Up and Down take for every version, so work done under it never
+// interleaves with a migration of the same schema.
+func Lock(ctx context.Context, tx pgx.Tx, schema string) error {
+	_, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended('watermill-idempotency/migrate/' || $1, 0))", schema)
+	return err
+}
+
+// Forget deletes the records of versions of component from schema's
+// migration table, in tx: the caller has undone their effect, so [Up] must
+// apply them again. Without a migration table there is nothing to forget.
+func Forget(ctx context.Context, tx pgx.Tx, schema, component string, versions []int) error {
+	if err := ident.Validate("schema", schema); err != nil {
+		return err
+	}
+	if len(versions) == 0 {
+		return nil
+	}
+	if exists, err := tableExists(ctx, tx, schema); err != nil || !exists {
+		return err
+	}
+	v32 := make([]int32, len(versions))
+	for i, v := range versions {
+		v32[i] = int32(v)
+	}
+	_, err := tx.Exec(ctx, "DELETE FROM "+ident.Quote(schema, Table)+" WHERE component = $1 AND version = ANY($2)", component, v32)
+	return err
+}
+
 func applyOne(ctx context.Context, db Beginner, schema, component string, m Migration) (bool, error) {
 	return inTx(ctx, db, schema, component, func(tx pgx.Tx, isApplied bool) (bool, error) {
 		if isApplied {
@@ -169,19 +280,13 @@ func inTx(ctx context.Context, db Beginner, schema, component string, fn func(tx
 	}()
 	// One lock for the whole schema: concurrent CREATE ... IF NOT EXISTS can
 	// still collide in the catalog, so creators must be serialised.
-	if _, err = tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended('watermill-idempotency/migrate/' || $1, 0))", schema); err != nil {
+	if err = Lock(ctx, tx, schema); err != nil {
 		return false, err
 	}
 	if _, err = tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident.Quote(schema)); err != nil {
 		return false, err
 	}
-	if _, err = tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+ident.Quote(schema, Table)+` (
-	component  text        NOT NULL,
-	version    integer     NOT NULL,
-	name       text        NOT NULL,
-	applied_at timestamptz NOT NULL DEFAULT now(),
-	PRIMARY KEY (component, version)
-)`); err != nil {
+	if _, err = tx.Exec(ctx, createTableSQL(schema)); err != nil {
 		return false, err
 	}
 	var isApplied bool

@@ -139,3 +139,84 @@ func TestUpRefusesInvalidSchema(t *testing.T) {
 		require.Error(t, err, "%q", s)
 	}
 }
+
+// Pending lists the versions not recorded for the component, in order; a
+// schema without a migration table has every version pending. Forget makes
+// versions pending again.
+func TestPendingAndForget(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	migs := load(t, files, db.Schema)
+
+	pending, err := migrate.Pending(ctx, db.Pool, db.Schema, "thing", migs)
+	require.NoError(t, err)
+	require.Equal(t, []int{1, 2}, pending, "no migration table: everything is pending")
+	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "Pending only reads")
+
+	_, err = migrate.Up(ctx, db.Pool, db.Schema, "thing", migs[:1])
+	require.NoError(t, err)
+	pending, err = migrate.Pending(ctx, db.Pool, db.Schema, "thing", migs)
+	require.NoError(t, err)
+	require.Equal(t, []int{2}, pending)
+	pending, err = migrate.Pending(ctx, db.Pool, db.Schema, "other", migs)
+	require.NoError(t, err)
+	require.Equal(t, []int{1, 2}, pending, "records are per component")
+
+	_, err = migrate.Up(ctx, db.Pool, db.Schema, "thing", migs)
+	require.NoError(t, err)
+	pending, err = migrate.Pending(ctx, db.Pool, db.Schema, "thing", migs)
+	require.NoError(t, err)
+	require.Empty(t, pending)
+
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, migrate.Lock(ctx, tx, db.Schema))
+	require.NoError(t, migrate.Forget(ctx, tx, db.Schema, "thing", []int{2}))
+	pending, err = migrate.Pending(ctx, tx, db.Schema, "thing", migs)
+	require.NoError(t, err)
+	require.Equal(t, []int{2}, pending)
+	require.NoError(t, tx.Commit(ctx))
+
+	_, err = migrate.Pending(ctx, db.Pool, `x"; --`, "thing", migs)
+	require.Error(t, err)
+
+	// Without a migration table Forget has nothing to do.
+	empty := pgtest.New(t, 1)
+	tx, err = empty.Pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, migrate.Forget(ctx, tx, empty.Schema, "thing", []int{1}))
+	require.NoError(t, tx.Rollback(ctx))
+}
+
+// RecordSQL does what Up and Down do to the migration table, for another
+// tool; it refuses names that cannot travel as literals.
+func TestRecordSQL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	migs := load(t, files, db.Schema)
+	for _, m := range migs {
+		up, _, err := migrate.RecordSQL(db.Schema, "thing:t", m)
+		require.NoError(t, err)
+		db.Exec(t, m.Up+";"+up)
+		db.Exec(t, up) // idempotent
+	}
+	pending, err := migrate.Pending(ctx, db.Pool, db.Schema, "thing:t", migs)
+	require.NoError(t, err)
+	require.Empty(t, pending)
+	applied, err := migrate.Up(ctx, db.Pool, db.Schema, "thing:t", migs)
+	require.NoError(t, err)
+	require.Empty(t, applied)
+	_, down, err := migrate.RecordSQL(db.Schema, "thing:t", migs[1])
+	require.NoError(t, err)
+	db.Exec(t, migs[1].Down+";"+down)
+	pending, err = migrate.Pending(ctx, db.Pool, db.Schema, "thing:t", migs)
+	require.NoError(t, err)
+	require.Equal(t, []int{2}, pending)
+
+	_, _, err = migrate.RecordSQL(db.Schema, "it's", migs[0])
+	require.Error(t, err)
+	_, _, err = migrate.RecordSQL(`a"b`, "thing", migs[0])
+	require.Error(t, err)
+}

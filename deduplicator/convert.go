@@ -1,0 +1,277 @@
+package deduplicator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/migrate"
+)
+
+// ConvertOptions tunes [ConvertTable].
+type ConvertOptions struct {
+	// ConsumerGroup is the consumer group the existing rows belong to, for
+	// a table without a consumer_group column (used by one group only).
+	// Must be empty when the table has the column: its rows keep their own
+	// groups. Defaults to empty.
+	ConsumerGroup string
+}
+
+// ConvertResult reports what [ConvertTable] did.
+type ConvertResult struct {
+	// Converted is false when the table already had the expected columns
+	// and key: nothing was copied (the migrations still ran).
+	Converted bool
+	// Was describes what was wrong with the old table (the Problem of the
+	// [*TableError] that [Check] would have returned).
+	Was string
+	// Rows counts the rows of the old table; Kept those of the new one.
+	Rows, Kept int64
+	// Collapsed = Rows - Kept: extra rows of an (event_id, consumer_group)
+	// stored more than once, which only a table keyed otherwise (e.g. by
+	// (event_id, processed_at)) can hold. The row with the earliest
+	// processed_at is kept.
+	Collapsed int64
+}
+
+// ConvertTable turns an existing processed_event table that [Check] refuses
+// for its key or partitioning (the reference recipe's PRIMARY KEY
+// (event_id), partitions on processed_at, a table without a primary key or
+// without a consumer_group column) into the table [Migrate] makes for cfg,
+// keeping one row per (event_id, consumer_group): the one with the earliest
+// processed_at. Then it runs Migrate, in the same transaction, so the result
+// passes Check; with [LayoutPartitioned] the rows end up in daily partitions
+// on event_id.
+//
+// Everything happens in one transaction holding the migration lock of the
+// schema and an ACCESS EXCLUSIVE lock on the table: claims on it wait until
+// the commit, so stop the consumers first on a big table. On any error
+// nothing changes. The table is rebuilt: its privileges, owner, comments,
+// triggers and other indexes are not carried over (grant them again), and a
+// view or foreign key depending on it makes the conversion fail. The old
+// table may have only the columns event_id (uuid), consumer_group (text or
+// varchar; or none, see [ConvertOptions.ConsumerGroup]) and processed_at
+// (timestamptz): any other column is refused rather than dropped.
+//
+// A table that is already right is left as it is (Converted false); a
+// missing table is an error ([ErrTableMissing]): there is nothing to adopt.
+// db is a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx (then a savepoint).
+func ConvertTable(ctx context.Context, db Beginner, cfg TableConfig, opts ConvertOptions) (res ConvertResult, err error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return res, err
+	}
+	migs, err := loadMigrations(cfg)
+	if err != nil {
+		return res, err
+	}
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return res, fmt.Errorf("deduplicator: convert: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+
+	if err := migrate.Lock(ctx, tx, cfg.Schema); err != nil {
+		return res, fmt.Errorf("deduplicator: convert: migration lock: %w", err)
+	}
+	shape, err := inspectTable(ctx, tx, cfg.Schema, cfg.Table)
+	if err != nil {
+		return res, err
+	}
+	terr := shape.problem(cfg)
+	if terr != nil && errors.Is(terr, ErrTableMissing) {
+		return res, terr
+	}
+	if terr != nil {
+		// Lock, then look again: the table may have changed meanwhile.
+		if _, err := tx.Exec(ctx, "LOCK TABLE "+ident.Quote(cfg.Schema, cfg.Table)+" IN ACCESS EXCLUSIVE MODE"); err != nil {
+			return res, fmt.Errorf("deduplicator: convert: lock table: %w", err)
+		}
+		if shape, err = inspectTable(ctx, tx, cfg.Schema, cfg.Table); err != nil {
+			return res, err
+		}
+		terr = shape.problem(cfg)
+	}
+	if terr == nil {
+		if opts.ConsumerGroup != "" {
+			return res, &TableError{Table: cfg.Schema + "." + cfg.Table, Problem: "ConvertOptions.ConsumerGroup is set but the table has a consumer_group column", Fix: "leave ConsumerGroup empty: the rows keep their own groups", Err: ErrTableColumns}
+		}
+	} else {
+		res.Was = terr.Problem
+		if err := rebuild(ctx, tx, cfg, shape, opts, migs, &res); err != nil {
+			return ConvertResult{}, err
+		}
+		res.Converted = true
+	}
+	if err := Migrate(ctx, tx, cfg); err != nil {
+		return ConvertResult{}, fmt.Errorf("deduplicator: convert: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return ConvertResult{}, fmt.Errorf("deduplicator: convert: commit: %w", err)
+	}
+	return res, nil
+}
+
+// convertedSuffix names the old table while its rows are copied, inside the
+// conversion's transaction (nobody else ever sees it).
+const convertedSuffix = "_unconverted"
+
+// rebuild moves the locked old table aside, creates the table of migration
+// 1 in its place, copies one row per (event_id, consumer_group) and drops
+// the old table; versions of the partitioned layout recorded for the old
+// table are forgotten, so Migrate converts the new table again.
+func rebuild(ctx context.Context, tx pgx.Tx, cfg TableConfig, shape tableShape, opts ConvertOptions, migs []migrate.Migration, res *ConvertResult) error {
+	name := cfg.Schema + "." + cfg.Table
+	refuse := func(fix, format string, args ...any) error {
+		return &TableError{Table: name, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: ErrTableColumns}
+	}
+	// Only columns whose values survive the copy.
+	for _, c := range shape.columns {
+		switch {
+		case c.name == "event_id" && c.typ != "uuid":
+			return refuse("ALTER TABLE "+name+" ALTER COLUMN event_id TYPE uuid USING event_id::uuid, then convert", "cannot convert: event_id is %s, want uuid", c.typ)
+		case c.name == "processed_at" && c.typ != "timestamp with time zone":
+			return refuse("ALTER TABLE "+name+" ALTER COLUMN processed_at TYPE timestamptz USING processed_at AT TIME ZONE '<the zone its values are in>', then convert", "cannot convert: processed_at is %s, want timestamp with time zone", c.typ)
+		case c.name == "consumer_group" && !slices.Contains([]string{"text", "character varying", "character"}, baseType(c.typ)):
+			return refuse("ALTER TABLE "+name+" ALTER COLUMN consumer_group TYPE text, then convert", "cannot convert: consumer_group is %s, want text", c.typ)
+		case c.name != "event_id" && c.name != "processed_at" && c.name != "consumer_group":
+			return refuse("drop the column or copy the table by hand (see docs/operations.md)", "cannot convert: column %s would be lost (the table is rebuilt with event_id, consumer_group, processed_at only)", c.name)
+		}
+	}
+	for _, want := range []string{"event_id", "processed_at"} {
+		if _, ok := shape.column(want); !ok {
+			return refuse("add the column, then convert", "cannot convert: there is no %s column", want)
+		}
+	}
+	_, hasGroup := shape.column("consumer_group")
+	switch {
+	case hasGroup && opts.ConsumerGroup != "":
+		return refuse("leave ConvertOptions.ConsumerGroup empty: the rows keep their own groups", "ConvertOptions.ConsumerGroup is set but the table has a consumer_group column")
+	case !hasGroup && opts.ConsumerGroup == "":
+		return refuse("set ConvertOptions.ConsumerGroup to the consumer group that processed these rows", "cannot convert: the table has no consumer_group column and ConvertOptions.ConsumerGroup is empty")
+	}
+
+	table := ident.Quote(cfg.Schema, cfg.Table)
+	oldName := cfg.Table + convertedSuffix
+	if len(oldName) > 63 {
+		oldName = cfg.Table[:63-len(convertedSuffix)] + convertedSuffix
+	}
+	old := ident.Quote(cfg.Schema, oldName)
+	exec := func(what, sql string, args ...any) (pgconn.CommandTag, error) {
+		tag, err := tx.Exec(ctx, sql, args...)
+		if err != nil {
+			return tag, fmt.Errorf("deduplicator: convert %s: %s: %w", name, what, err)
+		}
+		return tag, nil
+	}
+
+	if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+table).Scan(&res.Rows); err != nil {
+		return fmt.Errorf("deduplicator: convert %s: count rows: %w", name, err)
+	}
+	// Index names are per schema: free those the new table's migration uses.
+	rows, err := tx.Query(ctx, `SELECT ic.relname::text, COALESCE(con.conname::text, '')
+FROM pg_catalog.pg_index i
+JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid
+LEFT JOIN pg_catalog.pg_constraint con ON con.conindid = i.indexrelid AND con.conrelid = i.indrelid
+WHERE i.indrelid = $1::oid AND ic.relname = ANY($2)`, shape.oid, []string{cfg.Table + "_pkey", cfg.Table + "_processed_at_idx"})
+	if err != nil {
+		return fmt.Errorf("deduplicator: convert %s: list indexes: %w", name, err)
+	}
+	clashes, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) ([2]string, error) {
+		var v [2]string
+		err := r.Scan(&v[0], &v[1])
+		return v, err
+	})
+	if err != nil {
+		return fmt.Errorf("deduplicator: convert %s: list indexes: %w", name, err)
+	}
+	for _, c := range clashes {
+		if c[1] != "" {
+			_, err = exec("drop constraint "+c[1], "ALTER TABLE "+table+" DROP CONSTRAINT "+ident.Quote(c[1]))
+		} else {
+			_, err = exec("drop index "+c[0], "DROP INDEX "+ident.Quote(cfg.Schema, c[0]))
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if _, err := exec("rename to "+oldName, "ALTER TABLE "+table+" RENAME TO "+ident.Quote(oldName)); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateTable {
+			return fmt.Errorf("%w (a table %s.%s exists: drop or rename it)", err, cfg.Schema, oldName)
+		}
+		return err
+	}
+	i := slices.IndexFunc(migs, func(m migrate.Migration) bool { return m.Version == 1 })
+	if i < 0 {
+		return errors.New("deduplicator: convert: no migration version 1")
+	}
+	if _, err := exec("create the table (migration 1)", migs[i].Up); err != nil {
+		return err
+	}
+	copySQL := `INSERT INTO ` + table + ` (event_id, consumer_group, processed_at)
+SELECT DISTINCT ON (event_id, consumer_group) event_id, consumer_group, processed_at
+FROM (SELECT event_id, consumer_group::text AS consumer_group, processed_at FROM ` + old + `) o
+ORDER BY event_id, consumer_group, processed_at`
+	args := []any{}
+	if !hasGroup {
+		copySQL = `INSERT INTO ` + table + ` (event_id, consumer_group, processed_at)
+SELECT DISTINCT ON (event_id) event_id, $1, processed_at FROM ` + old + `
+ORDER BY event_id, processed_at`
+		args = append(args, opts.ConsumerGroup)
+	}
+	tag, err := exec("copy rows", copySQL, args...)
+	if err != nil {
+		return err
+	}
+	res.Kept = tag.RowsAffected()
+	res.Collapsed = res.Rows - res.Kept
+	if _, err := exec("drop the old table", "DROP TABLE "+old); err != nil {
+		return err
+	}
+	// The new table is plain: the versions only the partitioned layout has
+	// must run again.
+	versions, err := partitionedOnlyVersions(cfg)
+	if err != nil {
+		return err
+	}
+	if err := migrate.Forget(ctx, tx, cfg.Schema, componentKey(cfg), versions); err != nil {
+		return fmt.Errorf("deduplicator: convert %s: forget partitioned versions: %w", name, err)
+	}
+	return nil
+}
+
+// partitionedOnlyVersions returns the versions of [LayoutPartitioned] that
+// [LayoutPlain] does not have.
+func partitionedOnlyVersions(cfg TableConfig) ([]int, error) {
+	cfg.Layout = LayoutPlain
+	plain, err := loadMigrations(cfg)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Layout = LayoutPartitioned
+	part, err := loadMigrations(cfg)
+	if err != nil {
+		return nil, err
+	}
+	var versions []int
+	for _, m := range part {
+		if !slices.ContainsFunc(plain, func(p migrate.Migration) bool { return p.Version == m.Version }) {
+			versions = append(versions, m.Version)
+		}
+	}
+	return versions, nil
+}
+
+// baseType strips a type modifier: "character varying(100)" → "character varying".
+func baseType(t string) string {
+	base, _, _ := strings.Cut(t, "(")
+	return base
+}

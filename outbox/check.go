@@ -1,0 +1,142 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// ErrTableShape is the reason of a [*TableError] for a table that exists
+// but is not what watermill-sql v4 creates: a missing column, a
+// transaction_id that is not xid8, a payload column of another type than
+// Config.PayloadType, or an offsets table without a unique key on
+// consumer_group alone.
+var ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 creates it")
+
+// TableError is an outbox table that writers or the forwarder cannot use.
+// Its message names the topic, the table, the problem and the fix in one
+// line; Unwrap returns the reason: [ErrTopicNotMigrated] (the table does not
+// exist) or [ErrTableShape].
+type TableError struct {
+	// Topic whose table it is.
+	Topic string
+	// Table is the quoted, schema-qualified name.
+	Table string
+	// Problem says what is wrong; Fix what to do about it.
+	Problem, Fix string
+	// Err is the reason.
+	Err error
+}
+
+func (e *TableError) Error() string {
+	return "outbox: topic " + e.Topic + ": table " + e.Table + ": " + e.Problem + "; fix: " + e.Fix
+}
+
+// Unwrap returns the reason.
+func (e *TableError) Unwrap() error { return e.Err }
+
+// Check verifies, for each topic (default: Config.Topics), that its
+// messages table and its offsets table exist with the columns this package
+// and the [Forwarder] use. It only reads; run it at start-up when another
+// process owns the migrations ([Outbox.Migrate] and [NewForwarder] run it
+// themselves). A table that fails returns a [*TableError]; a failing query
+// returns its error, wrapped.
+func (o *Outbox) Check(ctx context.Context, db Beginner, topics ...string) error {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("outbox: check: begin: %w", err)
+	}
+	defer rollback(ctx, tx)
+	return o.CheckTx(ctx, tx, topics...)
+}
+
+// CheckTx is [Outbox.Check] on the caller's transaction.
+func (o *Outbox) CheckTx(ctx context.Context, tx pgx.Tx, topics ...string) error {
+	if len(topics) == 0 {
+		topics = o.cfg.Topics
+	}
+	return o.checkTopics(ctx, tx, topics)
+}
+
+// querier reads: a pgx.Tx.
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+func (o *Outbox) checkTopics(ctx context.Context, q querier, topics []string) error {
+	for _, topic := range topics {
+		if err := o.cfg.validateTopic(topic); err != nil {
+			return err
+		}
+		if err := o.checkTable(ctx, q, topic, false); err != nil {
+			return err
+		}
+		if err := o.checkTable(ctx, q, topic, true); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkTable reads one table's columns (and, for an offsets table, whether
+// consumer_group alone is unique) from the catalogs, names as parameters.
+func (o *Outbox) checkTable(ctx context.Context, q querier, topic string, offsets bool) error {
+	name, quoted := o.cfg.TablePrefix+topic, o.MessagesTable(topic)
+	if offsets {
+		name, quoted = name+offsetsSuffix, o.OffsetsTable(topic)
+	}
+	fail := func(reason error, fix, format string, args ...any) error {
+		return &TableError{Topic: topic, Table: quoted, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: reason}
+	}
+	var (
+		columns   map[string]string
+		groupUniq bool
+	)
+	err := q.QueryRow(ctx, `SELECT
+	(SELECT json_object_agg(a.attname, format_type(a.atttypid, a.atttypmod))
+	   FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),
+	EXISTS (SELECT 1 FROM pg_catalog.pg_index i
+	         JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+	        WHERE i.indrelid = c.oid AND i.indisunique AND i.indimmediate AND i.indnkeyatts = 1
+	          AND i.indpred IS NULL AND a.attname = 'consumer_group')
+FROM pg_catalog.pg_class c
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')`, o.cfg.Schema, name).Scan(&columns, &groupUniq)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fail(ErrTopicNotMigrated, "add the topic to Config.Topics and call Outbox.Migrate at start-up (or Outbox.MigrateTopics)", "does not exist")
+	}
+	if err != nil {
+		return fmt.Errorf("outbox: check table %s: %w", quoted, err)
+	}
+	const fixShape = "let Outbox.Migrate create the table (drop or rename this one once the forwarder has passed its rows)"
+	want := map[string]string{"offset": "bigint", "uuid": "", "payload": strings.ToLower(o.cfg.PayloadType), "metadata": "", "transaction_id": "xid8"}
+	if offsets {
+		want = map[string]string{"consumer_group": "", "offset_acked": "bigint", "last_processed_transaction_id": "xid8"}
+	}
+	names := make([]string, 0, len(want))
+	for c := range want {
+		names = append(names, c)
+	}
+	slices.Sort(names)
+	for _, c := range names {
+		got, ok := columns[c]
+		switch {
+		case !ok:
+			return fail(ErrTableShape, fixShape, "has no %s column", c)
+		case want[c] != "" && got != want[c]:
+			if c == "payload" {
+				return fail(ErrTableShape, "set Config.PayloadType to the column's type, or migrate the table", "payload is %s but Config.PayloadType is %s", got, o.cfg.PayloadType)
+			}
+			return fail(ErrTableShape, fixShape, "column %s is %s, want %s", c, got, want[c])
+		}
+	}
+	if offsets && !groupUniq {
+		return fail(ErrTableShape, fixShape, "has no primary key or unique index on consumer_group alone, which the forwarder's position upsert (ON CONFLICT (consumer_group)) needs")
+	}
+	return nil
+}
