@@ -340,16 +340,27 @@ func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
 	return res, err
 }
 
-// retention returns the table's recorded retention and the groups first seen
-// less than a retention ago, whose claims must be kept. It refuses
-// ([ErrRetentionMismatch]) a configured retention that differs from the
-// recorded one, and a recorded one shorter than a group's consumers started
-// with: their stale guard would let through events whose claims this pass
-// deletes.
+// retention returns the retention this pass applies and the groups first
+// seen less than that long ago, whose claims must be kept, and records the
+// pass's cutoff as the table's cleanup horizon before anything is deleted.
+// It refuses ([ErrRetentionMismatch]) a configured retention that differs
+// from the recorded one. After a shortening ([SetRetention]) it applies the
+// previous, longer retention until every running consumer has re-read the
+// new one (2 × [RetentionRefreshInterval]).
 func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) (time.Duration, []string, error) {
-	retention, err := effectiveRetention(ctx, conn, c.cfg.TableConfig)
+	s, err := readSetting(ctx, conn, c.cfg.TableConfig)
+	if err == nil {
+		err = s.check(c.cfg.TableConfig)
+	}
 	if err != nil {
 		return 0, nil, fmt.Errorf("cleaner: %w", err)
+	}
+	retention := s.retention
+	if effective := s.updatedAt.Add(2 * RetentionRefreshInterval); s.previous > retention && now.Before(effective) {
+		c.logger.Info("Retention was shortened: applying the previous one until every consumer has re-read it", watermill.LogFields{
+			"retention": s.retention.String(), "previous_retention": s.previous.String(), "effective_from": effective,
+		})
+		retention = s.previous
 	}
 	gs, err := groups(ctx, conn, c.cfg.TableConfig)
 	if err != nil {
@@ -357,13 +368,15 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 	}
 	young := []string{} // never nil: a NULL array would make <> ALL keep every row
 	for _, g := range gs {
-		if g.Retention > retention {
-			return 0, nil, fmt.Errorf("cleaner: %w: the consumers of group %q started with retention %s, the table now records %s; restart them (they adopt %s) or remove the group with ForgetGroup",
-				ErrRetentionMismatch, g.Name, g.Retention, retention, retention)
-		}
 		if g.Young(now, retention) {
 			young = append(young, g.Name)
 		}
+	}
+	// Consumers read it (Horizon.CleanedBefore): after a lengthening, the
+	// claims of events before it stay gone, and the guard keeps refusing them.
+	if _, err := conn.Exec(ctx, "UPDATE "+companion(c.cfg.TableConfig, settingSuffix)+
+		" SET cleaned_before = greatest(coalesce(cleaned_before, '-infinity'), $1)", now.Add(-retention)); err != nil {
+		return 0, nil, fmt.Errorf("cleaner: record cleanup horizon: %w", err)
 	}
 	return retention, young, nil
 }

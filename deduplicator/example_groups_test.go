@@ -22,10 +22,9 @@ func groupsExamplePool(ctx context.Context) (*pgxpool.Pool, string, func()) {
 
 // The retention is recorded with the table: Migrate records it for a new
 // table, the middleware and the Cleaner read it, and a configured value that
-// differs is refused. SetRetention changes it for every component. After a
-// shortening, the Cleaner refuses to run until the consumers of every
-// registered group have restarted under the new value (the middleware
-// registers its group at start-up, as Register does here).
+// differs is refused. SetRetention changes it for every component: running
+// consumers re-read it within RetentionRefreshInterval, so the Cleaner
+// applies a shortening only twice that long later.
 func ExampleSetRetention() {
 	ctx := context.Background()
 	pool, schema, cleanup := groupsExamplePool(ctx)
@@ -50,41 +49,30 @@ func ExampleSetRetention() {
 	recorded, _ = deduplicator.RecordedRetention(ctx, pool, table)
 	fmt.Println("recorded:", recorded)
 
-	// A consumer of "billing" starts (and records) with 30 days.
-	dedup, err := deduplicator.New(deduplicator.Config{TableConfig: table, ConsumerGroup: "billing"}, nil)
-	if err != nil {
-		panic(err)
-	}
-	if _, err := dedup.Register(ctx, pool, ""); err != nil {
-		panic(err)
-	}
-
-	// Shorten it: the Cleaner waits for "billing" to restart under 7 days.
+	// Shorten it again: the Cleaner keeps the longer value until every
+	// running consumer has re-read the shorter one.
 	if err := deduplicator.SetRetention(ctx, pool, table, 7*24*time.Hour); err != nil {
 		panic(err)
 	}
-	cleaner, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: table, DB: pool}, nil)
-	if err != nil {
-		panic(err)
+	cleanerAt := func(now time.Time) deduplicator.Result {
+		c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: table, DB: pool, NowFunc: func() time.Time { return now }}, nil)
+		if err != nil {
+			panic(err)
+		}
+		res, err := c.RunOnce(ctx)
+		if err != nil {
+			panic(err)
+		}
+		return res
 	}
-	_, err = cleaner.RunOnce(ctx)
-	fmt.Println("cleaner before the restart:", errors.Is(err, deduplicator.ErrRetentionMismatch))
-
-	group, err := dedup.Register(ctx, pool, "") // the consumer restarts
-	if err != nil {
-		panic(err)
-	}
-	res, err := cleaner.RunOnce(ctx)
-	if err != nil {
-		panic(err)
-	}
-	fmt.Println("restarted with:", group.Retention, "cleaner applies:", res.Retention)
+	fmt.Println("cleaner applies now:", cleanerAt(time.Now()).Retention)
+	fmt.Println("two refresh intervals later:", cleanerAt(time.Now().Add(2*deduplicator.RetentionRefreshInterval+time.Second)).Retention)
 	// Output:
 	// recorded: 168h0m0s
 	// configured 24h: true
 	// recorded: 720h0m0s
-	// cleaner before the restart: true
-	// restarted with: 168h0m0s cleaner applies: 168h0m0s
+	// cleaner applies now: 720h0m0s
+	// two refresh intervals later: 168h0m0s
 }
 
 // RenameGroup gives a consumer group's claims and registration to a new
@@ -141,7 +129,7 @@ func ExampleRenameGroup() {
 		panic(err)
 	}
 	for _, g := range groups {
-		fmt.Println(g.Name, g.IdempotencyNamespace, g.Retention, "young:", g.Young(time.Now(), g.Retention))
+		fmt.Println(g.Name, g.IdempotencyNamespace, "young:", g.Young(time.Now(), deduplicator.DefaultRetention))
 	}
 
 	// Nothing consumes as billing-v1 any more: remove its claims and registration.
@@ -154,7 +142,7 @@ func ExampleRenameGroup() {
 	// Output:
 	// claims copied: 2 namespace: billing-v1
 	// applied under v1, first for v2: false
-	// billing-v1 billing-v1 168h0m0s young: true
-	// billing-v2 billing-v1 168h0m0s young: true
+	// billing-v1 billing-v1 young: true
+	// billing-v2 billing-v1 young: true
 	// forgotten claims: 2 groups left: 1 billing-v2
 }

@@ -19,12 +19,10 @@ const (
 	groupSuffix   = "_group"
 )
 
-// ErrRetentionMismatch is returned when a retention differs from the one
-// recorded with the table: a configured [TableConfig.Retention], or the
-// retention the consumers of a group started with, which the [Cleaner] must
-// not undercut. Every component reads the recorded retention, so the
-// middleware's stale guard and the Cleaner cannot disagree; change it with
-// [SetRetention].
+// ErrRetentionMismatch is returned when a configured [TableConfig.Retention]
+// differs from the one recorded with the table. Every component reads the
+// recorded retention, so the middleware's stale guard and the Cleaner cannot
+// disagree; change it with [SetRetention].
 var ErrRetentionMismatch = errors.New("retention does not match the table's recorded retention")
 
 // ErrNamespaceMismatch is returned by [Deduplicator.Register] when the
@@ -54,8 +52,6 @@ type Group struct {
 	// IdempotencyNamespace is mixed into named Idempotency-Keys instead of
 	// the group's name, so a renamed group keeps its keys.
 	IdempotencyNamespace string
-	// Retention is the retention the group's consumers last started with.
-	Retention time.Duration
 	// StartedAt is when a consumer of the group last started.
 	StartedAt time.Time
 }
@@ -77,46 +73,80 @@ func withDefaults(cfg TableConfig) (TableConfig, error) {
 	return cfg, cfg.validate()
 }
 
+// RetentionRefreshInterval is how often a running consumer (the middleware)
+// re-reads the table's recorded retention and cleanup horizon. A shortened
+// retention takes effect for the [Cleaner] twice this long after
+// [SetRetention], once every running consumer has re-read it.
+const RetentionRefreshInterval = time.Minute
+
+// setting is the table's recorded retention state (<table>_setting).
+type setting struct {
+	retention, previous time.Duration // previous: 0 when never changed
+	updatedAt           time.Time
+	cleanedBefore       time.Time // zero: never cleaned
+}
+
+func readSetting(ctx context.Context, db DBTX, cfg TableConfig) (setting, error) {
+	var (
+		s             setting
+		us, prevUS    *int64
+		cleanedBefore pgtype.Timestamptz
+	)
+	err := db.QueryRow(ctx, "SELECT (extract(epoch FROM retention) * 1000000)::bigint, (extract(epoch FROM previous_retention) * 1000000)::bigint, updated_at, cleaned_before FROM "+
+		companion(cfg, settingSuffix)).Scan(&us, &prevUS, &s.updatedAt, &cleanedBefore)
+	if err != nil {
+		return setting{}, fmt.Errorf("read retention of %s: %w", ident.Quote(cfg.Schema, cfg.Table), notMigrated(err))
+	}
+	s.retention = time.Duration(*us) * time.Microsecond
+	if prevUS != nil {
+		s.previous = time.Duration(*prevUS) * time.Microsecond
+	}
+	if cleanedBefore.Valid && cleanedBefore.InfinityModifier == pgtype.Finite {
+		s.cleanedBefore = cleanedBefore.Time
+	}
+	return s, nil
+}
+
+// check refuses a configured retention that differs from the recorded one.
+func (s setting) check(cfg TableConfig) error {
+	if cfg.Retention != 0 && cfg.Retention != s.retention {
+		return fmt.Errorf("%w: %s records %s, configured %s (leave TableConfig.Retention zero to use the recorded value, or change it for every component with SetRetention)",
+			ErrRetentionMismatch, ident.Quote(cfg.Schema, cfg.Table), s.retention, cfg.Retention)
+	}
+	return nil
+}
+
 // RecordedRetention returns the retention recorded with the table.
 func RecordedRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Duration, error) {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return 0, err
 	}
-	return recordedRetention(ctx, db, cfg)
-}
-
-func recordedRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Duration, error) {
-	var us int64
-	err := db.QueryRow(ctx, "SELECT (extract(epoch FROM retention) * 1000000)::bigint FROM "+companion(cfg, settingSuffix)).Scan(&us)
-	if err != nil {
-		return 0, fmt.Errorf("read retention of %s: %w", ident.Quote(cfg.Schema, cfg.Table), notMigrated(err))
-	}
-	return time.Duration(us) * time.Microsecond, nil
+	s, err := readSetting(ctx, db, cfg)
+	return s.retention, err
 }
 
 // effectiveRetention returns the recorded retention, refusing a configured
 // one that differs.
 func effectiveRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Duration, error) {
-	recorded, err := recordedRetention(ctx, db, cfg)
+	s, err := readSetting(ctx, db, cfg)
 	if err != nil {
 		return 0, err
 	}
-	if cfg.Retention != 0 && cfg.Retention != recorded {
-		return 0, fmt.Errorf("%w: %s records %s, configured %s (leave TableConfig.Retention zero to use the recorded value, or change it for every component with SetRetention)",
-			ErrRetentionMismatch, ident.Quote(cfg.Schema, cfg.Table), recorded, cfg.Retention)
-	}
-	return recorded, nil
+	return s.retention, s.check(cfg)
 }
 
-// SetRetention changes the retention recorded with the table. Lengthening it
-// is safe at any time; running consumers adopt it when they restart (until
-// then their stale guard refuses a little more than it must). After
-// shortening it, the [Cleaner] refuses to run ([ErrRetentionMismatch]) until
-// the consumers of every registered group have restarted under the new
-// value, or the group was removed with [ForgetGroup]: a consumer still
-// running with the longer retention would take an event whose claim the
-// Cleaner deleted for new.
+// SetRetention changes the retention recorded with the table, for every
+// component: running consumers re-read it within [RetentionRefreshInterval].
+//
+//   - Lengthening takes effect at once. Claims the Cleaner already deleted
+//     under the shorter retention do not come back: the table records the
+//     highest cutoff the Cleaner applied, and the stale guard keeps refusing
+//     events created before it.
+//   - Shortening takes effect for the Cleaner only 2 ×
+//     RetentionRefreshInterval later (it keeps the previous, longer value
+//     until then), so that no running consumer still guards with the longer
+//     value while the Cleaner deletes at the shorter one.
 func SetRetention(ctx context.Context, db DBTX, cfg TableConfig, retention time.Duration) error {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
@@ -125,28 +155,84 @@ func SetRetention(ctx context.Context, db DBTX, cfg TableConfig, retention time.
 	if retention <= 0 {
 		return errors.New("retention: must be positive")
 	}
-	_, err = db.Exec(ctx, "UPDATE "+companion(cfg, settingSuffix)+" SET retention = interval '1 microsecond' * $1, updated_at = now()", retention.Microseconds())
+	_, err = db.Exec(ctx, "UPDATE "+companion(cfg, settingSuffix)+
+		" SET previous_retention = retention, retention = interval '1 microsecond' * $1, updated_at = now()", retention.Microseconds())
 	if err != nil {
 		return fmt.Errorf("set retention of %s: %w", ident.Quote(cfg.Schema, cfg.Table), notMigrated(err))
 	}
 	return nil
 }
 
-const groupColumns = "consumer_group, first_seen_at, idempotency_namespace, (extract(epoch FROM retention) * 1000000)::bigint, started_at"
+// Horizon is what a consumer group's stale guard needs to know about the
+// table: which events may have lost their claim to the [Cleaner].
+type Horizon struct {
+	// Retention is the table's recorded retention.
+	Retention time.Duration
+	// CleanedBefore is the highest cutoff the Cleaner has applied (zero:
+	// never): claims of events created before it may have been deleted,
+	// whatever the retention is now.
+	CleanedBefore time.Time
+	// GroupFirstSeen is when the group was first seen (zero: before the
+	// registry existed, i.e. long ago).
+	GroupFirstSeen time.Time
+}
+
+// Stale reports whether the claim of an event created at created may have
+// been deleted by now, so that a redelivery could apply the event again
+// unnoticed: the event is older than the retention minus margin, or older
+// than the Cleaner's highest cutoff plus margin, and the group is old enough
+// to have lost claims. A group first seen less than the retention minus
+// margin ago has lost none (the Cleaner keeps a young group's claims), so
+// nothing is stale for it. margin covers clock skew between producers, the
+// consumer and the Cleaner.
+func (h Horizon) Stale(created, now time.Time, margin time.Duration) bool {
+	limit := now.Add(-(h.Retention - margin))
+	if h.GroupFirstSeen.After(limit) {
+		return false
+	}
+	return created.Before(limit) || (!h.CleanedBefore.IsZero() && created.Before(h.CleanedBefore.Add(margin)))
+}
+
+// Horizon reads the table's recorded retention and cleanup horizon and the
+// group's first-seen time; the group must be registered ([Deduplicator.Register]).
+// A configured TableConfig.Retention that differs from the recorded one is
+// refused with [ErrRetentionMismatch].
+func (d *Deduplicator) Horizon(ctx context.Context, db DBTX) (Horizon, error) {
+	s, err := readSetting(ctx, db, d.cfg.TableConfig)
+	if err != nil {
+		return Horizon{}, err
+	}
+	if err := s.check(d.cfg.TableConfig); err != nil {
+		return Horizon{}, err
+	}
+	var first pgtype.Timestamptz
+	err = db.QueryRow(ctx, "SELECT first_seen_at FROM "+companion(d.cfg.TableConfig, groupSuffix)+" WHERE consumer_group = $1", d.cfg.ConsumerGroup).Scan(&first)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Horizon{}, fmt.Errorf("%w: %q (call Register first)", ErrGroupNotFound, d.cfg.ConsumerGroup)
+	}
+	if err != nil {
+		return Horizon{}, fmt.Errorf("read consumer group %q: %w", d.cfg.ConsumerGroup, notMigrated(err))
+	}
+	h := Horizon{Retention: s.retention, CleanedBefore: s.cleanedBefore}
+	if first.Valid && first.InfinityModifier == pgtype.Finite {
+		h.GroupFirstSeen = first.Time
+	}
+	return h, nil
+}
+
+const groupColumns = "consumer_group, first_seen_at, idempotency_namespace, started_at"
 
 func scanGroup(row pgx.Row) (Group, error) {
 	var (
 		g     Group
 		first pgtype.Timestamptz
-		us    int64
 	)
-	if err := row.Scan(&g.Name, &first, &g.IdempotencyNamespace, &us, &g.StartedAt); err != nil {
+	if err := row.Scan(&g.Name, &first, &g.IdempotencyNamespace, &g.StartedAt); err != nil {
 		return Group{}, err
 	}
 	if first.Valid && first.InfinityModifier == pgtype.Finite {
 		g.FirstSeen = first.Time
 	} // -infinity: the zero time (before every retention)
-	g.Retention = time.Duration(us) * time.Microsecond
 	return g, nil
 }
 
@@ -172,9 +258,10 @@ func groups(ctx context.Context, db DBTX, cfg TableConfig) ([]Group, error) {
 }
 
 // Register records that a consumer of the deduplicator's group starts, and
-// returns the group as recorded: when it was first seen, its Idempotency-Key
-// namespace and the table's retention, which the consumer must use. The
-// middleware calls it at start-up.
+// returns the group as recorded: when it was first seen and its
+// Idempotency-Key namespace. The middleware calls it at start-up; call it
+// at start-up when you claim through a Deduplicator yourself, so that the
+// Cleaner and [Deduplicator.Horizon] know the group.
 //
 // namespace is the Idempotency-Key namespace the consumer is configured
 // with; "" takes the recorded one (the group's name at its first start). A
@@ -182,8 +269,7 @@ func groups(ctx context.Context, db DBTX, cfg TableConfig) ([]Group, error) {
 // configured TableConfig.Retention that differs from the recorded one is
 // refused with [ErrRetentionMismatch].
 func (d *Deduplicator) Register(ctx context.Context, db DBTX, namespace string) (Group, error) {
-	retention, err := effectiveRetention(ctx, db, d.cfg.TableConfig)
-	if err != nil {
+	if _, err := effectiveRetention(ctx, db, d.cfg.TableConfig); err != nil {
 		return Group{}, err
 	}
 	ns := namespace
@@ -191,9 +277,9 @@ func (d *Deduplicator) Register(ctx context.Context, db DBTX, namespace string) 
 		ns = d.cfg.ConsumerGroup
 	}
 	g, err := scanGroup(db.QueryRow(ctx, "INSERT INTO "+companion(d.cfg.TableConfig, groupSuffix)+
-		" AS g (consumer_group, idempotency_namespace, retention) VALUES ($1, $2, interval '1 microsecond' * $3)"+
-		" ON CONFLICT (consumer_group) DO UPDATE SET retention = EXCLUDED.retention, started_at = now()"+
-		" RETURNING "+groupColumns, d.cfg.ConsumerGroup, ns, retention.Microseconds()))
+		" (consumer_group, idempotency_namespace) VALUES ($1, $2)"+
+		" ON CONFLICT (consumer_group) DO UPDATE SET started_at = now()"+
+		" RETURNING "+groupColumns, d.cfg.ConsumerGroup, ns))
 	if err != nil {
 		return Group{}, fmt.Errorf("register consumer group %q: %w", d.cfg.ConsumerGroup, notMigrated(err))
 	}
@@ -247,8 +333,8 @@ func RenameGroup(ctx context.Context, db Beginner, cfg TableConfig, from, to str
 		if exists {
 			return fmt.Errorf("%w: %q", ErrGroupExists, to)
 		}
-		g, err := scanGroup(tx.QueryRow(ctx, "INSERT INTO "+grp+" (consumer_group, first_seen_at, idempotency_namespace, retention)"+
-			" SELECT $2, first_seen_at, idempotency_namespace, retention FROM "+grp+" WHERE consumer_group = $1"+
+		g, err := scanGroup(tx.QueryRow(ctx, "INSERT INTO "+grp+" (consumer_group, first_seen_at, idempotency_namespace)"+
+			" SELECT $2, first_seen_at, idempotency_namespace FROM "+grp+" WHERE consumer_group = $1"+
 			" RETURNING "+groupColumns, from, to))
 		if errors.Is(err, pgx.ErrNoRows) {
 			return fmt.Errorf("%w: %q", ErrGroupNotFound, from)
@@ -274,8 +360,7 @@ func RenameGroup(ctx context.Context, db Beginner, cfg TableConfig, from, to str
 // ForgetGroup deletes a consumer group's claims and registration, in one
 // transaction, and returns the number of claims deleted. Use it for a group
 // that no longer consumes (after [RenameGroup], or a decommissioned
-// service): its claims are dead weight, and its recorded retention would
-// keep the [Cleaner] from applying a shorter one. A consumer of that group
+// service): its claims are dead weight. A consumer of that group
 // started afterwards is new: it applies every event it reads again.
 func ForgetGroup(ctx context.Context, db Beginner, cfg TableConfig, group string) (int64, error) {
 	cfg, err := withDefaults(cfg)

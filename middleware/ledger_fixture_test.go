@@ -193,6 +193,6 @@ var (
 // group first seen now lets them through (it cannot have lost a claim).
 func ageGroup(t *testing.T, db *pgtest.DB, group string) {
 	t.Helper()
-	db.Exec(t, `INSERT INTO processed_event_group (consumer_group, first_seen_at, idempotency_namespace, retention)
-VALUES ($1, '-infinity', $1, interval '1 day') ON CONFLICT (consumer_group) DO UPDATE SET first_seen_at = '-infinity'`, group)
+	db.Exec(t, `INSERT INTO processed_event_group (consumer_group, first_seen_at, idempotency_namespace)
+VALUES ($1, '-infinity', $1) ON CONFLICT (consumer_group) DO UPDATE SET first_seen_at = '-infinity'`, group)
 }

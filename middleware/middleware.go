@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -24,10 +26,18 @@ type Dedup struct {
 	logger watermill.LoggerAdapter
 	stats  counters
 
-	// From the start-up check: the table's recorded retention and the
-	// group as registered (first seen, Idempotency-Key namespace).
-	retention time.Duration
-	group     deduplicator.Group
+	// From the start-up check: the group as registered (first seen,
+	// Idempotency-Key namespace).
+	group deduplicator.Group
+	// horizon is the table's retention state for the stale guard, re-read
+	// every deduplicator.RetentionRefreshInterval (hmu serialises re-reads).
+	horizon atomic.Pointer[horizonAt]
+	hmu     sync.Mutex
+}
+
+type horizonAt struct {
+	deduplicator.Horizon
+	readAt time.Time
 }
 
 // NewDedup validates cfg, checks the table and registers the consumer group,
@@ -54,9 +64,9 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	if err := d.start(); err != nil {
 		return nil, err
 	}
-	if h := cfg.ReplayHorizon; h > 0 && h > d.retention-cfg.StaleMargin {
+	if h, r := cfg.ReplayHorizon, d.horizon.Load().Retention; h > 0 && h > r-cfg.StaleMargin {
 		d.logger.Info("Dedup retention is shorter than the replay horizon: events replayed from further back will be refused as stale (ErrStaleEvent)", watermill.LogFields{
-			"retention": d.retention.String(), "stale_margin": cfg.StaleMargin.String(), "replay_horizon": h.String(),
+			"retention": r.String(), "stale_margin": cfg.StaleMargin.String(), "replay_horizon": h.String(),
 		})
 	}
 	return d, nil
@@ -66,24 +76,67 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 func (d *Dedup) start() error {
 	ctx, cancel := context.WithTimeout(context.Background(), d.cfg.StartupTimeout)
 	defer cancel()
+	var h deduplicator.Horizon
 	err := pgx.BeginFunc(ctx, d.cfg.DB, func(tx pgx.Tx) error {
+		if err := deduplicator.Check(ctx, tx, d.cfg.Table); err != nil {
+			return err
+		}
 		g, err := d.dedup.Register(ctx, tx, d.cfg.IdempotencyNamespace)
 		if err != nil {
 			return err
 		}
-		d.group, d.retention = g, g.Retention
-		return nil
+		d.group = g
+		h, err = d.dedup.Horizon(ctx, tx)
+		return err
 	})
 	if err != nil {
 		return fmt.Errorf("dedup: start-up check of consumer group %q: %w", d.cfg.ConsumerGroup, err)
 	}
-	if d.cfg.StaleMargin >= d.retention {
-		return fmt.Errorf("dedup: invalid config: StaleMargin: %s must be shorter than the table's retention (%s)", d.cfg.StaleMargin, d.retention)
+	if err := d.checkMargin(h); err != nil {
+		return err
 	}
+	d.horizon.Store(&horizonAt{Horizon: h, readAt: time.Now()})
 	d.logger.Debug("Dedup started", watermill.LogFields{
-		"retention": d.retention.String(), "group_first_seen": d.group.FirstSeen, "idempotency_namespace": d.group.IdempotencyNamespace,
+		"retention": h.Retention.String(), "group_first_seen": d.group.FirstSeen, "idempotency_namespace": d.group.IdempotencyNamespace,
 	})
 	return nil
+}
+
+func (d *Dedup) checkMargin(h deduplicator.Horizon) error {
+	if d.cfg.StaleMargin >= h.Retention {
+		return fmt.Errorf("dedup: invalid config: StaleMargin: %s must be shorter than the table's retention (%s)", d.cfg.StaleMargin, h.Retention)
+	}
+	return nil
+}
+
+// currentHorizon returns the table's retention state, re-reading it when it
+// is older than deduplicator.RetentionRefreshInterval: a retention changed
+// with deduplicator.SetRetention reaches running consumers within that
+// interval, which is what lets the Cleaner apply a shortening safely. An
+// error fails the message (retryable): the guard never runs on a view older
+// than that.
+func (d *Dedup) currentHorizon(ctx context.Context) (deduplicator.Horizon, error) {
+	if h := d.horizon.Load(); time.Since(h.readAt) < deduplicator.RetentionRefreshInterval {
+		return h.Horizon, nil
+	}
+	d.hmu.Lock()
+	defer d.hmu.Unlock()
+	if h := d.horizon.Load(); time.Since(h.readAt) < deduplicator.RetentionRefreshInterval {
+		return h.Horizon, nil
+	}
+	var h deduplicator.Horizon
+	err := pgx.BeginFunc(ctx, d.cfg.DB, func(tx pgx.Tx) (err error) {
+		h, err = d.dedup.Horizon(ctx, tx)
+		return err
+	})
+	if err == nil {
+		err = d.checkMargin(h)
+	}
+	if err != nil {
+		return deduplicator.Horizon{}, fmt.Errorf("dedup: re-read the retention: %w", err)
+	}
+	d.horizon.Store(&horizonAt{Horizon: h, readAt: time.Now()})
+	return h, nil
 }
 
 // Stats returns the middleware's counters since it was created.
@@ -109,6 +162,13 @@ func (d *Dedup) Deduplicator() *deduplicator.Deduplicator { return d.dedup }
 func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) (produced []*message.Message, err error) {
 		id, err := d.eventID(msg)
+		if err == nil && id.Version() == 7 && !d.cfg.ProcessStaleEvents {
+			var retry error
+			if err, retry = d.staleGuard(msg.Context(), id); retry != nil {
+				d.stats.claimErrors.Add(1)
+				return nil, retry
+			}
+		}
 		if err != nil {
 			d.stats.rejected(err)
 			d.logger.Error("Refusing message: unusable event id", err, watermill.LogFields{"message_uuid": msg.UUID})
@@ -189,7 +249,7 @@ func (d *Dedup) rollback(ctx context.Context, tx pgx.Tx, fields watermill.LogFie
 	}
 }
 
-// eventID extracts and validates the message's id, including the stale guard.
+// eventID extracts and validates the message's id.
 func (d *Dedup) eventID(msg *message.Message) (uuid.UUID, error) {
 	id, err := d.cfg.EventIDFunc(msg)
 	if err != nil {
@@ -203,30 +263,36 @@ func (d *Dedup) eventID(msg *message.Message) (uuid.UUID, error) {
 	if err := eventid.Validate(id, d.cfg.AllowNonV7); err != nil {
 		return uuid.Nil, &EventIDError{Reason: err, Value: id.String()}
 	}
-	if id.Version() == 7 && !d.cfg.ProcessStaleEvents {
-		if err := d.staleGuard(id); err != nil {
-			return uuid.Nil, err
-		}
-	}
 	return id, nil
 }
 
-// staleGuard refuses a UUIDv7 older than the retention minus the margin,
-// whose claim the Cleaner may have deleted, so that a redelivery cannot apply
-// it again unnoticed. It lets it through when the consumer group was first
-// seen less than that long ago: none of its claims can have been cleaned (the
-// Cleaner keeps a young group's claims), so the claim still decides.
-func (d *Dedup) staleGuard(id uuid.UUID) error {
+// staleGuard refuses a UUIDv7 whose claim the Cleaner may have deleted
+// (deduplicator.Horizon.Stale), so that a redelivery cannot apply it again
+// unnoticed: an event older than the retention minus the margin, or than the
+// Cleaner's highest cutoff, for a group old enough to have lost claims. A
+// group first seen less than that long ago has lost none, so it drains an
+// old backlog normally. A stale event is refused with a permanent
+// *EventIDError; an error re-reading the retention is returned as retry (the
+// message is retried).
+func (d *Dedup) staleGuard(ctx context.Context, id uuid.UUID) (refused, retry error) {
+	h, err := d.currentHorizon(ctx)
+	if err != nil {
+		return nil, err
+	}
 	sec, nsec := id.Time().UnixTime()
 	created := time.Unix(sec, nsec)
 	now := d.cfg.NowFunc()
-	limit := now.Add(-(d.retention - d.cfg.StaleMargin))
-	if !created.Before(limit) || d.group.FirstSeen.After(limit) {
-		return nil
+	if !h.Stale(created, now, d.cfg.StaleMargin) {
+		return nil, nil
+	}
+	limit := now.Add(-(h.Retention - d.cfg.StaleMargin))
+	cleaned := "never"
+	if !h.CleanedBefore.IsZero() {
+		cleaned = h.CleanedBefore.UTC().Format(time.RFC3339)
 	}
 	return &EventIDError{Reason: ErrStaleEvent, Value: id.String(),
-		Detail: fmt.Sprintf("created %s, before %s (retention %s minus margin %s), and consumer group first seen %s: its claim may have been cleaned",
-			created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), d.retention, d.cfg.StaleMargin, firstSeen(d.group.FirstSeen))}
+		Detail: fmt.Sprintf("created %s, before %s (retention %s minus margin %s) or the cleanup horizon (%s), and consumer group first seen %s: its claim may have been cleaned",
+			created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), h.Retention, d.cfg.StaleMargin, cleaned, firstSeen(h.GroupFirstSeen))}, nil
 }
 
 func firstSeen(t time.Time) string {

@@ -60,20 +60,28 @@ func TestRetentionHasOneSourceOfTruth(t *testing.T) {
 	_, err = idem.NewDedup(idem.Config{DB: f.pool, ConsumerGroup: group, Table: short}, nil)
 	require.ErrorIs(t, err, deduplicator.ErrRetentionMismatch)
 
-	// Shortening it for every component: the running consumers still guard
-	// with 7 days, so the Cleaner refuses to delete at 24 hours.
+	// Shortening it for every component: running consumers may still guard
+	// with 7 days until they re-read it, so for two refresh intervals the
+	// Cleaner keeps applying 7 days and deletes nothing.
 	require.NoError(t, deduplicator.SetRetention(ctx, f.pool, table, 24*time.Hour))
 	c, err = deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: table, DB: f.pool, NowFunc: clock}, nil)
 	require.NoError(t, err)
-	_, err = c.RunOnce(ctx)
-	require.ErrorIs(t, err, deduplicator.ErrRetentionMismatch)
-	require.ErrorContains(t, err, `group "billing"`)
-	require.Equal(t, 1, f.claims(t))
-
-	// The consumers restart and adopt 24 hours; now the Cleaner deletes the
-	// claim, and the redelivery is refused as stale, never applied again.
-	h = f.dedup(t, group, func(c *idem.Config) { c.NowFunc = clock }).Middleware(f.insertHandler(1, &calls))
 	res, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 7*24*time.Hour, res.Retention)
+	require.Zero(t, res.Deleted)
+	_, err = h(f.msg(id)) // the running consumer, on its 7-day view: a duplicate
+	require.NoError(t, err)
+	require.EqualValues(t, 1, calls.Load())
+
+	// Once every consumer has re-read it (here: restarted), the Cleaner
+	// deletes the claim at 24 hours, and the redelivery is refused as stale,
+	// never applied again.
+	later := func() time.Time { return now.Add(2*deduplicator.RetentionRefreshInterval + time.Second) }
+	h = f.dedup(t, group, func(c *idem.Config) { c.NowFunc = later }).Middleware(f.insertHandler(1, &calls))
+	c, err = deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: table, DB: f.pool, NowFunc: later}, nil)
+	require.NoError(t, err)
+	res, err = c.RunOnce(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, res.Deleted)
 	require.Equal(t, 24*time.Hour, res.Retention)
@@ -81,6 +89,45 @@ func TestRetentionHasOneSourceOfTruth(t *testing.T) {
 	require.ErrorIs(t, err, idem.ErrStaleEvent)
 	require.EqualValues(t, 1, calls.Load())
 	require.Equal(t, 1, f.ledgerRows(t))
+}
+
+// Lengthening the retention does not revive the events whose claims the
+// Cleaner already deleted under the shorter one: the table records the
+// Cleaner's highest cutoff, and the guard keeps refusing events before it.
+func TestLengtheningRetentionKeepsCleanedEventsStale(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newLedgerFixture(t)
+	table := deduplicator.TableConfig{Schema: f.db.Schema}
+	const group = "billing"
+	ageGroup(t, f.db, group)
+	now := time.Now()
+	var calls atomic.Int32
+	h := f.dedup(t, group, func(c *idem.Config) { c.NowFunc = func() time.Time { return now } }).Middleware(f.insertHandler(1, &calls))
+	id := staleIDAt(now.Add(-6 * 24 * time.Hour))
+	_, err := h(f.msg(id))
+	require.NoError(t, err)
+
+	// Two days later the claim is older than 7 days: cleaned.
+	later := func() time.Time { return now.Add(2 * 24 * time.Hour) }
+	c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: table, DB: f.pool, NowFunc: later}, nil)
+	require.NoError(t, err)
+	res, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, res.Deleted)
+
+	// 30 days from now on: the event is inside the new retention, but its
+	// claim is gone, so the restarted consumer refuses it.
+	require.NoError(t, deduplicator.SetRetention(ctx, f.pool, table, 30*24*time.Hour))
+	h = f.dedup(t, group, func(c *idem.Config) { c.NowFunc = later }).Middleware(f.insertHandler(1, &calls))
+	_, err = h(f.msg(id))
+	require.ErrorIs(t, err, idem.ErrStaleEvent)
+	require.ErrorContains(t, err, "cleanup horizon")
+	require.EqualValues(t, 1, calls.Load())
+	// An event created after the cleanup horizon is processed normally.
+	_, err = h(f.msg(staleIDAt(now.Add(-4 * 24 * time.Hour))))
+	require.NoError(t, err)
+	require.EqualValues(t, 2, calls.Load())
 }
 
 // §8: a brand-new group reading an old topic from the oldest offset applies
