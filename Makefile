@@ -5,6 +5,7 @@
 GO            ?= go
 STATICCHECK   := honnef.co/go/tools/cmd/staticcheck@v0.7.0
 TEST_FLAGS    ?= -race -count=1 -timeout 10m
+BENCHTIME     ?= 500ms
 PKGS          := ./...
 
 .DEFAULT_GOAL := help
@@ -34,6 +35,10 @@ bench: ## Benchmarks as ratios against same-run baselines; writes docs/benchmark
 .PHONY: bench/short
 bench/short: ## A quick benchmark pass (CI smoke), prints the table only
 	$(GO) run ./internal/cmd/bench -short
+
+.PHONY: bench/go
+bench/go: ## Go benchmarks (testing.B) of the per-message hot path: ns/op, allocs, round trips (BENCHTIME=500ms)
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
 
 .PHONY: demo
 demo: ## Run the billing example end to end (orders, billing with Idempotency-Key, notifications) with injected faults

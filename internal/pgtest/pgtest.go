@@ -14,6 +14,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/internal/rtcount"
 )
 
 // DefaultURL is used when DATABASE_URL is not set.
@@ -92,6 +94,27 @@ func New(tb testing.TB, maxConns int32) *DB {
 		}
 	})
 	return db
+}
+
+// CountingPool returns a second pool on db's schema, of at most maxConns
+// connections, whose PostgreSQL round trips are counted on rt. It never pings
+// a connection on acquire (pgxpool does after a second idle, which would add
+// a round trip). It is closed when the test or benchmark ends.
+func (db *DB) CountingPool(tb testing.TB, maxConns int32, rt *rtcount.Counter) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		tb.Fatalf("pgtest: %v", err)
+	}
+	cfg.MaxConns = maxConns
+	cfg.ConnConfig.DialFunc = rt.DialFunc()
+	cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatalf("pgtest: counting pool: %v", err)
+	}
+	tb.Cleanup(pool.Close)
+	return pool
 }
 
 // SchemaName turns a test name into a unique, valid schema name.

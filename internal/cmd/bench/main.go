@@ -36,6 +36,13 @@ func main() {
 	b.WriteString("measured in the same run: either alternated round by round, or (where noted) interleaved call by call so\n")
 	b.WriteString("that both sides share the same moments of a noisy machine. Cells show the median and (min–max) over rounds;\n")
 	b.WriteString("absolute msg/s are this machine's, for scale only. `make bench/short` is the quick CI pass.\n\n")
+	b.WriteString("`make bench/go` runs the Go benchmarks kept next to the code (`go test -run '^$' -bench . -benchmem ./...`):\n")
+	b.WriteString("`BenchmarkDedup/first`, `BenchmarkDedup/duplicate` and their baseline `BenchmarkPlainTx` in `middleware`,\n")
+	b.WriteString("`BenchmarkPublishInTx` in `outbox`, `BenchmarkStamp` in `publisher`. They handle one message at a time on one\n")
+	b.WriteString("connection and report ns/op, allocations and PostgreSQL round trips per message (`roundtrips/op`, counted at the\n")
+	b.WriteString("net.Conn level): the tools for profiling (`-cpuprofile`) and for comparing two commits with benchstat. A benchmark\n")
+	b.WriteString("and its baseline run one after the other, so on a shared machine their ns/op can differ by more than the cost\n")
+	b.WriteString("being measured; the ratios on this page come from `make bench`, which interleaves them.\n\n")
 	fmt.Fprintf(&b, "- date: %s\n- CPUs: %d (%s/%s), load average at start: %s\n- Go: %s\n- PostgreSQL: %s (synchronous_commit = %s)\n- Kafka: %s\n- mode: %s, %d rounds\n\n",
 		time.Now().UTC().Format(time.RFC3339), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, loadAvg(), runtime.Version(),
 		pgSetting(ctx, "server_version"), pgSetting(ctx, "synchronous_commit"), kafkaDesc(o.Brokers), mode(*short), *rounds)
