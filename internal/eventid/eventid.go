@@ -206,7 +206,7 @@ func FromPayload(payload []byte) (uuid.UUID, error) {
 // the top level is decoded once, skipping the other members' values.
 func PayloadID(payload []byte) (id uuid.UUID, found bool, err error) {
 	id, st, err := payloadID(payload)
-	return id, st == payloadFound, err
+	return id, err == nil && st == payloadFound, err
 }
 
 // payloadState says what payloadID found.
