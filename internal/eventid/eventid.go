@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"strings"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -202,8 +201,9 @@ func FromPayload(payload []byte) (uuid.UUID, error) {
 // twice, is an *Error (Source "payload"). It parses but does not Validate.
 //
 // A payload without the bytes "eventId" (and without any backslash, which
-// could spell the key with escapes) is answered without decoding; otherwise
-// the top level is decoded once, skipping the other members' values.
+// could spell the key with escapes) is answered without parsing; otherwise
+// it is validated by encoding/json and its top level walked once, without
+// decoding or copying the other members' values.
 func PayloadID(payload []byte) (id uuid.UUID, found bool, err error) {
 	id, st, err := payloadID(payload)
 	return id, err == nil && st == payloadFound, err
@@ -249,37 +249,38 @@ func payloadID(payload []byte) (uuid.UUID, payloadState, error) {
 
 // topLevelField returns the raw JSON value of the top-level member eventId
 // of payload (state payloadFound), or why there is none.
-func topLevelField(payload []byte) (json.RawMessage, payloadState) {
+//
+// encoding/json validates the whole payload first (json.Valid: one scan, no
+// allocation); the walk below then only has to find the extent of each
+// top-level member in input known to be valid JSON, skipping values without
+// decoding them. Keys are compared after JSON unescaping.
+func topLevelField(payload []byte) ([]byte, payloadState) {
 	if !bytes.Contains(payload, quotedPayloadField) && bytes.IndexByte(payload, '\\') < 0 {
 		return nil, payloadNoKey
 	}
-	dec := json.NewDecoder(bytes.NewReader(payload))
-	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+	if !json.Valid(payload) {
 		return nil, payloadNotObject
 	}
-	var raw json.RawMessage
-	var skip skipValue
+	i := skipSpace(payload, 0)
+	if payload[i] != '{' {
+		return nil, payloadNotObject
+	}
+	var raw []byte
 	n := 0
-	for dec.More() {
-		tok, err := dec.Token()
-		if err != nil {
-			return nil, payloadNotObject
-		}
-		if key, _ := tok.(string); key == PayloadField {
+	for i = skipSpace(payload, i+1); payload[i] != '}'; {
+		keyEnd := stringEnd(payload, i)
+		key := payload[i:keyEnd]
+		i = skipSpace(payload, keyEnd) + 1 // the colon
+		i = skipSpace(payload, i)
+		end := valueEnd(payload, i)
+		if isPayloadField(key) {
 			n++
-			err = dec.Decode(&raw)
-		} else {
-			err = dec.Decode(&skip)
+			raw = payload[i:end]
 		}
-		if err != nil {
-			return nil, payloadNotObject
+		i = skipSpace(payload, end)
+		if payload[i] == ',' {
+			i = skipSpace(payload, i+1)
 		}
-	}
-	if tok, err := dec.Token(); err != nil || tok != json.Delim('}') {
-		return nil, payloadNotObject
-	}
-	if _, err := dec.Token(); err != io.EOF {
-		return nil, payloadNotObject // trailing data: not one JSON value
 	}
 	switch n {
 	case 0:
@@ -291,10 +292,70 @@ func topLevelField(payload []byte) (json.RawMessage, payloadState) {
 	}
 }
 
-// skipValue consumes a JSON value without copying it.
-type skipValue struct{}
+// isPayloadField reports whether the JSON string key (quotes included)
+// spells PayloadField, escapes resolved.
+func isPayloadField(key []byte) bool {
+	if bytes.IndexByte(key, '\\') < 0 {
+		return string(key[1:len(key)-1]) == PayloadField
+	}
+	var s string
+	return json.Unmarshal(key, &s) == nil && s == PayloadField
+}
 
-func (skipValue) UnmarshalJSON([]byte) error { return nil }
+// The helpers below walk JSON already checked by json.Valid, so they need
+// no bounds or syntax checks of their own.
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// stringEnd returns the index just after the string starting at b[i] == '"'.
+func stringEnd(b []byte, i int) int {
+	for i++; ; {
+		i += bytes.IndexAny(b[i:], `"\`)
+		if b[i] == '"' {
+			return i + 1
+		}
+		i += 2 // a backslash and the escaped byte (\uXXXX's hex digits need no care)
+	}
+}
+
+// valueEnd returns the index just after the value starting at b[i].
+func valueEnd(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		return stringEnd(b, i)
+	case '{', '[':
+		depth := 0
+		for {
+			switch b[i] {
+			case '"':
+				i = stringEnd(b, i)
+				continue
+			case '{', '[':
+				depth++
+			case '}', ']':
+				depth--
+				if depth == 0 {
+					return i + 1
+				}
+			}
+			i++
+		}
+	default: // number, true, false, null
+		for i < len(b) {
+			switch b[i] {
+			case ',', '}', ']', ' ', '\t', '\n', '\r':
+				return i
+			}
+			i++
+		}
+		return i
+	}
+}
 
 // isJSONObject reports whether payload is one valid JSON object.
 func isJSONObject(payload []byte) bool {

@@ -31,6 +31,8 @@ func TestPayloadID(t *testing.T) {
 		{"key spelled with escapes", `{"\u0065ventId":"` + s + `"}`, true, nil},
 		{"value spelled with escapes", `{"eventId":"` + fmt.Sprintf(`\u%04x`, s[0]) + s[1:] + `"}`, true, nil},
 		{"surrounding whitespace", " \n{ \"eventId\" : \"" + s + "\" }\t\n", true, nil},
+		{"after tricky members", `{"a":"}\"{[","b":[1,"]",{"c":"\\"},[]],"n":-1.5e10,"t":true,"z":null,"eventId":"` + s + `"}`, true, nil},
+		{"after an escaped key", `{"\"eventId\"":1,"eventId":"` + s + `"}`, true, nil},
 
 		{"empty payload", ``, false, nil},
 		{"not JSON", `amount=1 eventId=` + s, false, nil},
@@ -160,6 +162,8 @@ func FuzzPayloadID(f *testing.F) {
 		`{"eventId":"` + v7 + `"} {}`,
 		`{"eventId":"` + v7 + `"`,
 		`[{"eventId":"` + v7 + `"}]`,
+		`{"a":"}\"{[","b":[1,"]",{"c":"\\"},[]],"n":-1.5e10,"t":true,"eventId":"` + v7 + `"}`,
+		`{"\"eventId\"":1,"x":{"eventId":2}}`,
 		`{"eventId":null}`, `{"eventId":""}`, `{"eventId":7}`, `"eventId"`, `{}`, ``, "\xff",
 	} {
 		f.Add([]byte(seed))
