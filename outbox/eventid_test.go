@@ -6,10 +6,12 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -36,16 +38,43 @@ func TestOutbox_SamePayloadTwice_OneEventID_AppliedOnce(t *testing.T) {
 		"both rows carry the payload's eventId as event_id")
 
 	e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}})
+
+	// The consumer: a router with the dedup middleware.
+	ctx := context.Background()
+	logger := watermill.NopLogger{}
 	const group = "payload-id-consumer"
-	e.service(t, topic, group, "", func(m *message.Message) ([]*message.Message, error) {
+	table := deduplicator.TableConfig{Schema: e.db.Schema}
+	require.NoError(t, deduplicator.Migrate(ctx, e.db.Pool, table))
+	dedup, err := idem.NewDedup(idem.Config{DB: e.db.Pool, ConsumerGroup: group, Table: table}, logger)
+	require.NoError(t, err)
+	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: e.broker.Addrs}, group)
+	require.NoError(t, err)
+	sub, err := kafka.NewSubscriber(subCfg, logger)
+	require.NoError(t, err)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	require.NoError(t, err)
+	router.AddMiddleware(dedup.Middleware)
+	router.AddConsumerHandler(group, topic, sub, func(m *message.Message) error {
 		ctx := m.Context()
 		id, _ := idem.EventIDFromContext(ctx)
 		_, err := idem.MustTxFromContext(ctx).Exec(ctx, `INSERT INTO applied VALUES ($1)`, id)
-		return nil, err
+		return err
 	})
-	require.Eventually(t, func() bool { return groupOffsets(t, e.broker.Addrs, group, topic) == 2 },
-		eventuallyTimeout, 20*time.Millisecond, "both copies consumed")
+	go func() { _ = router.Run(ctx) }()
+	t.Cleanup(func() {
+		_ = router.Close()
+		_ = sub.Close()
+	})
+	<-router.Running()
 
+	require.Eventually(t, func() bool {
+		st := dedup.Stats()
+		return st.Processed+st.Duplicates == 2
+	}, eventuallyTimeout, 20*time.Millisecond, "both copies consumed")
+	st := dedup.Stats()
+	require.EqualValues(t, 1, st.Processed)
+	require.EqualValues(t, 1, st.Duplicates, "the second copy is the same event")
+	require.Zero(t, st.Rejected.Total())
 	require.Equal(t, 1, e.db.Count(t, `SELECT 1 FROM applied`), "applied once")
 	require.Equal(t, 1, e.db.Count(t, `SELECT 1 FROM applied WHERE event_id = $1`, x))
 	require.Equal(t, 1, e.db.Count(t, `SELECT 1 FROM processed_event WHERE event_id = $1 AND consumer_group = $2`, x, group))
