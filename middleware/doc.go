@@ -14,7 +14,8 @@
 // # How a message is handled
 //
 // [Dedup.Middleware] reads the event id (metadata "event_id", else the JSON
-// payload field "eventId"; see [DefaultEventIDFunc]), begins a transaction,
+// payload field "eventId", the two agreeing when both are there; see
+// [DefaultEventIDFunc] and [HeaderFirstEventIDFunc]), begins a transaction,
 // and claims (event id, consumer group) in the processed_event table with
 // INSERT ... ON CONFLICT DO NOTHING ([deduplicator.Deduplicator.Claim]):
 //
@@ -70,8 +71,9 @@
 //
 // A message whose event id is missing ([ErrMissingEventID]), malformed
 // ([ErrInvalidEventID]), the nil UUID ([ErrNilEventID]), not a UUIDv7
-// ([ErrNotUUIDv7], unless [Config.AllowNonV7]) or stale ([ErrStaleEvent],
-// see below) is refused before any transaction begins, with
+// ([ErrNotUUIDv7], unless [Config.AllowNonV7]), different in the metadata
+// and the payload ([ErrEventIDMismatch]) or stale ([ErrStaleEvent], see
+// below) is refused before any transaction begins, with
 // an [*EventIDError] telling why. These errors, [ErrMalformedPayload] and
 // anything wrapped with [Permanent] satisfy [IsPermanent], so
 // PoisonQueueWithFilter routes them to the poison topic (with the reason in

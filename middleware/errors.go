@@ -18,6 +18,10 @@ var (
 	ErrNilEventID = eventid.ErrNil
 	// ErrNotUUIDv7: a valid UUID of another version while UUIDv7 is required.
 	ErrNotUUIDv7 = eventid.ErrNotV7
+	// ErrEventIDMismatch: the event_id metadata and the JSON payload field
+	// eventId name different ids. [DefaultEventIDFunc] and the publisher's
+	// stamping refuse to choose; [HeaderFirstEventIDFunc] lets the metadata win.
+	ErrEventIDMismatch = eventid.ErrMismatch
 	// ErrStaleEvent: the UUIDv7 time is older than the dedup retention, so a
 	// dedup row may already be gone and the middleware cannot vouch that the
 	// event was not applied before.
@@ -50,7 +54,7 @@ func Permanent(err error) error {
 
 // IsPermanent reports whether err means the message can never be processed
 // and belongs in a poison queue rather than being retried: the event-id
-// errors, ErrStaleEvent, ErrMalformedPayload and anything wrapped by
+// errors (ErrEventIDMismatch included), ErrStaleEvent, ErrMalformedPayload and anything wrapped by
 // [Permanent]. Use it as the filter of watermill's PoisonQueueWithFilter.
 func IsPermanent(err error) bool {
 	if err == nil {
@@ -60,7 +64,7 @@ func IsPermanent(err error) bool {
 	if errors.As(err, &pe) {
 		return true
 	}
-	for _, s := range []error{ErrMissingEventID, ErrInvalidEventID, ErrNilEventID, ErrNotUUIDv7, ErrStaleEvent, ErrMalformedPayload} {
+	for _, s := range []error{ErrMissingEventID, ErrInvalidEventID, ErrNilEventID, ErrNotUUIDv7, ErrEventIDMismatch, ErrStaleEvent, ErrMalformedPayload} {
 		if errors.Is(err, s) {
 			return true
 		}

@@ -110,29 +110,6 @@ func TestEventIDFromJSONPayloadWhenNoMetadata(t *testing.T) {
 	require.Equal(t, 1, f.db.Count(t, "SELECT 1 FROM ledger WHERE event_id = $1", id))
 }
 
-func TestMetadataEventIDWinsOverPayload(t *testing.T) {
-	t.Parallel()
-	f := newLedgerFixture(t)
-	var calls atomic.Int32
-	h := f.dedup(t, "billing", nil).Middleware(f.insertHandler(1, &calls))
-
-	header, inPayload := publisher.NewEventID(), publisher.NewEventID()
-	m := message.NewMessage(uuid.NewString(), []byte(`{"eventId":"`+inPayload.String()+`"}`))
-	m.Metadata.Set(publisher.MetadataEventID, header.String())
-	_, err := h(m)
-	require.NoError(t, err)
-	require.Equal(t, 1, f.db.Count(t, "SELECT 1 FROM processed_event WHERE event_id = $1", header))
-	require.Zero(t, f.db.Count(t, "SELECT 1 FROM processed_event WHERE event_id = $1", inPayload))
-
-	// A malformed header is refused even when the payload has a valid id:
-	// the header is authoritative, never silently replaced.
-	m = message.NewMessage(uuid.NewString(), []byte(`{"eventId":"`+inPayload.String()+`"}`))
-	m.Metadata.Set(publisher.MetadataEventID, "garbage")
-	_, err = h(m)
-	require.ErrorIs(t, err, idem.ErrInvalidEventID)
-	require.EqualValues(t, 1, calls.Load())
-}
-
 func TestMetadataEventIDFuncIgnoresPayload(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)

@@ -8,8 +8,9 @@
 // Rows are written through watermill-sql v4 on the caller's pgx.Tx
 // (sql.TxFromPgx), one table per topic in watermill-sql's PostgreSQL layout,
 // so they commit or vanish with the business change. Every message is
-// stamped first (publisher.Stamp: a UUIDv7 event_id, occurred_at, and inside
-// a handler causation_id and correlation_id).
+// stamped first (publisher.Stamp: a UUIDv7 event_id, taken from the payload's
+// JSON field eventId when it has one, occurred_at, and inside a handler
+// causation_id and correlation_id).
 //
 //	ob, _ := outbox.New(outbox.Config{Topics: []string{"orders"}}, logger)
 //	_ = ob.Migrate(ctx, pool) // at start-up: CREATE TABLE IF NOT EXISTS

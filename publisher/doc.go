@@ -5,10 +5,13 @@
 //
 // # Stamping
 //
-// [Stamp] applies the rule: keep a valid event_id; else reuse msg.UUID when it
-// is a UUIDv7; else generate a new UUIDv7 ([NewEventID]). It never overwrites
-// the caller's msg.UUID and never replaces an existing invalid event_id (that
-// is a *[StampError], permanent for the middleware). It also writes
+// [Stamp] applies the rule: keep a valid event_id; else copy a UUIDv7 from the
+// payload's top-level JSON field eventId (the event's own id: the same payload
+// published twice is one event); else reuse msg.UUID when it is a UUIDv7; else
+// generate a new UUIDv7 ([NewEventID]). It never overwrites the caller's
+// msg.UUID and never replaces an existing invalid event_id; a payload eventId
+// that is not a UUIDv7 or that differs from the event_id metadata is refused
+// too (each a *[StampError], permanent for the middleware). It also writes
 // occurred_at (RFC 3339) and, inside a handler wrapped by the dedup
 // middleware, causation_id (the incoming event id) and correlation_id
 // (carried through the chain). [WithPartitionKey] sets the aggregate id that

@@ -11,10 +11,12 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 )
 
-// StampError is returned by [Stamp] for a message whose existing event_id
-// metadata is unusable. It is the same type as the middleware's
-// EventIDError and unwraps to one of its sentinels (ErrInvalidEventID,
-// ErrNilEventID, ErrNotUUIDv7), so middleware.IsPermanent reports true.
+// StampError is returned by [Stamp] for a message whose event id cannot be
+// settled: an unusable existing event_id metadata, an unusable eventId in
+// the JSON payload, or the two naming different ids. It is the same type as
+// the middleware's EventIDError and unwraps to one of its sentinels
+// (ErrInvalidEventID, ErrNilEventID, ErrNotUUIDv7, ErrEventIDMismatch), so
+// middleware.IsPermanent reports true.
 type StampError = eventid.Error
 
 // Stamp gives msg the metadata every event must carry, following the
@@ -23,8 +25,16 @@ type StampError = eventid.Error
 //   - event_id: an existing valid UUIDv7 is kept; an existing but invalid,
 //     nil or non-v7 value is an error (*StampError), never silently
 //     replaced, because another copy of the same event may already be out
-//     with it. Otherwise msg.UUID is reused when it is a UUIDv7, else a new
-//     UUIDv7 is generated. An empty event_id counts as absent.
+//     with it. Otherwise a UUIDv7 in the payload's top-level JSON field
+//     eventId is copied (the event's own id: publishing the same payload
+//     twice gives one event id), else msg.UUID is reused when it is a
+//     UUIDv7, else a new UUIDv7 is generated. An empty event_id counts as
+//     absent.
+//   - a payload eventId that is present but not a canonical UUIDv7 string
+//     is an error, and so is one that differs from the event_id metadata
+//     (ErrEventIDMismatch): Stamp never chooses between two ids. A null or
+//     empty eventId, a payload that is not JSON or not a JSON object, and a
+//     field nested deeper count as no payload id.
 //   - msg.UUID is never overwritten; an empty one is set to the event id.
 //   - occurred_at: the current UTC time in RFC 3339 (nanoseconds), unless set.
 //   - causation_id: when ctx comes from a handler wrapped by the dedup
@@ -33,7 +43,8 @@ type StampError = eventid.Error
 //     the incoming event id when that message had none (it started the
 //     chain).
 //
-// Stamp is idempotent: stamping a stamped message changes nothing.
+// On error msg is left unchanged (apart from a nil Metadata becoming
+// empty). Stamp is idempotent: stamping a stamped message changes nothing.
 func Stamp(ctx context.Context, msg *message.Message) (uuid.UUID, error) {
 	if msg.Metadata == nil {
 		msg.Metadata = message.Metadata{}
@@ -64,6 +75,7 @@ func Stamp(ctx context.Context, msg *message.Message) (uuid.UUID, error) {
 }
 
 func stampEventID(msg *message.Message) (uuid.UUID, error) {
+	var header uuid.UUID
 	if v := msg.Metadata.Get(MetadataEventID); v != "" {
 		id, err := eventid.Parse(v)
 		if err == nil {
@@ -73,7 +85,26 @@ func stampEventID(msg *message.Message) (uuid.UUID, error) {
 			return uuid.Nil, &StampError{Reason: err, Source: "metadata", Value: truncate(v),
 				Detail: "message " + truncate(msg.UUID) + " already has an event_id that is not a valid UUIDv7; Stamp does not replace it"}
 		}
-		return id, nil
+		header = id
+	}
+	payload, inPayload, err := eventid.PayloadID(msg.Payload)
+	if err != nil {
+		return uuid.Nil, err
+	}
+	if inPayload {
+		if err := eventid.Validate(payload, false); err != nil {
+			return uuid.Nil, &StampError{Reason: err, Source: "payload", Value: payload.String(),
+				Detail: "the payload's eventId must be a UUIDv7"}
+		}
+	}
+	switch {
+	case header != uuid.Nil && inPayload && header != payload:
+		return uuid.Nil, eventid.MismatchError(header, payload)
+	case header != uuid.Nil:
+		return header, nil
+	case inPayload:
+		msg.Metadata.Set(MetadataEventID, payload.String())
+		return payload, nil
 	}
 	if id, err := eventid.Parse(msg.UUID); err == nil && eventid.Validate(id, false) == nil {
 		msg.Metadata.Set(MetadataEventID, id.String())

@@ -4,6 +4,7 @@
 package eventid
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -32,6 +33,9 @@ var (
 	ErrNotV7            = errors.New("event id is not a UUIDv7")
 	ErrStale            = errors.New("event is older than the dedup retention")
 	ErrMalformedPayload = errors.New("malformed payload")
+	// ErrMismatch: the event_id metadata and the JSON payload field eventId
+	// are both present and name different ids.
+	ErrMismatch = errors.New("event_id metadata and payload eventId disagree")
 )
 
 // Error describes why a message's event id was refused. It unwraps to one of
@@ -105,47 +109,256 @@ func Validate(id uuid.UUID, allowNonV7 bool) error {
 	return nil
 }
 
-// FromMessage extracts the event id from the metadata key event_id, falling
-// back to the top-level JSON payload field eventId when the key is absent. It
-// parses but does not Validate.
+// FromMessage extracts the event id from the metadata key event_id and the
+// top-level JSON payload field eventId. With only one of them present, that
+// one is the id. With both, they must name the same UUID: different ids are
+// an *Error wrapping ErrMismatch, and a payload field that is present but not
+// a canonical UUID string is refused too (the two cannot be checked against
+// each other). A present but empty event_id is ErrMissing. It parses but does
+// not Validate.
 func FromMessage(msg *message.Message) (uuid.UUID, error) {
+	v, ok := msg.Metadata[MetadataEventID]
+	if !ok {
+		return FromPayload(msg.Payload)
+	}
+	id, err := fromMetadata(v)
+	if err != nil {
+		return uuid.Nil, err
+	}
+	pid, found, err := PayloadID(msg.Payload)
+	if err != nil {
+		return uuid.Nil, err
+	}
+	if found && pid != id {
+		return uuid.Nil, MismatchError(id, pid)
+	}
+	return id, nil
+}
+
+// FromMessageHeaderFirst extracts the event id from the metadata key
+// event_id, falling back to the top-level JSON payload field eventId only
+// when the key is absent; the payload is not read when the key is present.
+// It parses but does not Validate.
+func FromMessageHeaderFirst(msg *message.Message) (uuid.UUID, error) {
 	if v, ok := msg.Metadata[MetadataEventID]; ok {
-		if v == "" {
-			return uuid.Nil, &Error{Reason: ErrMissing, Source: "metadata", Detail: "event_id metadata is present but empty"}
-		}
-		id, err := Parse(v)
-		if err != nil {
-			return uuid.Nil, &Error{Reason: err, Source: "metadata", Value: truncate(v)}
-		}
-		return id, nil
+		return fromMetadata(v)
 	}
 	return FromPayload(msg.Payload)
 }
 
-// FromPayload extracts the top-level JSON field eventId from payload.
+// MismatchError is the *Error for a message whose event_id metadata and
+// payload eventId name different ids.
+func MismatchError(metadata, payload uuid.UUID) *Error {
+	return &Error{Reason: ErrMismatch, Source: "payload", Value: payload.String(),
+		Detail: "the event_id metadata is " + metadata.String()}
+}
+
+func fromMetadata(v string) (uuid.UUID, error) {
+	if v == "" {
+		return uuid.Nil, &Error{Reason: ErrMissing, Source: "metadata", Detail: "event_id metadata is present but empty"}
+	}
+	id, err := Parse(v)
+	if err != nil {
+		return uuid.Nil, &Error{Reason: err, Source: "metadata", Value: truncate(v)}
+	}
+	return id, nil
+}
+
+// FromPayload extracts the top-level JSON field eventId from payload; its
+// absence (or a null or empty value) is ErrMissing. See [PayloadID].
 func FromPayload(payload []byte) (uuid.UUID, error) {
-	if len(payload) == 0 {
-		return uuid.Nil, &Error{Reason: ErrMissing, Source: "payload", Detail: "no event_id metadata and an empty payload"}
+	id, st, err := payloadID(payload)
+	if err != nil {
+		return uuid.Nil, err
 	}
-	var p struct {
-		EventID *json.RawMessage `json:"eventId"`
+	var detail string
+	switch st {
+	case payloadFound:
+		return id, nil
+	case payloadNull:
+		detail = "eventId is null"
+	case payloadEmpty:
+		detail = "eventId is empty"
+	default:
+		switch {
+		case len(payload) == 0:
+			detail = "no event_id metadata and an empty payload"
+		case st == payloadNotObject || !isJSONObject(payload):
+			detail = "no event_id metadata and the payload is not a JSON object"
+		default:
+			detail = "no event_id metadata and no eventId field in the JSON payload"
+		}
 	}
-	if err := json.Unmarshal(payload, &p); err != nil {
-		return uuid.Nil, &Error{Reason: ErrMissing, Source: "payload", Detail: "no event_id metadata and the payload is not a JSON object"}
-	}
-	if p.EventID == nil {
-		return uuid.Nil, &Error{Reason: ErrMissing, Source: "payload", Detail: "no event_id metadata and no eventId field in the JSON payload"}
+	return uuid.Nil, &Error{Reason: ErrMissing, Source: "payload", Detail: detail}
+}
+
+// PayloadID reads the event id from the top-level field eventId of a JSON
+// object payload. found is false, with a nil error, when there is no id:
+// the payload is empty, not JSON, JSON but not an object, an object without
+// the field, or the field is null or "". The key is matched exactly (case
+// sensitive, after JSON unescaping); a key nested deeper is not the field. A
+// field that is present but not a canonical UUID string, or that appears
+// twice, is an *Error (Source "payload"). It parses but does not Validate.
+//
+// A payload without the bytes "eventId" (and without any backslash, which
+// could spell the key with escapes) is answered without parsing; otherwise
+// it is validated by encoding/json and its top level walked once, without
+// decoding or copying the other members' values.
+func PayloadID(payload []byte) (id uuid.UUID, found bool, err error) {
+	id, st, err := payloadID(payload)
+	return id, err == nil && st == payloadFound, err
+}
+
+// payloadState says what payloadID found.
+type payloadState uint8
+
+const (
+	payloadNoKey     payloadState = iota // no eventId key (the payload may not even be JSON)
+	payloadNotObject                     // empty, not JSON, or JSON that is not an object
+	payloadNull                          // "eventId": null
+	payloadEmpty                         // "eventId": ""
+	payloadDuplicate                     // eventId appears more than once
+	payloadFound                         // a canonical UUID string
+)
+
+var quotedPayloadField = []byte(`"` + PayloadField + `"`)
+
+func payloadID(payload []byte) (uuid.UUID, payloadState, error) {
+	raw, st := topLevelField(payload)
+	switch {
+	case st == payloadDuplicate:
+		return uuid.Nil, st, &Error{Reason: ErrInvalid, Source: "payload", Detail: "eventId appears more than once in the JSON object"}
+	case st != payloadFound:
+		return uuid.Nil, st, nil
+	case string(raw) == "null":
+		return uuid.Nil, payloadNull, nil
 	}
 	var s string
-	if err := json.Unmarshal(*p.EventID, &s); err != nil {
-		return uuid.Nil, &Error{Reason: ErrInvalid, Source: "payload", Value: truncate(string(*p.EventID)), Detail: "eventId is not a JSON string"}
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return uuid.Nil, st, &Error{Reason: ErrInvalid, Source: "payload", Value: truncate(string(raw)), Detail: "eventId is not a JSON string"}
 	}
 	if s == "" {
-		return uuid.Nil, &Error{Reason: ErrMissing, Source: "payload", Detail: "eventId is empty"}
+		return uuid.Nil, payloadEmpty, nil
 	}
 	id, err := Parse(s)
 	if err != nil {
-		return uuid.Nil, &Error{Reason: err, Source: "payload", Value: truncate(s)}
+		return uuid.Nil, st, &Error{Reason: err, Source: "payload", Value: truncate(s)}
 	}
-	return id, nil
+	return id, payloadFound, nil
+}
+
+// topLevelField returns the raw JSON value of the top-level member eventId
+// of payload (state payloadFound), or why there is none.
+//
+// encoding/json validates the whole payload first (json.Valid: one scan, no
+// allocation); the walk below then only has to find the extent of each
+// top-level member in input known to be valid JSON, skipping values without
+// decoding them. Keys are compared after JSON unescaping.
+func topLevelField(payload []byte) ([]byte, payloadState) {
+	if !bytes.Contains(payload, quotedPayloadField) && bytes.IndexByte(payload, '\\') < 0 {
+		return nil, payloadNoKey
+	}
+	if !json.Valid(payload) {
+		return nil, payloadNotObject
+	}
+	i := skipSpace(payload, 0)
+	if payload[i] != '{' {
+		return nil, payloadNotObject
+	}
+	var raw []byte
+	n := 0
+	for i = skipSpace(payload, i+1); payload[i] != '}'; {
+		keyEnd := stringEnd(payload, i)
+		key := payload[i:keyEnd]
+		i = skipSpace(payload, keyEnd) + 1 // the colon
+		i = skipSpace(payload, i)
+		end := valueEnd(payload, i)
+		if isPayloadField(key) {
+			n++
+			raw = payload[i:end]
+		}
+		i = skipSpace(payload, end)
+		if payload[i] == ',' {
+			i = skipSpace(payload, i+1)
+		}
+	}
+	switch n {
+	case 0:
+		return nil, payloadNoKey
+	case 1:
+		return raw, payloadFound
+	default:
+		return nil, payloadDuplicate
+	}
+}
+
+// isPayloadField reports whether the JSON string key (quotes included)
+// spells PayloadField, escapes resolved.
+func isPayloadField(key []byte) bool {
+	if bytes.IndexByte(key, '\\') < 0 {
+		return string(key[1:len(key)-1]) == PayloadField
+	}
+	var s string
+	return json.Unmarshal(key, &s) == nil && s == PayloadField
+}
+
+// The helpers below walk JSON already checked by json.Valid, so they need
+// no bounds or syntax checks of their own.
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// stringEnd returns the index just after the string starting at b[i] == '"'.
+func stringEnd(b []byte, i int) int {
+	for i++; ; {
+		i += bytes.IndexAny(b[i:], `"\`)
+		if b[i] == '"' {
+			return i + 1
+		}
+		i += 2 // a backslash and the escaped byte (\uXXXX's hex digits need no care)
+	}
+}
+
+// valueEnd returns the index just after the value starting at b[i].
+func valueEnd(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		return stringEnd(b, i)
+	case '{', '[':
+		depth := 0
+		for {
+			switch b[i] {
+			case '"':
+				i = stringEnd(b, i)
+				continue
+			case '{', '[':
+				depth++
+			case '}', ']':
+				depth--
+				if depth == 0 {
+					return i + 1
+				}
+			}
+			i++
+		}
+	default: // number, true, false, null
+		for i < len(b) {
+			switch b[i] {
+			case ',', '}', ']', ' ', '\t', '\n', '\r':
+				return i
+			}
+			i++
+		}
+		return i
+	}
+}
+
+// isJSONObject reports whether payload is one valid JSON object.
+func isJSONObject(payload []byte) bool {
+	b := bytes.TrimLeft(payload, " \t\r\n")
+	return len(b) > 0 && b[0] == '{' && json.Valid(payload)
 }

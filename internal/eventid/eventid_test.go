@@ -12,7 +12,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/eventid"
 )
 
-var sentinels = []error{eventid.ErrMissing, eventid.ErrInvalid, eventid.ErrNil, eventid.ErrNotV7}
+var sentinels = []error{eventid.ErrMissing, eventid.ErrInvalid, eventid.ErrNil, eventid.ErrNotV7, eventid.ErrMismatch}
 
 // FuzzEventID proves that extraction and validation never panic and always
 // end in either a usable id or an *eventid.Error wrapping a sentinel; `go
@@ -43,6 +43,13 @@ func FuzzEventID(f *testing.F) {
 		{"0000000-0000-7000-8000-0000000000000", true, ""},
 		{strings.Repeat("a", 1000), true, ""},
 		{"", false, `{"eventId":"` + strings.Repeat("é", 40) + `"}`},
+		// Header and payload: agreeing, disagreeing, nested, unusable.
+		{v7, true, `{"eventId":"` + strings.ToUpper(v7) + `"}`},
+		{v7, true, `{"eventId":"` + uuid.Must(uuid.NewV7()).String() + `"}`},
+		{v7, true, `{"order":{"eventId":"` + uuid.Must(uuid.NewV7()).String() + `"}}`},
+		{v7, true, `{"eventId":42}`},
+		{v7, true, `{"eventId":"` + v7 + `","eventId":"` + v7 + `"}`},
+		{"", false, `{"\u0065ventId":"` + v7 + `"}`},
 	} {
 		f.Add(seed.header, seed.hasHeader, []byte(seed.payload))
 	}
@@ -52,6 +59,16 @@ func FuzzEventID(f *testing.F) {
 			m.Metadata.Set(eventid.MetadataEventID, header)
 		}
 		id, err := eventid.FromMessage(m)
+		hid, herr := eventid.FromMessageHeaderFirst(m)
+		if err == nil {
+			// Header first is the lenient reading: it agrees whenever the
+			// strict one accepts.
+			require.NoError(t, herr)
+			require.Equal(t, id, hid)
+		}
+		if herr != nil {
+			require.Error(t, err, "header first refuses only what the strict reading refuses too")
+		}
 		if err != nil {
 			require.Equal(t, uuid.Nil, id)
 			var e *eventid.Error
@@ -61,8 +78,12 @@ func FuzzEventID(f *testing.F) {
 			require.NotEmpty(t, e.Error())
 			return
 		}
-		// A parsed id round-trips to the canonical form of its source.
+		// A parsed id round-trips to the canonical form of its source, and a
+		// payload id next to a header names the same UUID.
 		src := header
+		if pid, found, perr := eventid.PayloadID(payload); hasHeader && perr == nil && found {
+			require.Equal(t, id, pid)
+		}
 		if !hasHeader {
 			got, perr := eventid.FromPayload(payload)
 			require.NoError(t, perr)
