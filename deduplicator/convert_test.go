@@ -84,7 +84,9 @@ func TestConvertTable_ReferencePrimaryKey(t *testing.T) {
 			rows := []pair{{x, "billing", june}, {y, "billing", july}, {z, "notifications", june}}
 			insertPairs(t, db, rows...)
 
-			require.False(t, claimRolledBack(t, db, tc, "notifications", x), "the bug: notifications skips x, which only billing processed")
+			// The bug (notifications would skip x, which only billing processed)
+			// cannot be silent: the claim names its conflict target, the key.
+			claimNoMatchingKey(t, db, tc, "notifications", x)
 			requireTableError(t, deduplicator.Migrate(ctx, db.Pool, tc), deduplicator.ErrTableKey, db.Schema+".processed_event")
 
 			res, err := deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{})
@@ -143,7 +145,8 @@ func TestConvertTable_PartitionedByProcessedAt(t *testing.T) {
 				pair{y, "billing", june},
 			)
 
-			require.True(t, claimRolledBack(t, db, tc, "billing", x), "the bug: billing would run x a third time")
+			// The bug (billing would run x a third time) cannot be silent.
+			claimNoMatchingKey(t, db, tc, "billing", x)
 			requireTableError(t, deduplicator.Migrate(ctx, db.Pool, tc), deduplicator.ErrTableKey, db.Schema+".processed_event")
 
 			res, err := deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{})

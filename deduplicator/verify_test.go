@@ -235,6 +235,24 @@ func claimRolledBack(t *testing.T, db *pgtest.DB, tc deduplicator.TableConfig, g
 	return first
 }
 
+// claimNoMatchingKey checks that a claim on a table whose key is not
+// (event_id, consumer_group) fails with SQLSTATE 42P10 (no unique constraint
+// matches the ON CONFLICT target), rather than skipping or re-running an
+// event, even without Check.
+func claimNoMatchingKey(t *testing.T, db *pgtest.DB, tc deduplicator.TableConfig, group string, id uuid.UUID) {
+	t.Helper()
+	ctx := context.Background()
+	d, err := deduplicator.New(deduplicator.Config{TableConfig: tc, ConsumerGroup: group}, nil)
+	require.NoError(t, err)
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = d.Claim(ctx, tx, id)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "42P10", pgErr.Code)
+}
+
 func TestTableErrorMessage(t *testing.T) {
 	t.Parallel()
 	err := error(&deduplicator.TableError{Table: "public.processed_event", Problem: "primary key is (event_id)", Fix: "convert it", Err: deduplicator.ErrTableKey})
