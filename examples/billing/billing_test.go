@@ -37,7 +37,6 @@ func TestDemo(t *testing.T) {
 		ConcurrentDuplicates: 3,
 		LostResponses:        2,
 		ConcurrentLatency:    50 * time.Millisecond,
-		Timeout:              2 * time.Minute,
 		Progress:             &progress,
 	})
 	require.NoError(t, err, progress.String())
@@ -54,13 +53,64 @@ func TestDemo(t *testing.T) {
 	require.Equal(t, 2, rep.Provider.Dropped)
 	require.GreaterOrEqual(t, rep.Provider.Replayed, 2, "each lost response is followed by a call with the same key")
 	require.GreaterOrEqual(t, rep.Billing.Failed, int64(2), "each lost response rolls the billing transaction back")
-	require.Equal(t, 10, rep.Redelivered)
+	require.Equal(t, 10, rep.Republished)
 	require.Equal(t, 9, rep.ConcurrentSent)
-	require.Equal(t, int64(10+9), rep.Billing.Skipped)
-	require.Equal(t, int64(10+9), rep.Notification.Skipped)
-	require.Equal(t, 3, rep.Billing.Poisoned)
-	require.Equal(t, 3, rep.Notification.Poisoned)
+	require.Equal(t, 3, rep.Malformed)
+	require.Equal(t, orders+10+9+3, rep.Published)
+	require.GreaterOrEqual(t, rep.OnTopic, rep.Published)
+	injected := uint64(10 + 9 + rep.Resent())
+	for name, g := range map[string]GroupReport{"billing": rep.Billing, "notification": rep.Notification} {
+		require.Equal(t, uint64(orders), g.Processed, name)
+		require.Equal(t, orders, g.Claims, name)
+		// A rebalance redelivers records whose offsets were not committed
+		// yet: at least the injected duplicates are skipped, maybe more.
+		require.GreaterOrEqual(t, g.Skipped, injected, name)
+		require.GreaterOrEqual(t, g.Rejected, int64(3), name)
+		require.Equal(t, int64(g.Skipped-injected)+g.Rejected-3, int64(g.KafkaRedelivered), "%s: every extra skip or rejection is a record Kafka delivered again", name)
+		require.Equal(t, g.Deliveries, int64(g.Processed)+int64(g.Skipped)+g.Rejected+g.Failed, "%s: deliveries add up", name)
+		require.Equal(t, uint64(g.Rejected+g.Failed), g.MiddlewareErrors, name)
+		require.Equal(t, rep.OnTopic, g.Records, "%s: every record delivered to the end", name)
+		require.Equal(t, int(g.Rejected), g.Poisoned, "%s: one poison record per rejection", name)
+		require.Equal(t, 3, g.PoisonedEvents, name)
+	}
 	require.Contains(t, out.String(), "OK: every order charged once")
+}
+
+// The group checks are exact: a consistent report passes, and each count off
+// by one (a skip the middleware did not count, a delivery counted twice, a
+// lost record...) breaks at least one of them.
+func TestGroupViolations(t *testing.T) {
+	t.Parallel()
+	rep := &Report{Orders: 10, Republished: 2, ConcurrentSent: 3, Malformed: 3}
+	rep.Published = 10 + 2 + 3 + 3
+	rep.OnTopic = rep.Published
+	good := GroupReport{
+		Processed: 10, Skipped: 5 + 2, Rejected: 3 + 1, Failed: 2,
+		MiddlewareErrors: 4 + 2, Records: rep.OnTopic, KafkaRedelivered: 3, Poisoned: 4, PoisonedEvents: 3,
+	}
+	good.Deliveries = good.Added()
+	require.Empty(t, groupViolations(rep, "g", good))
+
+	for name, tc := range map[string]struct {
+		mutate func(*GroupReport)
+		want   string
+	}{
+		"skip not counted":          {func(g *GroupReport) { g.Skipped--; g.KafkaRedelivered-- }, "deliveries"},
+		"delivery counted twice":    {func(g *GroupReport) { g.Deliveries++ }, "deliveries"},
+		"error not counted":         {func(g *GroupReport) { g.MiddlewareErrors-- }, "the middleware counted"},
+		"processed twice":           {func(g *GroupReport) { g.Processed++; g.Deliveries++; g.Records++ }, "handler committed"},
+		"fewer skips than injected": {func(g *GroupReport) { g.Skipped = 4; g.Deliveries = g.Added() }, "want at least 5"},
+		"record never ended":        {func(g *GroupReport) { g.Records-- }, "records on the topic"},
+		"redelivery not seen":       {func(g *GroupReport) { g.KafkaRedelivered-- }, "Kafka delivered"},
+		"rejection not poisoned":    {func(g *GroupReport) { g.Poisoned-- }, "poison topic"},
+		"malformed event missing":   {func(g *GroupReport) { g.PoisonedEvents-- }, "distinct messages"},
+	} {
+		g := good
+		tc.mutate(&g)
+		v := groupViolations(rep, "g", g)
+		require.NotEmpty(t, v, name)
+		require.Contains(t, strings.Join(v, "\n"), tc.want, name)
+	}
 }
 
 // A negative control: with a provider that ignores the Idempotency-Key, each
@@ -76,7 +126,6 @@ func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
 		Partitions:          2,
 		BillingInstances:    1,
 		LostResponses:       2,
-		Timeout:             2 * time.Minute,
 		Progress:            &progress,
 		providerIgnoresKeys: true,
 	})

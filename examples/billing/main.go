@@ -66,24 +66,37 @@ func PrintReport(w io.Writer, r *Report) {
 		}
 		fmt.Fprintln(tw)
 	}
+	b, nt := r.Billing, r.Notification
 	row("", "billing", "notification")
 	row("events (orders confirmed)", r.Orders, r.Orders)
-	row("copies published (+redelivered, +concurrent, +malformed)", r.Published, r.Published)
-	row("deliveries (incl. redeliveries after errors)", r.Billing.Deliveries, r.Notification.Deliveries)
-	row("processed (handler committed)", r.Billing.Processed, r.Notification.Processed)
-	row("duplicates skipped", r.Billing.Skipped, r.Notification.Skipped)
-	row("  of which met the first copy in flight", r.Billing.InFlightSkipped, r.Notification.InFlightSkipped)
-	row("failed, rolled back, redelivered", r.Billing.Failed, r.Notification.Failed)
-	row("processed_event rows", r.Billing.Claims, r.Notification.Claims)
-	row("poisoned messages", r.Billing.Poisoned, r.Notification.Poisoned)
+	row("records on orders.confirmed (+injected duplicates, +malformed)", r.OnTopic, r.OnTopic)
+	row("deliveries (into the dedup middleware, all attempts)", b.Deliveries, nt.Deliveries)
+	row("processed (handler committed)", b.Processed, nt.Processed)
+	row("duplicates skipped (claim found)", b.Skipped, nt.Skipped)
+	row("  injected by the demo", r.Injected(), r.Injected())
+	if n := r.Resent(); n > 0 {
+		row("  sent twice by the outbox forwarder", n, n)
+	}
+	row("  redelivered by Kafka (rebalance): skipped - injected", kafkaSkipped(r, b), kafkaSkipped(r, nt))
+	row("  met the first copy in flight", b.InFlightSkipped, nt.InFlightSkipped)
+	row("rejected (permanent error, to the poison topic)", b.Rejected, nt.Rejected)
+	row("failed (rolled back, nacked, delivered again)", b.Failed, nt.Failed)
+	row("deliveries = processed + skipped + rejected + failed", sums(b), sums(nt))
+	row("processed_event rows", b.Claims, nt.Claims)
+	row("poisoned records / distinct messages", fmt.Sprintf("%d / %d", b.Poisoned, b.PoisonedEvents), fmt.Sprintf("%d / %d", nt.Poisoned, nt.PoisonedEvents))
 	row("ledger rows / notifications", r.LedgerRows, r.Notifications)
 	row("provider charges", r.Provider.Charges, "-")
 	row("provider: requests, replayed, 409, 422", fmt.Sprintf("%d, %d, %d, %d", r.Provider.Requests, r.Provider.Replayed, r.Provider.InFlight, r.Provider.Mismatched), "-")
 	row("provider responses lost after charging", r.Provider.Dropped, "-")
 	row("billing.charged.v1 (outbox rows / on Kafka)", fmt.Sprintf("%d / %d", r.ChargedOutbox, r.ChargedConsumed), "-")
 	_ = tw.Flush()
-	fmt.Fprintf(w, "\ninjected: %d redelivered copies, %d concurrent copies, %d malformed events, %d lost responses; outbox forwarded %d messages, then pruned %d rows\n",
-		r.Redelivered, r.ConcurrentSent, r.Malformed, r.LostResponses, r.Forwarded, r.OutboxPruned)
+	fmt.Fprintf(w, "\ninjected: %d copies published again, %d concurrent copies, %d malformed events, %d lost responses; outbox forwarded %d messages, then pruned %d rows\n",
+		r.Republished, r.ConcurrentSent, r.Malformed, r.LostResponses, r.Forwarded, r.OutboxPruned)
+	if n := r.Resent(); n > 0 {
+		fmt.Fprintf(w, "the outbox forwarder sent %d records twice (a failed position commit resends its batch)\n", n)
+	}
+	fmt.Fprintf(w, "Kafka delivered %d (billing) and %d (notification) records again after they had been acked or poisoned, as consumers joined and left the groups: each was skipped by its claim (or poisoned again)\n",
+		b.KafkaRedelivered, nt.KafkaRedelivered)
 	if len(r.PoisonReasons) > 0 {
 		fmt.Fprintln(w, "poison reasons:")
 		for _, reason := range r.PoisonReasons {
@@ -95,6 +108,20 @@ func PrintReport(w io.Writer, r *Report) {
 		return
 	}
 	fmt.Fprintf(w, "\nFAILED: %d invariant(s) broken:\n  %s\n", len(r.Violations), strings.Join(r.Violations, "\n  "))
+}
+
+// kafkaSkipped is the number of duplicates the demo did not put on the
+// topic: records Kafka delivered again.
+func kafkaSkipped(r *Report, g GroupReport) int64 {
+	return int64(g.Skipped) - int64(r.Injected()+r.Resent())
+}
+
+// sums shows the deliveries equation of one group.
+func sums(g GroupReport) string {
+	if g.Deliveries == g.Added() {
+		return fmt.Sprintf("%d = %d", g.Deliveries, g.Added())
+	}
+	return fmt.Sprintf("%d != %d", g.Deliveries, g.Added())
 }
 
 // DefaultDatabaseURL is used when DATABASE_URL is not set.
