@@ -73,12 +73,12 @@ func PrintReport(w io.Writer, r *Report) {
 	row("deliveries (into the dedup middleware, all attempts)", b.Deliveries, nt.Deliveries)
 	row("processed (handler committed)", b.Processed, nt.Processed)
 	row("duplicates skipped (claim found)", b.Skipped, nt.Skipped)
-	row("  injected by the demo", r.Injected(), r.Injected())
+	row("of which injected by the demo", r.Injected(), r.Injected())
 	if n := r.Resent(); n > 0 {
-		row("  sent twice by the outbox forwarder", n, n)
+		row("of which sent twice by the outbox forwarder", n, n)
 	}
-	row("  redelivered by Kafka (rebalance): skipped - injected", kafkaSkipped(r, b), kafkaSkipped(r, nt))
-	row("  met the first copy in flight", b.InFlightSkipped, nt.InFlightSkipped)
+	row("of which redelivered by Kafka: skipped - injected", kafkaSkipped(r, b), kafkaSkipped(r, nt))
+	row("of which met the first copy in flight", b.InFlightSkipped, nt.InFlightSkipped)
 	row("rejected (permanent error, to the poison topic)", b.Rejected, nt.Rejected)
 	row("failed (rolled back, nacked, delivered again)", b.Failed, nt.Failed)
 	row("deliveries = processed + skipped + rejected + failed", sums(b), sums(nt))
