@@ -27,7 +27,7 @@ import (
 func TestDemo(t *testing.T) {
 	t.Parallel()
 	var progress bytes.Buffer
-	rep, err := RunDemo(context.Background(), DemoConfig{
+	rep, err := runDemo(context.Background(), demoConfig{
 		DatabaseURL:          pgtest.URL(),
 		Brokers:              kafkatest.External(),
 		Orders:               40,
@@ -41,7 +41,7 @@ func TestDemo(t *testing.T) {
 	})
 	require.NoError(t, err, progress.String())
 	var out bytes.Buffer
-	PrintReport(&out, rep)
+	printReport(&out, rep)
 	t.Log("\n" + progress.String() + out.String())
 
 	require.Empty(t, rep.Violations)
@@ -59,7 +59,7 @@ func TestDemo(t *testing.T) {
 	require.Equal(t, orders+10+9+3, rep.Published)
 	require.GreaterOrEqual(t, rep.OnTopic, rep.Published)
 	injected := uint64(10 + 9 + rep.Resent())
-	for name, g := range map[string]GroupReport{"billing": rep.Billing, "notification": rep.Notification} {
+	for name, g := range map[string]groupReport{"billing": rep.Billing, "notification": rep.Notification} {
 		require.Equal(t, uint64(orders), g.Processed, name)
 		require.Equal(t, orders, g.Claims, name)
 		// A rebalance redelivers records whose offsets were not committed
@@ -81,10 +81,10 @@ func TestDemo(t *testing.T) {
 // lost record...) breaks at least one of them.
 func TestGroupViolations(t *testing.T) {
 	t.Parallel()
-	rep := &Report{Orders: 10, Republished: 2, ConcurrentSent: 3, Malformed: 3}
+	rep := &report{Orders: 10, Republished: 2, ConcurrentSent: 3, Malformed: 3}
 	rep.Published = 10 + 2 + 3 + 3
 	rep.OnTopic = rep.Published
-	good := GroupReport{
+	good := groupReport{
 		Processed: 10, Skipped: 5 + 2, Rejected: 3 + 1, Failed: 2,
 		MiddlewareErrors: 4 + 2, Records: rep.OnTopic, KafkaRedelivered: 3, Poisoned: 4, PoisonedEvents: 3,
 	}
@@ -92,18 +92,18 @@ func TestGroupViolations(t *testing.T) {
 	require.Empty(t, groupViolations(rep, "g", good))
 
 	for name, tc := range map[string]struct {
-		mutate func(*GroupReport)
+		mutate func(*groupReport)
 		want   string
 	}{
-		"skip not counted":          {func(g *GroupReport) { g.Skipped--; g.KafkaRedelivered-- }, "deliveries"},
-		"delivery counted twice":    {func(g *GroupReport) { g.Deliveries++ }, "deliveries"},
-		"error not counted":         {func(g *GroupReport) { g.MiddlewareErrors-- }, "the middleware counted"},
-		"processed twice":           {func(g *GroupReport) { g.Processed++; g.Deliveries++; g.Records++ }, "handler committed"},
-		"fewer skips than injected": {func(g *GroupReport) { g.Skipped = 4; g.Deliveries = g.Added() }, "want at least 5"},
-		"record never ended":        {func(g *GroupReport) { g.Records-- }, "records on the topic"},
-		"redelivery not seen":       {func(g *GroupReport) { g.KafkaRedelivered-- }, "Kafka delivered"},
-		"rejection not poisoned":    {func(g *GroupReport) { g.Poisoned-- }, "poison topic"},
-		"malformed event missing":   {func(g *GroupReport) { g.PoisonedEvents-- }, "distinct messages"},
+		"skip not counted":          {func(g *groupReport) { g.Skipped--; g.KafkaRedelivered-- }, "deliveries"},
+		"delivery counted twice":    {func(g *groupReport) { g.Deliveries++ }, "deliveries"},
+		"error not counted":         {func(g *groupReport) { g.MiddlewareErrors-- }, "the middleware counted"},
+		"processed twice":           {func(g *groupReport) { g.Processed++; g.Deliveries++; g.Records++ }, "handler committed"},
+		"fewer skips than injected": {func(g *groupReport) { g.Skipped = 4; g.Deliveries = g.Added() }, "want at least 5"},
+		"record never ended":        {func(g *groupReport) { g.Records-- }, "records on the topic"},
+		"redelivery not seen":       {func(g *groupReport) { g.KafkaRedelivered-- }, "Kafka delivered"},
+		"rejection not poisoned":    {func(g *groupReport) { g.Poisoned-- }, "poison topic"},
+		"malformed event missing":   {func(g *groupReport) { g.PoisonedEvents-- }, "distinct messages"},
 	} {
 		g := good
 		tc.mutate(&g)
@@ -119,7 +119,7 @@ func TestGroupViolations(t *testing.T) {
 func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
 	t.Parallel()
 	var progress bytes.Buffer
-	rep, err := RunDemo(context.Background(), DemoConfig{
+	rep, err := runDemo(context.Background(), demoConfig{
 		DatabaseURL:         pgtest.URL(),
 		Brokers:             kafkatest.External(),
 		Orders:              20,
@@ -135,14 +135,14 @@ func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
 	require.Equal(t, 20, rep.LedgerRows, "our side still books each order once")
 	require.NotEmpty(t, rep.Violations)
 	var out bytes.Buffer
-	PrintReport(&out, rep)
+	printReport(&out, rep)
 	require.Contains(t, out.String(), "FAILED")
 	require.Contains(t, out.String(), "was charged 2 times")
 }
 
 func TestProvider_IdempotencyKeySemantics(t *testing.T) {
 	t.Parallel()
-	p, err := NewProvider(0)
+	p, err := newPaymentProvider(0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 
@@ -179,13 +179,13 @@ func TestProvider_IdempotencyKeySemantics(t *testing.T) {
 	require.Equal(t, http.StatusCreated, r5.StatusCode, "a new key is a new charge")
 
 	st := p.Stats()
-	require.Equal(t, ProviderStats{Requests: 5, Charges: 2, Replayed: 1, Mismatched: 1}, st)
+	require.Equal(t, providerStats{Requests: 5, Charges: 2, Replayed: 1, Mismatched: 1}, st)
 	require.Equal(t, map[string]int{"o1": 2}, p.ChargesPerOrder())
 }
 
 func TestProvider_InFlightKeyGets409(t *testing.T) {
 	t.Parallel()
-	p, err := NewProvider(0)
+	p, err := newPaymentProvider(0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 	p.SlowCharge("o1", 2*time.Second)
@@ -216,7 +216,7 @@ func TestProvider_InFlightKeyGets409(t *testing.T) {
 // gets a cut response; the same key again returns the stored charge.
 func TestBillingService_LostResponseSameKeyOneCharge(t *testing.T) {
 	t.Parallel()
-	p, err := NewProvider(0)
+	p, err := newPaymentProvider(0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 	svc := NewBillingService(p.URL())
@@ -243,7 +243,7 @@ func TestBillingService_LostResponseSameKeyOneCharge(t *testing.T) {
 
 func TestBillingService_RefusesWithoutEvent(t *testing.T) {
 	t.Parallel()
-	p, err := NewProvider(0)
+	p, err := newPaymentProvider(0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 	svc := NewBillingService(p.URL())
