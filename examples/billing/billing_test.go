@@ -76,6 +76,29 @@ func TestDemo(t *testing.T) {
 	require.Contains(t, out.String(), "OK: every order charged once")
 }
 
+// With Brokers set (a real cluster), topics and groups get a per-run suffix,
+// and every service must use the suffixed names: only those outbox topics
+// are migrated.
+func TestDemo_BrokersSetUsesSuffixedNames(t *testing.T) {
+	t.Parallel()
+	var progress bytes.Buffer
+	rep, err := runDemo(context.Background(), demoConfig{
+		DatabaseURL:          pgtest.URL(),
+		Brokers:              kafkatest.Start(t).Addrs,
+		Orders:               10,
+		Partitions:           2,
+		BillingInstances:     1,
+		RedeliverEvery:       5,
+		ConcurrentDuplicates: 1,
+		LostResponses:        1,
+		Progress:             &progress,
+	})
+	require.NoError(t, err, progress.String())
+	require.Contains(t, progress.String(), "topics and groups suffixed")
+	require.Empty(t, rep.Violations, progress.String())
+	require.Equal(t, 11, rep.LedgerRows)
+}
+
 // The group checks are exact: a consistent report passes, and each count off
 // by one (a skip the middleware did not count, a delivery counted twice, a
 // lost record...) breaks at least one of them.

@@ -147,9 +147,9 @@ func (d *demo) settled() bool {
 	return b >= onTopic && nt >= onTopic
 }
 
-// orderService confirms orders.
+// orderService writes order.confirmed.v1 to this run's topic.
 func (d *demo) orderService() *OrderService {
-	return &OrderService{DB: d.pool, Outbox: d.ob}
+	return &OrderService{DB: d.pool, Outbox: d.ob, Topic: d.n.orders}
 }
 
 // waitFor polls cond until it holds, printing progress about once a second.
