@@ -27,7 +27,7 @@ import (
 func TestDemo(t *testing.T) {
 	t.Parallel()
 	var progress bytes.Buffer
-	rep, err := RunDemo(context.Background(), DemoConfig{
+	rep, err := runDemo(context.Background(), demoConfig{
 		DatabaseURL:          pgtest.URL(),
 		Brokers:              kafkatest.External(),
 		Orders:               40,
@@ -37,12 +37,11 @@ func TestDemo(t *testing.T) {
 		ConcurrentDuplicates: 3,
 		LostResponses:        2,
 		ConcurrentLatency:    50 * time.Millisecond,
-		Timeout:              2 * time.Minute,
 		Progress:             &progress,
 	})
 	require.NoError(t, err, progress.String())
 	var out bytes.Buffer
-	PrintReport(&out, rep)
+	printReport(&out, rep)
 	t.Log("\n" + progress.String() + out.String())
 
 	require.Empty(t, rep.Violations)
@@ -54,13 +53,87 @@ func TestDemo(t *testing.T) {
 	require.Equal(t, 2, rep.Provider.Dropped)
 	require.GreaterOrEqual(t, rep.Provider.Replayed, 2, "each lost response is followed by a call with the same key")
 	require.GreaterOrEqual(t, rep.Billing.Failed, int64(2), "each lost response rolls the billing transaction back")
-	require.Equal(t, 10, rep.Redelivered)
+	require.Equal(t, 10, rep.Republished)
 	require.Equal(t, 9, rep.ConcurrentSent)
-	require.Equal(t, int64(10+9), rep.Billing.Skipped)
-	require.Equal(t, int64(10+9), rep.Notification.Skipped)
-	require.Equal(t, 3, rep.Billing.Poisoned)
-	require.Equal(t, 3, rep.Notification.Poisoned)
+	require.Equal(t, 3, rep.Malformed)
+	require.Equal(t, orders+10+9+3, rep.Published)
+	require.GreaterOrEqual(t, rep.OnTopic, rep.Published)
+	injected := uint64(10 + 9 + rep.Resent())
+	for name, g := range map[string]groupReport{"billing": rep.Billing, "notification": rep.Notification} {
+		require.Equal(t, uint64(orders), g.Processed, name)
+		require.Equal(t, orders, g.Claims, name)
+		// A rebalance redelivers records whose offsets were not committed
+		// yet: at least the injected duplicates are skipped, maybe more.
+		require.GreaterOrEqual(t, g.Skipped, injected, name)
+		require.GreaterOrEqual(t, g.Rejected, int64(3), name)
+		require.Equal(t, int64(g.Skipped-injected)+g.Rejected-3, int64(g.KafkaRedelivered), "%s: every extra skip or rejection is a record Kafka delivered again", name)
+		require.Equal(t, g.Deliveries, int64(g.Processed)+int64(g.Skipped)+g.Rejected+g.Failed, "%s: deliveries add up", name)
+		require.Equal(t, uint64(g.Rejected+g.Failed), g.MiddlewareErrors, name)
+		require.Equal(t, rep.OnTopic, g.Records, "%s: every record delivered to the end", name)
+		require.Equal(t, int(g.Rejected), g.Poisoned, "%s: one poison record per rejection", name)
+		require.Equal(t, 3, g.PoisonedEvents, name)
+	}
 	require.Contains(t, out.String(), "OK: every order charged once")
+}
+
+// With Brokers set (a real cluster), topics and groups get a per-run suffix,
+// and every service must use the suffixed names: only those outbox topics
+// are migrated.
+func TestDemo_BrokersSetUsesSuffixedNames(t *testing.T) {
+	t.Parallel()
+	var progress bytes.Buffer
+	rep, err := runDemo(context.Background(), demoConfig{
+		DatabaseURL:          pgtest.URL(),
+		Brokers:              kafkatest.Start(t).Addrs,
+		Orders:               10,
+		Partitions:           2,
+		BillingInstances:     1,
+		RedeliverEvery:       5,
+		ConcurrentDuplicates: 1,
+		LostResponses:        1,
+		Progress:             &progress,
+	})
+	require.NoError(t, err, progress.String())
+	require.Contains(t, progress.String(), "topics and groups suffixed")
+	require.Empty(t, rep.Violations, progress.String())
+	require.Equal(t, 11, rep.LedgerRows)
+}
+
+// The group checks are exact: a consistent report passes, and each count off
+// by one (a skip the middleware did not count, a delivery counted twice, a
+// lost record...) breaks at least one of them.
+func TestGroupViolations(t *testing.T) {
+	t.Parallel()
+	rep := &report{Orders: 10, Republished: 2, ConcurrentSent: 3, Malformed: 3}
+	rep.Published = 10 + 2 + 3 + 3
+	rep.OnTopic = rep.Published
+	good := groupReport{
+		Processed: 10, Skipped: 5 + 2, Rejected: 3 + 1, Failed: 2,
+		MiddlewareErrors: 4 + 2, Records: rep.OnTopic, KafkaRedelivered: 3, Poisoned: 4, PoisonedEvents: 3,
+	}
+	good.Deliveries = good.Added()
+	require.Empty(t, groupViolations(rep, "g", good))
+
+	for name, tc := range map[string]struct {
+		mutate func(*groupReport)
+		want   string
+	}{
+		"skip not counted":          {func(g *groupReport) { g.Skipped--; g.KafkaRedelivered-- }, "deliveries"},
+		"delivery counted twice":    {func(g *groupReport) { g.Deliveries++ }, "deliveries"},
+		"error not counted":         {func(g *groupReport) { g.MiddlewareErrors-- }, "the middleware counted"},
+		"processed twice":           {func(g *groupReport) { g.Processed++; g.Deliveries++; g.Records++ }, "handler committed"},
+		"fewer skips than injected": {func(g *groupReport) { g.Skipped = 4; g.Deliveries = g.Added() }, "want at least 5"},
+		"record never ended":        {func(g *groupReport) { g.Records-- }, "records on the topic"},
+		"redelivery not seen":       {func(g *groupReport) { g.KafkaRedelivered-- }, "Kafka delivered"},
+		"rejection not poisoned":    {func(g *groupReport) { g.Poisoned-- }, "poison topic"},
+		"malformed event missing":   {func(g *groupReport) { g.PoisonedEvents-- }, "distinct messages"},
+	} {
+		g := good
+		tc.mutate(&g)
+		v := groupViolations(rep, "g", g)
+		require.NotEmpty(t, v, name)
+		require.Contains(t, strings.Join(v, "\n"), tc.want, name)
+	}
 }
 
 // A negative control: with a provider that ignores the Idempotency-Key, each
@@ -69,14 +142,13 @@ func TestDemo(t *testing.T) {
 func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
 	t.Parallel()
 	var progress bytes.Buffer
-	rep, err := RunDemo(context.Background(), DemoConfig{
+	rep, err := runDemo(context.Background(), demoConfig{
 		DatabaseURL:         pgtest.URL(),
 		Brokers:             kafkatest.External(),
 		Orders:              20,
 		Partitions:          2,
 		BillingInstances:    1,
 		LostResponses:       2,
-		Timeout:             2 * time.Minute,
 		Progress:            &progress,
 		providerIgnoresKeys: true,
 	})
@@ -86,14 +158,14 @@ func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
 	require.Equal(t, 20, rep.LedgerRows, "our side still books each order once")
 	require.NotEmpty(t, rep.Violations)
 	var out bytes.Buffer
-	PrintReport(&out, rep)
+	printReport(&out, rep)
 	require.Contains(t, out.String(), "FAILED")
 	require.Contains(t, out.String(), "was charged 2 times")
 }
 
 func TestProvider_IdempotencyKeySemantics(t *testing.T) {
 	t.Parallel()
-	p, err := NewProvider(0)
+	p, err := newPaymentProvider(0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 
@@ -130,13 +202,13 @@ func TestProvider_IdempotencyKeySemantics(t *testing.T) {
 	require.Equal(t, http.StatusCreated, r5.StatusCode, "a new key is a new charge")
 
 	st := p.Stats()
-	require.Equal(t, ProviderStats{Requests: 5, Charges: 2, Replayed: 1, Mismatched: 1}, st)
+	require.Equal(t, providerStats{Requests: 5, Charges: 2, Replayed: 1, Mismatched: 1}, st)
 	require.Equal(t, map[string]int{"o1": 2}, p.ChargesPerOrder())
 }
 
 func TestProvider_InFlightKeyGets409(t *testing.T) {
 	t.Parallel()
-	p, err := NewProvider(0)
+	p, err := newPaymentProvider(0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 	p.SlowCharge("o1", 2*time.Second)
@@ -167,7 +239,7 @@ func TestProvider_InFlightKeyGets409(t *testing.T) {
 // gets a cut response; the same key again returns the stored charge.
 func TestBillingService_LostResponseSameKeyOneCharge(t *testing.T) {
 	t.Parallel()
-	p, err := NewProvider(0)
+	p, err := newPaymentProvider(0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 	svc := NewBillingService(p.URL())
@@ -194,7 +266,7 @@ func TestBillingService_LostResponseSameKeyOneCharge(t *testing.T) {
 
 func TestBillingService_RefusesWithoutEvent(t *testing.T) {
 	t.Parallel()
-	p, err := NewProvider(0)
+	p, err := newPaymentProvider(0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 	svc := NewBillingService(p.URL())

@@ -8,9 +8,6 @@ import (
 	"fmt"
 	"io"
 	"strconv"
-	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -18,7 +15,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/sync/errgroup"
@@ -30,8 +26,8 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// DemoConfig sizes the demo and its injected faults.
-type DemoConfig struct {
+// demoConfig sizes the demo and its injected faults.
+type demoConfig struct {
 	// DatabaseURL of the PostgreSQL server; the demo creates its own schema
 	// and drops it at the end.
 	DatabaseURL string
@@ -39,7 +35,7 @@ type DemoConfig struct {
 	// broker (kfake). With a real cluster, topic and group names get a
 	// per-run suffix.
 	Brokers []string
-	// Orders to confirm.
+	// Orders to confirm in phase 1.
 	Orders int
 	// Partitions of orders.confirmed.
 	Partitions int32
@@ -61,7 +57,10 @@ type DemoConfig struct {
 	// ConcurrentLatency is how long the charges of the ConcurrentDuplicates
 	// orders take: the window in which their copies meet.
 	ConcurrentLatency time.Duration
-	// Timeout bounds the whole run.
+	// Timeout bounds the whole run: a deadline for when something is stuck,
+	// not an expected duration. Defaults to 5 minutes (a writing transaction
+	// left open anywhere on the PostgreSQL server holds the outbox forwarder
+	// back until it ends; see the "forwarder waiting" hint).
 	Timeout time.Duration
 	// Progress receives progress lines; nil for none.
 	Progress io.Writer
@@ -73,7 +72,7 @@ type DemoConfig struct {
 	providerIgnoresKeys bool
 }
 
-func (c *DemoConfig) setDefaults() {
+func (c *demoConfig) setDefaults() {
 	if c.Orders == 0 {
 		c.Orders = 200
 	}
@@ -87,7 +86,7 @@ func (c *DemoConfig) setDefaults() {
 		c.ConcurrentLatency = 100 * time.Millisecond
 	}
 	if c.Timeout == 0 {
-		c.Timeout = 3 * time.Minute // normally ~5 s; generous for a shared server (see the "forwarder waiting" hint)
+		c.Timeout = 5 * time.Minute
 	}
 	if c.Progress == nil {
 		c.Progress = io.Discard
@@ -95,42 +94,6 @@ func (c *DemoConfig) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
-}
-
-// GroupReport is what one consumer group's handlers did.
-type GroupReport struct {
-	Deliveries int64 // messages that reached the dedup middleware, redeliveries included
-	Processed  int64 // handler ran and the transaction committed
-	Skipped    int64 // duplicates: claim found a committed row, handler not run
-	// InFlightSkipped are the skipped duplicates that arrived while the
-	// processing copy was still in flight (its transaction open).
-	InFlightSkipped int
-	Failed          int64 // transient errors: rolled back, nacked, redelivered
-	Rejected        int64 // permanent errors: sent to the poison topic
-	Claims          int   // processed_event rows of the group
-	Poisoned        int   // messages of the group seen on the poison topic
-}
-
-// Report is the outcome of a run.
-type Report struct {
-	Orders          int
-	Published       int // copies put on orders.confirmed: originals + injected
-	Redelivered     int
-	ConcurrentSent  int
-	Malformed       int
-	LostResponses   int
-	Billing         GroupReport
-	Notification    GroupReport
-	Provider        ProviderStats
-	LedgerRows      int
-	Notifications   int
-	ChargedOutbox   int // billing.charged.v1 rows written to the outbox
-	ChargedConsumed int // distinct billing.charged.v1 event ids seen on Kafka
-	Forwarded       uint64
-	OutboxPruned    int64 // forwarded outbox rows deleted at the end
-	PoisonReasons   []string
-	Elapsed         time.Duration
-	Violations      []string
 }
 
 // names are the topics and groups of one run.
@@ -148,635 +111,432 @@ func newNames(suffix string) names {
 	}
 }
 
-// groupStats counts outcomes around the dedup middleware.
-type groupStats struct {
-	deliveries, processed, skipped, failed, rejected atomic.Int64
+// demo is one run: what it opened (closed in reverse order by close), the
+// services it started, the orders it confirmed and its report.
+type demo struct {
+	cfg     demoConfig
+	started time.Time
+	rep     *report
+	closers []func() error
 
-	mu         sync.Mutex
-	committed  map[string]time.Time   // event id -> when its processing delivery returned
-	skipStarts map[string][]time.Time // event id -> when its skipped deliveries started
+	n      names
+	suffix string // of topic and group names: a per-run one on a real cluster
+	pool   *pgxpool.Pool
+	table  deduplicator.TableConfig
+	ob     *outbox.Outbox
+	orders []Order
+
+	brokers  []string
+	kafkaPub message.Publisher // poison queue and injected copies
+	partPub  message.Publisher // copies on a chosen partition
+	producer sarama.SyncProducer
+	kclient  sarama.Client // counts the records on orders.confirmed
+
+	provider     *paymentProvider
+	fwd          *outbox.Forwarder
+	billing      *consumer
+	notification *consumer
+	audit        *auditor
+
+	bg      *errgroup.Group
+	bgCtx   context.Context // cancelled when a background service fails
+	stopBG  context.Context // bgCtx, also cancelled by stopAll
+	stopAll context.CancelFunc
+
+	lastForwarded uint64    // for the "forwarder waiting" hint
+	lastMoved     time.Time // when lastForwarded last changed
 }
 
-type ranKey struct{}
-
-// outer wraps the dedup middleware and classifies each delivery's outcome.
-func (s *groupStats) outer(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		s.deliveries.Add(1)
-		begin := time.Now()
-		ran := new(atomic.Bool)
-		ctx := msg.Context()
-		msg.SetContext(context.WithValue(ctx, ranKey{}, ran))
-		defer msg.SetContext(ctx)
-		out, err := h(msg)
-		switch {
-		case err != nil && idem.IsPermanent(err):
-			s.rejected.Add(1)
-		case err != nil:
-			s.failed.Add(1)
-		case ran.Load():
-			s.processed.Add(1)
-			s.track(msg, begin, false)
-		default:
-			s.skipped.Add(1)
-			s.track(msg, begin, true)
-		}
-		return out, err
-	}
+// consumer is one consumer group: its router (one handler per instance), its
+// dedup middleware and what its handler chain counted.
+type consumer struct {
+	router *message.Router
+	dedup  *idem.Dedup
+	stats  *groupStats
 }
 
-// inner sits between the dedup middleware and the handler: it runs only for
-// the first claim of an event.
-func inner(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		if ran, ok := msg.Context().Value(ranKey{}).(*atomic.Bool); ok {
-			ran.Store(true)
-		}
-		return h(msg)
-	}
-}
-
-func (s *groupStats) track(msg *message.Message, begin time.Time, skipped bool) {
-	id := msg.Metadata.Get(publisher.MetadataEventID)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.committed == nil {
-		s.committed, s.skipStarts = map[string]time.Time{}, map[string][]time.Time{}
-	}
-	if skipped {
-		s.skipStarts[id] = append(s.skipStarts[id], begin)
-	} else {
-		s.committed[id] = time.Now()
-	}
-}
-
-// overlapping counts skipped duplicates that started while the copy that
-// was processed had not returned yet: they met it in flight.
-func (s *groupStats) overlapping() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	n := 0
-	for id, starts := range s.skipStarts {
-		done, ok := s.committed[id]
-		for _, t := range starts {
-			if ok && t.Before(done) {
-				n++
-			}
-		}
-	}
-	return n
-}
-
-func (s *groupStats) report() GroupReport {
-	return GroupReport{InFlightSkipped: s.overlapping(), Deliveries: s.deliveries.Load(), Processed: s.processed.Load(), Skipped: s.skipped.Load(), Failed: s.failed.Load(), Rejected: s.rejected.Load()}
-}
-
-// partitionMarshaler sends a message to the partition named in its
-// "demo_partition" metadata (with a manual partitioner), to put copies of one
-// event on several partitions at once.
-type partitionMarshaler struct{ publisher.Marshaler }
-
-func (m partitionMarshaler) Marshal(topic string, msg *message.Message) (*sarama.ProducerMessage, error) {
-	pm, err := m.Marshaler.Marshal(topic, msg)
-	if err != nil {
-		return nil, err
-	}
-	p, err := strconv.Atoi(msg.Metadata.Get("demo_partition"))
-	if err != nil {
-		return nil, fmt.Errorf("demo_partition: %w", err)
-	}
-	pm.Partition = int32(p)
-	return pm, nil
-}
-
-// RunDemo runs the whole scenario and returns its report; Violations lists
+// runDemo runs the whole scenario and returns its report; Violations lists
 // every broken invariant. An error means the demo could not run at all.
-func RunDemo(ctx context.Context, cfg DemoConfig) (rep *Report, err error) {
+func runDemo(ctx context.Context, cfg demoConfig) (rep *report, err error) {
 	cfg.setDefaults()
-	start := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	defer cancel()
-	progress := func(format string, args ...any) {
-		fmt.Fprintf(cfg.Progress, "[%5.1fs] "+format+"\n", append([]any{time.Since(start).Seconds()}, args...)...)
-	}
-	logger := cfg.Logger
+	d := &demo{cfg: cfg, started: time.Now(), rep: &report{}}
+	defer func() {
+		if cerr := d.close(); cerr != nil && err == nil {
+			err = cerr
+		}
+	}()
 
-	// --- PostgreSQL: a fresh schema, dropped at the end.
+	if err := d.openPostgres(ctx); err != nil {
+		return nil, err
+	}
+	if err := d.openKafka(); err != nil {
+		return nil, err
+	}
+	if err := d.migrate(ctx); err != nil {
+		return nil, err
+	}
+	if err := d.startServices(ctx); err != nil {
+		return nil, err
+	}
+	if err := d.phase1(ctx); err != nil {
+		return nil, fmt.Errorf("phase 1: %w", err)
+	}
+	if err := d.phase2(ctx); err != nil {
+		return nil, fmt.Errorf("phase 2: %w", err)
+	}
+	if err := d.stopServices(ctx); err != nil {
+		return nil, err
+	}
+	d.collect(ctx)
+	d.checkInvariants(ctx)
+	d.pruneOutbox(ctx)
+	d.rep.Elapsed = time.Since(d.started)
+	return d.rep, nil
+}
+
+func (d *demo) progress(format string, args ...any) {
+	fmt.Fprintf(d.cfg.Progress, "[%5.1fs] "+format+"\n", append([]any{time.Since(d.started).Seconds()}, args...)...)
+}
+
+// onClose registers f to run when the demo ends, before what was registered
+// earlier.
+func (d *demo) onClose(f func() error) { d.closers = append(d.closers, f) }
+
+// close stops the background services (if an early return left them
+// running), then closes everything in reverse order of opening.
+func (d *demo) close() error {
+	if d.stopAll != nil {
+		d.stopAll()
+		_ = d.bg.Wait()
+	}
+	var err error
+	for i := len(d.closers) - 1; i >= 0; i-- {
+		err = errors.Join(err, d.closers[i]())
+	}
+	return err
+}
+
+// openPostgres creates a fresh schema, dropped at the end.
+func (d *demo) openPostgres(ctx context.Context) error {
 	var rnd [4]byte
 	_, _ = rand.Read(rnd[:])
 	runID := hex.EncodeToString(rnd[:])
 	schema := "billing_demo_" + runID
-	pool, err := openSchema(ctx, cfg.DatabaseURL, schema)
+	pool, err := openSchema(ctx, d.cfg.DatabaseURL, schema)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	defer func() {
+	d.pool, d.table = pool, deduplicator.TableConfig{Schema: schema}
+	d.onClose(func() error {
 		pool.Close()
-		if derr := dropSchema(cfg.DatabaseURL, schema); derr != nil && err == nil {
-			err = derr
-		}
-	}()
-	progress("PostgreSQL: schema %s", schema)
+		return dropSchema(d.cfg.DatabaseURL, schema)
+	})
+	d.progress("PostgreSQL: schema %s", schema)
 
-	// --- Kafka: in-process kfake unless KAFKA_BROKERS is set.
-	brokers, suffix := cfg.Brokers, ""
-	if len(brokers) == 0 {
+	// Names: with a real cluster, topics and groups are per run too.
+	if len(d.cfg.Brokers) > 0 {
+		d.suffix = "." + runID
+	}
+	d.n = newNames(d.suffix)
+	return nil
+}
+
+// openKafka starts kfake (unless Brokers is set), creates the topics and
+// opens the Kafka clients.
+func (d *demo) openKafka() error {
+	d.brokers = d.cfg.Brokers
+	if len(d.brokers) == 0 {
 		fake, err := kafkatest.NewFake()
 		if err != nil {
-			return nil, fmt.Errorf("start kfake: %w", err)
+			return fmt.Errorf("start kfake: %w", err)
 		}
-		defer fake.Close()
-		brokers = fake.ListenAddrs()
-		progress("Kafka: in-process kfake broker on %s", brokers[0])
+		d.onClose(func() error { fake.Close(); return nil })
+		d.brokers = fake.ListenAddrs()
+		d.progress("Kafka: in-process kfake broker on %s", d.brokers[0])
 	} else {
-		suffix = "." + runID
-		progress("Kafka: %v (topics and groups suffixed %q)", brokers, suffix)
+		d.progress("Kafka: %v (topics and groups suffixed %q)", d.brokers, d.suffix)
 	}
-	n := newNames(suffix)
 	for _, t := range []struct {
 		name string
 		p    int32
-	}{{n.orders, cfg.Partitions}, {n.charged, 1}, {n.poison, 1}} {
-		if err := kafkatest.CreateTopic(brokers, t.name, t.p); err != nil {
-			return nil, fmt.Errorf("create topic %s: %w", t.name, err)
+	}{{d.n.orders, d.cfg.Partitions}, {d.n.charged, 1}, {d.n.poison, 1}} {
+		if err := kafkatest.CreateTopic(d.brokers, t.name, t.p); err != nil {
+			return fmt.Errorf("create topic %s: %w", t.name, err)
 		}
 	}
 
-	// --- Schema: dedup table, outbox tables, business tables.
-	table := deduplicator.TableConfig{Schema: schema}
-	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
-		return nil, fmt.Errorf("migrate processed_event: %w", err)
-	}
-	ob, err := outbox.New(outbox.Config{Schema: schema, Topics: []string{n.orders, n.charged}}, logger)
-	if err != nil {
-		return nil, err
-	}
-	if err := ob.Migrate(ctx, pool); err != nil {
-		return nil, fmt.Errorf("migrate outbox: %w", err)
-	}
-	if _, err := pool.Exec(ctx, schemaSQL); err != nil {
-		return nil, fmt.Errorf("create business tables: %w", err)
-	}
-
-	// --- Kafka clients.
-	kcfg := publisher.KafkaConfig{Brokers: brokers}
+	kcfg := publisher.KafkaConfig{Brokers: d.brokers}
 	pubCfg, err := publisher.NewKafkaPublisherConfig(kcfg)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	kafkaPub, err := kafka.NewPublisher(pubCfg, logger) // poison queue + injected copies
+	kafkaPub, err := kafka.NewPublisher(pubCfg, d.cfg.Logger)
 	if err != nil {
-		return nil, fmt.Errorf("kafka publisher: %w", err)
+		return fmt.Errorf("kafka publisher: %w", err)
 	}
-	defer kafkaPub.Close()
+	d.kafkaPub = kafkaPub
+	d.onClose(ignoreError(kafkaPub.Close))
+
 	manual := sarama.NewConfig()
 	manual.Producer.Partitioner = sarama.NewManualPartitioner
 	partPub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers: brokers, Marshaler: partitionMarshaler{}, OverwriteSaramaConfig: publisher.SaramaProducerConfig(manual),
-	}, logger)
+		Brokers: d.brokers, Marshaler: partitionMarshaler{}, OverwriteSaramaConfig: publisher.SaramaProducerConfig(manual),
+	}, d.cfg.Logger)
 	if err != nil {
-		return nil, fmt.Errorf("kafka publisher: %w", err)
+		return fmt.Errorf("kafka publisher: %w", err)
 	}
-	defer partPub.Close()
-	producer, err := outbox.NewKafkaProducer(kcfg)
+	d.partPub = partPub
+	d.onClose(ignoreError(partPub.Close))
+
+	if d.producer, err = outbox.NewKafkaProducer(kcfg); err != nil {
+		return fmt.Errorf("kafka producer: %w", err)
+	}
+	d.onClose(ignoreError(d.producer.Close))
+
+	if d.kclient, err = sarama.NewClient(d.brokers, publisher.SaramaConsumerConfig(nil)); err != nil {
+		return fmt.Errorf("kafka client: %w", err)
+	}
+	d.onClose(ignoreError(d.kclient.Close))
+	return nil
+}
+
+// migrate creates the dedup table, the outbox tables and the business
+// tables. Migrations run before NewDedup, which may verify the table.
+func (d *demo) migrate(ctx context.Context) error {
+	if err := deduplicator.Migrate(ctx, d.pool, d.table); err != nil {
+		return fmt.Errorf("migrate processed_event: %w", err)
+	}
+	ob, err := outbox.New(outbox.Config{Schema: d.table.Schema, Topics: []string{d.n.orders, d.n.charged}}, d.cfg.Logger)
 	if err != nil {
-		return nil, fmt.Errorf("kafka producer: %w", err)
+		return err
 	}
-	defer producer.Close()
-	newSub := func(group string) (*kafka.Subscriber, error) {
-		sc, err := publisher.NewKafkaSubscriberConfig(kcfg, group)
+	if err := ob.Migrate(ctx, d.pool); err != nil {
+		return fmt.Errorf("migrate outbox: %w", err)
+	}
+	d.ob = ob
+	if _, err := d.pool.Exec(ctx, schemaSQL); err != nil {
+		return fmt.Errorf("create business tables: %w", err)
+	}
+	return nil
+}
+
+// startServices starts the payment provider, the outbox forwarder, the
+// billing and notification consumers and the auditors, and waits until the
+// routers run.
+func (d *demo) startServices(ctx context.Context) error {
+	p, err := newPaymentProvider(d.cfg.ProviderLatency)
+	if err != nil {
+		return err
+	}
+	p.ignoreKeys = d.cfg.providerIgnoresKeys
+	d.provider = p
+	d.onClose(ignoreError(p.Close))
+	d.progress("payment provider on %s", p.URL())
+
+	d.bg, d.bgCtx = errgroup.WithContext(ctx)
+	d.stopBG, d.stopAll = context.WithCancel(d.bgCtx)
+
+	d.fwd, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: d.pool, Outbox: d.ob, Producer: d.producer, PollInterval: 20 * time.Millisecond}, d.cfg.Logger)
+	if err != nil {
+		return err
+	}
+	d.bg.Go(func() error { return d.fwd.Run(d.stopBG) })
+
+	poison, err := wmw.PoisonQueueWithFilter(d.kafkaPub, d.n.poison, idem.IsPermanent)
+	if err != nil {
+		return err
+	}
+	billingSvc := NewBillingService(p.URL())
+	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, poison,
+		idem.Config{DB: d.pool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob},
+		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
+			// The router closes each handler's publisher on shutdown; the
+			// handlers share kafkaPub (closed at the end), so each gets a view
+			// whose Close does nothing: watermill-kafka's Close is not safe
+			// to call twice concurrently.
+			return r.AddHandler(handler, d.n.orders, sub, d.n.charged, sharedPublisher{d.kafkaPub}, billingSvc.Handle)
+		})
+	if err != nil {
+		return err
+	}
+	d.notification, err = d.newConsumer("notification", 1, poison,
+		idem.Config{DB: d.pool, ConsumerGroup: d.n.notification, Table: d.table},
+		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
+			return r.AddConsumerHandler(handler, d.n.orders, sub, NotificationService{}.Handle)
+		})
+	if err != nil {
+		return err
+	}
+	if err := d.startAuditors(); err != nil {
+		return err
+	}
+
+	routers := []*message.Router{d.billing.router, d.notification.router}
+	for _, r := range routers {
+		d.bg.Go(func() error { return r.Run(d.stopBG) })
+	}
+	for _, r := range routers {
+		select {
+		case <-r.Running():
+		case <-ctx.Done():
+			return fmt.Errorf("routers did not start: %w", ctx.Err())
+		}
+	}
+	d.progress("billing (%d instances, group %s) and notification (group %s) running", d.cfg.BillingInstances, d.n.billing, d.n.notification)
+	return nil
+}
+
+// newConsumer builds one consumer group: a router with one handler per
+// instance (each with its own subscriber in the group), every handler behind
+// PoisonQueue → counting wrapper → dedup middleware → marker.
+func (d *demo) newConsumer(service string, instances int, poison message.HandlerMiddleware, cfg idem.Config,
+	add func(r *message.Router, handler string, sub message.Subscriber) *message.Handler,
+) (*consumer, error) {
+	// CloseTimeout is a deadline for a busy machine, not an expected
+	// duration: closing waits for in-flight handlers and for Sarama to leave
+	// the consumer group.
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: time.Minute}, d.cfg.Logger)
+	if err != nil {
+		return nil, err
+	}
+	dedup, err := idem.NewDedup(cfg, d.cfg.Logger)
+	if err != nil {
+		return nil, err
+	}
+	c := &consumer{router: r, dedup: dedup, stats: &groupStats{dedup: dedup}}
+	for i := 1; i <= instances; i++ {
+		sub, err := d.newSubscriber(cfg.ConsumerGroup)
 		if err != nil {
 			return nil, err
 		}
-		sc.NackResendSleep = 20 * time.Millisecond
-		sc.ReconnectRetrySleep = 100 * time.Millisecond
-		return kafka.NewSubscriber(sc, logger)
+		// The handler name starts with the service: the poison topic's
+		// handler_poisoned metadata tells the auditor whose rejection it is.
+		h := add(r, service+"-"+strconv.Itoa(i), sub)
+		h.AddMiddleware(poison, c.stats.outer, dedup.Middleware, inner)
 	}
+	return c, nil
+}
 
-	// --- The payment provider.
-	provider, err := NewProvider(cfg.ProviderLatency)
+func (d *demo) newSubscriber(group string) (*kafka.Subscriber, error) {
+	sc, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: d.brokers}, group)
 	if err != nil {
 		return nil, err
 	}
-	provider.ignoreKeys = cfg.providerIgnoresKeys
-	defer provider.Close()
-	progress("payment provider on %s", provider.URL())
+	sc.NackResendSleep = 20 * time.Millisecond
+	sc.ReconnectRetrySleep = 100 * time.Millisecond
+	return kafka.NewSubscriber(sc, d.cfg.Logger)
+}
 
-	// --- Everything that runs in the background.
-	bg, bgCtx := errgroup.WithContext(ctx)
-	stopBG, stopAll := context.WithCancel(bgCtx)
-	defer func() { // on early returns too: stop and wait for every service
-		stopAll()
-		_ = bg.Wait()
-	}()
-
-	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: pool, Outbox: ob, Producer: producer, PollInterval: 20 * time.Millisecond}, logger)
-	if err != nil {
-		return nil, err
-	}
-	bg.Go(func() error { return fwd.Run(stopBG) })
-
-	poisonMW, err := wmw.PoisonQueueWithFilter(kafkaPub, n.poison, idem.IsPermanent)
-	if err != nil {
-		return nil, err
-	}
-	var billingStats, notifyStats groupStats
-	billingSvc := NewBillingService(provider.URL())
-
-	newRouter := func() (*message.Router, error) {
-		return message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, logger)
-	}
-	billingRouter, err := newRouter()
-	if err != nil {
-		return nil, err
-	}
-	billingDedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: n.billing, Table: table, Outbox: ob}, logger)
-	if err != nil {
-		return nil, err
-	}
-	for i := 1; i <= cfg.BillingInstances; i++ {
-		sub, err := newSub(n.billing)
+// startAuditors consumes the poison topic and billing.charged in groups of
+// their own, to check what reached them.
+func (d *demo) startAuditors() error {
+	d.audit = newAuditor()
+	for _, a := range []struct{ group, topic string }{{d.n.auditPoison, d.n.poison}, {d.n.auditCharge, d.n.charged}} {
+		sub, err := d.newSubscriber(a.group)
 		if err != nil {
-			return nil, err
+			return err
 		}
-		// The router closes each handler's publisher on shutdown; the handlers
-		// share kafkaPub (closed by the defer above), so each gets a view whose
-		// Close does nothing: watermill-kafka's Close is not safe to call twice
-		// concurrently.
-		h := billingRouter.AddHandler("billing-"+strconv.Itoa(i), n.orders, sub, n.charged, sharedPublisher{kafkaPub}, billingSvc.Handle)
-		h.AddMiddleware(poisonMW, billingStats.outer, billingDedup.Middleware, inner)
-	}
-	notifyRouter, err := newRouter()
-	if err != nil {
-		return nil, err
-	}
-	notifyDedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: n.notification, Table: table}, logger)
-	if err != nil {
-		return nil, err
-	}
-	notifySub, err := newSub(n.notification)
-	if err != nil {
-		return nil, err
-	}
-	h := notifyRouter.AddConsumerHandler("notification", n.orders, notifySub, NotificationService{}.Handle)
-	h.AddMiddleware(poisonMW, notifyStats.outer, notifyDedup.Middleware, inner)
-
-	// Audit consumers: what reached the poison topic and billing.charged.
-	audit := newAuditor()
-	for _, a := range []struct{ group, topic string }{{n.auditPoison, n.poison}, {n.auditCharge, n.charged}} {
-		sub, err := newSub(a.group)
+		ch, err := sub.Subscribe(d.stopBG, a.topic)
 		if err != nil {
-			return nil, err
+			_ = sub.Close()
+			return fmt.Errorf("subscribe %s: %w", a.topic, err)
 		}
-		ch, err := sub.Subscribe(stopBG, a.topic)
-		if err != nil {
-			return nil, fmt.Errorf("subscribe %s: %w", a.topic, err)
-		}
-		topic := a.topic
-		bg.Go(func() error {
+		poison := a.topic == d.n.poison
+		d.bg.Go(func() error {
 			defer sub.Close()
 			for msg := range ch {
-				audit.record(topic == n.poison, msg)
+				d.audit.record(poison, msg)
 				msg.Ack()
 			}
 			return nil
 		})
 	}
+	return nil
+}
 
-	for _, r := range []*message.Router{billingRouter, notifyRouter} {
-		bg.Go(func() error { return r.Run(stopBG) })
-	}
-	for _, r := range []*message.Router{billingRouter, notifyRouter} {
-		select {
-		case <-r.Running():
-		case <-ctx.Done():
-			return nil, fmt.Errorf("routers did not start: %w", ctx.Err())
+// stopServices closes the consumers, so that their counts are final, then
+// the auditors and the forwarder. Closing one billing instance hands its
+// partitions to the other, which may receive records again whose offsets
+// were not committed yet: they are counted like any other delivery.
+func (d *demo) stopServices(ctx context.Context) error {
+	for _, r := range []*message.Router{d.billing.router, d.notification.router} {
+		if err := r.Close(); err != nil {
+			return fmt.Errorf("close router: %w", err)
 		}
 	}
-	progress("billing (%d instances, group %s) and notification (group %s) running", cfg.BillingInstances, n.billing, n.notification)
-
-	rep = &Report{Orders: cfg.Orders}
-	status := func(phase string) {
-		b, nt, ps := billingStats.report(), notifyStats.report(), provider.Stats()
-		progress("%s: outbox forwarded %d · billing %d processed, %d skipped, %d retried · notification %d processed, %d skipped · provider %d charges, %d replayed · poisoned %d",
-			phase, fwd.Stats().Forwarded, b.Processed, b.Skipped, b.Failed, nt.Processed, nt.Skipped, ps.Charges, ps.Replayed, audit.poisonedTotal())
-	}
-	// The forwarder reads only rows below the oldest running transaction of
-	// the whole server (watermill-sql's visibility rule): say so when that
-	// holds it back.
-	var lastForwarded uint64
-	lastMoved := time.Now()
-	stallHint := func() {
-		if f := fwd.Stats().Forwarded; f != lastForwarded {
-			lastForwarded, lastMoved = f, time.Now()
-			return
-		}
-		if time.Since(lastMoved) < 3*time.Second {
-			return
-		}
-		var age float64
-		var pid int
-		err := pool.QueryRow(ctx, `SELECT extract(epoch FROM now() - xact_start), pid FROM pg_stat_activity
-			WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid() ORDER BY xact_start LIMIT 1`).Scan(&age, &pid)
-		if err == nil && age > 2 {
-			progress("  outbox forwarder waiting: transaction of pid %d has been open %.0fs on this server; outbox rows committed after it started become visible to the forwarder only when it ends", pid, age)
-		}
-	}
-	// waitFor polls cond, printing progress about once a second.
-	waitFor := func(phase string, cond func() bool) error {
-		last := time.Now()
-		for !cond() {
-			select {
-			case <-ctx.Done():
-				status(phase + " (timed out)")
-				return fmt.Errorf("%s: %w", phase, ctx.Err())
-			case <-bgCtx.Done():
-				return fmt.Errorf("%s: a background service failed: %w", phase, context.Cause(bgCtx))
-			case <-time.After(20 * time.Millisecond):
-			}
-			if time.Since(last) >= time.Second {
-				status(phase)
-				stallHint()
-				last = time.Now()
-			}
-		}
-		return nil
-	}
-
-	// --- Phase 1: confirm orders; lose some provider responses; publish
-	// some events twice.
-	orders := make([]Order, cfg.Orders)
-	for i := range orders {
-		orders[i] = Order{
-			ID:          fmt.Sprintf("ord-%05d", i+1),
-			CustomerID:  fmt.Sprintf("cus-%03d", i%37+1),
-			TotalAmount: fmt.Sprintf("%d.%02d", 10+i%490, i%100),
-			Currency:    []string{"EUR", "USD", "GBP"}[i%3],
-		}
-	}
-	for i := 0; i < cfg.LostResponses && i < len(orders); i++ {
-		provider.DropResponse(orders[(i*7+3)%len(orders)].ID)
-	}
-	rep.LostResponses = min(cfg.LostResponses, len(orders))
-	svc := &OrderService{DB: pool, Outbox: ob}
-	confirmed := make([]*message.Message, len(orders))
-	var published, redelivered atomic.Int64
-	progress("phase 1: confirming %d orders (orders row + outbox event in one tx), %d lost provider responses, 1 event in %d published twice",
-		len(orders), rep.LostResponses, cfg.RedeliverEvery)
-	var eg errgroup.Group
-	eg.SetLimit(4)
-	for i, o := range orders {
-		eg.Go(func() error {
-			msg, err := svc.Confirm(ctx, o)
-			if err != nil {
-				return err
-			}
-			confirmed[i] = msg
-			published.Add(1)
-			if cfg.RedeliverEvery > 0 && (i+1)%cfg.RedeliverEvery == 0 {
-				if err := kafkaPub.Publish(n.orders, msg.Copy()); err != nil {
-					return fmt.Errorf("re-publish: %w", err)
-				}
-				published.Add(1)
-				redelivered.Add(1)
-			}
-			return nil
-		})
-	}
-	if err := eg.Wait(); err != nil {
-		return nil, err
-	}
-	rep.Redelivered = int(redelivered.Load())
-	if err := waitFor("phase 1", func() bool {
-		return billingStats.processed.Load() >= int64(len(orders)) && notifyStats.processed.Load() >= int64(len(orders))
+	// Every rejection published one poison record: wait until the auditor
+	// has read them all.
+	if err := d.waitFor(ctx, "shutdown", func() bool {
+		return d.audit.poisoned("billing") >= int(d.billing.stats.rejected.Load()) &&
+			d.audit.poisoned("notification") >= int(d.notification.stats.rejected.Load())
 	}); err != nil {
-		return nil, err
+		return err
 	}
-	status("phase 1 done")
+	d.stopAll()
+	_ = d.fwd.Close()
+	if err := d.bg.Wait(); err != nil && !errors.Is(err, context.Canceled) {
+		return fmt.Errorf("background: %w", err)
+	}
+	return nil
+}
 
-	// --- Phase 2: new orders whose events are also published on every
-	// partition at once: consumers of different partitions claim the same
-	// event id concurrently (as after a rebalance or a DLQ replay). The
-	// provider is slow for these orders, so the first claim's transaction is
-	// still open when the other copies arrive: their INSERT waits on the
-	// unique index, then finds the committed row and skips.
-	k := cfg.ConcurrentDuplicates
-	progress("phase 2: %d more orders, each event also published on all %d partitions at once; 3 malformed events", k, cfg.Partitions)
-	extra := make([]Order, k)
-	for i := range extra {
-		extra[i] = Order{ID: fmt.Sprintf("ord-c%04d", i+1), CustomerID: "cus-c", TotalAmount: fmt.Sprintf("%d.00", 100+i), Currency: "EUR"}
-		provider.SlowCharge(extra[i].ID, cfg.ConcurrentLatency)
-	}
-	var copiesSent atomic.Int64
-	eg = errgroup.Group{}
-	for _, o := range extra {
-		eg.Go(func() error {
-			msg, err := svc.Confirm(ctx, o)
-			if err != nil {
-				return err
-			}
-			published.Add(1)
-			var wg sync.WaitGroup
-			errs := make([]error, cfg.Partitions)
-			for p := range cfg.Partitions {
-				c := msg.Copy()
-				c.Metadata.Set("demo_partition", strconv.Itoa(int(p)))
-				wg.Add(1)
-				go func() { defer wg.Done(); errs[p] = partPub.Publish(n.orders, c) }()
-			}
-			wg.Wait()
-			copiesSent.Add(int64(cfg.Partitions))
-			published.Add(int64(cfg.Partitions))
-			return errors.Join(errs...)
-		})
-	}
-	if err := eg.Wait(); err != nil {
-		return nil, fmt.Errorf("phase 2: %w", err)
-	}
-	rep.ConcurrentSent = int(copiesSent.Load())
-	orders = append(orders, extra...)
-	rep.Orders = len(orders)
-
-	bad := malformedEvents()
-	if err := kafkaPub.Publish(n.orders, bad...); err != nil {
-		return nil, fmt.Errorf("publish malformed: %w", err)
-	}
-	rep.Malformed = len(bad)
-	published.Add(int64(len(bad)))
-	rep.Published = int(published.Load())
-
-	// Every copy ends as processed, skipped or rejected (failures are
-	// redelivered until they end as one of those).
-	settled := func(s *groupStats) bool {
-		return s.processed.Load()+s.skipped.Load()+s.rejected.Load() >= int64(rep.Published)
-	}
-	if err := waitFor("phase 2", func() bool {
-		return settled(&billingStats) && settled(&notifyStats) &&
-			audit.poisoned("billing") >= rep.Malformed && audit.poisoned("notification") >= rep.Malformed &&
-			audit.chargedCount() >= len(orders)
-	}); err != nil {
-		return nil, err
-	}
-	status("phase 2 done")
-
-	// A short grace period so a late extra delivery would be counted.
-	time.Sleep(300 * time.Millisecond)
-	stopAll()
-	for _, r := range []*message.Router{billingRouter, notifyRouter} {
-		_ = r.Close()
-	}
-	_ = fwd.Close()
-	if err := bg.Wait(); err != nil && !errors.Is(err, context.Canceled) {
-		return nil, fmt.Errorf("background: %w", err)
-	}
-
-	// --- Collect.
-	rep.Billing, rep.Notification = billingStats.report(), notifyStats.report()
-	rep.Billing.Poisoned, rep.Notification.Poisoned = audit.poisoned("billing"), audit.poisoned("notification")
-	rep.PoisonReasons = audit.reasons()
-	rep.Provider = provider.Stats()
-	rep.ChargedConsumed = audit.chargedCount()
-	rep.Forwarded = fwd.Stats().Forwarded
-	bctx := context.WithoutCancel(ctx)
-	count := func(q string, args ...any) int {
-		var v int
-		if err := pool.QueryRow(bctx, q, args...).Scan(&v); err != nil {
-			rep.Violations = append(rep.Violations, fmt.Sprintf("query %q: %v", q, err))
-		}
-		return v
-	}
-	rep.LedgerRows = count(`SELECT count(*) FROM ledger`)
-	rep.Notifications = count(`SELECT count(*) FROM notifications`)
-	rep.Billing.Claims = count(`SELECT count(*) FROM processed_event WHERE consumer_group = $1`, n.billing)
-	rep.Notification.Claims = count(`SELECT count(*) FROM processed_event WHERE consumer_group = $1`, n.notification)
-	rep.ChargedOutbox = count(`SELECT count(*) FROM ` + ob.MessagesTable(n.charged))
-
-	// --- Invariants.
-	check := func(ok bool, format string, args ...any) {
-		if !ok {
-			rep.Violations = append(rep.Violations, fmt.Sprintf(format, args...))
-		}
-	}
-	N := len(orders)
-	check(count(`SELECT count(*) FROM orders`) == N, "orders table has %d rows, want %d", count(`SELECT count(*) FROM orders`), N)
-	perOrder := provider.ChargesPerOrder()
-	check(rep.Provider.Charges == N, "provider charges = %d, want one per order (%d)", rep.Provider.Charges, N)
-	for _, o := range orders {
-		if c := perOrder[o.ID]; c != 1 {
-			check(false, "order %s was charged %d times", o.ID, c)
-		}
-	}
-	check(rep.LedgerRows == N, "ledger rows = %d, want %d", rep.LedgerRows, N)
-	check(count(`SELECT count(*) FROM (SELECT order_id FROM ledger GROUP BY order_id HAVING count(*) <> 1) x`) == 0, "some orders have more than one ledger row")
-	check(count(`SELECT count(*) FROM orders o WHERE NOT EXISTS (SELECT 1 FROM ledger l WHERE l.order_id = o.id)`) == 0, "some orders have no ledger row")
-	check(rep.Notifications == N, "notifications = %d, want %d", rep.Notifications, N)
-	check(count(`SELECT count(*) FROM (SELECT order_id FROM notifications GROUP BY order_id HAVING count(*) <> 1) x`) == 0, "some orders have more than one notification")
-	check(rep.Billing.Claims == N && rep.Notification.Claims == N, "processed_event rows: billing %d, notification %d, want %d each", rep.Billing.Claims, rep.Notification.Claims, N)
-	check(rep.Billing.Processed == int64(N) && rep.Notification.Processed == int64(N), "handlers committed billing %d, notification %d times, want %d each", rep.Billing.Processed, rep.Notification.Processed, N)
-	check(rep.ChargedOutbox == N, "billing.charged.v1 outbox rows = %d, want %d", rep.ChargedOutbox, N)
-	check(rep.ChargedConsumed == N, "distinct billing.charged.v1 events on Kafka = %d, want %d", rep.ChargedConsumed, N)
-	check(rep.Billing.Poisoned == rep.Malformed && rep.Notification.Poisoned == rep.Malformed, "poisoned: billing %d, notification %d, want %d each", rep.Billing.Poisoned, rep.Notification.Poisoned, rep.Malformed)
-	check(rep.Billing.Rejected == int64(rep.Malformed) && rep.Notification.Rejected == int64(rep.Malformed), "rejected: billing %d, notification %d, want %d each", rep.Billing.Rejected, rep.Notification.Rejected, rep.Malformed)
-	wantSkipped := int64(rep.Published - rep.Malformed - N)
-	check(rep.Billing.Skipped == wantSkipped && rep.Notification.Skipped == wantSkipped, "duplicates skipped: billing %d, notification %d, want %d each", rep.Billing.Skipped, rep.Notification.Skipped, wantSkipped)
-	check(rep.Provider.Dropped == rep.LostResponses, "provider lost %d responses, want %d", rep.Provider.Dropped, rep.LostResponses)
-	check(rep.Provider.Replayed >= rep.LostResponses, "provider replayed %d stored responses, want at least %d (one per lost response)", rep.Provider.Replayed, rep.LostResponses)
-	check(rep.Provider.Mismatched == 0, "provider saw %d keys reused with a different body", rep.Provider.Mismatched)
-
-	// Outbox tables are not pruned by the forwarder: delete what it has
-	// forwarded (docs/operations.md shows the same statement).
-	for _, topic := range []string{n.orders, n.charged} {
-		total := count(`SELECT count(*) FROM ` + ob.MessagesTable(topic))
-		pruned, err := PruneForwarded(bctx, pool, ob, topic, outbox.DefaultForwarderGroup)
+// pruneOutbox deletes what the forwarder has sent: outbox tables are not
+// pruned by the forwarder (docs/operations.md shows the same statement).
+func (d *demo) pruneOutbox(ctx context.Context) {
+	ctx = context.WithoutCancel(ctx)
+	for _, topic := range []string{d.n.orders, d.n.charged} {
+		total := d.count(ctx, `SELECT count(*) FROM `+d.ob.MessagesTable(topic))
+		pruned, err := PruneForwarded(ctx, d.pool, d.ob, topic, outbox.DefaultForwarderGroup)
 		if err != nil {
-			rep.Violations = append(rep.Violations, err.Error())
+			d.rep.Violations = append(d.rep.Violations, err.Error())
 			continue
 		}
-		rep.OutboxPruned += pruned
-		check(pruned == int64(total), "outbox %s: pruned %d of %d forwarded rows", topic, pruned, total)
-	}
-	rep.Elapsed = time.Since(start)
-	return rep, nil
-}
-
-// malformedEvents are three messages no redelivery can fix: a bad payload
-// with a valid event id (the handler refuses it), no event id at all and a
-// non-v7 event id (the middleware refuses both before any transaction).
-func malformedEvents() []*message.Message {
-	badAmount := publisher.NewEventID()
-	m1 := message.NewMessage(badAmount.String(), []byte(fmt.Sprintf(
-		`{"eventId":%q,"eventType":"order.confirmed.v1","occurredAt":%q,"aggregateType":"Order","orderId":"ord-bad-1","customerId":"cus-1","totalAmount":"-5.00","currency":"EUR"}`,
-		badAmount, time.Now().UTC().Format(time.RFC3339Nano))))
-	m1.Metadata.Set(publisher.MetadataEventID, badAmount.String())
-	m1.Metadata.Set(publisher.MetadataPartitionKey, "ord-bad-1")
-
-	m2 := message.NewMessage(watermill.NewUUID(), []byte("this is not JSON and has no event id"))
-	m2.Metadata.Set(publisher.MetadataPartitionKey, "ord-bad-2")
-
-	v4 := uuid.New()
-	m3 := message.NewMessage(v4.String(), []byte(fmt.Sprintf(
-		`{"eventId":%q,"eventType":"order.confirmed.v1","occurredAt":%q,"aggregateType":"Order","orderId":"ord-bad-3","customerId":"cus-1","totalAmount":"5.00","currency":"EUR"}`,
-		v4, time.Now().UTC().Format(time.RFC3339Nano))))
-	m3.Metadata.Set(publisher.MetadataEventID, v4.String())
-	m3.Metadata.Set(publisher.MetadataPartitionKey, "ord-bad-3")
-	return []*message.Message{m1, m2, m3}
-}
-
-// auditor records what reached the poison and billing.charged topics.
-type auditor struct {
-	mu          sync.Mutex
-	poison      map[string]int // "billing" or "notification", from handler_poisoned
-	reasonSeen  map[string]bool
-	reasonsList []string
-	charged     map[string]bool // distinct event ids
-}
-
-func newAuditor() *auditor {
-	return &auditor{poison: map[string]int{}, reasonSeen: map[string]bool{}, charged: map[string]bool{}}
-}
-
-func (a *auditor) record(poison bool, msg *message.Message) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if !poison {
-		a.charged[msg.Metadata.Get(publisher.MetadataEventID)] = true
-		return
-	}
-	service := "notification"
-	if strings.HasPrefix(msg.Metadata.Get(wmw.PoisonedHandlerKey), "billing") {
-		service = "billing"
-	}
-	a.poison[service]++
-	reason := msg.Metadata.Get(wmw.ReasonForPoisonedKey)
-	if !a.reasonSeen[reason] {
-		a.reasonSeen[reason] = true
-		a.reasonsList = append(a.reasonsList, reason)
+		d.rep.OutboxPruned += pruned
+		d.check(pruned == int64(total), "outbox %s: pruned %d of %d forwarded rows", topic, pruned, total)
 	}
 }
 
-// poisoned counts the poisoned messages of "billing" or "notification".
-func (a *auditor) poisoned(service string) int {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.poison[service]
+// count runs a count query; a failure is a violation.
+func (d *demo) count(ctx context.Context, q string, args ...any) int {
+	var v int
+	if err := d.pool.QueryRow(ctx, q, args...).Scan(&v); err != nil {
+		d.rep.Violations = append(d.rep.Violations, fmt.Sprintf("query %q: %v", q, err))
+	}
+	return v
 }
 
-func (a *auditor) poisonedTotal() int {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.poison["billing"] + a.poison["notification"]
+// check records a violation unless ok.
+func (d *demo) check(ok bool, format string, args ...any) {
+	if !ok {
+		d.rep.Violations = append(d.rep.Violations, fmt.Sprintf(format, args...))
+	}
 }
 
-func (a *auditor) chargedCount() int {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return len(a.charged)
-}
-
-func (a *auditor) reasons() []string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return append([]string(nil), a.reasonsList...)
+// topicRecords returns the number of records on topic: the sum over its
+// partitions of the newest minus the oldest offset.
+func topicRecords(client sarama.Client, topic string) (int, error) {
+	if err := client.RefreshMetadata(topic); err != nil {
+		return 0, err
+	}
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		return 0, err
+	}
+	n := int64(0)
+	for _, p := range parts {
+		newest, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return 0, err
+		}
+		oldest, err := client.GetOffset(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			return 0, err
+		}
+		n += newest - oldest
+	}
+	return int(n), nil
 }
 
 func openSchema(ctx context.Context, url, schema string) (*pgxpool.Pool, error) {
@@ -830,3 +590,7 @@ func PruneForwarded(ctx context.Context, db *pgxpool.Pool, ob *outbox.Outbox, to
 type sharedPublisher struct{ message.Publisher }
 
 func (sharedPublisher) Close() error { return nil }
+
+func ignoreError(f func() error) func() error {
+	return func() error { _ = f(); return nil }
+}

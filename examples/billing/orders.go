@@ -59,6 +59,9 @@ type Order struct {
 type OrderService struct {
 	DB     *pgxpool.Pool
 	Outbox idem.OutboxWriter
+	// Topic the event is written for: an outbox topic (its tables must be
+	// migrated). Defaults to TopicOrdersConfirmed.
+	Topic string
 }
 
 // Confirm stores the order and writes its event to the outbox. It returns the
@@ -97,7 +100,11 @@ func (s *OrderService) Confirm(ctx context.Context, o Order) (*message.Message, 
 		o.ID, o.CustomerID, o.TotalAmount, o.Currency, eventID, now); err != nil {
 		return nil, fmt.Errorf("confirm order %s: %w", o.ID, err)
 	}
-	if err := s.Outbox.PublishInTx(ctx, tx, TopicOrdersConfirmed, msg); err != nil {
+	topic := s.Topic
+	if topic == "" {
+		topic = TopicOrdersConfirmed
+	}
+	if err := s.Outbox.PublishInTx(ctx, tx, topic, msg); err != nil {
 		return nil, fmt.Errorf("confirm order %s: outbox: %w", o.ID, err)
 	}
 	if err := tx.Commit(ctx); err != nil {

@@ -32,8 +32,8 @@ type chargeResponse struct {
 	Status   string `json:"status"`
 }
 
-// ProviderStats counts what the payment provider saw.
-type ProviderStats struct {
+// providerStats counts what the payment provider saw.
+type providerStats struct {
 	Requests   int // POST /charges received
 	Charges    int // charges created (money moved)
 	Replayed   int // repeated key, same body: first response returned again
@@ -49,7 +49,7 @@ type storedResponse struct {
 	body     []byte
 }
 
-// Provider is a payment provider that deduplicates on the Idempotency-Key
+// paymentProvider is a payment provider that deduplicates on the Idempotency-Key
 // header the way public payment APIs do:
 //
 //   - a new key: the charge is made, the response stored under the key;
@@ -59,16 +59,16 @@ type storedResponse struct {
 //   - the same key with a different body: 422 (a client bug, never retried);
 //   - no key: 400.
 //
-// [Provider.DropResponse] makes it lose the response of an order's next
+// [paymentProvider.DropResponse] makes it lose the response of an order's next
 // charge: the charge is recorded, then the connection is cut in the middle
 // of the 201 response (the client sees unexpected EOF).
-type Provider struct {
+type paymentProvider struct {
 	mu       sync.Mutex
 	keys     map[string]*storedResponse
 	perOrder map[string]int // charges per order id
 	drop     map[string]bool
 	slow     map[string]time.Duration
-	stats    ProviderStats
+	stats    providerStats
 	latency  time.Duration
 	// ignoreKeys turns the provider's dedup off (a negative control: the
 	// demo must then detect double charges).
@@ -79,14 +79,14 @@ type Provider struct {
 	listener net.Listener
 }
 
-// NewProvider starts the provider on 127.0.0.1 (a random port). latency is
+// newPaymentProvider starts the provider on 127.0.0.1 (a random port). latency is
 // how long a charge takes (the window in which a repeated key gets 409).
-func NewProvider(latency time.Duration) (*Provider, error) {
+func newPaymentProvider(latency time.Duration) (*paymentProvider, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, fmt.Errorf("provider: listen: %w", err)
 	}
-	p := &Provider{
+	p := &paymentProvider{
 		keys:     map[string]*storedResponse{},
 		perOrder: map[string]int{},
 		drop:     map[string]bool{},
@@ -102,35 +102,35 @@ func NewProvider(latency time.Duration) (*Provider, error) {
 }
 
 // URL is the provider's base URL.
-func (p *Provider) URL() string { return "http://" + p.listener.Addr().String() }
+func (p *paymentProvider) URL() string { return "http://" + p.listener.Addr().String() }
 
 // Close stops the server.
-func (p *Provider) Close() error { return p.srv.Close() }
+func (p *paymentProvider) Close() error { return p.srv.Close() }
 
 // DropResponse makes the provider lose the response to the next charge of
 // orderID, after recording it.
-func (p *Provider) DropResponse(orderID string) {
+func (p *paymentProvider) DropResponse(orderID string) {
 	p.mu.Lock()
 	p.drop[orderID] = true
 	p.mu.Unlock()
 }
 
 // SlowCharge makes charges of orderID take d instead of the default latency.
-func (p *Provider) SlowCharge(orderID string, d time.Duration) {
+func (p *paymentProvider) SlowCharge(orderID string, d time.Duration) {
 	p.mu.Lock()
 	p.slow[orderID] = d
 	p.mu.Unlock()
 }
 
 // Stats returns the counters.
-func (p *Provider) Stats() ProviderStats {
+func (p *paymentProvider) Stats() providerStats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.stats
 }
 
 // ChargesPerOrder returns how many charges each order got.
-func (p *Provider) ChargesPerOrder() map[string]int {
+func (p *paymentProvider) ChargesPerOrder() map[string]int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	m := make(map[string]int, len(p.perOrder))
@@ -140,7 +140,7 @@ func (p *Provider) ChargesPerOrder() map[string]int {
 	return m
 }
 
-func (p *Provider) handleCharge(w http.ResponseWriter, r *http.Request) {
+func (p *paymentProvider) handleCharge(w http.ResponseWriter, r *http.Request) {
 	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
 	if err != nil {
 		http.Error(w, "read body", http.StatusBadRequest)
@@ -215,7 +215,7 @@ func (p *Provider) handleCharge(w http.ResponseWriter, r *http.Request) {
 	writeStored(w, entry)
 }
 
-func (p *Provider) finish(e *storedResponse, status int, body []byte) {
+func (p *paymentProvider) finish(e *storedResponse, status int, body []byte) {
 	p.mu.Lock()
 	e.status, e.body, e.done = status, body, true
 	p.mu.Unlock()
