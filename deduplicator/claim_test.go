@@ -189,12 +189,15 @@ func TestNewValidatesConfig(t *testing.T) {
 		{Table: "processed event"},
 		{Table: "1table"},
 		{Schema: strings.Repeat("s", 64)},
+		{Table: strings.Repeat("t", 56)}, // <table>_setting would exceed 63 bytes
+		{Retention: -time.Hour},
 	} {
 		_, err := deduplicator.New(deduplicator.Config{TableConfig: tc, ConsumerGroup: "g"}, nil)
 		require.Error(t, err, "%+v", tc)
 		require.Error(t, tc.Validate())
 	}
 
+	require.NoError(t, deduplicator.TableConfig{Table: strings.Repeat("t", 55)}.Validate())
 	d, err := deduplicator.New(deduplicator.Config{ConsumerGroup: "g"}, nil)
 	require.NoError(t, err)
 	require.Equal(t, "g", d.Config().ConsumerGroup)
