@@ -127,6 +127,33 @@ func TestClaimBatchReturnsFirstClaimsSorted(t *testing.T) {
 	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM processed_event"))
 }
 
+// BeginClaimBatch begins the transaction and claims in one call, on a pool
+// (pipelined) and inside a caller's transaction (a savepoint); the claims
+// commit or vanish with the transaction.
+func TestBeginClaimBatch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, d := claimDB(t, "billing")
+	a, b, c := publisher.NewEventID(), publisher.NewEventID(), publisher.NewEventID()
+	inTx(t, db, func(tx pgx.Tx) {
+		_, err := d.Claim(ctx, tx, b)
+		require.NoError(t, err)
+	})
+	tx, first, err := d.BeginClaimBatch(ctx, db.Pool, pgx.TxOptions{}, []uuid.UUID{c, b, a, c})
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{a, c}, first)
+	require.NoError(t, tx.Rollback(ctx))
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM processed_event"), "rolled back with the transaction")
+
+	inTx(t, db, func(outer pgx.Tx) {
+		tx, first, err := d.BeginClaimBatch(ctx, outer, pgx.TxOptions{}, []uuid.UUID{a, b})
+		require.NoError(t, err)
+		require.Equal(t, []uuid.UUID{a}, first)
+		require.NoError(t, tx.Commit(ctx)) // releases the savepoint
+	})
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM processed_event"))
+}
+
 // Two batches sharing ids lock them in the same (sorted) order, so they can
 // wait on each other but never deadlock: tx2's batch waits on tx1's first id
 // before touching any later one, so tx1 can still claim a later id.

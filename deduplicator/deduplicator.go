@@ -91,6 +91,54 @@ func (d *Deduplicator) Claim(ctx context.Context, tx DBTX, eventID uuid.UUID) (f
 // an error and nothing to release. A duplicate's claim inserts nothing, so
 // its transaction gets no transaction id and its ROLLBACK writes no WAL.
 func (d *Deduplicator) BeginClaim(ctx context.Context, db Beginner, opts pgx.TxOptions, eventID uuid.UUID) (tx pgx.Tx, first bool, err error) {
+	tx, err = beginPipelined(ctx, db, opts, func(b *pgx.Batch) {
+		b.Queue(d.claimSQL, eventID, d.cfg.ConsumerGroup)
+	}, func(br pgx.BatchResults) error {
+		tag, err := br.Exec()
+		first = tag.RowsAffected() == 1
+		return err
+	}, func(tx pgx.Tx) (err error) {
+		first, err = d.Claim(ctx, tx, eventID)
+		return err
+	})
+	if err != nil {
+		return tx, false, fmt.Errorf("claim event %s: %w", eventID, err)
+	}
+	return tx, first, nil
+}
+
+// BeginClaimBatch is [Deduplicator.BeginClaim] for several ids: BEGIN and one
+// multi-row claim ([Deduplicator.ClaimBatch]: sorted ids, so batches sharing
+// ids cannot deadlock) in one round trip with a pool or a conn. It returns
+// the ids claimed for the first time, sorted; the others are duplicates.
+// The same rules for tx apply.
+func (d *Deduplicator) BeginClaimBatch(ctx context.Context, db Beginner, opts pgx.TxOptions, eventIDs []uuid.UUID) (tx pgx.Tx, first []uuid.UUID, err error) {
+	ids := sortedUnique(eventIDs)
+	tx, err = beginPipelined(ctx, db, opts, func(b *pgx.Batch) {
+		b.Queue(d.claimBatchSQL, ids, d.cfg.ConsumerGroup)
+	}, func(br pgx.BatchResults) error {
+		rows, err := br.Query()
+		if err != nil {
+			return err
+		}
+		first, err = pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+		return err
+	}, func(tx pgx.Tx) (err error) {
+		first, err = d.ClaimBatch(ctx, tx, ids)
+		return err
+	})
+	if err != nil {
+		return tx, nil, fmt.Errorf("claim batch of %d: %w", len(ids), err)
+	}
+	slices.SortFunc(first, compareUUID)
+	return tx, first, nil
+}
+
+// beginPipelined begins a transaction on db and runs one claim in it: with a
+// pool or a conn as one pipelined batch (queue adds the claim, read reads
+// its result), otherwise BEGIN then inTx. The returned tx is non-nil
+// whenever BEGIN may have happened, also with an error.
+func beginPipelined(ctx context.Context, db Beginner, opts pgx.TxOptions, queue func(*pgx.Batch), read func(pgx.BatchResults) error, inTx func(pgx.Tx) error) (pgx.Tx, error) {
 	var send func(context.Context, *pgx.Batch) pgx.BatchResults
 	switch db := db.(type) {
 	case *pgxpool.Pool:
@@ -100,6 +148,10 @@ func (d *Deduplicator) BeginClaim(ctx context.Context, db Beginner, opts pgx.TxO
 	}
 	if send == nil {
 		// Other Beginners (a pgx.Tx: savepoints) take two round trips.
+		var (
+			tx  pgx.Tx
+			err error
+		)
 		if b, ok := db.(interface {
 			BeginTx(context.Context, pgx.TxOptions) (pgx.Tx, error)
 		}); ok && opts != (pgx.TxOptions{}) {
@@ -108,28 +160,24 @@ func (d *Deduplicator) BeginClaim(ctx context.Context, db Beginner, opts pgx.TxO
 			tx, err = db.Begin(ctx)
 		}
 		if err != nil {
-			return nil, false, fmt.Errorf("begin: %w", err)
+			return nil, fmt.Errorf("begin: %w", err)
 		}
-		first, err = d.Claim(ctx, tx, eventID)
-		return tx, first, err
+		return tx, inTx(tx)
 	}
 	b := &pgx.Batch{}
 	b.BeginTx(opts)
-	b.Queue(d.claimSQL, eventID, d.cfg.ConsumerGroup)
+	queue(b)
 	br := send(ctx, b)
-	tx = br.Tx()
-	if _, err = br.Exec(); err != nil {
+	tx := br.Tx()
+	if _, err := br.Exec(); err != nil {
 		_ = br.Close()
-		return tx, false, fmt.Errorf("begin: %w", err)
+		return tx, fmt.Errorf("begin: %w", err)
 	}
-	tag, err := br.Exec()
+	err := read(br)
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	if err != nil {
-		return tx, false, fmt.Errorf("claim event %s: %w", eventID, err)
-	}
-	return tx, tag.RowsAffected() == 1, nil
+	return tx, err
 }
 
 // ClaimBatch claims several ids in one statement and returns those claimed
@@ -139,9 +187,7 @@ func (d *Deduplicator) ClaimBatch(ctx context.Context, tx DBTX, eventIDs []uuid.
 	if len(eventIDs) == 0 {
 		return nil, nil
 	}
-	ids := slices.Clone(eventIDs)
-	slices.SortFunc(ids, func(a, b uuid.UUID) int { return compareUUID(a, b) })
-	ids = slices.Compact(ids)
+	ids := sortedUnique(eventIDs)
 	rows, err := tx.Query(ctx, d.claimBatchSQL, ids, d.cfg.ConsumerGroup)
 	if err != nil {
 		return nil, fmt.Errorf("claim batch: %w", err)
@@ -161,6 +207,13 @@ func (d *Deduplicator) IsProcessed(ctx context.Context, db DBTX, eventID uuid.UU
 		return false, fmt.Errorf("is processed %s: %w", eventID, err)
 	}
 	return ok, nil
+}
+
+// sortedUnique returns a sorted copy of ids without repeats.
+func sortedUnique(ids []uuid.UUID) []uuid.UUID {
+	out := slices.Clone(ids)
+	slices.SortFunc(out, compareUUID)
+	return slices.Compact(out)
 }
 
 // compareUUID orders ids as PostgreSQL's uuid type does (bytewise).
