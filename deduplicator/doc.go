@@ -10,7 +10,7 @@
 //	if err := deduplicator.Migrate(ctx, pool, deduplicator.TableConfig{}); err != nil { ... }
 //	dedup, err := deduplicator.New(deduplicator.Config{ConsumerGroup: "billing"}, logger)
 //	...
-//	group, err := dedup.Register(ctx, pool, "") // at start-up: the group and the table's retention
+//	group, err := dedup.Register(ctx, pool, "") // at start-up: registers the consumer group
 //	...
 //	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 //		first, err := dedup.Claim(ctx, tx, eventID)
@@ -43,7 +43,21 @@
 // and are always quoted.
 // Teams that manage schemas with goose or golang-migrate take the rendered
 // SQL from [Migrations] (or the raw templates in [MigrationTemplates])
-// instead.
+// instead; that SQL records its own version in idem_schema_migration, as
+// Migrate does, so files generated from an earlier release must be
+// regenerated for [Check] to pass.
+//
+// # Start-up checks
+//
+// [Check] verifies the live table before claims rely on it: it exists, its
+// key is exactly (event_id, consumer_group), its columns and partition key
+// are the expected ones, no migration is pending and its layout is
+// [TableConfig.Layout]. A table that fails is a [*TableError] wrapping
+// [ErrTableMissing], [ErrTableKey], [ErrTableColumns], [ErrMigrationsPending]
+// or [ErrLayoutMismatch]. Migrate ends with it, and the middleware runs it at
+// start-up. [ConvertTable] turns an existing table keyed otherwise (for
+// instance by event_id alone, or partitioned on processed_at) into the one
+// Migrate makes, keeping one row per (event_id, consumer_group).
 //
 // # Retention
 //
@@ -57,19 +71,23 @@
 // [Migrate] records [TableConfig.Retention] when it creates the table
 // ([DefaultRetention], 7 days, when zero); the middleware's stale guard and
 // the Cleaner read it. A non-zero TableConfig.Retention that differs is
-// refused with [ErrRetentionMismatch] by Migrate, the middleware at start-up
-// and [Cleaner.RunOnce]. [SetRetention] changes it and [RecordedRetention]
-// reads it. After a shortening the Cleaner refuses to run until the
-// consumers of every registered group have restarted under the new value, or
-// the group was removed with [ForgetGroup]; a lengthening does not bring back
-// claims already cleaned.
+// refused with [ErrRetentionMismatch] by Migrate, the middleware (at
+// start-up and at every re-read) and [Cleaner.RunOnce]. [SetRetention]
+// changes it and [RecordedRetention] reads it. Running consumers re-read it
+// every [RetentionRefreshInterval], so a change needs no restart. After a
+// shortening the Cleaner applies the previous, longer retention until 2 ×
+// RetentionRefreshInterval after the change, when every running consumer has
+// re-read the shorter one. Before deleting, each pass records its cutoff
+// with the table, and the stale guard ([Horizon.Stale];
+// [Deduplicator.Horizon] reads its inputs) refuses events created before it,
+// so a lengthening never revives an event whose claim was already cleaned.
 //
 // # Consumer groups
 //
 // [Deduplicator.Register] records a consumer group's start in <table>_group:
-// when it was first seen, its Idempotency-Key namespace and the retention it
-// started with. The middleware calls it at start-up; call it yourself when you
-// claim directly. [Groups] lists the registered groups. A group first seen
+// when it was first seen, its Idempotency-Key namespace and its last start.
+// The middleware calls it at start-up; call it yourself when you claim
+// directly. [Groups] lists the registered groups. A group first seen
 // less than a retention ago ([Group.Young]) cannot have lost a claim: the
 // middleware lets its old events through, and the Cleaner keeps its claims,
 // and any old partition holding them ([Result.YoungGroups],

@@ -29,10 +29,13 @@ type txOptionsBeginner interface {
 // the sentinel errors so the message can be routed to a poison queue.
 type EventIDFunc func(msg *message.Message) (uuid.UUID, error)
 
-// DefaultEventIDFunc reads the metadata key "event_id" (a Kafka header) and,
-// when it is absent, the top-level JSON payload field "eventId". The value
-// must be a canonical 36-character UUID (either case); braces, "urn:uuid:",
-// missing hyphens or surrounding spaces are refused as ErrInvalidEventID.
+// DefaultEventIDFunc reads the metadata key "event_id" (a Kafka header) and
+// the top-level JSON payload field "eventId"; either one alone is the id.
+// When both are present they must name the same UUID, else
+// ErrEventIDMismatch; [HeaderFirstEventIDFunc] lets the header win. The
+// value must be a canonical 36-character UUID (either case); braces,
+// "urn:uuid:", missing hyphens or surrounding spaces are refused as
+// ErrInvalidEventID.
 func DefaultEventIDFunc(msg *message.Message) (uuid.UUID, error) {
 	return eventid.FromMessage(msg)
 }
@@ -83,7 +86,9 @@ type Config struct {
 	Table deduplicator.TableConfig
 
 	// EventIDFunc extracts the event id. Defaults to [DefaultEventIDFunc]
-	// (metadata "event_id", then JSON payload field "eventId").
+	// (metadata "event_id", else JSON payload field "eventId"). When both
+	// are present they must name the same UUID, else ErrEventIDMismatch;
+	// [HeaderFirstEventIDFunc] lets the header win.
 	EventIDFunc EventIDFunc
 
 	// AllowNonV7 accepts valid UUIDs of any version. Defaults to false: a

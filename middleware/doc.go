@@ -45,13 +45,15 @@
 //	})
 //
 // Run [deduplicator.Migrate] at start-up, before [NewDedup]: NewDedup checks
-// the table and registers the consumer group in one transaction (bounded by
+// the table ([deduplicator.Check]), registers the consumer group and reads the
+// table's retention state in one transaction (bounded by
 // [Config.StartupTimeout], 30 s), and fails at start-up, not at the first
-// message, on a missing or unmigrated table (deduplicator.ErrNotMigrated), a
-// Table.Retention that differs from the one recorded with the table
-// (deduplicator.ErrRetentionMismatch), an [Config.IdempotencyNamespace] that
-// differs from the group's (deduplicator.ErrNamespaceMismatch) or a
-// [Config.StaleMargin] not shorter than the retention.
+// message, on a missing table, a wrong key, columns or layout, or pending
+// migrations (a *deduplicator.TableError), a Table.Retention that differs
+// from the one recorded with the table (deduplicator.ErrRetentionMismatch),
+// an [Config.IdempotencyNamespace] that differs from the group's
+// (deduplicator.ErrNamespaceMismatch) or a [Config.StaleMargin] not shorter
+// than the retention.
 //
 // # Where Retry and PoisonQueue go
 //
@@ -84,11 +86,15 @@
 //
 // The dedup table's retention is recorded with the table
 // (deduplicator.TableConfig.Retention, deduplicator.SetRetention); the
-// middleware reads it at start-up, so its stale guard and the
-// deduplicator.Cleaner always agree. A UUIDv7 older than the retention minus
-// [Config.StaleMargin] may have lost its claim to the Cleaner, so it is
-// refused with [ErrStaleEvent] rather than applied again, unless the consumer
-// group was first seen less than that long ago: a young group has lost no
+// middleware reads it at start-up and re-reads it every
+// deduplicator.RetentionRefreshInterval (a failed re-read fails the message,
+// which is retried), so its stale guard and the deduplicator.Cleaner always
+// agree, also after SetRetention, without a restart. A UUIDv7 older than the
+// retention minus [Config.StaleMargin], or created before the Cleaner's
+// highest cutoff plus the margin, may have lost its claim to the Cleaner, so
+// it is refused with [ErrStaleEvent] rather than applied again
+// (deduplicator.Horizon.Stale), unless the consumer group was first seen
+// less than the retention minus the margin ago: a young group has lost no
 // claim (the Cleaner keeps them until the group is older than the
 // retention), so a new group reading a topic from the oldest offset drains
 // its old backlog normally. [Config.ProcessStaleEvents] turns the refusal
