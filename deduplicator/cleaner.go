@@ -190,7 +190,8 @@ type Result struct {
 	// PartitionsKept: partitions old enough to drop that were kept because
 	// a young group (see YoungGroups) holds claims in them.
 	PartitionsKept int
-	// Retention is the table's recorded retention the pass applied.
+	// Retention is the retention the pass applied: the recorded one, or
+	// for 2 × RetentionRefreshInterval after a shortening the previous one.
 	Retention time.Duration
 	// YoungGroups are the consumer groups first seen less than a retention
 	// ago: their claims are kept whatever the event's age, because their

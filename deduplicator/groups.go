@@ -155,8 +155,14 @@ func SetRetention(ctx context.Context, db DBTX, cfg TableConfig, retention time.
 	if retention <= 0 {
 		return errors.New("retention: must be positive")
 	}
+	// previous_retention is what the Cleaner applies until every consumer has
+	// re-read the change: within that window of an earlier change, keep the
+	// longest value some consumer may still hold (30 → 7 → 1 days quickly
+	// keeps 30).
 	_, err = db.Exec(ctx, "UPDATE "+companion(cfg, settingSuffix)+
-		" SET previous_retention = retention, retention = interval '1 microsecond' * $1, updated_at = now()", retention.Microseconds())
+		" SET previous_retention = CASE WHEN previous_retention IS NOT NULL AND updated_at > now() - interval '1 microsecond' * $2"+
+		" THEN greatest(previous_retention, retention) ELSE retention END,"+
+		" retention = interval '1 microsecond' * $1, updated_at = now()", retention.Microseconds(), (2 * RetentionRefreshInterval).Microseconds())
 	if err != nil {
 		return fmt.Errorf("set retention of %s: %w", ident.Quote(cfg.Schema, cfg.Table), notMigrated(err))
 	}
@@ -195,14 +201,12 @@ func (h Horizon) Stale(created, now time.Time, margin time.Duration) bool {
 
 // Horizon reads the table's recorded retention and cleanup horizon and the
 // group's first-seen time; the group must be registered ([Deduplicator.Register]).
-// A configured TableConfig.Retention that differs from the recorded one is
-// refused with [ErrRetentionMismatch].
+// It follows the table: a configured TableConfig.Retention is checked by
+// Register at start-up, not here, so a running consumer adopts a
+// [SetRetention] change.
 func (d *Deduplicator) Horizon(ctx context.Context, db DBTX) (Horizon, error) {
 	s, err := readSetting(ctx, db, d.cfg.TableConfig)
 	if err != nil {
-		return Horizon{}, err
-	}
-	if err := s.check(d.cfg.TableConfig); err != nil {
 		return Horizon{}, err
 	}
 	var first pgtype.Timestamptz

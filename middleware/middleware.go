@@ -135,6 +135,9 @@ func (d *Dedup) currentHorizon(ctx context.Context) (deduplicator.Horizon, error
 	if err != nil {
 		return deduplicator.Horizon{}, fmt.Errorf("dedup: re-read the retention: %w", err)
 	}
+	if old := d.horizon.Load(); old.Retention != h.Retention {
+		d.logger.Info("Dedup retention changed", watermill.LogFields{"retention": h.Retention.String(), "previous": old.Retention.String()})
+	}
 	d.horizon.Store(&horizonAt{Horizon: h, readAt: time.Now()})
 	return h, nil
 }

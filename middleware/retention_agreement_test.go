@@ -25,9 +25,10 @@ import (
 // The reported case: a Cleaner with Retention 24h next to a middleware with
 // the default 7 days deleted a 2-day-old claim, and the redelivery applied the
 // event a second time. Now the Cleaner reads the recorded retention and
-// refuses a different one; shortening it for everyone (SetRetention) is
-// refused by the Cleaner until the consumers restart under it, and then the
-// stale guard refuses the redelivery instead of applying it again.
+// refuses a different one; after shortening it for everyone (SetRetention)
+// the Cleaner keeps the previous value until every running consumer has
+// re-read it, and then the stale guard refuses the redelivery instead of
+// applying it again.
 func TestRetentionHasOneSourceOfTruth(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
