@@ -138,6 +138,12 @@ type Config struct {
 	// differs from the recorded one is refused (ErrNamespaceMismatch).
 	IdempotencyNamespace string
 
+	// GroupCommit, when set, lets the messages that reach the middleware at
+	// the same time share one transaction; see [GroupCommitConfig]. Needs a
+	// DB that can run several transactions at once (a *pgxpool.Pool).
+	// Defaults to nil: one transaction per message.
+	GroupCommit *GroupCommitConfig
+
 	// StartupTimeout bounds the start-up work of [NewDedup]: checking the
 	// table and registering the consumer group. Defaults to
 	// [DefaultStartupTimeout] (30 s).
@@ -153,6 +159,11 @@ func (c *Config) setDefaults() {
 	}
 	if c.StartupTimeout == 0 {
 		c.StartupTimeout = DefaultStartupTimeout
+	}
+	if c.GroupCommit != nil {
+		gc := *c.GroupCommit // the caller's value stays as it was
+		gc.setDefaults()
+		c.GroupCommit = &gc
 	}
 	if c.StaleMargin == 0 {
 		c.StaleMargin = DefaultStaleMargin
@@ -194,6 +205,14 @@ func (c Config) validate() error {
 	}
 	if c.StartupTimeout < 0 {
 		return errors.New("StartupTimeout: must not be negative")
+	}
+	if c.GroupCommit != nil {
+		if err := c.GroupCommit.validate(); err != nil {
+			return err
+		}
+		if _, ok := c.DB.(pgx.Tx); ok {
+			return errors.New("GroupCommit: DB is a pgx.Tx, which cannot run concurrent groups (use a *pgxpool.Pool)")
+		}
 	}
 	return nil
 }

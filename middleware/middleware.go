@@ -33,6 +33,8 @@ type Dedup struct {
 	// every deduplicator.RetentionRefreshInterval (hmu serialises re-reads).
 	horizon atomic.Pointer[horizonAt]
 	hmu     sync.Mutex
+	// gc is the group-commit mode, nil when Config.GroupCommit is.
+	gc *groupCommit
 }
 
 type horizonAt struct {
@@ -63,6 +65,9 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	d := &Dedup{cfg: cfg, dedup: dd, logger: logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup})}
 	if err := d.start(); err != nil {
 		return nil, err
+	}
+	if cfg.GroupCommit != nil {
+		d.gc = newGroupCommit(d, *cfg.GroupCommit)
 	}
 	if h, r := cfg.ReplayHorizon, d.horizon.Load().Retention; h > 0 && h > r-cfg.StaleMargin {
 		d.logger.Info("Dedup retention is shorter than the replay horizon: events replayed from further back will be refused as stale (ErrStaleEvent)", watermill.LogFields{
@@ -163,7 +168,7 @@ func (d *Dedup) Deduplicator() *deduplicator.Deduplicator { return d.dedup }
 // watermill's Retry middleware outside (before) this one, so every attempt
 // gets a fresh transaction.
 func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) (produced []*message.Message, err error) {
+	return func(msg *message.Message) ([]*message.Message, error) {
 		id, err := d.eventID(msg)
 		if err == nil && id.Version() == 7 && !d.cfg.ProcessStaleEvents {
 			var retry error
@@ -177,72 +182,104 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			d.logger.Error("Refusing message: unusable event id", err, watermill.LogFields{"message_uuid": msg.UUID})
 			return nil, err
 		}
+		if d.gc != nil && !d.gc.failed.has(id) {
+			if res := d.gc.submit(msg, h, id); !res.alone {
+				return res.produced, res.err
+			}
+			d.stats.alone.Add(1)
+		}
+		return d.single(msg, h, id)
+	}
+}
 
-		origCtx := msg.Context()
-		defer msg.SetContext(origCtx)
-		fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
+// single processes one message in its own transaction.
+func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID) (produced []*message.Message, err error) {
+	origCtx := msg.Context()
+	defer msg.SetContext(origCtx)
+	fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
 
-		start := time.Now()
-		tx, first, err := d.dedup.BeginClaim(origCtx, d.cfg.DB, d.cfg.TxOptions, id)
-		d.stats.claimed(time.Since(start))
-		if err != nil {
-			err = fmt.Errorf("dedup: %w", err)
+	start := time.Now()
+	tx, first, err := d.dedup.BeginClaim(origCtx, d.cfg.DB, d.cfg.TxOptions, id)
+	d.stats.claimed(time.Since(start))
+	if err != nil {
+		err = fmt.Errorf("dedup: %w", err)
+	}
+	if tx == nil {
+		d.stats.claimErrors.Add(1)
+		return nil, err
+	}
+	done, handlerFailed := false, false
+	defer func() {
+		if !done { // error, duplicate or panic
+			d.rollback(origCtx, tx, fields)
 		}
-		if tx == nil {
-			d.stats.claimErrors.Add(1)
-			return nil, err
-		}
-		done := false
-		defer func() {
-			if !done { // error, duplicate or panic
-				d.rollback(origCtx, tx, fields)
+	}()
+	if err != nil {
+		d.stats.claimErrors.Add(1)
+		return nil, err
+	}
+	if !first {
+		d.stats.duplicates.Add(1)
+		d.logger.Debug("Duplicate event skipped", fields)
+		return nil, nil
+	}
+	defer func() {
+		if !done { // handler error or panic, outbox or commit failure
+			d.stats.failed.Add(1)
+			if d.gc != nil && handlerFailed {
+				d.gc.failed.add(id) // stays alone on its later attempts
 			}
-		}()
-		if err != nil {
-			d.stats.claimErrors.Add(1)
-			return nil, err
 		}
-		if !first {
-			d.stats.duplicates.Add(1)
-			d.logger.Debug("Duplicate event skipped", fields)
-			return nil, nil
-		}
-		defer func() {
-			if !done { // handler error or panic, outbox or commit failure
-				d.stats.failed.Add(1)
-			}
-		}()
+	}()
 
-		msg.SetContext(idemctx.With(origCtx, &idemctx.Value{
-			Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
-			CorrelationID: msg.Metadata.Get(eventid.MetadataCorrelationID),
-		}))
-		produced, err = h(msg)
-		if err != nil {
-			return nil, err
-		}
-		if len(produced) > 0 && d.cfg.Outbox != nil {
-			topic := message.PublishTopicFromCtx(origCtx)
-			if topic == "" {
-				return nil, errors.New("dedup: handler returned messages but has no publish topic (add it with router.AddHandler)")
-			}
-			if err := d.cfg.Outbox.PublishInTx(msg.Context(), tx, topic, produced...); err != nil {
-				return nil, fmt.Errorf("dedup: write returned messages to outbox: %w", err)
-			}
-			produced = nil
-		}
-		if err := tx.Commit(origCtx); err != nil {
-			// The outcome is unknown (the COMMIT may have reached the server).
-			// Returning the error nacks the message; the redelivery's claim
-			// tells which way it went.
-			return nil, fmt.Errorf("dedup: commit: %w", err)
-		}
-		done = true
-		d.stats.processed.Add(1)
-		d.stats.txNanos.Add(uint64(time.Since(start)))
-		d.logger.Trace("Event processed", fields.Add(watermill.LogFields{"tx_duration": time.Since(start).String()}))
+	msg.SetContext(d.handlerContext(origCtx, tx, msg, id))
+	handlerFailed = true // until h returns: an error or a panic
+	produced, err = h(msg)
+	if err != nil {
+		return nil, err
+	}
+	handlerFailed = false
+	if produced, err = d.toOutbox(msg.Context(), origCtx, tx, produced); err != nil {
+		return nil, err
+	}
+	if err := tx.Commit(origCtx); err != nil {
+		// The outcome is unknown (the COMMIT may have reached the server).
+		// Returning the error nacks the message; the redelivery's claim
+		// tells which way it went.
+		return nil, fmt.Errorf("dedup: commit: %w", err)
+	}
+	done = true
+	d.stats.processed.Add(1)
+	d.stats.txNanos.Add(uint64(time.Since(start)))
+	d.logger.Trace("Event processed", fields.Add(watermill.LogFields{"tx_duration": time.Since(start).String()}))
+	return produced, nil
+}
+
+// handlerContext is the context a handler sees: origCtx with the
+// transaction and the event.
+func (d *Dedup) handlerContext(origCtx context.Context, tx pgx.Tx, msg *message.Message, id uuid.UUID) context.Context {
+	return idemctx.With(origCtx, &idemctx.Value{
+		Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
+		CorrelationID: msg.Metadata.Get(eventid.MetadataCorrelationID),
+	})
+}
+
+// toOutbox writes the messages a handler returned to [Config.Outbox] in tx
+// and returns none; without an Outbox it returns them unchanged (for the
+// router, after COMMIT). The publish topic comes from the router, in
+// origCtx.
+func (d *Dedup) toOutbox(ctx, origCtx context.Context, tx pgx.Tx, produced []*message.Message) ([]*message.Message, error) {
+	if len(produced) == 0 || d.cfg.Outbox == nil {
 		return produced, nil
 	}
+	topic := message.PublishTopicFromCtx(origCtx)
+	if topic == "" {
+		return nil, errors.New("dedup: handler returned messages but has no publish topic (add it with router.AddHandler)")
+	}
+	if err := d.cfg.Outbox.PublishInTx(ctx, tx, topic, produced...); err != nil {
+		return nil, fmt.Errorf("dedup: write returned messages to outbox: %w", err)
+	}
+	return nil, nil
 }
 
 func (d *Dedup) rollback(ctx context.Context, tx pgx.Tx, fields watermill.LogFields) {

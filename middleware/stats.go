@@ -32,6 +32,13 @@ type Stats struct {
 	// TxDuration is the total time from BEGIN to COMMIT of processed
 	// messages (Processed of them).
 	TxDuration time.Duration
+	// Group commit ([Config.GroupCommit]): Groups transactions claimed
+	// GroupedMessages messages (so their mean size is the ratio);
+	// GroupFallbacks groups were rolled back by a handler failure and their
+	// messages processed alone; Alone counts the messages processed in their
+	// own transaction after a fallback, a failed group claim or an earlier
+	// failure of their handler.
+	Groups, GroupedMessages, GroupFallbacks, Alone uint64
 }
 
 // RejectedStats counts refused messages by reason.
@@ -48,6 +55,7 @@ type counters struct {
 	processed, duplicates, failed, claimErrors atomic.Uint64
 	missing, invalid, nilID, notV7, stale      atomic.Uint64
 	claimNanos, claimCount, txNanos            atomic.Uint64
+	groups, grouped, groupFallbacks, alone     atomic.Uint64
 }
 
 func (c *counters) rejected(err error) {
@@ -80,8 +88,12 @@ func (c *counters) snapshot() Stats {
 			MissingEventID: c.missing.Load(), InvalidEventID: c.invalid.Load(),
 			NilEventID: c.nilID.Load(), NotUUIDv7: c.notV7.Load(), Stale: c.stale.Load(),
 		},
-		ClaimDuration: time.Duration(c.claimNanos.Load()),
-		ClaimCount:    c.claimCount.Load(),
-		TxDuration:    time.Duration(c.txNanos.Load()),
+		ClaimDuration:   time.Duration(c.claimNanos.Load()),
+		ClaimCount:      c.claimCount.Load(),
+		TxDuration:      time.Duration(c.txNanos.Load()),
+		Groups:          c.groups.Load(),
+		GroupedMessages: c.grouped.Load(),
+		GroupFallbacks:  c.groupFallbacks.Load(),
+		Alone:           c.alone.Load(),
 	}
 }

@@ -1,0 +1,327 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+)
+
+// Defaults of [GroupCommitConfig].
+const (
+	// DefaultGroupMaxMessages is the largest group.
+	DefaultGroupMaxMessages = 64
+	// DefaultGroupMaxWait is how long a group gathers at most.
+	DefaultGroupMaxWait = 5 * time.Millisecond
+	// DefaultGroupConcurrency is how many groups run at once.
+	DefaultGroupConcurrency = 4
+)
+
+// GroupCommitConfig turns on group commit: the messages that reach the
+// middleware at the same time (watermill-kafka keeps one message in flight
+// per partition and runs the partitions concurrently, so with many
+// partitions many arrive at once) share one transaction: BEGIN and one
+// multi-row claim of their sorted ids in one round trip, duplicates acked
+// without running their handlers, each new message's handler run in turn on
+// the shared transaction with its own message context, one COMMIT, and only
+// then the acks. All of a group's claims and effects commit together or not
+// at all, so the guarantees of the one-message mode hold; per-partition
+// order is untouched (one message per partition per group).
+//
+// A handler error or panic rolls the whole group back, and every message in
+// it is processed again alone, one transaction each (so one poison message
+// costs its group one retry); a message whose handler has failed once is
+// processed alone from then on (Retry's attempts, redeliveries). A failed
+// COMMIT (outcome unknown) nacks every message of the group: redelivery and
+// the claims settle it.
+//
+// What it costs: up to MaxWait of latency while a group gathers (a group
+// that stops receiving new messages starts sooner), the handlers of one
+// group run one after another, and one failure retries its group. Turn it on
+// when an instance consumes many partitions and the database's commit rate
+// is the limit; docs/groupcommit.md has the measurements.
+type GroupCommitConfig struct {
+	// MaxMessages is the largest group. Defaults to
+	// [DefaultGroupMaxMessages] (64).
+	MaxMessages int
+	// MaxWait is the longest a group gathers messages before it runs; it
+	// also runs when it is full, or when no message joined it for a fifth
+	// of MaxWait. Defaults to [DefaultGroupMaxWait] (5 ms).
+	MaxWait time.Duration
+	// Concurrency is how many groups run at once, each on its own
+	// connection, so handler CPU is not serialized through one goroutine.
+	// While all are busy, arriving messages gather into the next group.
+	// Defaults to [DefaultGroupConcurrency] (4).
+	Concurrency int
+}
+
+func (c *GroupCommitConfig) setDefaults() {
+	if c.MaxMessages == 0 {
+		c.MaxMessages = DefaultGroupMaxMessages
+	}
+	if c.MaxWait == 0 {
+		c.MaxWait = DefaultGroupMaxWait
+	}
+	if c.Concurrency == 0 {
+		c.Concurrency = DefaultGroupConcurrency
+	}
+}
+
+func (c GroupCommitConfig) validate() error {
+	switch {
+	case c.MaxMessages < 1:
+		return errors.New("GroupCommit.MaxMessages: must be positive")
+	case c.MaxWait < 0:
+		return errors.New("GroupCommit.MaxWait: must not be negative")
+	case c.Concurrency < 1:
+		return errors.New("GroupCommit.Concurrency: must be positive")
+	}
+	return nil
+}
+
+// groupCommit gathers concurrent messages into groups. There is no
+// background goroutine: the first message of a group leads it (waits for a
+// slot and for others to join, then runs it), the others wait for their
+// result.
+type groupCommit struct {
+	d     *Dedup
+	cfg   GroupCommitConfig
+	slots chan struct{}
+
+	mu   sync.Mutex
+	open *group // gathering, nil when none
+
+	// failed holds the ids whose handler failed once: they are processed
+	// alone from then on.
+	failed failedSet
+}
+
+type group struct {
+	reqs   []*request
+	joined chan struct{} // a request joined (buffered 1)
+	full   chan struct{} // closed when the group is full
+}
+
+type request struct {
+	msg  *message.Message
+	h    message.HandlerFunc
+	id   uuid.UUID
+	done chan result // buffered 1
+	out  []*message.Message
+}
+
+// result is a message's outcome; alone means: process it in its own
+// transaction instead.
+type result struct {
+	produced []*message.Message
+	err      error
+	alone    bool
+}
+
+func newGroupCommit(d *Dedup, cfg GroupCommitConfig) *groupCommit {
+	return &groupCommit{d: d, cfg: cfg, slots: make(chan struct{}, cfg.Concurrency), failed: newFailedSet(4096)}
+}
+
+// submit adds the message to the open group (opening one, and leading it,
+// when there is none) and waits for its result.
+func (gc *groupCommit) submit(msg *message.Message, h message.HandlerFunc, id uuid.UUID) result {
+	r := &request{msg: msg, h: h, id: id, done: make(chan result, 1)}
+	gc.mu.Lock()
+	g := gc.open
+	leader := g == nil
+	if leader {
+		g = &group{joined: make(chan struct{}, 1), full: make(chan struct{})}
+		gc.open = g
+	}
+	g.reqs = append(g.reqs, r)
+	if len(g.reqs) >= gc.cfg.MaxMessages {
+		gc.open = nil
+		close(g.full)
+	} else if !leader {
+		select {
+		case g.joined <- struct{}{}:
+		default:
+		}
+	}
+	gc.mu.Unlock()
+	if leader {
+		gc.lead(g)
+	}
+	return <-r.done
+}
+
+// lead waits for a slot and for the group to gather, seals it and runs it.
+func (gc *groupCommit) lead(g *group) {
+	deadline := time.NewTimer(gc.cfg.MaxWait)
+	defer deadline.Stop()
+	gc.slots <- struct{}{} // while all slots are busy, the group keeps gathering
+	defer func() { <-gc.slots }()
+	idleGap := gc.cfg.MaxWait / 5
+	idle := time.NewTimer(idleGap)
+	defer idle.Stop()
+gather:
+	for {
+		select {
+		case <-g.full:
+			break gather
+		case <-deadline.C:
+			break gather
+		case <-idle.C:
+			break gather
+		case <-g.joined:
+			idle.Reset(idleGap)
+		}
+	}
+	gc.mu.Lock()
+	if gc.open == g {
+		gc.open = nil
+	}
+	reqs := g.reqs // sealed: nobody appends any more
+	gc.mu.Unlock()
+	gc.run(reqs)
+}
+
+// run processes a sealed group in one transaction and hands every request
+// its result.
+func (gc *groupCommit) run(reqs []*request) {
+	d := gc.d
+	// Database work outlives any single message's cancellation: a group is
+	// committed or rolled back as a whole.
+	ctx := context.WithoutCancel(reqs[0].msg.Context())
+	ids := make([]uuid.UUID, len(reqs))
+	for i, r := range reqs {
+		ids[i] = r.id
+	}
+	start := time.Now()
+	tx, first, err := d.dedup.BeginClaimBatch(ctx, d.cfg.DB, d.cfg.TxOptions, ids)
+	d.stats.claimed(time.Since(start))
+	if err != nil {
+		// Each message retries its own claim, alone, and reports its own error.
+		if tx != nil {
+			d.rollback(ctx, tx, nil)
+		}
+		d.logger.Info("Group claim failed, processing its messages alone", watermill.LogFields{"messages": len(reqs), "error": err.Error()})
+		gc.answer(reqs, result{alone: true})
+		return
+	}
+	d.stats.groups.Add(1)
+	d.stats.grouped.Add(uint64(len(reqs)))
+
+	// The first request of a newly claimed id runs; a copy of it in the same
+	// group shares its outcome; a request whose claim already existed is a
+	// duplicate, acked at once.
+	var runs, copies []*request
+	firstOf := map[uuid.UUID]bool{}
+	for _, id := range first {
+		firstOf[id] = true
+	}
+	for _, r := range reqs {
+		switch {
+		case !firstOf[r.id]:
+			d.stats.duplicates.Add(1)
+			r.done <- result{}
+		case slices.ContainsFunc(runs, func(o *request) bool { return o.id == r.id }):
+			copies = append(copies, r)
+		default:
+			runs = append(runs, r)
+		}
+	}
+
+	for _, r := range runs {
+		if err := gc.handle(ctx, tx, r); err != nil {
+			d.rollback(ctx, tx, nil)
+			gc.failed.add(r.id)
+			d.stats.groupFallbacks.Add(1)
+			d.logger.Debug("Handler failed in a group: rolling the group back, its messages are processed alone", watermill.LogFields{
+				"event_id": r.id.String(), "messages": len(runs) + len(copies),
+			})
+			gc.answer(runs, result{alone: true})
+			gc.answer(copies, result{alone: true})
+			return
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		// The outcome is unknown: nack them all; the redeliveries' claims
+		// tell which way it went.
+		d.stats.failed.Add(uint64(len(runs)))
+		err = fmt.Errorf("dedup: group commit of %d messages: %w", len(runs), err)
+		gc.answer(runs, result{err: err})
+		gc.answer(copies, result{err: err})
+		return
+	}
+	d.stats.processed.Add(uint64(len(runs)))
+	d.stats.duplicates.Add(uint64(len(copies)))
+	d.stats.txNanos.Add(uint64(time.Since(start)) * uint64(len(runs)))
+	for _, r := range runs {
+		r.done <- result{produced: r.out}
+	}
+	gc.answer(copies, result{})
+}
+
+func (gc *groupCommit) answer(reqs []*request, res result) {
+	for _, r := range reqs {
+		r.done <- res
+	}
+}
+
+// handle runs r's handler on the group's transaction, with r's own message
+// context (restored afterwards), and writes what it returns to the outbox.
+// A panic is an error here: the message is processed again alone, where it
+// panics in its own goroutine.
+func (gc *groupCommit) handle(ctx context.Context, tx pgx.Tx, r *request) (err error) {
+	d := gc.d
+	origCtx := r.msg.Context()
+	defer r.msg.SetContext(origCtx)
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("dedup: handler panicked in a group: %v", p)
+		}
+	}()
+	r.msg.SetContext(d.handlerContext(origCtx, tx, r.msg, r.id))
+	produced, err := r.h(r.msg)
+	if err != nil {
+		return err
+	}
+	if produced, err = d.toOutbox(r.msg.Context(), origCtx, tx, produced); err != nil {
+		return err
+	}
+	r.out = produced
+	return nil
+}
+
+// failedSet remembers up to about 2×max ids (two generations).
+type failedSet struct {
+	mu        sync.Mutex
+	max       int
+	cur, prev map[uuid.UUID]struct{}
+}
+
+func newFailedSet(max int) failedSet {
+	return failedSet{max: max, cur: map[uuid.UUID]struct{}{}}
+}
+
+func (s *failedSet) add(id uuid.UUID) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.cur[id] = struct{}{}
+	if len(s.cur) >= s.max {
+		s.prev, s.cur = s.cur, map[uuid.UUID]struct{}{}
+	}
+}
+
+func (s *failedSet) has(id uuid.UUID) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.cur[id]
+	if !ok {
+		_, ok = s.prev[id]
+	}
+	return ok
+}
