@@ -203,3 +203,10 @@ func TestBadInput(t *testing.T) {
 }
 
 func badInputPtr[T any](v T) *T { return &v }
+
+// all returns every poisoned message.
+func (p *badInputPoison) all() []*message.Message {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]*message.Message(nil), p.msgs...)
+}

@@ -182,9 +182,11 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			d.logger.Error("Refusing message: unusable event id", err, watermill.LogFields{"message_uuid": msg.UUID})
 			return nil, err
 		}
-		if d.gc != nil && !d.gc.failed.has(id) {
-			if res := d.gc.submit(msg, h, id); !res.alone {
-				return res.produced, res.err
+		if d.gc != nil {
+			if !d.gc.failed.has(id) {
+				if res := d.gc.submit(msg, h, id); !res.alone {
+					return res.produced, res.err
+				}
 			}
 			d.stats.alone.Add(1)
 		}
