@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/eventid"
@@ -143,6 +144,18 @@ type Config struct {
 	// DB that can run several transactions at once (a *pgxpool.Pool).
 	// Defaults to nil: one transaction per message.
 	GroupCommit *GroupCommitConfig
+
+	// TracerProvider makes a consumer span per message (and one per group
+	// in group commit): its parent is the span in msg.Context() (the one
+	// watermill-kafka's Sarama tracer makes), else the trace context the
+	// producer left in the metadata (W3C traceparent, tracestate, baggage);
+	// msg.Context() carries it, so the handler's own spans nest under it.
+	// Attributes: messaging semantic conventions, idem.event_id,
+	// idem.outcome, idem.reject_reason, and a claim event with
+	// idem.claim_wait; never payload bytes. Defaults to nil: the global
+	// provider (otel.GetTracerProvider), and no span at all while no SDK is
+	// installed there.
+	TracerProvider trace.TracerProvider
 
 	// StartupTimeout bounds the start-up work of [NewDedup]: checking the
 	// table and registering the consumer group. Defaults to

@@ -12,6 +12,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 // Defaults of [GroupCommitConfig].
@@ -113,6 +116,7 @@ type request struct {
 	msg  *message.Message
 	h    message.HandlerFunc
 	id   uuid.UUID
+	span *msgSpan
 	done chan result // buffered 1
 	out  []*message.Message
 }
@@ -121,6 +125,7 @@ type request struct {
 // transaction instead.
 type result struct {
 	produced []*message.Message
+	outcome  string
 	err      error
 	alone    bool
 }
@@ -131,8 +136,8 @@ func newGroupCommit(d *Dedup, cfg GroupCommitConfig) *groupCommit {
 
 // submit adds the message to the open group (opening one, and leading it,
 // when there is none) and waits for its result.
-func (gc *groupCommit) submit(msg *message.Message, h message.HandlerFunc, id uuid.UUID) result {
-	r := &request{msg: msg, h: h, id: id, done: make(chan result, 1)}
+func (gc *groupCommit) submit(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) result {
+	r := &request{msg: msg, h: h, id: id, span: span, done: make(chan result, 1)}
 	gc.mu.Lock()
 	g := gc.open
 	leader := g == nil
@@ -199,6 +204,8 @@ func (gc *groupCommit) run(reqs []*request) {
 	for i, r := range reqs {
 		ids[i] = r.id
 	}
+	gspan := gc.startSpan(reqs)
+	defer gspan.End()
 	start := time.Now()
 	tx, first, err := d.dedup.BeginClaimBatch(ctx, d.cfg.DB, d.cfg.TxOptions, ids)
 	d.stats.claimed(time.Since(start))
@@ -208,6 +215,7 @@ func (gc *groupCommit) run(reqs []*request) {
 			d.rollback(ctx, tx, nil)
 		}
 		d.logger.Info("Group claim failed, processing its messages alone", watermill.LogFields{"messages": len(reqs), "error": err.Error()})
+		gspan.RecordError(err)
 		gc.answer(reqs, result{alone: true})
 		return
 	}
@@ -222,11 +230,13 @@ func (gc *groupCommit) run(reqs []*request) {
 	for _, id := range first {
 		firstOf[id] = true
 	}
+	wait := time.Since(start)
 	for _, r := range reqs {
+		r.span.claimed(wait, firstOf[r.id])
 		switch {
 		case !firstOf[r.id]:
 			d.stats.duplicates.Add(1)
-			r.done <- result{}
+			r.done <- result{outcome: outcomeDuplicate}
 		case slices.ContainsFunc(runs, func(o *request) bool { return o.id == r.id }):
 			copies = append(copies, r)
 		default:
@@ -239,6 +249,7 @@ func (gc *groupCommit) run(reqs []*request) {
 			d.rollback(ctx, tx, nil)
 			gc.failed.add(r.id)
 			d.stats.groupFallbacks.Add(1)
+			gspan.AddEvent("rollback: a handler failed, messages processed alone")
 			d.logger.Debug("Handler failed in a group: rolling the group back, its messages are processed alone", watermill.LogFields{
 				"event_id": r.id.String(), "messages": len(runs) + len(copies),
 			})
@@ -247,22 +258,43 @@ func (gc *groupCommit) run(reqs []*request) {
 			return
 		}
 	}
+	gspan.AddEvent("commit")
 	if err := tx.Commit(ctx); err != nil {
 		// The outcome is unknown: nack them all; the redeliveries' claims
 		// tell which way it went.
 		d.stats.failed.Add(uint64(len(runs)))
 		err = fmt.Errorf("dedup: group commit of %d messages: %w", len(runs), err)
-		gc.answer(runs, result{err: err})
-		gc.answer(copies, result{err: err})
+		gspan.RecordError(err)
+		gc.answer(runs, result{outcome: outcomeFailed, err: err})
+		gc.answer(copies, result{outcome: outcomeFailed, err: err})
 		return
 	}
 	d.stats.processed.Add(uint64(len(runs)))
 	d.stats.duplicates.Add(uint64(len(copies)))
 	d.stats.txNanos.Add(uint64(time.Since(start)) * uint64(len(runs)))
 	for _, r := range runs {
-		r.done <- result{produced: r.out}
+		r.done <- result{produced: r.out, outcome: outcomeProcessed}
 	}
-	gc.answer(copies, result{})
+	gc.answer(copies, result{outcome: outcomeDuplicate})
+}
+
+// startSpan begins the group's span, linked to its messages' spans (a group
+// has many parents). It is a no-op span when tracing is off.
+func (gc *groupCommit) startSpan(reqs []*request) trace.Span {
+	tr := gc.d.tracing.tracer()
+	if tr == nil {
+		return noop.Span{}
+	}
+	links := make([]trace.Link, 0, len(reqs))
+	for _, r := range reqs {
+		if r.span != nil {
+			links = append(links, trace.Link{SpanContext: r.span.span.SpanContext()})
+		}
+	}
+	_, span := tr.Start(context.Background(), "group commit", trace.WithLinks(links...), trace.WithAttributes(
+		semconv.MessagingConsumerGroupName(gc.d.cfg.ConsumerGroup), AttrGroupSize.Int(len(reqs)),
+	))
+	return span
 }
 
 func (gc *groupCommit) answer(reqs []*request, res result) {

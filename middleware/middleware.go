@@ -34,7 +34,8 @@ type Dedup struct {
 	horizon atomic.Pointer[horizonAt]
 	hmu     sync.Mutex
 	// gc is the group-commit mode, nil when Config.GroupCommit is.
-	gc *groupCommit
+	gc      *groupCommit
+	tracing tracing
 }
 
 type horizonAt struct {
@@ -63,6 +64,7 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 		return nil, fmt.Errorf("dedup: %w", err)
 	}
 	d := &Dedup{cfg: cfg, dedup: dd, logger: logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup})}
+	d.tracing.configured = cfg.TracerProvider
 	if err := d.start(); err != nil {
 		return nil, err
 	}
@@ -169,33 +171,62 @@ func (d *Dedup) Deduplicator() *deduplicator.Deduplicator { return d.dedup }
 // gets a fresh transaction.
 func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		id, err := d.eventID(msg)
-		if err == nil && id.Version() == 7 && !d.cfg.ProcessStaleEvents {
-			var retry error
-			if err, retry = d.staleGuard(msg.Context(), id); retry != nil {
-				d.stats.claimErrors.Add(1)
-				return nil, retry
+		ctx, span := d.startSpan(msg)
+		if span == nil { // tracing off: nothing else to do
+			produced, _, err := d.process(msg, h, nil)
+			return produced, err
+		}
+		orig := msg.Context()
+		msg.SetContext(ctx) // the handler's own spans nest under the message's
+		defer msg.SetContext(orig)
+		ended := false
+		defer func() {
+			if !ended { // a handler panic on its way up: end the span, keep panicking
+				p := recover()
+				span.end(outcomeFailed, fmt.Errorf("handler panicked: %v", p))
+				panic(p)
 			}
-		}
-		if err != nil {
-			d.stats.rejected(err)
-			d.logger.Error("Refusing message: unusable event id", err, watermill.LogFields{"message_uuid": msg.UUID})
-			return nil, err
-		}
-		if d.gc != nil {
-			if !d.gc.failed.has(id) {
-				if res := d.gc.submit(msg, h, id); !res.alone {
-					return res.produced, res.err
-				}
-			}
-			d.stats.alone.Add(1)
-		}
-		return d.single(msg, h, id)
+		}()
+		produced, outcome, err := d.process(msg, h, span)
+		span.end(outcome, err)
+		ended = true
+		return produced, err
 	}
 }
 
+// process validates the message's event id (stale guard included) and
+// processes it, in a group or alone, and names the outcome.
+func (d *Dedup) process(msg *message.Message, h message.HandlerFunc, span *msgSpan) ([]*message.Message, string, error) {
+	id, err := d.eventID(msg)
+	if err == nil && id.Version() == 7 && !d.cfg.ProcessStaleEvents {
+		var retry error
+		if err, retry = d.staleGuard(msg.Context(), id); retry != nil {
+			d.stats.claimErrors.Add(1)
+			return nil, outcomeClaimError, retry
+		}
+	}
+	if err != nil {
+		d.stats.rejected(err)
+		d.logger.Error("Refusing message: unusable event id", err, watermill.LogFields{"message_uuid": msg.UUID})
+		if errors.Is(err, ErrStaleEvent) {
+			return nil, outcomeStale, err
+		}
+		return nil, outcomeRejected, err
+	}
+	span.eventID(id)
+	if d.gc != nil {
+		if !d.gc.failed.has(id) {
+			if res := d.gc.submit(msg, h, id, span); !res.alone {
+				return res.produced, res.outcome, res.err
+			}
+		}
+		d.stats.alone.Add(1)
+	}
+	return d.single(msg, h, id, span)
+}
+
 // single processes one message in its own transaction.
-func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID) (produced []*message.Message, err error) {
+func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) (produced []*message.Message, outcome string, err error) {
 	origCtx := msg.Context()
 	defer msg.SetContext(origCtx)
 	fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
@@ -205,10 +236,12 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 	d.stats.claimed(time.Since(start))
 	if err != nil {
 		err = fmt.Errorf("dedup: %w", err)
+	} else {
+		span.claimed(time.Since(start), first)
 	}
 	if tx == nil {
 		d.stats.claimErrors.Add(1)
-		return nil, err
+		return nil, outcomeClaimError, err
 	}
 	done, handlerFailed := false, false
 	defer func() {
@@ -218,12 +251,12 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 	}()
 	if err != nil {
 		d.stats.claimErrors.Add(1)
-		return nil, err
+		return nil, outcomeClaimError, err
 	}
 	if !first {
 		d.stats.duplicates.Add(1)
 		d.logger.Debug("Duplicate event skipped", fields)
-		return nil, nil
+		return nil, outcomeDuplicate, nil
 	}
 	defer func() {
 		if !done { // handler error or panic, outbox or commit failure
@@ -238,23 +271,24 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 	handlerFailed = true // until h returns: an error or a panic
 	produced, err = h(msg)
 	if err != nil {
-		return nil, err
+		return nil, outcomeFailed, err
 	}
 	handlerFailed = false
 	if produced, err = d.toOutbox(msg.Context(), origCtx, tx, produced); err != nil {
-		return nil, err
+		return nil, outcomeFailed, err
 	}
+	span.event("commit")
 	if err := tx.Commit(origCtx); err != nil {
 		// The outcome is unknown (the COMMIT may have reached the server).
 		// Returning the error nacks the message; the redelivery's claim
 		// tells which way it went.
-		return nil, fmt.Errorf("dedup: commit: %w", err)
+		return nil, outcomeFailed, fmt.Errorf("dedup: commit: %w", err)
 	}
 	done = true
 	d.stats.processed.Add(1)
 	d.stats.txNanos.Add(uint64(time.Since(start)))
 	d.logger.Trace("Event processed", fields.Add(watermill.LogFields{"tx_duration": time.Since(start).String()}))
-	return produced, nil
+	return produced, outcomeProcessed, nil
 }
 
 // handlerContext is the context a handler sees: origCtx with the

@@ -43,31 +43,62 @@ type Stats struct {
 
 // RejectedStats counts refused messages by reason.
 type RejectedStats struct {
-	MissingEventID, InvalidEventID, NilEventID, NotUUIDv7, Stale uint64
+	MissingEventID, InvalidEventID, NilEventID, NotUUIDv7, EventIDMismatch, Stale uint64
 }
 
 // Total is the sum over reasons.
 func (r RejectedStats) Total() uint64 {
-	return r.MissingEventID + r.InvalidEventID + r.NilEventID + r.NotUUIDv7 + r.Stale
+	return r.MissingEventID + r.InvalidEventID + r.NilEventID + r.NotUUIDv7 + r.EventIDMismatch + r.Stale
+}
+
+// Reasons of refused messages, as [AttrRejectReason] records them.
+const (
+	reasonMissing  = "missing_event_id"
+	reasonInvalid  = "invalid_event_id"
+	reasonNil      = "nil_event_id"
+	reasonNotV7    = "not_uuidv7"
+	reasonMismatch = "event_id_mismatch"
+	reasonStale    = "stale"
+)
+
+// rejectReason classifies a refusal by its sentinel error.
+func rejectReason(err error) string {
+	switch {
+	case errors.Is(err, ErrStaleEvent):
+		return reasonStale
+	case errors.Is(err, ErrNotUUIDv7):
+		return reasonNotV7
+	case errors.Is(err, ErrNilEventID):
+		return reasonNil
+	case errors.Is(err, ErrMissingEventID):
+		return reasonMissing
+	case errors.Is(err, ErrEventIDMismatch):
+		return reasonMismatch
+	default:
+		return reasonInvalid
+	}
 }
 
 type counters struct {
 	processed, duplicates, failed, claimErrors atomic.Uint64
-	missing, invalid, nilID, notV7, stale      atomic.Uint64
+	missing, invalid, nilID, notV7, mismatch   atomic.Uint64
+	stale                                      atomic.Uint64
 	claimNanos, claimCount, txNanos            atomic.Uint64
 	groups, grouped, groupFallbacks, alone     atomic.Uint64
 }
 
 func (c *counters) rejected(err error) {
-	switch {
-	case errors.Is(err, ErrStaleEvent):
+	switch rejectReason(err) {
+	case reasonStale:
 		c.stale.Add(1)
-	case errors.Is(err, ErrNotUUIDv7):
+	case reasonNotV7:
 		c.notV7.Add(1)
-	case errors.Is(err, ErrNilEventID):
+	case reasonNil:
 		c.nilID.Add(1)
-	case errors.Is(err, ErrMissingEventID):
+	case reasonMissing:
 		c.missing.Add(1)
+	case reasonMismatch:
+		c.mismatch.Add(1)
 	default:
 		c.invalid.Add(1)
 	}
@@ -86,7 +117,7 @@ func (c *counters) snapshot() Stats {
 		ClaimErrors: c.claimErrors.Load(),
 		Rejected: RejectedStats{
 			MissingEventID: c.missing.Load(), InvalidEventID: c.invalid.Load(),
-			NilEventID: c.nilID.Load(), NotUUIDv7: c.notV7.Load(), Stale: c.stale.Load(),
+			NilEventID: c.nilID.Load(), NotUUIDv7: c.notV7.Load(), EventIDMismatch: c.mismatch.Load(), Stale: c.stale.Load(),
 		},
 		ClaimDuration:   time.Duration(c.claimNanos.Load()),
 		ClaimCount:      c.claimCount.Load(),

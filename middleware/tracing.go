@@ -1,0 +1,164 @@
+package middleware
+
+import (
+	"context"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// TracerName is the instrumentation name of the middleware's spans.
+const TracerName = "github.com/idemkit/watermill-idempotency/middleware"
+
+// Span attributes of the dedup middleware, next to the messaging semantic
+// conventions. No payload and no header value other than the ids is ever
+// recorded.
+const (
+	// AttrEventID is the message's event id.
+	AttrEventID = attribute.Key("idem.event_id")
+	// AttrOutcome is what the middleware did: "processed", "duplicate",
+	// "rejected", "stale", "failed" or "claim_error".
+	AttrOutcome = attribute.Key("idem.outcome")
+	// AttrRejectReason is the sentinel error of a refused message.
+	AttrRejectReason = attribute.Key("idem.reject_reason")
+	// AttrClaimWait is the time BEGIN and the claim took, in seconds
+	// (including the wait for a concurrent claim of the same id).
+	AttrClaimWait = attribute.Key("idem.claim_wait")
+	// AttrGroupSize is the number of messages of a group commit.
+	AttrGroupSize = attribute.Key("idem.group.size")
+)
+
+// Outcomes recorded in [AttrOutcome].
+const (
+	outcomeProcessed  = "processed"
+	outcomeDuplicate  = "duplicate"
+	outcomeRejected   = "rejected"
+	outcomeStale      = "stale"
+	outcomeFailed     = "failed"
+	outcomeClaimError = "claim_error"
+)
+
+// traceContext is the W3C TraceContext and Baggage propagator: how the trace
+// travels in message metadata (Kafka headers).
+var traceContext propagation.TextMapPropagator = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
+
+// unsetGlobal is the global TracerProvider before any SDK is installed (a
+// delegating no-op); while otel.GetTracerProvider() still returns it, there
+// is nothing to record and the middleware makes no span at all.
+var unsetGlobal = otel.GetTracerProvider()
+
+// tracing makes the middleware's spans.
+type tracing struct {
+	configured trace.TracerProvider // Config.TracerProvider, or nil: the global one
+	cached     atomic.Pointer[cachedTracer]
+}
+
+type cachedTracer struct {
+	tp     trace.TracerProvider
+	tracer trace.Tracer
+}
+
+// tracer returns the tracer to use, or nil when no provider is configured
+// (no allocation then).
+func (t *tracing) tracer() trace.Tracer {
+	tp := t.configured
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+		if tp == unsetGlobal {
+			return nil
+		}
+	}
+	if c := t.cached.Load(); c != nil && c.tp == tp {
+		return c.tracer
+	}
+	c := &cachedTracer{tp: tp, tracer: tp.Tracer(TracerName)}
+	t.cached.Store(c)
+	return c.tracer
+}
+
+// msgSpan is the consumer span of one message; a nil *msgSpan does nothing.
+type msgSpan struct {
+	span trace.Span
+}
+
+// start begins the consumer span of msg. Its parent is the span already in
+// msg.Context() (watermill-kafka's Sarama tracer puts one there), or else the
+// trace context the producer left in the metadata (traceparent, tracestate,
+// baggage). It returns nil when tracing is off.
+func (d *Dedup) startSpan(msg *message.Message) (context.Context, *msgSpan) {
+	ctx := msg.Context()
+	tr := d.tracing.tracer()
+	if tr == nil {
+		return ctx, nil
+	}
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		ctx = traceContext.Extract(ctx, propagation.MapCarrier(msg.Metadata))
+	}
+	topic := message.SubscribeTopicFromCtx(msg.Context())
+	name := "process"
+	if topic != "" {
+		name += " " + topic
+	}
+	ctx, span := tr.Start(ctx, name, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
+		semconv.MessagingOperationTypeProcess,
+		semconv.MessagingOperationName("process"),
+		semconv.MessagingDestinationName(topic),
+		semconv.MessagingConsumerGroupName(d.cfg.ConsumerGroup),
+		semconv.MessagingMessageID(msg.UUID),
+	))
+	return ctx, &msgSpan{span: span}
+}
+
+func (s *msgSpan) eventID(id uuid.UUID) {
+	if s != nil {
+		s.span.SetAttributes(AttrEventID.String(id.String()))
+	}
+}
+
+func (s *msgSpan) claimed(wait time.Duration, first bool) {
+	if s != nil {
+		s.span.AddEvent("claim", trace.WithAttributes(AttrClaimWait.Float64(wait.Seconds()), attribute.Bool("idem.first", first)))
+	}
+}
+
+func (s *msgSpan) event(name string) {
+	if s != nil {
+		s.span.AddEvent(name)
+	}
+}
+
+// end records the outcome and ends the span.
+func (s *msgSpan) end(outcome string, err error) {
+	if s == nil {
+		return
+	}
+	s.span.SetAttributes(AttrOutcome.String(outcome))
+	switch outcome {
+	case outcomeRejected, outcomeStale:
+		if reason := rejectReason(err); reason != "" {
+			s.span.SetAttributes(AttrRejectReason.String(reason))
+		}
+		s.span.SetStatus(codes.Error, "refused")
+	case outcomeFailed, outcomeClaimError:
+		s.span.RecordError(err)
+		s.span.SetStatus(codes.Error, err.Error())
+	}
+	s.span.End()
+}
+
+// outcomeOf names what happened to a first-time message from the error its
+// processing returned.
+func outcomeOf(err error) string {
+	if err != nil {
+		return outcomeFailed
+	}
+	return outcomeProcessed
+}
