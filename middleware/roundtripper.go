@@ -1,6 +1,8 @@
 package middleware
 
 import (
+	"go.opentelemetry.io/otel/trace"
+
 	"fmt"
 	"net/http"
 )
@@ -73,5 +75,9 @@ func (t *IdempotencyKeyTransport) RoundTrip(req *http.Request) (*http.Response, 
 	}
 	r := req.Clone(req.Context())
 	r.Header.Set(IdempotencyKeyHeader, key)
+	// The key (never the body) on the span of the call, or of the handler.
+	if span := trace.SpanFromContext(req.Context()); span.IsRecording() {
+		span.SetAttributes(AttrIdempotencyKey.String(key))
+	}
 	return next.RoundTrip(r)
 }

@@ -34,6 +34,9 @@ const (
 	AttrClaimWait = attribute.Key("idem.claim_wait")
 	// AttrGroupSize is the number of messages of a group commit.
 	AttrGroupSize = attribute.Key("idem.group.size")
+	// AttrIdempotencyKey is the Idempotency-Key the [IdempotencyKeyTransport]
+	// set on a downstream request, recorded on the request's span.
+	AttrIdempotencyKey = attribute.Key("idem.idempotency_key")
 )
 
 // Outcomes recorded in [AttrOutcome].
