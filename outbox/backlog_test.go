@@ -17,7 +17,7 @@ func TestBacklog(t *testing.T) {
 	e := newEnv(t, 0)
 	topic := e.topic(t, "backlog", 1)
 
-	b, err := e.outbox.Backlog(ctx, e.db.Pool, "", topic)
+	b, err := e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Topics: []string{topic}})
 	require.NoError(t, err)
 	require.Equal(t, []outbox.Backlog{{Topic: topic}}, b)
 
@@ -29,7 +29,7 @@ func TestBacklog(t *testing.T) {
 	e.db.Exec(t, `UPDATE `+e.outbox.MessagesTable(topic)+` SET created_at = LOCALTIMESTAMP - interval '1 hour' WHERE "offset" = (SELECT min("offset") FROM `+e.outbox.MessagesTable(topic)+`)`)
 
 	// No forwarder position yet: every committed row is pending.
-	b, err = e.outbox.Backlog(ctx, e.db.Pool, "", topic)
+	b, err = e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Topics: []string{topic}})
 	require.NoError(t, err)
 	require.Len(t, b, 1)
 	require.EqualValues(t, 25, b[0].Pending)
@@ -43,15 +43,47 @@ func TestBacklog(t *testing.T) {
 
 	f := e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}})
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == 25 }, eventuallyTimeout, 5*time.Millisecond)
-	b, err = e.outbox.Backlog(ctx, e.db.Pool, "", topic)
+	b, err = e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Topics: []string{topic}})
 	require.NoError(t, err)
 	require.Equal(t, []outbox.Backlog{{Topic: topic}}, b)
 
-	// Another group that never ran sees everything as pending.
-	b, err = e.outbox.Backlog(ctx, e.db.Pool, "other", topic)
+	// A forwarder of another name that never ran sees everything as pending.
+	b, err = e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Forwarder: "other", Topics: []string{topic}})
 	require.NoError(t, err)
 	require.EqualValues(t, 25, b[0].Pending)
 
-	_, err = e.outbox.Backlog(ctx, e.db.Pool, "", "bad topic; DROP")
-	require.Error(t, err)
+	_, err = e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Topics: []string{"bad topic; DROP"}})
+	require.ErrorIs(t, err, outbox.ErrInvalidTopic)
+}
+
+// With nil options, Backlog and DeleteForwarded cover the Outbox's
+// Config.Topics and the position of the forwarder named
+// DefaultForwarderName.
+func TestBacklogAndDeleteForwarded_Defaults(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, 0)
+	topic := e.topic(t, "defaults", 1)
+	ob, err := outbox.New(outbox.Config{Schema: e.db.Schema, Topics: []string{topic}}, nil)
+	require.NoError(t, err)
+	e.publishTx(t, topic, event("a", 0), event("a", 1))
+
+	b, err := ob.Backlog(ctx, e.db.Pool, nil)
+	require.NoError(t, err)
+	require.Len(t, b, 1)
+	require.Equal(t, topic, b[0].Topic)
+	require.EqualValues(t, 2, b[0].Pending)
+	n, err := ob.DeleteForwarded(ctx, e.db.Pool, nil)
+	require.NoError(t, err)
+	require.Zero(t, n, "no forwarder position yet")
+
+	f := e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}})
+	require.Eventually(t, func() bool { return f.Stats().Forwarded == 2 }, eventuallyTimeout, 5*time.Millisecond)
+	b, err = ob.Backlog(ctx, e.db.Pool, nil)
+	require.NoError(t, err)
+	require.Equal(t, []outbox.Backlog{{Topic: topic}}, b)
+	n, err = ob.DeleteForwarded(ctx, e.db.Pool, nil)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n)
+	require.Zero(t, e.db.Count(t, `SELECT 1 FROM `+ob.MessagesTable(topic)))
 }

@@ -18,7 +18,7 @@ import (
 // the same transaction); C consumes with dedup, writes a row and publishes
 // through PublisherFromContext. Duplicates are injected at every hop: A
 // writes every event twice, and every outbox table is forwarded by two
-// forwarder groups, so each Kafka topic carries each event 4 or 2 times.
+// forwarders of different names, so each Kafka topic carries each event 4 or 2 times.
 func TestChain_DuplicatesAtEveryHop_OneRowPerEventPerStep(t *testing.T) {
 	t.Parallel()
 	const n = 100
@@ -41,7 +41,7 @@ func TestChain_DuplicatesAtEveryHop_OneRowPerEventPerStep(t *testing.T) {
 	}
 	require.Equal(t, 2*n, e.db.Count(t, `SELECT 1 FROM `+e.outbox.MessagesTable(topicA)))
 	for _, g := range []string{"fwd-1", "fwd-2"} {
-		e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topicA, topicB}, ConsumerGroup: g})
+		e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topicA, topicB}, Name: g})
 	}
 
 	// Step B: handler-returned messages go to the outbox in the claim's tx.

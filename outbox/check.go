@@ -8,6 +8,8 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 )
 
 // ErrTableShape is the reason of a [*TableError] for a table that exists
@@ -45,7 +47,7 @@ func (e *TableError) Unwrap() error { return e.Err }
 // process owns the migrations ([Outbox.Migrate] and [NewForwarder] run it
 // themselves). A table that fails returns a [*TableError]; a failing query
 // returns its error, wrapped.
-func (o *Outbox) Check(ctx context.Context, db Beginner, topics ...string) error {
+func (o *Outbox) Check(ctx context.Context, db deduplicator.Beginner, topics ...string) error {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("outbox: check: begin: %w", err)

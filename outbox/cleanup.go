@@ -6,44 +6,78 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 )
 
 // DefaultDeleteBatch is how many rows one DeleteForwarded statement removes.
 const DefaultDeleteBatch = 5000
 
-// DeleteForwarded deletes the rows of topic that every one of groups (the
-// forwarders' ConsumerGroup, and any watermill-sql subscriber group reading
-// the table; defaults to [DefaultForwarderGroup]) has already passed, in
-// statements of at most batch rows (0 means [DefaultDeleteBatch]), each in
-// its own short transaction, and returns how many it deleted. A group that
-// has no position yet keeps every row. Run it periodically (the forwarder
-// never deletes: another group may still need the rows).
-func (o *Outbox) DeleteForwarded(ctx context.Context, db Beginner, topic string, batch int, groups ...string) (int64, error) {
-	if err := o.cfg.validateTopic(topic); err != nil {
-		return 0, err
+// DeleteForwardedOpts selects what [Outbox.DeleteForwarded] deletes. A nil
+// *DeleteForwardedOpts takes every default.
+type DeleteForwardedOpts struct {
+	// Forwarders are the positions a row must be behind, in every one of
+	// them, to be deleted: the [ForwarderConfig.Name] of each forwarder of
+	// the tables, and the consumer group of any watermill-sql Subscriber
+	// reading them (their positions share the offsets table). One of them
+	// without a position keeps every row. Defaults to
+	// [DefaultForwarderName] alone.
+	Forwarders []string
+	// Topics whose tables are pruned, in this order. Defaults to the
+	// Outbox's Config.Topics.
+	Topics []string
+	// BatchSize is the most rows one DELETE statement removes; each runs in
+	// its own short transaction. Defaults to [DefaultDeleteBatch].
+	BatchSize int
+}
+
+// DeleteForwarded deletes, for each topic, the rows that every one of the
+// forwarders has already passed, and returns how many it deleted. Run it
+// periodically: the forwarder never deletes, since another forwarder or
+// subscriber may still need the rows. When ctx is done between two
+// statements, it returns what it deleted so far with ctx's error.
+func (o *Outbox) DeleteForwarded(ctx context.Context, db deduplicator.Beginner, opts *DeleteForwardedOpts) (int64, error) {
+	var opt DeleteForwardedOpts
+	if opts != nil {
+		opt = *opts
 	}
-	if batch <= 0 {
-		batch = DefaultDeleteBatch
+	if opt.BatchSize < 0 {
+		return 0, errors.New("outbox: DeleteForwardedOpts.BatchSize: must not be negative")
 	}
-	if len(groups) == 0 {
-		groups = []string{DefaultForwarderGroup}
+	if opt.BatchSize == 0 {
+		opt.BatchSize = DefaultDeleteBatch
 	}
-	var txID string
-	var offset int64
-	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		var n int
-		err := tx.QueryRow(ctx, `SELECT count(*) FROM `+o.OffsetsTable(topic)+` WHERE consumer_group = ANY($1)`, groups).Scan(&n)
+	if len(opt.Forwarders) == 0 {
+		opt.Forwarders = []string{DefaultForwarderName}
+	}
+	if len(opt.Topics) == 0 {
+		opt.Topics = o.cfg.Topics
+	}
+	for _, topic := range opt.Topics {
+		if err := o.cfg.validateTopic(topic); err != nil {
+			return 0, err
+		}
+	}
+	var total int64
+	for _, topic := range opt.Topics {
+		n, err := o.deleteForwarded(ctx, db, topic, opt)
+		total += n
 		if err != nil {
-			return err
+			return total, err
 		}
-		if n < len(groups) {
-			return errNoPosition
-		}
-		// The lowest position in (transaction_id, offset) order.
-		return tx.QueryRow(ctx, `SELECT last_processed_transaction_id::text, offset_acked FROM `+o.OffsetsTable(topic)+`
-			WHERE consumer_group = ANY($1) ORDER BY last_processed_transaction_id, offset_acked LIMIT 1`, groups).Scan(&txID, &offset)
+	}
+	return total, nil
+}
+
+func (o *Outbox) deleteForwarded(ctx context.Context, db deduplicator.Beginner, topic string, opts DeleteForwardedOpts) (int64, error) {
+	tables := o.tables(topic)
+	var pos outboxsql.Position
+	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) (err error) {
+		pos, err = tables.Lowest(ctx, tx, opts.Forwarders)
+		return err
 	})
-	if errors.Is(err, errNoPosition) {
+	if errors.Is(err, outboxsql.ErrNoPosition) {
 		return 0, nil
 	}
 	if err != nil {
@@ -51,26 +85,20 @@ func (o *Outbox) DeleteForwarded(ctx context.Context, db Beginner, topic string,
 	}
 	var total int64
 	for {
-		tag, err := execInTx(ctx, db, `DELETE FROM `+o.MessagesTable(topic)+` WHERE ctid IN (
-			SELECT ctid FROM `+o.MessagesTable(topic)+` WHERE (transaction_id, "offset") <= ($1::xid8, $2) LIMIT $3)`, txID, offset, batch)
+		var n int64
+		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) (err error) {
+			n, err = tables.DeleteThrough(ctx, tx, pos, opts.BatchSize)
+			return err
+		})
 		if err != nil {
 			return total, fmt.Errorf("outbox: delete forwarded rows of %s: %w", topic, err)
 		}
-		total += tag
-		if tag < int64(batch) || ctx.Err() != nil {
-			return total, ctx.Err()
+		total += n
+		if n < int64(opts.BatchSize) {
+			return total, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return total, fmt.Errorf("outbox: delete forwarded rows of %s: %w", topic, err)
 		}
 	}
-}
-
-var errNoPosition = errors.New("a group has no position")
-
-func execInTx(ctx context.Context, db Beginner, sql string, args ...any) (int64, error) {
-	var n int64
-	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		tag, err := tx.Exec(ctx, sql, args...)
-		n = tag.RowsAffected()
-		return err
-	})
-	return n, err
 }

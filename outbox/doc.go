@@ -31,7 +31,8 @@
 // # Forwarding
 //
 // The [Forwarder] reads each topic's table by watermill-sql's rule: rows
-// after its position (watermill-sql's offsets table, row-locked), only with
+// after its position (a row of watermill-sql's offsets table keyed by
+// [ForwarderConfig.Name], row-locked), only with
 // transaction_id below the snapshot's xmin
 // (pg_snapshot_xmin(pg_current_snapshot())), in (transaction_id, offset)
 // order, a batch at a time. A transaction that is still open holds the
@@ -42,7 +43,8 @@
 // dedup by event_id.
 //
 // The forwarder never deletes rows; [Outbox.DeleteForwarded] removes those
-// every listed group has passed.
+// every listed forwarder (and watermill-sql subscriber) has passed, and
+// [Outbox.Backlog] reports what a forwarder has not sent yet.
 //
 // See docs/outbox.md for the visibility rule, ordering, failure behaviour and
 // the measured throughput.

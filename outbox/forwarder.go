@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -13,20 +12,21 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // Forwarder defaults.
 const (
-	// DefaultForwarderGroup names the forwarder's position row in each
-	// topic's offsets table.
-	DefaultForwarderGroup = "outbox_forwarder"
+	// DefaultForwarderName is the forwarder's name: the key of its position
+	// row in each topic's offsets table.
+	DefaultForwarderName = "outbox_forwarder"
 	// DefaultBatchSize is how many rows one forwarder transaction reads and
 	// sends.
 	DefaultBatchSize = 1000
@@ -44,16 +44,17 @@ const (
 	DefaultStartupCheckTimeout = 10 * time.Second
 )
 
-// TxBeginner begins the forwarder's transactions (*pgxpool.Pool, *pgx.Conn).
-type TxBeginner interface {
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-}
+// maxNameLen is the width of the offsets table's consumer_group column,
+// VARCHAR(255), which holds ForwarderConfig.Name.
+const maxNameLen = 255
 
 // ForwarderConfig configures a [Forwarder]. Exactly one of Producer and
 // Publisher is required.
 type ForwarderConfig struct {
-	// DB is the database holding the outbox tables. Required.
-	DB TxBeginner
+	// DB is the database holding the outbox tables: a pool, since the
+	// forwarder runs one transaction per topic at a time, for as long as it
+	// runs. Required.
+	DB *pgxpool.Pool
 	// Outbox names the tables. Required.
 	Outbox *Outbox
 	// Producer is a Sarama SyncProducer built with
@@ -75,11 +76,14 @@ type ForwarderConfig struct {
 	// Topics to forward; each is published to the broker topic of the same
 	// name. Defaults to the Outbox's Config.Topics.
 	Topics []string
-	// ConsumerGroup names this forwarder's position in the offsets tables.
-	// Instances with the same group share the work (one at a time per
-	// topic, by row lock); a different group forwards everything again.
-	// Defaults to [DefaultForwarderGroup].
-	ConsumerGroup string
+	// Name keys this forwarder's position in the offsets tables (the
+	// consumer_group column watermill-sql's subscribers use for theirs; it
+	// has nothing to do with Kafka consumer groups or the dedup key).
+	// Instances with the same Name share the work (one at a time per topic,
+	// by row lock); a forwarder of another Name forwards everything again.
+	// [Outbox.Backlog] and [Outbox.DeleteForwarded] take it. At most 255
+	// bytes. Defaults to [DefaultForwarderName].
+	Name string
 	// BatchSize is the most rows read and sent per transaction. Defaults to
 	// [DefaultBatchSize].
 	BatchSize int
@@ -113,8 +117,8 @@ func (c *ForwarderConfig) setDefaults() {
 	if len(c.Topics) == 0 && c.Outbox != nil {
 		c.Topics = c.Outbox.cfg.Topics
 	}
-	if c.ConsumerGroup == "" {
-		c.ConsumerGroup = DefaultForwarderGroup
+	if c.Name == "" {
+		c.Name = DefaultForwarderName
 	}
 	if c.BatchSize == 0 {
 		c.BatchSize = DefaultBatchSize
@@ -161,8 +165,8 @@ func (c ForwarderConfig) validate() error {
 		return errors.New("BatchesPerTransaction: must not be negative")
 	case c.PollInterval < 0 || c.RetryInterval < 0 || c.ShutdownTimeout < 0 || c.StartupCheckTimeout < 0:
 		return errors.New("PollInterval, RetryInterval, ShutdownTimeout, StartupCheckTimeout: must not be negative")
-	case len(c.ConsumerGroup) > 255:
-		return errors.New("ConsumerGroup: longer than 255 bytes")
+	case len(c.Name) > maxNameLen:
+		return fmt.Errorf("Name: longer than %d bytes", maxNameLen)
 	}
 	for _, t := range c.Topics {
 		if err := c.Outbox.cfg.validateTopic(t); err != nil {
@@ -207,10 +211,6 @@ type Forwarder struct {
 	done      chan struct{} // closed when Run returns; nil before Run
 
 	forwarded, commits, polls, errs atomic.Uint64
-
-	// beforeAck, when set (tests), runs after a batch was sent and before
-	// its position is committed; an error aborts Run like a crash would.
-	beforeAck func(topic string, n int) error
 }
 
 // NewForwarder validates cfg, verifies the tables of its topics as
@@ -233,7 +233,7 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 	}
 	return &Forwarder{
 		cfg:     cfg,
-		logger:  logger.With(watermill.LogFields{"forwarder_group": cfg.ConsumerGroup}),
+		logger:  logger.With(watermill.LogFields{"forwarder": cfg.Name}),
 		closing: make(chan struct{}),
 	}, nil
 }
@@ -293,20 +293,16 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	f.logger.Info("Outbox forwarder started", watermill.LogFields{"topics": strings.Join(f.cfg.Topics, ",")})
 
 	var wg sync.WaitGroup
-	errs := make([]error, len(f.cfg.Topics))
-	for i, topic := range f.cfg.Topics {
+	for _, topic := range f.cfg.Topics {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := f.loop(stopCtx, topic); err != nil {
-				errs[i] = err
-				stop()
-			}
+			f.loop(stopCtx, topic)
 		}()
 	}
 	wg.Wait()
 	f.logger.Info("Outbox forwarder stopped", nil)
-	return errors.Join(errs...)
+	return nil
 }
 
 // Close stops Run gracefully and waits for it to return.
@@ -321,53 +317,35 @@ func (f *Forwarder) Close() error {
 	return nil
 }
 
-// register inserts the forwarder's zero position row (watermill-sql's
-// before-subscribing query), so that the row lock serialises instances.
+// register gives the forwarder a position at the start of topic unless it
+// has one, so that the row lock serialises instances.
 func (f *Forwarder) register(ctx context.Context, topic string) error {
-	queries, err := f.cfg.Outbox.offsets.BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams{Topic: topic, ConsumerGroup: f.cfg.ConsumerGroup})
-	if err != nil {
-		return fmt.Errorf("outbox forwarder: %w", err)
-	}
-	for _, q := range queries {
-		if _, err := f.exec(ctx, q); err != nil {
-			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
-				return fmt.Errorf("%w: topic %q: %w", ErrTopicNotMigrated, topic, err)
-			}
-			return fmt.Errorf("outbox forwarder: register topic %q: %w", topic, err)
+	if err := f.cfg.Outbox.tables(topic).Register(ctx, f.cfg.DB, f.cfg.Name); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
+			return fmt.Errorf("%w: topic %q: %w", ErrTopicNotMigrated, topic, err)
 		}
+		return fmt.Errorf("outbox forwarder: register topic %q: %w", topic, err)
 	}
 	return nil
 }
 
-func (f *Forwarder) exec(ctx context.Context, q wsql.Query) (pgconn.CommandTag, error) {
-	tx, err := f.cfg.DB.BeginTx(ctx, pgx.TxOptions{})
-	if err != nil {
-		return pgconn.CommandTag{}, err
-	}
-	defer rollback(ctx, tx)
-	tag, err := tx.Exec(ctx, q.Query, q.Args...)
-	if err != nil {
-		return tag, err
-	}
-	return tag, tx.Commit(ctx)
-}
-
-func (f *Forwarder) loop(stopCtx context.Context, topic string) error {
+// loop forwards topic until stopCtx is done. A failed transaction is rolled
+// back and retried: its batches are read and sent again.
+func (f *Forwarder) loop(stopCtx context.Context, topic string) {
 	logger := f.logger.With(watermill.LogFields{"topic": topic})
+	tables := f.cfg.Outbox.tables(topic)
 	for {
 		if stopCtx.Err() != nil {
-			return nil
+			return
 		}
-		_, full, err := f.forwardTx(stopCtx, topic, logger)
+		full, err := f.forwardTx(stopCtx, tables, topic, logger)
 		var wait time.Duration
 		switch {
-		case errors.Is(err, errCrash):
-			return err
 		case err != nil:
 			f.errs.Add(1)
 			if isSerializationFailure(err) {
-				// Another instance of the group moved the position under us.
+				// Another instance of the same Name moved the position under us.
 				logger.Debug("Outbox batch conflicted with another forwarder, retrying", watermill.LogFields{"err": err.Error()})
 			} else {
 				logger.Error("Outbox batch failed, retrying", err, watermill.LogFields{"retry_in": f.cfg.RetryInterval.String()})
@@ -381,32 +359,37 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string) error {
 			select {
 			case <-stopCtx.Done():
 				t.Stop()
-				return nil
+				return
 			case <-t.C:
 			}
 		}
 	}
 }
 
-var errCrash = errors.New("outbox forwarder: stopped by test hook")
-
 func isSerializationFailure(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.SerializationFailure || pgErr.Code == pgerrcode.DeadlockDetected)
 }
 
+// batch is what one read returns: the messages, in order, and the position
+// of the last one.
+type batch struct {
+	msgs []*message.Message
+	last outboxsql.Position
+}
+
 // forwardTx forwards up to BatchesPerTransaction batches of topic in one
-// transaction and reports how many rows it committed and whether the last
-// read came back full (more rows are probably waiting).
+// transaction and reports whether the last read came back full (more rows
+// are probably waiting).
 //
-// The transaction locks the group's position row, then (REPEATABLE READ:
-// one snapshot, so one xmin) reads batch k+1 after batch k's last row while
-// batch k is on its way to the broker, and moves the position row past
-// batch k with watermill-sql's ack query. Batch k+1 is sent only
-// once batch k was acknowledged, which keeps the order. The position
-// commits when every batch of the transaction was sent; if any send fails,
-// the transaction rolls back and all of them are sent again later.
-func (f *Forwarder) forwardTx(stopCtx context.Context, topic string, logger watermill.LoggerAdapter) (n int, full bool, err error) {
+// The transaction locks the forwarder's position row, then (REPEATABLE
+// READ: one snapshot, so one xmin) reads batch k+1 after batch k's last row
+// while batch k is on its way to the broker, and moves the position past
+// batch k. Batch k+1 is sent only once batch k was acknowledged, which keeps
+// the order. The position commits when every batch of the transaction was
+// sent; if any send fails, the transaction rolls back and all of them are
+// sent again later.
+func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter) (full bool, err error) {
 	// The transaction itself is not cancelled by a stop: it gets
 	// ShutdownTimeout to finish, so a graceful stop does not resend.
 	ctx, cancel := context.WithCancel(context.WithoutCancel(stopCtx))
@@ -416,164 +399,88 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, topic string, logger wate
 
 	tx, err := f.cfg.DB.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 	if err != nil {
-		return 0, false, fmt.Errorf("begin: %w", err)
+		return false, fmt.Errorf("begin: %w", err)
 	}
 	defer rollback(ctx, tx)
 	// The position may commit asynchronously: if a server crash loses that
 	// commit, the batches are sent again (at-least-once), never skipped.
 	if _, err := tx.Exec(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
-		return 0, false, fmt.Errorf("set synchronous_commit: %w", err)
+		return false, fmt.Errorf("set synchronous_commit: %w", err)
 	}
 
-	pos, err := f.lock(ctx, tx, topic)
+	pos, err := tables.Lock(ctx, tx, f.cfg.Name)
 	if err != nil {
-		return 0, false, err
+		return false, fmt.Errorf("lock position: %w", err)
 	}
-	batch, err := f.read(ctx, tx, topic, pos)
+	b, err := f.read(ctx, tx, tables, pos)
 	if err != nil {
-		return 0, false, err
+		return false, err
 	}
-	var last wsql.Row
-	for i := 0; len(batch) > 0; i++ {
-		full = len(batch) == f.cfg.BatchSize
+	n := 0
+	for i := 0; len(b.msgs) > 0; i++ {
+		full = len(b.msgs) == f.cfg.BatchSize
 		sent := make(chan error, 1)
-		go func(batch []wsql.Row) { sent <- f.send(topic, batch) }(batch)
+		go func(msgs []*message.Message) { sent <- f.send(topic, msgs) }(b.msgs)
 
 		// While the broker works: advance the position past this batch and,
 		// unless this is the transaction's last batch, read the next one.
-		last = batch[len(batch)-1]
-		pos = position{txID: strconv.FormatUint(uint64(last.ExtraData["transaction_id"].(wsql.XID8)), 10), offset: last.Offset}
-		var next []wsql.Row
-		err := f.ack(ctx, tx, topic, last)
-		if err == nil && full && i+1 < f.cfg.BatchesPerTransaction && stopCtx.Err() == nil {
-			next, err = f.read(ctx, tx, topic, pos)
+		pos = b.last
+		var next batch
+		err := tables.Ack(ctx, tx, f.cfg.Name, pos)
+		if err != nil {
+			err = fmt.Errorf("advance position: %w", err)
+		} else if full && i+1 < f.cfg.BatchesPerTransaction && stopCtx.Err() == nil {
+			next, err = f.read(ctx, tx, tables, pos)
 		}
 		if sendErr := <-sent; sendErr != nil {
-			return 0, false, fmt.Errorf("send %d messages: %w", len(batch), sendErr)
+			return false, fmt.Errorf("send %d messages: %w", len(b.msgs), sendErr)
 		}
 		if err != nil {
-			return 0, false, err
+			return false, err
 		}
-		if f.beforeAck != nil {
-			if err := f.beforeAck(topic, len(batch)); err != nil {
-				return 0, false, fmt.Errorf("%w: %w", errCrash, err)
-			}
-		}
-		n += len(batch)
-		batch = next
+		n += len(b.msgs)
+		b = next
 	}
 	if n == 0 {
-		return 0, false, nil
+		return false, nil
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return 0, false, fmt.Errorf("commit position: %w", err)
+		return false, fmt.Errorf("commit position: %w", err)
 	}
 	f.forwarded.Add(uint64(n))
 	f.commits.Add(1)
-	logger.Debug("Outbox messages forwarded", watermill.LogFields{"messages": n, "last_offset": last.Offset})
-	return n, full, nil
-}
-
-// position is the last forwarded row: (transaction_id, offset).
-type position struct {
-	txID   string // xid8 as text
-	offset int64
-}
-
-// lock reads the group's position in topic FOR UPDATE (watermill-sql's
-// offsets row), so one forwarder of the group works on a topic at a time.
-func (f *Forwarder) lock(ctx context.Context, tx pgx.Tx, topic string) (position, error) {
-	var p position
-	err := tx.QueryRow(ctx, `SELECT last_processed_transaction_id::text, offset_acked FROM `+f.cfg.Outbox.OffsetsTable(topic)+
-		` WHERE consumer_group = $1 FOR UPDATE`, f.cfg.ConsumerGroup).Scan(&p.txID, &p.offset)
-	if err != nil {
-		return p, fmt.Errorf("lock position: %w", err)
-	}
-	return p, nil
-}
-
-// readSQL selects the rows after a position, only those written by
-// transactions older than the snapshot's xmin, in (transaction_id, offset)
-// order: watermill-sql's rule. Unlike watermill-sql's query, whose OR form
-// is planned as a bitmap scan of every pending row plus a top-N sort (30 ms
-// per batch with 100,000 rows pending, measured), the row comparison walks
-// the primary key in order and stops after LIMIT rows, so a backlog does
-// not slow every batch down. The text column is aliased: ORDER BY must see
-// the xid8 column, not its text (where "10" sorts before "9").
-func (f *Forwarder) readSQL(topic string) string {
-	return `SELECT "offset", transaction_id::text AS xid, uuid, payload, metadata FROM ` + f.cfg.Outbox.MessagesTable(topic) + `
-		WHERE (transaction_id, "offset") > ($1::xid8, $2)
-		  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
-		ORDER BY transaction_id, "offset"
-		LIMIT $3`
+	logger.Debug("Outbox messages forwarded", watermill.LogFields{"messages": n, "last_transaction_id": pos.TxID, "last_offset": pos.Offset})
+	return full, nil
 }
 
 // read returns the batch after pos.
-func (f *Forwarder) read(ctx context.Context, tx pgx.Tx, topic string, pos position) ([]wsql.Row, error) {
+func (f *Forwarder) read(ctx context.Context, tx pgx.Tx, tables outboxsql.Tables, pos outboxsql.Position) (batch, error) {
 	f.polls.Add(1)
-	rows, err := tx.Query(ctx, f.readSQL(topic), pos.txID, pos.offset, f.cfg.BatchSize)
+	rows, err := tables.ReadBatch(ctx, tx, pos, f.cfg.BatchSize, make([]outboxsql.Row, 0, f.cfg.BatchSize))
 	if err != nil {
-		return nil, fmt.Errorf("select: %w", err)
+		return batch{}, fmt.Errorf("read batch: %w", err)
 	}
-	defer rows.Close()
-	batch := make([]wsql.Row, 0, f.cfg.BatchSize)
-	for rows.Next() {
-		// What DefaultPostgreSQLSchema.UnmarshalMessage returns, scanned
-		// directly: its generic Scan and encoding/json were most of the
-		// read time.
-		var (
-			r    wsql.Row
-			xid  string
-			uuid string
-		)
-		if err := rows.Scan(&r.Offset, &xid, &uuid, &r.Payload, &r.Metadata); err != nil {
-			return nil, fmt.Errorf("scan row: %w", err)
+	b := batch{msgs: make([]*message.Message, len(rows))}
+	for i, r := range rows {
+		if b.msgs[i], err = r.Message(); err != nil {
+			return batch{}, err
 		}
-		txID, err := strconv.ParseUint(xid, 10, 64)
-		if err != nil {
-			return nil, fmt.Errorf("scan row: transaction_id %q: %w", xid, err)
-		}
-		r.UUID = []byte(uuid)
-		r.Msg = message.NewMessage(uuid, r.Payload)
-		if r.Metadata != nil {
-			if r.Msg.Metadata, err = decodeMetadata(r.Metadata); err != nil {
-				return nil, fmt.Errorf("row %d: metadata: %w", r.Offset, err)
-			}
-		}
-		r.ExtraData = map[string]any{"transaction_id": wsql.XID8(txID)}
-		batch = append(batch, r)
 	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("select: %w", err)
+	if len(rows) > 0 {
+		b.last = rows[len(rows)-1].Position
 	}
-	return batch, nil
+	return b, nil
 }
 
-// ack moves the position (in tx) to last.
-func (f *Forwarder) ack(ctx context.Context, tx pgx.Tx, topic string, last wsql.Row) error {
-	q, err := f.cfg.Outbox.offsets.AckMessageQuery(wsql.AckMessageQueryParams{Topic: topic, LastRow: last, ConsumerGroup: f.cfg.ConsumerGroup})
-	if err != nil {
-		return err
-	}
-	if _, err := tx.Exec(ctx, q.Query, q.Args...); err != nil {
-		return fmt.Errorf("advance position: %w", err)
-	}
-	return nil
-}
-
-func (f *Forwarder) send(topic string, batch []wsql.Row) error {
+func (f *Forwarder) send(topic string, msgs []*message.Message) error {
 	if f.cfg.Publisher != nil {
-		msgs := make([]*message.Message, len(batch))
-		for i, r := range batch {
-			msgs[i] = r.Msg
-		}
 		return f.cfg.Publisher.Publish(topic, msgs...)
 	}
-	pms := make([]*sarama.ProducerMessage, len(batch))
-	for i, r := range batch {
-		pm, err := f.cfg.Marshaler.Marshal(topic, r.Msg)
+	pms := make([]*sarama.ProducerMessage, len(msgs))
+	for i, msg := range msgs {
+		pm, err := f.cfg.Marshaler.Marshal(topic, msg)
 		if err != nil {
-			return fmt.Errorf("marshal message %s: %w", r.Msg.UUID, err)
+			return fmt.Errorf("marshal message %s: %w", msg.UUID, err)
 		}
 		pms[i] = pm
 	}

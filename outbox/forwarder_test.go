@@ -3,7 +3,9 @@ package outbox_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -12,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -187,6 +190,63 @@ func groupOffsets(t *testing.T, brokers []string, group, topic string) int64 {
 	return n
 }
 
+// crashingProducer sends batches through the real producer; right after the
+// crashAt-th reached the broker, it does what a crash between Kafka's
+// acknowledgement and the position's commit does: the forwarder's session
+// ends (it terminates the PostgreSQL backend holding the position's row
+// lock, whose transaction the server rolls back) and so does Run (stop).
+// Later sends are refused, as a dead process sends nothing.
+type crashingProducer struct {
+	sarama.SyncProducer
+	pool    *pgxpool.Pool
+	offsets string // quoted offsets table: its row lock marks the forwarder's session
+	crashAt int
+	stop    context.CancelFunc
+
+	mu      sync.Mutex
+	batches int
+	sent    int // records acknowledged by the broker
+	crashed bool
+	err     error // a failure of the crash itself
+}
+
+func (p *crashingProducer) SendMessages(msgs []*sarama.ProducerMessage) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.crashed {
+		return errors.New("crashed: not sending")
+	}
+	if err := p.SyncProducer.SendMessages(msgs); err != nil {
+		return err
+	}
+	p.batches++
+	p.sent += len(msgs)
+	if p.batches == p.crashAt {
+		p.crashed = true
+		p.err = p.terminateForwarderSession()
+		p.stop()
+	}
+	return nil
+}
+
+func (p *crashingProducer) terminateForwarderSession() error {
+	ctx := context.Background()
+	var pids []int32
+	err := p.pool.QueryRow(ctx, `SELECT coalesce(array_agg(DISTINCT pid), '{}') FROM pg_locks
+		WHERE locktype = 'relation' AND relation = to_regclass($1) AND mode = 'RowShareLock' AND pid <> pg_backend_pid()`, p.offsets).Scan(&pids)
+	if err != nil {
+		return err
+	}
+	if len(pids) != 1 {
+		return fmt.Errorf("sessions holding the position lock: %v, want one", pids)
+	}
+	var ok bool
+	if err := p.pool.QueryRow(ctx, `SELECT pg_terminate_backend($1, 30000)`, pids[0]).Scan(&ok); err != nil || !ok {
+		return fmt.Errorf("terminate backend %d: %v %w", pids[0], ok, err)
+	}
+	return nil
+}
+
 func TestForwarder_CrashAndRestart_DedupAppliesOnce(t *testing.T) {
 	t.Parallel()
 	const (
@@ -213,20 +273,18 @@ func TestForwarder_CrashAndRestart_DedupAppliesOnce(t *testing.T) {
 
 	// First forwarder: dies right after sending its 5th batch, before the
 	// position of that batch is committed.
-	f1, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: e.producer(t), Topics: []string{topic}, BatchSize: batch}, nil)
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	crashing := &crashingProducer{SyncProducer: e.producer(t), pool: e.db.Pool, offsets: e.outbox.OffsetsTable(topic), crashAt: crashAfter, stop: stop}
+	f1, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: crashing, Topics: []string{topic}, BatchSize: batch}, nil)
 	require.NoError(t, err)
-	batches, sentRows := 0, 0
-	outbox.SetBeforeAckHook(f1, func(_ string, n int) error {
-		batches++
-		sentRows += n
-		if batches == crashAfter {
-			return errCrash
-		}
-		return nil
-	})
-	require.ErrorIs(t, f1.Run(ctx), errCrash)
+	require.NoError(t, f1.Run(runCtx))
+	require.NoError(t, crashing.err)
+	require.True(t, crashing.crashed, "the forwarder stopped before its 5th batch")
+	require.Positive(t, f1.Stats().Errors, "the transaction of the 5th batch failed")
 	// How many rows a transaction covers depends on what the snapshot shows
 	// (another test's open transaction holds xmin back), so count them.
+	sentRows := crashing.sent
 	unacked := sentRows - int(f1.Stats().Forwarded)
 	require.Positive(t, unacked, "the crash left sent but unacknowledged rows")
 	require.EqualValues(t, sentRows, highWater(t, e.broker.Addrs, topic), "every sent batch reached Kafka")
@@ -332,4 +390,6 @@ func TestForwarder_Lifecycle(t *testing.T) {
 
 	_, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: p, Publisher: refusingPublisher{t}}, nil)
 	require.ErrorContains(t, err, "set only one")
+	_, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: p, Name: strings.Repeat("n", 256)}, nil)
+	require.ErrorContains(t, err, "Name: longer than 255 bytes")
 }

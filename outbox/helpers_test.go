@@ -2,7 +2,6 @@ package outbox_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -195,5 +194,3 @@ func waitPolls(t *testing.T, f *outbox.Forwarder, k uint64) {
 	start := f.Stats().Polls
 	require.Eventually(t, func() bool { return f.Stats().Polls >= start+k }, eventuallyTimeout, 5*time.Millisecond)
 }
-
-var errCrash = errors.New("simulated crash")

@@ -14,8 +14,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -38,9 +40,6 @@ const maxTableName = 63
 const offsetsSuffix = "__offsets"
 
 var (
-	// ErrNoTransaction is returned by [Outbox.PublisherFromContext] when the
-	// context does not come from a handler wrapped by the dedup middleware.
-	ErrNoTransaction = errors.New("outbox: no transaction in context; is the handler wrapped by the dedup middleware, and does it pass msg.Context()?")
 	// ErrTopicNotMigrated is returned when a topic's table does not exist:
 	// add the topic to Config.Topics (or call MigrateTopics) at start-up.
 	ErrTopicNotMigrated = errors.New("outbox: topic table does not exist; create it with Migrate at start-up")
@@ -118,12 +117,6 @@ func (c Config) validateTopic(topic string) error {
 	return nil
 }
 
-// Beginner begins a transaction: *pgxpool.Pool, *pgx.Conn or a pgx.Tx
-// (which then opens a savepoint).
-type Beginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}
-
 // Outbox writes messages as rows of watermill-sql's PostgreSQL schema (one
 // table per topic, with the writing transaction's id) inside the caller's
 // transaction. It is safe for concurrent use.
@@ -177,6 +170,11 @@ func (o *Outbox) OffsetsTable(topic string) string {
 	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic+offsetsSuffix)
 }
 
+// tables returns topic's tables for the statements of outboxsql.
+func (o *Outbox) tables(topic string) outboxsql.Tables {
+	return outboxsql.Tables{Messages: o.MessagesTable(topic), Offsets: o.OffsetsTable(topic)}
+}
+
 // SchemaAdapter returns the watermill-sql schema adapter of the outbox
 // tables, to read them with a watermill-sql Subscriber.
 func (o *Outbox) SchemaAdapter() *wsql.DefaultPostgreSQLSchema { return o.schema }
@@ -188,7 +186,7 @@ func (o *Outbox) OffsetsAdapter() wsql.DefaultPostgreSQLOffsetsAdapter { return 
 // Migrate creates the schema (if missing) and the tables of Config.Topics.
 // Run it at start-up: watermill-sql cannot create tables inside a caller's
 // transaction.
-func (o *Outbox) Migrate(ctx context.Context, db Beginner) error {
+func (o *Outbox) Migrate(ctx context.Context, db deduplicator.Beginner) error {
 	return o.MigrateTopics(ctx, db, o.cfg.Topics...)
 }
 
@@ -196,7 +194,7 @@ func (o *Outbox) Migrate(ctx context.Context, db Beginner) error {
 // watermill-sql's advisory lock, then verifies them as [Outbox.Check] does:
 // a table that already existed with another shape is a [*TableError] and
 // nothing is committed. It is idempotent.
-func (o *Outbox) MigrateTopics(ctx context.Context, db Beginner, topics ...string) (err error) {
+func (o *Outbox) MigrateTopics(ctx context.Context, db deduplicator.Beginner, topics ...string) (err error) {
 	var queries []wsql.Query
 	for _, topic := range topics {
 		if err := o.cfg.validateTopic(topic); err != nil {
@@ -248,21 +246,28 @@ func rollback(ctx context.Context, tx pgx.Tx) {
 // forwarder only if tx commits. It implements the dedup middleware's
 // OutboxWriter. If a message cannot be stamped, nothing is written.
 func (o *Outbox) PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
-	for _, msg := range msgs {
-		if _, err := publisher.Stamp(ctx, msg); err != nil {
-			return fmt.Errorf("outbox: %w", err)
-		}
-	}
-	return o.insert(ctx, tx, topic, msgs)
+	return o.write(ctx, tx, topic, msgs, ctx)
 }
 
-// insert writes already stamped msgs through watermill-sql's publisher on tx.
-func (o *Outbox) insert(ctx context.Context, tx pgx.Tx, topic string, msgs []*message.Message) error {
+// write is the one way into the outbox tables: it stamps every message
+// ([publisher.Stamp] with stampCtx, or with the message's own context when
+// stampCtx is nil) and, only if all were stamped, inserts them in order
+// through watermill-sql's publisher on tx, running its statements with ctx.
+func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*message.Message, stampCtx context.Context) error {
 	if len(msgs) == 0 {
 		return nil
 	}
 	if err := o.cfg.validateTopic(topic); err != nil {
 		return err
+	}
+	for _, msg := range msgs {
+		sctx := stampCtx
+		if sctx == nil {
+			sctx = msg.Context()
+		}
+		if _, err := publisher.Stamp(sctx, msg); err != nil {
+			return fmt.Errorf("outbox: %w", err)
+		}
 	}
 	p, err := wsql.NewPublisher(ctxExecutor{Tx: wsql.TxFromPgx(tx), ctx: ctx}, wsql.PublisherConfig{SchemaAdapter: o.schema}, o.logger)
 	if err != nil {
@@ -306,14 +311,14 @@ func (o *Outbox) Publisher(tx pgx.Tx) message.Publisher {
 
 // PublisherFromContext returns a Publisher bound to the transaction of the
 // dedup middleware found in ctx (a handler's msg.Context()); messages get
-// causation_id = the incoming event id. It returns [ErrNoTransaction]
-// outside such a handler.
+// causation_id = the incoming event id. Outside such a handler it returns
+// middleware.ErrNotInHandler.
 func (o *Outbox) PublisherFromContext(ctx context.Context) (message.Publisher, error) {
-	v := idemctx.From(ctx)
-	if v == nil || v.Tx == nil {
-		return nil, ErrNoTransaction
+	tx, ok := idem.TxFromContext(ctx)
+	if !ok {
+		return nil, idem.ErrNotInHandler
 	}
-	return &txPublisher{o: o, tx: v.Tx, ctx: ctx}, nil
+	return &txPublisher{o: o, tx: tx, ctx: ctx}, nil
 }
 
 type txPublisher struct {
@@ -323,23 +328,14 @@ type txPublisher struct {
 }
 
 func (p *txPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
 	ctx := p.ctx
-	for _, msg := range msgs {
-		sctx := ctx
-		if sctx == nil {
-			sctx = msg.Context()
-		}
-		if _, err := publisher.Stamp(sctx, msg); err != nil {
-			return fmt.Errorf("outbox: %w", err)
-		}
-	}
 	if ctx == nil {
-		ctx = context.Background()
-		if len(msgs) > 0 {
-			ctx = msgs[0].Context()
-		}
+		ctx = msgs[0].Context()
 	}
-	return p.o.insert(ctx, p.tx, topic, msgs)
+	return p.o.write(ctx, p.tx, topic, msgs, p.ctx)
 }
 
 func (p *txPublisher) Close() error { return nil }
@@ -348,23 +344,18 @@ func (p *txPublisher) Close() error { return nil }
 // on db for every Publish call (all messages of one call commit together).
 // Use it for events that are not part of a business transaction; for those
 // that are, use [Outbox.Publisher] on that transaction.
-func (o *Outbox) PoolPublisher(db Beginner) message.Publisher {
+func (o *Outbox) PoolPublisher(db deduplicator.Beginner) message.Publisher {
 	return &poolPublisher{o: o, db: db}
 }
 
 type poolPublisher struct {
 	o  *Outbox
-	db Beginner
+	db deduplicator.Beginner
 }
 
-func (p *poolPublisher) Publish(topic string, msgs ...*message.Message) (err error) {
+func (p *poolPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if len(msgs) == 0 {
 		return nil
-	}
-	for _, msg := range msgs {
-		if _, err := publisher.Stamp(msg.Context(), msg); err != nil {
-			return fmt.Errorf("outbox: %w", err)
-		}
 	}
 	ctx := msgs[0].Context()
 	tx, err := p.db.Begin(ctx)
@@ -372,7 +363,7 @@ func (p *poolPublisher) Publish(topic string, msgs ...*message.Message) (err err
 		return fmt.Errorf("outbox: begin: %w", err)
 	}
 	defer rollback(ctx, tx)
-	if err := p.o.insert(ctx, tx, topic, msgs); err != nil {
+	if err := p.o.write(ctx, tx, topic, msgs, nil); err != nil {
 		return err
 	}
 	if err := tx.Commit(ctx); err != nil {

@@ -115,7 +115,7 @@ func TestPublisherFromContext(t *testing.T) {
 	e := newEnv(t, 0, "orders")
 
 	_, err := e.outbox.PublisherFromContext(ctx)
-	require.ErrorIs(t, err, outbox.ErrNoTransaction)
+	require.ErrorIs(t, err, idem.ErrNotInHandler)
 
 	tx, err := e.db.Pool.Begin(ctx)
 	require.NoError(t, err)

@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -22,7 +23,7 @@ import (
 type migratingPublisher struct {
 	message.Publisher
 	o  *outbox.Outbox
-	db outbox.Beginner
+	db deduplicator.Beginner
 
 	mu   sync.Mutex
 	done map[string]bool

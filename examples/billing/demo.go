@@ -482,13 +482,14 @@ func (d *demo) stopServices(ctx context.Context) error {
 	return nil
 }
 
-// pruneOutbox deletes what the forwarder has sent: outbox tables are not
-// pruned by the forwarder (docs/operations.md shows the same statement).
+// pruneOutbox deletes what the forwarder has sent with
+// outbox.DeleteForwarded: the forwarder never prunes the outbox tables
+// (docs/operations.md).
 func (d *demo) pruneOutbox(ctx context.Context) {
 	ctx = context.WithoutCancel(ctx)
 	for _, topic := range []string{d.n.orders, d.n.charged} {
 		total := d.count(ctx, `SELECT count(*) FROM `+d.ob.MessagesTable(topic))
-		pruned, err := PruneForwarded(ctx, d.pool, d.ob, topic, outbox.DefaultForwarderGroup)
+		pruned, err := d.ob.DeleteForwarded(ctx, d.pool, &outbox.DeleteForwardedOpts{Topics: []string{topic}})
 		if err != nil {
 			d.rep.Violations = append(d.rep.Violations, err.Error())
 			continue
@@ -569,20 +570,6 @@ func dropSchema(url, schema string) error {
 		return fmt.Errorf("drop schema %s: %w", schema, err)
 	}
 	return nil
-}
-
-// PruneForwarded deletes the rows of topic's outbox table that the forwarder
-// group has already sent: those at or before its position (transaction id,
-// offset). Rows of transactions still in flight are never below it.
-func PruneForwarded(ctx context.Context, db *pgxpool.Pool, ob *outbox.Outbox, topic, forwarderGroup string) (int64, error) {
-	tag, err := db.Exec(ctx, `DELETE FROM `+ob.MessagesTable(topic)+` m
-		USING `+ob.OffsetsTable(topic)+` o
-		WHERE o.consumer_group = $1
-		  AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked)`, forwarderGroup)
-	if err != nil {
-		return 0, fmt.Errorf("prune outbox %s: %w", topic, err)
-	}
-	return tag.RowsAffected(), nil
 }
 
 // sharedPublisher lends a publisher to a router handler without letting the

@@ -136,19 +136,11 @@ func (p *outboxProducer) produce(ctx context.Context, ev event, msg *message.Mes
 
 // pending counts outbox rows after the forwarder's committed position.
 func (p *outboxProducer) pending(ctx context.Context) (int, error) {
-	var xid string
-	var off int64
-	err := p.h.admin.QueryRow(ctx, `SELECT last_processed_transaction_id::text, offset_acked FROM `+p.ob.OffsetsTable(p.h.topic)+` WHERE consumer_group = $1`,
-		outbox.DefaultForwarderGroup).Scan(&xid, &off)
-	if errors.Is(err, pgx.ErrNoRows) {
-		xid, off, err = "0", 0, nil
-	}
+	b, err := p.ob.Backlog(ctx, p.h.admin, &outbox.BacklogOpts{Topics: []string{p.h.topic}})
 	if err != nil {
 		return 0, err
 	}
-	var n int
-	err = p.h.admin.QueryRow(ctx, `SELECT count(*) FROM `+p.ob.MessagesTable(p.h.topic)+` WHERE (transaction_id, "offset") > ($1::xid8, $2::bigint)`, xid, off).Scan(&n)
-	return n, err
+	return int(b[0].Pending), nil
 }
 
 func (p *outboxProducer) close() {

@@ -4,9 +4,9 @@
 // it.
 //
 //	c := idemprom.NewCollector()
-//	c.AddDedup(dedup)                    // *middleware.Dedup
-//	c.AddForwarder("orders", forwarder)  // *outbox.Forwarder
-//	c.AddOutboxBacklog(ob, pool, "")     // outbox lag, queried at scrape
+//	c.AddDedup(dedup)                                      // *middleware.Dedup
+//	c.AddForwarder(outbox.DefaultForwarderName, forwarder) // *outbox.Forwarder, by its Name
+//	c.AddOutboxBacklog(ob, pool, nil)                      // outbox lag, queried at scrape
 //	prometheus.MustRegister(c)
 //
 // # Metrics
@@ -23,8 +23,8 @@
 //	idem_outbox_forwarder_commits_total{forwarder}      committed position updates
 //	idem_outbox_forwarder_polls_total{forwarder}        reads of the outbox
 //	idem_outbox_forwarder_errors_total{forwarder}       failed batches (rolled back, retried)
-//	idem_outbox_pending_rows{topic,forwarder_group}     outbox rows not forwarded yet (AddOutboxBacklog)
-//	idem_outbox_oldest_pending_seconds{topic,forwarder_group}  age of the oldest of them
+//	idem_outbox_pending_rows{topic,forwarder}           outbox rows not forwarded yet (AddOutboxBacklog)
+//	idem_outbox_oldest_pending_seconds{topic,forwarder}  age of the oldest of them
 //
 // The backlog gauges are queried from the database at scrape time; all
 // others are counters, cumulative since the component was created. Alert on

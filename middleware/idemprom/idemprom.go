@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -29,17 +30,17 @@ var (
 	descPolls     = prometheus.NewDesc("idem_outbox_forwarder_polls_total", "Reads of the outbox by the forwarder.", fwd, nil)
 	descFwdErrors = prometheus.NewDesc("idem_outbox_forwarder_errors_total", "Failed forwarder batches (rolled back and retried).", fwd, nil)
 
-	descPending = prometheus.NewDesc("idem_outbox_pending_rows", "Committed outbox rows the forwarder group has not forwarded yet.", []string{"topic", "forwarder_group"}, nil)
-	descOldest  = prometheus.NewDesc("idem_outbox_oldest_pending_seconds", "Age of the oldest outbox row not forwarded yet (0 when none).", []string{"topic", "forwarder_group"}, nil)
+	descPending = prometheus.NewDesc("idem_outbox_pending_rows", "Committed outbox rows the forwarder has not forwarded yet.", []string{"topic", "forwarder"}, nil)
+	descOldest  = prometheus.NewDesc("idem_outbox_oldest_pending_seconds", "Age of the oldest outbox row not forwarded yet (0 when none).", []string{"topic", "forwarder"}, nil)
 )
 
 // BacklogTimeout bounds the backlog query of one scrape.
 const BacklogTimeout = 5 * time.Second
 
 type backlogSource struct {
-	ob    *outbox.Outbox
-	db    outbox.Beginner
-	group string
+	ob   *outbox.Outbox
+	db   deduplicator.Beginner
+	opts outbox.BacklogOpts
 }
 
 // Collector is a prometheus.Collector over dedup middlewares and outbox
@@ -67,25 +68,34 @@ func (c *Collector) AddDedup(d *idem.Dedup) {
 	c.dedups = append(c.dedups, d)
 }
 
-// AddForwarder exports f's counters with the label forwarder=name. A second
-// forwarder with the same name replaces the first.
+// AddForwarder exports f's counters with the label forwarder=name: pass
+// its ForwarderConfig.Name (outbox.DefaultForwarderName by default), the
+// value of the backlog gauges' forwarder label. A second forwarder with the
+// same name replaces the first.
 func (c *Collector) AddForwarder(name string, f *outbox.Forwarder) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.forwarders[name] = f
 }
 
-// AddOutboxBacklog exports the outbox lag of ob's topics for the forwarder
-// group (empty: outbox.DefaultForwarderGroup), queried from db at each scrape
-// (bounded by [BacklogTimeout]; a failed query fails the scrape's metric
-// rather than reporting a stale value).
-func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db outbox.Beginner, group string) {
+// AddOutboxBacklog exports the outbox lag that [outbox.Outbox.Backlog]
+// reports for opts (nil: ob's topics, the forwarder named
+// outbox.DefaultForwarderName), with the labels topic and forwarder (the
+// forwarder's Name), queried from db at each scrape (bounded by
+// [BacklogTimeout]; a failed query fails the scrape's metric rather than
+// reporting a stale value).
+func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db deduplicator.Beginner, opts *outbox.BacklogOpts) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if group == "" {
-		group = outbox.DefaultForwarderGroup
+	var o outbox.BacklogOpts
+	if opts != nil {
+		o = *opts
+		o.Topics = append([]string(nil), opts.Topics...)
 	}
-	c.backlogs = append(c.backlogs, backlogSource{ob: ob, db: db, group: group})
+	if o.Forwarder == "" {
+		o.Forwarder = outbox.DefaultForwarderName
+	}
+	c.backlogs = append(c.backlogs, backlogSource{ob: ob, db: db, opts: o})
 }
 
 // Describe implements prometheus.Collector.
@@ -157,15 +167,15 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	for _, b := range backlogs {
 		ctx, cancel := context.WithTimeout(context.Background(), BacklogTimeout)
-		rows, err := b.ob.Backlog(ctx, b.db, b.group)
+		rows, err := b.ob.Backlog(ctx, b.db, &b.opts)
 		cancel()
 		if err != nil {
 			ch <- prometheus.NewInvalidMetric(descPending, err)
 			continue
 		}
 		for _, r := range rows {
-			ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(r.Pending), r.Topic, b.group)
-			ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, r.OldestAge.Seconds(), r.Topic, b.group)
+			ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(r.Pending), r.Topic, b.opts.Forwarder)
+			ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, r.OldestAge.Seconds(), r.Topic, b.opts.Forwarder)
 		}
 	}
 }

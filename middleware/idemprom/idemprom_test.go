@@ -62,8 +62,8 @@ func TestCollectorExportsDedupAndForwarder(t *testing.T) {
 
 	c := idemprom.NewCollector()
 	c.AddDedup(d)
-	c.AddForwarder("orders", fwd)
-	c.AddOutboxBacklog(ob, db.Pool, "")
+	c.AddForwarder(outbox.DefaultForwarderName, fwd)
+	c.AddOutboxBacklog(ob, db.Pool, nil)
 	reg := prometheus.NewPedanticRegistry()
 	require.NoError(t, reg.Register(c))
 
@@ -82,12 +82,12 @@ idem_dedup_rejected_total{consumer_group="billing",reason="missing"} 0
 idem_dedup_rejected_total{consumer_group="billing",reason="nil"} 0
 idem_dedup_rejected_total{consumer_group="billing",reason="not_v7"} 0
 idem_dedup_rejected_total{consumer_group="billing",reason="stale"} 0
-# HELP idem_outbox_pending_rows Committed outbox rows the forwarder group has not forwarded yet.
+# HELP idem_outbox_pending_rows Committed outbox rows the forwarder has not forwarded yet.
 # TYPE idem_outbox_pending_rows gauge
-idem_outbox_pending_rows{forwarder_group="outbox_forwarder",topic="TOPIC"} 0
+idem_outbox_pending_rows{forwarder="outbox_forwarder",topic="TOPIC"} 0
 # HELP idem_outbox_forwarded_total Outbox rows sent to Kafka and acknowledged in the database.
 # TYPE idem_outbox_forwarded_total counter
-idem_outbox_forwarded_total{forwarder="orders"} 1
+idem_outbox_forwarded_total{forwarder="outbox_forwarder"} 1
 `
 	expected = strings.ReplaceAll(expected, "TOPIC", topic)
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(expected),

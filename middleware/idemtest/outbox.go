@@ -2,7 +2,6 @@ package idemtest
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"testing"
@@ -15,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -132,7 +132,7 @@ func outboxMessages(ctx context.Context, tb testing.TB, db deduplicator.DBTX, ob
 	if _, err := outbox.New(outbox.Config{Schema: ob.Config().Schema, TablePrefix: ob.Config().TablePrefix, Topics: []string{topic}}, nil); err != nil {
 		tb.Fatalf("idemtest: %v", err)
 	}
-	rows, err := db.Query(ctx, `SELECT "uuid", "payload", "metadata" FROM `+ob.MessagesTable(topic)+` ORDER BY "transaction_id", "offset"`)
+	rows, err := outboxsql.Tables{Messages: ob.MessagesTable(topic), Offsets: ob.OffsetsTable(topic)}.ReadAll(ctx, db)
 	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
@@ -140,22 +140,11 @@ func outboxMessages(ctx context.Context, tb testing.TB, db deduplicator.DBTX, ob
 		}
 		tb.Fatalf("idemtest: read outbox %s: %v", ob.MessagesTable(topic), err)
 	}
-	msgs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (*message.Message, error) {
-		var id string
-		var payload, meta []byte
-		if err := row.Scan(&id, &payload, &meta); err != nil {
-			return nil, err
+	msgs := make([]*message.Message, len(rows))
+	for i, r := range rows {
+		if msgs[i], err = r.Message(); err != nil {
+			tb.Fatalf("idemtest: read outbox %s: %v", ob.MessagesTable(topic), err)
 		}
-		m := message.NewMessage(id, payload)
-		if len(meta) > 0 {
-			if err := json.Unmarshal(meta, &m.Metadata); err != nil {
-				return nil, fmt.Errorf("metadata of %s: %w", id, err)
-			}
-		}
-		return m, nil
-	})
-	if err != nil {
-		tb.Fatalf("idemtest: read outbox %s: %v", ob.MessagesTable(topic), err)
 	}
 	return msgs
 }

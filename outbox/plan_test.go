@@ -1,4 +1,4 @@
-package outbox
+package outbox_test
 
 import (
 	"context"
@@ -7,14 +7,13 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/outbox"
 )
-
-type unusedProducer struct{ sarama.SyncProducer }
 
 // The forwarder's read must not grow with the backlog: with 20,000 rows
 // pending, reading a batch of 100 touches about 100 rows in index order,
@@ -23,7 +22,7 @@ func TestForwarderReadDoesNotScanTheBacklog(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
-	o, err := New(Config{Schema: db.Schema, Topics: []string{"backlog"}}, nil)
+	o, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"backlog"}}, nil)
 	require.NoError(t, err)
 	require.NoError(t, o.Migrate(ctx, db.Pool))
 	for k := 0; k < 20; k++ {
@@ -34,12 +33,10 @@ func TestForwarderReadDoesNotScanTheBacklog(t *testing.T) {
 		require.NoError(t, o.PoolPublisher(db.Pool).Publish("backlog", msgs...))
 	}
 	db.Exec(t, "ANALYZE "+o.MessagesTable("backlog"))
-	f, err := NewForwarder(ForwarderConfig{DB: db.Pool, Outbox: o, Producer: unusedProducer{}, BatchSize: 100}, nil)
-	require.NoError(t, err)
 
 	var plan []map[string]any
 	var raw string
-	require.NoError(t, db.Pool.QueryRow(ctx, "EXPLAIN (ANALYZE, FORMAT JSON) "+f.readSQL("backlog"), "0", 0, 100).Scan(&raw))
+	require.NoError(t, db.Pool.QueryRow(ctx, "EXPLAIN (ANALYZE, FORMAT JSON) "+outboxsql.ReadBatchSQL(o.MessagesTable("backlog")), uint64(0), int64(0), 100).Scan(&raw))
 	require.NoError(t, json.Unmarshal([]byte(raw), &plan))
 	var walk func(n map[string]any)
 	nodes := 0
