@@ -156,12 +156,3 @@ func (s *msgSpan) end(outcome string, err error) {
 	}
 	s.span.End()
 }
-
-// outcomeOf names what happened to a first-time message from the error its
-// processing returned.
-func outcomeOf(err error) string {
-	if err != nil {
-		return outcomeFailed
-	}
-	return outcomeProcessed
-}
