@@ -281,7 +281,7 @@ func (gc *groupCommit) run(reqs []*request) {
 // startSpan begins the group's span, linked to its messages' spans (a group
 // has many parents). It is a no-op span when tracing is off.
 func (gc *groupCommit) startSpan(reqs []*request) trace.Span {
-	tr := gc.d.tracing.tracer()
+	tr := gc.d.tracing.Tracer()
 	if tr == nil {
 		return noop.Span{}
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/eventid"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 )
 
 // Dedup is the transactional dedup middleware. Create it with [NewDedup] and
@@ -35,7 +36,7 @@ type Dedup struct {
 	hmu     sync.Mutex
 	// gc is the group-commit mode, nil when Config.GroupCommit is.
 	gc      *groupCommit
-	tracing tracing
+	tracing otelx.Tracers
 }
 
 type horizonAt struct {
@@ -64,7 +65,7 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 		return nil, fmt.Errorf("dedup: %w", err)
 	}
 	d := &Dedup{cfg: cfg, dedup: dd, logger: logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup})}
-	d.tracing.configured = cfg.TracerProvider
+	d.tracing = otelx.Tracers{Configured: cfg.TracerProvider, Name: TracerName}
 	if err := d.start(); err != nil {
 		return nil, err
 	}

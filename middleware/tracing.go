@@ -2,17 +2,17 @@ package middleware
 
 import (
 	"context"
-	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 )
 
 // TracerName is the instrumentation name of the middleware's spans.
@@ -49,44 +49,6 @@ const (
 	outcomeClaimError = "claim_error"
 )
 
-// traceContext is the W3C TraceContext and Baggage propagator: how the trace
-// travels in message metadata (Kafka headers).
-var traceContext propagation.TextMapPropagator = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
-
-// unsetGlobal is the global TracerProvider before any SDK is installed (a
-// delegating no-op); while otel.GetTracerProvider() still returns it, there
-// is nothing to record and the middleware makes no span at all.
-var unsetGlobal = otel.GetTracerProvider()
-
-// tracing makes the middleware's spans.
-type tracing struct {
-	configured trace.TracerProvider // Config.TracerProvider, or nil: the global one
-	cached     atomic.Pointer[cachedTracer]
-}
-
-type cachedTracer struct {
-	tp     trace.TracerProvider
-	tracer trace.Tracer
-}
-
-// tracer returns the tracer to use, or nil when no provider is configured
-// (no allocation then).
-func (t *tracing) tracer() trace.Tracer {
-	tp := t.configured
-	if tp == nil {
-		tp = otel.GetTracerProvider()
-		if tp == unsetGlobal {
-			return nil
-		}
-	}
-	if c := t.cached.Load(); c != nil && c.tp == tp {
-		return c.tracer
-	}
-	c := &cachedTracer{tp: tp, tracer: tp.Tracer(TracerName)}
-	t.cached.Store(c)
-	return c.tracer
-}
-
 // msgSpan is the consumer span of one message; a nil *msgSpan does nothing.
 type msgSpan struct {
 	span trace.Span
@@ -98,12 +60,12 @@ type msgSpan struct {
 // baggage). It returns nil when tracing is off.
 func (d *Dedup) startSpan(msg *message.Message) (context.Context, *msgSpan) {
 	ctx := msg.Context()
-	tr := d.tracing.tracer()
+	tr := d.tracing.Tracer()
 	if tr == nil {
 		return ctx, nil
 	}
 	if !trace.SpanContextFromContext(ctx).IsValid() {
-		ctx = traceContext.Extract(ctx, propagation.MapCarrier(msg.Metadata))
+		ctx = otelx.Propagator.Extract(ctx, propagation.MapCarrier(msg.Metadata))
 	}
 	topic := message.SubscribeTopicFromCtx(msg.Context())
 	name := "process"
