@@ -17,7 +17,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -108,6 +113,13 @@ type ForwarderConfig struct {
 	// [NewForwarder] runs (a few catalog queries). Defaults to
 	// [DefaultStartupCheckTimeout] (10 s).
 	StartupCheckTimeout time.Duration
+	// TracerProvider makes one producer span per batch sent to the broker,
+	// linked to the trace contexts stored with its rows (each record
+	// carries its own as the traceparent header), with the topic, message
+	// count, payload bytes and outbox lag. Defaults to nil: the global
+	// provider (otel.GetTracerProvider), and no span while no SDK is
+	// installed there.
+	TracerProvider trace.TracerProvider
 }
 
 func (c *ForwarderConfig) setDefaults() {
@@ -211,6 +223,7 @@ type Forwarder struct {
 	done      chan struct{} // closed when Run returns; nil before Run
 
 	forwarded, commits, polls, errs atomic.Uint64
+	tracing                         otelx.Tracers
 }
 
 // NewForwarder validates cfg, verifies the tables of its topics as
@@ -232,6 +245,7 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 		return nil, err
 	}
 	return &Forwarder{
+		tracing: otelx.Tracers{Configured: cfg.TracerProvider, Name: TracerName},
 		cfg:     cfg,
 		logger:  logger.With(watermill.LogFields{"forwarder": cfg.Name}),
 		closing: make(chan struct{}),
@@ -472,7 +486,17 @@ func (f *Forwarder) read(ctx context.Context, tx pgx.Tx, tables outboxsql.Tables
 	return b, nil
 }
 
-func (f *Forwarder) send(topic string, msgs []*message.Message) error {
+func (f *Forwarder) send(topic string, msgs []*message.Message) (err error) {
+	if tr := f.tracing.Tracer(); tr != nil {
+		span := startBatchSpan(tr, topic, msgs)
+		defer func() {
+			if err != nil {
+				span.RecordError(err)
+				span.SetStatus(codes.Error, err.Error())
+			}
+			span.End()
+		}()
+	}
 	if f.cfg.Publisher != nil {
 		return f.cfg.Publisher.Publish(topic, msgs...)
 	}
@@ -485,4 +509,48 @@ func (f *Forwarder) send(topic string, msgs []*message.Message) error {
 		pms[i] = pm
 	}
 	return f.cfg.Producer.SendMessages(pms)
+}
+
+// TracerName is the instrumentation name of the forwarder's spans.
+const TracerName = "github.com/idemkit/watermill-idempotency/outbox"
+
+// Attributes of the forwarder's batch span, next to the messaging semantic
+// conventions.
+const (
+	// AttrBatchBytes is the payload bytes of a forwarded batch.
+	AttrBatchBytes = attribute.Key("idem.outbox.batch.bytes")
+	// AttrOutboxLag is how long the batch's oldest message waited in the
+	// outbox (from its occurred_at), in seconds.
+	AttrOutboxLag = attribute.Key("idem.outbox.lag")
+)
+
+// startBatchSpan begins the span of one batch sent to the broker. A batch
+// has many parents, so the messages' own trace contexts (stored with each
+// row, sent on as their traceparent header) are links, not a parent.
+func startBatchSpan(tr trace.Tracer, topic string, msgs []*message.Message) trace.Span {
+	links := make([]trace.Link, 0, len(msgs))
+	var bytes int
+	var oldest time.Time
+	for _, m := range msgs {
+		bytes += len(m.Payload)
+		if sc := otelx.Extract(m); sc.IsValid() {
+			links = append(links, trace.Link{SpanContext: sc})
+		}
+		if t, err := time.Parse(time.RFC3339Nano, m.Metadata.Get(publisher.MetadataOccurredAt)); err == nil && (oldest.IsZero() || t.Before(oldest)) {
+			oldest = t
+		}
+	}
+	attrs := []attribute.KeyValue{
+		semconv.MessagingSystemKafka,
+		semconv.MessagingOperationTypeSend,
+		semconv.MessagingOperationName("send"),
+		semconv.MessagingDestinationName(topic),
+		semconv.MessagingBatchMessageCount(len(msgs)),
+		AttrBatchBytes.Int(bytes),
+	}
+	if !oldest.IsZero() {
+		attrs = append(attrs, AttrOutboxLag.Float64(time.Since(oldest).Seconds()))
+	}
+	_, span := tr.Start(context.Background(), "send "+topic, trace.WithSpanKind(trace.SpanKindProducer), trace.WithLinks(links...), trace.WithAttributes(attrs...))
+	return span
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -268,6 +269,10 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 		if _, err := publisher.Stamp(sctx, msg); err != nil {
 			return fmt.Errorf("outbox: %w", err)
 		}
+		// The trace the row was written in (inside a dedup handler: the
+		// consumed message's) travels with it to Kafka as its traceparent.
+		otelx.Inject(sctx, msg)
+		otelx.Inject(ctx, msg)
 	}
 	p, err := wsql.NewPublisher(ctxExecutor{Tx: wsql.TxFromPgx(tx), ctx: ctx}, wsql.PublisherConfig{SchemaAdapter: o.schema}, o.logger)
 	if err != nil {
