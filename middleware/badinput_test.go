@@ -92,35 +92,35 @@ func TestBadInput(t *testing.T) {
 		want    outcome
 		sameAs  string // processed: the canonical id expected in processed_event
 	}{
-		{name: "no header and no JSON field", payload: []byte(`{"amount":1}`), want: poison(idem.ErrMissingEventID)},
-		{name: "no header and empty payload", payload: nil, want: poison(idem.ErrMissingEventID)},
-		{name: "empty header value", header: badInputPtr(""), payload: []byte(`{}`), want: poison(idem.ErrMissingEventID)},
-		{name: "empty JSON field", payload: []byte(`{"eventId":""}`), want: poison(idem.ErrMissingEventID)},
-		{name: "not a UUID", header: badInputPtr("order-42"), payload: []byte(`{}`), want: poison(idem.ErrInvalidEventID)},
-		{name: "UUID in braces", header: badInputPtr("{" + v7() + "}"), payload: []byte(`{}`), want: poison(idem.ErrInvalidEventID)},
-		{name: "urn:uuid prefix", header: badInputPtr("urn:uuid:" + v7()), payload: []byte(`{}`), want: poison(idem.ErrInvalidEventID)},
-		{name: "no hyphens", header: badInputPtr(strings.ReplaceAll(v7(), "-", "")), payload: []byte(`{}`), want: poison(idem.ErrInvalidEventID)},
-		{name: "header with spaces", header: badInputPtr(" " + v7() + " "), payload: []byte(`{}`), want: poison(idem.ErrInvalidEventID)},
-		{name: "header with a trailing newline", header: badInputPtr(v7() + "\n"), payload: []byte(`{}`), want: poison(idem.ErrInvalidEventID)},
+		{name: "no header and no JSON field", payload: []byte(`{"amount":1}`), want: poison(publisher.ErrMissingEventID)},
+		{name: "no header and empty payload", payload: nil, want: poison(publisher.ErrMissingEventID)},
+		{name: "empty header value", header: badInputPtr(""), payload: []byte(`{}`), want: poison(publisher.ErrMissingEventID)},
+		{name: "empty JSON field", payload: []byte(`{"eventId":""}`), want: poison(publisher.ErrMissingEventID)},
+		{name: "not a UUID", header: badInputPtr("order-42"), payload: []byte(`{}`), want: poison(publisher.ErrInvalidEventID)},
+		{name: "UUID in braces", header: badInputPtr("{" + v7() + "}"), payload: []byte(`{}`), want: poison(publisher.ErrInvalidEventID)},
+		{name: "urn:uuid prefix", header: badInputPtr("urn:uuid:" + v7()), payload: []byte(`{}`), want: poison(publisher.ErrInvalidEventID)},
+		{name: "no hyphens", header: badInputPtr(strings.ReplaceAll(v7(), "-", "")), payload: []byte(`{}`), want: poison(publisher.ErrInvalidEventID)},
+		{name: "header with spaces", header: badInputPtr(" " + v7() + " "), payload: []byte(`{}`), want: poison(publisher.ErrInvalidEventID)},
+		{name: "header with a trailing newline", header: badInputPtr(v7() + "\n"), payload: []byte(`{}`), want: poison(publisher.ErrInvalidEventID)},
 		{name: "upper case UUIDv7 (same UUID)", header: badInputPtr(upper), payload: []byte(`{}`), want: processed, sameAs: strings.ToLower(upper)},
-		{name: "UUIDv4", header: badInputPtr(uuid.NewString()), payload: []byte(`{}`), want: poison(idem.ErrNotUUIDv7)},
+		{name: "UUIDv4", header: badInputPtr(uuid.NewString()), payload: []byte(`{}`), want: poison(publisher.ErrNotUUIDv7)},
 		{name: "UUIDv4 with AllowNonV7", header: badInputPtr(uuid.NewString()), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.AllowNonV7 = true }, want: processed},
-		{name: "nil UUID", header: badInputPtr(uuid.Nil.String()), payload: []byte(`{}`), want: poison(idem.ErrNilEventID)},
-		{name: "nil UUID with AllowNonV7", header: badInputPtr(uuid.Nil.String()), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.AllowNonV7 = true }, want: poison(idem.ErrNilEventID)},
-		{name: "max UUID (non-RFC variant)", header: badInputPtr("ffffffff-ffff-ffff-ffff-ffffffffffff"), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.AllowNonV7 = true }, want: poison(idem.ErrInvalidEventID)},
+		{name: "nil UUID", header: badInputPtr(uuid.Nil.String()), payload: []byte(`{}`), want: poison(publisher.ErrNilEventID)},
+		{name: "nil UUID with AllowNonV7", header: badInputPtr(uuid.Nil.String()), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.AllowNonV7 = true }, want: poison(publisher.ErrNilEventID)},
+		{name: "max UUID (non-RFC variant)", header: badInputPtr("ffffffff-ffff-ffff-ffff-ffffffffffff"), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.AllowNonV7 = true }, want: poison(publisher.ErrInvalidEventID)},
 		{name: "UUIDv7 from the far future", header: badInputPtr(badInputV7At(time.Now().AddDate(30, 0, 0)).String()), payload: []byte(`{}`), want: processed},
 		{name: "UUIDv7 older than the retention", header: badInputPtr(badInputV7At(time.Now().Add(-deduplicator.DefaultRetention - time.Minute)).String()), payload: []byte(`{}`), want: poison(idem.ErrStaleEvent)},
 		{name: "UUIDv7 older than the retention, ProcessStaleEvents", header: badInputPtr(badInputV7At(time.Now().Add(-deduplicator.DefaultRetention - time.Minute)).String()), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.ProcessStaleEvents = true }, want: processed},
-		{name: "non-JSON payload, no header (JSON fallback on)", payload: []byte("amount=1\x00\xff"), want: poison(idem.ErrMissingEventID)},
+		{name: "non-JSON payload, no header (JSON fallback on)", payload: []byte("amount=1\x00\xff"), want: poison(publisher.ErrMissingEventID)},
 		{name: "non-JSON payload with a valid header", header: badInputPtr(v7()), payload: []byte("amount=1\x00\xff"), want: processed},
 		{name: "JSON eventId only (fallback)", payload: []byte(`{"eventId":"` + v7() + `","amount":1}`), want: processed},
-		{name: "JSON eventId only, fallback off", payload: []byte(`{"eventId":"` + v7() + `"}`), cfg: func(c *idem.Config) { c.EventIDFunc = idem.MetadataEventIDFunc }, want: poison(idem.ErrMissingEventID)},
-		{name: "JSON eventId not a string", payload: []byte(`{"eventId":12345}`), want: poison(idem.ErrInvalidEventID)},
-		{name: "JSON array payload", payload: []byte(`[{"eventId":"` + v7() + `"}]`), want: poison(idem.ErrMissingEventID)},
-		{name: "invalid header wins over a valid JSON field", header: badInputPtr("nope"), payload: []byte(`{"eventId":"` + v7() + `"}`), want: poison(idem.ErrInvalidEventID)},
+		{name: "JSON eventId only, fallback off", payload: []byte(`{"eventId":"` + v7() + `"}`), cfg: func(c *idem.Config) { c.EventIDFunc = publisher.EventIDFromMetadata }, want: poison(publisher.ErrMissingEventID)},
+		{name: "JSON eventId not a string", payload: []byte(`{"eventId":12345}`), want: poison(publisher.ErrInvalidEventID)},
+		{name: "JSON array payload", payload: []byte(`[{"eventId":"` + v7() + `"}]`), want: poison(publisher.ErrMissingEventID)},
+		{name: "invalid header wins over a valid JSON field", header: badInputPtr("nope"), payload: []byte(`{"eventId":"` + v7() + `"}`), want: poison(publisher.ErrInvalidEventID)},
 		{name: "10 MB payload with a valid header", header: badInputPtr(v7()), payload: big('x'), want: processed},
-		{name: "10 MB non-JSON payload, no header", payload: big('x'), want: poison(idem.ErrMissingEventID)},
-		{name: "10 MB JSON payload without eventId, no header", payload: bigJSON, want: poison(idem.ErrMissingEventID)},
+		{name: "10 MB non-JSON payload, no header", payload: big('x'), want: poison(publisher.ErrMissingEventID)},
+		{name: "10 MB JSON payload without eventId, no header", payload: bigJSON, want: poison(publisher.ErrMissingEventID)},
 	}
 
 	for _, tc := range cases {
@@ -196,7 +196,7 @@ func TestBadInput(t *testing.T) {
 			_, err = dedup.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(msg.Copy())
 			require.True(t, errors.Is(err, tc.want.reason), "errors.Is(%v, %v)", err, tc.want.reason)
 			require.True(t, idem.IsPermanent(err))
-			var ee *idem.EventIDError
+			var ee *publisher.EventIDError
 			require.ErrorAs(t, err, &ee)
 		})
 	}

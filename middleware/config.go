@@ -12,7 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // Beginner begins the per-message transaction: *pgxpool.Pool (the usual
@@ -26,30 +26,17 @@ type txOptionsBeginner interface {
 	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
 }
 
-// EventIDFunc extracts a message's event id. Return an error wrapping one of
-// the sentinel errors so the message can be routed to a poison queue.
+// EventIDFunc extracts a message's event id; the middleware then checks it
+// with publisher.ValidateEventID. The publisher package has the usual ones:
+// [publisher.EventIDFromMessage] (the default: metadata "event_id", else the
+// JSON payload field "eventId", the two agreeing when both are present),
+// [publisher.EventIDFromMetadataFirst] (the metadata wins, the payload is
+// the fallback only) and [publisher.EventIDFromMetadata] (metadata only).
+// A custom one should return a *publisher.EventIDError (or an error wrapping
+// one of publisher's sentinels); any other error is wrapped as
+// publisher.ErrInvalidEventID with Source "func", so that the message still
+// goes to the poison queue.
 type EventIDFunc func(msg *message.Message) (uuid.UUID, error)
-
-// DefaultEventIDFunc reads the metadata key "event_id" (a Kafka header) and
-// the top-level JSON payload field "eventId"; either one alone is the id.
-// When both are present they must name the same UUID, else
-// ErrEventIDMismatch; [HeaderFirstEventIDFunc] lets the header win. The
-// value must be a canonical 36-character UUID (either case); braces,
-// "urn:uuid:", missing hyphens or surrounding spaces are refused as
-// ErrInvalidEventID.
-func DefaultEventIDFunc(msg *message.Message) (uuid.UUID, error) {
-	return eventid.FromMessage(msg)
-}
-
-// MetadataEventIDFunc reads only the metadata key "event_id", never the payload.
-func MetadataEventIDFunc(msg *message.Message) (uuid.UUID, error) {
-	v, ok := msg.Metadata[eventid.MetadataEventID]
-	if !ok {
-		return uuid.Nil, &EventIDError{Reason: ErrMissingEventID, Source: "metadata", Detail: "no event_id metadata"}
-	}
-	m := &message.Message{Metadata: message.Metadata{eventid.MetadataEventID: v}}
-	return eventid.FromMessage(m)
-}
 
 // OutboxWriter writes messages inside the message's transaction. The outbox
 // package's Outbox implements it; the middleware uses it for the messages a
@@ -86,14 +73,13 @@ type Config struct {
 	// Defaults to public.processed_event, plain layout.
 	Table deduplicator.TableConfig
 
-	// EventIDFunc extracts the event id. Defaults to [DefaultEventIDFunc]
-	// (metadata "event_id", else JSON payload field "eventId"). When both
-	// are present they must name the same UUID, else ErrEventIDMismatch;
-	// [HeaderFirstEventIDFunc] lets the header win.
+	// EventIDFunc extracts the event id. Defaults to
+	// [publisher.EventIDFromMessage] (metadata "event_id", else the JSON
+	// payload field "eventId"; both must agree when both are present).
 	EventIDFunc EventIDFunc
 
 	// AllowNonV7 accepts valid UUIDs of any version. Defaults to false: a
-	// non-v7 id is refused with ErrNotUUIDv7. Non-v7 ids cannot be checked
+	// non-v7 id is refused with publisher.ErrNotUUIDv7. Non-v7 ids cannot be checked
 	// for staleness and cannot be stored in a partitioned processed_event.
 	AllowNonV7 bool
 
@@ -168,7 +154,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.EventIDFunc == nil {
-		c.EventIDFunc = DefaultEventIDFunc
+		c.EventIDFunc = publisher.EventIDFromMessage
 	}
 	if c.StartupTimeout == 0 {
 		c.StartupTimeout = DefaultStartupTimeout

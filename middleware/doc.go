@@ -13,11 +13,12 @@
 //
 // # How a message is handled
 //
-// [Dedup.Middleware] reads the event id (metadata "event_id", else the JSON
-// payload field "eventId", the two agreeing when both are there; see
-// [DefaultEventIDFunc] and [HeaderFirstEventIDFunc]), begins a transaction,
-// and claims (event id, consumer group) in the processed_event table with
-// INSERT ... ON CONFLICT DO NOTHING ([deduplicator.Deduplicator.Claim]):
+// [Dedup.Middleware] reads the event id with [Config.EventIDFunc] (by
+// default [publisher.EventIDFromMessage]: metadata "event_id", else the JSON
+// payload field "eventId", the two agreeing when both are there), begins a
+// transaction, and claims (event id, consumer group) in the processed_event
+// table with INSERT ... ON CONFLICT DO NOTHING
+// ([deduplicator.Deduplicator.Claim]):
 //
 //   - first delivery: the handler runs with the transaction in msg.Context()
 //     ([TxFromContext], [MustTxFromContext], [EventIDFromContext]); when it
@@ -71,13 +72,14 @@
 //
 // # Bad input
 //
-// A message whose event id is missing ([ErrMissingEventID]), malformed
-// ([ErrInvalidEventID]), the nil UUID ([ErrNilEventID]), not a UUIDv7
-// ([ErrNotUUIDv7], unless [Config.AllowNonV7]), different in the metadata
-// and the payload ([ErrEventIDMismatch]) or stale ([ErrStaleEvent], see
-// below) is refused before any transaction begins, with
-// an [*EventIDError] telling why. These errors, [ErrMalformedPayload] and
-// anything wrapped with [Permanent] satisfy [IsPermanent], so
+// A message whose event id is missing ([publisher.ErrMissingEventID]),
+// malformed ([publisher.ErrInvalidEventID]), the nil UUID
+// ([publisher.ErrNilEventID]), not a UUIDv7 ([publisher.ErrNotUUIDv7],
+// unless [Config.AllowNonV7]), different in the metadata and the payload
+// ([publisher.ErrEventIDMismatch]) or stale ([ErrStaleEvent], see below) is
+// refused before any transaction begins, with a *[publisher.EventIDError]
+// telling why. These errors, [ErrMalformedPayload] and anything wrapped
+// with [Permanent] satisfy [IsPermanent], so
 // PoisonQueueWithFilter routes them to the poison topic (with the reason in
 // the "reason_poisoned" metadata) instead of retrying forever. Nothing is
 // processed without a usable id.

@@ -3,38 +3,26 @@ package middleware
 import (
 	"errors"
 
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// Sentinel errors for messages the middleware refuses. Each is permanent
-// ([IsPermanent] reports true): redelivery cannot fix the message, so route it
-// to a poison topic with watermill's middleware.PoisonQueueWithFilter.
+// Errors of the consumer side. The event-id rules (a missing, malformed, nil,
+// non-v7 or mismatched id) are publisher's: [publisher.ErrMissingEventID],
+// [publisher.ErrInvalidEventID], [publisher.ErrNilEventID],
+// [publisher.ErrNotUUIDv7], [publisher.ErrEventIDMismatch], each inside a
+// *[publisher.EventIDError]. All of these are permanent ([IsPermanent]
+// reports true): redelivery cannot fix the message, so route it to a poison
+// topic with watermill's middleware.PoisonQueueWithFilter.
 var (
-	// ErrMissingEventID: no event_id metadata and no eventId JSON field, or an empty one.
-	ErrMissingEventID = eventid.ErrMissing
-	// ErrInvalidEventID: the id is not a canonical UUID string.
-	ErrInvalidEventID = eventid.ErrInvalid
-	// ErrNilEventID: the id is 00000000-0000-0000-0000-000000000000.
-	ErrNilEventID = eventid.ErrNil
-	// ErrNotUUIDv7: a valid UUID of another version while UUIDv7 is required.
-	ErrNotUUIDv7 = eventid.ErrNotV7
-	// ErrEventIDMismatch: the event_id metadata and the JSON payload field
-	// eventId name different ids. [DefaultEventIDFunc] and the publisher's
-	// stamping refuse to choose; [HeaderFirstEventIDFunc] lets the metadata win.
-	ErrEventIDMismatch = eventid.ErrMismatch
 	// ErrStaleEvent: the UUIDv7 time is older than the dedup retention, so a
 	// dedup row may already be gone and the middleware cannot vouch that the
-	// event was not applied before.
-	ErrStaleEvent = eventid.ErrStale
+	// event was not applied before. The middleware returns it as the Reason
+	// of a *publisher.EventIDError whose Value is the id.
+	ErrStaleEvent = errors.New("event is older than the dedup retention")
 	// ErrMalformedPayload is for handlers: wrap payload decoding failures with
 	// it (or with [Permanent]) so they go to the poison queue.
-	ErrMalformedPayload = eventid.ErrMalformedPayload
+	ErrMalformedPayload = errors.New("malformed payload")
 )
-
-// EventIDError tells why a message's event id was refused; it unwraps to one of
-// the sentinel errors above. Fields: Reason (the sentinel), Source ("metadata",
-// "payload" or "func"), Value (the offending value, truncated), Detail.
-type EventIDError = eventid.Error
 
 // PermanentError marks an error that redelivery cannot fix.
 type PermanentError struct{ Err error }
@@ -53,9 +41,12 @@ func Permanent(err error) error {
 }
 
 // IsPermanent reports whether err means the message can never be processed
-// and belongs in a poison queue rather than being retried: the event-id
-// errors (ErrEventIDMismatch included), ErrStaleEvent, ErrMalformedPayload and anything wrapped by
-// [Permanent]. Use it as the filter of watermill's PoisonQueueWithFilter.
+// and belongs in a poison queue rather than being retried: publisher's
+// event-id sentinels (ErrMissingEventID, ErrInvalidEventID, ErrNilEventID,
+// ErrNotUUIDv7, ErrEventIDMismatch, whether the middleware or
+// publisher.Stamp returned them), [ErrStaleEvent], [ErrMalformedPayload]
+// and anything wrapped by [Permanent]. Use it as the filter of watermill's
+// PoisonQueueWithFilter and to stop Retry.
 func IsPermanent(err error) bool {
 	if err == nil {
 		return false
@@ -64,10 +55,16 @@ func IsPermanent(err error) bool {
 	if errors.As(err, &pe) {
 		return true
 	}
-	for _, s := range []error{ErrMissingEventID, ErrInvalidEventID, ErrNilEventID, ErrNotUUIDv7, ErrEventIDMismatch, ErrStaleEvent, ErrMalformedPayload} {
+	for _, s := range permanentSentinels {
 		if errors.Is(err, s) {
 			return true
 		}
 	}
 	return false
+}
+
+var permanentSentinels = []error{
+	publisher.ErrMissingEventID, publisher.ErrInvalidEventID, publisher.ErrNilEventID,
+	publisher.ErrNotUUIDv7, publisher.ErrEventIDMismatch,
+	ErrStaleEvent, ErrMalformedPayload,
 }

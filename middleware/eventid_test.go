@@ -38,7 +38,7 @@ func withIDs(header, payloadID string) *message.Message {
 // By default a header and a payload id that disagree are refused before any
 // transaction: typed, permanent, the handler not run. Agreeing ids are one
 // event.
-func TestDefaultEventIDFunc_HeaderPayloadMismatchIsRefused(t *testing.T) {
+func TestHeaderPayloadMismatchIsRefusedByDefault(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	var calls atomic.Int32
@@ -47,11 +47,11 @@ func TestDefaultEventIDFunc_HeaderPayloadMismatchIsRefused(t *testing.T) {
 	header, inPayload := publisher.NewEventID(), publisher.NewEventID()
 	f.sql.reset()
 	_, err := h(withIDs(header.String(), inPayload.String()))
-	require.ErrorIs(t, err, idem.ErrEventIDMismatch)
+	require.ErrorIs(t, err, publisher.ErrEventIDMismatch)
 	require.True(t, idem.IsPermanent(err), "routable to the poison queue")
-	var ee *idem.EventIDError
+	var ee *publisher.EventIDError
 	require.ErrorAs(t, err, &ee)
-	require.Equal(t, idem.ErrEventIDMismatch, ee.Reason)
+	require.Equal(t, publisher.ErrEventIDMismatch, ee.Reason)
 	require.Equal(t, "payload", ee.Source)
 	require.Contains(t, err.Error(), header.String())
 	require.Contains(t, err.Error(), inPayload.String())
@@ -59,7 +59,7 @@ func TestDefaultEventIDFunc_HeaderPayloadMismatchIsRefused(t *testing.T) {
 
 	// A payload eventId that cannot be compared with the header is refused too.
 	_, err = h(withIDs(header.String(), "order-42"))
-	require.ErrorIs(t, err, idem.ErrInvalidEventID)
+	require.ErrorIs(t, err, publisher.ErrInvalidEventID)
 	require.ErrorAs(t, err, &ee)
 	require.Equal(t, "payload", ee.Source)
 
@@ -73,13 +73,13 @@ func TestDefaultEventIDFunc_HeaderPayloadMismatchIsRefused(t *testing.T) {
 	require.Zero(t, f.db.Count(t, "SELECT 1 FROM processed_event WHERE event_id = $1", inPayload))
 }
 
-// HeaderFirstEventIDFunc is the opt-out: the header wins, the payload is
+// publisher.EventIDFromMetadataFirst is the opt-out: the header wins, the payload is
 // the fallback only.
-func TestHeaderFirstEventIDFunc(t *testing.T) {
+func TestEventIDFromMetadataFirst(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	var calls atomic.Int32
-	h := f.dedup(t, "billing", func(c *idem.Config) { c.EventIDFunc = idem.HeaderFirstEventIDFunc }).Middleware(f.insertHandler(1, &calls))
+	h := f.dedup(t, "billing", func(c *idem.Config) { c.EventIDFunc = publisher.EventIDFromMetadataFirst }).Middleware(f.insertHandler(1, &calls))
 
 	header, inPayload := publisher.NewEventID(), publisher.NewEventID()
 	_, err := h(withIDs(header.String(), inPayload.String()))
@@ -99,20 +99,20 @@ func TestHeaderFirstEventIDFunc(t *testing.T) {
 	// A malformed header is refused even when the payload has a valid id:
 	// the header is authoritative, never silently replaced.
 	_, err = h(withIDs("garbage", inPayload.String()))
-	require.ErrorIs(t, err, idem.ErrInvalidEventID)
+	require.ErrorIs(t, err, publisher.ErrInvalidEventID)
 	require.EqualValues(t, 2, calls.Load())
 }
 
 func TestIsPermanent_EventIDMismatch(t *testing.T) {
 	t.Parallel()
 	for _, err := range []error{
-		idem.ErrEventIDMismatch,
-		&idem.EventIDError{Reason: idem.ErrEventIDMismatch, Source: "payload"},
-		fmt.Errorf("outbox: %w", &idem.EventIDError{Reason: idem.ErrEventIDMismatch}),
+		publisher.ErrEventIDMismatch,
+		&publisher.EventIDError{Reason: publisher.ErrEventIDMismatch, Source: "payload"},
+		fmt.Errorf("outbox: %w", &publisher.EventIDError{Reason: publisher.ErrEventIDMismatch}),
 	} {
 		require.True(t, idem.IsPermanent(err), "%v", err)
 	}
-	require.False(t, errors.Is(idem.ErrEventIDMismatch, idem.ErrInvalidEventID), "a sentinel of its own")
+	require.False(t, errors.Is(publisher.ErrEventIDMismatch, publisher.ErrInvalidEventID), "a sentinel of its own")
 }
 
 // Over Kafka, wired as documented (PoisonQueueWithFilter(IsPermanent) →
@@ -201,7 +201,7 @@ func TestRouterRoutesEventIDMismatchToPoisonTopic(t *testing.T) {
 	defer mu.Unlock()
 	p, ok := poisoned[mismatch.UUID]
 	require.True(t, ok, "the mismatched message reached the poison topic")
-	require.Contains(t, p.Metadata.Get(wmiddleware.ReasonForPoisonedKey), idem.ErrEventIDMismatch.Error())
+	require.Contains(t, p.Metadata.Get(wmiddleware.ReasonForPoisonedKey), publisher.ErrEventIDMismatch.Error())
 	require.Equal(t, string(mismatch.Payload), string(p.Payload))
 	require.EqualValues(t, 1, attempts.Load(), "the permanent error was not retried")
 	require.EqualValues(t, 1, calls.Load(), "the agreeing copies are one event, applied once")

@@ -161,12 +161,12 @@ func ExampleIsPermanent() {
 
 	noID := message.NewMessage(watermill.NewUUID(), []byte(`{"amount":1}`))
 	_, err = handler(noID)
-	fmt.Println(errors.Is(err, idem.ErrMissingEventID), idem.IsPermanent(err))
+	fmt.Println(errors.Is(err, publisher.ErrMissingEventID), idem.IsPermanent(err))
 
 	v4 := message.NewMessage(watermill.NewUUID(), nil)
 	v4.Metadata.Set(publisher.MetadataEventID, "4f7a3c1e-8b2d-4e6f-9a1b-2c3d4e5f6a7b")
 	_, err = handler(v4)
-	fmt.Println(errors.Is(err, idem.ErrNotUUIDv7), idem.IsPermanent(err))
+	fmt.Println(errors.Is(err, publisher.ErrNotUUIDv7), idem.IsPermanent(err))
 
 	fmt.Println(idem.IsPermanent(idem.Permanent(errors.New("amount must be positive"))))
 	fmt.Println(idem.IsPermanent(fmt.Errorf("decode: %w", idem.ErrMalformedPayload)))

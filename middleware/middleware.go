@@ -14,9 +14,9 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // Dedup is the transactional dedup middleware. Create it with [NewDedup] and
@@ -297,7 +297,7 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 func (d *Dedup) handlerContext(origCtx context.Context, tx pgx.Tx, msg *message.Message, id uuid.UUID) context.Context {
 	return idemctx.With(origCtx, &idemctx.Value{
 		Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
-		CorrelationID: msg.Metadata.Get(eventid.MetadataCorrelationID),
+		CorrelationID: msg.Metadata.Get(publisher.MetadataCorrelationID),
 	})
 }
 
@@ -330,15 +330,15 @@ func (d *Dedup) rollback(ctx context.Context, tx pgx.Tx, fields watermill.LogFie
 func (d *Dedup) eventID(msg *message.Message) (uuid.UUID, error) {
 	id, err := d.cfg.EventIDFunc(msg)
 	if err != nil {
-		var ee *EventIDError
+		var ee *publisher.EventIDError
 		if !errors.As(err, &ee) && !IsPermanent(err) {
 			// A custom EventIDFunc's own error: keep it, but make it routable.
-			err = &EventIDError{Reason: ErrInvalidEventID, Source: "func", Detail: err.Error()}
+			err = &publisher.EventIDError{Reason: publisher.ErrInvalidEventID, Source: "func", Detail: err.Error()}
 		}
 		return uuid.Nil, err
 	}
-	if err := eventid.Validate(id, d.cfg.AllowNonV7); err != nil {
-		return uuid.Nil, &EventIDError{Reason: err, Value: id.String()}
+	if err := publisher.ValidateEventID(id, d.cfg.AllowNonV7); err != nil {
+		return uuid.Nil, err
 	}
 	return id, nil
 }
@@ -349,7 +349,7 @@ func (d *Dedup) eventID(msg *message.Message) (uuid.UUID, error) {
 // Cleaner's highest cutoff, for a group old enough to have lost claims. A
 // group first seen less than that long ago has lost none, so it drains an
 // old backlog normally. A stale event is refused with a permanent
-// *EventIDError; an error re-reading the retention is returned as retry (the
+// *publisher.EventIDError; an error re-reading the retention is returned as retry (the
 // message is retried).
 func (d *Dedup) staleGuard(ctx context.Context, id uuid.UUID) (refused, retry error) {
 	h, err := d.currentHorizon(ctx)
@@ -367,7 +367,7 @@ func (d *Dedup) staleGuard(ctx context.Context, id uuid.UUID) (refused, retry er
 	if !h.CleanedBefore.IsZero() {
 		cleaned = h.CleanedBefore.UTC().Format(time.RFC3339)
 	}
-	return &EventIDError{Reason: ErrStaleEvent, Value: id.String(),
+	return &publisher.EventIDError{Reason: ErrStaleEvent, Value: id.String(),
 		Detail: fmt.Sprintf("created %s, before %s (retention %s minus margin %s) or the cleanup horizon (%s), and consumer group first seen %s: its claim may have been cleaned",
 			created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), h.Retention, d.cfg.StaleMargin, cleaned, firstSeen(h.GroupFirstSeen))}, nil
 }

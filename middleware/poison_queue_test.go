@@ -76,10 +76,10 @@ func TestRouterRoutesRefusedMessagesToPoisonTopic(t *testing.T) {
 		return m
 	}
 	badMsgs := []*message.Message{
-		addBad("", "amount=1", idem.ErrMissingEventID.Error()),
-		addBad("garbage", `{"amount":1}`, idem.ErrInvalidEventID.Error()),
-		addBad(uuid.Nil.String(), `{"amount":1}`, idem.ErrNilEventID.Error()),
-		addBad(uuid.NewString(), `{"amount":1}`, idem.ErrNotUUIDv7.Error()),
+		addBad("", "amount=1", publisher.ErrMissingEventID.Error()),
+		addBad("garbage", `{"amount":1}`, publisher.ErrInvalidEventID.Error()),
+		addBad(uuid.Nil.String(), `{"amount":1}`, publisher.ErrNilEventID.Error()),
+		addBad(uuid.NewString(), `{"amount":1}`, publisher.ErrNotUUIDv7.Error()),
 		addBad(poisonV7At(time.Now().Add(-30*24*time.Hour)).String(), `{"amount":1}`, idem.ErrStaleEvent.Error()),
 		addBad(publisher.NewEventID().String(), `{"amount":"lots"}`, idem.ErrMalformedPayload.Error()),
 	}

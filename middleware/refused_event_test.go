@@ -33,22 +33,22 @@ func TestRefusedEventIDs(t *testing.T) {
 		reason   error
 		source   string
 	}{
-		{"no metadata, empty payload", nil, "", idem.ErrMissingEventID, "payload"},
-		{"no metadata, payload not JSON", nil, "amount=1", idem.ErrMissingEventID, "payload"},
-		{"no metadata, JSON without eventId", nil, `{"amount":1}`, idem.ErrMissingEventID, "payload"},
-		{"empty metadata", map[string]string{"event_id": ""}, `{"amount":1}`, idem.ErrMissingEventID, "metadata"},
-		{"malformed metadata", map[string]string{"event_id": "not-a-uuid"}, "", idem.ErrInvalidEventID, "metadata"},
-		{"braces", map[string]string{"event_id": "{" + publisher.NewEventID().String() + "}"}, "", idem.ErrInvalidEventID, "metadata"},
-		{"urn prefix", map[string]string{"event_id": "urn:uuid:" + publisher.NewEventID().String()}, "", idem.ErrInvalidEventID, "metadata"},
-		{"no hyphens", map[string]string{"event_id": fmt.Sprintf("%x", publisher.NewEventID())}, "", idem.ErrInvalidEventID, "metadata"},
-		{"surrounding space", map[string]string{"event_id": " " + publisher.NewEventID().String()[1:]}, "", idem.ErrInvalidEventID, "metadata"},
-		{"nil UUID", map[string]string{"event_id": uuid.Nil.String()}, "", idem.ErrNilEventID, ""},
-		{"UUIDv4", map[string]string{"event_id": v4.String()}, "", idem.ErrNotUUIDv7, ""},
-		{"payload eventId not a string", nil, `{"eventId":42}`, idem.ErrInvalidEventID, "payload"},
-		{"payload eventId empty", nil, `{"eventId":""}`, idem.ErrMissingEventID, "payload"},
-		{"payload eventId malformed", nil, `{"eventId":"nope"}`, idem.ErrInvalidEventID, "payload"},
-		{"payload eventId nil UUID", nil, `{"eventId":"` + uuid.Nil.String() + `"}`, idem.ErrNilEventID, ""},
-		{"payload eventId v4", nil, `{"eventId":"` + v4.String() + `"}`, idem.ErrNotUUIDv7, ""},
+		{"no metadata, empty payload", nil, "", publisher.ErrMissingEventID, "payload"},
+		{"no metadata, payload not JSON", nil, "amount=1", publisher.ErrMissingEventID, "payload"},
+		{"no metadata, JSON without eventId", nil, `{"amount":1}`, publisher.ErrMissingEventID, "payload"},
+		{"empty metadata", map[string]string{"event_id": ""}, `{"amount":1}`, publisher.ErrMissingEventID, "metadata"},
+		{"malformed metadata", map[string]string{"event_id": "not-a-uuid"}, "", publisher.ErrInvalidEventID, "metadata"},
+		{"braces", map[string]string{"event_id": "{" + publisher.NewEventID().String() + "}"}, "", publisher.ErrInvalidEventID, "metadata"},
+		{"urn prefix", map[string]string{"event_id": "urn:uuid:" + publisher.NewEventID().String()}, "", publisher.ErrInvalidEventID, "metadata"},
+		{"no hyphens", map[string]string{"event_id": fmt.Sprintf("%x", publisher.NewEventID())}, "", publisher.ErrInvalidEventID, "metadata"},
+		{"surrounding space", map[string]string{"event_id": " " + publisher.NewEventID().String()[1:]}, "", publisher.ErrInvalidEventID, "metadata"},
+		{"nil UUID", map[string]string{"event_id": uuid.Nil.String()}, "", publisher.ErrNilEventID, ""},
+		{"UUIDv4", map[string]string{"event_id": v4.String()}, "", publisher.ErrNotUUIDv7, ""},
+		{"payload eventId not a string", nil, `{"eventId":42}`, publisher.ErrInvalidEventID, "payload"},
+		{"payload eventId empty", nil, `{"eventId":""}`, publisher.ErrMissingEventID, "payload"},
+		{"payload eventId malformed", nil, `{"eventId":"nope"}`, publisher.ErrInvalidEventID, "payload"},
+		{"payload eventId nil UUID", nil, `{"eventId":"` + uuid.Nil.String() + `"}`, publisher.ErrNilEventID, ""},
+		{"payload eventId v4", nil, `{"eventId":"` + v4.String() + `"}`, publisher.ErrNotUUIDv7, ""},
 	}
 	var calls atomic.Int32
 	h := d.Middleware(f.insertHandler(1, &calls))
@@ -61,7 +61,7 @@ func TestRefusedEventIDs(t *testing.T) {
 		_, err := h(m)
 		require.ErrorIs(t, err, tc.reason, tc.name)
 		require.True(t, idem.IsPermanent(err), "%s: refusals go to the poison queue", tc.name)
-		var ee *idem.EventIDError
+		var ee *publisher.EventIDError
 		require.ErrorAs(t, err, &ee, tc.name)
 		require.Equal(t, tc.reason, ee.Reason, tc.name)
 		if tc.source != "" {
@@ -87,7 +87,7 @@ func TestAllowNonV7AcceptsOtherVersions(t *testing.T) {
 		require.NoError(t, err)
 	}
 	_, err := h(f.msg(uuid.Nil))
-	require.ErrorIs(t, err, idem.ErrNilEventID, "the nil UUID stays refused")
+	require.ErrorIs(t, err, publisher.ErrNilEventID, "the nil UUID stays refused")
 
 	require.EqualValues(t, 1, calls.Load())
 	require.Equal(t, 1, f.db.Count(t, "SELECT 1 FROM processed_event WHERE event_id = $1", v4))
@@ -110,20 +110,20 @@ func TestEventIDFromJSONPayloadWhenNoMetadata(t *testing.T) {
 	require.Equal(t, 1, f.db.Count(t, "SELECT 1 FROM ledger WHERE event_id = $1", id))
 }
 
-func TestMetadataEventIDFuncIgnoresPayload(t *testing.T) {
+func TestEventIDFromMetadataIgnoresPayload(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	var calls atomic.Int32
-	h := f.dedup(t, "billing", func(c *idem.Config) { c.EventIDFunc = idem.MetadataEventIDFunc }).Middleware(f.insertHandler(1, &calls))
+	h := f.dedup(t, "billing", func(c *idem.Config) { c.EventIDFunc = publisher.EventIDFromMetadata }).Middleware(f.insertHandler(1, &calls))
 
 	_, err := h(message.NewMessage(uuid.NewString(), []byte(`{"eventId":"`+publisher.NewEventID().String()+`"}`)))
-	require.ErrorIs(t, err, idem.ErrMissingEventID)
+	require.ErrorIs(t, err, publisher.ErrMissingEventID)
 	require.True(t, idem.IsPermanent(err))
 	require.Zero(t, calls.Load())
 }
 
-// A custom EventIDFunc's plain error is made routable: it becomes an
-// EventIDError (ErrInvalidEventID, source "func") that keeps the message.
+// A custom EventIDFunc's plain error is made routable: it becomes a
+// *publisher.EventIDError (ErrInvalidEventID, source "func") that keeps the message.
 func TestCustomEventIDFuncErrorIsPermanent(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
@@ -133,9 +133,9 @@ func TestCustomEventIDFuncErrorIsPermanent(t *testing.T) {
 	}).Middleware(f.insertHandler(1, &calls))
 
 	_, err := h(f.msg(publisher.NewEventID()))
-	require.ErrorIs(t, err, idem.ErrInvalidEventID)
+	require.ErrorIs(t, err, publisher.ErrInvalidEventID)
 	require.True(t, idem.IsPermanent(err))
-	var ee *idem.EventIDError
+	var ee *publisher.EventIDError
 	require.ErrorAs(t, err, &ee)
 	require.Equal(t, "func", ee.Source)
 	require.Contains(t, err.Error(), "no order number")
@@ -145,12 +145,12 @@ func TestCustomEventIDFuncErrorIsPermanent(t *testing.T) {
 func TestIsPermanent(t *testing.T) {
 	t.Parallel()
 	for _, err := range []error{
-		idem.ErrMissingEventID, idem.ErrInvalidEventID, idem.ErrNilEventID, idem.ErrNotUUIDv7,
-		idem.ErrStaleEvent, idem.ErrMalformedPayload,
+		publisher.ErrMissingEventID, publisher.ErrInvalidEventID, publisher.ErrNilEventID, publisher.ErrNotUUIDv7,
+		publisher.ErrEventIDMismatch, idem.ErrStaleEvent, idem.ErrMalformedPayload,
 		fmt.Errorf("decode order: %w", idem.ErrMalformedPayload),
 		idem.Permanent(errors.New("amount must be positive")),
 		fmt.Errorf("wrapped twice: %w", idem.Permanent(errors.New("x"))),
-		&idem.EventIDError{Reason: idem.ErrNotUUIDv7},
+		&publisher.EventIDError{Reason: publisher.ErrNotUUIDv7},
 	} {
 		require.True(t, idem.IsPermanent(err), "%v", err)
 	}

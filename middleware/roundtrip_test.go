@@ -14,10 +14,10 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 	"github.com/idemkit/watermill-idempotency/internal/rtcount"
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // rtFixture is a one-connection pool whose round trips are counted at the
@@ -66,7 +66,7 @@ func (f *rtFixture) handle(t *testing.T, id uuid.UUID) (roundTrips int64, ran bo
 		return nil, err
 	})
 	msg := message.NewMessage(id.String(), []byte(`{}`))
-	msg.Metadata.Set(eventid.MetadataEventID, id.String())
+	msg.Metadata.Set(publisher.MetadataEventID, id.String())
 	f.rt.Reset()
 	_, err := h(msg)
 	require.NoError(t, err)
@@ -181,7 +181,7 @@ func TestRoundTrips_Conn(t *testing.T) {
 			return nil, err
 		})
 		msg := message.NewMessage(id.String(), nil)
-		msg.Metadata.Set(eventid.MetadataEventID, id.String())
+		msg.Metadata.Set(publisher.MetadataEventID, id.String())
 		rt.Reset()
 		_, err := h(msg)
 		require.NoError(t, err)
@@ -215,7 +215,7 @@ func TestBeginClaimErrorReleasesConn(t *testing.T) {
 	require.NoError(t, err)
 	id := uuid.Must(uuid.NewV7())
 	msg := message.NewMessage(id.String(), nil)
-	msg.Metadata.Set(eventid.MetadataEventID, id.String())
+	msg.Metadata.Set(publisher.MetadataEventID, id.String())
 	_, err = d.Middleware(func(*message.Message) ([]*message.Message, error) {
 		t.Fatal("handler must not run")
 		return nil, nil

@@ -19,9 +19,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // staleIDAt returns a UUIDv7 whose timestamp is t (random bits random).
@@ -63,7 +63,7 @@ func (f *staleFixture) handler(t *testing.T, cfg idem.Config, logger watermill.L
 
 func staleMsg(id uuid.UUID) *message.Message {
 	m := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
-	m.Metadata.Set(eventid.MetadataEventID, id.String())
+	m.Metadata.Set(publisher.MetadataEventID, id.String())
 	return m
 }
 
@@ -96,7 +96,7 @@ func TestStaleGuardRefusesOnlyBeyondRetentionMinusMargin(t *testing.T) {
 		}
 		require.ErrorIs(t, err, idem.ErrStaleEvent, tc.name)
 		require.True(t, idem.IsPermanent(err), tc.name)
-		var ee *idem.EventIDError
+		var ee *publisher.EventIDError
 		require.True(t, errors.As(err, &ee), tc.name)
 		require.Equal(t, id.String(), ee.Value)
 		require.Equal(t, before, f.calls.Load(), "%s: handler must not run", tc.name)
@@ -186,7 +186,7 @@ func (l *staleLogCapture) Info(msg string, _ watermill.LogFields) {
 }
 func (l *staleLogCapture) With(watermill.LogFields) watermill.LoggerAdapter { return l }
 
-func TestReplayHorizonLongerThanRetentionWarns(t *testing.T) {
+func TestReplayHorizonLongerThanRetentionIsLogged(t *testing.T) {
 	t.Parallel()
 	f := newStaleFixture(t, deduplicator.LayoutPlain)
 	warn := &staleLogCapture{}

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"sync/atomic"
 	"time"
+
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // Stats are the middleware's cumulative counters since [NewDedup]. Read them
@@ -66,13 +68,13 @@ func rejectReason(err error) string {
 	switch {
 	case errors.Is(err, ErrStaleEvent):
 		return reasonStale
-	case errors.Is(err, ErrNotUUIDv7):
+	case errors.Is(err, publisher.ErrNotUUIDv7):
 		return reasonNotV7
-	case errors.Is(err, ErrNilEventID):
+	case errors.Is(err, publisher.ErrNilEventID):
 		return reasonNil
-	case errors.Is(err, ErrMissingEventID):
+	case errors.Is(err, publisher.ErrMissingEventID):
 		return reasonMissing
-	case errors.Is(err, ErrEventIDMismatch):
+	case errors.Is(err, publisher.ErrEventIDMismatch):
 		return reasonMismatch
 	default:
 		return reasonInvalid

@@ -133,7 +133,7 @@ func TestTracing_RejectedAndFailedOutcomes(t *testing.T) {
 	bad := message.NewMessage(uuid.NewString(), []byte(`{}`))
 	bad.Metadata.Set(publisher.MetadataEventID, uuid.NewString()) // a v4
 	_, err := h(bad)
-	require.ErrorIs(t, err, idem.ErrNotUUIDv7)
+	require.ErrorIs(t, err, publisher.ErrNotUUIDv7)
 	_, err = h(f.msg(publisher.NewEventID()))
 	require.ErrorIs(t, err, boom)
 

@@ -109,9 +109,9 @@ func TestOutbox_BadPayloadEventIDWritesNothing(t *testing.T) {
 		bad  func() *message.Message
 		want error
 	}{
-		{"payload eventId not a UUIDv7", notV7, idem.ErrNotUUIDv7},
-		{"payload eventId malformed", malformed, idem.ErrInvalidEventID},
-		{"header and payload disagree", mismatch, idem.ErrEventIDMismatch},
+		{"payload eventId not a UUIDv7", notV7, publisher.ErrNotUUIDv7},
+		{"payload eventId malformed", malformed, publisher.ErrInvalidEventID},
+		{"header and payload disagree", mismatch, publisher.ErrEventIDMismatch},
 	}
 	paths := map[string]func(*message.Message, *message.Message) error{
 		"Publisher(tx)": func(m1, m2 *message.Message) error {
@@ -138,7 +138,7 @@ func TestOutbox_BadPayloadEventIDWritesNothing(t *testing.T) {
 			err := publish(good(), c.bad())
 			require.ErrorIs(t, err, c.want, "%s via %s", c.name, path)
 			require.True(t, idem.IsPermanent(err), "%s via %s", c.name, path)
-			var se *publisher.StampError
+			var se *publisher.EventIDError
 			require.ErrorAs(t, err, &se, "%s via %s", c.name, path)
 			require.Zero(t, e.db.Count(t, `SELECT 1 FROM `+table), "%s via %s: no row", c.name, path)
 		}

@@ -83,7 +83,7 @@ func TestInvalidEventIDWritesNothing(t *testing.T) {
 	bad := event("a", 1)
 	bad.Metadata.Set(publisher.MetadataEventID, "not-a-uuid")
 	err := e.outbox.PoolPublisher(e.db.Pool).Publish("orders", good, bad)
-	require.ErrorIs(t, err, idem.ErrInvalidEventID)
+	require.ErrorIs(t, err, publisher.ErrInvalidEventID)
 	require.True(t, idem.IsPermanent(err))
 	require.Zero(t, e.db.Count(t, `SELECT 1 FROM `+e.outbox.MessagesTable("orders")))
 }

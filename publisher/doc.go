@@ -1,7 +1,26 @@
-// Package publisher is the producer half of the event-id contract: it stamps
-// every outgoing event with a UUIDv7 event id and the metadata consumers rely
-// on, and it builds Kafka (Sarama / watermill-kafka) configs that produce and
-// consume safely.
+// Package publisher holds the event-id contract between producers and the
+// dedup middleware: the metadata names, the rules an event id must follow and
+// the errors that say which one it broke. It stamps every outgoing event with
+// a UUIDv7 event id and the metadata consumers rely on, it reads the id back
+// on the consumer side, and it builds Kafka (Sarama / watermill-kafka)
+// configs that produce and consume safely.
+//
+// # Event ids
+//
+// An event id is a non-nil UUIDv7 in canonical form (36 characters,
+// hyphenated, either case), carried in the metadata key event_id
+// ([MetadataEventID], a Kafka header) and, for producers outside this
+// library, in the top-level JSON payload field eventId
+// ([PayloadEventIDField]). [ParseEventID] parses one string;
+// [EventIDFromMessage] reads a message (header and payload must agree when
+// both are present), [EventIDFromMetadataFirst] lets the header win,
+// [EventIDFromMetadata] reads the header only, [PayloadEventID] the payload
+// only; [ValidateEventID] checks a parsed id. The EventIDFrom* functions are
+// ready-made values for the middleware's Config.EventIDFunc. Every refusal
+// is an *[EventIDError] whose Reason is one of [ErrMissingEventID],
+// [ErrInvalidEventID], [ErrNilEventID], [ErrNotUUIDv7] or
+// [ErrEventIDMismatch]; the middleware's IsPermanent treats them all as
+// permanent.
 //
 // # Stamping
 //
@@ -11,7 +30,7 @@
 // generate a new UUIDv7 ([NewEventID]). It never overwrites the caller's
 // msg.UUID and never replaces an existing invalid event_id; a payload eventId
 // that is not a UUIDv7 or that differs from the event_id metadata is refused
-// too (each a *[StampError], permanent for the middleware). It also writes
+// too (each an *[EventIDError]). It also writes
 // occurred_at (RFC 3339) and, inside a handler wrapped by the dedup
 // middleware, causation_id (the incoming event id) and correlation_id
 // (carried through the chain). [WithPartitionKey] sets the aggregate id that

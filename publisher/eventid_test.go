@@ -35,13 +35,13 @@ func TestParseEventID(t *testing.T) {
 	require.Equal(t, id, got)
 
 	for s, want := range map[string]error{
-		"":                                  idem.ErrInvalidEventID,
-		"nope":                              idem.ErrInvalidEventID,
-		"{" + id.String() + "}":             idem.ErrInvalidEventID,
-		"urn:uuid:" + id.String():           idem.ErrInvalidEventID,
-		uuid.Nil.String():                   idem.ErrNilEventID,
-		uuid.NewString():                    idem.ErrNotUUIDv7,
-		uuid.NewMD5(uuid.Nil, nil).String(): idem.ErrNotUUIDv7,
+		"":                                  publisher.ErrInvalidEventID,
+		"nope":                              publisher.ErrInvalidEventID,
+		"{" + id.String() + "}":             publisher.ErrInvalidEventID,
+		"urn:uuid:" + id.String():           publisher.ErrInvalidEventID,
+		uuid.Nil.String():                   publisher.ErrNilEventID,
+		uuid.NewString():                    publisher.ErrNotUUIDv7,
+		uuid.NewMD5(uuid.Nil, nil).String(): publisher.ErrNotUUIDv7,
 	} {
 		_, err := publisher.ParseEventID(s)
 		require.ErrorIs(t, err, want, "%q", s)

@@ -7,23 +7,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 )
-
-// StampError is returned by [Stamp] for a message whose event id cannot be
-// settled: an unusable existing event_id metadata, an unusable eventId in
-// the JSON payload, or the two naming different ids. It is the same type as
-// the middleware's EventIDError and unwraps to one of its sentinels
-// (ErrInvalidEventID, ErrNilEventID, ErrNotUUIDv7, ErrEventIDMismatch), so
-// middleware.IsPermanent reports true.
-type StampError = eventid.Error
 
 // Stamp gives msg the metadata every event must carry, following the
 // stamping rule, and returns its event id:
 //
 //   - event_id: an existing valid UUIDv7 is kept; an existing but invalid,
-//     nil or non-v7 value is an error (*StampError), never silently
+//     nil or non-v7 value is an error (*[EventIDError]), never silently
 //     replaced, because another copy of the same event may already be out
 //     with it. Otherwise a UUIDv7 in the payload's top-level JSON field
 //     eventId is copied (the event's own id: publishing the same payload
@@ -43,8 +34,10 @@ type StampError = eventid.Error
 //     the incoming event id when that message had none (it started the
 //     chain).
 //
-// On error msg is left unchanged (apart from a nil Metadata becoming
-// empty). Stamp is idempotent: stamping a stamped message changes nothing.
+// An error is an *[EventIDError] wrapping ErrInvalidEventID, ErrNilEventID,
+// ErrNotUUIDv7 or ErrEventIDMismatch (all permanent for the middleware's
+// IsPermanent), and msg is then left unchanged (apart from a nil Metadata
+// becoming empty). Stamp is idempotent: stamping a stamped message changes nothing.
 func Stamp(ctx context.Context, msg *message.Message) (uuid.UUID, error) {
 	if msg.Metadata == nil {
 		msg.Metadata = message.Metadata{}
@@ -77,50 +70,43 @@ func Stamp(ctx context.Context, msg *message.Message) (uuid.UUID, error) {
 func stampEventID(msg *message.Message) (uuid.UUID, error) {
 	var header uuid.UUID
 	if v := msg.Metadata.Get(MetadataEventID); v != "" {
-		id, err := eventid.Parse(v)
+		id, err := parseCanonical(v)
 		if err == nil {
-			err = eventid.Validate(id, false)
+			err = validate(id, false)
 		}
 		if err != nil {
-			return uuid.Nil, &StampError{Reason: err, Source: "metadata", Value: truncate(v),
+			return uuid.Nil, &EventIDError{Reason: err, Source: "metadata", Value: truncate(v),
 				Detail: "message " + truncate(msg.UUID) + " already has an event_id that is not a valid UUIDv7; Stamp does not replace it"}
 		}
 		header = id
 	}
-	payload, inPayload, err := eventid.PayloadID(msg.Payload)
+	payload, st, err := payloadEventID(msg.Payload)
 	if err != nil {
 		return uuid.Nil, err
 	}
+	inPayload := st == payloadFound
 	if inPayload {
-		if err := eventid.Validate(payload, false); err != nil {
-			return uuid.Nil, &StampError{Reason: err, Source: "payload", Value: payload.String(),
+		if err := validate(payload, false); err != nil {
+			return uuid.Nil, &EventIDError{Reason: err, Source: "payload", Value: payload.String(),
 				Detail: "the payload's eventId must be a UUIDv7"}
 		}
 	}
 	switch {
 	case header != uuid.Nil && inPayload && header != payload:
-		return uuid.Nil, eventid.MismatchError(header, payload)
+		return uuid.Nil, mismatchError(header, payload)
 	case header != uuid.Nil:
 		return header, nil
 	case inPayload:
 		msg.Metadata.Set(MetadataEventID, payload.String())
 		return payload, nil
 	}
-	if id, err := eventid.Parse(msg.UUID); err == nil && eventid.Validate(id, false) == nil {
+	if id, err := parseCanonical(msg.UUID); err == nil && validate(id, false) == nil {
 		msg.Metadata.Set(MetadataEventID, id.String())
 		return id, nil
 	}
 	id := NewEventID()
 	msg.Metadata.Set(MetadataEventID, id.String())
 	return id, nil
-}
-
-func truncate(s string) string {
-	const max = 64
-	if len(s) > max {
-		return s[:max] + "…"
-	}
-	return s
 }
 
 // WithPartitionKey sets the partition_key metadata to aggregateID and returns

@@ -71,8 +71,8 @@ func TestStamp_HeaderAndPayloadEventIDMustAgree(t *testing.T) {
 	msg = message.NewMessage(watermill.NewUUID(), payloadWithID(y.String()))
 	msg.Metadata.Set(publisher.MetadataEventID, x.String())
 	_, err = publisher.Stamp(context.Background(), msg)
-	require.ErrorIs(t, err, idem.ErrEventIDMismatch)
-	var se *publisher.StampError
+	require.ErrorIs(t, err, publisher.ErrEventIDMismatch)
+	var se *publisher.EventIDError
 	require.ErrorAs(t, err, &se)
 	require.Equal(t, "payload", se.Source)
 	require.True(t, idem.IsPermanent(err))
@@ -92,12 +92,12 @@ func TestStamp_InvalidPayloadEventIDIsAnError(t *testing.T) {
 		payload string
 		want    error
 	}{
-		{"not a UUID", `{"eventId":"order-42"}`, idem.ErrInvalidEventID},
-		{"braces", `{"eventId":"{` + v7 + `}"}`, idem.ErrInvalidEventID},
-		{"a number", `{"eventId":42}`, idem.ErrInvalidEventID},
-		{"twice", `{"eventId":"` + v7 + `","eventId":"` + publisher.NewEventID().String() + `"}`, idem.ErrInvalidEventID},
-		{"nil UUID", `{"eventId":"` + uuid.Nil.String() + `"}`, idem.ErrNilEventID},
-		{"UUIDv4", `{"eventId":"` + uuid.NewString() + `"}`, idem.ErrNotUUIDv7},
+		{"not a UUID", `{"eventId":"order-42"}`, publisher.ErrInvalidEventID},
+		{"braces", `{"eventId":"{` + v7 + `}"}`, publisher.ErrInvalidEventID},
+		{"a number", `{"eventId":42}`, publisher.ErrInvalidEventID},
+		{"twice", `{"eventId":"` + v7 + `","eventId":"` + publisher.NewEventID().String() + `"}`, publisher.ErrInvalidEventID},
+		{"nil UUID", `{"eventId":"` + uuid.Nil.String() + `"}`, publisher.ErrNilEventID},
+		{"UUIDv4", `{"eventId":"` + uuid.NewString() + `"}`, publisher.ErrNotUUIDv7},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -105,7 +105,7 @@ func TestStamp_InvalidPayloadEventIDIsAnError(t *testing.T) {
 			msg := message.NewMessage(publisher.NewEventID().String(), []byte(c.payload))
 			_, err := publisher.Stamp(context.Background(), msg)
 			require.ErrorIs(t, err, c.want)
-			var se *publisher.StampError
+			var se *publisher.EventIDError
 			require.True(t, errors.As(err, &se))
 			require.Equal(t, "payload", se.Source)
 			require.True(t, idem.IsPermanent(err))
@@ -163,7 +163,7 @@ func TestStampingPublisher_PayloadEventID(t *testing.T) {
 	bad := message.NewMessage(watermill.NewUUID(), payloadWithID(publisher.NewEventID().String()))
 	bad.Metadata.Set(publisher.MetadataEventID, x.String())
 	err := p.Publish("topic", good, bad)
-	require.ErrorIs(t, err, idem.ErrEventIDMismatch)
-	require.Equal(t, 1, strings.Count(err.Error(), idem.ErrEventIDMismatch.Error()), "the reason is stated once: %s", err)
+	require.ErrorIs(t, err, publisher.ErrEventIDMismatch)
+	require.Equal(t, 1, strings.Count(err.Error(), publisher.ErrEventIDMismatch.Error()), "the reason is stated once: %s", err)
 	require.Len(t, next.got, 2, "nothing of a batch with a bad message is published")
 }

@@ -80,10 +80,10 @@ func TestStamp_InvalidExistingEventIDIsAnError(t *testing.T) {
 		value string
 		want  error
 	}{
-		{"not-a-uuid", idem.ErrInvalidEventID},
-		{"{" + publisher.NewEventID().String() + "}", idem.ErrInvalidEventID},
-		{uuid.Nil.String(), idem.ErrNilEventID},
-		{uuid.NewString(), idem.ErrNotUUIDv7}, // v4
+		{"not-a-uuid", publisher.ErrInvalidEventID},
+		{"{" + publisher.NewEventID().String() + "}", publisher.ErrInvalidEventID},
+		{uuid.Nil.String(), publisher.ErrNilEventID},
+		{uuid.NewString(), publisher.ErrNotUUIDv7}, // v4
 	}
 	for _, c := range cases {
 		t.Run(c.value, func(t *testing.T) {
@@ -92,11 +92,10 @@ func TestStamp_InvalidExistingEventIDIsAnError(t *testing.T) {
 			msg.Metadata.Set(publisher.MetadataEventID, c.value)
 			_, err := publisher.Stamp(context.Background(), msg)
 			require.ErrorIs(t, err, c.want)
-			var se *publisher.StampError
+			var se *publisher.EventIDError
 			require.True(t, errors.As(err, &se))
-			var ee *idem.EventIDError
-			require.True(t, errors.As(err, &ee), "same type as the middleware's EventIDError")
-			require.True(t, idem.IsPermanent(err))
+			require.Equal(t, "metadata", se.Source)
+			require.True(t, idem.IsPermanent(err), "the middleware recognises publisher's sentinels")
 			require.Equal(t, c.value, msg.Metadata.Get(publisher.MetadataEventID), "never silently replaced")
 		})
 	}
@@ -185,7 +184,7 @@ func TestStampingPublisher(t *testing.T) {
 	bad := message.NewMessage(watermill.NewUUID(), nil)
 	bad.Metadata.Set(publisher.MetadataEventID, "nope")
 	err = p.Publish("topic", good, bad)
-	require.ErrorIs(t, err, idem.ErrInvalidEventID)
+	require.ErrorIs(t, err, publisher.ErrInvalidEventID)
 	require.Len(t, next.got, 1, "nothing of a batch with a bad message is published")
 
 	require.NoError(t, p.Close())
@@ -212,7 +211,7 @@ func ExampleStamp() {
 	bad := message.NewMessage(watermill.NewUUID(), nil)
 	bad.Metadata.Set(publisher.MetadataEventID, "12345")
 	_, err = publisher.Stamp(context.Background(), bad)
-	fmt.Println("invalid event_id refused:", errors.Is(err, idem.ErrInvalidEventID))
+	fmt.Println("invalid event_id refused:", errors.Is(err, publisher.ErrInvalidEventID))
 	// Output:
 	// event id reused from msg.UUID: true
 	// version: VERSION_7

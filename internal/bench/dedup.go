@@ -16,11 +16,11 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/rtcount"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 func init() {
@@ -110,7 +110,7 @@ func newEventMessage(ctx context.Context) (*message.Message, uuid.UUID) {
 
 func eventMessage(ctx context.Context, id uuid.UUID) *message.Message {
 	msg := message.NewMessage(id.String(), []byte(`{"amount":42}`))
-	msg.Metadata.Set(eventid.MetadataEventID, id.String())
+	msg.Metadata.Set(publisher.MetadataEventID, id.String())
 	msg.SetContext(ctx)
 	return msg
 }

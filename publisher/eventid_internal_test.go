@@ -1,21 +1,20 @@
-package eventid_test
+package publisher
 
 import (
 	"errors"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
-
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
 )
 
-var sentinels = []error{eventid.ErrMissing, eventid.ErrInvalid, eventid.ErrNil, eventid.ErrNotV7, eventid.ErrMismatch}
+var sentinels = []error{ErrMissingEventID, ErrInvalidEventID, ErrNilEventID, ErrNotUUIDv7, ErrEventIDMismatch}
 
 // FuzzEventID proves that extraction and validation never panic and always
-// end in either a usable id or an *eventid.Error wrapping a sentinel; `go
+// end in either a usable id or an *EventIDError wrapping a sentinel; `go
 // test` runs the seed corpus, `go test -fuzz FuzzEventID` explores further.
 func FuzzEventID(f *testing.F) {
 	v7 := uuid.Must(uuid.NewV7()).String()
@@ -56,10 +55,10 @@ func FuzzEventID(f *testing.F) {
 	f.Fuzz(func(t *testing.T, header string, hasHeader bool, payload []byte) {
 		m := message.NewMessage("m", payload)
 		if hasHeader {
-			m.Metadata.Set(eventid.MetadataEventID, header)
+			m.Metadata.Set(MetadataEventID, header)
 		}
-		id, err := eventid.FromMessage(m)
-		hid, herr := eventid.FromMessageHeaderFirst(m)
+		id, err := EventIDFromMessage(m)
+		hid, herr := EventIDFromMetadataFirst(m)
 		if err == nil {
 			// Header first is the lenient reading: it agrees whenever the
 			// strict one accepts.
@@ -69,9 +68,16 @@ func FuzzEventID(f *testing.F) {
 		if herr != nil {
 			require.Error(t, err, "header first refuses only what the strict reading refuses too")
 		}
+		if mid, merr := EventIDFromMetadata(m); hasHeader {
+			// With a header, metadata only and header first are one reading.
+			require.Equal(t, herr, merr)
+			require.Equal(t, hid, mid)
+		} else {
+			require.ErrorIs(t, merr, ErrMissingEventID)
+		}
 		if err != nil {
 			require.Equal(t, uuid.Nil, id)
-			var e *eventid.Error
+			var e *EventIDError
 			require.ErrorAs(t, err, &e)
 			require.True(t, isSentinel(e.Reason), "reason %v is not a sentinel", e.Reason)
 			require.LessOrEqual(t, len(e.Value), 64+len("…"), "offending values are truncated")
@@ -81,18 +87,18 @@ func FuzzEventID(f *testing.F) {
 		// A parsed id round-trips to the canonical form of its source, and a
 		// payload id next to a header names the same UUID.
 		src := header
-		if pid, found, perr := eventid.PayloadID(payload); hasHeader && perr == nil && found {
+		if pid, found, perr := payloadID(payload); hasHeader && perr == nil && found {
 			require.Equal(t, id, pid)
 		}
 		if !hasHeader {
-			got, perr := eventid.FromPayload(payload)
+			got, perr := PayloadEventID(payload)
 			require.NoError(t, perr)
 			require.Equal(t, id, got)
 			return
 		}
 		require.Len(t, src, 36)
 		require.True(t, strings.EqualFold(id.String(), src))
-		if verr := eventid.Validate(id, false); verr != nil {
+		if verr := ValidateEventID(id, false); verr != nil {
 			require.True(t, isSentinel(verr))
 		}
 	})
@@ -110,39 +116,72 @@ func isSentinel(err error) bool {
 func TestParseIsStrict(t *testing.T) {
 	t.Parallel()
 	v7 := uuid.Must(uuid.NewV7())
-	got, err := eventid.Parse(v7.String())
+	got, err := parseCanonical(v7.String())
 	require.NoError(t, err)
 	require.Equal(t, v7, got)
-	got, err = eventid.Parse(strings.ToUpper(v7.String()))
+	got, err = parseCanonical(strings.ToUpper(v7.String()))
 	require.NoError(t, err)
 	require.Equal(t, v7, got)
 	for _, s := range []string{"", "x", "{" + v7.String() + "}", "urn:uuid:" + v7.String(),
 		strings.ReplaceAll(v7.String(), "-", ""), " " + v7.String(), v7.String() + " "} {
-		_, err := eventid.Parse(s)
-		require.ErrorIs(t, err, eventid.ErrInvalid, "%q", s)
+		_, err := parseCanonical(s)
+		require.ErrorIs(t, err, ErrInvalidEventID, "%q", s)
 	}
 }
 
-func TestValidate(t *testing.T) {
+func TestValidateEventID(t *testing.T) {
 	t.Parallel()
-	require.NoError(t, eventid.Validate(uuid.Must(uuid.NewV7()), false))
-	require.ErrorIs(t, eventid.Validate(uuid.Nil, true), eventid.ErrNil)
-	require.ErrorIs(t, eventid.Validate(uuid.New(), false), eventid.ErrNotV7)
-	require.NoError(t, eventid.Validate(uuid.New(), true))
+	require.NoError(t, ValidateEventID(uuid.Must(uuid.NewV7()), false))
+	require.ErrorIs(t, ValidateEventID(uuid.Nil, true), ErrNilEventID)
+	v4 := uuid.New()
+	err := ValidateEventID(v4, false)
+	require.ErrorIs(t, err, ErrNotUUIDv7)
+	var e *EventIDError
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, v4.String(), e.Value)
+	require.NoError(t, ValidateEventID(v4, true))
 	// A non-RFC variant (the Microsoft GUID variant bits 110).
 	odd := uuid.Must(uuid.NewV7())
 	odd[8] = 0xc0 | (odd[8] & 0x1f)
-	require.ErrorIs(t, eventid.Validate(odd, true), eventid.ErrInvalid)
+	require.ErrorIs(t, ValidateEventID(odd, true), ErrInvalidEventID)
 }
 
-func TestFromMessageValueIsTruncated(t *testing.T) {
+// Every constructor cuts the offending value when it builds the error, at a
+// rune boundary, so neither the struct nor its rendering carries an
+// unbounded string.
+func TestEventIDErrorValueIsTruncated(t *testing.T) {
 	t.Parallel()
-	m := message.NewMessage("m", nil)
-	m.Metadata.Set(eventid.MetadataEventID, strings.Repeat("x", 500))
-	_, err := eventid.FromMessage(m)
-	var e *eventid.Error
-	require.ErrorAs(t, err, &e)
-	require.ErrorIs(t, err, eventid.ErrInvalid)
-	require.Equal(t, "metadata", e.Source)
-	require.Less(t, len(e.Value), 100)
+	long := strings.Repeat("x", 500)
+	accents := "x" + strings.Repeat("é", 40) // byte 64 falls inside a rune
+	headerMsg := func(v string) *message.Message {
+		m := message.NewMessage("m", nil)
+		m.Metadata.Set(MetadataEventID, v)
+		return m
+	}
+	for name, f := range map[string]func() error{
+		"metadata": func() error { _, err := EventIDFromMessage(headerMsg(long)); return err },
+		"payload": func() error {
+			_, err := EventIDFromMessage(message.NewMessage("m", []byte(`{"eventId":"`+long+`"}`)))
+			return err
+		},
+		"payload, not a string": func() error {
+			_, err := PayloadEventID([]byte(`{"eventId":[` + strings.Repeat("1,", 200) + `1]}`))
+			return err
+		},
+		"ParseEventID":         func() error { _, err := ParseEventID(long); return err },
+		"Stamp":                func() error { _, err := Stamp(t.Context(), headerMsg(long)); return err },
+		"multi-byte runes":     func() error { _, err := ParseEventID(accents); return err },
+		"multi-byte, metadata": func() error { _, err := EventIDFromMetadata(headerMsg(accents)); return err },
+	} {
+		err := f()
+		var e *EventIDError
+		require.ErrorAs(t, err, &e, name)
+		require.ErrorIs(t, err, ErrInvalidEventID, name)
+		require.LessOrEqual(t, len(e.Value), maxValueLen+len("…"), name)
+		require.True(t, strings.HasSuffix(e.Value, "…"), name)
+		require.True(t, utf8.ValidString(e.Value), "%s: cut at a rune boundary: %q", name, e.Value)
+		require.Less(t, len(err.Error()), 300, name)
+	}
+	require.Equal(t, "short", truncate("short"))
+	require.Equal(t, strings.Repeat("x", maxValueLen), truncate(strings.Repeat("x", maxValueLen)))
 }

@@ -1,4 +1,4 @@
-package eventid_test
+package publisher
 
 import (
 	"encoding/json"
@@ -6,8 +6,6 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
-
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
 )
 
 // benchPayloads are a reference-layout event (eventId first, ~1 KB) and
@@ -29,16 +27,16 @@ func benchPayloads() []struct {
 	}
 }
 
-// BenchmarkPayloadID runs on every stamped and every consumed message. The
+// BenchmarkPayloadEventID runs on every stamped and every consumed message. The
 // baseline is what the consumer did before (json.Unmarshal into a struct
 // with one field), for a same-run ratio.
-func BenchmarkPayloadID(b *testing.B) {
+func BenchmarkPayloadEventID(b *testing.B) {
 	for _, p := range benchPayloads() {
 		b.Run(p.name, func(b *testing.B) {
 			b.SetBytes(int64(len(p.payload)))
 			b.ReportAllocs()
 			for b.Loop() {
-				if _, _, err := eventid.PayloadID(p.payload); err != nil {
+				if _, _, err := payloadID(p.payload); err != nil {
 					b.Fatal(err)
 				}
 			}

@@ -1,4 +1,4 @@
-package eventid_test
+package publisher
 
 import (
 	"bytes"
@@ -10,11 +10,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
-
-	"github.com/idemkit/watermill-idempotency/internal/eventid"
 )
 
-func TestPayloadID(t *testing.T) {
+func TestPayloadEventIDScan(t *testing.T) {
 	t.Parallel()
 	id := uuid.Must(uuid.NewV7())
 	s := id.String()
@@ -50,20 +48,22 @@ func TestPayloadID(t *testing.T) {
 		{"two objects", `{"eventId":"` + s + `"}{}`, false, nil},
 		{"syntax error after the field", `{"eventId":"` + s + `",}`, false, nil},
 
-		{"number", `{"eventId":42}`, false, eventid.ErrInvalid},
-		{"object", `{"eventId":{"id":"` + s + `"}}`, false, eventid.ErrInvalid},
-		{"not canonical", `{"eventId":"{` + s + `}"}`, false, eventid.ErrInvalid},
-		{"garbage", `{"eventId":"nope"}`, false, eventid.ErrInvalid},
-		{"twice, same value", `{"eventId":"` + s + `","eventId":"` + s + `"}`, false, eventid.ErrInvalid},
-		{"twice, escaped", `{"eventId":"` + s + `","\u0065ventId":"` + uuid.Must(uuid.NewV7()).String() + `"}`, false, eventid.ErrInvalid},
+		{"number", `{"eventId":42}`, false, ErrInvalidEventID},
+		{"object", `{"eventId":{"id":"` + s + `"}}`, false, ErrInvalidEventID},
+		{"not canonical", `{"eventId":"{` + s + `}"}`, false, ErrInvalidEventID},
+		{"garbage", `{"eventId":"nope"}`, false, ErrInvalidEventID},
+		{"twice, same value", `{"eventId":"` + s + `","eventId":"` + s + `"}`, false, ErrInvalidEventID},
+		{"twice, escaped", `{"eventId":"` + s + `","\u0065ventId":"` + uuid.Must(uuid.NewV7()).String() + `"}`, false, ErrInvalidEventID},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			got, found, err := eventid.PayloadID([]byte(tc.payload))
+			got, found, err := payloadID([]byte(tc.payload))
 			if tc.err != nil {
 				require.ErrorIs(t, err, tc.err)
-				var e *eventid.Error
+				_, perr := PayloadEventID([]byte(tc.payload))
+				require.Equal(t, err, perr)
+				var e *EventIDError
 				require.ErrorAs(t, err, &e)
 				require.Equal(t, "payload", e.Source)
 				require.False(t, found)
@@ -72,10 +72,16 @@ func TestPayloadID(t *testing.T) {
 			}
 			require.NoError(t, err)
 			require.Equal(t, tc.found, found)
+			// The exported form: no id is ErrMissingEventID.
+			pid, perr := PayloadEventID([]byte(tc.payload))
 			if tc.found {
 				require.Equal(t, id, got)
+				require.NoError(t, perr)
+				require.Equal(t, id, pid)
 			} else {
 				require.Equal(t, uuid.Nil, got)
+				require.ErrorIs(t, perr, ErrMissingEventID)
+				require.Equal(t, uuid.Nil, pid)
 			}
 		})
 	}
@@ -83,12 +89,12 @@ func TestPayloadID(t *testing.T) {
 
 // The header and the payload must agree; header-first reads the payload
 // only when there is no header.
-func TestFromMessage_HeaderAndPayload(t *testing.T) {
+func TestEventIDFromMessage_HeaderAndPayload(t *testing.T) {
 	t.Parallel()
 	x, y := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
 	msg := func(header string, payload string) *message.Message {
 		m := message.NewMessage("m", []byte(payload))
-		m.Metadata.Set(eventid.MetadataEventID, header)
+		m.Metadata.Set(MetadataEventID, header)
 		return m
 	}
 	payloadOf := func(id string) string { return `{"amount":1,"eventId":"` + id + `"}` }
@@ -101,47 +107,47 @@ func TestFromMessage_HeaderAndPayload(t *testing.T) {
 		"payload not JSON":        msg(x.String(), "amount=1"),
 		"payload eventId is null": msg(x.String(), `{"eventId":null}`),
 	} {
-		got, err := eventid.FromMessage(m)
+		got, err := EventIDFromMessage(m)
 		require.NoError(t, err, name)
 		require.Equal(t, x, got, name)
 	}
 
 	// Different ids: refused, typed, naming both.
 	m := msg(x.String(), payloadOf(y.String()))
-	_, err := eventid.FromMessage(m)
-	require.ErrorIs(t, err, eventid.ErrMismatch)
-	var e *eventid.Error
+	_, err := EventIDFromMessage(m)
+	require.ErrorIs(t, err, ErrEventIDMismatch)
+	var e *EventIDError
 	require.ErrorAs(t, err, &e)
 	require.Equal(t, "payload", e.Source)
 	require.Equal(t, y.String(), e.Value)
 	require.Contains(t, err.Error(), x.String())
-	require.Equal(t, 1, strings.Count(err.Error(), eventid.ErrMismatch.Error()), "the reason is stated once: %s", err)
+	require.Equal(t, 1, strings.Count(err.Error(), ErrEventIDMismatch.Error()), "the reason is stated once: %s", err)
 	// Header first: the header wins, no check.
-	got, err := eventid.FromMessageHeaderFirst(m)
+	got, err := EventIDFromMetadataFirst(m)
 	require.NoError(t, err)
 	require.Equal(t, x, got)
 
 	// A payload eventId that cannot be compared is refused by default,
 	// ignored by header first.
 	m = msg(x.String(), `{"eventId":42}`)
-	_, err = eventid.FromMessage(m)
-	require.ErrorIs(t, err, eventid.ErrInvalid)
+	_, err = EventIDFromMessage(m)
+	require.ErrorIs(t, err, ErrInvalidEventID)
 	require.ErrorAs(t, err, &e)
 	require.Equal(t, "payload", e.Source)
-	got, err = eventid.FromMessageHeaderFirst(m)
+	got, err = EventIDFromMetadataFirst(m)
 	require.NoError(t, err)
 	require.Equal(t, x, got)
 
 	// A bad header is refused by both, whatever the payload says.
-	for _, f := range []func(*message.Message) (uuid.UUID, error){eventid.FromMessage, eventid.FromMessageHeaderFirst} {
+	for _, f := range []func(*message.Message) (uuid.UUID, error){EventIDFromMessage, EventIDFromMetadataFirst} {
 		_, err := f(msg("nope", payloadOf(x.String())))
-		require.ErrorIs(t, err, eventid.ErrInvalid)
+		require.ErrorIs(t, err, ErrInvalidEventID)
 		_, err = f(msg("", payloadOf(x.String())))
-		require.ErrorIs(t, err, eventid.ErrMissing)
+		require.ErrorIs(t, err, ErrMissingEventID)
 	}
 
 	// No header: both read the payload.
-	for _, f := range []func(*message.Message) (uuid.UUID, error){eventid.FromMessage, eventid.FromMessageHeaderFirst} {
+	for _, f := range []func(*message.Message) (uuid.UUID, error){EventIDFromMessage, EventIDFromMetadataFirst} {
 		m := message.NewMessage("m", []byte(payloadOf(y.String())))
 		got, err := f(m)
 		require.NoError(t, err)
@@ -149,9 +155,9 @@ func TestFromMessage_HeaderAndPayload(t *testing.T) {
 	}
 }
 
-// FuzzPayloadID checks the top-level scan against encoding/json decoding the
+// FuzzPayloadEventID checks the top-level scan against encoding/json decoding the
 // whole payload into a map (exact keys, top level only).
-func FuzzPayloadID(f *testing.F) {
+func FuzzPayloadEventID(f *testing.F) {
 	v7 := uuid.Must(uuid.NewV7()).String()
 	for _, seed := range []string{
 		`{"eventId":"` + v7 + `"}`,
@@ -169,23 +175,23 @@ func FuzzPayloadID(f *testing.F) {
 		f.Add([]byte(seed))
 	}
 	f.Fuzz(func(t *testing.T, payload []byte) {
-		id, found, err := eventid.PayloadID(payload)
+		id, found, err := payloadID(payload)
 		var top map[string]json.RawMessage
 		if json.Unmarshal(payload, &top) != nil || top == nil {
 			require.NoError(t, err, "not a JSON object: no payload id, no error")
 			require.False(t, found)
 			return
 		}
-		raw, ok := top[eventid.PayloadField]
+		raw, ok := top[PayloadEventIDField]
 		if !ok {
 			require.NoError(t, err)
 			require.False(t, found)
 			return
 		}
 		if err != nil {
-			var e *eventid.Error
+			var e *EventIDError
 			require.ErrorAs(t, err, &e)
-			require.ErrorIs(t, err, eventid.ErrInvalid)
+			require.ErrorIs(t, err, ErrInvalidEventID)
 			require.False(t, found)
 			return
 		}
@@ -195,9 +201,15 @@ func FuzzPayloadID(f *testing.F) {
 			return
 		}
 		require.NoError(t, json.Unmarshal(raw, &s))
-		want, perr := eventid.Parse(s)
+		want, perr := parseCanonical(s)
 		require.NoError(t, perr)
 		require.True(t, found)
 		require.Equal(t, want, id)
 	})
+}
+
+// payloadID is payloadEventID with the state reduced to found.
+func payloadID(payload []byte) (uuid.UUID, bool, error) {
+	id, st, err := payloadEventID(payload)
+	return id, err == nil && st == payloadFound, err
 }

@@ -1,0 +1,30 @@
+package publisher_test
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// A header and a payload id that disagree: EventIDFromMessage (the dedup
+// middleware's default EventIDFunc) refuses the message with a permanent
+// error, for the poison queue; EventIDFromMetadataFirst lets the header win.
+func ExampleEventIDFromMetadataFirst() {
+	const header = "01960000-0000-7000-8000-000000000001"
+	const inPayload = "01960000-0000-7000-8000-000000000002"
+	msg := message.NewMessage("m-1", []byte(`{"eventId":"`+inPayload+`","amount":5}`))
+	msg.Metadata.Set(publisher.MetadataEventID, header)
+
+	_, err := publisher.EventIDFromMessage(msg)
+	var e *publisher.EventIDError
+	fmt.Println("default refuses:", errors.Is(err, publisher.ErrEventIDMismatch), errors.As(err, &e) && e.Source == "payload")
+
+	id, err := publisher.EventIDFromMetadataFirst(msg)
+	fmt.Println("metadata first:", id, err)
+	// Output:
+	// default refuses: true true
+	// metadata first: 01960000-0000-7000-8000-000000000001 <nil>
+}
