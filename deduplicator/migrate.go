@@ -29,9 +29,9 @@ func mustSub(fsys fs.FS, dir string) fs.FS {
 	return sub
 }
 
-// Component is the name under which this package's migrations are recorded
+// component is the name under which this package's migrations are recorded
 // in the idem_schema_migration table.
-const Component = "processed_event"
+const component = "processed_event"
 
 // Migration is one schema version rendered for a schema and table: write
 // Up and Down to NNN_name.up.sql / NNN_name.down.sql for goose or

@@ -23,7 +23,7 @@ func TestMigrateIsIdempotent(t *testing.T) {
 		require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
 	}
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'processed_event'", db.Schema))
-	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", deduplicator.Component+":processed_event"))
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", "processed_event:processed_event"))
 	// The documented shape: primary key (event_id, consumer_group).
 	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid
 		WHERE c.relname = 'processed_event' AND c.relnamespace = $1::regnamespace AND i.indisprimary

@@ -124,7 +124,7 @@ func check(ctx context.Context, db DBTX, cfg TableConfig, migs []migrate.Migrati
 }
 
 // componentKey names cfg's table in the migration table.
-func componentKey(cfg TableConfig) string { return Component + ":" + cfg.Table }
+func componentKey(cfg TableConfig) string { return component + ":" + cfg.Table }
 
 // checkBeforeMigrate refuses an existing table that the migrations would
 // leave as it is although claims cannot rely on it (wrong key, wrong

@@ -24,11 +24,11 @@ var (
 	ErrMalformedPayload = errors.New("malformed payload")
 )
 
-// PermanentError marks an error that redelivery cannot fix.
-type PermanentError struct{ Err error }
+// permanentError marks an error that redelivery cannot fix.
+type permanentError struct{ err error }
 
-func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
-func (e *PermanentError) Unwrap() error { return e.Err }
+func (e *permanentError) Error() string { return "permanent: " + e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
 
 // Permanent wraps err so that [IsPermanent] reports true. Handlers use it for
 // input they can never process (a payload that fails validation). A nil err
@@ -37,7 +37,7 @@ func Permanent(err error) error {
 	if err == nil {
 		return nil
 	}
-	return &PermanentError{Err: err}
+	return &permanentError{err: err}
 }
 
 // IsPermanent reports whether err means the message can never be processed
@@ -51,7 +51,7 @@ func IsPermanent(err error) bool {
 	if err == nil {
 		return false
 	}
-	var pe *PermanentError
+	var pe *permanentError
 	if errors.As(err, &pe) {
 		return true
 	}

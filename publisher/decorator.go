@@ -6,24 +6,23 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// StampingPublisher stamps every message with [Stamp] (using the message's
-// own context, so set it to the handler message's context to get a
-// causation_id) before handing the batch to the next publisher. If any
-// message cannot be stamped, nothing is published.
-type StampingPublisher struct {
+// NewStampingPublisher wraps next so that every message is stamped with
+// [Stamp] (using the message's own context, so set it to the handler
+// message's context to get a causation_id) before the batch is handed to
+// next. If any message cannot be stamped, nothing is published. Use it for
+// publishers that write straight to the broker; the outbox stamps on its
+// own. Close closes next.
+func NewStampingPublisher(next message.Publisher) message.Publisher {
+	return &stampingPublisher{next: next}
+}
+
+type stampingPublisher struct {
 	next message.Publisher
 }
 
-var _ message.Publisher = (*StampingPublisher)(nil)
+var _ message.Publisher = (*stampingPublisher)(nil)
 
-// NewStampingPublisher wraps next. Use it for publishers that write straight
-// to the broker; the outbox stamps on its own.
-func NewStampingPublisher(next message.Publisher) message.Publisher {
-	return &StampingPublisher{next: next}
-}
-
-// Publish implements message.Publisher.
-func (p *StampingPublisher) Publish(topic string, msgs ...*message.Message) error {
+func (p *stampingPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for _, msg := range msgs {
 		if _, err := Stamp(msg.Context(), msg); err != nil {
 			return fmt.Errorf("stamp: %w", err)
@@ -32,5 +31,4 @@ func (p *StampingPublisher) Publish(topic string, msgs ...*message.Message) erro
 	return p.next.Publish(topic, msgs...)
 }
 
-// Close closes the next publisher.
-func (p *StampingPublisher) Close() error { return p.next.Close() }
+func (p *stampingPublisher) Close() error { return p.next.Close() }
