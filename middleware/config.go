@@ -112,8 +112,9 @@ type Config struct {
 
 	// ReplayHorizon is how far back this consumer may be replayed (offset
 	// reset, DLQ replay). When it exceeds the retention minus StaleMargin,
-	// NewDedup logs it (events replayed from further back will be refused
-	// as stale). Defaults to 0 (no check).
+	// NewDedup logs it at Info level (Watermill's LoggerAdapter has no Warn
+	// level) and starts anyway: events replayed from further back will be
+	// refused as stale. Defaults to 0 (no check).
 	ReplayHorizon time.Duration
 
 	// IdempotencyNamespace is mixed into the keys of named operations
