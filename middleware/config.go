@@ -79,8 +79,9 @@ type Config struct {
 	EventIDFunc EventIDFunc
 
 	// AllowNonV7 accepts valid UUIDs of any version. Defaults to false: a
-	// non-v7 id is refused with publisher.ErrNotUUIDv7. Non-v7 ids cannot be checked
-	// for staleness and cannot be stored in a partitioned processed_event.
+	// non-v7 id is refused with publisher.ErrNotUUIDv7. Non-v7 ids cannot be
+	// checked for staleness and cannot be stored in a partitioned
+	// processed_event.
 	AllowNonV7 bool
 
 	// TxOptions for the per-message transaction. Defaults to the zero value:

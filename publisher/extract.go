@@ -8,11 +8,6 @@ import (
 	"github.com/google/uuid"
 )
 
-// The extraction functions below have the signature of the dedup
-// middleware's EventIDFunc. Each parses but does not validate: the
-// middleware applies [ValidateEventID] to what they return. Their errors are
-// *[EventIDError] values.
-
 // EventIDFromMessage reads the event id from the metadata key event_id and
 // the top-level JSON payload field eventId; it is the dedup middleware's
 // default EventIDFunc. With only one of them present, that one is the id.
@@ -21,6 +16,11 @@ import (
 // is present but not a canonical UUID string (the two cannot be compared).
 // A present but empty event_id is ErrMissingEventID, not a reason to read
 // the payload. Ids must be canonical 36-character UUIDs (either case).
+//
+// Like the other extractors, it parses but does not validate: the id may be
+// the nil UUID or not a UUIDv7. The middleware applies [ValidateEventID] to
+// what its EventIDFunc returns; call it yourself elsewhere. Errors are
+// *[EventIDError] values.
 func EventIDFromMessage(msg *message.Message) (uuid.UUID, error) {
 	v, ok := msg.Metadata[MetadataEventID]
 	if !ok {
@@ -47,6 +47,7 @@ func EventIDFromMessage(msg *message.Message) (uuid.UUID, error) {
 // ignored instead of refused with ErrEventIDMismatch. Use it as the
 // middleware's EventIDFunc for producers whose payload eventId is not the
 // event's id (for example an upstream event's id copied into a new event).
+// It parses but does not validate, like [EventIDFromMessage].
 func EventIDFromMetadataFirst(msg *message.Message) (uuid.UUID, error) {
 	if v, ok := msg.Metadata[MetadataEventID]; ok {
 		return fromMetadata(v)
@@ -55,7 +56,8 @@ func EventIDFromMetadataFirst(msg *message.Message) (uuid.UUID, error) {
 }
 
 // EventIDFromMetadata reads the event id from the metadata key event_id
-// only, never the payload: its absence is ErrMissingEventID.
+// only, never the payload: its absence is ErrMissingEventID. It parses but
+// does not validate, like [EventIDFromMessage].
 func EventIDFromMetadata(msg *message.Message) (uuid.UUID, error) {
 	v, ok := msg.Metadata[MetadataEventID]
 	if !ok {
@@ -70,7 +72,8 @@ func EventIDFromMetadata(msg *message.Message) (uuid.UUID, error) {
 // without the field, or the field is null or "") is ErrMissingEventID. The
 // key is matched exactly (case sensitive, after JSON unescaping); a key
 // nested deeper is not the field. A field that is present but not a
-// canonical UUID string, or that appears twice, is ErrInvalidEventID.
+// canonical UUID string, or that appears twice, is ErrInvalidEventID. It
+// parses but does not validate, like [EventIDFromMessage].
 //
 // A payload without the bytes "eventId" (and without any backslash, which
 // could spell the key with escapes) is answered without parsing; otherwise
