@@ -8,6 +8,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 )
 
 // Stamp gives msg the metadata every event must carry, following the
@@ -33,6 +34,9 @@ import (
 //   - correlation_id: unless set, the incoming message's correlation id, or
 //     the incoming event id when that message had none (it started the
 //     chain).
+//   - traceparent, tracestate, baggage (W3C): the trace of ctx, when it
+//     carries a span and the message no traceparent yet, so consumers
+//     continue the producer's trace (see docs/observability.md).
 //
 // An error is an *[EventIDError] wrapping ErrInvalidEventID, ErrNilEventID,
 // ErrNotUUIDv7 or ErrEventIDMismatch (all permanent for the middleware's
@@ -64,6 +68,10 @@ func Stamp(ctx context.Context, msg *message.Message) (uuid.UUID, error) {
 			msg.Metadata.Set(MetadataCorrelationID, corr)
 		}
 	}
+	// The trace the message is created in (inside a dedup handler: the
+	// consumed message's) travels with it: traceparent, tracestate and
+	// baggage, unless the message already carries a traceparent.
+	otelx.Inject(ctx, msg)
 	return id, nil
 }
 

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -218,4 +220,30 @@ func ExampleStamp() {
 	// partition key: order-42
 	// occurred_at is RFC 3339: true
 	// invalid event_id refused: true
+}
+
+// Stamp carries the trace of ctx in the W3C headers, keeps a traceparent
+// the message already has, and adds none without a span.
+func TestStamp_TraceContext(t *testing.T) {
+	t.Parallel()
+	tp := sdktrace.NewTracerProvider()
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	ctx, span := tp.Tracer("test").Start(context.Background(), "order tx")
+	defer span.End()
+
+	m := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+	_, err := publisher.Stamp(ctx, m)
+	require.NoError(t, err)
+	require.Contains(t, m.Metadata.Get("traceparent"), span.SpanContext().TraceID().String())
+
+	kept := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+	kept.Metadata.Set("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+	_, err = publisher.Stamp(ctx, kept)
+	require.NoError(t, err)
+	require.Equal(t, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", kept.Metadata.Get("traceparent"))
+
+	none := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+	_, err = publisher.Stamp(context.Background(), none)
+	require.NoError(t, err)
+	require.Empty(t, none.Metadata.Get("traceparent"))
 }
