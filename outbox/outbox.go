@@ -269,9 +269,8 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 		if _, err := publisher.Stamp(sctx, msg); err != nil {
 			return fmt.Errorf("outbox: %w", err)
 		}
-		// The trace the row was written in (inside a dedup handler: the
-		// consumed message's) travels with it to Kafka as its traceparent.
-		otelx.Inject(sctx, msg)
+		// Stamp put sctx's trace in the metadata; a message without a
+		// context of its own takes the write's (PublishInTx's ctx).
 		otelx.Inject(ctx, msg)
 	}
 	p, err := wsql.NewPublisher(ctxExecutor{Tx: wsql.TxFromPgx(tx), ctx: ctx}, wsql.PublisherConfig{SchemaAdapter: o.schema}, o.logger)
