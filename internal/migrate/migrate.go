@@ -138,7 +138,7 @@ type Step struct {
 // a version of a line that the line does not have (another layout, or a
 // newer release of the library): reverting around it could drop tables it
 // relies on.
-var ErrUnknownVersion = errors.New("migration table records a version this migrator does not know")
+var ErrUnknownVersion = errors.New("recorded but unknown to this migrator")
 
 // Migrate applies (up) or reverts (down) the versions of lines in schema,
 // each in its own transaction (a savepoint when db is a pgx.Tx) that takes
