@@ -140,7 +140,7 @@ func NewMigrator(db Beginner, table TableConfig) (*Migrator, error) {
 	}
 	table.setDefaults()
 	if err := table.validate(); err != nil {
-		return nil, fmt.Errorf("deduplicator: invalid table config: %w", err)
+		return nil, fmt.Errorf("deduplicator: invalid config: %w", err)
 	}
 	migs, err := loadMigrations(table)
 	if err != nil {
