@@ -39,12 +39,13 @@ func mustSub(fsys fs.FS, dir string) fs.FS {
 // (processed_event:processed_event for the defaults).
 const Component = "processed_event"
 
-// Migration is one schema version rendered for a schema and table: write
-// Up and Down to NNN_name.up.sql / NNN_name.down.sql for goose or
-// golang-migrate.
+// Migration is one version of one component's tables, rendered for its
+// schema and names ([Migrations]; outbox.Migrations for the outbox's
+// tables): write Up and Down to files for goose or golang-migrate.
 type Migration struct {
-	// Component is the key of the table's records in idem_schema_migration:
-	// "processed_event:" and the table name.
+	// Component is the key of the version's record in idem_schema_migration:
+	// "processed_event:" and the table name, or "outbox:" and an outbox
+	// topic's messages table name.
 	Component string
 	Version   int
 	Name      string
@@ -57,8 +58,8 @@ type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
 
-// Direction is the way a [Migrator] migrates: [DirectionUp] or
-// [DirectionDown].
+// Direction is the way a [Migrator] (or an outbox.Migrator) migrates:
+// [DirectionUp] or [DirectionDown].
 type Direction string
 
 // The directions of [Migrator.Migrate].
@@ -67,19 +68,21 @@ const (
 	DirectionDown Direction = "down"
 )
 
-// MigrateOpts narrow [Migrator.Migrate]; nil is the zero value.
+// MigrateOpts narrow [Migrator.Migrate] (and outbox.Migrator's); nil is the
+// zero value.
 type MigrateOpts struct {
 	// TargetVersion going up applies the versions up to and including it;
 	// going down it reverts the versions above it, newest first, leaving
-	// the table at that version, and -1 reverts every version (the tables
-	// are dropped). When set (> 0) it must be a version of the table's
-	// layout (see [Migrations]). Defaults to 0: up, every version; down,
-	// only the newest applied version, so that a down migration never drops
-	// more than one step by accident.
+	// each component at that version, and -1 reverts every version (the
+	// tables are dropped). When set (> 0) it must be a version of every
+	// component the migrator covers (see [Migrations]). Defaults to 0: up,
+	// every version; down, only the newest applied version of each
+	// component, so that a down migration never drops more than one step by
+	// accident.
 	TargetVersion int
 }
 
-// MigrateResult is what [Migrator.Migrate] did.
+// MigrateResult is what [Migrator.Migrate] (or an outbox.Migrator) did.
 type MigrateResult struct {
 	// Direction is the direction it migrated in.
 	Direction Direction
@@ -88,9 +91,10 @@ type MigrateResult struct {
 	Versions []MigrateVersion
 }
 
-// MigrateVersion is one version applied or reverted.
+// MigrateVersion is one version of one component applied or reverted.
 type MigrateVersion struct {
-	// Component is the key of the version's record in idem_schema_migration.
+	// Component is the key of the version's record in idem_schema_migration
+	// (see [Migration.Component]).
 	Component string
 	// Version and Name are the migration's (001_processed_event: 1, "processed_event").
 	Version int
@@ -99,19 +103,22 @@ type MigrateVersion struct {
 	Duration time.Duration
 }
 
-// ErrUnknownVersion is returned going down when idem_schema_migration
-// records a version of the table that the Migrator does not have: version
-// 100 of [LayoutPartitioned] under a LayoutPlain config, or a version of a
-// newer release of this library. Reverting around it could drop what it
-// relies on; migrate down with the config (or the release) that applied it.
-var ErrUnknownVersion = errors.New("deduplicator: idem_schema_migration records a version this Migrator does not know")
+// ErrUnknownVersion is returned going down (by a [Migrator] or an
+// outbox.Migrator) when idem_schema_migration records a version of a
+// component that the migrator does not have: version 100 of
+// [LayoutPartitioned] under a LayoutPlain config, or a version of a newer
+// release of this library. Reverting around it could drop what it relies
+// on; migrate down with the config (or the release) that applied it.
+var ErrUnknownVersion = errors.New("deduplicator: idem_schema_migration records a version the migrator does not know")
 
-// ValidateResult is what [Migrator.Validate] found.
+// ValidateResult is what [Migrator.Validate] (or an outbox.Migrator's)
+// found.
 type ValidateResult struct {
 	// OK is true when every migration is recorded as applied.
 	OK bool
-	// Pending are the migrations not recorded as applied, oldest first,
-	// rendered as [Migrations] renders them.
+	// Pending are the migrations not recorded as applied, component by
+	// component, oldest first, rendered as [Migrations] (or
+	// outbox.Migrations) renders them.
 	Pending []Migration
 }
 
@@ -119,8 +126,9 @@ type ValidateResult struct {
 // its companion tables (<table>_setting and <table>_group) with the
 // embedded, versioned migrations of its layout, recording each version in
 // the schema's idem_schema_migration table under the component
-// processed_event:<table>. The outbox's tables have a Migrator of the same
-// shape, on the same engine and migration table (outbox.NewMigrator).
+// processed_event:<table>. The outbox's tables have a migrator of the same
+// shape and types, on the same engine and migration table
+// (outbox.NewMigrator).
 //
 // Every version runs in its own transaction that takes a per-schema
 // advisory lock, so every instance of a service may migrate at start-up.

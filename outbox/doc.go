@@ -51,10 +51,10 @@
 // A [Migrator] (built from the same [Config]) creates each topic's two
 // tables, exactly as watermill-sql v4 makes them, as embedded, versioned
 // migrations recorded per topic in idem_schema_migration, on the engine and
-// migration table of deduplicator.Migrator and with the same shape:
+// migration table of [deduplicator.Migrator] and with its shape and types:
 // [Migrator.Migrate] returns what it applied, [Migrator.MigrateTx] runs on
 // the caller's transaction, [Migrator.Validate] lists the pending versions,
-// [DirectionDown] reverts. [Outbox.Migrate] is the start-up shorthand.
+// [deduplicator.DirectionDown] reverts. [Outbox.Migrate] is the start-up shorthand.
 // Tables an earlier release made without versions are adopted as version 1
 // when their shape matches. [Migrations] renders the SQL, with its record,
 // for goose or golang-migrate. [Outbox.Check] and [NewForwarder] refuse

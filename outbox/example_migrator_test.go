@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -27,7 +28,7 @@ func ExampleMigrator_Migrate() {
 	}
 	fmt.Println("pending:", len(v.Pending))
 
-	res, err := migrator.Migrate(ctx, outbox.DirectionUp, nil)
+	res, err := migrator.Migrate(ctx, deduplicator.DirectionUp, nil)
 	if err != nil {
 		panic(err)
 	}
@@ -37,7 +38,7 @@ func ExampleMigrator_Migrate() {
 	v, _ = migrator.Validate(ctx)
 	fmt.Println("ok:", v.OK)
 
-	res, err = migrator.Migrate(ctx, outbox.DirectionDown, &outbox.MigrateOpts{TargetVersion: -1})
+	res, err = migrator.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: -1})
 	if err != nil {
 		panic(err)
 	}
@@ -59,8 +60,8 @@ func ExampleMigrations() {
 		panic(err)
 	}
 	for _, m := range migs {
-		fmt.Printf("%s %s %03d_%s\n", m.Topic, m.Component, m.Version, m.Name)
+		fmt.Printf("%s %03d_%s\n", m.Component, m.Version, m.Name)
 	}
 	// Output:
-	// billing.charged outbox:outbox_billing.charged 001_topic_tables
+	// outbox:outbox_billing.charged 001_topic_tables
 }

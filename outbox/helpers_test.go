@@ -63,7 +63,7 @@ func migrateTopics(ctx context.Context, db deduplicator.Beginner, o *outbox.Outb
 	if err != nil {
 		return err
 	}
-	_, err = m.Migrate(ctx, outbox.DirectionUp, nil)
+	_, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
 	return err
 }
 

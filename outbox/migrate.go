@@ -8,7 +8,6 @@ import (
 	"io/fs"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgerrcode"
@@ -49,82 +48,18 @@ const Component = "outbox"
 // version 1 without changing them), or SQL applied without its record.
 var ErrMigrationsPending = errors.New("outbox: topic migrations are pending")
 
-// ErrUnknownVersion is returned going down when idem_schema_migration
-// records a version of a topic's tables that the Migrator does not have (a
-// newer release of this library applied it): migrate down with that
-// release.
-var ErrUnknownVersion = errors.New("outbox: idem_schema_migration records a version this Migrator does not know")
-
-// Migration is one version of one topic's tables, rendered for the schema,
-// the prefix and the payload type: write Up and Down to files for goose or
-// golang-migrate.
-type Migration struct {
-	// Component is the key of the version's record in
-	// idem_schema_migration: "outbox:" and the topic's messages table name.
-	Component string
-	// Topic whose tables it migrates.
-	Topic   string
-	Version int
-	Name    string
-	Up      string
-	Down    string
-}
-
-// Direction is the way a [Migrator] migrates: [DirectionUp] or
-// [DirectionDown].
-type Direction string
-
-// The directions of [Migrator.Migrate].
-const (
-	DirectionUp   Direction = "up"
-	DirectionDown Direction = "down"
-)
-
-// MigrateOpts narrow [Migrator.Migrate]; nil is the zero value.
-type MigrateOpts struct {
-	// TargetVersion going up applies every topic's versions up to and
-	// including it; going down it reverts each topic's versions above it,
-	// newest first, and -1 reverts every version (the tables are dropped,
-	// with the messages not yet forwarded). When set (> 0) it must be a
-	// version of the topics' tables. Defaults to 0: up, every version; down,
-	// only the newest applied version of each topic.
-	TargetVersion int
-}
-
-// MigrateResult is what [Migrator.Migrate] did.
-type MigrateResult struct {
-	// Direction is the direction it migrated in.
-	Direction Direction
-	// Versions are the versions it applied (up) or reverted (down), in the
-	// order it ran them; empty when there was nothing to do.
-	Versions []MigrateVersion
-}
-
-// MigrateVersion is one version of one topic's tables, applied or reverted.
-type MigrateVersion struct {
-	// Component is the key of the version's record in idem_schema_migration.
-	Component string
-	// Version and Name are the migration's (001_topic_tables: 1, "topic_tables").
-	Version int
-	Name    string
-	// Duration is how long its transaction took.
-	Duration time.Duration
-}
-
-// ValidateResult is what [Migrator.Validate] found.
-type ValidateResult struct {
-	// OK is true when every migration of every topic is recorded as applied.
-	OK bool
-	// Pending are the migrations not recorded as applied, topic by topic,
-	// oldest first, rendered as [Migrations] renders them.
-	Pending []Migration
-}
-
 // Migrator creates, upgrades and downgrades the tables of the topics of one
 // [Config]: for each topic its messages table and its offsets table, with
 // embedded, versioned migrations recorded per topic in the schema's
 // idem_schema_migration table (component outbox:<prefix><topic>), on the
-// engine and migration table of deduplicator.Migrator.
+// engine and migration table of [deduplicator.Migrator], with the same
+// methods and the same types ([deduplicator.Direction],
+// [deduplicator.MigrateOpts], [deduplicator.MigrateResult],
+// [deduplicator.ValidateResult]), so one piece of code can drive both.
+//
+// [deduplicator.MigrateOpts.TargetVersion] applies to every topic; going
+// down without it reverts the newest applied version of each topic, and -1
+// drops the tables with the messages not yet forwarded.
 //
 // Every version of every topic runs in its own transaction that takes a
 // per-schema advisory lock, so every instance of a service may migrate at
@@ -137,6 +72,19 @@ type Migrator struct {
 	db deduplicator.Beginner
 	o  *Outbox
 }
+
+// migrator is the shape Migrator shares with deduplicator.Migrator.
+type migrator interface {
+	Migrate(context.Context, deduplicator.Direction, *deduplicator.MigrateOpts) (*deduplicator.MigrateResult, error)
+	MigrateTx(context.Context, pgx.Tx, deduplicator.Direction, *deduplicator.MigrateOpts) (*deduplicator.MigrateResult, error)
+	Validate(context.Context) (*deduplicator.ValidateResult, error)
+	ValidateTx(context.Context, pgx.Tx) (*deduplicator.ValidateResult, error)
+}
+
+var (
+	_ migrator = (*deduplicator.Migrator)(nil)
+	_ migrator = (*Migrator)(nil)
+)
 
 // NewMigrator returns a Migrator of the tables of cfg.Topics (cfg is the
 // same value as [New] gets: pass ob.Config()) on db, a *pgxpool.Pool, a
@@ -156,49 +104,49 @@ func NewMigrator(db deduplicator.Beginner, cfg Config) (*Migrator, error) {
 // (backwards going down), each version in its own transaction, and returns
 // the versions it applied or reverted. opts may be nil: up applies every
 // pending version; down reverts only the newest applied version of each
-// topic (set [MigrateOpts.TargetVersion]).
+// topic (set [deduplicator.MigrateOpts.TargetVersion]).
 //
 // Going up, existing tables of another shape than watermill-sql v4's are
 // refused first, with a [*TableError] wrapping [ErrTableShape], and nothing
 // changes. Once at the newest version it verifies the tables as
 // [Outbox.Check] does. On error the result still lists the versions that ran before it:
 // each version commits on its own, the failing one is rolled back.
-func (m *Migrator) Migrate(ctx context.Context, direction Direction, opts *MigrateOpts) (*MigrateResult, error) {
+func (m *Migrator) Migrate(ctx context.Context, direction deduplicator.Direction, opts *deduplicator.MigrateOpts) (*deduplicator.MigrateResult, error) {
 	return m.migrate(ctx, m.db, direction, opts)
 }
 
 // MigrateTx is [Migrator.Migrate] on the caller's transaction: every
 // version runs in a savepoint of tx, and nothing is visible to others, or
 // kept, until tx commits. The migration lock is held until tx ends.
-func (m *Migrator) MigrateTx(ctx context.Context, tx pgx.Tx, direction Direction, opts *MigrateOpts) (*MigrateResult, error) {
+func (m *Migrator) MigrateTx(ctx context.Context, tx pgx.Tx, direction deduplicator.Direction, opts *deduplicator.MigrateOpts) (*deduplicator.MigrateResult, error) {
 	return m.migrate(ctx, tx, direction, opts)
 }
 
-func (m *Migrator) migrate(ctx context.Context, db deduplicator.Beginner, direction Direction, opts *MigrateOpts) (*MigrateResult, error) {
+func (m *Migrator) migrate(ctx context.Context, db deduplicator.Beginner, direction deduplicator.Direction, opts *deduplicator.MigrateOpts) (*deduplicator.MigrateResult, error) {
 	if opts == nil {
-		opts = &MigrateOpts{}
+		opts = &deduplicator.MigrateOpts{}
 	}
-	res := &MigrateResult{Direction: direction, Versions: []MigrateVersion{}}
+	res := &deduplicator.MigrateResult{Direction: direction, Versions: []deduplicator.MigrateVersion{}}
 	lines, err := m.o.migrationLines(m.o.cfg.Topics)
 	if err != nil {
 		return res, err
 	}
-	if direction == DirectionUp {
+	if direction == deduplicator.DirectionUp {
 		if err := m.o.checkBeforeMigrate(ctx, db); err != nil {
 			return res, err
 		}
 	}
 	steps, err := migrate.Migrate(ctx, db, m.o.cfg.Schema, migrate.Direction(direction), lines, migrate.Options{TargetVersion: opts.TargetVersion})
 	for _, s := range steps {
-		res.Versions = append(res.Versions, MigrateVersion(s))
+		res.Versions = append(res.Versions, deduplicator.MigrateVersion(s))
 	}
 	if errors.Is(err, migrate.ErrUnknownVersion) {
-		return res, fmt.Errorf("%w: %w", ErrUnknownVersion, err)
+		return res, fmt.Errorf("%w: %w", deduplicator.ErrUnknownVersion, err)
 	}
 	if err != nil {
 		return res, fmt.Errorf("outbox: migrate %s: %w", direction, err)
 	}
-	if direction != DirectionUp || len(lines) == 0 || (opts.TargetVersion != 0 && opts.TargetVersion < lastVersion(lines[0])) {
+	if direction != deduplicator.DirectionUp || len(lines) == 0 || (opts.TargetVersion != 0 && opts.TargetVersion < lastVersion(lines[0])) {
 		return res, nil
 	}
 	tx, err := db.Begin(ctx)
@@ -233,7 +181,7 @@ func lastVersion(l migrate.Line) int { return l.Migrations[len(l.Migrations)-1].
 // Validate reports the migrations not recorded as applied, reading
 // idem_schema_migration in a transaction of its own. [Outbox.Check] and
 // [NewForwarder] run it besides verifying the tables themselves.
-func (m *Migrator) Validate(ctx context.Context) (*ValidateResult, error) {
+func (m *Migrator) Validate(ctx context.Context) (*deduplicator.ValidateResult, error) {
 	tx, err := m.db.Begin(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: validate: begin: %w", err)
@@ -243,8 +191,8 @@ func (m *Migrator) Validate(ctx context.Context) (*ValidateResult, error) {
 }
 
 // ValidateTx is [Migrator.Validate] on the caller's transaction.
-func (m *Migrator) ValidateTx(ctx context.Context, tx pgx.Tx) (*ValidateResult, error) {
-	res := &ValidateResult{Pending: []Migration{}}
+func (m *Migrator) ValidateTx(ctx context.Context, tx pgx.Tx) (*deduplicator.ValidateResult, error) {
+	res := &deduplicator.ValidateResult{Pending: []deduplicator.Migration{}}
 	for _, topic := range m.o.cfg.Topics {
 		pending, err := m.o.pendingMigrations(ctx, tx, topic)
 		if err != nil {
@@ -267,12 +215,12 @@ func (m *Migrator) ValidateTx(ctx context.Context, tx pgx.Tx) (*ValidateResult, 
 // deleting that record, as [Migrator.Migrate] does: [Outbox.Check] and
 // [NewForwarder] refuse tables whose migrations are not recorded, and a
 // Migrator applies nothing that is recorded.
-func Migrations(cfg Config) ([]Migration, error) {
+func Migrations(cfg Config) ([]deduplicator.Migration, error) {
 	o, err := New(cfg, nil)
 	if err != nil {
 		return nil, err
 	}
-	var out []Migration
+	var out []deduplicator.Migration
 	for _, topic := range o.cfg.Topics {
 		migs, err := o.topicMigrations(topic)
 		if err != nil {
@@ -299,7 +247,7 @@ func (o *Outbox) Migrate(ctx context.Context, db deduplicator.Beginner) error {
 	if err != nil {
 		return err
 	}
-	if _, err := m.Migrate(ctx, DirectionUp, nil); err != nil {
+	if _, err := m.Migrate(ctx, deduplicator.DirectionUp, nil); err != nil {
 		return err
 	}
 	o.logger.Debug("Outbox tables ready", watermill.LogFields{"topics": strings.Join(o.cfg.Topics, ","), "schema": o.cfg.Schema})
@@ -358,14 +306,13 @@ func (o *Outbox) migrationLines(topics []string) ([]migrate.Line, error) {
 }
 
 // render adds to m the SQL that records it (Up) and forgets it (Down).
-func (o *Outbox) render(topic string, m migrate.Migration) (Migration, error) {
+func (o *Outbox) render(topic string, m migrate.Migration) (deduplicator.Migration, error) {
 	up, down, err := migrate.RecordSQL(o.cfg.Schema, o.componentKey(topic), m)
 	if err != nil {
-		return Migration{}, err
+		return deduplicator.Migration{}, err
 	}
-	return Migration{
+	return deduplicator.Migration{
 		Component: o.componentKey(topic),
-		Topic:     topic,
 		Version:   m.Version,
 		Name:      m.Name,
 		Up:        strings.TrimRight(m.Up, "\n") + "\n\n-- Recorded as applied, for outbox.Check.\n" + up,
@@ -375,7 +322,7 @@ func (o *Outbox) render(topic string, m migrate.Migration) (Migration, error) {
 
 // pendingMigrations returns the migrations of topic's tables not recorded
 // as applied, rendered.
-func (o *Outbox) pendingMigrations(ctx context.Context, q querier, topic string) ([]Migration, error) {
+func (o *Outbox) pendingMigrations(ctx context.Context, q querier, topic string) ([]deduplicator.Migration, error) {
 	migs, err := o.topicMigrations(topic)
 	if err != nil {
 		return nil, err
@@ -388,7 +335,7 @@ func (o *Outbox) pendingMigrations(ctx context.Context, q querier, topic string)
 		}
 		return nil, fmt.Errorf("outbox: topic %s: %w", topic, err)
 	}
-	var pending []Migration
+	var pending []deduplicator.Migration
 	for _, m := range migs {
 		if slices.Contains(versions, m.Version) {
 			r, err := o.render(topic, m)

@@ -10,11 +10,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
-func versionsOf(res *outbox.MigrateResult) []string {
+func versionsOf(res *deduplicator.MigrateResult) []string {
 	out := []string{}
 	for _, v := range res.Versions {
 		out = append(out, fmt.Sprintf("%s %d_%s", v.Component, v.Version, v.Name))
@@ -29,7 +30,7 @@ func pendingOf(t *testing.T, m *outbox.Migrator) []string {
 	require.Equal(t, len(res.Pending) == 0, res.OK)
 	out := []string{}
 	for _, p := range res.Pending {
-		out = append(out, fmt.Sprintf("%s %s %d", p.Topic, p.Component, p.Version))
+		out = append(out, fmt.Sprintf("%s %d", p.Component, p.Version))
 	}
 	return out
 }
@@ -47,7 +48,7 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	m, err := outbox.NewMigrator(db.Pool, cfg)
 	require.NoError(t, err)
 
-	require.Equal(t, []string{"orders outbox:outbox_orders 1", "orders.v2 outbox:outbox_orders.v2 1"}, pendingOf(t, m))
+	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders.v2 1"}, pendingOf(t, m))
 	migs, err := outbox.Migrations(cfg)
 	require.NoError(t, err)
 	v, err := m.Validate(ctx)
@@ -55,11 +56,11 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	require.Equal(t, migs, v.Pending, "pending migrations are rendered as Migrations renders them")
 	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "Validate only reads")
 
-	res, err := m.Migrate(ctx, outbox.DirectionUp, nil)
+	res, err := m.Migrate(ctx, deduplicator.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Equal(t, outbox.DirectionUp, res.Direction)
+	require.Equal(t, deduplicator.DirectionUp, res.Direction)
 	require.Equal(t, []string{"outbox:outbox_orders 1_topic_tables", "outbox:outbox_orders.v2 1_topic_tables"}, versionsOf(res))
-	res, err = m.Migrate(ctx, outbox.DirectionUp, nil)
+	res, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, res.Versions)
 	require.Empty(t, pendingOf(t, m))
@@ -71,21 +72,21 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	require.Contains(t, terr.Problem, "outbox:outbox_orders.v2")
 	_, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: db.Pool, Outbox: ob, Publisher: refusingPublisher{t}}, nil)
 	requireOutboxTableError(t, err, outbox.ErrMigrationsPending, "orders.v2", ob.MessagesTable("orders.v2"))
-	res, err = m.Migrate(ctx, outbox.DirectionUp, nil)
+	res, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Equal(t, []string{"outbox:outbox_orders.v2 1_topic_tables"}, versionsOf(res), "existing tables of the right shape are recorded")
 
-	res, err = m.Migrate(ctx, outbox.DirectionDown, nil)
+	res, err = m.Migrate(ctx, deduplicator.DirectionDown, nil)
 	require.NoError(t, err)
-	require.Equal(t, outbox.DirectionDown, res.Direction)
+	require.Equal(t, deduplicator.DirectionDown, res.Direction)
 	require.Equal(t, []string{"outbox:outbox_orders.v2 1_topic_tables", "outbox:outbox_orders 1_topic_tables"}, versionsOf(res), "backwards, one version per topic")
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "only idem_schema_migration is left")
 	requireOutboxTableError(t, ob.Check(ctx, db.Pool), outbox.ErrTopicNotMigrated, "orders", ob.MessagesTable("orders"))
-	res, err = m.Migrate(ctx, outbox.DirectionDown, &outbox.MigrateOpts{TargetVersion: -1})
+	res, err = m.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: -1})
 	require.NoError(t, err)
 	require.Empty(t, res.Versions)
 
-	_, err = m.Migrate(ctx, outbox.DirectionUp, &outbox.MigrateOpts{TargetVersion: 2})
+	_, err = m.Migrate(ctx, deduplicator.DirectionUp, &deduplicator.MigrateOpts{TargetVersion: 2})
 	require.ErrorContains(t, err, "target version 2 is not a version of outbox:outbox_orders")
 	_, err = outbox.NewMigrator(db.Pool, outbox.Config{Topics: []string{"bad;topic"}})
 	require.ErrorIs(t, err, outbox.ErrInvalidTopic)
@@ -122,11 +123,11 @@ func TestMigrator_AdoptsUnversionedTables(t *testing.T) {
 
 	m, err := outbox.NewMigrator(db.Pool, cfg)
 	require.NoError(t, err)
-	results := make([]*outbox.MigrateResult, 4)
+	results := make([]*deduplicator.MigrateResult, 4)
 	errs := make([]error, 4)
 	var wg sync.WaitGroup
 	for i := range results {
-		wg.Go(func() { results[i], errs[i] = m.Migrate(ctx, outbox.DirectionUp, nil) })
+		wg.Go(func() { results[i], errs[i] = m.Migrate(ctx, deduplicator.DirectionUp, nil) })
 	}
 	wg.Wait()
 	var applied []string
@@ -153,7 +154,7 @@ func TestMigrator_MigrateTx(t *testing.T) {
 
 	tx, err := db.Pool.Begin(ctx)
 	require.NoError(t, err)
-	res, err := m.MigrateTx(ctx, tx, outbox.DirectionUp, nil)
+	res, err := m.MigrateTx(ctx, tx, deduplicator.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Len(t, res.Versions, 1)
 	v, err := m.ValidateTx(ctx, tx)
@@ -161,10 +162,10 @@ func TestMigrator_MigrateTx(t *testing.T) {
 	require.True(t, v.OK)
 	require.NoError(t, ob.CheckTx(ctx, tx))
 	require.NoError(t, tx.Rollback(ctx))
-	require.Equal(t, []string{"orders outbox:outbox_orders 1"}, pendingOf(t, m))
+	require.Equal(t, []string{"outbox:outbox_orders 1"}, pendingOf(t, m))
 
 	require.NoError(t, pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-		_, err := m.MigrateTx(ctx, tx, outbox.DirectionUp, nil)
+		_, err := m.MigrateTx(ctx, tx, deduplicator.DirectionUp, nil)
 		return err
 	}))
 	require.NoError(t, ob.Check(ctx, db.Pool))

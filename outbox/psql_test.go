@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -64,22 +65,17 @@ func TestMigrationsAppliedWithPsql(t *testing.T) {
 	outboxMigs, err := outbox.Migrations(cfg)
 	require.NoError(t, err)
 	require.Len(t, outboxMigs, 1)
-	require.Equal(t, topic, outboxMigs[0].Topic)
+	require.Equal(t, "outbox:outbox_"+topic, outboxMigs[0].Component)
 
 	// One file per version, numbered for the tool, as docs/operations.md
-	// shows.
+	// names them.
 	dir := t.TempDir()
+	safe := strings.NewReplacer(":", "_", ".", "_", "-", "_", "$", "_")
 	var ups, downs []string
-	n := 0
-	for _, m := range dedupMigs {
-		n++
-		ups = append(ups, writeSQL(t, dir, fmt.Sprintf("%05d_idem_%s.up.sql", n, m.Name), m.Up))
-		downs = append([]string{writeSQL(t, dir, fmt.Sprintf("%05d_idem_%s.down.sql", n, m.Name), m.Down)}, downs...)
-	}
-	for _, m := range outboxMigs {
-		n++
-		ups = append(ups, writeSQL(t, dir, fmt.Sprintf("%05d_outbox_%s.up.sql", n, m.Name), m.Up))
-		downs = append([]string{writeSQL(t, dir, fmt.Sprintf("%05d_outbox_%s.down.sql", n, m.Name), m.Down)}, downs...)
+	for i, m := range append(dedupMigs, outboxMigs...) {
+		name := fmt.Sprintf("%05d_%s_%s", i+1, safe.Replace(m.Component), m.Name)
+		ups = append(ups, writeSQL(t, dir, name+".up.sql", m.Up))
+		downs = append([]string{writeSQL(t, dir, name+".down.sql", m.Down)}, downs...)
 	}
 	for _, f := range ups {
 		psqlFile(t, db.Schema, f)
@@ -98,7 +94,7 @@ func TestMigrationsAppliedWithPsql(t *testing.T) {
 	dres, err := dm.Migrate(ctx, deduplicator.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, dres.Versions)
-	ores, err := om.Migrate(ctx, outbox.DirectionUp, nil)
+	ores, err := om.Migrate(ctx, deduplicator.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, ores.Versions)
 

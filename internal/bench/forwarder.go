@@ -104,7 +104,7 @@ func migrateTopic(ctx context.Context, db deduplicator.Beginner, o *outbox.Outbo
 	if err != nil {
 		return err
 	}
-	_, err = m.Migrate(ctx, outbox.DirectionUp, nil)
+	_, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
 	return err
 }
 
