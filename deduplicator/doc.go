@@ -4,7 +4,7 @@
 // concurrent deliveries of an event is first.
 //
 // Most services use it through the middleware package and only call
-// [Migrate] at start-up. Use a [Deduplicator] directly to dedup outside
+// [Migrate] (or a [Migrator]) at start-up. Use a [Deduplicator] directly to dedup outside
 // Watermill, in your own transaction:
 //
 //	if err := deduplicator.Migrate(ctx, pool, deduplicator.TableConfig{}); err != nil { ... }
@@ -33,19 +33,32 @@
 //
 // # Schema and migrations
 //
-// [Migrate] creates or upgrades the table named by [TableConfig] (default
-// public.processed_event) and its two companion tables, <table>_setting (the
-// retention) and <table>_group (the consumer groups): embedded, versioned
-// migrations, one transaction per version, recorded in idem_schema_migration,
-// serialised by an advisory lock so every instance may call it at start-up.
+// A [Migrator] creates, upgrades and downgrades the table named by
+// [TableConfig] (default public.processed_event) and its two companion
+// tables, <table>_setting (the retention) and <table>_group (the consumer
+// groups): embedded, versioned migrations, one transaction per version,
+// recorded in idem_schema_migration under processed_event:<table>,
+// serialised by an advisory lock so every instance may migrate at start-up.
+// [Migrator.Migrate] returns the versions it applied or reverted
+// ([DirectionUp], or [DirectionDown] one version at a time unless
+// [MigrateOpts.TargetVersion] says otherwise); [Migrator.MigrateTx] runs on
+// the caller's transaction; [Migrator.Validate] lists the pending versions.
+// [Migrate] is the start-up shorthand: up to the newest version.
+//
+//	migrator, err := deduplicator.NewMigrator(pool, table)
+//	res, err := migrator.Migrate(ctx, deduplicator.DirectionUp, nil)
+//	for _, v := range res.Versions { log.Printf("applied %s %d_%s", v.Component, v.Version, v.Name) }
+//
+// The outbox's tables have a Migrator of the same shape on the same engine
+// and migration table (outbox.NewMigrator).
 // Schema and table names must be plain identifiers ([TableConfig.Validate];
 // the table at most 55 bytes, so that <table>_setting fits PostgreSQL's 63)
 // and are always quoted.
 // Teams that manage schemas with goose or golang-migrate take the rendered
 // SQL from [Migrations] (or the raw templates in [MigrationTemplates])
 // instead; that SQL records its own version in idem_schema_migration, as
-// Migrate does, so files generated from an earlier release must be
-// regenerated for [Check] to pass.
+// a Migrator does, so a Migrator finds nothing to apply and [Check] passes.
+// Files generated from an earlier release must be regenerated.
 //
 // # Start-up checks
 //

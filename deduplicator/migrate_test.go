@@ -2,6 +2,7 @@ package deduplicator_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -132,4 +133,157 @@ func TestMigrationsRawSQLUpAndDown(t *testing.T) {
 	raw, err := deduplicator.MigrationTemplates.Open("001_processed_event.up.sql")
 	require.NoError(t, err)
 	require.NoError(t, raw.Close())
+}
+
+// versionsOf lists "component version" for each applied or reverted version.
+func versionsOf(res *deduplicator.MigrateResult) []string {
+	out := []string{}
+	for _, v := range res.Versions {
+		out = append(out, fmt.Sprintf("%s %d_%s", v.Component, v.Version, v.Name))
+	}
+	return out
+}
+
+func pendingOf(t *testing.T, m *deduplicator.Migrator) []int {
+	t.Helper()
+	res, err := m.Validate(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, len(res.Pending) == 0, res.OK)
+	out := []int{}
+	for _, p := range res.Pending {
+		out = append(out, p.Version)
+	}
+	return out
+}
+
+// A Migrator returns what it applied, per component and version; Validate
+// lists what is pending; down steps back one version by default, to a
+// target version, or all the way (-1).
+func TestMigratorUpValidateDown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	table := deduplicator.TableConfig{Schema: db.Schema, Table: "seen"}
+	m, err := deduplicator.NewMigrator(db.Pool, table)
+	require.NoError(t, err)
+
+	v, err := m.Validate(ctx)
+	require.NoError(t, err)
+	require.False(t, v.OK)
+	require.Len(t, v.Pending, 2)
+	require.Equal(t, "processed_event:seen", v.Pending[0].Component)
+	migs, err := deduplicator.Migrations(table)
+	require.NoError(t, err)
+	require.Equal(t, migs, v.Pending, "pending migrations are rendered as Migrations renders them")
+	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "Validate only reads")
+
+	res, err := m.Migrate(ctx, deduplicator.DirectionUp, &deduplicator.MigrateOpts{TargetVersion: 1})
+	require.NoError(t, err)
+	require.Equal(t, deduplicator.DirectionUp, res.Direction)
+	require.Equal(t, []string{"processed_event:seen 1_processed_event"}, versionsOf(res))
+	require.Equal(t, []int{2}, pendingOf(t, m))
+	requireTableError(t, deduplicator.Check(ctx, db.Pool, table), deduplicator.ErrMigrationsPending, db.Schema+".seen")
+
+	res, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	require.NoError(t, err)
+	require.Equal(t, []string{"processed_event:seen 2_retention_and_groups"}, versionsOf(res))
+	res, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	require.NoError(t, err)
+	require.Empty(t, res.Versions, "nothing left to apply")
+	require.Empty(t, pendingOf(t, m))
+	require.NoError(t, deduplicator.Check(ctx, db.Pool, table))
+
+	res, err = m.Migrate(ctx, deduplicator.DirectionDown, nil)
+	require.NoError(t, err)
+	require.Equal(t, deduplicator.DirectionDown, res.Direction)
+	require.Equal(t, []string{"processed_event:seen 2_retention_and_groups"}, versionsOf(res), "one step by default")
+	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'seen_setting'", db.Schema))
+	require.Equal(t, []int{2}, pendingOf(t, m))
+
+	_, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	require.NoError(t, err)
+	res, err = m.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: 1})
+	require.NoError(t, err)
+	require.Equal(t, []string{"processed_event:seen 2_retention_and_groups"}, versionsOf(res))
+	res, err = m.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: -1})
+	require.NoError(t, err)
+	require.Equal(t, []string{"processed_event:seen 1_processed_event"}, versionsOf(res))
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "only idem_schema_migration is left")
+	require.Zero(t, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
+	res, err = m.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: -1})
+	require.NoError(t, err)
+	require.Empty(t, res.Versions)
+
+	_, err = m.Migrate(ctx, deduplicator.DirectionUp, &deduplicator.MigrateOpts{TargetVersion: 3})
+	require.ErrorContains(t, err, "target version 3 is not a version of processed_event:seen")
+	_, err = m.Migrate(ctx, "sideways", nil)
+	require.ErrorContains(t, err, `direction "sideways"`)
+
+	_, err = deduplicator.NewMigrator(db.Pool, deduplicator.TableConfig{Schema: db.Schema, Table: "a;b"})
+	require.ErrorContains(t, err, "Table:")
+	_, err = deduplicator.NewMigrator(nil, table)
+	require.ErrorContains(t, err, "db is nil")
+}
+
+// Down from the partitioned layout reverts version 100 first, keeping every
+// row in a plain table; a Migrator of the plain layout refuses to go down
+// past the version 100 it does not know.
+func TestMigratorDownFromPartitioned(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	part := deduplicator.TableConfig{Schema: db.Schema, Layout: deduplicator.LayoutPartitioned}
+	plain := deduplicator.TableConfig{Schema: db.Schema}
+	mp, err := deduplicator.NewMigrator(db.Pool, part)
+	require.NoError(t, err)
+	res, err := mp.Migrate(ctx, deduplicator.DirectionUp, nil)
+	require.NoError(t, err)
+	require.Equal(t, []string{
+		"processed_event:processed_event 1_processed_event",
+		"processed_event:processed_event 2_retention_and_groups",
+		"processed_event:processed_event 100_partition_by_event_id",
+	}, versionsOf(res))
+	db.Exec(t, "INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'g')", publisher.NewEventID())
+
+	m, err := deduplicator.NewMigrator(db.Pool, plain)
+	require.NoError(t, err)
+	res, err = m.Migrate(ctx, deduplicator.DirectionDown, nil)
+	require.ErrorIs(t, err, deduplicator.ErrUnknownVersion)
+	require.Empty(t, res.Versions)
+
+	res, err = mp.Migrate(ctx, deduplicator.DirectionDown, nil)
+	require.NoError(t, err)
+	require.Equal(t, []string{"processed_event:processed_event 100_partition_by_event_id"}, versionsOf(res))
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM processed_event"))
+	require.NoError(t, deduplicator.Check(ctx, db.Pool, plain))
+}
+
+// MigrateTx runs every version in a savepoint of the caller's transaction:
+// nothing is kept unless the caller commits.
+func TestMigratorMigrateTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	table := deduplicator.TableConfig{Schema: db.Schema}
+	m, err := deduplicator.NewMigrator(db.Pool, table)
+	require.NoError(t, err)
+
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	res, err := m.MigrateTx(ctx, tx, deduplicator.DirectionUp, nil)
+	require.NoError(t, err)
+	require.Len(t, res.Versions, 2)
+	v, err := m.ValidateTx(ctx, tx)
+	require.NoError(t, err)
+	require.True(t, v.OK)
+	require.NoError(t, deduplicator.Check(ctx, tx, table))
+	require.NoError(t, tx.Rollback(ctx))
+	require.Equal(t, []int{1, 2}, pendingOf(t, m), "rolled back with the caller's transaction")
+
+	inTx(t, db, func(tx pgx.Tx) {
+		res, err := m.MigrateTx(ctx, tx, deduplicator.DirectionUp, nil)
+		require.NoError(t, err)
+		require.Len(t, res.Versions, 2)
+	})
+	require.NoError(t, deduplicator.Check(ctx, db.Pool, table))
 }

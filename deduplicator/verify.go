@@ -7,9 +7,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/internal/migrate"
 )
@@ -93,18 +91,14 @@ func check(ctx context.Context, db DBTX, cfg TableConfig, migs []migrate.Migrati
 	if terr := shape.problem(cfg); terr != nil {
 		return terr
 	}
-	pending, err := migrate.Pending(ctx, db, cfg.Schema, componentKey(cfg), migs)
+	pending, err := pendingMigrations(ctx, db, cfg, migs)
 	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
-			return fmt.Errorf("deduplicator: check table %s.%s: cannot read %s.%s (GRANT SELECT on it to this role): %w", cfg.Schema, cfg.Table, cfg.Schema, migrate.Table, err)
-		}
-		return fmt.Errorf("deduplicator: check table %s.%s: %w", cfg.Schema, cfg.Table, err)
+		return err
 	}
 	if len(pending) > 0 {
 		return &TableError{
 			Table:   cfg.Schema + "." + cfg.Table,
-			Problem: fmt.Sprintf("migration versions %s of layout %s are not recorded in %s.%s", joinInts(pending), cfg.Layout, cfg.Schema, migrate.Table),
+			Problem: fmt.Sprintf("migration versions %s of layout %s are not recorded in %s.%s", joinVersions(pending), cfg.Layout, cfg.Schema, migrate.Table),
 			Fix:     "run deduplicator.Migrate with this TableConfig at start-up (or apply deduplicator.Migrations with your migration tool and record them)",
 			Err:     ErrMigrationsPending,
 		}
@@ -344,10 +338,10 @@ func (s tableShape) problem(cfg TableConfig) *TableError {
 	return nil
 }
 
-func joinInts(vs []int) string {
-	s := make([]string, len(vs))
-	for i, v := range vs {
-		s[i] = fmt.Sprint(v)
+func joinVersions(migs []Migration) string {
+	s := make([]string, len(migs))
+	for i, m := range migs {
+		s[i] = fmt.Sprint(m.Version)
 	}
 	return strings.Join(s, ", ")
 }

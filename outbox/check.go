@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/migrate"
 )
 
 // ErrTableShape is the reason of a [*TableError] for a table that exists
@@ -22,7 +23,7 @@ var ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 
 // TableError is an outbox table that writers or the forwarder cannot use.
 // Its message names the topic, the table, the problem and the fix in one
 // line; Unwrap returns the reason: [ErrTopicNotMigrated] (the table does not
-// exist) or [ErrTableShape].
+// exist), [ErrTableShape] or [ErrMigrationsPending].
 type TableError struct {
 	// Topic whose table it is.
 	Topic string
@@ -43,10 +44,11 @@ func (e *TableError) Unwrap() error { return e.Err }
 
 // Check verifies, for each topic (default: Config.Topics), that its
 // messages table and its offsets table exist with the columns this package
-// and the [Forwarder] use. It only reads; run it at start-up when another
-// process owns the migrations ([Outbox.Migrate] and [NewForwarder] run it
-// themselves). A table that fails returns a [*TableError]; a failing query
-// returns its error, wrapped.
+// and the [Forwarder] use, and that every migration of the topic is
+// recorded as applied ([Migrator.Validate]). It only reads; run it at
+// start-up when another process owns the migrations ([Outbox.Migrate] and
+// [NewForwarder] run it themselves). A table that fails returns a
+// [*TableError]; a failing query returns its error, wrapped.
 func (o *Outbox) Check(ctx context.Context, db deduplicator.Beginner, topics ...string) error {
 	tx, err := db.Begin(ctx)
 	if err != nil {
@@ -72,17 +74,38 @@ type querier interface {
 
 func (o *Outbox) checkTopics(ctx context.Context, q querier, topics []string) error {
 	for _, topic := range topics {
-		if err := o.cfg.validateTopic(topic); err != nil {
+		if err := o.checkShape(ctx, q, topic); err != nil {
 			return err
 		}
-		if err := o.checkTable(ctx, q, topic, false); err != nil {
+		pending, err := o.pendingMigrations(ctx, q, topic)
+		if err != nil {
 			return err
 		}
-		if err := o.checkTable(ctx, q, topic, true); err != nil {
-			return err
+		if len(pending) > 0 {
+			versions := make([]string, len(pending))
+			for i, m := range pending {
+				versions[i] = fmt.Sprint(m.Version)
+			}
+			return &TableError{
+				Topic: topic, Table: o.MessagesTable(topic), Err: ErrMigrationsPending,
+				Problem: fmt.Sprintf("migration versions %s of component %s are not recorded in %s.%s", strings.Join(versions, ", "), o.componentKey(topic), o.cfg.Schema, migrate.Table),
+				Fix:     "run Outbox.Migrate (or outbox.NewMigrator(...).Migrate) at start-up, which records tables of the right shape without changing them, or apply outbox.Migrations with your migration tool",
+			}
 		}
 	}
 	return nil
+}
+
+// checkShape verifies that topic's two tables exist with the expected
+// columns and keys.
+func (o *Outbox) checkShape(ctx context.Context, q querier, topic string) error {
+	if err := o.cfg.validateTopic(topic); err != nil {
+		return err
+	}
+	if err := o.checkTable(ctx, q, topic, false); err != nil {
+		return err
+	}
+	return o.checkTable(ctx, q, topic, true)
 }
 
 // checkTable reads one table's columns (and, for an offsets table, whether
@@ -110,7 +133,7 @@ FROM pg_catalog.pg_class c
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')`, o.cfg.Schema, name).Scan(&columns, &groupUniq)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return fail(ErrTopicNotMigrated, "add the topic to Config.Topics and call Outbox.Migrate at start-up (or Outbox.MigrateTopics)", "does not exist")
+		return fail(ErrTopicNotMigrated, "add the topic to Config.Topics and call Outbox.Migrate (or a Migrator) at start-up", "does not exist")
 	}
 	if err != nil {
 		return fmt.Errorf("outbox: check table %s: %w", quoted, err)

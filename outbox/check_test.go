@@ -24,7 +24,7 @@ func requireOutboxTableError(t *testing.T, err error, reason error, topic, table
 	require.NotEmpty(t, terr.Fix)
 	require.NotContains(t, err.Error(), "\n")
 	require.Contains(t, err.Error(), "fix: "+terr.Fix)
-	for _, other := range []error{outbox.ErrTopicNotMigrated, outbox.ErrTableShape} {
+	for _, other := range []error{outbox.ErrTopicNotMigrated, outbox.ErrTableShape, outbox.ErrMigrationsPending} {
 		if other != reason {
 			require.False(t, errors.Is(err, other))
 		}
@@ -114,7 +114,7 @@ func TestMigrate_RefusesTablesOfAnotherShape(t *testing.T) {
 
 	// watermill-sql v2's layout had no transaction_id.
 	e.db.Exec(t, `CREATE TABLE "outbox_legacy" ("offset" SERIAL PRIMARY KEY, uuid VARCHAR(36) NOT NULL, created_at TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP, payload BYTEA, metadata JSON)`)
-	requireOutboxTableError(t, e.outbox.MigrateTopics(ctx, e.db.Pool, "legacy"), outbox.ErrTableShape, "legacy", e.outbox.MessagesTable("legacy"))
+	requireOutboxTableError(t, migrateTopics(ctx, e.db.Pool, e.outbox, "legacy"), outbox.ErrTableShape, "legacy", e.outbox.MessagesTable("legacy"))
 	require.Zero(t, e.db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'outbox_legacy__offsets'", e.db.Schema), "rolled back")
 }
 

@@ -13,7 +13,7 @@
 // causation_id and correlation_id).
 //
 //	ob, _ := outbox.New(outbox.Config{Topics: []string{"orders"}}, logger)
-//	_ = ob.Migrate(ctx, pool) // at start-up: CREATE TABLE IF NOT EXISTS
+//	_ = ob.Migrate(ctx, pool) // at start-up: versioned, see Migrator
 //
 //	tx, _ := pool.Begin(ctx)
 //	_, _ = tx.Exec(ctx, "INSERT INTO orders ...")
@@ -45,6 +45,20 @@
 // The forwarder never deletes rows; [Outbox.DeleteForwarded] removes those
 // every listed forwarder (and watermill-sql subscriber) has passed, and
 // [Outbox.Backlog] reports what a forwarder has not sent yet.
+//
+// # Migrations
+//
+// A [Migrator] (built from the same [Config]) creates each topic's two
+// tables, exactly as watermill-sql v4 makes them, as embedded, versioned
+// migrations recorded per topic in idem_schema_migration, on the engine and
+// migration table of [deduplicator.Migrator] and with its shape and types:
+// [Migrator.Migrate] returns what it applied, [Migrator.MigrateTx] runs on
+// the caller's transaction, [Migrator.Validate] lists the pending versions,
+// [deduplicator.DirectionDown] reverts. [Outbox.Migrate] is the start-up shorthand.
+// Tables an earlier release made without versions are adopted as version 1
+// when their shape matches. [Migrations] renders the SQL, with its record,
+// for goose or golang-migrate. [Outbox.Check] and [NewForwarder] refuse
+// missing tables, tables of another shape and unrecorded versions.
 //
 // See docs/outbox.md for the visibility rule, ordering, failure behaviour and
 // the measured throughput.

@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -49,8 +50,21 @@ func (e *env) kafka(t *testing.T) *kafkatest.Broker {
 func (e *env) topic(t *testing.T, prefix string, partitions int32) string {
 	t.Helper()
 	name := e.kafka(t).Topic(t, prefix, partitions)
-	require.NoError(t, e.outbox.MigrateTopics(context.Background(), e.db.Pool, name))
+	require.NoError(t, migrateTopics(context.Background(), e.db.Pool, e.outbox, name))
 	return name
+}
+
+// migrateTopics migrates the tables of topics in o's schema, with o's
+// prefix and payload type, whether or not o's Config lists them.
+func migrateTopics(ctx context.Context, db deduplicator.Beginner, o *outbox.Outbox, topics ...string) error {
+	cfg := o.Config()
+	cfg.Topics = topics
+	m, err := outbox.NewMigrator(db, cfg)
+	if err != nil {
+		return err
+	}
+	_, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	return err
 }
 
 func (e *env) producer(t *testing.T) sarama.SyncProducer {

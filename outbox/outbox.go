@@ -42,7 +42,8 @@ const offsetsSuffix = "__offsets"
 
 var (
 	// ErrTopicNotMigrated is returned when a topic's table does not exist:
-	// add the topic to Config.Topics (or call MigrateTopics) at start-up.
+	// add the topic to Config.Topics and migrate it at start-up
+	// ([Outbox.Migrate] or a [Migrator]).
 	ErrTopicNotMigrated = errors.New("outbox: topic table does not exist; create it with Migrate at start-up")
 	// ErrInvalidTopic is returned for a topic that cannot name a table.
 	ErrInvalidTopic = errors.New("outbox: invalid topic")
@@ -61,8 +62,9 @@ type Config struct {
 	// fit PostgreSQL's 63-byte limit. Defaults to [DefaultTablePrefix]
 	// ("outbox_").
 	TablePrefix string
-	// Topics are the topics whose tables [Outbox.Migrate] creates, and that
-	// a [Forwarder] forwards unless told otherwise. Defaults to none.
+	// Topics are the topics whose tables a [Migrator] (and [Outbox.Migrate])
+	// creates, that [Outbox.Check] verifies, and that a [Forwarder] forwards
+	// unless told otherwise. Defaults to none.
 	Topics []string
 	// PayloadType is the payload column type: BYTEA, JSON or JSONB. JSON
 	// types refuse non-JSON payloads. Defaults to [DefaultPayloadType] (BYTEA).
@@ -134,9 +136,9 @@ var _ interface {
 
 // New validates cfg and returns an Outbox. It does not touch the database
 // (it has no connection: writes use the caller's transaction): call
-// [Outbox.Migrate] at start-up, or [Outbox.Check] when another process owns
-// the migrations, so that a missing table fails the start-up rather than the
-// first message.
+// [Outbox.Migrate] (or a [Migrator]) at start-up, or [Outbox.Check] when
+// another process owns the migrations, so that a missing table fails the
+// start-up rather than the first message.
 func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
@@ -183,59 +185,6 @@ func (o *Outbox) SchemaAdapter() *wsql.DefaultPostgreSQLSchema { return o.schema
 // OffsetsAdapter returns the watermill-sql offsets adapter of the outbox
 // tables, to read them with a watermill-sql Subscriber.
 func (o *Outbox) OffsetsAdapter() wsql.DefaultPostgreSQLOffsetsAdapter { return o.offsets }
-
-// Migrate creates the schema (if missing) and the tables of Config.Topics.
-// Run it at start-up: watermill-sql cannot create tables inside a caller's
-// transaction.
-func (o *Outbox) Migrate(ctx context.Context, db deduplicator.Beginner) error {
-	return o.MigrateTopics(ctx, db, o.cfg.Topics...)
-}
-
-// MigrateTopics creates the tables of topics, in one transaction, under
-// watermill-sql's advisory lock, then verifies them as [Outbox.Check] does:
-// a table that already existed with another shape is a [*TableError] and
-// nothing is committed. It is idempotent.
-func (o *Outbox) MigrateTopics(ctx context.Context, db deduplicator.Beginner, topics ...string) (err error) {
-	var queries []wsql.Query
-	for _, topic := range topics {
-		if err := o.cfg.validateTopic(topic); err != nil {
-			return err
-		}
-		q, err := o.schema.SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams{Topic: topic})
-		if err != nil {
-			return fmt.Errorf("outbox: schema queries: %w", err)
-		}
-		queries = append(queries, q...)
-		q, err = o.offsets.SchemaInitializingQueries(wsql.OffsetsSchemaInitializingQueriesParams{Topic: topic})
-		if err != nil {
-			return fmt.Errorf("outbox: offsets queries: %w", err)
-		}
-		queries = append(queries, q...)
-	}
-	tx, err := db.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("outbox: migrate: begin: %w", err)
-	}
-	defer rollback(ctx, tx)
-	if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident.Quote(o.cfg.Schema)); err != nil {
-		return fmt.Errorf("outbox: migrate: %w", err)
-	}
-	for _, q := range queries {
-		if _, err := tx.Exec(ctx, q.Query, q.Args...); err != nil {
-			return fmt.Errorf("outbox: migrate: %w", err)
-		}
-	}
-	// CREATE TABLE IF NOT EXISTS keeps a table of that name whatever its
-	// shape: verify it before committing.
-	if err := o.checkTopics(ctx, tx, topics); err != nil {
-		return err
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("outbox: migrate: commit: %w", err)
-	}
-	o.logger.Debug("Outbox tables ready", watermill.LogFields{"topics": strings.Join(topics, ","), "schema": o.cfg.Schema})
-	return nil
-}
 
 func rollback(ctx context.Context, tx pgx.Tx) {
 	_ = tx.Rollback(context.WithoutCancel(ctx)) // pgx.ErrTxClosed after a commit is expected

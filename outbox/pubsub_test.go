@@ -32,7 +32,7 @@ type migratingPublisher struct {
 func (p *migratingPublisher) Publish(topic string, msgs ...*message.Message) error {
 	p.mu.Lock()
 	if !p.done[topic] {
-		if err := p.o.MigrateTopics(context.Background(), p.db, topic); err != nil {
+		if err := migrateTopics(context.Background(), p.db, p.o, topic); err != nil {
 			p.mu.Unlock()
 			return err
 		}

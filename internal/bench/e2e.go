@@ -262,7 +262,7 @@ func (r *e2eRig) pipeline(ctx context.Context, in string, n int, produceRate flo
 	if err != nil {
 		return res, err
 	}
-	if err := r.outbox.MigrateTopics(ctx, r.db.Pool, out); err != nil {
+	if err := migrateTopic(ctx, r.db.Pool, r.outbox, out); err != nil {
 		return res, err
 	}
 	group := fmt.Sprintf("bench-e2e-%d", r.seq.Add(1))

@@ -11,9 +11,11 @@ import (
 	"io/fs"
 	"path"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"text/template"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -93,59 +95,204 @@ func Load(fsys fs.FS, data any) ([]Migration, error) {
 	return out, nil
 }
 
-// Up applies every migration of component not yet recorded in schema's
-// migration table, in version order, each in its own transaction. It returns
-// the versions it applied.
-func Up(ctx context.Context, db Beginner, schema, component string, migrations []Migration) ([]int, error) {
-	if err := ident.Validate("schema", schema); err != nil {
-		return nil, err
-	}
-	var applied []int
-	for _, m := range migrations {
-		done, err := applyOne(ctx, db, schema, component, m)
-		if err != nil {
-			return applied, fmt.Errorf("migration %s %d_%s: %w", component, m.Version, m.Name, err)
-		}
-		if done {
-			applied = append(applied, m.Version)
-		}
-	}
-	return applied, nil
+// Direction is the way [Migrate] goes.
+type Direction string
+
+// The directions.
+const (
+	DirectionUp   Direction = "up"
+	DirectionDown Direction = "down"
+)
+
+// Line is one component's chain of versions, recorded in the migration table
+// under Component: a processed_event table, or one outbox topic's tables.
+type Line struct {
+	Component string
+	// Migrations in ascending version order.
+	Migrations []Migration
+	// Verify, when set, runs in the transaction of every version going up,
+	// after its SQL and before its record: an error rolls the version back.
+	// It is how tables that an unversioned CREATE TABLE IF NOT EXISTS made
+	// earlier are adopted as version 1 only when their shape matches.
+	Verify func(ctx context.Context, tx pgx.Tx, m Migration) error
 }
 
-// Down reverts the migrations of component down to (but not including)
-// version target, newest first.
-func Down(ctx context.Context, db Beginner, schema, component string, migrations []Migration, target int) ([]int, error) {
+// Options narrow a run of [Migrate].
+type Options struct {
+	// TargetVersion going up applies the versions up to and including it (0:
+	// all of them). Going down it reverts the versions above it; 0 reverts
+	// only the newest applied version of each line, -1 every version. When
+	// set (> 0) it must be a version of every line.
+	TargetVersion int
+}
+
+// Step is one version applied or reverted.
+type Step struct {
+	Component string
+	Version   int
+	Name      string
+	Duration  time.Duration
+}
+
+// ErrUnknownVersion is returned going down when the migration table records
+// a version of a line that the line does not have (another layout, or a
+// newer release of the library): reverting around it could drop tables it
+// relies on.
+var ErrUnknownVersion = errors.New("recorded but unknown to this migrator")
+
+// Migrate applies (up) or reverts (down) the versions of lines in schema,
+// each in its own transaction (a savepoint when db is a pgx.Tx) that takes
+// the schema's migration lock and re-reads whether the version is applied,
+// so concurrent callers apply each version once. Up goes line by line,
+// oldest version first; down goes backwards. It returns the steps it took,
+// also when it fails part way (the failing version is rolled back alone).
+func Migrate(ctx context.Context, db Beginner, schema string, dir Direction, lines []Line, opts Options) ([]Step, error) {
 	if err := ident.Validate("schema", schema); err != nil {
 		return nil, err
 	}
-	var reverted []int
-	for i := len(migrations) - 1; i >= 0; i-- {
-		m := migrations[i]
-		if m.Version <= target {
-			break
-		}
-		done, err := inTx(ctx, db, schema, component, func(tx pgx.Tx, isApplied bool) (bool, error) {
-			if !isApplied {
-				return false, nil
+	if err := checkTarget(dir, lines, opts.TargetVersion); err != nil {
+		return nil, err
+	}
+	if dir == DirectionDown {
+		return down(ctx, db, schema, lines, opts.TargetVersion)
+	}
+	var steps []Step
+	for _, l := range lines {
+		for _, m := range l.Migrations {
+			if opts.TargetVersion > 0 && m.Version > opts.TargetVersion {
+				break
 			}
-			if m.Down == "" {
-				return false, errors.New("no down migration")
+			start := time.Now()
+			done, err := inTx(ctx, db, schema, l.Component, m.Version, func(tx pgx.Tx, applied bool) (bool, error) {
+				if applied {
+					return false, nil
+				}
+				if _, err := tx.Exec(ctx, m.Up); err != nil {
+					return false, err
+				}
+				if l.Verify != nil {
+					if err := l.Verify(ctx, tx, m); err != nil {
+						return false, err
+					}
+				}
+				_, err := tx.Exec(ctx, "INSERT INTO "+ident.Quote(schema, Table)+" (component, version, name) VALUES ($1, $2, $3)", l.Component, m.Version, m.Name)
+				return err == nil, err
+			})
+			if err != nil {
+				return steps, fmt.Errorf("migration %s %d_%s: %w", l.Component, m.Version, m.Name, err)
 			}
-			if _, err := tx.Exec(ctx, m.Down); err != nil {
-				return false, err
+			if done {
+				steps = append(steps, Step{Component: l.Component, Version: m.Version, Name: m.Name, Duration: time.Since(start)})
 			}
-			_, err := tx.Exec(ctx, "DELETE FROM "+ident.Quote(schema, Table)+" WHERE component = $1 AND version = $2", component, m.Version)
-			return err == nil, err
-		}, m.Version)
-		if err != nil {
-			return reverted, fmt.Errorf("migration %s %d_%s down: %w", component, m.Version, m.Name, err)
-		}
-		if done {
-			reverted = append(reverted, m.Version)
 		}
 	}
-	return reverted, nil
+	return steps, nil
+}
+
+// checkTarget refuses a direction or a target version that means nothing.
+func checkTarget(dir Direction, lines []Line, target int) error {
+	switch {
+	case dir != DirectionUp && dir != DirectionDown:
+		return fmt.Errorf("direction %q: want %q or %q", dir, DirectionUp, DirectionDown)
+	case dir == DirectionUp && target < 0:
+		return fmt.Errorf("target version %d: going up it must be 0 (every version) or a version", target)
+	case target < -1:
+		return fmt.Errorf("target version %d: going down it must be -1 (every version), 0 (one step) or a version", target)
+	case target <= 0:
+		return nil
+	}
+	for _, l := range lines {
+		if !slices.ContainsFunc(l.Migrations, func(m Migration) bool { return m.Version == target }) {
+			return fmt.Errorf("target version %d is not a version of %s", target, l.Component)
+		}
+	}
+	return nil
+}
+
+// down reverts, line by line from the last, the applied versions above
+// target (target 0: the newest applied one of each line), newest first.
+func down(ctx context.Context, db Beginner, schema string, lines []Line, target int) ([]Step, error) {
+	var steps []Step
+	for i := len(lines) - 1; i >= 0; i-- {
+		l := lines[i]
+		recorded, err := readRecorded(ctx, db, schema, l.Component)
+		if err != nil {
+			return steps, fmt.Errorf("migration %s down: %w", l.Component, err)
+		}
+		known := map[int]bool{}
+		newest := 0
+		for _, m := range l.Migrations {
+			known[m.Version] = true
+			if recorded[m.Version] {
+				newest = m.Version
+			}
+		}
+		for v := range recorded {
+			if !known[v] && v > target {
+				return steps, fmt.Errorf("migration %s down: version %d: %w", l.Component, v, ErrUnknownVersion)
+			}
+		}
+		for j := len(l.Migrations) - 1; j >= 0; j-- {
+			m := l.Migrations[j]
+			if m.Version <= target || (target == 0 && m.Version != newest) {
+				continue
+			}
+			start := time.Now()
+			done, err := inTx(ctx, db, schema, l.Component, m.Version, func(tx pgx.Tx, applied bool) (bool, error) {
+				if !applied {
+					return false, nil
+				}
+				if m.Down == "" {
+					return false, errors.New("no down migration")
+				}
+				if _, err := tx.Exec(ctx, m.Down); err != nil {
+					return false, err
+				}
+				_, err := tx.Exec(ctx, "DELETE FROM "+ident.Quote(schema, Table)+" WHERE component = $1 AND version = $2", l.Component, m.Version)
+				return err == nil, err
+			})
+			if err != nil {
+				return steps, fmt.Errorf("migration %s %d_%s down: %w", l.Component, m.Version, m.Name, err)
+			}
+			if done {
+				steps = append(steps, Step{Component: l.Component, Version: m.Version, Name: m.Name, Duration: time.Since(start)})
+			}
+		}
+	}
+	return steps, nil
+}
+
+// readRecorded returns the versions recorded for component, in a
+// transaction of its own that only reads.
+func readRecorded(ctx context.Context, db Beginner, schema, component string) (map[int]bool, error) {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	return recordedVersions(ctx, tx, schema, component)
+}
+
+// recordedVersions returns the versions schema's migration table records for
+// component; none without a migration table.
+func recordedVersions(ctx context.Context, db Querier, schema, component string) (map[int]bool, error) {
+	recorded := map[int]bool{}
+	exists, err := tableExists(ctx, db, schema)
+	if err != nil || !exists {
+		return recorded, err
+	}
+	rows, err := db.Query(ctx, "SELECT version FROM "+ident.Quote(schema, Table)+" WHERE component = $1", component)
+	if err != nil {
+		return nil, err
+	}
+	versions, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		return nil, err
+	}
+	for _, v := range versions {
+		recorded[int(v)] = true
+	}
+	return recorded, nil
 }
 
 // Pending returns the versions of migrations (in their order) that schema's
@@ -155,23 +302,9 @@ func Pending(ctx context.Context, db Querier, schema, component string, migratio
 	if err := ident.Validate("schema", schema); err != nil {
 		return nil, err
 	}
-	exists, err := tableExists(ctx, db, schema)
+	recorded, err := recordedVersions(ctx, db, schema, component)
 	if err != nil {
 		return nil, fmt.Errorf("pending migrations of %s: %w", component, err)
-	}
-	recorded := map[int]bool{}
-	if exists {
-		rows, err := db.Query(ctx, "SELECT version FROM "+ident.Quote(schema, Table)+" WHERE component = $1", component)
-		if err != nil {
-			return nil, fmt.Errorf("pending migrations of %s: %w", component, err)
-		}
-		versions, err := pgx.CollectRows(rows, pgx.RowTo[int32])
-		if err != nil {
-			return nil, fmt.Errorf("pending migrations of %s: %w", component, err)
-		}
-		for _, v := range versions {
-			recorded[int(v)] = true
-		}
 	}
 	var pending []int
 	for _, m := range migrations {
@@ -197,7 +330,7 @@ var literalRe = regexp.MustCompile(`^[A-Za-z0-9_:.$-]*$`)
 
 // RecordSQL returns SQL that records m as applied for component in
 // schema's migration table (creating the table if missing), and SQL that
-// deletes that record: what [Up] and [Down] do besides m's own SQL, for
+// deletes that record: what [Migrate] does besides m's own SQL, for
 // those who apply the rendered migrations with another tool. component and
 // m.Name travel as literals, so they are limited to letters, digits and
 // _:.$- .
@@ -225,7 +358,7 @@ func tableExists(ctx context.Context, db Querier, schema string) (bool, error) {
 }
 
 // Lock takes the per-schema migration lock in tx (released at its end):
-// the lock Up and Down take for every version, so work done under it never
+// the lock Migrate takes for every version, so work done under it never
 // interleaves with a migration of the same schema.
 func Lock(ctx context.Context, tx pgx.Tx, schema string) error {
 	_, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtextextended('watermill-idempotency/migrate/' || $1, 0))", schema)
@@ -233,7 +366,7 @@ func Lock(ctx context.Context, tx pgx.Tx, schema string) error {
 }
 
 // Forget deletes the records of versions of component from schema's
-// migration table, in tx: the caller has undone their effect, so [Up] must
+// migration table, in tx: the caller has undone their effect, so [Migrate] must
 // apply them again. Without a migration table there is nothing to forget.
 func Forget(ctx context.Context, tx pgx.Tx, schema, component string, versions []int) error {
 	if err := ident.Validate("schema", schema); err != nil {
@@ -253,22 +386,9 @@ func Forget(ctx context.Context, tx pgx.Tx, schema, component string, versions [
 	return err
 }
 
-func applyOne(ctx context.Context, db Beginner, schema, component string, m Migration) (bool, error) {
-	return inTx(ctx, db, schema, component, func(tx pgx.Tx, isApplied bool) (bool, error) {
-		if isApplied {
-			return false, nil
-		}
-		if _, err := tx.Exec(ctx, m.Up); err != nil {
-			return false, err
-		}
-		_, err := tx.Exec(ctx, "INSERT INTO "+ident.Quote(schema, Table)+" (component, version, name) VALUES ($1, $2, $3)", component, m.Version, m.Name)
-		return err == nil, err
-	}, m.Version)
-}
-
 // inTx opens a transaction, takes the per-schema migration lock, ensures the
 // bookkeeping table, tells fn whether version is applied, and commits.
-func inTx(ctx context.Context, db Beginner, schema, component string, fn func(tx pgx.Tx, isApplied bool) (bool, error), version int) (done bool, err error) {
+func inTx(ctx context.Context, db Beginner, schema, component string, version int, fn func(tx pgx.Tx, isApplied bool) (bool, error)) (done bool, err error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return false, err
