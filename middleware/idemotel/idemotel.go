@@ -1,0 +1,276 @@
+package idemotel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/outbox"
+)
+
+// MeterName is the instrumentation name of the meter the instruments are
+// created on.
+const MeterName = "github.com/idemkit/watermill-idempotency/middleware/idemotel"
+
+// BacklogTimeout bounds the backlog query of one collection.
+const BacklogTimeout = 5 * time.Second
+
+// Attributes of the instruments, next to the messaging semantic conventions
+// (messaging.consumer.group.name, messaging.destination.name).
+const (
+	// AttrForwarder is the forwarder's name ([outbox.ForwarderConfig.Name]).
+	AttrForwarder = attribute.Key("idem.outbox.forwarder.name")
+	// AttrRejectReason is the reason of a refused message, the same key and
+	// values as the dedup span's ([idem.AttrRejectReason]).
+	AttrRejectReason = idem.AttrRejectReason
+)
+
+// The reasons of idem.dedup.rejected: the values the dedup span records in
+// idem.reject_reason.
+const (
+	ReasonMissingEventID  = "missing_event_id"
+	ReasonInvalidEventID  = "invalid_event_id"
+	ReasonNilEventID      = "nil_event_id"
+	ReasonNotUUIDv7       = "not_uuidv7"
+	ReasonEventIDMismatch = "event_id_mismatch"
+	ReasonStale           = "stale"
+)
+
+type backlogSource struct {
+	ob   *outbox.Outbox
+	db   deduplicator.Beginner
+	opts outbox.BacklogOpts
+}
+
+// Metrics holds the observable instruments and the components they read.
+// Add components at any time; it is safe for concurrent use.
+type Metrics struct {
+	reg metric.Registration
+
+	mu         sync.Mutex
+	dedups     []*idem.Dedup
+	forwarders map[string]*outbox.Forwarder
+	fwdOrder   []string
+	backlogs   []backlogSource
+
+	processed, duplicates, failed, claimErrors, rejected, claims metric.Int64ObservableCounter
+	groups, grouped, groupFallbacks, alone                       metric.Int64ObservableCounter
+	claimTime, txTime                                            metric.Float64ObservableCounter
+	forwarded, commits, polls, fwdErrors                         metric.Int64ObservableCounter
+	pending                                                      metric.Int64ObservableGauge
+	oldest                                                       metric.Float64ObservableGauge
+}
+
+// New creates the instruments on the meter [MeterName] of mp (nil: the
+// global provider, otel.GetMeterProvider(), which forwards to the SDK once
+// one is installed) and registers the callback that observes them. Call
+// [Metrics.Close] to unregister it.
+func New(mp metric.MeterProvider) (*Metrics, error) {
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	meter := mp.Meter(MeterName)
+	m := &Metrics{forwarders: map[string]*outbox.Forwarder{}}
+	var errs []error
+	counter := func(name, unit, desc string) metric.Int64ObservableCounter {
+		c, err := meter.Int64ObservableCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		errs = append(errs, err)
+		return c
+	}
+	seconds := func(name, desc string) metric.Float64ObservableCounter {
+		c, err := meter.Float64ObservableCounter(name, metric.WithUnit("s"), metric.WithDescription(desc))
+		errs = append(errs, err)
+		return c
+	}
+	m.processed = counter("idem.dedup.processed", "{message}", "Messages whose handler ran and whose transaction committed.")
+	m.duplicates = counter("idem.dedup.duplicates", "{message}", "Messages acked without running the handler: already processed by this consumer group.")
+	m.failed = counter("idem.dedup.failed", "{message}", "First-time messages rolled back: handler error or panic, outbox or COMMIT failure.")
+	m.claimErrors = counter("idem.dedup.claim_errors", "{message}", "Messages whose BEGIN or claim failed.")
+	m.rejected = counter("idem.dedup.rejected", "{message}", "Messages refused before any SQL (poison queue), by reason.")
+	m.claims = counter("idem.dedup.claims", "{claim}", "Claims timed in idem.dedup.claim.time.")
+	m.claimTime = seconds("idem.dedup.claim.time", "Time spent in BEGIN + claim, including waits on a concurrent claim of the same event.")
+	m.txTime = seconds("idem.dedup.tx.time", "Time from BEGIN to COMMIT of processed messages.")
+	m.groups = counter("idem.dedup.group.commits", "{transaction}", "Group-commit transactions claimed (idem.dedup.group.messages messages).")
+	m.grouped = counter("idem.dedup.group.messages", "{message}", "Messages claimed in group-commit transactions.")
+	m.groupFallbacks = counter("idem.dedup.group.fallbacks", "{transaction}", "Groups rolled back by a handler failure, their messages processed alone.")
+	m.alone = counter("idem.dedup.alone", "{message}", "Messages processed in their own transaction in group-commit mode (after a fallback, a failed group claim or an earlier failure of their handler).")
+	m.forwarded = counter("idem.outbox.forwarded", "{message}", "Outbox rows sent to Kafka and acknowledged in the database.")
+	m.commits = counter("idem.outbox.forwarder.commits", "{commit}", "Committed forwarder position updates.")
+	m.polls = counter("idem.outbox.forwarder.polls", "{poll}", "Reads of the outbox by the forwarder.")
+	m.fwdErrors = counter("idem.outbox.forwarder.errors", "{batch}", "Failed forwarder batches (rolled back and retried).")
+	var err error
+	m.pending, err = meter.Int64ObservableGauge("idem.outbox.pending", metric.WithUnit("{message}"),
+		metric.WithDescription("Committed outbox rows the forwarder has not forwarded yet."))
+	errs = append(errs, err)
+	m.oldest, err = meter.Float64ObservableGauge("idem.outbox.oldest_pending_age", metric.WithUnit("s"),
+		metric.WithDescription("Age of the oldest outbox row not forwarded yet (0 when none)."))
+	errs = append(errs, err)
+	if err := errors.Join(errs...); err != nil {
+		return nil, fmt.Errorf("idemotel: create instruments: %w", err)
+	}
+	m.reg, err = meter.RegisterCallback(m.observe,
+		m.processed, m.duplicates, m.failed, m.claimErrors, m.rejected, m.claims, m.claimTime, m.txTime,
+		m.groups, m.grouped, m.groupFallbacks, m.alone,
+		m.forwarded, m.commits, m.polls, m.fwdErrors, m.pending, m.oldest)
+	if err != nil {
+		return nil, fmt.Errorf("idemotel: register callback: %w", err)
+	}
+	return m, nil
+}
+
+// Close unregisters the callback: the instruments report nothing more.
+func (m *Metrics) Close() error { return m.reg.Unregister() }
+
+// AddDedup reports d's counters with the attribute
+// messaging.consumer.group.name. Adding two middlewares of the same group
+// sums them.
+func (m *Metrics) AddDedup(d *idem.Dedup) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.dedups = append(m.dedups, d)
+}
+
+// AddForwarder reports f's counters with the attribute idem.outbox.forwarder.name
+// = name: pass its ForwarderConfig.Name (outbox.DefaultForwarderName by
+// default), the value of the backlog gauges' attribute. A second forwarder
+// with the same name replaces the first.
+func (m *Metrics) AddForwarder(name string, f *outbox.Forwarder) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, ok := m.forwarders[name]; !ok {
+		m.fwdOrder = append(m.fwdOrder, name)
+	}
+	m.forwarders[name] = f
+}
+
+// AddOutboxBacklog reports the outbox lag that [outbox.Outbox.Backlog]
+// gives for opts (nil: ob's topics, the forwarder named
+// outbox.DefaultForwarderName) as the gauges idem.outbox.pending and
+// idem.outbox.oldest_pending_age, with the attributes
+// messaging.destination.name (the topic) and idem.outbox.forwarder.name, queried
+// from db at each collection (bounded by [BacklogTimeout]).
+func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db deduplicator.Beginner, opts *outbox.BacklogOpts) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var o outbox.BacklogOpts
+	if opts != nil {
+		o = *opts
+		o.Topics = append([]string(nil), opts.Topics...)
+	}
+	if o.Forwarder == "" {
+		o.Forwarder = outbox.DefaultForwarderName
+	}
+	m.backlogs = append(m.backlogs, backlogSource{ob: ob, db: db, opts: o})
+}
+
+// observe is the callback of every instrument.
+func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
+	m.mu.Lock()
+	dedups := append([]*idem.Dedup(nil), m.dedups...)
+	forwarders := make([]*outbox.Forwarder, len(m.fwdOrder))
+	for i, name := range m.fwdOrder {
+		forwarders[i] = m.forwarders[name]
+	}
+	names := append([]string(nil), m.fwdOrder...)
+	backlogs := append([]backlogSource(nil), m.backlogs...)
+	m.mu.Unlock()
+
+	byGroup := map[string]*idem.Stats{}
+	var order []string
+	for _, d := range dedups {
+		g := d.Deduplicator().Config().ConsumerGroup
+		s := d.Stats()
+		acc, ok := byGroup[g]
+		if !ok {
+			byGroup[g] = &s
+			order = append(order, g)
+			continue
+		}
+		add(acc, s)
+	}
+	for _, g := range order {
+		s := byGroup[g]
+		group := semconv.MessagingConsumerGroupName(g)
+		set := metric.WithAttributeSet(attribute.NewSet(group))
+		o.ObserveInt64(m.processed, int64(s.Processed), set)
+		o.ObserveInt64(m.duplicates, int64(s.Duplicates), set)
+		o.ObserveInt64(m.failed, int64(s.Failed), set)
+		o.ObserveInt64(m.claimErrors, int64(s.ClaimErrors), set)
+		for _, r := range []struct {
+			reason string
+			n      uint64
+		}{
+			{ReasonMissingEventID, s.Rejected.MissingEventID},
+			{ReasonInvalidEventID, s.Rejected.InvalidEventID},
+			{ReasonNilEventID, s.Rejected.NilEventID},
+			{ReasonNotUUIDv7, s.Rejected.NotUUIDv7},
+			{ReasonEventIDMismatch, s.Rejected.EventIDMismatch},
+			{ReasonStale, s.Rejected.Stale},
+		} {
+			o.ObserveInt64(m.rejected, int64(r.n), metric.WithAttributeSet(attribute.NewSet(group, AttrRejectReason.String(r.reason))))
+		}
+		o.ObserveInt64(m.claims, int64(s.ClaimCount), set)
+		o.ObserveFloat64(m.claimTime, s.ClaimDuration.Seconds(), set)
+		o.ObserveFloat64(m.txTime, s.TxDuration.Seconds(), set)
+		o.ObserveInt64(m.groups, int64(s.Groups), set)
+		o.ObserveInt64(m.grouped, int64(s.GroupedMessages), set)
+		o.ObserveInt64(m.groupFallbacks, int64(s.GroupFallbacks), set)
+		o.ObserveInt64(m.alone, int64(s.Alone), set)
+	}
+	for i, f := range forwarders {
+		s := f.Stats()
+		set := metric.WithAttributeSet(attribute.NewSet(AttrForwarder.String(names[i])))
+		o.ObserveInt64(m.forwarded, int64(s.Forwarded), set)
+		o.ObserveInt64(m.commits, int64(s.Commits), set)
+		o.ObserveInt64(m.polls, int64(s.Polls), set)
+		o.ObserveInt64(m.fwdErrors, int64(s.Errors), set)
+	}
+	var errs []error
+	for _, b := range backlogs {
+		qctx, cancel := context.WithTimeout(ctx, BacklogTimeout)
+		rows, err := b.ob.Backlog(qctx, b.db, &b.opts)
+		cancel()
+		if err != nil {
+			// No value rather than a stale one; the SDK hands the error to
+			// its error handler (a ManualReader returns it from Collect).
+			errs = append(errs, fmt.Errorf("idemotel: outbox backlog (forwarder %q): %w", b.opts.Forwarder, err))
+			continue
+		}
+		for _, r := range rows {
+			set := metric.WithAttributeSet(attribute.NewSet(semconv.MessagingDestinationName(r.Topic), AttrForwarder.String(b.opts.Forwarder)))
+			o.ObserveInt64(m.pending, r.Pending, set)
+			o.ObserveFloat64(m.oldest, r.OldestAge.Seconds(), set)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// add sums s into acc.
+func add(acc *idem.Stats, s idem.Stats) {
+	acc.Processed += s.Processed
+	acc.Duplicates += s.Duplicates
+	acc.Failed += s.Failed
+	acc.ClaimErrors += s.ClaimErrors
+	acc.Rejected.MissingEventID += s.Rejected.MissingEventID
+	acc.Rejected.InvalidEventID += s.Rejected.InvalidEventID
+	acc.Rejected.NilEventID += s.Rejected.NilEventID
+	acc.Rejected.NotUUIDv7 += s.Rejected.NotUUIDv7
+	acc.Rejected.EventIDMismatch += s.Rejected.EventIDMismatch
+	acc.Rejected.Stale += s.Rejected.Stale
+	acc.ClaimDuration += s.ClaimDuration
+	acc.ClaimCount += s.ClaimCount
+	acc.TxDuration += s.TxDuration
+	acc.Groups += s.Groups
+	acc.GroupedMessages += s.GroupedMessages
+	acc.GroupFallbacks += s.GroupFallbacks
+	acc.Alone += s.Alone
+}
