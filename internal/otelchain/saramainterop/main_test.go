@@ -1,0 +1,17 @@
+package saramainterop_test
+
+import (
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+// TestMain fails the run if routers, subscribers (and otelsarama's
+// dispatchers), forwarders, pools or the in-process broker leave goroutines
+// behind.
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// go-metrics (used by Sarama) runs one global ticker for the process.
+		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
+	)
+}
