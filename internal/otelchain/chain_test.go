@@ -171,6 +171,7 @@ func TestTrace_BillingChainIsOneTrace(t *testing.T) {
 	require.EqualValues(t, 2, fwd.Stats().Forwarded)
 
 	otelchain.AssertNothingLeaks(t, spans, append(orderRecs, chargedRecs...)...)
+	t.Logf("the order's trace:\n%s", otelchain.Tree(spans, traceID))
 }
 
 // A traceparent written by a non-Go producer is continued: the header built

@@ -121,6 +121,7 @@ func TestSaramaTracer_ProducerAndConsumerSideOneTrace(t *testing.T) {
 	send := otelchain.Named(spans, "send "+e.Orders)
 	require.NotEmpty(t, send)
 	require.True(t, otelchain.Linked(send[0], order))
+	t.Logf("the order's trace:\n%s", otelchain.Tree(spans, order.TraceID()))
 }
 
 // The pitfall: the Sarama tracer on with no global propagator (the OTel
