@@ -46,6 +46,17 @@ func waitSpans(t *testing.T, e *otelchain.Env, name string, pred func(tracetest.
 
 func anySpan(tracetest.SpanStub) bool { return true }
 
+// linkedTo returns the spans that link to sc.
+func linkedTo(spans tracetest.SpanStubs, sc trace.SpanContext) tracetest.SpanStubs {
+	var out tracetest.SpanStubs
+	for _, s := range spans {
+		if otelchain.Linked(s, sc) {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
 // One trace across the billing chain, with the explicit TracerProvider of
 // every component (Config.TracerProvider, ForwarderConfig.TracerProvider):
 //
@@ -77,101 +88,113 @@ func TestTrace_BillingChainIsOneTrace(t *testing.T) {
 	billing := e.StartConsumer(t, otelchain.GroupBilling, e.Orders, e.Charged, e.BillingHandler(e.TP), nil, nil)
 	e.StartConsumer(t, otelchain.GroupNotification, e.Charged, e.Charged, otelchain.NotificationHandler, nil, nil)
 
-	// (1) The business transaction.
 	order, err := e.PlaceOrder(ctx, e.TP, orderID())
 	require.NoError(t, err)
+	traceID := order.TraceID()
 	require.Eventually(t, func() bool { return e.DB.Count(t, "SELECT 1 FROM notifications") == 1 },
 		90*time.Second, 20*time.Millisecond, "the notification consumer applied billing.charged.v1")
-	processCharged := "process " + e.Charged
-	spans := waitSpans(t, e, processCharged, anySpan)
-
-	root := otelchain.Named(spans, "confirm order")
-	require.Len(t, root, 1)
-	require.False(t, root[0].Parent.IsValid(), "the business transaction starts the trace")
-	traceID := order.TraceID()
-
-	// (2) The outbox row took the order span's context; the record carries it.
+	// Every span of the chain has ended (a batch span ends when the broker
+	// acknowledged, which may come after a consumer fetched the record).
+	var spans tracetest.SpanStubs
+	require.Eventually(t, func() bool {
+		spans = e.Exp.GetSpans()
+		return len(otelchain.Named(spans, "process "+e.Charged)) == 1 &&
+			len(otelchain.Named(spans, "send "+e.Orders)) > 0 && len(otelchain.Named(spans, "send "+e.Charged)) > 0
+	}, 90*time.Second, 20*time.Millisecond, "the chain's spans")
 	orderRecs := e.Records(t, e.Orders, 1)
-	require.Equal(t, otelchain.Traceparent(order), otelchain.Header(orderRecs[0], "traceparent"), "the record's traceparent is the business transaction's span")
-	require.Equal(t, otelchain.BaggageMember, otelchain.Header(orderRecs[0], "baggage"))
-	sendOrders := otelchain.Named(spans, "send "+e.Orders)
-	require.NotEmpty(t, sendOrders)
-	require.True(t, otelchain.Linked(sendOrders[0], order), "the forwarder's batch span links to the row's context")
-	require.Equal(t, trace.SpanKindProducer, sendOrders[0].SpanKind)
-	require.EqualValues(t, 1, otelchain.Attr(sendOrders[0], "messaging.batch.message_count").AsInt64())
-	require.Equal(t, e.Orders, otelchain.Attr(sendOrders[0], "messaging.destination.name").AsString())
-
-	// (3) Billing's dedup span: a child of the producer's context.
-	bill := otelchain.Named(spans, "process "+e.Orders)
-	require.Len(t, bill, 1)
-	b := bill[0]
-	require.Equal(t, trace.SpanKindConsumer, b.SpanKind)
-	require.Equal(t, traceID, b.SpanContext.TraceID(), "billing is in the order's trace")
-	require.Equal(t, order.SpanID(), b.Parent.SpanID(), "billing's dedup span is a child of the producer's context")
-	require.True(t, b.Parent.IsRemote())
-	require.Equal(t, "processed", otelchain.Attr(b, idem.AttrOutcome).AsString())
-	require.Equal(t, otelchain.GroupBilling, otelchain.Attr(b, "messaging.consumer.group.name").AsString())
-	require.Equal(t, otelchain.Header(orderRecs[0], publisher.MetadataEventID), otelchain.Attr(b, idem.AttrEventID).AsString())
-	require.Equal(t, []string{"claim", "commit"}, []string{b.Events[0].Name, b.Events[1].Name})
-	charge := otelchain.Named(otelchain.ChildrenOf(spans, b.SpanContext), "POST /charges")
-	require.Len(t, charge, 1, "the charge call nests under the dedup span")
-	require.Len(t, otelchain.Named(spans, "POST /charges"), 1)
-	require.Equal(t, e.Provider.Keys(), []string{otelchain.Attr(charge[0], idem.AttrIdempotencyKey).AsString()},
-		"the charge's span records the Idempotency-Key the provider received")
-
-	// (4) billing.charged.v1 went through the outbox and the forwarder.
 	chargedRecs := e.Records(t, e.Charged, 1)
-	require.Equal(t, otelchain.Traceparent(b.SpanContext), otelchain.Header(chargedRecs[0], "traceparent"),
-		"the row billing wrote in its handler carries billing's dedup span")
-	require.Equal(t, otelchain.BaggageMember, otelchain.Header(chargedRecs[0], "baggage"), "baggage crosses the second hop")
-	linked := false
-	for _, s := range otelchain.Named(spans, "send "+e.Charged) {
-		linked = linked || otelchain.Linked(s, b.SpanContext)
-	}
-	require.True(t, linked, "a forwarder batch span links to billing's dedup span")
+	var b tracetest.SpanStub // billing's dedup span
 
-	// (5) The notification consumer is in the same trace.
-	notif := otelchain.Named(spans, processCharged)
-	require.Len(t, notif, 1)
-	require.Equal(t, traceID, notif[0].SpanContext.TraceID(), "the last consumer is in the order's trace")
-	require.Equal(t, b.SpanContext.SpanID(), notif[0].Parent.SpanID())
-	require.Equal(t, otelchain.GroupNotification, otelchain.Attr(notif[0], "messaging.consumer.group.name").AsString())
-	require.Equal(t, "processed", otelchain.Attr(notif[0], idem.AttrOutcome).AsString())
+	t.Run("1 the business transaction starts the trace", func(t *testing.T) {
+		root := otelchain.Named(spans, "confirm order")
+		require.Len(t, root, 1)
+		require.False(t, root[0].Parent.IsValid(), "a root span")
+		require.Equal(t, order, root[0].SpanContext)
+	})
 
-	// Every span but the forwarder's batch spans (roots of their own,
-	// linked) is in the one trace.
-	for _, s := range spans {
-		if s.SpanKind == trace.SpanKindProducer && s.InstrumentationScope.Name == outbox.TracerName {
-			continue
+	t.Run("2 the outbox row takes it and the forwarder carries it to Kafka", func(t *testing.T) {
+		require.Equal(t, otelchain.Traceparent(order), otelchain.Header(orderRecs[0], "traceparent"), "the record's traceparent is the business transaction's span")
+		require.Equal(t, otelchain.BaggageMember, otelchain.Header(orderRecs[0], "baggage"))
+		send := linkedTo(otelchain.Named(spans, "send "+e.Orders), order)
+		require.NotEmpty(t, send, "the forwarder's batch span links to the row's context")
+		require.False(t, send[0].Parent.IsValid(), "a batch span has many parents: links, no parent")
+		require.Equal(t, trace.SpanKindProducer, send[0].SpanKind)
+		require.EqualValues(t, 1, otelchain.Attr(send[0], "messaging.batch.message_count").AsInt64())
+		require.Equal(t, e.Orders, otelchain.Attr(send[0], "messaging.destination.name").AsString())
+	})
+
+	t.Run("3 billing's dedup span is a child of the producer's context and charges with the key", func(t *testing.T) {
+		bill := otelchain.Named(spans, "process "+e.Orders)
+		require.Len(t, bill, 1)
+		b = bill[0]
+		require.Equal(t, trace.SpanKindConsumer, b.SpanKind)
+		require.Equal(t, traceID, b.SpanContext.TraceID(), "billing is in the order's trace")
+		require.Equal(t, order.SpanID(), b.Parent.SpanID(), "billing's dedup span is a child of the producer's context")
+		require.True(t, b.Parent.IsRemote())
+		require.Equal(t, "processed", otelchain.Attr(b, idem.AttrOutcome).AsString())
+		require.Equal(t, otelchain.GroupBilling, otelchain.Attr(b, "messaging.consumer.group.name").AsString())
+		require.Equal(t, otelchain.Header(orderRecs[0], publisher.MetadataEventID), otelchain.Attr(b, idem.AttrEventID).AsString())
+		require.Equal(t, []string{"claim", "commit"}, []string{b.Events[0].Name, b.Events[1].Name})
+		charge := otelchain.Named(otelchain.ChildrenOf(spans, b.SpanContext), "POST /charges")
+		require.Len(t, charge, 1, "the charge call nests under the dedup span")
+		require.Len(t, otelchain.Named(spans, "POST /charges"), 1)
+		require.Equal(t, e.Provider.Keys(), []string{otelchain.Attr(charge[0], idem.AttrIdempotencyKey).AsString()},
+			"the charge's span records the Idempotency-Key the provider received")
+	})
+
+	t.Run("4 billing.charged.v1 goes through the outbox and the forwarder", func(t *testing.T) {
+		require.Equal(t, otelchain.Traceparent(b.SpanContext), otelchain.Header(chargedRecs[0], "traceparent"),
+			"the row billing's handler returned (Config.Outbox) carries billing's dedup span")
+		require.Equal(t, otelchain.BaggageMember, otelchain.Header(chargedRecs[0], "baggage"), "baggage crosses the second hop")
+		require.NotEmpty(t, linkedTo(otelchain.Named(spans, "send "+e.Charged), b.SpanContext), "a batch span links to billing's dedup span")
+	})
+
+	t.Run("5 the notification's dedup span is in the same trace", func(t *testing.T) {
+		notif := otelchain.Named(spans, "process "+e.Charged)
+		require.Len(t, notif, 1)
+		require.Equal(t, traceID, notif[0].SpanContext.TraceID(), "the last consumer is in the order's trace")
+		require.Equal(t, b.SpanContext.SpanID(), notif[0].Parent.SpanID())
+		require.Equal(t, otelchain.GroupNotification, otelchain.Attr(notif[0], "messaging.consumer.group.name").AsString())
+		require.Equal(t, "processed", otelchain.Attr(notif[0], idem.AttrOutcome).AsString())
+		// Every span but the forwarder's batch spans (roots of their own,
+		// linked) is in the one trace.
+		for _, s := range spans {
+			if s.SpanKind == trace.SpanKindProducer && s.InstrumentationScope.Name == outbox.TracerName {
+				continue
+			}
+			require.Equal(t, traceID, s.SpanContext.TraceID(), "span %q", s.Name)
 		}
-		require.Equal(t, traceID, s.SpanContext.TraceID(), "span %q", s.Name)
-	}
+	})
 
-	// (6) The same record again: a duplicate, in the same trace, without
-	// the handler's span, without a second charge.
-	e.Republish(t, orderRecs[0])
-	dupOf := func(s tracetest.SpanStub) bool { return otelchain.Attr(s, idem.AttrOutcome).AsString() == "duplicate" }
-	spans = waitSpans(t, e, "process "+e.Orders, dupOf)
-	var dup tracetest.SpanStubs
-	for _, s := range otelchain.Named(spans, "process "+e.Orders) {
-		if dupOf(s) {
-			dup = append(dup, s)
+	t.Run("6 a duplicate delivery is a span with outcome duplicate and no handler span", func(t *testing.T) {
+		e.Republish(t, orderRecs[0])
+		dupOf := func(s tracetest.SpanStub) bool { return otelchain.Attr(s, idem.AttrOutcome).AsString() == "duplicate" }
+		spans = waitSpans(t, e, "process "+e.Orders, dupOf)
+		var dup tracetest.SpanStubs
+		for _, s := range otelchain.Named(spans, "process "+e.Orders) {
+			if dupOf(s) {
+				dup = append(dup, s)
+			}
 		}
-	}
-	require.Len(t, dup, 1)
-	require.Equal(t, traceID, dup[0].SpanContext.TraceID())
-	require.Equal(t, order.SpanID(), dup[0].Parent.SpanID())
-	require.Equal(t, otelchain.Attr(b, idem.AttrEventID), otelchain.Attr(dup[0], idem.AttrEventID))
-	require.Empty(t, otelchain.ChildrenOf(spans, dup[0].SpanContext), "the handler did not run: no child span")
-	require.Equal(t, "claim", dup[0].Events[0].Name)
-	require.Len(t, dup[0].Events, 1, "no commit")
-	require.Equal(t, 1, e.Provider.Requests(), "charged once")
-	require.Equal(t, 1, e.DB.Count(t, "SELECT 1 FROM ledger"))
-	require.EqualValues(t, 1, billing.Stats().Duplicates)
-	require.EqualValues(t, 2, fwd.Stats().Forwarded)
+		require.Len(t, dup, 1)
+		require.Equal(t, traceID, dup[0].SpanContext.TraceID())
+		require.Equal(t, order.SpanID(), dup[0].Parent.SpanID())
+		require.Equal(t, otelchain.Attr(b, idem.AttrEventID), otelchain.Attr(dup[0], idem.AttrEventID))
+		require.Empty(t, otelchain.ChildrenOf(spans, dup[0].SpanContext), "the handler did not run: no child span")
+		require.Equal(t, "claim", dup[0].Events[0].Name)
+		require.Len(t, dup[0].Events, 1, "no commit")
+		require.Len(t, otelchain.Named(spans, "POST /charges"), 1)
+		require.Equal(t, 1, e.Provider.Requests(), "charged once")
+		require.Equal(t, 1, e.DB.Count(t, "SELECT 1 FROM ledger"))
+		require.EqualValues(t, 1, billing.Stats().Duplicates)
+		require.Eventually(t, func() bool { return fwd.Stats().Forwarded == 2 }, 60*time.Second, 20*time.Millisecond)
+		require.Equal(t, 1, e.DB.Count(t, "SELECT 1 FROM "+e.Outbox.MessagesTable(e.Charged)), "nothing more went through the outbox")
+	})
 
-	otelchain.AssertNothingLeaks(t, spans, append(orderRecs, chargedRecs...)...)
-	t.Logf("the order's trace:\n%s", otelchain.Tree(spans, traceID))
+	t.Run("no payload or non-id header value in any attribute", func(t *testing.T) {
+		otelchain.AssertNothingLeaks(t, e.Exp.GetSpans(), append(orderRecs, chargedRecs...)...)
+	})
+	t.Logf("the order's trace:\n%s", otelchain.Tree(e.Exp.GetSpans(), traceID))
 }
 
 // A traceparent written by a non-Go producer is continued: the header built
