@@ -306,7 +306,13 @@ func (d *Dedup) handlerContext(origCtx context.Context, tx pgx.Tx, msg *message.
 // router, after COMMIT). The publish topic comes from the router, in
 // origCtx.
 func (d *Dedup) toOutbox(ctx, origCtx context.Context, tx pgx.Tx, produced []*message.Message) ([]*message.Message, error) {
-	if len(produced) == 0 || d.cfg.Outbox == nil {
+	if len(produced) == 0 {
+		return nil, nil
+	}
+	if d.cfg.Outbox == nil {
+		for _, m := range produced {
+			otelx.Inject(ctx, m) // the handler's trace goes on with them (no-op without a span)
+		}
 		return produced, nil
 	}
 	topic := message.PublishTopicFromCtx(origCtx)

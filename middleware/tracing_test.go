@@ -215,3 +215,22 @@ func TestTracing_IdempotencyKeyAttribute(t *testing.T) {
 	require.Len(t, spans, 1)
 	require.Equal(t, srv.Keys()[0], attr(spans[0], idem.AttrIdempotencyKey).AsString())
 }
+
+// Without an outbox, the messages a handler returns go to the router's
+// publisher carrying the handler's trace (traceparent), so the next
+// consumer continues it.
+func TestTracing_ReturnedMessagesCarryTheTrace(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	tr := newTraced(t)
+	d := f.dedup(t, "billing", func(c *idem.Config) { c.TracerProvider = tr.tp })
+	h := d.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return []*message.Message{message.NewMessage(uuid.NewString(), []byte("next"))}, nil
+	})
+	out, err := h(f.msg(publisher.NewEventID()))
+	require.NoError(t, err)
+	require.Len(t, out, 1)
+	spans := tr.spans("process")
+	require.Len(t, spans, 1)
+	require.Contains(t, out[0].Metadata.Get("traceparent"), spans[0].SpanContext.SpanID().String())
+}
