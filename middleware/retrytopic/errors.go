@@ -1,0 +1,36 @@
+package retrytopic
+
+import (
+	"errors"
+	"fmt"
+)
+
+var (
+	// ErrAttemptsExhausted: a transient failure outlasted the last
+	// retry-topic attempt; the message was poisoned. [ExhaustedError]
+	// unwraps to it and to the last failure.
+	ErrAttemptsExhausted = errors.New("retry attempts exhausted")
+	// ErrInvalidHeaders: a message consumed from a retry topic lacks the
+	// retry headers or has malformed ones; it is poisoned without running
+	// the handler.
+	ErrInvalidHeaders = errors.New("invalid retry headers")
+	// ErrNotMigrated: [New] found the parked-keys table of [KeyOrder]
+	// missing or with pending migrations; run [Migrate].
+	ErrNotMigrated = errors.New("parked-keys table not migrated")
+)
+
+// ExhaustedError is the reason given to a message poisoned because its
+// attempts ran out: reason_poisoned carries its text.
+type ExhaustedError struct {
+	// Attempts is the number of retry-topic attempts made.
+	Attempts int
+	// Err is the last failure.
+	Err error
+}
+
+func (e *ExhaustedError) Error() string {
+	return fmt.Sprintf("%s after %d retry-topic attempts: %v", ErrAttemptsExhausted, e.Attempts, e.Err)
+}
+
+// Unwrap returns ErrAttemptsExhausted and the last failure.
+func (e *ExhaustedError) Unwrap() []error { return []error{ErrAttemptsExhausted, e.Err} }

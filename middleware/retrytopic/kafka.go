@@ -1,0 +1,149 @@
+package retrytopic
+
+import (
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// NewKafkaSubscriberConfig returns the watermill-kafka subscriber config of
+// a retry topic's consumer: publisher.NewKafkaSubscriberConfig (the safe
+// Sarama settings, OffsetOldest) with [HoldingTracer], which holds each
+// record until its not-before time before watermill sees it.
+// consumerGroup is the Kafka consumer group of the retry consumer; give it
+// one of its own (for example the main group + "-retry"): the dedup
+// consumer group (idem.Config.ConsumerGroup) stays the main one.
+func NewKafkaSubscriberConfig(cfg publisher.KafkaConfig, consumerGroup string) (kafka.SubscriberConfig, error) {
+	sc, err := publisher.NewKafkaSubscriberConfig(cfg, consumerGroup)
+	if err != nil {
+		return sc, err
+	}
+	sc.Tracer = HoldingTracer(sc.Tracer)
+	return sc, nil
+}
+
+// HoldingTracer wraps next (nil for none; kafka.NewOTELSaramaTracer() for
+// OpenTelemetry) so that the consumer-group handler of a watermill-kafka
+// subscriber holds each record of a partition until its [MetadataNotBefore]
+// time, before handing it to watermill. It uses watermill-kafka's
+// SubscriberConfig.Tracer hook, the one place where a subscriber exposes
+// Sarama's group session.
+//
+// Why not only wait in the handler ([RetryTopic.Middleware] does that too,
+// for any subscriber): watermill-kafka keeps one message in flight per
+// partition and runs partitions concurrently, so a handler that sleeps
+// blocks only its partition, but the message context does not end when
+// the group rebalances, and Sarama waits for every partition's handler
+// before it rejoins. A long sleep then stalls the whole group's rebalance up
+// to Consumer.Group.Rebalance.Timeout. The held record here is dropped as
+// soon as the session ends (it was neither delivered nor marked, so its new
+// owner reads it again), and the rebalance goes on.
+func HoldingTracer(next kafka.SaramaTracer) kafka.SaramaTracer {
+	return holdingTracer{next: next}
+}
+
+type holdingTracer struct{ next kafka.SaramaTracer }
+
+func (t holdingTracer) WrapConsumer(c sarama.Consumer) sarama.Consumer {
+	if t.next != nil {
+		return t.next.WrapConsumer(c)
+	}
+	return c
+}
+
+func (t holdingTracer) WrapPartitionConsumer(pc sarama.PartitionConsumer) sarama.PartitionConsumer {
+	if t.next != nil {
+		return t.next.WrapPartitionConsumer(pc)
+	}
+	return pc
+}
+
+func (t holdingTracer) WrapConsumerGroupHandler(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
+	if t.next != nil {
+		h = t.next.WrapConsumerGroupHandler(h)
+	}
+	return holdingHandler{ConsumerGroupHandler: h}
+}
+
+func (t holdingTracer) WrapSyncProducer(cfg *sarama.Config, p sarama.SyncProducer) sarama.SyncProducer {
+	if t.next != nil {
+		return t.next.WrapSyncProducer(cfg, p)
+	}
+	return p
+}
+
+type holdingHandler struct{ sarama.ConsumerGroupHandler }
+
+// ConsumeClaim feeds the wrapped handler from a goroutine that holds each
+// record until its not-before time; the goroutine stops when the session
+// ends or the wrapped handler returns.
+func (h holdingHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	out := make(chan *sarama.ConsumerMessage)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	sessDone := sess.Context().Done()
+	go func() {
+		defer close(done)
+		defer close(out)
+		for {
+			var m *sarama.ConsumerMessage
+			var ok bool
+			select {
+			case m, ok = <-claim.Messages():
+				if !ok {
+					return
+				}
+			case <-stop:
+				return
+			case <-sessDone:
+				return
+			}
+			if d := time.Until(recordNotBefore(m)); d > 0 {
+				t := time.NewTimer(d)
+				select {
+				case <-t.C:
+				case <-stop:
+					t.Stop()
+					return
+				case <-sessDone:
+					t.Stop()
+					return
+				}
+			}
+			select {
+			case out <- m:
+			case <-stop:
+				return
+			case <-sessDone:
+				return
+			}
+		}
+	}()
+	err := h.ConsumerGroupHandler.ConsumeClaim(sess, heldClaim{ConsumerGroupClaim: claim, msgs: out})
+	close(stop)
+	<-done
+	return err
+}
+
+type heldClaim struct {
+	sarama.ConsumerGroupClaim
+	msgs <-chan *sarama.ConsumerMessage
+}
+
+func (c heldClaim) Messages() <-chan *sarama.ConsumerMessage { return c.msgs }
+
+// recordNotBefore reads the not-before header of a record (zero if none).
+func recordNotBefore(m *sarama.ConsumerMessage) time.Time {
+	for _, h := range m.Headers {
+		if h != nil && string(h.Key) == MetadataNotBefore {
+			t, err := time.Parse(time.RFC3339Nano, string(h.Value))
+			if err == nil {
+				return t
+			}
+		}
+	}
+	return time.Time{}
+}

@@ -1,0 +1,36 @@
+package retrytopic
+
+import "sync/atomic"
+
+// Stats are a [RetryTopic]'s counters since it was created.
+type Stats struct {
+	// Retried: copies published to a retry topic after a transient failure.
+	Retried uint64
+	// Held: retry-topic copies that waited for their not-before time.
+	Held uint64
+	// Recovered: retry-topic copies that then succeeded (the handler ran,
+	// or the claim showed the event already applied).
+	Recovered uint64
+	// Poisoned: messages published to the poison topic, for any reason.
+	Poisoned uint64
+	// Exhausted: of Poisoned, those whose attempts ran out.
+	Exhausted uint64
+	// Followed: events sent along the retry path behind an earlier event
+	// of their key ([KeyOrder]).
+	Followed uint64
+	// Released: parked events released from the parked-keys table
+	// ([KeyOrder]), because they succeeded or were poisoned.
+	Released uint64
+}
+
+type counters struct {
+	retried, held, recovered, poisoned, exhausted, followed, released atomic.Uint64
+}
+
+func (c *counters) snapshot() Stats {
+	return Stats{
+		Retried: c.retried.Load(), Held: c.held.Load(), Recovered: c.recovered.Load(),
+		Poisoned: c.poisoned.Load(), Exhausted: c.exhausted.Load(),
+		Followed: c.followed.Load(), Released: c.released.Load(),
+	}
+}
