@@ -67,7 +67,9 @@ func (r *RetryTopic) IsRetryTopic(topic string) bool { return r.retry[topic] }
 //     the last attempt ([ExhaustedError]): the message goes to the poison
 //     topic with watermill's poison metadata, topic_poisoned naming the
 //     original topic, and is acked;
-//   - a publish failure is returned (the message is nacked and redelivered).
+//   - a publish failure is returned (the message is nacked and redelivered),
+//     and so is any error once the message context has ended (the router
+//     is closing: the message is neither moved nor poisoned).
 //
 // On a message consumed from a retry topic it first waits for the copy's
 // not-before time (ending early, with the context's error, when the message
@@ -118,6 +120,11 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				r.stats.released.Add(1)
 			}
 			return produced, nil
+		}
+		if orig.Err() != nil {
+			// The router or subscriber is closing: nack, the next owner of
+			// the partition gets the message.
+			return nil, err
 		}
 		if r.cfg.IsPermanentFunc(err) {
 			return nil, r.poison(ctx, msg, o, pk, err)
