@@ -131,3 +131,25 @@ func TestExhaustedAndPermanentGoToPoisonTopic(t *testing.T) {
 	require.Zero(t, st.Recovered)
 	require.Equal(t, 1, f.rows(t, "key = 'good'"))
 }
+
+// A message on a retry topic without the retry headers (published there by
+// hand, or by another tool) is poisoned with ErrInvalidHeaders, without
+// running the handler; topic_poisoned falls back to the retry topic.
+func TestRetryTopicMessageWithoutHeadersIsPoisoned(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1, 1)
+	rt, err := retrytopic.New(f.retryConfig(nil), nil)
+	require.NoError(t, err)
+	var ran atomic.Int32
+	poison := f.collect(t, f.poison)
+	f.run(t, consumer{rt: rt, dedup: f.newDedup(t)}, func(event, bool) error { ran.Add(1); return nil })
+	m := f.msg("k", 1)
+	require.NoError(t, f.pub.Publish(f.retry, m))
+	eventually(t, func() bool { return poison.len() == 1 }, "poisoned")
+	p := poison.byEventID()[m.Metadata.Get(publisher.MetadataEventID)]
+	require.NotNil(t, p)
+	require.Contains(t, p.Metadata.Get(wmiddleware.ReasonForPoisonedKey), retrytopic.ErrInvalidHeaders.Error())
+	require.Equal(t, f.retry, p.Metadata.Get(wmiddleware.PoisonedTopicKey))
+	require.Zero(t, ran.Load())
+	require.Zero(t, f.rows(t, ""))
+}

@@ -6,7 +6,9 @@ import "sync/atomic"
 type Stats struct {
 	// Retried: copies published to a retry topic after a transient failure.
 	Retried uint64
-	// Held: retry-topic copies that waited for their not-before time.
+	// Held: retry-topic copies that [RetryTopic.Middleware] itself made
+	// wait for their not-before time (those [HoldingTracer] held arrive on
+	// time and are not counted).
 	Held uint64
 	// Recovered: retry-topic copies that then succeeded (the handler ran,
 	// or the claim showed the event already applied).
