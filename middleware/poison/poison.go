@@ -13,7 +13,6 @@ import (
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
 
-	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -167,7 +166,7 @@ func describe(msg *message.Message, partition int32, offset int64, ts time.Time)
 		Handler:       md.Get(wmiddleware.PoisonedHandlerKey),
 		Subscriber:    md.Get(wmiddleware.PoisonedSubscriberKey),
 	}
-	if id, err := idem.DefaultEventIDFunc(msg); err == nil {
+	if id, err := publisher.EventIDFromMessage(msg); err == nil {
 		m.EventID = id.String()
 	} else {
 		m.EventID = md.Get(publisher.MetadataEventID)

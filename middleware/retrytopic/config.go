@@ -1,7 +1,6 @@
 package retrytopic
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"math"
@@ -9,10 +8,11 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // Defaults.
@@ -104,12 +104,6 @@ func (b Backoff) delay(attempt int, r float64) time.Duration {
 	return time.Duration(d)
 }
 
-// Beginner begins a transaction: a *pgxpool.Pool (the usual choice), a
-// *pgx.Conn or a pgx.Tx.
-type Beginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}
-
 // Config configures a [RetryTopic].
 type Config struct {
 	// Publisher publishes the retry-topic copies and the poisoned messages.
@@ -160,8 +154,9 @@ type Config struct {
 // an event on the retry path ("parked") are recorded in a PostgreSQL table
 // (create it with [Migrate]).
 type KeyOrder struct {
-	// DB records and looks up the parked keys. Required.
-	DB Beginner
+	// DB records and looks up the parked keys: a *pgxpool.Pool (the usual
+	// choice), a *pgx.Conn or a pgx.Tx. Required.
+	DB deduplicator.Beginner
 	// ConsumerGroup is the dedup consumer group: the same value as
 	// idem.Config.ConsumerGroup of the main and the retry handlers.
 	// Required.
@@ -172,7 +167,7 @@ type KeyOrder struct {
 	// has none and is never held back. Defaults to [DefaultKeyFunc]: the
 	// partition_key metadata, else the Kafka record key.
 	KeyFunc func(msg *message.Message) string
-	// EventIDFunc reads the event id. Defaults to idem.DefaultEventIDFunc;
+	// EventIDFunc reads the event id. Defaults to publisher.EventIDFromMessage;
 	// use the same as idem.Config.EventIDFunc.
 	EventIDFunc idem.EventIDFunc
 }
@@ -226,7 +221,7 @@ func (c *Config) setDefaults() {
 			ko.KeyFunc = DefaultKeyFunc
 		}
 		if ko.EventIDFunc == nil {
-			ko.EventIDFunc = idem.DefaultEventIDFunc
+			ko.EventIDFunc = publisher.EventIDFromMessage
 		}
 		c.KeyOrder = &ko
 	}

@@ -67,12 +67,16 @@ func (o *keyOrder) table() string { return ident.Quote(o.cfg.Table.Schema, o.cfg
 
 // check refuses a parked-keys table with pending migrations.
 func (o *keyOrder) check(ctx context.Context) error {
-	versions, err := pending(ctx, o.cfg.DB, o.cfg.Table)
+	m, err := NewMigrator(o.cfg.DB, o.cfg.Table)
 	if err != nil {
-		return fmt.Errorf("retrytopic: check %s.%s: %w", o.cfg.Table.Schema, o.cfg.Table.Table, err)
+		return err
 	}
-	if len(versions) > 0 {
-		return notMigrated(o.cfg.Table, versions)
+	res, err := m.Validate(ctx)
+	if err != nil {
+		return err
+	}
+	if !res.OK {
+		return notMigrated(o.cfg.Table, res.Pending)
 	}
 	return nil
 }
