@@ -63,34 +63,35 @@ type HistoryEntry struct {
 }
 
 // Message is one record of the poison topic, as [List] and [Replay] report
-// it (metadata only: the payload is never included).
+// it (metadata only: the payload is never included). Its JSON form is what
+// a command prints with --json.
 type Message struct {
 	// Partition and Offset locate the record in the poison topic.
-	Partition int32
-	Offset    int64
+	Partition int32 `json:"partition"`
+	Offset    int64 `json:"offset"`
 	// PoisonedAt is the record's Kafka timestamp: when it was poisoned.
-	PoisonedAt time.Time
+	PoisonedAt time.Time `json:"poisoned_at"`
 	// UUID is the watermill message UUID.
-	UUID string
+	UUID string `json:"uuid"`
 	// EventID is the event id (event_id metadata, else the JSON payload's
 	// eventId), as found: possibly invalid, which is why some messages are
 	// poisoned. "" when absent.
-	EventID string
+	EventID string `json:"event_id"`
 	// OccurredAt is the occurred_at metadata, else the time of a UUIDv7
 	// event id; zero when neither is there.
-	OccurredAt time.Time
+	OccurredAt time.Time `json:"occurred_at"`
 	// OriginalTopic, Reason, Handler and Subscriber are topic_poisoned,
 	// reason_poisoned, handler_poisoned and subscriber_poisoned.
-	OriginalTopic string
-	Reason        string
-	Handler       string
-	Subscriber    string
+	OriginalTopic string `json:"original_topic"`
+	Reason        string `json:"reason"`
+	Handler       string `json:"handler"`
+	Subscriber    string `json:"subscriber"`
 	// History holds the earlier poisonings of a message replayed before.
-	History []HistoryEntry
+	History []HistoryEntry `json:"history,omitempty"`
 	// Replayed: published back to OriginalTopic (false in a dry run).
-	Replayed bool
+	Replayed bool `json:"replayed"`
 	// Skipped tells why a matching message cannot be replayed ("" if it can).
-	Skipped string
+	Skipped string `json:"skipped,omitempty"`
 }
 
 // Filter selects poison messages. The zero Filter matches every message; each

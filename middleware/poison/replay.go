@@ -83,16 +83,16 @@ func (c Config) validate() error {
 // Result tells what [List] or [Replay] did.
 type Result struct {
 	// Scanned is the number of poison records read.
-	Scanned int
+	Scanned int `json:"scanned"`
 	// Matched is the number that passed the filter (at most Limit).
-	Matched int
+	Matched int `json:"matched"`
 	// Replayed is the number published back (0 in a dry run).
-	Replayed int
+	Replayed int `json:"replayed"`
 	// Skipped is the number of matching messages that cannot be replayed
 	// (see [Message.Skipped]).
-	Skipped int
+	Skipped int `json:"skipped"`
 	// Messages are the matching messages, by partition and offset.
-	Messages []Message
+	Messages []Message `json:"messages"`
 }
 
 // List reads the poison topic from its start to its current end and

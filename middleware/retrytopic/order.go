@@ -222,15 +222,15 @@ func (r *RetryTopic) ReleaseMiddleware(h message.HandlerFunc) message.HandlerFun
 
 // ParkedEvent is one row of the parked-keys table.
 type ParkedEvent struct {
-	ConsumerGroup string
-	Key           string
-	EventID       uuid.UUID
+	ConsumerGroup string    `json:"consumer_group"`
+	Key           string    `json:"key"`
+	EventID       uuid.UUID `json:"event_id"`
 	// Seq orders the events of a key: the lowest is the one the others follow.
-	Seq int64
+	Seq int64 `json:"seq"`
 	// Topic and NotBefore tell where the event's latest copy waits.
-	Topic     string
-	NotBefore time.Time
-	ParkedAt  time.Time
+	Topic     string    `json:"topic"`
+	NotBefore time.Time `json:"not_before"`
+	ParkedAt  time.Time `json:"parked_at"`
 }
 
 // Querier runs a query: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
