@@ -2,6 +2,7 @@ package retrytopic
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -110,14 +111,14 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		produced, err := h(msg)
 		if err == nil {
-			if onRetry {
-				r.stats.recovered.Add(1)
-			}
 			if pk != nil && pk.parked {
 				if err := r.order.releaseUnlessDone(ctx, pk); err != nil {
 					return nil, err
 				}
 				r.stats.released.Add(1)
+			}
+			if onRetry {
+				r.stats.recovered.Add(1)
 			}
 			return produced, nil
 		}
@@ -130,7 +131,6 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, r.poison(ctx, msg, o, pk, err)
 		}
 		if o.attempt >= r.cfg.MaxAttempts {
-			r.stats.exhausted.Add(1)
 			return nil, r.poison(ctx, msg, o, pk, &ExhaustedError{Attempts: o.attempt, Err: err})
 		}
 		return nil, r.escalate(ctx, msg, o, pk, err)
@@ -217,7 +217,7 @@ func (r *RetryTopic) escalate(ctx context.Context, msg *message.Message, o origi
 		return err
 	}
 	r.stats.retried.Add(1)
-	r.logger.Info("Transient failure moved to a retry topic", watermill.LogFields{
+	r.logger.Debug("Transient failure moved to a retry topic", watermill.LogFields{
 		"message_uuid": msg.UUID, "retry_topic": topic, "attempt": next.attempt,
 		"not_before": next.notBefore.UTC().Format(time.RFC3339Nano), "original_topic": o.topic, "err": truncate(cause.Error(), MaxErrorLen),
 	})
@@ -261,6 +261,10 @@ func (r *RetryTopic) poison(ctx context.Context, msg *message.Message, o origin,
 		return fmt.Errorf("retrytopic: publish to poison topic %s: %w (the message is nacked: %v)", r.cfg.PoisonTopic, err, reason)
 	}
 	r.stats.poisoned.Add(1)
+	var exhausted *ExhaustedError
+	if errors.As(reason, &exhausted) {
+		r.stats.exhausted.Add(1)
+	}
 	r.logger.Error("Message poisoned", reason, watermill.LogFields{
 		"message_uuid": msg.UUID, "poison_topic": r.cfg.PoisonTopic, "original_topic": o.topic, "attempt": o.attempt,
 	})
