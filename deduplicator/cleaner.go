@@ -58,11 +58,11 @@ var _ Acquirer = (*pgxpool.Pool)(nil)
 
 // ErrCleanerTimeout is returned (wrapped, with the server's error) when
 // MaxTimeouts consecutive batches hit the statement timeout.
-var ErrCleanerTimeout = errors.New("cleaner: batches keep hitting statement_timeout")
+var ErrCleanerTimeout = errors.New("deduplicator: cleaner batches keep hitting statement_timeout")
 
 // ErrLayoutMismatch is returned when the table's layout in the database is
 // not the configured one (run Migrate with the same TableConfig).
-var ErrLayoutMismatch = errors.New("cleaner: table layout in the database does not match TableConfig.Layout")
+var ErrLayoutMismatch = errors.New("deduplicator: table layout in the database does not match TableConfig.Layout")
 
 // CleanerConfig configures a [Cleaner].
 type CleanerConfig struct {
@@ -163,7 +163,7 @@ func (c CleanerConfig) validate() error {
 	case c.BatchSize < 1:
 		return errors.New("BatchSize: must be positive")
 	case c.Interval < 0, c.StatementTimeout < 0, c.Backoff < 0, c.LockTimeout < 0:
-		return errors.New("Interval, StatementTimeout, Backoff, LockTimeout: must not be negative")
+		return negativeField(c.Interval, c.StatementTimeout, c.Backoff, c.LockTimeout)
 	case c.MaxTimeouts < 1 || c.LockRetries < 1:
 		return errors.New("MaxTimeouts, LockRetries: must be positive")
 	case c.PartitionsAhead < 0:
@@ -307,7 +307,7 @@ func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
 	var kind string
 	if err := conn.QueryRow(ctx, "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", c.table).Scan(&kind); err != nil {
 		if errors.Is(err, pgx.ErrNoRows) {
-			return res, fmt.Errorf("cleaner: table %s does not exist (run Migrate)", c.table)
+			return res, fmt.Errorf("cleaner: %w: %s (run Migrate)", ErrTableMissing, c.table)
 		}
 		return res, fmt.Errorf("cleaner: %w", err)
 	}
@@ -549,4 +549,18 @@ func cleanerSleep(ctx context.Context, d time.Duration) error {
 // jitter returns d scaled by a random factor in [0.5, 1.5).
 func cleanerJitter(d time.Duration) time.Duration {
 	return time.Duration(float64(d) * (0.5 + rand.Float64()))
+}
+
+// negativeField names the first negative of Interval, StatementTimeout,
+// Backoff and LockTimeout.
+func negativeField(interval, statementTimeout, backoff, lockTimeout time.Duration) error {
+	for _, f := range []struct {
+		name string
+		d    time.Duration
+	}{{"Interval", interval}, {"StatementTimeout", statementTimeout}, {"Backoff", backoff}, {"LockTimeout", lockTimeout}} {
+		if f.d < 0 {
+			return fmt.Errorf("%s: must not be negative", f.name)
+		}
+	}
+	return nil
 }

@@ -23,21 +23,21 @@ const (
 // differs from the one recorded with the table. Every component reads the
 // recorded retention, so the middleware's stale guard and the Cleaner cannot
 // disagree; change it with [SetRetention].
-var ErrRetentionMismatch = errors.New("retention does not match the table's recorded retention")
+var ErrRetentionMismatch = errors.New("deduplicator: retention does not match the table's recorded retention")
 
 // ErrNamespaceMismatch is returned by [Deduplicator.Register] when the
 // configured Idempotency-Key namespace differs from the one recorded for
 // the group: the downstream keys of every event would change, and a
 // provider would apply a call a second time.
-var ErrNamespaceMismatch = errors.New("idempotency namespace does not match the one recorded for the consumer group")
+var ErrNamespaceMismatch = errors.New("deduplicator: idempotency namespace does not match the one recorded for the consumer group")
 
 // ErrGroupExists is returned by [RenameGroup] when the new name is already
 // registered or holds claims.
-var ErrGroupExists = errors.New("consumer group already exists")
+var ErrGroupExists = errors.New("deduplicator: consumer group already exists")
 
 // ErrGroupNotFound is returned by [RenameGroup] and [ForgetGroup] for a group
 // that is not registered.
-var ErrGroupNotFound = errors.New("consumer group not registered")
+var ErrGroupNotFound = errors.New("deduplicator: consumer group not registered")
 
 // Group is a consumer group registered with a table, as recorded.
 type Group struct {
@@ -390,14 +390,12 @@ func ForgetGroup(ctx context.Context, db Beginner, cfg TableConfig, group string
 	return n, nil
 }
 
-// ErrNotMigrated is returned when a table the library needs does not exist
-// (SQLSTATE 42P01): run [Migrate].
-var ErrNotMigrated = errors.New("table missing: run deduplicator.Migrate")
-
+// notMigrated turns "relation does not exist" (SQLSTATE 42P01) into
+// [ErrTableMissing]: a table the library needs is missing (run [Migrate]).
 func notMigrated(err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
-		return fmt.Errorf("%w (%s)", ErrNotMigrated, pgErr.Message)
+		return fmt.Errorf("%w (%s; run deduplicator.Migrate)", ErrTableMissing, pgErr.Message)
 	}
 	return err
 }

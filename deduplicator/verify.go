@@ -29,7 +29,7 @@ var (
 	ErrTableColumns = errors.New("deduplicator: processed_event columns are not the expected ones")
 	// ErrMigrationsPending: versions of [Migrations] are not recorded as
 	// applied in idem_schema_migration.
-	ErrMigrationsPending = errors.New("deduplicator: processed_event migrations are pending")
+	ErrMigrationsPending = errors.New("deduplicator: migrations are pending")
 )
 
 // TableError is a processed_event table that claims cannot rely on. Its

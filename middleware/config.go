@@ -106,9 +106,9 @@ type Config struct {
 	// ProcessStaleEvents processes events older than the retention minus
 	// StaleMargin instead of refusing them with ErrStaleEvent, even when
 	// their claim may have been cleaned. Defaults to false: such an event is
-	// refused, unless the consumer group was first seen less than a
-	// retention ago (it cannot have lost a claim yet, so a new group drains
-	// an old backlog normally).
+	// refused, unless the consumer group was first seen less than the
+	// retention minus StaleMargin ago (it cannot have lost a claim yet, so
+	// a new group drains an old backlog normally).
 	ProcessStaleEvents bool
 
 	// ReplayHorizon is how far back this consumer may be replayed (offset

@@ -45,8 +45,10 @@ const component = "outbox"
 // tables exist but whose migrations are not all recorded in
 // idem_schema_migration: tables made by an earlier release's unversioned
 // Migrate (run the [Migrator] once: it records tables of the right shape as
-// version 1 without changing them), or SQL applied without its record.
-var ErrMigrationsPending = errors.New("outbox: topic migrations are pending")
+// version 1 without changing them), or SQL applied without its record. It
+// is the same error as deduplicator.ErrMigrationsPending (one migration
+// engine, one answer to "is anything pending?").
+var ErrMigrationsPending = deduplicator.ErrMigrationsPending
 
 // Migrator creates, upgrades and downgrades the tables of the topics of one
 // [Config]: for each topic its messages table and its offsets table, with

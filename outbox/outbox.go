@@ -46,7 +46,7 @@ var (
 	// ([Outbox.Migrate] or a [Migrator]).
 	ErrTopicNotMigrated = errors.New("outbox: topic table does not exist; create it with Migrate at start-up")
 	// ErrInvalidTopic is returned for a topic that cannot name a table.
-	ErrInvalidTopic = errors.New("outbox: invalid topic")
+	ErrInvalidTopic = errors.New("invalid topic")
 )
 
 var topicRe = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)
