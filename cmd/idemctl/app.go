@@ -247,13 +247,17 @@ func (a *app) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
-// tableConfig is the processed_event table named by the flags; with
-// --layout auto its layout is read from the database (plain when the table
-// does not exist yet and missingOK).
+// tableConfig connects and returns the processed_event table named by the
+// flags; with --layout auto its layout is read from the database (plain
+// when the table does not exist yet and missingOK).
 func (a *app) tableConfig(ctx context.Context, missingOK bool) (deduplicator.TableConfig, error) {
 	tc := deduplicator.TableConfig{Schema: a.opts.schema, Table: a.opts.table}
 	if err := tc.Validate(); err != nil {
 		return tc, usageError("--schema/--table: %v", err)
+	}
+	pool, err := a.connect(ctx)
+	if err != nil {
+		return tc, err
 	}
 	switch a.opts.layout {
 	case "plain":
@@ -261,10 +265,6 @@ func (a *app) tableConfig(ctx context.Context, missingOK bool) (deduplicator.Tab
 	case "partitioned":
 		tc.Layout = deduplicator.LayoutPartitioned
 	case "auto", "":
-		pool, err := a.connect(ctx)
-		if err != nil {
-			return tc, err
-		}
 		l, err := deduplicator.TableLayout(ctx, pool, tc)
 		switch {
 		case errors.Is(err, deduplicator.ErrNotMigrated) && missingOK:

@@ -33,6 +33,7 @@ func TestDedupCheck(t *testing.T) {
 	r := ok(t, db, "dedup", "check", id.String(), "--group", "billing")
 	require.Contains(t, r.stdout, "event "+id.String()+", created ")
 	require.Regexp(t, `billing\s+yes\s+\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ`, r.stdout)
+	ok(t, db, "dedup", "check", id.String(), "--group", "billing", "--layout", "plain")
 	c := decode[checkJSON](t, ok(t, db, "dedup", "check", "--json", "--group", "billing", id.String()))
 	require.True(t, c.Processed)
 	require.Equal(t, id.String(), c.EventID)

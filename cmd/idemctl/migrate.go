@@ -61,6 +61,8 @@ func (a *app) migrators(ctx context.Context, onlyFlag string, retention time.Dur
 			if m.outbox, err = outbox.NewMigrator(pool, m.ob); err != nil {
 				return nil, usageError("%v", err)
 			}
+		} else if !wantDedup {
+			return nil, usageError("no outbox topic: none is recorded under prefix %s in %s.idem_schema_migration; pass --topics", m.ob.TablePrefix, m.ob.Schema)
 		}
 	}
 	return m, nil

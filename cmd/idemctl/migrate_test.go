@@ -113,6 +113,7 @@ func TestMigrate(t *testing.T) {
 	require.Equal(t, "nothing to revert\n", ok(t, db, "migrate", "down", "--all", "--yes").stdout)
 
 	fails(t, db, 2, `--only "x"`, "migrate", "up", "--only", "x")
+	fails(t, db, 2, "no outbox topic", "migrate", "up", "--only", "outbox")
 	fails(t, db, 2, "--retention", "migrate", "up", "--retention", "soon")
 	fails(t, db, 2, "--layout", "migrate", "up", "--layout", "sideways")
 	require.Zero(t, tables(), "bad input changes nothing")
