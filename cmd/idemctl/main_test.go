@@ -18,8 +18,11 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/pgtest"
 )
 
-// bin is the idemctl binary built once for every test.
-var bin string
+// bin is the idemctl binary built once for every test, with buildFlags.
+var (
+	bin        string
+	buildFlags []string
+)
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "idemctl-test-")
@@ -33,7 +36,7 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "go not in PATH:", err)
 		os.Exit(1)
 	}
-	build := exec.Command(goBin, "build", "-o", bin, ".")
+	build := exec.Command(goBin, append(append([]string{"build"}, buildFlags...), "-o", bin, ".")...)
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "build idemctl:", err)
