@@ -1,6 +1,7 @@
 package deduplicator
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -116,6 +117,15 @@ type CleanerConfig struct {
 	// table's recorded retention.
 	// Defaults to time.Now.
 	NowFunc func() time.Time
+
+	// DryRun makes a pass report what it would do and change nothing: it
+	// counts the rows it would delete (walking the same ranges in the same
+	// batches, in read-only transactions) and the rows it would move, names
+	// the partitions it would create, drop or keep, and deletes, creates,
+	// moves, drops and records nothing (not even the cleanup horizon). It
+	// takes no lock either, so it never makes another instance skip a pass,
+	// and its counts are those of the moment it ran. Defaults to false.
+	DryRun bool
 }
 
 func (c *CleanerConfig) setDefaults() {
@@ -198,6 +208,13 @@ type Result struct {
 	// stale guard lets old events through (none of their claims can have
 	// been cleaned yet).
 	YoungGroups []string
+	// CreatedPartitions, DroppedPartitions and KeptPartitions name the
+	// partitions counted by PartitionsCreated, PartitionsDropped and
+	// PartitionsKept, in the order the pass met them.
+	CreatedPartitions, DroppedPartitions, KeptPartitions []string
+	// DryRun is true when the pass ran with [CleanerConfig.DryRun]: every
+	// count above is what it would have done, and nothing changed.
+	DryRun bool
 	// Duration of the pass.
 	Duration time.Duration
 }
@@ -277,12 +294,18 @@ func (c *Cleaner) Run(ctx context.Context) error {
 func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
 	start := time.Now()
 	defer func() { res.Duration = time.Since(start) }()
+	res.DryRun = c.cfg.DryRun
 
 	pc, err := c.cfg.DB.Acquire(ctx)
 	if err != nil {
 		return res, fmt.Errorf("cleaner: acquire connection: %w", err)
 	}
 	conn := pc.Conn()
+	if c.cfg.DryRun {
+		// It only reads: no election, so it never makes a real pass skip.
+		defer pc.Release()
+		return c.pass(ctx, conn, res)
+	}
 	var locked bool
 	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock(hashtextextended($1, 0))", c.lockKey).Scan(&locked); err != nil {
 		pc.Release()
@@ -303,7 +326,11 @@ func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
 		}
 		pc.Release()
 	}()
+	return c.pass(ctx, conn, res)
+}
 
+// pass runs one pass on conn (holding the cleaner's lock unless DryRun).
+func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result, error) {
 	var kind string
 	if err := conn.QueryRow(ctx, "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", c.table).Scan(&kind); err != nil {
 		if errors.Is(err, pgx.ErrNoRows) {
@@ -323,14 +350,21 @@ func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
 	}
 	res.Retention, res.YoungGroups = retention, young
 	cutoff := now.Add(-retention)
+	boundary := UUIDv7Floor(cutoff)
 	if partitioned {
-		err = c.maintainPartitions(ctx, conn, cutoff, young, &res)
+		var movedFrom uuid.UUID
+		movedFrom, err = c.maintainPartitions(ctx, conn, cutoff, young, &res)
 		if err == nil {
-			// Old rows left in the DEFAULT partition (far past ids).
-			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table)), cutoff, young, &res)
+			// Old rows left in the DEFAULT partition (far past ids). A dry
+			// run moved nothing: rows of the cutoff's day that a real pass
+			// would have moved into the day's new partition are not deleted.
+			if c.cfg.DryRun && movedFrom != uuid.Nil && bytes.Compare(movedFrom[:], boundary[:]) < 0 {
+				boundary = movedFrom
+			}
+			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table)), boundary, young, &res)
 		}
 	} else {
-		err = c.deleteV7(ctx, conn, c.table, cutoff, young, &res)
+		err = c.deleteV7(ctx, conn, c.table, boundary, young, &res)
 		if err == nil && c.cfg.DeleteNonV7 {
 			err = c.deleteNonV7(ctx, conn, cutoff, &res)
 		}
@@ -373,6 +407,9 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 			young = append(young, g.Name)
 		}
 	}
+	if c.cfg.DryRun {
+		return retention, young, nil
+	}
 	// Consumers read it (Horizon.CleanedBefore): after a lengthening, the
 	// claims of events before it stay gone, and the guard keeps refusing them.
 	if _, err := conn.Exec(ctx, "UPDATE "+companion(c.cfg.TableConfig, settingSuffix)+
@@ -391,12 +428,12 @@ func (r Result) logFields() watermill.LogFields {
 }
 
 // deleteV7 deletes the UUIDv7 rows of table (the plain table or the DEFAULT
-// partition) created before cutoff, walking the primary key upwards in
-// batches.
+// partition) below boundary (the floor of the cutoff), walking the primary
+// key upwards in batches; a dry run counts them instead.
 //
 // The claims of young groups are kept: their stale guard lets old events
 // through, so deleting a claim would let a redelivery apply it again.
-func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, cutoff time.Time, young []string, res *Result) error {
+func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, boundary uuid.UUID, young []string, res *Result) error {
 	// Each batch takes the next rows in primary-key order below the boundary
 	// (an index range scan: filtering the version inside the scan would
 	// spoil the planner's estimate and turn it into a sort of the whole
@@ -407,14 +444,18 @@ func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, cu
 	// updated, so a row's ctid is stable within the statement. No FOR
 	// UPDATE: claims never lock existing rows (ON CONFLICT DO NOTHING does
 	// not), and locking would write every tuple twice.
+	del := `DELETE FROM ` + table + ` WHERE ctid = ANY (ARRAY (
+		SELECT ctid FROM batch WHERE get_byte(uuid_send(event_id), 6) >> 4 = 7 AND consumer_group <> ALL ($5::text[])))
+	RETURNING 1`
+	if c.cfg.DryRun {
+		del = `SELECT 1 FROM batch WHERE get_byte(uuid_send(event_id), 6) >> 4 = 7 AND consumer_group <> ALL ($5::text[])`
+	}
 	q := `WITH batch AS MATERIALIZED (
 	SELECT ctid, event_id, consumer_group FROM ` + table + `
 	WHERE (event_id, consumer_group) > ($1, $2) AND event_id < $3
 	ORDER BY event_id, consumer_group LIMIT $4
 ), del AS (
-	DELETE FROM ` + table + ` WHERE ctid = ANY (ARRAY (
-		SELECT ctid FROM batch WHERE get_byte(uuid_send(event_id), 6) >> 4 = 7 AND consumer_group <> ALL ($5::text[])))
-	RETURNING 1
+	` + del + `
 ), last AS (
 	SELECT event_id, consumer_group FROM batch ORDER BY event_id DESC, consumer_group DESC LIMIT 1
 )
@@ -424,7 +465,6 @@ FROM (SELECT 1) one LEFT JOIN last ON true`
 		fromID    = uuid.Nil
 		fromGroup = ""
 	)
-	boundary := UUIDv7Floor(cutoff)
 	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (scanned, deleted int64, err error) {
 		var lastID *uuid.UUID
 		var lastGroup *string
@@ -438,8 +478,17 @@ FROM (SELECT 1) one LEFT JOIN last ON true`
 	})
 }
 
-// deleteNonV7 deletes non-v7 rows processed before cutoff.
+// deleteNonV7 deletes non-v7 rows processed before cutoff; a dry run counts
+// them in one statement (nothing is deleted, so batches would not advance).
 func (c *Cleaner) deleteNonV7(ctx context.Context, conn *pgx.Conn, cutoff time.Time, res *Result) error {
+	if c.cfg.DryRun {
+		q := `SELECT count(*) FROM ` + c.table + ` WHERE processed_at < $1 AND get_byte(uuid_send(event_id), 6) >> 4 <> 7`
+		return c.batches(ctx, conn, res, func(tx pgx.Tx, _ int) (int64, int64, error) {
+			var n int64
+			err := tx.QueryRow(ctx, q, cutoff).Scan(&n)
+			return 0, n, err
+		})
+	}
 	q := `DELETE FROM ` + c.table + ` WHERE ctid = ANY (ARRAY (
 	SELECT ctid FROM ` + c.table + `
 	WHERE processed_at < $1 AND get_byte(uuid_send(event_id), 6) >> 4 <> 7
@@ -504,9 +553,14 @@ func (c *Cleaner) batches(ctx context.Context, conn *pgx.Conn, res *Result, batc
 	}
 }
 
-// inTx runs fn in a transaction on conn and commits it.
+// inTx runs fn in a transaction on conn and commits it; a read-only one in
+// a dry run.
 func (c *Cleaner) inTx(ctx context.Context, conn *pgx.Conn, fn func(tx pgx.Tx) (int64, error)) (int64, error) {
-	tx, err := conn.Begin(ctx)
+	var opts pgx.TxOptions
+	if c.cfg.DryRun {
+		opts.AccessMode = pgx.ReadOnly
+	}
+	tx, err := conn.BeginTx(ctx, opts)
 	if err != nil {
 		return 0, err
 	}

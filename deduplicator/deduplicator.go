@@ -31,9 +31,10 @@ type Deduplicator struct {
 	logger watermill.LoggerAdapter
 	table  string // quoted schema.table
 
-	claimSQL      string
-	claimBatchSQL string
-	existsSQL     string
+	claimSQL       string
+	claimBatchSQL  string
+	existsSQL      string
+	processedAtSQL string
 }
 
 // New returns a Deduplicator. It does not touch the database; run [Migrate]
@@ -48,12 +49,13 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
 	}
 	t := ident.Quote(cfg.Schema, cfg.Table)
 	return &Deduplicator{
-		cfg:           cfg,
-		logger:        logger,
-		table:         t,
-		claimSQL:      claimsql.Claim(t),
-		claimBatchSQL: claimsql.ClaimBatch(t),
-		existsSQL:     "SELECT EXISTS (SELECT 1 FROM " + t + " WHERE event_id = $1 AND consumer_group = $2)",
+		cfg:            cfg,
+		logger:         logger,
+		table:          t,
+		claimSQL:       claimsql.Claim(t),
+		claimBatchSQL:  claimsql.ClaimBatch(t),
+		existsSQL:      "SELECT EXISTS (SELECT 1 FROM " + t + " WHERE event_id = $1 AND consumer_group = $2)",
+		processedAtSQL: "SELECT processed_at FROM " + t + " WHERE event_id = $1 AND consumer_group = $2",
 	}, nil
 }
 

@@ -94,6 +94,17 @@
 // with the table, and the stale guard ([Horizon.Stale];
 // [Deduplicator.Horizon] reads its inputs) refuses events created before it,
 // so a lengthening never revives an event whose claim was already cleaned.
+// A pass with [CleanerConfig.DryRun] reports what it would delete, move,
+// create and drop, and changes nothing.
+//
+// # Inspecting a table
+//
+// For operators (the idemctl command is built on them): [Deduplicator.ProcessedAt]
+// tells whether and when a group applied an event; [Stats] counts the claims
+// per group and per partition with their oldest and newest processed_at and
+// the size on disk (it reads every row); [Partitions] lists the partitions
+// from the catalogs; [TableLayout] reads the live table's layout; and
+// [Migrator.Status] lists the versions applied, pending or unknown.
 //
 // # Consumer groups
 //

@@ -16,39 +16,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 )
 
-// partitionInfo is one partition of the processed_event table.
-type partitionInfo struct {
-	name      string
-	isDefault bool
-	parsed    bool // from/to hold the bounds
-	from, to  uuid.UUID
-}
-
 var boundRe = regexp.MustCompile(`^FOR VALUES FROM \('([0-9a-f-]{36})'\) TO \('([0-9a-f-]{36})'\)$`)
-
-func (c *Cleaner) listPartitions(ctx context.Context, conn *pgx.Conn) ([]partitionInfo, error) {
-	rows, err := conn.Query(ctx, `SELECT c.relname::text, pg_get_expr(c.relpartbound, c.oid)
-FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-WHERE i.inhparent = to_regclass($1) ORDER BY 1`, c.table)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (partitionInfo, error) {
-		var p partitionInfo
-		var bound string
-		if err := r.Scan(&p.name, &bound); err != nil {
-			return p, err
-		}
-		if bound == "DEFAULT" {
-			p.isDefault = true
-			return p, nil
-		}
-		if m := boundRe.FindStringSubmatch(bound); m != nil {
-			p.from, p.to, p.parsed = uuid.MustParse(m[1]), uuid.MustParse(m[2]), true
-		}
-		return p, nil
-	})
-}
 
 // maintainPartitions creates the partitions of today and PartitionsAhead
 // days after it, creates a partition for every day within the retention
@@ -58,14 +26,18 @@ WHERE i.inhparent = to_regclass($1) ORDER BY 1`, c.table)
 // A partition that holds claims of a young group is kept: that group's stale
 // guard lets old events through, so their claims must stay until the group
 // is older than the retention.
-func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, cutoff time.Time, young []string, res *Result) error {
-	parts, err := c.listPartitions(ctx, conn)
+//
+// A dry run creates, moves and drops nothing: it counts the rows it would
+// move and names the partitions. It returns the lowest bound of the
+// partitions it created (or would create), uuid.Nil when none.
+func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, cutoff time.Time, young []string, res *Result) (movedFrom uuid.UUID, err error) {
+	parts, err := listPartitions(ctx, conn, c.table)
 	if err != nil {
-		return fmt.Errorf("cleaner: list partitions: %w", err)
+		return uuid.Nil, fmt.Errorf("cleaner: list partitions: %w", err)
 	}
 	today := utcDay(c.cfg.NowFunc())
 	last := today.AddDate(0, 0, c.cfg.PartitionsAhead)
-	hasDefault := slices.ContainsFunc(parts, func(p partitionInfo) bool { return p.isDefault })
+	hasDefault := slices.ContainsFunc(parts, func(p Partition) bool { return p.Default })
 
 	days := map[time.Time]bool{}
 	for d := today; !d.After(last); d = d.AddDate(0, 0, 1) {
@@ -79,11 +51,11 @@ FROM `+ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table))+`
 WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4 = 7`,
 			UUIDv7Floor(utcDay(cutoff)), UUIDv7Floor(last.AddDate(0, 0, 1)))
 		if err != nil {
-			return fmt.Errorf("cleaner: scan default partition: %w", err)
+			return uuid.Nil, fmt.Errorf("cleaner: scan default partition: %w", err)
 		}
 		epochDays, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 		if err != nil {
-			return fmt.Errorf("cleaner: scan default partition: %w", err)
+			return uuid.Nil, fmt.Errorf("cleaner: scan default partition: %w", err)
 		}
 		for _, n := range epochDays {
 			days[time.Unix(n*86400, 0).UTC()] = true
@@ -103,42 +75,70 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 			}
 			continue
 		}
-		moved, err := c.createPartition(ctx, conn, d, hasDefault)
+		var moved int64
+		if c.cfg.DryRun {
+			moved, err = c.countDefault(ctx, conn, from, to, hasDefault)
+		} else {
+			moved, err = c.createPartition(ctx, conn, d, hasDefault)
+		}
 		if err != nil {
-			return err
+			return uuid.Nil, err
+		}
+		if movedFrom == uuid.Nil || bytes.Compare(from[:], movedFrom[:]) < 0 {
+			movedFrom = from
 		}
 		res.PartitionsCreated++
+		res.CreatedPartitions = append(res.CreatedPartitions, PartitionName(c.cfg.Table, d))
 		res.RowsMoved += moved
-		parts = append(parts, partitionInfo{name: PartitionName(c.cfg.Table, d), parsed: true, from: from, to: to})
+		parts = append(parts, Partition{Name: PartitionName(c.cfg.Table, d), parsed: true, from: from, to: to})
 	}
 
 	boundary := UUIDv7Floor(cutoff)
 	for _, p := range parts {
-		if p.isDefault || !p.parsed || bytes.Compare(p.to[:], boundary[:]) > 0 {
+		if p.Default || !p.parsed || bytes.Compare(p.to[:], boundary[:]) > 0 {
 			continue
 		}
 		if len(young) > 0 {
 			var held bool
-			if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM "+ident.Quote(c.cfg.Schema, p.name)+" WHERE consumer_group = ANY ($1::text[]))", young).Scan(&held); err != nil {
-				return fmt.Errorf("cleaner: check partition %s: %w", p.name, err)
+			if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM "+ident.Quote(c.cfg.Schema, p.Name)+" WHERE consumer_group = ANY ($1::text[]))", young).Scan(&held); err != nil {
+				return uuid.Nil, fmt.Errorf("cleaner: check partition %s: %w", p.Name, err)
 			}
 			if held {
-				c.logger.Info("Keeping an old partition: it holds claims of a consumer group first seen less than a retention ago", watermill.LogFields{"partition": p.name, "young_groups": young})
+				c.logger.Info("Keeping an old partition: it holds claims of a consumer group first seen less than a retention ago", watermill.LogFields{"partition": p.Name, "young_groups": young})
 				res.PartitionsKept++
+				res.KeptPartitions = append(res.KeptPartitions, p.Name)
 				continue
 			}
 		}
-		if err := c.dropPartition(ctx, conn, p.name); err != nil {
-			return err
+		if !c.cfg.DryRun {
+			if err := c.dropPartition(ctx, conn, p.Name); err != nil {
+				return uuid.Nil, err
+			}
 		}
 		res.PartitionsDropped++
+		res.DroppedPartitions = append(res.DroppedPartitions, p.Name)
 	}
-	return nil
+	return movedFrom, nil
+}
+
+// countDefault counts the rows of the DEFAULT partition in [from, to): what
+// createPartition would move.
+func (c *Cleaner) countDefault(ctx context.Context, conn *pgx.Conn, from, to uuid.UUID, hasDefault bool) (int64, error) {
+	if !hasDefault {
+		return 0, nil
+	}
+	var n int64
+	err := conn.QueryRow(ctx, "SELECT count(*) FROM "+ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table))+
+		" WHERE event_id >= $1 AND event_id < $2", from, to).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("cleaner: count default partition rows: %w", err)
+	}
+	return n, nil
 }
 
 // overlaps reports whether [from, to) overlaps an existing partition, and
 // whether that partition has exactly these bounds.
-func overlaps(parts []partitionInfo, from, to uuid.UUID) (covered, exact bool) {
+func overlaps(parts []Partition, from, to uuid.UUID) (covered, exact bool) {
 	for _, p := range parts {
 		if !p.parsed {
 			continue

@@ -422,3 +422,82 @@ func inTx(ctx context.Context, db Beginner, schema, component string, version in
 	}
 	return done, nil
 }
+
+// VersionStatus is one version of a component: applied (with when) or
+// pending, or recorded but unknown to the caller's migrations.
+type VersionStatus struct {
+	Version   int
+	Name      string
+	Applied   bool
+	AppliedAt time.Time
+	Unknown   bool
+}
+
+// Status compares the versions schema's migration table records for
+// component with migs (ascending): each of migs applied or pending, then
+// the recorded versions migs does not have (Unknown, with their recorded
+// name). Without a migration table every version is pending. It only reads.
+func Status(ctx context.Context, db Querier, schema, component string, migs []Migration) ([]VersionStatus, error) {
+	if err := ident.Validate("schema", schema); err != nil {
+		return nil, err
+	}
+	var recs []VersionStatus
+	exists, err := tableExists(ctx, db, schema)
+	if err != nil {
+		return nil, err
+	}
+	if exists {
+		rows, err := db.Query(ctx, "SELECT version, name, applied_at FROM "+ident.Quote(schema, Table)+" WHERE component = $1 ORDER BY version", component)
+		if err != nil {
+			return nil, err
+		}
+		recs, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (VersionStatus, error) {
+			s := VersionStatus{Applied: true}
+			var v int32
+			err := r.Scan(&v, &s.Name, &s.AppliedAt)
+			s.Version = int(v)
+			return s, err
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	byVersion := make(map[int]VersionStatus, len(recs))
+	for _, r := range recs {
+		byVersion[r.Version] = r
+	}
+	out := make([]VersionStatus, 0, len(migs)+len(recs))
+	for _, m := range migs {
+		s := VersionStatus{Version: m.Version, Name: m.Name}
+		if r, ok := byVersion[m.Version]; ok {
+			s.Applied, s.AppliedAt = true, r.AppliedAt
+			delete(byVersion, m.Version)
+		}
+		out = append(out, s)
+	}
+	for _, r := range recs {
+		if _, ok := byVersion[r.Version]; ok {
+			r.Unknown = true
+			out = append(out, r)
+		}
+	}
+	return out, nil
+}
+
+// Components returns the components schema's migration table records a
+// version of whose names start with prefix, sorted; none without a
+// migration table. It only reads.
+func Components(ctx context.Context, db Querier, schema, prefix string) ([]string, error) {
+	if err := ident.Validate("schema", schema); err != nil {
+		return nil, err
+	}
+	exists, err := tableExists(ctx, db, schema)
+	if err != nil || !exists {
+		return []string{}, err
+	}
+	rows, err := db.Query(ctx, "SELECT DISTINCT component FROM "+ident.Quote(schema, Table)+" WHERE starts_with(component, $1) ORDER BY 1", prefix)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
+}

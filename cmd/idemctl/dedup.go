@@ -1,0 +1,232 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+)
+
+// stringsFlag is a repeatable flag that also takes comma-separated values.
+type stringsFlag []string
+
+func (s *stringsFlag) String() string { return strings.Join(*s, ",") }
+
+func (s *stringsFlag) Set(v string) error {
+	*s = append(*s, splitList(v)...)
+	return nil
+}
+
+func dedupCheck(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	var groups stringsFlag
+	fs.Var(&groups, "group", "consumer `group` to check; repeat it or separate with commas (default: every registered group)")
+	pos, err := a.parse(fs, args, "EVENT_ID")
+	if err != nil {
+		return err
+	}
+	id, err := uuid.Parse(pos[0])
+	if err != nil {
+		return usageError("invalid event id %q: %v", pos[0], err)
+	}
+	tc, err := a.tableConfig(ctx, false)
+	if err != nil {
+		return err
+	}
+	registered, err := deduplicator.Groups(ctx, a.pool, tc)
+	if err != nil {
+		return err
+	}
+	names := make([]string, len(registered))
+	for i, g := range registered {
+		names[i] = g.Name
+	}
+	if len(groups) == 0 {
+		if len(names) == 0 {
+			return usageError("no consumer group is registered with %s.%s: pass --group", tc.Schema, tc.Table)
+		}
+		groups = names
+	}
+	for _, g := range groups {
+		if !slices.Contains(names, g) {
+			return usageError("unknown consumer group %q: not registered with %s.%s (registered: %s)", g, tc.Schema, tc.Table, listOrNone(names))
+		}
+	}
+	retention, err := deduplicator.RecordedRetention(ctx, a.pool, tc)
+	if err != nil {
+		return err
+	}
+	var created time.Time
+	if id.Version() == 7 {
+		sec, nsec := id.Time().UnixTime()
+		created = time.Unix(sec, nsec).UTC()
+	}
+	old := !created.IsZero() && time.Since(created) > retention
+
+	type result struct {
+		Group       string   `json:"group"`
+		Processed   bool     `json:"processed"`
+		ProcessedAt jsonTime `json:"processed_at"`
+	}
+	results := make([]result, 0, len(groups))
+	all := true
+	for _, g := range groups {
+		d, err := deduplicator.New(deduplicator.Config{TableConfig: tc, ConsumerGroup: g}, nil)
+		if err != nil {
+			return usageError("%v", err)
+		}
+		at, ok, err := d.ProcessedAt(ctx, a.pool, id)
+		if err != nil {
+			return err
+		}
+		all = all && ok
+		results = append(results, result{g, ok, jsonTime(at)})
+	}
+	if a.opts.json {
+		err = a.printJSON(struct {
+			EventID            string   `json:"event_id"`
+			CreatedAt          jsonTime `json:"created_at"`
+			RetentionSeconds   float64  `json:"retention_seconds"`
+			OlderThanRetention bool     `json:"older_than_retention"`
+			Processed          bool     `json:"processed"`
+			Groups             []result `json:"groups"`
+		}{id.String(), jsonTime(created), retention.Seconds(), old, all, results})
+	} else {
+		fmt.Fprintf(a.stdout, "event %s", id)
+		if !created.IsZero() {
+			fmt.Fprintf(a.stdout, ", created %s (UUIDv7 time, %s ago)", humanTime(created), humanDuration(time.Since(created)))
+		}
+		fmt.Fprintln(a.stdout)
+		tw := a.table()
+		row(tw, "GROUP", "PROCESSED", "PROCESSED AT", "AGO")
+		for _, r := range results {
+			ago := "-"
+			if r.Processed {
+				ago = humanDuration(time.Since(time.Time(r.ProcessedAt)))
+			}
+			row(tw, r.Group, map[bool]string{true: "yes", false: "no"}[r.Processed], humanTime(time.Time(r.ProcessedAt)), ago)
+		}
+		_ = tw.Flush()
+		if !all && old {
+			fmt.Fprintf(a.stdout, "note: the event is older than the retention (%s): a claim may have been deleted by the cleaner, and the consumers refuse the event as stale (ErrStaleEvent) rather than apply it again\n", humanDuration(retention))
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if !all {
+		return &exitError{code: exitNo}
+	}
+	return nil
+}
+
+func listOrNone(names []string) string {
+	if len(names) == 0 {
+		return "none"
+	}
+	return strings.Join(names, ", ")
+}
+
+func dedupStats(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	tc, err := a.tableConfig(ctx, false)
+	if err != nil {
+		return err
+	}
+	st, err := deduplicator.Stats(ctx, a.pool, tc)
+	if err != nil {
+		return err
+	}
+	if a.opts.json {
+		type group struct {
+			Group      string   `json:"group"`
+			Registered bool     `json:"registered"`
+			Rows       int64    `json:"rows"`
+			Oldest     jsonTime `json:"oldest"`
+			Newest     jsonTime `json:"newest"`
+		}
+		type partition struct {
+			jsonPartition
+			Rows   int64    `json:"rows"`
+			Oldest jsonTime `json:"oldest"`
+			Newest jsonTime `json:"newest"`
+		}
+		out := struct {
+			Schema           string      `json:"schema"`
+			Table            string      `json:"table"`
+			Layout           string      `json:"layout"`
+			RetentionSeconds float64     `json:"retention_seconds"`
+			CleanedBefore    jsonTime    `json:"cleaned_before"`
+			Rows             int64       `json:"rows"`
+			Oldest           jsonTime    `json:"oldest"`
+			Newest           jsonTime    `json:"newest"`
+			Bytes            int64       `json:"bytes"`
+			Groups           []group     `json:"groups"`
+			Partitions       []partition `json:"partitions"`
+		}{st.Schema, st.Table, st.Layout.String(), st.Retention.Seconds(), jsonTime(st.CleanedBefore), st.Rows,
+			jsonTime(st.Oldest), jsonTime(st.Newest), st.Bytes, []group{}, []partition{}}
+		for _, g := range st.Groups {
+			out.Groups = append(out.Groups, group{g.Group, g.Registered, g.Rows, jsonTime(g.Oldest), jsonTime(g.Newest)})
+		}
+		for _, p := range st.Partitions {
+			out.Partitions = append(out.Partitions, partition{toJSONPartition(p.Partition), p.Rows, jsonTime(p.Oldest), jsonTime(p.Newest)})
+		}
+		return a.printJSON(out)
+	}
+	fmt.Fprintf(a.stdout, "table %s.%s (%s): %d rows, %s on disk, retention %s, cleaned before %s\n",
+		st.Schema, st.Table, st.Layout, st.Rows, humanBytes(st.Bytes), humanDuration(st.Retention), humanTime(st.CleanedBefore))
+	fmt.Fprintf(a.stdout, "processed_at: oldest %s, newest %s\n\n", humanTime(st.Oldest), humanTime(st.Newest))
+	tw := a.table()
+	row(tw, "GROUP", "REGISTERED", "ROWS", "OLDEST", "NEWEST")
+	for _, g := range st.Groups {
+		row(tw, g.Group, map[bool]string{true: "yes", false: "no"}[g.Registered], g.Rows, humanTime(g.Oldest), humanTime(g.Newest))
+	}
+	if len(st.Groups) == 0 {
+		row(tw, "(none)")
+	}
+	_ = tw.Flush()
+	if len(st.Partitions) == 0 {
+		return nil
+	}
+	fmt.Fprintln(a.stdout)
+	tw = a.table()
+	row(tw, "PARTITION", "EVENTS FROM", "TO", "ROWS", "SIZE", "OLDEST", "NEWEST")
+	for _, p := range st.Partitions {
+		from, to := partitionRange(p.Partition)
+		row(tw, p.Name, from, to, p.Rows, humanBytes(p.Bytes), humanTime(p.Oldest), humanTime(p.Newest))
+	}
+	return tw.Flush()
+}
+
+// jsonPartition is a partition in JSON output.
+type jsonPartition struct {
+	Name    string   `json:"name"`
+	Default bool     `json:"default"`
+	From    jsonTime `json:"from"`
+	To      jsonTime `json:"to"`
+	Bound   string   `json:"bound"`
+	Bytes   int64    `json:"bytes"`
+}
+
+func toJSONPartition(p deduplicator.Partition) jsonPartition {
+	return jsonPartition{p.Name, p.Default, jsonTime(p.From), jsonTime(p.To), p.Bound, p.Bytes}
+}
+
+// partitionRange prints a partition's event-time range for a table.
+func partitionRange(p deduplicator.Partition) (from, to string) {
+	switch {
+	case p.Default:
+		return "(default)", "-"
+	case p.From.IsZero():
+		return p.Bound, ""
+	}
+	return humanTime(p.From), humanTime(p.To)
+}

@@ -1,0 +1,29 @@
+// Command idemctl operates the tables of watermill-idempotency from a shell,
+// with the library's own functions: migrations, "was this event processed?",
+// retention passes, partitions, the outbox backlog and the consumer-group
+// registry.
+//
+// Install it with
+//
+//	go install github.com/idemkit/watermill-idempotency/cmd/idemctl@latest
+//
+// Usage:
+//
+//	idemctl [flags] COMMAND SUBCOMMAND [ARGS] [flags]
+//
+//	migrate status|up|down|sql   versioned migrations of the dedup table and the outbox topics
+//	dedup check EVENT_ID         processed by the group(s)? when?
+//	dedup stats                  claims per group and per partition, oldest/newest, size
+//	cleanup run [--dry-run]      one retention pass of the Cleaner
+//	partitions list|maintain     the daily partitions of a partitioned table
+//	outbox backlog|prune         rows not yet forwarded; delete those forwarded
+//	groups list|rename|forget    the consumer-group registry
+//	retention show|set           the table's recorded retention
+//	poison list|replay           (waits for the poison-replay library)
+//
+// It reads PostgreSQL from DATABASE_URL (or --database-url) and Kafka from
+// KAFKA_BROKERS (or --brokers). Output is a table for people, JSON with
+// --json. Exit codes: 0 done, 1 failed, 2 bad usage or input (nothing
+// changed), 3 dedup check: not processed. Passwords are masked in every line
+// it writes. See docs/idemctl.md for every command with an example.
+package main

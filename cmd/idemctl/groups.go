@@ -1,0 +1,195 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+)
+
+func groupsList(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	tc, err := a.tableConfig(ctx, false)
+	if err != nil {
+		return err
+	}
+	gs, err := deduplicator.Groups(ctx, a.pool, tc)
+	if err != nil {
+		return err
+	}
+	retention, err := deduplicator.RecordedRetention(ctx, a.pool, tc)
+	if err != nil {
+		return err
+	}
+	now := time.Now()
+	if a.opts.json {
+		type group struct {
+			Group                string   `json:"group"`
+			FirstSeen            jsonTime `json:"first_seen"`
+			IdempotencyNamespace string   `json:"idempotency_namespace"`
+			StartedAt            jsonTime `json:"started_at"`
+			Young                bool     `json:"young"`
+		}
+		out := []group{}
+		for _, g := range gs {
+			out = append(out, group{g.Name, jsonTime(g.FirstSeen), g.IdempotencyNamespace, jsonTime(g.StartedAt), g.Young(now, retention)})
+		}
+		return a.printJSON(out)
+	}
+	if len(gs) == 0 {
+		fmt.Fprintf(a.stdout, "no consumer group is registered with %s.%s\n", tc.Schema, tc.Table)
+		return nil
+	}
+	tw := a.table()
+	row(tw, "GROUP", "FIRST SEEN", "IDEMPOTENCY NAMESPACE", "LAST STARTED", "YOUNG")
+	for _, g := range gs {
+		first := humanTime(g.FirstSeen)
+		if g.FirstSeen.IsZero() {
+			first = "before the registry"
+		}
+		row(tw, g.Name, first, g.IdempotencyNamespace, humanTime(g.StartedAt), map[bool]string{true: "yes", false: "no"}[g.Young(now, retention)])
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(a.stdout, "(young: first seen less than the retention, %s, ago: its claims are all kept)\n", humanDuration(retention))
+	return nil
+}
+
+func groupsRename(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	pos, err := a.parse(fs, args, "FROM", "TO")
+	if err != nil {
+		return err
+	}
+	if pos[0] == "" || pos[1] == "" || pos[0] == pos[1] {
+		return usageError("usage: FROM and TO must be two different, non-empty names")
+	}
+	tc, err := a.tableConfig(ctx, false)
+	if err != nil {
+		return err
+	}
+	res, err := deduplicator.RenameGroup(ctx, a.pool, tc, pos[0], pos[1])
+	if err != nil {
+		return err
+	}
+	if a.opts.json {
+		return a.printJSON(struct {
+			From                 string   `json:"from"`
+			To                   string   `json:"to"`
+			ClaimsCopied         int64    `json:"claims_copied"`
+			FirstSeen            jsonTime `json:"first_seen"`
+			IdempotencyNamespace string   `json:"idempotency_namespace"`
+		}{pos[0], pos[1], res.ClaimsCopied, jsonTime(res.Group.FirstSeen), res.Group.IdempotencyNamespace})
+	}
+	fmt.Fprintf(a.stdout, "renamed %s to %s: %d claims copied; %s keeps the first-seen time %s and the Idempotency-Key namespace %q\n",
+		pos[0], pos[1], res.ClaimsCopied, pos[1], humanTime(res.Group.FirstSeen), res.Group.IdempotencyNamespace)
+	fmt.Fprintf(a.stdout, "%s's claims are kept: move the Kafka offsets, start the consumers as %s, then run idemctl groups forget %s --yes\n", pos[0], pos[1], pos[0])
+	return nil
+}
+
+func groupsForget(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	yes := fs.Bool("yes", false, "really delete the group's claims and registration")
+	pos, err := a.parse(fs, args, "GROUP")
+	if err != nil {
+		return err
+	}
+	tc, err := a.tableConfig(ctx, false)
+	if err != nil {
+		return err
+	}
+	gs, err := deduplicator.Groups(ctx, a.pool, tc)
+	if err != nil {
+		return err
+	}
+	found := false
+	for _, g := range gs {
+		found = found || g.Name == pos[0]
+	}
+	if !found {
+		return usageError("unknown consumer group %q: not registered with %s.%s", pos[0], tc.Schema, tc.Table)
+	}
+	if !*yes {
+		return usageError("groups forget deletes every claim of %q: a consumer started again under that name applies every event it reads again; pass --yes to do it", pos[0])
+	}
+	n, err := deduplicator.ForgetGroup(ctx, a.pool, tc, pos[0])
+	if err != nil {
+		return err
+	}
+	if a.opts.json {
+		return a.printJSON(struct {
+			Group         string `json:"group"`
+			ClaimsDeleted int64  `json:"claims_deleted"`
+		}{pos[0], n})
+	}
+	fmt.Fprintf(a.stdout, "forgot %s: %d claims deleted, registration removed\n", pos[0], n)
+	return nil
+}
+
+func retentionShow(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	tc, err := a.tableConfig(ctx, false)
+	if err != nil {
+		return err
+	}
+	r, err := deduplicator.RecordedRetention(ctx, a.pool, tc)
+	if err != nil {
+		return err
+	}
+	if a.opts.json {
+		return a.printJSON(struct {
+			Table            string  `json:"table"`
+			RetentionSeconds float64 `json:"retention_seconds"`
+		}{tc.Schema + "." + tc.Table, r.Seconds()})
+	}
+	fmt.Fprintf(a.stdout, "%s.%s keeps claims for %s\n", tc.Schema, tc.Table, humanDuration(r))
+	return nil
+}
+
+func retentionSet(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	yes := fs.Bool("yes", false, "confirm a shorter retention (the cleaner then deletes claims sooner)")
+	pos, err := a.parse(fs, args, "DURATION")
+	if err != nil {
+		return err
+	}
+	d, err := parseDuration(pos[0])
+	if err != nil {
+		return usageError("usage: retention: %v", err)
+	}
+	tc, err := a.tableConfig(ctx, false)
+	if err != nil {
+		return err
+	}
+	old, err := deduplicator.RecordedRetention(ctx, a.pool, tc)
+	if err != nil {
+		return err
+	}
+	if d < old && !*yes {
+		return usageError("shortening the retention from %s to %s lets the cleaner delete claims sooner: a redelivery or DLQ replay older than %s is then refused as stale; pass --yes to do it", humanDuration(old), humanDuration(d), humanDuration(d))
+	}
+	if err := deduplicator.SetRetention(ctx, a.pool, tc, d); err != nil {
+		return err
+	}
+	if a.opts.json {
+		return a.printJSON(struct {
+			Table                    string  `json:"table"`
+			PreviousRetentionSeconds float64 `json:"previous_retention_seconds"`
+			RetentionSeconds         float64 `json:"retention_seconds"`
+		}{tc.Schema + "." + tc.Table, old.Seconds(), d.Seconds()})
+	}
+	fmt.Fprintf(a.stdout, "%s.%s: retention %s (was %s); running consumers adopt it within %s", tc.Schema, tc.Table, humanDuration(d), humanDuration(old), humanDuration(deduplicator.RetentionRefreshInterval))
+	if d < old {
+		fmt.Fprintf(a.stdout, ", the cleaner applies it from %s on", humanDuration(2*deduplicator.RetentionRefreshInterval))
+	}
+	fmt.Fprintln(a.stdout)
+	return nil
+}

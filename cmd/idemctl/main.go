@@ -1,0 +1,237 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/outbox"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr, os.Getenv)
+	stop()
+	os.Exit(code)
+}
+
+// command is one leaf command: idemctl <group> <name>.
+type command struct {
+	group, name string
+	// args is the synopsis after the name; summary one line.
+	args, summary string
+	run           func(ctx context.Context, a *app, args []string) error
+}
+
+var commands = []command{
+	{"migrate", "status", "", "applied, pending and unknown versions of the dedup table and the outbox topics, and the tables' checks", migrateStatus},
+	{"migrate", "up", "[--only dedup|outbox] [--target N] [--retention D] [--dry-run]", "apply the pending versions", migrateUp},
+	{"migrate", "down", "[--only dedup|outbox] [--target N | --all] [--dry-run] --yes", "revert the newest version of each component (or down to --target)", migrateDown},
+	{"migrate", "sql", "[--only dedup|outbox] [--down] [--pending]", "print the migrations' SQL (for goose, golang-migrate or psql)", migrateSQL},
+	{"dedup", "check", "EVENT_ID [--group G]...", "was the event processed by the group (default: every registered group), and when", dedupCheck},
+	{"dedup", "stats", "", "claims per group and per partition, oldest and newest, table size (reads every row)", dedupStats},
+	{"cleanup", "run", "[--dry-run] [--batch-size N] [--delete-non-v7]", "one retention pass of the Cleaner (deletes, or drops partitions)", cleanupRun},
+	{"partitions", "list", "", "the partitions of a partitioned table, with their days and sizes", partitionsList},
+	{"partitions", "maintain", "[--dry-run] [--ahead N]", "create the days ahead, move rows out of DEFAULT, drop expired partitions", partitionsMaintain},
+	{"outbox", "backlog", "[--forwarder NAME]", "rows not yet forwarded and the age of the oldest, per topic", outboxBacklog},
+	{"outbox", "prune", "[--forwarders A,B] [--batch-size N]", "delete the rows every forwarder has passed", outboxPrune},
+	{"groups", "list", "", "the registered consumer groups", groupsList},
+	{"groups", "rename", "FROM TO", "give FROM's claims and registration to TO (FROM's are kept)", groupsRename},
+	{"groups", "forget", "GROUP --yes", "delete a group's claims and registration", groupsForget},
+	{"retention", "show", "", "the retention recorded with the table", retentionShow},
+	{"retention", "set", "DURATION [--yes]", "change the recorded retention (7d, 720h...); shortening needs --yes", retentionSet},
+	{"poison", "list", "--topic T [filters]", "the poison topic's messages matching the filters", poisonList},
+	{"poison", "replay", "--topic T [filters] [--dry-run] [--rate N]", "publish matching poison messages back to their original topic", poisonReplay},
+}
+
+// run runs the command line args and returns the exit code.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
+	a := &app{getenv: getenv, opts: defaultOptions(), path: "idemctl"}
+	a.stdout = &redactor{w: stdout, secrets: a.secrets}
+	a.stderr = &redactor{w: stderr, secrets: a.secrets}
+	err := a.dispatch(ctx, args)
+	code := exitOK
+	var ee *exitError
+	switch {
+	case err == nil:
+	case errors.Is(err, flag.ErrHelp):
+	case errors.As(err, &ee):
+		code = ee.code
+		if ee.err != nil {
+			fmt.Fprintf(a.stderr, "%s: %v\n", a.path, ee.err)
+		}
+	case isBadInput(err):
+		code = exitUsage
+		fmt.Fprintf(a.stderr, "%s: %v\n", a.path, err)
+	default:
+		code = exitFailure
+		fmt.Fprintf(a.stderr, "%s: %v\n", a.path, err)
+	}
+	if code == exitUsage && ee != nil && ee.err != nil && strings.HasPrefix(ee.err.Error(), "usage:") {
+		fmt.Fprintf(a.stderr, "Run '%s -h' for help.\n", a.path)
+	}
+	a.close()
+	_ = a.stdout.Flush()
+	_ = a.stderr.Flush()
+	return code
+}
+
+// isBadInput reports errors of the library that mean the input named
+// something that is not there or not allowed; nothing was changed.
+func isBadInput(err error) bool {
+	for _, target := range []error{
+		deduplicator.ErrGroupNotFound, deduplicator.ErrGroupExists,
+		outbox.ErrInvalidTopic, outbox.ErrTopicNotMigrated,
+	} {
+		if errors.Is(err, target) {
+			return true
+		}
+	}
+	return false
+}
+
+func (a *app) dispatch(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("idemctl", flag.ContinueOnError)
+	a.opts.register(fs)
+	fs.Usage = func() { a.usage(a.stdout) }
+	fs.SetOutput(io.Discard)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			a.usage(a.stdout)
+			return err
+		}
+		return usageError("usage: %v", err)
+	}
+	rest := fs.Args()
+	if len(rest) == 0 || rest[0] == "help" {
+		a.usage(a.stdout)
+		if len(rest) == 0 {
+			return &exitError{code: exitUsage}
+		}
+		return nil
+	}
+	group := rest[0]
+	var inGroup []command
+	for _, c := range commands {
+		if c.group == group {
+			inGroup = append(inGroup, c)
+		}
+	}
+	if len(inGroup) == 0 {
+		a.usage(a.stderr)
+		return usageError("unknown command %q", group)
+	}
+	a.path = "idemctl " + group
+	if len(rest) < 2 || rest[1] == "-h" || rest[1] == "--help" || rest[1] == "help" {
+		a.groupUsage(a.stdout, inGroup)
+		if len(rest) < 2 {
+			return usageError("usage: %s needs a subcommand", a.path)
+		}
+		return nil
+	}
+	for _, c := range inGroup {
+		if c.name == rest[1] {
+			a.path = "idemctl " + group + " " + c.name
+			a.cmd = &c
+			return c.run(ctx, a, rest[2:])
+		}
+	}
+	a.groupUsage(a.stderr, inGroup)
+	return usageError("unknown command %q", group+" "+rest[1])
+}
+
+func (a *app) usage(w io.Writer) {
+	fmt.Fprint(w, `idemctl operates the tables of watermill-idempotency: the processed_event
+(dedup) table and the outbox, with the library's own functions.
+
+Usage: idemctl [flags] COMMAND SUBCOMMAND [ARGS] [flags]
+
+Commands:
+`)
+	tw := a.tableOn(w)
+	for _, c := range commands {
+		row(tw, "  "+c.group+" "+c.name, c.summary)
+	}
+	_ = tw.Flush()
+	fmt.Fprint(w, `
+Flags (before or after the command):
+`)
+	fs := flag.NewFlagSet("idemctl", flag.ContinueOnError)
+	o := defaultOptions()
+	o.register(fs)
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+	fmt.Fprint(w, `
+Environment: DATABASE_URL (PostgreSQL), KAFKA_BROKERS (poison commands).
+Passwords are never printed: they are masked in every message and output.
+
+Exit codes: 0 done; 1 failed; 2 bad usage or input (nothing was changed);
+3 dedup check: the event was not processed (by one of the groups).
+
+Run 'idemctl COMMAND SUBCOMMAND -h' for a command's flags; see docs/idemctl.md.
+`)
+}
+
+func (a *app) groupUsage(w io.Writer, cs []command) {
+	fmt.Fprintf(w, "Usage:\n")
+	tw := a.tableOn(w)
+	for _, c := range cs {
+		row(tw, "  idemctl "+c.group+" "+c.name+" "+c.args, c.summary)
+	}
+	_ = tw.Flush()
+	fmt.Fprintf(w, "\nRun 'idemctl %s SUBCOMMAND -h' for its flags, 'idemctl -h' for the common ones.\n", cs[0].group)
+}
+
+// flags returns the flag set of the running leaf command, with the common
+// flags.
+func (a *app) flags() *flag.FlagSet {
+	fs := flag.NewFlagSet(a.path, flag.ContinueOnError)
+	a.opts.register(fs)
+	fs.SetOutput(io.Discard)
+	return fs
+}
+
+// parse parses args into fs, flags and positional arguments in any order,
+// and checks the count of positional arguments (-1: any).
+func (a *app) parse(fs *flag.FlagSet, args []string, positional ...string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				a.leafUsage(fs, positional)
+				return nil, err
+			}
+			return nil, usageError("usage: %v", err)
+		}
+		args = fs.Args()
+		if len(args) == 0 {
+			break
+		}
+		pos = append(pos, args[0])
+		args = args[1:]
+	}
+	if len(pos) != len(positional) {
+		if len(pos) > len(positional) {
+			return nil, usageError("usage: unexpected argument %q (want %s %s)", pos[len(positional)], a.path, strings.Join(positional, " "))
+		}
+		return nil, usageError("usage: missing %s (want %s %s)", positional[len(pos)], a.path, strings.Join(positional, " "))
+	}
+	return pos, nil
+}
+
+func (a *app) leafUsage(fs *flag.FlagSet, positional []string) {
+	if c := a.cmd; c != nil {
+		fmt.Fprintf(a.stdout, "Usage: %s %s\n\n%s.\n\nFlags:\n", a.path, c.args, c.summary)
+	}
+	_ = positional
+	fs.SetOutput(a.stdout)
+	fs.PrintDefaults()
+	fs.SetOutput(io.Discard)
+}

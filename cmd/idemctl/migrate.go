@@ -1,0 +1,539 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/outbox"
+)
+
+// migrators are the dedup table's and the outbox topics' migrators, as
+// selected by --only.
+type migrators struct {
+	dedup  *deduplicator.Migrator // nil: not selected
+	outbox *outbox.Migrator       // nil: not selected or no topic
+	tc     deduplicator.TableConfig
+	ob     outbox.Config
+}
+
+// only validates --only.
+func only(v string) (dedup, ob bool, err error) {
+	switch v {
+	case "", "all":
+		return true, true, nil
+	case "dedup":
+		return true, false, nil
+	case "outbox":
+		return false, true, nil
+	}
+	return false, false, usageError("usage: --only %q: want dedup or outbox", v)
+}
+
+func (a *app) migrators(ctx context.Context, onlyFlag string, retention time.Duration) (*migrators, error) {
+	wantDedup, wantOutbox, err := only(onlyFlag)
+	if err != nil {
+		return nil, err
+	}
+	pool, err := a.connect(ctx)
+	if err != nil {
+		return nil, err
+	}
+	m := &migrators{}
+	if wantDedup {
+		if m.tc, err = a.tableConfig(ctx, true); err != nil {
+			return nil, err
+		}
+		m.tc.Retention = retention
+		if m.dedup, err = deduplicator.NewMigrator(pool, m.tc); err != nil {
+			return nil, usageError("%v", err)
+		}
+	}
+	if wantOutbox {
+		if m.ob, err = a.outboxConfig(ctx, true); err != nil {
+			return nil, err
+		}
+		if len(m.ob.Topics) > 0 {
+			if m.outbox, err = outbox.NewMigrator(pool, m.ob); err != nil {
+				return nil, usageError("%v", err)
+			}
+		} else if !wantDedup {
+			return nil, usageError("no outbox topic: none is recorded under prefix %s in %s.idem_schema_migration; pass --topics", m.ob.TablePrefix, m.ob.Schema)
+		}
+	}
+	return m, nil
+}
+
+func (m *migrators) status(ctx context.Context) ([]deduplicator.MigrationStatus, error) {
+	var out []deduplicator.MigrationStatus
+	if m.dedup != nil {
+		st, err := m.dedup.Status(ctx)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, st...)
+	}
+	if m.outbox != nil {
+		st, err := m.outbox.Status(ctx)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, st...)
+	}
+	return out, nil
+}
+
+type jsonVersion struct {
+	Component string   `json:"component"`
+	Version   int      `json:"version"`
+	Name      string   `json:"name"`
+	Status    string   `json:"status"`
+	AppliedAt jsonTime `json:"applied_at"`
+}
+
+func statusWord(s deduplicator.MigrationStatus) string {
+	switch {
+	case s.Unknown:
+		return "unknown"
+	case s.Applied:
+		return "applied"
+	}
+	return "pending"
+}
+
+type jsonCheck struct {
+	Target  string `json:"target"`
+	OK      bool   `json:"ok"`
+	Problem string `json:"problem,omitempty"`
+}
+
+func migrateStatus(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	onlyFlag := fs.String("only", "", "`dedup` or `outbox`: only those tables (default both)")
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	m, err := a.migrators(ctx, *onlyFlag, 0)
+	if err != nil {
+		return err
+	}
+	st, err := m.status(ctx)
+	if err != nil {
+		return err
+	}
+	// The live tables' checks: what a service would refuse at start-up.
+	var checks []jsonCheck
+	if m.dedup != nil {
+		c := jsonCheck{Target: m.tc.Schema + "." + m.tc.Table + " (" + m.tc.Layout.String() + ")", OK: true}
+		if err := deduplicator.Check(ctx, a.pool, m.tc); err != nil {
+			c.OK, c.Problem = false, err.Error()
+		}
+		checks = append(checks, c)
+	}
+	if m.outbox != nil {
+		ob, err := outbox.New(m.ob, nil)
+		if err != nil {
+			return err
+		}
+		for _, topic := range m.ob.Topics {
+			c := jsonCheck{Target: "outbox topic " + topic, OK: true}
+			if err := ob.Check(ctx, a.pool, topic); err != nil {
+				c.OK, c.Problem = false, err.Error()
+			}
+			checks = append(checks, c)
+		}
+	}
+	counts := map[string]int{}
+	for _, s := range st {
+		counts[statusWord(s)]++
+	}
+	if a.opts.json {
+		out := struct {
+			Versions []jsonVersion `json:"versions"`
+			Applied  int           `json:"applied"`
+			Pending  int           `json:"pending"`
+			Unknown  int           `json:"unknown"`
+			Checks   []jsonCheck   `json:"checks"`
+		}{Versions: []jsonVersion{}, Applied: counts["applied"], Pending: counts["pending"], Unknown: counts["unknown"], Checks: checks}
+		for _, s := range st {
+			out.Versions = append(out.Versions, jsonVersion{s.Component, s.Version, s.Name, statusWord(s), jsonTime(s.AppliedAt)})
+		}
+		return a.printJSON(out)
+	}
+	tw := a.table()
+	row(tw, "COMPONENT", "VERSION", "NAME", "STATUS", "APPLIED AT")
+	for _, s := range st {
+		row(tw, s.Component, s.Version, s.Name, statusWord(s), humanTime(s.AppliedAt))
+	}
+	_ = tw.Flush()
+	fmt.Fprintf(a.stdout, "\n%d applied, %d pending, %d unknown", counts["applied"], counts["pending"], counts["unknown"])
+	if counts["unknown"] > 0 {
+		fmt.Fprint(a.stdout, " (recorded by another layout or a newer release: migrate down refuses to go past them)")
+	}
+	fmt.Fprintln(a.stdout)
+	if m.dedup != nil && m.outbox == nil && m.ob.TablePrefix != "" && *onlyFlag == "" {
+		fmt.Fprintf(a.stdout, "no outbox topic recorded under prefix %s in schema %s (pass --topics to name some)\n", m.ob.TablePrefix, m.ob.Schema)
+	}
+	fmt.Fprintln(a.stdout)
+	for _, c := range checks {
+		if c.OK {
+			fmt.Fprintf(a.stdout, "check %s: ok\n", c.Target)
+		} else {
+			fmt.Fprintf(a.stdout, "check %s: %s\n", c.Target, c.Problem)
+		}
+	}
+	return nil
+}
+
+type jsonStep struct {
+	Component  string  `json:"component"`
+	Version    int     `json:"version"`
+	Name       string  `json:"name"`
+	DurationMS float64 `json:"duration_ms"`
+}
+
+func (a *app) printSteps(direction deduplicator.Direction, dryRun bool, steps []deduplicator.MigrateVersion) error {
+	if a.opts.json {
+		out := struct {
+			Direction deduplicator.Direction `json:"direction"`
+			DryRun    bool                   `json:"dry_run"`
+			Versions  []jsonStep             `json:"versions"`
+		}{direction, dryRun, []jsonStep{}}
+		for _, s := range steps {
+			out.Versions = append(out.Versions, jsonStep{s.Component, s.Version, s.Name, float64(s.Duration.Microseconds()) / 1000})
+		}
+		return a.printJSON(out)
+	}
+	verb, done := "apply", "applied"
+	if direction == deduplicator.DirectionDown {
+		verb, done = "revert", "reverted"
+	}
+	if len(steps) == 0 {
+		fmt.Fprintf(a.stdout, "nothing to %s\n", verb)
+		return nil
+	}
+	tw := a.table()
+	for _, s := range steps {
+		if dryRun {
+			row(tw, "would "+verb, s.Component, fmt.Sprintf("%03d_%s", s.Version, s.Name))
+		} else {
+			row(tw, done, s.Component, fmt.Sprintf("%03d_%s", s.Version, s.Name), humanDuration(s.Duration))
+		}
+	}
+	return tw.Flush()
+}
+
+func migrateUp(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	onlyFlag := fs.String("only", "", "`dedup` or `outbox`: only those tables (default both)")
+	target := fs.Int("target", 0, "apply the versions up to this `version` only (needs --only)")
+	retention := fs.String("retention", "", "retention a new processed_event table records (7d, 720h...; default 7d); an existing table's must match")
+	payload := fs.String("payload-type", "", "payload column type of new outbox tables: BYTEA, JSON or JSONB (default BYTEA)")
+	dryRun := fs.Bool("dry-run", false, "list the versions it would apply, change nothing")
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	if *target != 0 && *onlyFlag == "" {
+		return usageError("usage: --target needs --only dedup or --only outbox (their versions differ)")
+	}
+	if *target < 0 {
+		return usageError("usage: --target %d: going up it must be a version", *target)
+	}
+	var ret time.Duration
+	if *retention != "" {
+		var err error
+		if ret, err = parseDuration(*retention); err != nil {
+			return usageError("usage: --retention: %v", err)
+		}
+	}
+	m, err := a.migrators(ctx, *onlyFlag, ret)
+	if err != nil {
+		return err
+	}
+	if *payload != "" && m.outbox != nil {
+		m.ob.PayloadType = *payload
+		if m.outbox, err = outbox.NewMigrator(a.pool, m.ob); err != nil {
+			return usageError("%v", err)
+		}
+	}
+	if *dryRun {
+		st, err := m.status(ctx)
+		if err != nil {
+			return err
+		}
+		var steps []deduplicator.MigrateVersion
+		for _, s := range st {
+			if !s.Applied && (*target == 0 || s.Version <= *target) {
+				steps = append(steps, deduplicator.MigrateVersion{Component: s.Component, Version: s.Version, Name: s.Name})
+			}
+		}
+		return a.printSteps(deduplicator.DirectionUp, true, steps)
+	}
+	opts := &deduplicator.MigrateOpts{TargetVersion: *target}
+	var steps []deduplicator.MigrateVersion
+	for _, mg := range m.list() {
+		res, err := mg.Migrate(ctx, deduplicator.DirectionUp, opts)
+		if res != nil {
+			steps = append(steps, res.Versions...)
+		}
+		if err != nil {
+			if len(steps) > 0 {
+				_ = a.printSteps(deduplicator.DirectionUp, false, steps)
+			}
+			return err
+		}
+	}
+	return a.printSteps(deduplicator.DirectionUp, false, steps)
+}
+
+// migrator is what both migrators do.
+type migrator interface {
+	Migrate(context.Context, deduplicator.Direction, *deduplicator.MigrateOpts) (*deduplicator.MigrateResult, error)
+}
+
+// list returns the selected migrators in the order up runs them.
+func (m *migrators) list() []migrator {
+	var out []migrator
+	if m.dedup != nil {
+		out = append(out, m.dedup)
+	}
+	if m.outbox != nil {
+		out = append(out, m.outbox)
+	}
+	return out
+}
+
+// downPlan lists, from st, what a down migration to target reverts, by
+// MigrateOpts.TargetVersion's rules: 0 the newest applied version of each
+// component, N the applied versions above N, -1 every applied version;
+// newest first within a component, the outbox's before the dedup table's.
+func downPlan(st []deduplicator.MigrationStatus, target int) (plan []deduplicator.MigrateVersion, unknown []deduplicator.MigrationStatus) {
+	byComp := map[string][]deduplicator.MigrationStatus{}
+	var order []string
+	for _, s := range st {
+		if _, ok := byComp[s.Component]; !ok {
+			order = append(order, s.Component)
+		}
+		byComp[s.Component] = append(byComp[s.Component], s)
+	}
+	slices.Reverse(order)
+	for _, c := range order {
+		vs := byComp[c]
+		newest := 0
+		for _, s := range vs {
+			if s.Applied && !s.Unknown && s.Version > newest {
+				newest = s.Version
+			}
+			if s.Unknown && s.Version > target {
+				unknown = append(unknown, s)
+			}
+		}
+		for i := len(vs) - 1; i >= 0; i-- {
+			s := vs[i]
+			if !s.Applied || s.Unknown || s.Version <= target || (target == 0 && s.Version != newest) {
+				continue
+			}
+			plan = append(plan, deduplicator.MigrateVersion{Component: s.Component, Version: s.Version, Name: s.Name})
+		}
+	}
+	return plan, unknown
+}
+
+func migrateDown(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	onlyFlag := fs.String("only", "", "`dedup` or `outbox`: only those tables (default both)")
+	target := fs.Int("target", 0, "revert the versions above this `version` (default: only the newest of each component)")
+	all := fs.Bool("all", false, "revert every version: drop the tables and their rows")
+	dryRun := fs.Bool("dry-run", false, "list the versions it would revert, change nothing")
+	yes := fs.Bool("yes", false, "really revert (a down migration drops tables or columns, with their rows)")
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	switch {
+	case *all && *target != 0:
+		return usageError("usage: --all and --target exclude each other")
+	case *target < 0:
+		return usageError("usage: --target %d: use --all to revert every version", *target)
+	case *target > 0 && *onlyFlag == "":
+		return usageError("usage: --target needs --only dedup or --only outbox (their versions differ)")
+	}
+	if *all {
+		*target = -1
+	}
+	m, err := a.migrators(ctx, *onlyFlag, 0)
+	if err != nil {
+		return err
+	}
+	st, err := m.status(ctx)
+	if err != nil {
+		return err
+	}
+	plan, unknown := downPlan(st, *target)
+	if *dryRun {
+		for _, u := range unknown {
+			fmt.Fprintf(a.stderr, "%s: warning: %s version %d (%s) is recorded but unknown to this release: migrate down refuses to revert past it\n", a.path, u.Component, u.Version, u.Name)
+		}
+		return a.printSteps(deduplicator.DirectionDown, true, plan)
+	}
+	if len(plan) == 0 && len(unknown) == 0 {
+		return a.printSteps(deduplicator.DirectionDown, false, nil)
+	}
+	if !*yes {
+		names := make([]string, len(plan))
+		for i, p := range plan {
+			names[i] = fmt.Sprintf("%s %03d_%s", p.Component, p.Version, p.Name)
+		}
+		return usageError("migrate down would revert %s, dropping tables or columns with their rows: pass --yes to do it (--dry-run lists it)", strings.Join(names, ", "))
+	}
+	opts := &deduplicator.MigrateOpts{TargetVersion: *target}
+	var steps []deduplicator.MigrateVersion
+	list := m.list()
+	slices.Reverse(list)
+	for _, mg := range list {
+		res, err := mg.Migrate(ctx, deduplicator.DirectionDown, opts)
+		if res != nil {
+			steps = append(steps, res.Versions...)
+		}
+		if err != nil {
+			if len(steps) > 0 {
+				_ = a.printSteps(deduplicator.DirectionDown, false, steps)
+			}
+			return err
+		}
+	}
+	return a.printSteps(deduplicator.DirectionDown, false, steps)
+}
+
+func migrateSQL(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	onlyFlag := fs.String("only", "", "`dedup` or `outbox`: only those tables (default both)")
+	down := fs.Bool("down", false, "print the down migrations (newest first) instead of the up ones")
+	pending := fs.Bool("pending", false, "only the versions the database has not recorded (connects; without it nothing connects and --layout auto means plain)")
+	payload := fs.String("payload-type", "", "payload column type of the outbox tables: BYTEA, JSON or JSONB (default BYTEA)")
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	wantDedup, wantOutbox, err := only(*onlyFlag)
+	if err != nil {
+		return err
+	}
+	var migs []deduplicator.Migration
+	if *pending {
+		if *down {
+			return usageError("usage: --pending and --down exclude each other")
+		}
+		m, err := a.migrators(ctx, *onlyFlag, 0)
+		if err != nil {
+			return err
+		}
+		if m.outbox != nil && *payload != "" {
+			m.ob.PayloadType = *payload
+			if m.outbox, err = outbox.NewMigrator(a.pool, m.ob); err != nil {
+				return usageError("%v", err)
+			}
+		}
+		if m.dedup != nil {
+			res, err := m.dedup.Validate(ctx)
+			if err != nil {
+				return err
+			}
+			migs = append(migs, res.Pending...)
+		}
+		if m.outbox != nil {
+			res, err := m.outbox.Validate(ctx)
+			if err != nil {
+				return err
+			}
+			migs = append(migs, res.Pending...)
+		}
+	} else {
+		if wantDedup {
+			tc := deduplicator.TableConfig{Schema: a.opts.schema, Table: a.opts.table}
+			switch a.opts.layout {
+			case "auto", "", "plain":
+			case "partitioned":
+				tc.Layout = deduplicator.LayoutPartitioned
+			default:
+				return usageError("usage: --layout %q: want auto, plain or partitioned", a.opts.layout)
+			}
+			ms, err := deduplicator.Migrations(tc)
+			if err != nil {
+				return usageError("%v", err)
+			}
+			migs = append(migs, ms...)
+		}
+		if wantOutbox {
+			cfg, err := a.outboxConfig(ctx, false)
+			if err != nil {
+				return err
+			}
+			cfg.PayloadType = *payload
+			if len(cfg.Topics) > 0 {
+				ms, err := outbox.Migrations(cfg)
+				if err != nil {
+					return usageError("%v", err)
+				}
+				migs = append(migs, ms...)
+			} else if *onlyFlag == "outbox" {
+				return usageError("usage: migrate sql --only outbox needs --topics (it does not connect to find them)")
+			}
+		}
+	}
+	if *down {
+		slices.Reverse(migs)
+	}
+	if a.opts.json {
+		type jsonMigration struct {
+			Component string `json:"component"`
+			Version   int    `json:"version"`
+			Name      string `json:"name"`
+			Up        string `json:"up"`
+			Down      string `json:"down"`
+		}
+		out := []jsonMigration{}
+		for _, m := range migs {
+			out = append(out, jsonMigration{m.Component, m.Version, m.Name, m.Up, m.Down})
+		}
+		return a.printJSON(out)
+	}
+	if len(migs) == 0 {
+		fmt.Fprintln(a.stdout, "-- nothing pending")
+		return nil
+	}
+	for i, m := range migs {
+		if i > 0 {
+			fmt.Fprintln(a.stdout)
+		}
+		sql, dir := m.Up, "up"
+		if *down {
+			sql, dir = m.Down, "down"
+		}
+		fmt.Fprintf(a.stdout, "-- %s %03d_%s.%s.sql\n%s", m.Component, m.Version, m.Name, dir, sql)
+		if !strings.HasSuffix(sql, "\n") {
+			fmt.Fprintln(a.stdout)
+		}
+	}
+	return nil
+}
+
+// parseDuration accepts Go durations and whole days ("7d", "30d").
+func parseDuration(s string) (time.Duration, error) {
+	if n, ok := strings.CutSuffix(s, "d"); ok {
+		var days int
+		if _, err := fmt.Sscanf(n, "%d", &days); err == nil && fmt.Sprint(days) == n && days > 0 {
+			return time.Duration(days) * 24 * time.Hour, nil
+		}
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return 0, fmt.Errorf("%q is not a duration (7d, 720h, 90m...)", s)
+	}
+	if d <= 0 {
+		return 0, errors.New("must be positive")
+	}
+	return d, nil
+}

@@ -1,0 +1,314 @@
+package deduplicator
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+)
+
+// tableSnapshot is every row of the table and every partition's name.
+func tableSnapshot(t *testing.T, db *pgtest.DB, tc TableConfig) ([]string, []string) {
+	t.Helper()
+	rows, err := db.Pool.Query(context.Background(), "SELECT event_id::text || '/' || consumer_group || '/' || tableoid::regclass::text FROM "+tc.Table+" ORDER BY 1")
+	require.NoError(t, err)
+	all, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return all, partitionNames(t, db, tc)
+}
+
+func cleanedBefore(t *testing.T, db *pgtest.DB, tc TableConfig) time.Time {
+	t.Helper()
+	s, err := readSetting(context.Background(), db.Pool, tc)
+	require.NoError(t, err)
+	return s.cleanedBefore
+}
+
+// A dry run on the plain layout counts exactly what the real pass then
+// deletes, changes no row, records no cleanup horizon, and runs while
+// another instance holds the cleaner's lock.
+func TestCleanerDryRunPlain(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPlain)
+	ctx := context.Background()
+	now := time.Now()
+	retention := DefaultRetention
+	var old, young []uuid.UUID
+	for i := 0; i < 23; i++ {
+		old = append(old, v7At(now.Add(-retention-time.Duration(i+1)*time.Minute)))
+		young = append(young, v7At(now.Add(-retention+time.Duration(i+1)*time.Minute)))
+	}
+	insertRows(t, db.Pool, tc, "a", now, old...)
+	insertRows(t, db.Pool, tc, "b", now, old[:5]...)
+	insertRows(t, db.Pool, tc, "a", now, young...)
+	insertRows(t, db.Pool, tc, "a", now.Add(-retention-time.Hour), uuid.New(), uuid.New()) // non-v7, old
+	insertRows(t, db.Pool, tc, "a", now, uuid.New())                                       // non-v7, young
+	before, _ := tableSnapshot(t, db, tc)
+
+	// Another instance is working: a real pass would skip, a dry run reads.
+	holder, err := db.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	_, err = holder.Exec(ctx, "SELECT pg_advisory_lock(hashtextextended($1, 0))", "watermill-idempotency/retention/"+tc.Schema+"."+tc.Table)
+	require.NoError(t, err)
+
+	cfg := CleanerConfig{TableConfig: tc, DB: db.Pool, BatchSize: 4, DeleteNonV7: true, NowFunc: func() time.Time { return now }}
+	dryCfg := cfg
+	dryCfg.DryRun = true
+	dry, err := NewCleaner(dryCfg, nil)
+	require.NoError(t, err)
+	res, err := dry.RunOnce(ctx)
+	require.NoError(t, err)
+	require.True(t, res.DryRun)
+	require.False(t, res.Skipped)
+	require.EqualValues(t, 23+5+2, res.Deleted)
+	require.Equal(t, retention, res.Retention)
+	after, _ := tableSnapshot(t, db, tc)
+	require.Equal(t, before, after, "a dry run deletes nothing")
+	require.True(t, cleanedBefore(t, db, tc).IsZero(), "a dry run records no cleanup horizon")
+
+	_, err = holder.Exec(ctx, "SELECT pg_advisory_unlock(hashtextextended($1, 0))", "watermill-idempotency/retention/"+tc.Schema+"."+tc.Table)
+	require.NoError(t, err)
+	holder.Release()
+	real, err := NewCleaner(cfg, nil)
+	require.NoError(t, err)
+	got, err := real.RunOnce(ctx)
+	require.NoError(t, err)
+	require.False(t, got.DryRun)
+	require.Equal(t, res.Deleted, got.Deleted, "the dry run counted what the pass deletes")
+	require.Equal(t, len(before)-int(res.Deleted), db.Count(t, "SELECT 1 FROM "+tc.Table))
+	require.False(t, cleanedBefore(t, db, tc).IsZero())
+}
+
+// A dry run on the partitioned layout names the partitions a pass creates
+// and drops and counts the rows it moves and deletes, exactly as the real
+// pass then does, without creating, moving or dropping anything.
+func TestCleanerDryRunPartitioned(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPartitioned)
+	ctx := context.Background()
+	start := time.Now()
+	now := start.AddDate(0, 0, 20)
+	cutoff := now.Add(-DefaultRetention)
+	insertRows(t, db.Pool, tc, "g", start, v7At(start.Add(time.Minute)))   // today's partition: dropped
+	insertRows(t, db.Pool, tc, "g", start, v7At(start.AddDate(0, 0, -30))) // DEFAULT, far past: deleted
+	insertRows(t, db.Pool, tc, "g", start, v7At(cutoff.Add(-time.Minute))) // DEFAULT, at the cutoff
+	insertRows(t, db.Pool, tc, "g", start, v7At(cutoff.Add(time.Hour)))    // DEFAULT, within: moved
+	insertRows(t, db.Pool, tc, "h", start, v7At(now.Add(24*time.Hour)))    // DEFAULT, ahead: moved
+	insertRows(t, db.Pool, tc, "g", start, v7At(now.AddDate(1, 0, 0)))     // DEFAULT, far future: kept
+	rowsBefore, partsBefore := tableSnapshot(t, db, tc)
+
+	cfg := CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: func() time.Time { return now }}
+	dryCfg := cfg
+	dryCfg.DryRun = true
+	dry, err := NewCleaner(dryCfg, nil)
+	require.NoError(t, err)
+	want, err := dry.RunOnce(ctx)
+	require.NoError(t, err)
+	rowsAfter, partsAfter := tableSnapshot(t, db, tc)
+	require.Equal(t, rowsBefore, rowsAfter, "a dry run moves and deletes nothing")
+	require.Equal(t, partsBefore, partsAfter, "a dry run creates and drops nothing")
+	require.True(t, cleanedBefore(t, db, tc).IsZero())
+	require.Equal(t, DefaultPartitionsAhead+1, want.PartitionsDropped, "the partitions Migrate made")
+	require.GreaterOrEqual(t, want.PartitionsCreated, DefaultPartitionsAhead+1)
+	require.GreaterOrEqual(t, want.RowsMoved, int64(2))
+	require.Positive(t, want.Deleted)
+	require.Len(t, want.CreatedPartitions, want.PartitionsCreated)
+	require.Len(t, want.DroppedPartitions, want.PartitionsDropped)
+
+	real, err := NewCleaner(cfg, nil)
+	require.NoError(t, err)
+	got, err := real.RunOnce(ctx)
+	require.NoError(t, err)
+	for _, r := range []*Result{&want, &got} {
+		r.Duration, r.DryRun = 0, false
+	}
+	require.Equal(t, want, got, "the dry run reported what the pass did")
+}
+
+func TestProcessedAt(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPlain)
+	ctx := context.Background()
+	d, err := New(Config{TableConfig: tc, ConsumerGroup: "billing"}, nil)
+	require.NoError(t, err)
+	id, other := v7At(time.Now()), v7At(time.Now())
+	var txStart time.Time
+	require.NoError(t, pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		require.NoError(t, tx.QueryRow(ctx, "SELECT now()").Scan(&txStart))
+		_, err := d.Claim(ctx, tx, id)
+		return err
+	}))
+	at, ok, err := d.ProcessedAt(ctx, db.Pool, id)
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.True(t, at.Equal(txStart), "processed_at is the claim's transaction start")
+	_, ok, err = d.ProcessedAt(ctx, db.Pool, other)
+	require.NoError(t, err)
+	require.False(t, ok)
+	d2, err := New(Config{TableConfig: tc, ConsumerGroup: "shipping"}, nil)
+	require.NoError(t, err)
+	_, ok, err = d2.ProcessedAt(ctx, db.Pool, id)
+	require.NoError(t, err)
+	require.False(t, ok, "per consumer group")
+
+	missing, err := New(Config{TableConfig: TableConfig{Schema: tc.Schema, Table: "nope"}, ConsumerGroup: "g"}, nil)
+	require.NoError(t, err)
+	_, _, err = missing.ProcessedAt(ctx, db.Pool, id)
+	require.ErrorIs(t, err, ErrTableMissing)
+}
+
+func TestPartitionsAndStatsPartitioned(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPartitioned)
+	ctx := context.Background()
+	start := time.Now()
+	today := utcDay(start)
+
+	layout, err := TableLayout(ctx, db.Pool, TableConfig{Schema: tc.Schema})
+	require.NoError(t, err)
+	require.Equal(t, LayoutPartitioned, layout)
+
+	parts, err := Partitions(ctx, db.Pool, tc)
+	require.NoError(t, err)
+	require.Len(t, parts, DefaultPartitionsAhead+2)
+	for i := 0; i <= DefaultPartitionsAhead; i++ {
+		p := parts[i]
+		day := today.AddDate(0, 0, i)
+		require.Equal(t, PartitionName(tc.Table, day), p.Name)
+		require.False(t, p.Default)
+		require.True(t, p.From.Equal(day), "%s from %s", p.Name, p.From)
+		require.True(t, p.To.Equal(day.AddDate(0, 0, 1)))
+		require.Contains(t, p.Bound, "FOR VALUES FROM")
+		require.Positive(t, p.Bytes)
+	}
+	def := parts[len(parts)-1]
+	require.Equal(t, DefaultPartitionName(tc.Table), def.Name)
+	require.True(t, def.Default)
+	require.True(t, def.From.IsZero())
+	require.Equal(t, "DEFAULT", def.Bound)
+
+	d, err := New(Config{TableConfig: tc, ConsumerGroup: "a"}, nil)
+	require.NoError(t, err)
+	_, err = d.Register(ctx, db.Pool, "")
+	require.NoError(t, err)
+	d2, err := New(Config{TableConfig: tc, ConsumerGroup: "idle"}, nil)
+	require.NoError(t, err)
+	_, err = d2.Register(ctx, db.Pool, "")
+	require.NoError(t, err)
+	t1 := start.Add(-time.Hour).Truncate(time.Microsecond)
+	t2 := start.Truncate(time.Microsecond)
+	insertRows(t, db.Pool, tc, "a", t1, v7At(start), v7At(start))
+	insertRows(t, db.Pool, tc, "a", t2, v7At(start.AddDate(0, 0, 1)))
+	insertRows(t, db.Pool, tc, "b", t2, v7At(start.AddDate(0, 0, 30))) // DEFAULT
+
+	st, err := Stats(ctx, db.Pool, TableConfig{Schema: tc.Schema})
+	require.NoError(t, err)
+	require.Equal(t, LayoutPartitioned, st.Layout)
+	require.Equal(t, tc.Schema, st.Schema)
+	require.Equal(t, tc.Table, st.Table)
+	require.Equal(t, DefaultRetention, st.Retention)
+	require.True(t, st.CleanedBefore.IsZero())
+	require.EqualValues(t, 4, st.Rows)
+	require.True(t, st.Oldest.Equal(t1))
+	require.True(t, st.Newest.Equal(t2))
+	require.Positive(t, st.Bytes)
+	require.Equal(t, []GroupStats{
+		{Group: "a", Registered: true, Rows: 3, Oldest: st.Groups[0].Oldest, Newest: st.Groups[0].Newest},
+		{Group: "b", Rows: 1, Oldest: st.Groups[1].Oldest, Newest: st.Groups[1].Newest},
+		{Group: "idle", Registered: true},
+	}, st.Groups)
+	require.True(t, st.Groups[0].Oldest.Equal(t1))
+	require.True(t, st.Groups[0].Newest.Equal(t2))
+	require.Len(t, st.Partitions, len(parts))
+	counts := map[string]int64{}
+	for _, p := range st.Partitions {
+		counts[p.Name] = p.Rows
+	}
+	require.Equal(t, map[string]int64{
+		PartitionName(tc.Table, today):                  2,
+		PartitionName(tc.Table, today.AddDate(0, 0, 1)): 1,
+		PartitionName(tc.Table, today.AddDate(0, 0, 2)): 0,
+		PartitionName(tc.Table, today.AddDate(0, 0, 3)): 0,
+		DefaultPartitionName(tc.Table):                  1,
+	}, counts)
+	require.True(t, st.Partitions[0].Oldest.Equal(t1))
+}
+
+func TestPartitionsAndStatsPlain(t *testing.T) {
+	t.Parallel()
+	db, tc := retentionDB(t, LayoutPlain)
+	ctx := context.Background()
+	layout, err := TableLayout(ctx, db.Pool, tc)
+	require.NoError(t, err)
+	require.Equal(t, LayoutPlain, layout)
+	parts, err := Partitions(ctx, db.Pool, tc)
+	require.NoError(t, err)
+	require.Empty(t, parts)
+
+	st, err := Stats(ctx, db.Pool, tc)
+	require.NoError(t, err)
+	require.Equal(t, LayoutPlain, st.Layout)
+	require.Zero(t, st.Rows)
+	require.True(t, st.Oldest.IsZero())
+	require.Empty(t, st.Groups)
+	require.Empty(t, st.Partitions)
+	require.Positive(t, st.Bytes) // the empty table's indexes
+
+	insertRows(t, db.Pool, tc, "g", time.Now(), uuid.New(), v7At(time.Now()))
+	// On the caller's transaction (a savepoint).
+	require.NoError(t, pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		st, err = Stats(ctx, tx, tc)
+		return err
+	}))
+	require.EqualValues(t, 2, st.Rows)
+	require.Equal(t, []GroupStats{{Group: "g", Rows: 2, Oldest: st.Oldest, Newest: st.Newest}}, st.Groups)
+
+	missing := TableConfig{Schema: tc.Schema, Table: "nope"}
+	_, err = TableLayout(ctx, db.Pool, missing)
+	require.ErrorIs(t, err, ErrTableMissing)
+	_, err = Partitions(ctx, db.Pool, missing)
+	require.ErrorIs(t, err, ErrTableMissing)
+	_, err = Stats(ctx, db.Pool, missing)
+	require.ErrorIs(t, err, ErrTableMissing)
+	_, err = Stats(ctx, db.Pool, TableConfig{Table: "bad name"})
+	require.Error(t, err)
+}
+
+// Status lists every version applied or pending, and the versions recorded
+// for the table that the migrator does not know.
+func TestMigratorStatus(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	plain := TableConfig{Schema: db.Schema}
+	m, err := NewMigrator(db.Pool, plain)
+	require.NoError(t, err)
+	st, err := m.Status(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []MigrationStatus{
+		{Component: "processed_event:processed_event", Version: 1, Name: "processed_event"},
+		{Component: "processed_event:processed_event", Version: 2, Name: "retention_and_groups"},
+	}, st)
+
+	_, err = m.Migrate(ctx, DirectionUp, &MigrateOpts{TargetVersion: 1})
+	require.NoError(t, err)
+	st, err = m.Status(ctx)
+	require.NoError(t, err)
+	require.True(t, st[0].Applied)
+	require.WithinDuration(t, time.Now(), st[0].AppliedAt, time.Hour)
+	require.False(t, st[1].Applied)
+	require.True(t, st[1].AppliedAt.IsZero())
+
+	require.NoError(t, Migrate(ctx, db.Pool, TableConfig{Schema: db.Schema, Layout: LayoutPartitioned}))
+	st, err = m.Status(ctx)
+	require.NoError(t, err)
+	require.Len(t, st, 3)
+	require.True(t, st[1].Applied)
+	require.Equal(t, MigrationStatus{Component: "processed_event:processed_event", Version: 100, Name: "partition_by_event_id", Applied: true, AppliedAt: st[2].AppliedAt, Unknown: true}, st[2],
+		"the plain migrator does not know the partitioned layout's version")
+}

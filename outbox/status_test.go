@@ -1,0 +1,61 @@
+package outbox_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/outbox"
+)
+
+// Status lists each topic's versions applied or pending; RecordedTopics
+// finds the topics a Migrator of the schema and prefix has migrated.
+func TestMigrator_StatusAndRecordedTopics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	cfg := outbox.Config{Schema: db.Schema, Topics: []string{"orders", "orders.v2"}}
+
+	topics, err := outbox.RecordedTopics(ctx, db.Pool, cfg)
+	require.NoError(t, err)
+	require.Empty(t, topics, "no migration table yet")
+
+	m, err := outbox.NewMigrator(db.Pool, cfg)
+	require.NoError(t, err)
+	st, err := m.Status(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []deduplicator.MigrationStatus{
+		{Component: "outbox:outbox_orders", Version: 1, Name: "topic_tables"},
+		{Component: "outbox:outbox_orders.v2", Version: 1, Name: "topic_tables"},
+	}, st)
+
+	one, err := outbox.NewMigrator(db.Pool, outbox.Config{Schema: db.Schema, Topics: []string{"orders"}})
+	require.NoError(t, err)
+	_, err = one.Migrate(ctx, deduplicator.DirectionUp, nil)
+	require.NoError(t, err)
+	// Another prefix and the dedup table share the migration table.
+	other, err := outbox.New(outbox.Config{Schema: db.Schema, TablePrefix: "ob_", Topics: []string{"payments"}}, nil)
+	require.NoError(t, err)
+	require.NoError(t, other.Migrate(ctx, db.Pool))
+	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, deduplicator.TableConfig{Schema: db.Schema}))
+
+	st, err = m.Status(ctx)
+	require.NoError(t, err)
+	require.Len(t, st, 2)
+	require.True(t, st[0].Applied)
+	require.WithinDuration(t, time.Now(), st[0].AppliedAt, time.Hour)
+	require.False(t, st[1].Applied)
+
+	topics, err = outbox.RecordedTopics(ctx, db.Pool, cfg)
+	require.NoError(t, err)
+	require.Equal(t, []string{"orders"}, topics)
+	topics, err = outbox.RecordedTopics(ctx, db.Pool, outbox.Config{Schema: db.Schema, TablePrefix: "ob_"})
+	require.NoError(t, err)
+	require.Equal(t, []string{"payments"}, topics)
+	_, err = outbox.RecordedTopics(ctx, db.Pool, outbox.Config{Schema: "bad schema"})
+	require.Error(t, err)
+}
