@@ -1,7 +1,7 @@
 // Command idemctl operates the tables of watermill-idempotency from a shell,
 // with the library's own functions: migrations, "was this event processed?",
-// retention passes, partitions, the outbox backlog and the consumer-group
-// registry.
+// retention passes, partitions, the outbox backlog, the consumer-group
+// registry, and listing and replaying a poison topic.
 //
 // Install it with
 //
@@ -19,7 +19,7 @@
 //	outbox backlog|prune         rows not yet forwarded; delete those forwarded
 //	groups list|rename|forget    the consumer-group registry
 //	retention show|set           the table's recorded retention
-//	poison list|replay           (waits for the poison-replay library)
+//	poison list|replay           a poison topic's messages; publish them back to their topics
 //
 // It reads PostgreSQL from DATABASE_URL (or --database-url) and Kafka from
 // KAFKA_BROKERS (or --brokers). Output is a table for people, JSON with

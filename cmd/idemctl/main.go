@@ -149,7 +149,8 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 
 func (a *app) usage(w io.Writer) {
 	fmt.Fprint(w, `idemctl operates the tables of watermill-idempotency: the processed_event
-(dedup) table and the outbox, with the library's own functions.
+(dedup) table and the outbox, and its poison topics, with the library's own
+functions.
 
 Usage: idemctl [flags] COMMAND SUBCOMMAND [ARGS] [flags]
 
