@@ -204,11 +204,11 @@ func (a *app) poisonCommand(ctx context.Context, args []string, replay bool) err
 	} else {
 		res, err = poison.List(ctx, cfg, nil)
 	}
-	if err != nil && !errors.Is(err, poison.ErrPublish) && errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
-		return usageError("unknown poison topic %q: the brokers do not have it (check --topic); nothing was read", o.topic)
-	}
-	if err != nil && (res == nil || res.Scanned == 0) {
-		return err // nothing was read, nothing published
+	if err != nil && (res == nil || res.Scanned == 0) { // nothing was read, nothing published
+		if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
+			return usageError("unknown poison topic %q: the brokers do not have it (check --topic); nothing was read", o.topic)
+		}
+		return err
 	}
 	if a.opts.json {
 		doc := poisonJSON{Topic: o.topic, DryRun: cfg.DryRun, Scanned: res.Scanned, Matched: res.Matched,
@@ -220,7 +220,7 @@ func (a *app) poisonCommand(ctx context.Context, args []string, replay bool) err
 			doc.Error = err.Error()
 		}
 		if perr := a.printJSON(doc); perr != nil && err == nil {
-			err = perr
+			return perr
 		}
 	} else {
 		out.summary(o, cfg, res)
