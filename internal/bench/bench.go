@@ -116,6 +116,26 @@ func Alternate(rounds int, baseline, subject func() (float64, error)) (base, sub
 	return
 }
 
+// Rotate runs every variant once per round, in an order rotated by one each
+// round (so none is always first or last), and returns rates[variant][round].
+// Each func returns a rate (higher is better). Use it, like [Alternate], for
+// variants that cannot share the machine call by call (each drives the
+// system on its own for a while).
+func Rotate(rounds int, variants ...func() (float64, error)) ([][]float64, error) {
+	rates := make([][]float64, len(variants))
+	for round := range rounds {
+		for k := range variants {
+			i := (k + round) % len(variants)
+			r, err := variants[i]()
+			if err != nil {
+				return nil, err
+			}
+			rates[i] = append(rates[i], r)
+		}
+	}
+	return rates, nil
+}
+
 // Table renders a markdown table.
 func Table(header []string, rows [][]string) string {
 	var b strings.Builder

@@ -44,3 +44,19 @@ func TestSummariseAndRatios(t *testing.T) {
 	require.Equal(t, Stats{Median: 2.5, Min: 1, Max: 4}, Summarise([]float64{4, 1, 3, 2}))
 	require.Equal(t, []float64{2, 0.5}, Ratios([]float64{1, 4, 0}, []float64{2, 2, 5}))
 }
+
+func TestRotateRunsEveryVariantEachRound(t *testing.T) {
+	t.Parallel()
+	var order []int
+	variant := func(i int) func() (float64, error) {
+		return func() (float64, error) { order = append(order, i); return float64(i + 1), nil }
+	}
+	rates, err := Rotate(3, variant(0), variant(1), variant(2))
+	require.NoError(t, err)
+	require.Equal(t, [][]float64{{1, 1, 1}, {2, 2, 2}, {3, 3, 3}}, rates)
+	require.Equal(t, []int{0, 1, 2, 1, 2, 0, 2, 0, 1}, order)
+
+	boom := errors.New("boom")
+	_, err = Rotate(2, variant(0), func() (float64, error) { return 0, boom })
+	require.ErrorIs(t, err, boom)
+}

@@ -37,19 +37,26 @@ const (
 // round; each round consumes the whole input topic with a new consumer group
 // (so every event is new to the dedup table) and forwards to a new topic.
 type e2eRig struct {
-	o       Options
-	brokers []string
-	db      *DB
-	outbox  *outbox.Outbox
-	table   deduplicator.TableConfig
-	in      string
-	n       int
-	seq     atomic.Int64
-	close   func()
+	o          Options
+	partitions int32
+	brokers    []string
+	db         *DB
+	outbox     *outbox.Outbox
+	table      deduplicator.TableConfig
+	in         string
+	n          int
+	seq        atomic.Int64
+	close      func()
 }
 
 func newE2ERig(ctx context.Context, o Options, n int) (*e2eRig, error) {
-	r := &e2eRig{o: o, n: n, brokers: o.Brokers, close: func() {}}
+	return newE2ERigWith(ctx, o, n, e2ePartitions, 12)
+}
+
+// newE2ERigWith is newE2ERig with topics of the given partition count and a
+// pool of maxConns connections.
+func newE2ERigWith(ctx context.Context, o Options, n int, partitions, maxConns int32) (*e2eRig, error) {
+	r := &e2eRig{o: o, n: n, partitions: partitions, brokers: o.Brokers, close: func() {}}
 	if len(r.brokers) == 0 {
 		c, err := kafkatest.NewFake()
 		if err != nil {
@@ -58,7 +65,7 @@ func newE2ERig(ctx context.Context, o Options, n int) (*e2eRig, error) {
 		r.brokers = c.ListenAddrs()
 		r.close = c.Close
 	}
-	db, err := NewDB(ctx, o, "e2e", 12, nil)
+	db, err := NewDB(ctx, o, "e2e", maxConns, nil)
 	if err != nil {
 		r.close()
 		return nil, err
@@ -94,10 +101,10 @@ func newE2ERig(ctx context.Context, o Options, n int) (*e2eRig, error) {
 	return r, nil
 }
 
-// topic creates a unique topic with e2ePartitions partitions.
+// topic creates a unique topic with the rig's partition count.
 func (r *e2eRig) topic(prefix string) (string, error) {
 	name := fmt.Sprintf("%s-%d-%s", prefix, r.seq.Add(1), uuid.NewString()[:8])
-	return name, kafkatest.CreateTopic(r.brokers, name, e2ePartitions)
+	return name, kafkatest.CreateTopic(r.brokers, name, r.partitions)
 }
 
 // produce publishes n events (UUIDv7 event id, 64 aggregates as partition
@@ -251,12 +258,33 @@ type e2eResult struct {
 	complete     bool
 	forwardedNum int64
 	latencies    []time.Duration
+	stats        idem.Stats // the middleware's counters at the end
 }
 
 // pipeline is one full round: router + dedup + business row + outbox, the
 // forwarder, and a consumer of the forwarded topic. With produceRate > 0 the
 // n events are published to in while it runs, else in must hold n events.
 func (r *e2eRig) pipeline(ctx context.Context, in string, n int, produceRate float64, poll, fwdWait time.Duration) (e2eResult, error) {
+	return r.pipelineWith(ctx, pipelineSpec{in: in, n: n, produceRate: produceRate, poll: poll, fwdWait: fwdWait})
+}
+
+// pipelineSpec describes one pipeline round.
+type pipelineSpec struct {
+	in          string
+	n           int
+	produceRate float64
+	poll        time.Duration
+	fwdWait     time.Duration
+	// groupCommit, when set, is the middleware's Config.GroupCommit.
+	groupCommit *idem.GroupCommitConfig
+	// inMiddleware, when set, is called with each successful message's
+	// time inside the dedup middleware (arrival to result).
+	inMiddleware func(time.Duration)
+}
+
+// pipelineWith is one pipeline round as described by s.
+func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, error) {
+	in, n, produceRate, poll, fwdWait := s.in, s.n, s.produceRate, s.poll, s.fwdWait
 	var res e2eResult
 	out, err := r.topic("bench-out")
 	if err != nil {
@@ -266,7 +294,7 @@ func (r *e2eRig) pipeline(ctx context.Context, in string, n int, produceRate flo
 		return res, err
 	}
 	group := fmt.Sprintf("bench-e2e-%d", r.seq.Add(1))
-	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox}, nil)
+	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, GroupCommit: s.groupCommit}, nil)
 	if err != nil {
 		return res, err
 	}
@@ -308,8 +336,12 @@ func (r *e2eRig) pipeline(ctx context.Context, in string, n int, produceRate flo
 			consumed.first.CompareAndSwap(0, time.Now().UnixNano())
 			forwarded.first.CompareAndSwap(0, consumed.first.Load())
 		}
+		start := time.Now()
 		out, err := mw(msg)
 		if err == nil {
+			if s.inMiddleware != nil {
+				s.inMiddleware(time.Since(start))
+			}
 			consumed.mark() // after COMMIT
 		}
 		return out, err
@@ -347,6 +379,7 @@ func (r *e2eRig) pipeline(ctx context.Context, in string, n int, produceRate flo
 		return res, fmt.Errorf("bench: end-to-end round stopped after %d of %d events", consumed.count.Load(), n)
 	}
 	res.consumed = consumed.rate()
+	res.stats = dedup.Stats()
 	res.forwardedNum = forwarded.count.Load()
 	if res.complete = res.forwardedNum == int64(n); res.complete {
 		res.forwarded = forwarded.rate()
@@ -387,7 +420,7 @@ func (r *e2eRig) readAll(topic string, n int, got func(sentAt int64, now time.Ti
 		rerr  error
 	)
 	quit := make(chan struct{})
-	for p := int32(0); p < e2ePartitions; p++ {
+	for p := int32(0); p < r.partitions; p++ {
 		pc, err := c.ConsumePartition(topic, p, sarama.OffsetOldest)
 		if err != nil {
 			close(quit)

@@ -1,0 +1,478 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/internal/rtcount"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/outbox"
+)
+
+func init() {
+	Register("group-commit", groupCommitE2E)
+	Register("group-commit-ceiling", groupCommitCeiling)
+}
+
+// gcPartitions are the partition counts of the group-commit sections.
+var gcPartitions = []int32{8, 32}
+
+// gcPoolConns is the pool size of the group-commit rigs, the same in every
+// mode: enough for one transaction per partition at 32 partitions in single
+// mode, plus the forwarder.
+const gcPoolConns = 40
+
+// gcMode is one way of running the middleware: cfg nil is single mode.
+type gcMode struct {
+	name string
+	cfg  *idem.GroupCommitConfig
+}
+
+// gcModes are the modes compared at a partition count: single, group
+// commit at its defaults, and group commit with MaxMessages = partitions /
+// Concurrency, so that the partitions' messages in flight fill Concurrency
+// groups at once.
+func gcModes(parts int32) []gcMode {
+	c := idem.DefaultGroupConcurrency
+	m := max(1, int(parts)/c)
+	return []gcMode{
+		{"single", nil},
+		{"group, defaults", &idem.GroupCommitConfig{}},
+		{fmt.Sprintf("group, MaxMessages %d", m), &idem.GroupCommitConfig{MaxMessages: m}},
+	}
+}
+
+// meanGroup is the mean group size between two snapshots of the counters.
+func meanGroup(before, after idem.Stats) float64 {
+	if g := after.Groups - before.Groups; g > 0 {
+		return float64(after.GroupedMessages-before.GroupedMessages) / float64(g)
+	}
+	return 0
+}
+
+// durations collects per-message times from concurrent goroutines.
+type durations struct {
+	mu sync.Mutex
+	xs []time.Duration
+}
+
+func (d *durations) add(x time.Duration) {
+	d.mu.Lock()
+	d.xs = append(d.xs, x)
+	d.mu.Unlock()
+}
+
+func fmtDur(d time.Duration) string {
+	neg := d < 0
+	if neg {
+		d = -d
+	}
+	switch {
+	case d >= 10*time.Millisecond:
+		d = d.Round(100 * time.Microsecond)
+	case d >= time.Millisecond:
+		d = d.Round(10 * time.Microsecond)
+	default:
+		d = d.Round(time.Microsecond)
+	}
+	if neg {
+		return "−" + d.String()
+	}
+	return d.String()
+}
+
+func median(xs []float64) string { return fmt.Sprintf("%.1f", Summarise(xs).Median) }
+
+func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
+	n, rounds, fwdWait := 6000, o.Rounds, 10*time.Second
+	latRounds, latFor := max(1, o.Rounds/2), 3*time.Second
+	if o.Short {
+		n, rounds, fwdWait = 1500, 2, 5*time.Second
+		latRounds, latFor = 1, time.Second
+	}
+	var rows, latRows [][]string
+	for _, parts := range gcPartitions {
+		modes := gcModes(parts)
+		r, err := newE2ERigWith(ctx, o, n, parts, gcPoolConns)
+		if err != nil {
+			return Section{}, err
+		}
+		sizes := make([][]float64, len(modes))
+		fwd := make([][]float64, len(modes))
+		variants := make([]func() (float64, error), len(modes))
+		for i, m := range modes {
+			variants[i] = func() (float64, error) {
+				res, err := r.pipelineWith(ctx, pipelineSpec{in: r.in, n: n, fwdWait: fwdWait, groupCommit: m.cfg})
+				if err != nil {
+					return 0, fmt.Errorf("%d partitions, %s: %w", parts, m.name, err)
+				}
+				if s := res.stats; s.GroupFallbacks != 0 || s.Alone != 0 || s.Failed != 0 {
+					return 0, fmt.Errorf("%d partitions, %s: %d failed, %d group fallbacks, %d alone in a run without faults", parts, m.name, s.Failed, s.GroupFallbacks, s.Alone)
+				}
+				sizes[i] = append(sizes[i], meanGroup(idem.Stats{}, res.stats))
+				if res.complete {
+					fwd[i] = append(fwd[i], res.forwarded)
+				}
+				return res.consumed, nil
+			}
+		}
+		rates, err := Rotate(rounds, variants...)
+		if err != nil {
+			r.close()
+			return Section{}, err
+		}
+		for i, m := range modes[1:] {
+			i++
+			st := Summarise(Ratios(rates[0], rates[i]))
+			fwdRatio := "–"
+			if len(fwd[0]) == rounds && len(fwd[i]) == rounds {
+				fwdRatio = Summarise(Ratios(fwd[0], fwd[i])).String()
+			}
+			target := "–"
+			if parts == 32 {
+				target = pass(st.Median >= 3)
+			}
+			o.Logf("  group-commit %d partitions, %s: single %s msg/s, group %s msg/s (mean group %s), ratio %s, forwarded %s",
+				parts, m.name, fmtRate(rates[0]), fmtRate(rates[i]), median(sizes[i]), st, fwdRatio)
+			rows = append(rows, []string{fmt.Sprint(parts), m.name, fmtRate(rates[0]), fmtRate(rates[i]), median(sizes[i]), st.String(), target, fwdRatio})
+		}
+
+		if parts == 32 {
+			// Latency: events published at a fixed rate while the pipeline
+			// runs, each mode in turn; every message's time inside the
+			// middleware (arrival to result: in group mode the gathering and
+			// the handlers before it in its group, then the COMMIT).
+			for _, rate := range []float64{200, Summarise(rates[0]).Median / 2} {
+				lat := make([]durations, len(modes))
+				latSizes := make([][]float64, len(modes))
+				count := max(100, int(rate*latFor.Seconds()))
+				for i, m := range modes {
+					variants[i] = func() (float64, error) {
+						topic, err := r.topic("bench-gc-live")
+						if err != nil {
+							return 0, err
+						}
+						res, err := r.pipelineWith(ctx, pipelineSpec{in: topic, n: count, produceRate: rate, poll: 10 * time.Millisecond, fwdWait: fwdWait,
+							groupCommit: m.cfg, inMiddleware: lat[i].add})
+						if err != nil {
+							return 0, fmt.Errorf("latency at %.0f msg/s, %s: %w", rate, m.name, err)
+						}
+						latSizes[i] = append(latSizes[i], meanGroup(idem.Stats{}, res.stats))
+						return 1, nil
+					}
+				}
+				if _, err := Rotate(latRounds, variants...); err != nil {
+					r.close()
+					return Section{}, err
+				}
+				s50, s99 := percentile(lat[0].xs, 0.50), percentile(lat[0].xs, 0.99)
+				for i, m := range modes[1:] {
+					i++
+					g50, g99 := percentile(lat[i].xs, 0.50), percentile(lat[i].xs, 0.99)
+					o.Logf("  group-commit latency at %.0f msg/s, %s: single p50 %s p99 %s, group p50 %s p99 %s (mean group %s)",
+						rate, m.name, s50, s99, g50, g99, median(latSizes[i]))
+					latRows = append(latRows, []string{fmt.Sprintf("%.0f", rate), m.name, fmtDur(s50), fmtDur(g50), fmtDur(g50 - s50),
+						fmtDur(s99), fmtDur(g99), fmtDur(g99 - s99), median(latSizes[i])})
+				}
+			}
+		}
+		r.close()
+	}
+
+	var b strings.Builder
+	b.WriteString(Table([]string{"partitions", "group mode", "single (msg/s, median)", "group (msg/s, median)", "mean group size",
+		"ratio group/single, committed", "≥ 3×", "ratio group/single, forwarded and read back"}, rows))
+	fmt.Fprintf(&b, "\nThe end-to-end pipeline of the section above (Kafka → router → dedup → one business row + one outbox row → "+
+		"forwarder → Kafka) at %v partitions, one router (one message in flight per partition), in three modes: single (one transaction "+
+		"per message), `Config.GroupCommit` at its defaults (MaxMessages %d, MaxWait %s, Concurrency %d), and with MaxMessages = partitions / "+
+		"Concurrency. Pool of %d connections in every mode. Each round drains a backlog of %d events with a new consumer group; %d rounds, "+
+		"the modes' order rotated each round; ratio = group / single of the same round; rates from the first handled event to the last "+
+		"committed one, or to the last forwarded record read back. Mean group size = GroupedMessages / Groups of the middleware's Stats.\n\n",
+		gcPartitions, idem.DefaultGroupMaxMessages, idem.DefaultGroupMaxWait, idem.DefaultGroupConcurrency, gcPoolConns, n, rounds)
+	fmt.Fprintf(&b, "Latency added by gathering, at 32 partitions: events published at a fixed rate for %s per run while the pipeline runs; "+
+		"each message's time inside the dedup middleware, from its arrival to its result (in group mode: waiting for the group to gather "+
+		"and for a free slot, the handlers before it in its group, the COMMIT); %d run(s) per mode, rotated, all runs pooled. "+
+		"\"added\" is group minus single:\n\n", latFor, latRounds)
+	b.WriteString(Table([]string{"published (msg/s)", "group mode", "p50 single", "p50 group", "p50 added", "p99 single", "p99 group", "p99 added", "mean group size"}, latRows))
+	return Section{Title: "Group commit end to end: one transaction per group vs one per message", Markdown: b.String()}, nil
+}
+
+// gcDBRig is the database part of the pipeline without Kafka: the handler
+// writes one business row and one outbox row; single and group are the
+// dedup middleware around it in either mode, plain the same handler in
+// plain transactions of several messages each.
+type gcDBRig struct {
+	db      *DB
+	rt      *rtcount.Counter
+	ob      *outbox.Outbox
+	topic   string
+	table   deduplicator.TableConfig
+	seq     int
+	handler message.HandlerFunc
+	msgs    atomic.Int64 // messages completed, by every mode
+}
+
+func newGCDBRig(ctx context.Context, o Options) (*gcDBRig, error) {
+	rt := &rtcount.Counter{}
+	db, err := NewDB(ctx, o, "gc", gcPoolConns, func(c *pgxpool.Config) {
+		c.ConnConfig.DialFunc = rt.DialFunc()
+		c.ConnConfig.RuntimeParams["application_name"] = c.ConnConfig.RuntimeParams["search_path"] // the schema: unique
+		c.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+	})
+	if err != nil {
+		return nil, err
+	}
+	r := &gcDBRig{db: db, rt: rt, topic: "bench-gc"}
+	fail := func(err error) (*gcDBRig, error) { db.Close(); return nil, err }
+	table := deduplicator.TableConfig{Schema: db.Schema}
+	if err := deduplicator.Migrate(ctx, db.Pool, table); err != nil {
+		return fail(err)
+	}
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE bench_order (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, ref text NOT NULL, amount bigint NOT NULL)"); err != nil {
+		return fail(err)
+	}
+	if r.ob, err = outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{r.topic}}, nil); err != nil {
+		return fail(err)
+	}
+	if err := r.ob.Migrate(ctx, db.Pool); err != nil {
+		return fail(err)
+	}
+	r.table = table
+	r.handler = func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
+			return nil, err
+		}
+		p, err := r.ob.PublisherFromContext(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return nil, p.Publish(r.topic, message.NewMessage(watermill.NewUUID(), msg.Payload))
+	}
+	return r, nil
+}
+
+// measure runs run while counting its cost and sampling what the rig's
+// server backends are doing.
+func (r *gcDBRig) measure(ctx context.Context, run func() (float64, error)) (cost, map[string]float64, error) {
+	ws, err := startWaitSampler(ctx, r.db.url, r.db.Schema, 2*time.Millisecond)
+	if err != nil {
+		return cost{}, nil, err
+	}
+	p, err := probe(ctx, r.db.Pool, r.rt)
+	if err != nil {
+		_, _ = ws.finish()
+		return cost{}, nil, err
+	}
+	before := r.msgs.Load()
+	_, runErr := run()
+	c, err := p.since(ctx, r.msgs.Load()-before)
+	waits, werr := ws.finish()
+	return c, waits, errors.Join(runErr, err, werr)
+}
+
+// dedup returns a middleware in mode gc (nil: single) with a consumer
+// group of its own.
+func (r *gcDBRig) dedup(gc *idem.GroupCommitConfig) (*idem.Dedup, error) {
+	r.seq++
+	return idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: fmt.Sprintf("bench-%d", r.seq), Table: r.table, GroupCommit: gc}, nil)
+}
+
+// middleware runs fresh events through d's middleware on workers
+// goroutines (one per simulated partition, each waiting for its message's
+// result before the next, as watermill-kafka does) for dur.
+func (r *gcDBRig) middleware(ctx context.Context, d *idem.Dedup, workers int, dur time.Duration) (float64, error) {
+	h := d.Middleware(r.handler)
+	return Drive(ctx, workers, dur, func(ctx context.Context, _ int) error {
+		msg, _ := newEventMessage(ctx)
+		if _, err := h(msg); err != nil {
+			return err
+		}
+		r.msgs.Add(1)
+		return nil
+	})
+}
+
+// plainGroups runs the handler on fresh events in plain transactions
+// (BEGIN; size × handler; COMMIT, no claim) on workers goroutines for dur,
+// and returns messages per second. A fractional size alternates between
+// its floor and ceiling so that the mean matches. With batchOutbox, the
+// group's outbox rows are written by one INSERT before COMMIT instead of
+// one per message.
+func (r *gcDBRig) plainGroups(ctx context.Context, workers int, size float64, dur time.Duration, batchOutbox bool) (float64, error) {
+	if size < 1 {
+		size = 1
+	}
+	var msgs atomic.Int64
+	var carry sync.Mutex
+	frac := 0.0
+	nextSize := func() int {
+		carry.Lock()
+		defer carry.Unlock()
+		frac += size
+		k := int(frac)
+		frac -= float64(k)
+		return k
+	}
+	start := time.Now()
+	_, err := Drive(ctx, workers, dur, func(ctx context.Context, _ int) error {
+		k := nextSize()
+		if k == 0 {
+			return nil
+		}
+		tx, err := r.db.Pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			if err := tx.Rollback(context.WithoutCancel(ctx)); err != nil && !errors.Is(err, pgx.ErrTxClosed) {
+				panic(err)
+			}
+		}()
+		var out []*message.Message
+		for range k {
+			msg, id := newEventMessage(ctx)
+			msg.SetContext(idemctx.With(ctx, &idemctx.Value{Tx: tx, EventID: id}))
+			if !batchOutbox {
+				if _, err := r.handler(msg); err != nil {
+					return err
+				}
+				continue
+			}
+			if _, err := tx.Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
+				return err
+			}
+			fwd := message.NewMessage(watermill.NewUUID(), msg.Payload)
+			fwd.SetContext(msg.Context())
+			out = append(out, fwd)
+		}
+		if len(out) > 0 {
+			if err := r.ob.PublishInTx(ctx, tx, r.topic, out...); err != nil {
+				return err
+			}
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return err
+		}
+		msgs.Add(int64(k))
+		r.msgs.Add(int64(k))
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	return float64(msgs.Load()) / time.Since(start).Seconds(), nil
+}
+
+func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
+	r, err := newGCDBRig(ctx, o)
+	if err != nil {
+		return Section{}, err
+	}
+	defer r.db.Close()
+	rounds, dur := 2*o.Rounds, measureFor(o, 500*time.Millisecond, 200*time.Millisecond)
+
+	type variant struct {
+		name    string
+		cfg     *idem.GroupCommitConfig // nil: single mode
+		d       *idem.Dedup
+		sizes   []float64
+		ceiling bool // also measure its plain-transaction ceiling
+	}
+	var rows [][]string
+	for _, parts := range gcPartitions {
+		w := int(parts)
+		var vs []*variant
+		for i, m := range gcModes(parts) {
+			vs = append(vs, &variant{name: m.name, cfg: m.cfg, ceiling: i > 0})
+		}
+		if parts == 32 {
+			// Other splits of the 32 messages in flight.
+			for _, c := range []int{2, 8} {
+				vs = append(vs, &variant{name: fmt.Sprintf("group, MaxMessages %d, Concurrency %d", w/c, c), cfg: &idem.GroupCommitConfig{MaxMessages: w / c, Concurrency: c}})
+			}
+		}
+		var runs []func() (float64, error)
+		runOf := make([]int, len(vs)) // variant index → index in runs
+		plainOf := map[int]int{}      // variant index → index of its ceiling in runs
+		for _, v := range vs {
+			if v.d, err = r.dedup(v.cfg); err != nil {
+				return Section{}, err
+			}
+			// Warm the connections up and learn the group size.
+			before := v.d.Stats()
+			if _, err := r.middleware(ctx, v.d, w, 300*time.Millisecond); err != nil {
+				return Section{}, err
+			}
+			v.sizes = []float64{meanGroup(before, v.d.Stats())}
+		}
+		for i, v := range vs {
+			runOf[i] = len(runs)
+			runs = append(runs, func() (float64, error) {
+				before := v.d.Stats()
+				rate, err := r.middleware(ctx, v.d, w, dur)
+				if v.cfg != nil {
+					v.sizes = append(v.sizes, meanGroup(before, v.d.Stats()))
+				}
+				return rate, err
+			})
+			if v.ceiling {
+				plainOf[i] = len(runs)
+				runs = append(runs, func() (float64, error) {
+					// The same messages in flight (one per partition) cut
+					// into groups of the size last measured in this mode,
+					// each group in a plain transaction: as many at once
+					// as fit, at most Concurrency.
+					size := v.sizes[len(v.sizes)-1]
+					c := v.cfg.Concurrency
+					if c == 0 {
+						c = idem.DefaultGroupConcurrency
+					}
+					workers := min(c, max(1, int(float64(w)/size+0.5)))
+					return r.plainGroups(ctx, workers, size, dur, false)
+				})
+			}
+		}
+		rates, err := Rotate(rounds, runs...)
+		if err != nil {
+			return Section{}, err
+		}
+		single := rates[runOf[0]]
+		rows = append(rows, []string{fmt.Sprint(w), vs[0].name, fmtRate(single), "–", "1", "–", "–"})
+		for i, v := range vs[1:] {
+			i++
+			mine := rates[runOf[i]]
+			overSingle := Summarise(Ratios(single, mine))
+			ceil, ok := "–", "–"
+			if j, has := plainOf[i]; has {
+				st := Summarise(Ratios(rates[j], mine))
+				ceil, ok = fmt.Sprintf("%s (plain: %s msg/s)", st, fmtRate(rates[j])), pass(st.Median >= 0.8)
+			}
+			o.Logf("  group-commit-ceiling %d workers, %s: %s msg/s (mean group %s), ratio to single %s, to plain %s",
+				w, v.name, fmtRate(mine), median(v.sizes[1:]), overSingle, ceil)
+			rows = append(rows, []string{fmt.Sprint(w), v.name, fmtRate(mine), median(v.sizes[1:]), overSingle.String(), ceil, ok})
+		}
+	}
+	var b strings.Builder
+	b.WriteString(Table([]string{"partitions (workers)", "mode", "msg/s (median)", "mean group size", "ratio to single", "ratio to plain transactions of the same groups (ceiling)", "≥ 0.8"}, rows))
+	fmt.Fprintf(&b, "\nThe database part alone, without Kafka, to isolate it: one goroutine per partition hands fresh events to the middleware one "+
+		"at a time, each waiting for its message's result before the next (as watermill-kafka does per partition); the handler writes one "+
+		"business row and one outbox row (`outbox.PublisherFromContext`). Modes as in the section above; at 32 partitions also two other "+
+		"splits of the 32 messages in flight. Ceiling (plain): the same business writes cut into groups of the mean size just measured in "+
+		"that mode, each group one plain transaction (BEGIN; business row + outbox row per message; COMMIT: no claim, no gathering), "+
+		"as many transactions at once as the messages in flight fill (partitions / group size, at most Concurrency). "+
+		"Pool of %d connections. %d rounds of %s, order rotated each round; ratios are of the same round.\n", gcPoolConns, rounds, dur)
+	return Section{Title: "Group commit against its ceiling: the database part alone", Markdown: b.String()}, nil
+}
