@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
@@ -10,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/internal/rtcount"
 )
 
 // cost is what a measured run consumed, for "where does the time go".
@@ -17,8 +20,6 @@ type cost struct {
 	msgs       int64
 	wall       time.Duration
 	roundTrips int64
-	walSyncs   int64 // server-wide (other sessions on the server add to it)
-	walBytes   int64 // server-wide
 	serverCPU  time.Duration
 	clientCPU  time.Duration
 	serverOK   bool // the backends' CPU could be read (same host, Linux)
@@ -27,24 +28,21 @@ type cost struct {
 // costProbe snapshots the counters a cost is the difference of.
 type costProbe struct {
 	pool      *pgxpool.Pool
-	rt        interface{ Load() int64 }
+	rt        *rtcount.Counter // nil: round trips not counted
 	at        time.Time
 	rts       int64
-	syncs     int64
-	bytes     int64
 	serverCPU time.Duration
 	serverOK  bool
 	clientCPU time.Duration
 }
 
-func probe(ctx context.Context, pool *pgxpool.Pool, rt interface{ Load() int64 }) (costProbe, error) {
+func probe(ctx context.Context, pool *pgxpool.Pool, rt *rtcount.Counter) (costProbe, error) {
 	p := costProbe{pool: pool, rt: rt}
-	if err := pool.QueryRow(ctx, "SELECT wal_sync, wal_bytes::bigint FROM pg_stat_wal").Scan(&p.syncs, &p.bytes); err != nil {
-		return p, err
-	}
 	p.serverCPU, p.serverOK = backendsCPU(ctx, pool)
 	p.clientCPU = processCPU()
-	p.rts = rt.Load()
+	if rt != nil {
+		p.rts = rt.Load()
+	}
 	p.at = time.Now()
 	return p, nil
 }
@@ -57,10 +55,36 @@ func (p costProbe) since(ctx context.Context, msgs int64) (cost, error) {
 		return cost{}, err
 	}
 	return cost{
-		msgs: msgs, wall: q.at.Sub(p.at), roundTrips: q.rts - p.rts, walSyncs: q.syncs - p.syncs, walBytes: q.bytes - p.bytes,
+		msgs: msgs, wall: q.at.Sub(p.at), roundTrips: q.rts - p.rts,
 		serverCPU: q.serverCPU - p.serverCPU, clientCPU: q.clientCPU - p.clientCPU, serverOK: p.serverOK && q.serverOK,
 	}, nil
 }
+
+// plus adds two costs.
+func (c cost) plus(d cost) cost {
+	return cost{
+		msgs: c.msgs + d.msgs, wall: c.wall + d.wall, roundTrips: c.roundTrips + d.roundTrips,
+		serverCPU: c.serverCPU + d.serverCPU, clientCPU: c.clientCPU + d.clientCPU,
+		serverOK: (c.serverOK || c.msgs == 0) && d.serverOK,
+	}
+}
+
+// perMsg formats x per message.
+func (c cost) perMsg(x int64, format string) string {
+	return fmt.Sprintf(format, c.per(float64(x)))
+}
+
+// serverCPUPerMsg formats the server's CPU time per message, or "n/a" when
+// it could not be read.
+func (c cost) serverCPUPerMsg() string {
+	if !c.serverOK {
+		return "n/a"
+	}
+	return fmtDur(time.Duration(c.per(float64(c.serverCPU))))
+}
+
+// clientCPUPerMsg formats this process's CPU time per message.
+func (c cost) clientCPUPerMsg() string { return fmtDur(time.Duration(c.per(float64(c.clientCPU)))) }
 
 // per returns x per message.
 func (c cost) per(x float64) float64 {

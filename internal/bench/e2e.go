@@ -16,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
@@ -65,7 +66,9 @@ func newE2ERigWith(ctx context.Context, o Options, n int, partitions, maxConns i
 		r.brokers = c.ListenAddrs()
 		r.close = c.Close
 	}
-	db, err := NewDB(ctx, o, "e2e", maxConns, nil)
+	db, err := NewDB(ctx, o, "e2e", maxConns, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["application_name"] = c.ConnConfig.RuntimeParams["search_path"] // the schema: unique
+	})
 	if err != nil {
 		r.close()
 		return nil, err

@@ -93,6 +93,34 @@ func fmtDur(d time.Duration) string {
 	return d.String()
 }
 
+// e2eCost accumulates a mode's cost over rounds.
+type e2eCost struct {
+	cost
+	inMWSum, cycleSum time.Duration
+	rounds            int
+}
+
+func (c *e2eCost) add(x cost, inMW, cycle time.Duration) {
+	c.cost = c.cost.plus(x)
+	c.inMWSum += inMW
+	c.cycleSum += cycle
+	c.rounds++
+}
+
+func (c *e2eCost) inMW() time.Duration {
+	if c.rounds == 0 {
+		return 0
+	}
+	return c.inMWSum / time.Duration(c.rounds)
+}
+
+func (c *e2eCost) outside() time.Duration {
+	if c.rounds == 0 {
+		return 0
+	}
+	return (c.cycleSum - c.inMWSum) / time.Duration(c.rounds)
+}
+
 func median(xs []float64) string { return fmt.Sprintf("%.1f", Summarise(xs).Median) }
 
 func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
@@ -102,7 +130,7 @@ func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 		n, rounds, fwdWait = 1500, 2, 5*time.Second
 		latRounds, latFor = 1, time.Second
 	}
-	var rows, latRows [][]string
+	var rows, latRows, costRows [][]string
 	for _, parts := range gcPartitions {
 		modes := gcModes(parts)
 		r, err := newE2ERigWith(ctx, o, n, parts, gcPoolConns)
@@ -111,13 +139,25 @@ func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 		}
 		sizes := make([][]float64, len(modes))
 		fwd := make([][]float64, len(modes))
+		costs := make([]e2eCost, len(modes))
 		variants := make([]func() (float64, error), len(modes))
 		for i, m := range modes {
 			variants[i] = func() (float64, error) {
-				res, err := r.pipelineWith(ctx, pipelineSpec{in: r.in, n: n, fwdWait: fwdWait, groupCommit: m.cfg})
+				p, err := probe(ctx, r.db.Pool, nil)
+				if err != nil {
+					return 0, err
+				}
+				var inMW atomic.Int64
+				res, err := r.pipelineWith(ctx, pipelineSpec{in: r.in, n: n, fwdWait: fwdWait, groupCommit: m.cfg,
+					inMiddleware: func(d time.Duration) { inMW.Add(int64(d)) }})
 				if err != nil {
 					return 0, fmt.Errorf("%d partitions, %s: %w", parts, m.name, err)
 				}
+				c, err := p.since(ctx, int64(n))
+				if err != nil {
+					return 0, err
+				}
+				costs[i].add(c, time.Duration(inMW.Load()/int64(n)), time.Duration(float64(parts)/res.consumed*float64(time.Second)))
 				if s := res.stats; s.GroupFallbacks != 0 || s.Alone != 0 || s.Failed != 0 {
 					return 0, fmt.Errorf("%d partitions, %s: %d failed, %d group fallbacks, %d alone in a run without faults", parts, m.name, s.Failed, s.GroupFallbacks, s.Alone)
 				}
@@ -150,6 +190,11 @@ func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 		}
 
 		if parts == 32 {
+			for i, m := range modes {
+				c := costs[i]
+				costRows = append(costRows, []string{m.name, fmtRate(rates[i]), fmtDur(c.inMW()), fmtDur(c.outside()),
+					c.serverCPUPerMsg(), c.clientCPUPerMsg()})
+			}
 			// Latency: events published at a fixed rate while the pipeline
 			// runs, each mode in turn; every message's time inside the
 			// middleware (arrival to result: in group mode the gathering and
@@ -201,7 +246,14 @@ func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 		"the modes' order rotated each round; ratio = group / single of the same round; rates from the first handled event to the last "+
 		"committed one, or to the last forwarded record read back. Mean group size = GroupedMessages / Groups of the middleware's Stats.\n\n",
 		gcPartitions, idem.DefaultGroupMaxMessages, idem.DefaultGroupMaxWait, idem.DefaultGroupConcurrency, gcPoolConns, n, rounds)
-	fmt.Fprintf(&b, "Latency added by gathering, at 32 partitions: events published at a fixed rate for %s per run while the pipeline runs; "+
+	fmt.Fprintf(&b, "Where the time goes at 32 partitions (totals over the same rounds). Each partition has one message in flight, so "+
+		"msg/s = 32 / (time in the middleware + time outside it per message: the ack, the offset, the next message through Sarama and the "+
+		"router, with the broker in the same process). CPU per message is the pipeline's whole share: server = the PostgreSQL backends of "+
+		"the rig's pool (dedup and forwarder), client = this process (router, middleware, pgx, forwarder, the in-process broker and the "+
+		"reader of the forwarded topic), both read from /proc:\n\n")
+	b.WriteString(Table([]string{"mode", "msg/s (median)", "mean time in the middleware", "mean time outside it",
+		"server CPU per message", "client CPU per message"}, costRows))
+	fmt.Fprintf(&b, "\nLatency added by gathering, at 32 partitions: events published at a fixed rate for %s per run while the pipeline runs; "+
 		"each message's time inside the dedup middleware, from its arrival to its result (in group mode: waiting for the group to gather "+
 		"and for a free slot, the handlers before it in its group, the COMMIT); %d run(s) per mode, rotated, all runs pooled. "+
 		"\"added\" is group minus single:\n\n", latFor, latRounds)
@@ -376,13 +428,19 @@ func (r *gcDBRig) plainGroups(ctx context.Context, workers int, size float64, du
 	return float64(msgs.Load()) / time.Since(start).Seconds(), nil
 }
 
+// gcDBPartitions are the partition counts of the database-only section:
+// those of the end-to-end one, and 128 (a group of 32 in each of 4
+// connections, the shape of the pgbench figures in issue 12).
+var gcDBPartitions = []int32{8, 32, 128}
+
 func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 	r, err := newGCDBRig(ctx, o)
 	if err != nil {
 		return Section{}, err
 	}
 	defer r.db.Close()
-	rounds, dur := 2*o.Rounds, measureFor(o, 500*time.Millisecond, 200*time.Millisecond)
+	rounds, dur := o.Rounds+1, measureFor(o, 400*time.Millisecond, 200*time.Millisecond)
+	costDur := measureFor(o, time.Second, 300*time.Millisecond)
 
 	type variant struct {
 		name    string
@@ -391,8 +449,8 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 		sizes   []float64
 		ceiling bool // also measure its plain-transaction ceiling
 	}
-	var rows [][]string
-	for _, parts := range gcPartitions {
+	var rows, costRows [][]string
+	for _, parts := range gcDBPartitions {
 		w := int(parts)
 		var vs []*variant
 		for i, m := range gcModes(parts) {
@@ -404,9 +462,6 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 				vs = append(vs, &variant{name: fmt.Sprintf("group, MaxMessages %d, Concurrency %d", w/c, c), cfg: &idem.GroupCommitConfig{MaxMessages: w / c, Concurrency: c}})
 			}
 		}
-		var runs []func() (float64, error)
-		runOf := make([]int, len(vs)) // variant index → index in runs
-		plainOf := map[int]int{}      // variant index → index of its ceiling in runs
 		for _, v := range vs {
 			if v.d, err = r.dedup(v.cfg); err != nil {
 				return Section{}, err
@@ -418,6 +473,18 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 			}
 			v.sizes = []float64{meanGroup(before, v.d.Stats())}
 		}
+		// plainWorkers is how many plain transactions of size run at once:
+		// as many as the messages in flight fill, at most Concurrency.
+		plainWorkers := func(v *variant, size float64) int {
+			c := v.cfg.Concurrency
+			if c == 0 {
+				c = idem.DefaultGroupConcurrency
+			}
+			return min(c, max(1, int(float64(w)/size+0.5)))
+		}
+		var runs []func() (float64, error)
+		runOf := make([]int, len(vs)) // variant index → index in runs
+		plainOf := map[int]int{}      // variant index → index of its ceiling in runs
 		for i, v := range vs {
 			runOf[i] = len(runs)
 			runs = append(runs, func() (float64, error) {
@@ -431,17 +498,10 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 			if v.ceiling {
 				plainOf[i] = len(runs)
 				runs = append(runs, func() (float64, error) {
-					// The same messages in flight (one per partition) cut
-					// into groups of the size last measured in this mode,
-					// each group in a plain transaction: as many at once
-					// as fit, at most Concurrency.
+					// The same messages in flight cut into groups of the
+					// size last measured in this mode.
 					size := v.sizes[len(v.sizes)-1]
-					c := v.cfg.Concurrency
-					if c == 0 {
-						c = idem.DefaultGroupConcurrency
-					}
-					workers := min(c, max(1, int(float64(w)/size+0.5)))
-					return r.plainGroups(ctx, workers, size, dur, false)
+					return r.plainGroups(ctx, plainWorkers(v, size), size, dur, false)
 				})
 			}
 		}
@@ -464,6 +524,47 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 				w, v.name, fmtRate(mine), median(v.sizes[1:]), overSingle, ceil)
 			rows = append(rows, []string{fmt.Sprint(w), v.name, fmtRate(mine), median(v.sizes[1:]), overSingle.String(), ceil, ok})
 		}
+
+		if parts == 8 {
+			continue
+		}
+		// Where the time goes: each mode once more, alone, counting round
+		// trips, WAL flushes and CPU, and sampling what the backends do.
+		tuned := vs[2]
+		size := Summarise(tuned.sizes[1:]).Median
+		costRuns := []struct {
+			name string
+			run  func() (float64, error)
+		}{
+			{vs[0].name, func() (float64, error) { return r.middleware(ctx, vs[0].d, w, costDur) }},
+			{vs[1].name, func() (float64, error) { return r.middleware(ctx, vs[1].d, w, costDur) }},
+			{tuned.name, func() (float64, error) { return r.middleware(ctx, tuned.d, w, costDur) }},
+			{fmt.Sprintf("plain, one message per transaction (%d at once)", w), func() (float64, error) { return r.plainGroups(ctx, w, 1, costDur, false) }},
+			{fmt.Sprintf("plain, groups of %.0f (%d at once)", size, plainWorkers(tuned, size)), func() (float64, error) {
+				return r.plainGroups(ctx, plainWorkers(tuned, size), size, costDur, false)
+			}},
+			{fmt.Sprintf("plain, groups of %.0f, the group's outbox rows in one INSERT", size), func() (float64, error) {
+				return r.plainGroups(ctx, plainWorkers(tuned, size), size, costDur, true)
+			}},
+		}
+		for _, cr := range costRuns {
+			c, waits, err := r.measure(ctx, cr.run)
+			if err != nil {
+				return Section{}, fmt.Errorf("%s: %w", cr.name, err)
+			}
+			wal := waits["LWLock:WALWrite"] + waits["IO:WALSync"] + waits["IO:WALWrite"] + waits["LWLock:WALInsert"]
+			other := 0.0
+			for k, v := range waits {
+				if k != "CPU" && k != "client" && k != "LWLock:WALWrite" && k != "IO:WALSync" && k != "IO:WALWrite" && k != "LWLock:WALInsert" {
+					other += v
+				}
+			}
+			o.Logf("  group-commit-ceiling cost %d, %s: %.0f msg/s, %.2f round trips, server %s, client %s per message; backends %v",
+				w, cr.name, float64(c.msgs)/c.wall.Seconds(), c.per(float64(c.roundTrips)), c.serverCPUPerMsg(), c.clientCPUPerMsg(), waits)
+			costRows = append(costRows, []string{fmt.Sprint(w), cr.name, fmt.Sprintf("%.0f", float64(c.msgs)/c.wall.Seconds()), c.perMsg(c.roundTrips, "%.2f"),
+				c.serverCPUPerMsg(), c.clientCPUPerMsg(),
+				fmt.Sprintf("%.1f", waits["CPU"]), fmt.Sprintf("%.1f", wal), fmt.Sprintf("%.1f", other), fmt.Sprintf("%.1f", waits["client"])})
+		}
 	}
 	var b strings.Builder
 	b.WriteString(Table([]string{"partitions (workers)", "mode", "msg/s (median)", "mean group size", "ratio to single", "ratio to plain transactions of the same groups (ceiling)", "≥ 0.8"}, rows))
@@ -473,6 +574,13 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 		"splits of the 32 messages in flight. Ceiling (plain): the same business writes cut into groups of the mean size just measured in "+
 		"that mode, each group one plain transaction (BEGIN; business row + outbox row per message; COMMIT: no claim, no gathering), "+
 		"as many transactions at once as the messages in flight fill (partitions / group size, at most Concurrency). "+
-		"Pool of %d connections. %d rounds of %s, order rotated each round; ratios are of the same round.\n", gcPoolConns, rounds, dur)
+		"Pool of %d connections. %d rounds of %s, order rotated each round; ratios are of the same round.\n\n", gcPoolConns, rounds, dur)
+	fmt.Fprintf(&b, "Where the time goes: each mode run once more for %s, alone. Round trips are counted at the net.Conn level; CPU per message is the rig's PostgreSQL backends' (from /proc) and this "+
+		"process's; the last four columns are the mean number of the rig's backends, sampled every 2 ms from `pg_stat_activity`, that are "+
+		"running (no wait event), waiting on the WAL (WALWrite, WALSync, WALInsert: another backend's flush or their own), waiting on anything "+
+		"else (locks, buffers), and idle in a transaction, i.e. waiting for the client. The last row is not something the middleware does: "+
+		"it shows what writing the outbox rows of a group in one statement would save.\n\n", costDur)
+	b.WriteString(Table([]string{"partitions", "mode", "msg/s", "round trips per message", "server CPU per message",
+		"client CPU per message", "backends running", "backends waiting on WAL", "backends waiting on other", "backends waiting for the client"}, costRows))
 	return Section{Title: "Group commit against its ceiling: the database part alone", Markdown: b.String()}, nil
 }
