@@ -19,6 +19,10 @@
 //	idem_dedup_claim_seconds_total{consumer_group}      time in BEGIN + claim, including waits on a concurrent claim
 //	idem_dedup_claims_total{consumer_group}             claims timed (divide the two for the mean claim wait)
 //	idem_dedup_tx_seconds_total{consumer_group}         BEGIN to COMMIT of processed messages
+//	idem_dedup_groups_total{consumer_group}             group-commit transactions (Config.GroupCommit) that claimed their messages
+//	idem_dedup_grouped_messages_total{consumer_group}   messages claimed in them (divide by groups for the mean group size)
+//	idem_dedup_group_fallbacks_total{consumer_group}    groups rolled back by a handler error or panic, messages then processed alone
+//	idem_dedup_alone_total{consumer_group}              group-commit mode: messages processed in their own transaction
 //	idem_outbox_forwarded_total{forwarder}              rows sent to Kafka and acknowledged in the database
 //	idem_outbox_forwarder_commits_total{forwarder}      committed position updates
 //	idem_outbox_forwarder_polls_total{forwarder}        reads of the outbox
@@ -28,7 +32,8 @@
 //
 // The backlog gauges are queried from the database at scrape time; all
 // others are counters, cumulative since the component was created. Alert on
-// a growing rate of rejected or failed messages, and on a growing
-// idem_outbox_oldest_pending_seconds (a stopped forwarder, or one held back by
+// a growing rate of rejected or failed messages and, in group-commit mode,
+// of group fallbacks (each one retries a whole group alone), and on a
+// growing idem_outbox_oldest_pending_seconds (a stopped forwarder, or one held back by
 // an old transaction on the server).
 package idemprom

@@ -25,6 +25,11 @@ var (
 	descClaims      = prometheus.NewDesc("idem_dedup_claims_total", "Claims timed in idem_dedup_claim_seconds_total.", group, nil)
 	descTxSec       = prometheus.NewDesc("idem_dedup_tx_seconds_total", "Time from BEGIN to COMMIT of processed messages.", group, nil)
 
+	descGroups         = prometheus.NewDesc("idem_dedup_groups_total", "Group-commit transactions that claimed their messages (Config.GroupCommit).", group, nil)
+	descGroupedMsgs    = prometheus.NewDesc("idem_dedup_grouped_messages_total", "Messages claimed in group-commit transactions (divided by idem_dedup_groups_total: the mean group size).", group, nil)
+	descGroupFallbacks = prometheus.NewDesc("idem_dedup_group_fallbacks_total", "Groups rolled back by a handler error or panic, their messages then processed alone.", group, nil)
+	descAlone          = prometheus.NewDesc("idem_dedup_alone_total", "Messages processed in a transaction of their own in group-commit mode: after a group fallback, a failed group claim, or an earlier failure of their handler.", group, nil)
+
 	descForwarded = prometheus.NewDesc("idem_outbox_forwarded_total", "Outbox rows sent to Kafka and acknowledged in the database.", fwd, nil)
 	descCommits   = prometheus.NewDesc("idem_outbox_forwarder_commits_total", "Committed forwarder position updates.", fwd, nil)
 	descPolls     = prometheus.NewDesc("idem_outbox_forwarder_polls_total", "Reads of the outbox by the forwarder.", fwd, nil)
@@ -100,7 +105,8 @@ func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db deduplicator.Beginner
 
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec, descForwarded, descCommits, descPolls, descFwdErrors, descPending, descOldest} {
+	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec,
+		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descForwarded, descCommits, descPolls, descFwdErrors, descPending, descOldest} {
 		ch <- d
 	}
 }
@@ -139,6 +145,10 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		acc.ClaimDuration += s.ClaimDuration
 		acc.ClaimCount += s.ClaimCount
 		acc.TxDuration += s.TxDuration
+		acc.Groups += s.Groups
+		acc.GroupedMessages += s.GroupedMessages
+		acc.GroupFallbacks += s.GroupFallbacks
+		acc.Alone += s.Alone
 	}
 	counter := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
@@ -157,6 +167,10 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descClaimSec, s.ClaimDuration.Seconds(), g)
 		counter(descClaims, float64(s.ClaimCount), g)
 		counter(descTxSec, s.TxDuration.Seconds(), g)
+		counter(descGroups, float64(s.Groups), g)
+		counter(descGroupedMsgs, float64(s.GroupedMessages), g)
+		counter(descGroupFallbacks, float64(s.GroupFallbacks), g)
+		counter(descAlone, float64(s.Alone), g)
 	}
 	for name, f := range forwarders {
 		s := f.Stats()

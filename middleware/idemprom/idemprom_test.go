@@ -2,7 +2,9 @@ package idemprom_test
 
 import (
 	"context"
+	"errors"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -10,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -94,5 +97,70 @@ idem_outbox_forwarded_total{forwarder="outbox_forwarder"} 1
 		"idem_dedup_duplicates_total", "idem_dedup_processed_total", "idem_dedup_rejected_total", "idem_outbox_forwarded_total", "idem_outbox_pending_rows"))
 	n, err := testutil.GatherAndCount(reg)
 	require.NoError(t, err)
-	require.Equal(t, 18, n) // 12 dedup series (5 rejected reasons) + 4 forwarder + 2 backlog series
+	require.Equal(t, 22, n) // 16 dedup series (5 rejected reasons, 4 group-commit) + 4 forwarder + 2 backlog series
+}
+
+func TestCollectorExportsGroupCommit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 6)
+	table := deduplicator.TableConfig{Schema: db.Schema}
+	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+
+	// Groups of two: the second of two concurrent messages fills the group,
+	// which then runs at once (the long MaxWait never expires).
+	d, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table,
+		GroupCommit: &idem.GroupCommitConfig{MaxMessages: 2, MaxWait: time.Minute, Concurrency: 1}}, nil)
+	require.NoError(t, err)
+	var failOnce sync.Map // event ids whose handler fails on its first run
+	h := d.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if _, first := failOnce.LoadAndDelete(msg.Metadata.Get(publisher.MetadataEventID)); first {
+			return nil, errors.New("transient")
+		}
+		return nil, nil
+	})
+	pair := func(failFirst bool) {
+		var wg sync.WaitGroup
+		for i := range 2 {
+			id := publisher.NewEventID().String()
+			if failFirst && i == 0 {
+				failOnce.Store(id, true)
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				m := message.NewMessage(watermill.NewUUID(), nil)
+				m.Metadata.Set(publisher.MetadataEventID, id)
+				_, err := h(m)
+				assert.NoError(t, err) // a failed group's messages succeed alone
+			}()
+		}
+		wg.Wait()
+	}
+	pair(false) // one group of two, committed
+	pair(true)  // one group of two, rolled back by the first handler; both then alone
+
+	c := idemprom.NewCollector()
+	c.AddDedup(d)
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(c))
+	expected := `
+# HELP idem_dedup_alone_total Messages processed in a transaction of their own in group-commit mode: after a group fallback, a failed group claim, or an earlier failure of their handler.
+# TYPE idem_dedup_alone_total counter
+idem_dedup_alone_total{consumer_group="billing"} 2
+# HELP idem_dedup_group_fallbacks_total Groups rolled back by a handler error or panic, their messages then processed alone.
+# TYPE idem_dedup_group_fallbacks_total counter
+idem_dedup_group_fallbacks_total{consumer_group="billing"} 1
+# HELP idem_dedup_grouped_messages_total Messages claimed in group-commit transactions (divided by idem_dedup_groups_total: the mean group size).
+# TYPE idem_dedup_grouped_messages_total counter
+idem_dedup_grouped_messages_total{consumer_group="billing"} 4
+# HELP idem_dedup_groups_total Group-commit transactions that claimed their messages (Config.GroupCommit).
+# TYPE idem_dedup_groups_total counter
+idem_dedup_groups_total{consumer_group="billing"} 2
+# HELP idem_dedup_processed_total Messages whose handler ran and whose transaction committed.
+# TYPE idem_dedup_processed_total counter
+idem_dedup_processed_total{consumer_group="billing"} 4
+`
+	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(expected),
+		"idem_dedup_groups_total", "idem_dedup_grouped_messages_total", "idem_dedup_group_fallbacks_total", "idem_dedup_alone_total", "idem_dedup_processed_total"))
 }
