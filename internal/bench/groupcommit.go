@@ -126,7 +126,7 @@ func median(xs []float64) string { return fmt.Sprintf("%.1f", Summarise(xs).Medi
 
 func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 	n, rounds, fwdWait := 6000, o.Rounds, 10*time.Second
-	latRounds, latFor := max(1, o.Rounds/2), 3*time.Second
+	latRounds, latFor := max(1, o.Rounds/2), 2*time.Second
 	if o.Short {
 		n, rounds, fwdWait = 1500, 2, 5*time.Second
 		latRounds, latFor = 1, time.Second
@@ -204,7 +204,11 @@ func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 			// not fill (MaxWait/5 without a newcomer).
 			latModes := append(slices.Clone(modes), gcMode{fmt.Sprintf("group, MaxMessages %d, MaxWait 1ms", parts/int32(idem.DefaultGroupConcurrency)),
 				&idem.GroupCommitConfig{MaxMessages: int(parts) / idem.DefaultGroupConcurrency, MaxWait: time.Millisecond}})
-			for _, rate := range []float64{200, Summarise(rates[0]).Median / 2} {
+			loads := []float64{200, Summarise(rates[0]).Median / 2}
+			if o.Short {
+				loads = loads[:1]
+			}
+			for _, rate := range loads {
 				lat := make([]durations, len(latModes))
 				latSizes := make([][]float64, len(latModes))
 				count := max(100, int(rate*latFor.Seconds()))
@@ -446,8 +450,8 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 		return Section{}, err
 	}
 	defer r.db.Close()
-	rounds, dur := o.Rounds+1, measureFor(o, 400*time.Millisecond, 200*time.Millisecond)
-	costDur := measureFor(o, time.Second, 300*time.Millisecond)
+	rounds, dur := o.Rounds+1, measureFor(o, 400*time.Millisecond, 150*time.Millisecond)
+	costDur, warm := measureFor(o, time.Second, 300*time.Millisecond), measureFor(o, 300*time.Millisecond, 150*time.Millisecond)
 
 	type variant struct {
 		name    string
@@ -475,7 +479,7 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 			}
 			// Warm the connections up and learn the group size.
 			before := v.d.Stats()
-			if _, err := r.middleware(ctx, v.d, w, 300*time.Millisecond); err != nil {
+			if _, err := r.middleware(ctx, v.d, w, warm); err != nil {
 				return Section{}, err
 			}
 			v.sizes = []float64{meanGroup(before, v.d.Stats())}
