@@ -250,12 +250,12 @@ func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 	b.WriteString(Table([]string{"partitions", "group mode", "single (msg/s, median)", "group (msg/s, median)", "mean group size",
 		"ratio group/single, committed", "≥ 3×", "ratio group/single, forwarded and read back"}, rows))
 	fmt.Fprintf(&b, "\nThe pipeline of the end-to-end section (Kafka → router → dedup → one business row + one outbox row → "+
-		"forwarder → Kafka) at %v partitions, one router (one message in flight per partition), in three modes: single (one transaction "+
+		"forwarder → Kafka) at %d and %d partitions, one router (one message in flight per partition), in three modes: single (one transaction "+
 		"per message), `Config.GroupCommit` at its defaults (MaxMessages %d, MaxWait %s, Concurrency %d), and with MaxMessages = partitions / "+
 		"Concurrency. Pool of %d connections in every mode. Each round drains a backlog of %d events with a new consumer group; %d rounds, "+
 		"the modes' order rotated each round; ratio = group / single of the same round; rates from the first handled event to the last "+
 		"committed one, or to the last forwarded record read back. Mean group size = GroupedMessages / Groups of the middleware's Stats.\n\n",
-		gcPartitions, idem.DefaultGroupMaxMessages, idem.DefaultGroupMaxWait, idem.DefaultGroupConcurrency, gcPoolConns, n, rounds)
+		gcPartitions[0], gcPartitions[1], idem.DefaultGroupMaxMessages, idem.DefaultGroupMaxWait, idem.DefaultGroupConcurrency, gcPoolConns, n, rounds)
 	fmt.Fprintf(&b, "Where the time goes at 32 partitions (totals over the same rounds). Each partition has one message in flight, so "+
 		"msg/s = 32 / (time in the middleware + time outside it per message: the ack, the offset, the next message through Sarama and the "+
 		"router, with the broker in the same process). CPU per message is the pipeline's whole share: server = the PostgreSQL backends of "+
@@ -450,7 +450,7 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 		return Section{}, err
 	}
 	defer r.db.Close()
-	rounds, dur := o.Rounds+1, measureFor(o, 400*time.Millisecond, 150*time.Millisecond)
+	rounds, dur := 2*o.Rounds, measureFor(o, 250*time.Millisecond, 120*time.Millisecond)
 	costDur, warm := measureFor(o, time.Second, 300*time.Millisecond), measureFor(o, 300*time.Millisecond, 150*time.Millisecond)
 
 	type variant struct {
@@ -572,7 +572,7 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 			}
 			o.Logf("  group-commit-ceiling cost %d, %s: %.0f msg/s, %.2f round trips, server %s, client %s per message; backends %v",
 				w, cr.name, float64(c.msgs)/c.wall.Seconds(), c.per(float64(c.roundTrips)), c.serverCPUPerMsg(), c.clientCPUPerMsg(), waits)
-			costRows = append(costRows, []string{fmt.Sprint(w), cr.name, fmt.Sprintf("%.0f", float64(c.msgs)/c.wall.Seconds()), c.perMsg(c.roundTrips, "%.2f"),
+			costRows = append(costRows, []string{fmt.Sprint(w), cr.name, c.perMsg(c.roundTrips, "%.2f"),
 				c.serverCPUPerMsg(), c.clientCPUPerMsg(),
 				fmt.Sprintf("%.1f", waits["CPU"]), fmt.Sprintf("%.1f", wal), fmt.Sprintf("%.1f", other), fmt.Sprintf("%.1f", waits["client"])})
 		}
@@ -586,12 +586,12 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 		"that mode, each group one plain transaction (BEGIN; business row + outbox row per message; COMMIT: no claim, no gathering), "+
 		"as many transactions at once as the messages in flight fill (partitions / group size, at most Concurrency). "+
 		"Pool of %d connections. %d rounds of %s, order rotated each round; ratios are of the same round.\n\n", gcPoolConns, rounds, dur)
-	fmt.Fprintf(&b, "Where the time goes: each mode run once more for %s, alone. Round trips are counted at the net.Conn level; CPU per message is the rig's PostgreSQL backends' (from /proc) and this "+
+	fmt.Fprintf(&b, "Where the time goes: each mode run once more for %s, alone (its throughput then is not comparable: the table above is). Round trips are counted at the net.Conn level; CPU per message is the rig's PostgreSQL backends' (from /proc) and this "+
 		"process's; the last four columns are the mean number of the rig's backends, sampled every 2 ms from `pg_stat_activity`, that are "+
 		"running (no wait event), waiting on the WAL (WALWrite, WALSync, WALInsert: another backend's flush or their own), waiting on anything "+
 		"else (locks, buffers), and idle in a transaction, i.e. waiting for the client. The last row is not something the middleware does: "+
 		"it shows what writing the outbox rows of a group in one statement would save.\n\n", costDur)
-	b.WriteString(Table([]string{"partitions", "mode", "msg/s", "round trips per message", "server CPU per message",
+	b.WriteString(Table([]string{"partitions", "mode", "round trips per message", "server CPU per message",
 		"client CPU per message", "backends running", "backends waiting on WAL", "backends waiting on other", "backends waiting for the client"}, costRows))
 	return Section{Title: "Group commit against its ceiling: the database part alone", Markdown: b.String()}, nil
 }
