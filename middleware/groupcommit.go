@@ -15,6 +15,8 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // Defaults of [GroupCommitConfig].
@@ -98,8 +100,9 @@ type groupCommit struct {
 	cfg   GroupCommitConfig
 	slots chan struct{}
 
-	mu   sync.Mutex
-	open *group // gathering, nil when none
+	mu       sync.Mutex
+	open     *group // gathering, nil when none
+	inflight int    // messages submitted and not answered yet
 
 	// failed holds the ids whose handler failed once: they are processed
 	// alone from then on.
@@ -146,7 +149,12 @@ func (gc *groupCommit) submit(msg *message.Message, h message.HandlerFunc, id uu
 		gc.open = g
 	}
 	g.reqs = append(g.reqs, r)
-	if len(g.reqs) >= gc.cfg.MaxMessages {
+	gc.inflight++
+	// Only messages in flight can join: with one message per partition in
+	// flight, n partitions fill Concurrency groups of n/Concurrency, and a
+	// lone message runs at once instead of waiting for company.
+	want := min(gc.cfg.MaxMessages, (gc.inflight+gc.cfg.Concurrency-1)/gc.cfg.Concurrency)
+	if len(g.reqs) >= want {
 		gc.open = nil
 		close(g.full)
 	} else if !leader {
@@ -159,7 +167,11 @@ func (gc *groupCommit) submit(msg *message.Message, h message.HandlerFunc, id uu
 	if leader {
 		gc.lead(g)
 	}
-	return <-r.done
+	res := <-r.done
+	gc.mu.Lock()
+	gc.inflight--
+	gc.mu.Unlock()
+	return res
 }
 
 // lead waits for a slot and for the group to gather, seals it and runs it.
@@ -244,8 +256,9 @@ func (gc *groupCommit) run(reqs []*request) {
 		}
 	}
 
+	out := &groupOutbox{}
 	for _, r := range runs {
-		if err := gc.handle(ctx, tx, r); err != nil {
+		if err := gc.handle(tx, r, out); err != nil {
 			d.rollback(ctx, tx, nil)
 			gc.failed.add(r.id)
 			d.stats.groupFallbacks.Add(1)
@@ -257,6 +270,15 @@ func (gc *groupCommit) run(reqs []*request) {
 			gc.answer(copies, result{alone: true})
 			return
 		}
+	}
+	// The messages handlers returned, one multi-row INSERT per topic.
+	if err := out.write(ctx, d, tx); err != nil {
+		d.rollback(ctx, tx, nil)
+		d.stats.groupFallbacks.Add(1)
+		gspan.RecordError(err)
+		gc.answer(runs, result{alone: true})
+		gc.answer(copies, result{alone: true})
+		return
 	}
 	gspan.AddEvent("commit")
 	if err := tx.Commit(ctx); err != nil {
@@ -304,10 +326,12 @@ func (gc *groupCommit) answer(reqs []*request, res result) {
 }
 
 // handle runs r's handler on the group's transaction, with r's own message
-// context (restored afterwards), and writes what it returns to the outbox.
-// A panic is an error here: the message is processed again alone, where it
-// panics in its own goroutine.
-func (gc *groupCommit) handle(ctx context.Context, tx pgx.Tx, r *request) (err error) {
+// context (restored afterwards). Messages it returns are stamped in that
+// context (event id, causation, trace) and kept for the group's outbox
+// write, or for the router without an outbox. A panic is an error here:
+// the message is processed again alone, where it panics in its own
+// goroutine.
+func (gc *groupCommit) handle(tx pgx.Tx, r *request, out *groupOutbox) (err error) {
 	d := gc.d
 	origCtx := r.msg.Context()
 	defer r.msg.SetContext(origCtx)
@@ -318,13 +342,49 @@ func (gc *groupCommit) handle(ctx context.Context, tx pgx.Tx, r *request) (err e
 	}()
 	r.msg.SetContext(d.handlerContext(origCtx, tx, r.msg, r.id))
 	produced, err := r.h(r.msg)
-	if err != nil {
+	if err != nil || len(produced) == 0 {
 		return err
 	}
-	if produced, err = d.toOutbox(r.msg.Context(), origCtx, tx, produced); err != nil {
+	if d.cfg.Outbox == nil {
+		r.out, err = d.toOutbox(r.msg.Context(), origCtx, tx, produced)
 		return err
 	}
-	r.out = produced
+	topic := message.PublishTopicFromCtx(origCtx)
+	if topic == "" {
+		return errors.New("dedup: handler returned messages but has no publish topic (add it with router.AddHandler)")
+	}
+	for _, m := range produced {
+		if _, err := publisher.Stamp(r.msg.Context(), m); err != nil {
+			return fmt.Errorf("dedup: stamp returned message: %w", err)
+		}
+	}
+	out.add(topic, produced)
+	return nil
+}
+
+// groupOutbox gathers the messages a group's handlers returned, by topic,
+// for one outbox write per topic.
+type groupOutbox struct {
+	topics []string
+	msgs   map[string][]*message.Message
+}
+
+func (o *groupOutbox) add(topic string, msgs []*message.Message) {
+	if o.msgs == nil {
+		o.msgs = map[string][]*message.Message{}
+	}
+	if _, ok := o.msgs[topic]; !ok {
+		o.topics = append(o.topics, topic)
+	}
+	o.msgs[topic] = append(o.msgs[topic], msgs...)
+}
+
+func (o *groupOutbox) write(ctx context.Context, d *Dedup, tx pgx.Tx) error {
+	for _, topic := range o.topics {
+		if err := d.cfg.Outbox.PublishInTx(ctx, tx, topic, o.msgs[topic]...); err != nil {
+			return fmt.Errorf("dedup: write returned messages to outbox: %w", err)
+		}
+	}
 	return nil
 }
 

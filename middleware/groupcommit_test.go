@@ -266,14 +266,22 @@ func TestGroupCommit_CommitFailureNacksTheGroup(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	f.db.Exec(t, "CREATE TABLE once (k int, CONSTRAINT once_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)")
+	// One slot: while a blocker holds it, the six deliveries gather into
+	// one group (it seals when the sixth joins: MaxMessages); a minute of
+	// MaxWait only bounds a stall.
 	d := f.dedup(t, "billing", func(c *idem.Config) {
-		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 6, MaxWait: time.Minute, Concurrency: 1} // one full group
+		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 6, MaxWait: time.Minute, Concurrency: 1}
 	})
 	var calls atomic.Int32
 	insert := f.insertHandler(1, &calls)
+	blockerID, release := publisher.NewEventID(), make(chan struct{})
 	var breakCommit atomic.Bool
 	breakCommit.Store(true)
 	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		if id, _ := idem.EventIDFromContext(m.Context()); id == blockerID {
+			<-release
+			return nil, nil
+		}
 		if _, err := insert(m); err != nil {
 			return nil, err
 		}
@@ -285,14 +293,26 @@ func TestGroupCommit_CommitFailureNacksTheGroup(t *testing.T) {
 		}
 		return nil, nil
 	})
+	blocked := make(chan error, 1)
+	go func() {
+		_, err := h(f.msg(blockerID))
+		blocked <- err
+	}()
+	require.Eventually(t, func() bool { return d.Stats().Groups == 1 }, 30*time.Second, time.Millisecond, "the blocker's group holds the slot")
 	ids := newIDs(6)
-	for _, err := range deliverAll(h, f.msgs(ids)) {
+	var errs []error
+	done := make(chan struct{})
+	go func() { errs = deliverAll(h, f.msgs(ids)); close(done) }()
+	close(release)
+	require.NoError(t, <-blocked)
+	<-done
+	for _, err := range errs {
 		var pgErr *pgconn.PgError
 		require.ErrorAs(t, err, &pgErr)
 		require.Equal(t, pgerrcode.UniqueViolation, pgErr.Code)
 		require.False(t, idem.IsPermanent(err))
 	}
-	require.Zero(t, f.claims(t))
+	require.Equal(t, 1, f.claims(t), "only the blocker's claim")
 	require.Zero(t, f.ledgerRows(t))
 
 	breakCommit.Store(false)
@@ -300,7 +320,7 @@ func TestGroupCommit_CommitFailureNacksTheGroup(t *testing.T) {
 		require.NoError(t, err)
 	}
 	require.Equal(t, 6, f.ledgerRows(t))
-	require.Equal(t, 6, f.claims(t))
+	require.Equal(t, 7, f.claims(t))
 	require.Zero(t, f.pool.Stat().AcquiredConns())
 }
 
