@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// crashDelay is how long a crashed instance stays down before its
+// crashDelay is how long a crashed consumer process stays down before its
 // replacement starts.
 func (h *harness) crashDelay() time.Duration { return 300 * time.Millisecond }
 
@@ -59,9 +59,27 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		if !g.arm(f.pick, p) { // counted when the instance executes it
 			h.fault(f.kind, true)
 		}
+	case faultSigkill:
+		if !g.killOne(f.pick) {
+			h.fault(f.kind, true)
+			return
+		}
+		h.kills.Add(1)
+		h.fault(f.kind, false)
+	case faultDisrupt:
+		if err := h.disrupt(ctx); err != nil {
+			h.violation("database disruption: %v", err)
+			return
+		}
+		h.fault(f.kind, false)
 	case faultJoin:
-		if err := g.start(ctx); err != nil {
+		started, err := g.start(ctx)
+		if err != nil {
 			h.violation("%s: join: %v", g.name, err)
+			return
+		}
+		if !started {
+			h.fault(f.kind, true)
 			return
 		}
 		h.fault(f.kind, false)
@@ -82,7 +100,7 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 			h.fault(faultLeave, true)
 			return
 		}
-		g.stop(leaving)
+		leaving.stop()
 		h.fault(faultLeave, false)
 	case faultTermConsumer:
 		h.terminate(ctx, f.kind, g.name+"-i", f.pick)
@@ -113,7 +131,7 @@ func (h *harness) terminate(ctx context.Context, kind, prefix string, pick uint6
 	deadline := time.Now().Add(3 * time.Second)
 	for {
 		var names []string
-		rows, err := h.admin.Query(ctx, `SELECT DISTINCT application_name FROM pg_stat_activity WHERE starts_with(application_name, $1) ORDER BY 1`, h.appName(prefix))
+		rows, err := h.maint.Query(ctx, `SELECT DISTINCT application_name FROM pg_stat_activity WHERE starts_with(application_name, $1) ORDER BY 1`, h.appName(prefix))
 		if err == nil {
 			names, err = pgx.CollectRows(rows, pgx.RowTo[string])
 		}
@@ -123,7 +141,7 @@ func (h *harness) terminate(ctx context.Context, kind, prefix string, pick uint6
 		}
 		if len(names) > 0 {
 			var n int
-			err := h.admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()`,
+			err := h.maint.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()`,
 				names[pick%uint64(len(names))]).Scan(&n)
 			if err != nil {
 				h.violation("%s %s: %v", kind, prefix, err)
@@ -141,6 +159,49 @@ func (h *harness) terminate(ctx context.Context, kind, prefix string, pick uint6
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// disrupt takes the run's database away, as a failover or a restart of the
+// server would, without touching the rest of the shared server: the database
+// stops accepting connections (ALLOW_CONNECTIONS false), every backend on it
+// is terminated (the soak's own included), stragglers that connected in
+// between are terminated until the outage ends, then connections are
+// allowed again.
+func (h *harness) disrupt(ctx context.Context) error {
+	db := pgx.Identifier{h.dbName}.Sanitize()
+	if _, err := h.maint.Exec(ctx, "ALTER DATABASE "+db+" WITH ALLOW_CONNECTIONS false"); err != nil {
+		return err
+	}
+	start := time.Now()
+	var terminated int64
+	var err error
+	for {
+		var n int64
+		if err = h.maint.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend'`,
+			h.dbName).Scan(&n); err != nil {
+			break
+		}
+		terminated += n
+		if time.Since(start) >= h.cfg.Outage {
+			break
+		}
+		select {
+		case <-time.After(200 * time.Millisecond):
+		case <-ctx.Done():
+		}
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	// Always allow connections again, even when the run is being cancelled.
+	_, aerr := h.maint.Exec(context.WithoutCancel(ctx), "ALTER DATABASE "+db+" WITH ALLOW_CONNECTIONS true")
+	h.terminated.Add(terminated)
+	h.disruptions.Add(1)
+	h.logf("disruption: database %s refused connections for %s, %d backends terminated", h.dbName, time.Since(start).Round(time.Millisecond), terminated)
+	if err == nil {
+		err = aerr
+	}
+	return err
 }
 
 // resetOffsets stops every instance of g (Kafka only lets an empty group's
@@ -161,7 +222,7 @@ func (h *harness) resetOffsets(ctx context.Context, g *group) error {
 
 	var wg sync.WaitGroup
 	for _, inst := range live {
-		wg.Go(func() { g.stop(inst) })
+		wg.Go(inst.stop)
 	}
 	wg.Wait()
 

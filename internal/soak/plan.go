@@ -34,8 +34,10 @@ func makePlan(cfg Config) []event {
 
 // Fault kinds, as printed in the report.
 const (
-	faultKillMid      = "kill-mid-handler"
-	faultKillCommit   = "kill-after-commit"
+	faultKillMid      = "sigkill-mid-handler"
+	faultKillCommit   = "sigkill-after-commit"
+	faultSigkill      = "sigkill-random"
+	faultDisrupt      = "pg-disruption"
 	faultJoin         = "join (rebalance)"
 	faultLeave        = "leave (rebalance)"
 	faultRestart      = "restart (rejoin)"
@@ -88,6 +90,8 @@ func makeSchedule(cfg Config) []scheduled {
 	fc := cfg.Faults
 	add(fc.KillMidHandler, faultKillMid, byApplied, 0.03, 0.9)
 	add(fc.KillAfterCommit, faultKillCommit, byApplied, 0.03, 0.9)
+	add(fc.Kill, faultSigkill, byApplied, 0.03, 0.9)
+	add(fc.DisruptDB, faultDisrupt, byApplied, 0.1, 0.8)
 	add(fc.Join, faultJoin, byApplied, 0.03, 0.7)
 	add(fc.TerminateConsumer, faultTermConsumer, byApplied, 0.03, 0.9)
 	add(fc.TerminateProducer, faultTermProducer, byProduced, 0.05, 0.9)

@@ -23,14 +23,18 @@ import (
 )
 
 func main() {
+	// The soak runs its consumers as child processes of this binary, and
+	// kills them with SIGKILL.
+	soak.RunConsumerIfChild()
+
 	seed := flag.Uint64("seed", uint64(time.Now().UnixNano()), "seed of the event plan and the fault schedule")
 	events := flag.Int("events", soak.DefaultEvents, "events to produce")
 	aggregates := flag.Int("aggregates", soak.DefaultAggregates, "aggregates (partition keys)")
 	partitions := flag.Int("partitions", soak.DefaultPartitions, "partitions of the topic")
 	timeout := flag.Duration("timeout", soak.DefaultTimeout, "abort (and fail) after this long")
 	short := flag.Bool("short", false, "2,000 events and the short fault mix")
-	keep := flag.Bool("keep", false, "keep the PostgreSQL schema for inspection")
-	verbose := flag.Bool("v", false, "log the components (Watermill, middleware) at info level")
+	keep := flag.Bool("keep", false, "keep the run's PostgreSQL database for inspection")
+	verbose := flag.Bool("v", false, "log the components (Watermill, middleware, consumer processes) at info level")
 	direct := flag.Bool("direct", false, "producer publishes directly to Kafka after its commit (no outbox)")
 	flag.Parse()
 
@@ -42,7 +46,7 @@ func main() {
 		Timeout:       *timeout,
 		DatabaseURL:   pgtest.URL(),
 		Brokers:       kafkatest.External(),
-		KeepSchema:    *keep,
+		KeepDatabase:  *keep,
 		DirectPublish: *direct,
 		Log:           os.Stderr,
 	}
@@ -52,6 +56,7 @@ func main() {
 	}
 	if *verbose {
 		cfg.Logger = watermill.NewStdLogger(false, false)
+		cfg.ConsumerLogs = true
 	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
