@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log"
 	"os"
 	"os/signal"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -149,6 +151,7 @@ func runConsumer(cfg childConfig) error {
 	var logger watermill.LoggerAdapter = errorLogger{watermill.NewStdLoggerWithOut(os.Stderr, false, false)}
 	if cfg.Verbose {
 		logger = watermill.NewStdLoggerWithOut(os.Stderr, false, false)
+		sarama.Logger = log.New(os.Stderr, "[sarama] ", log.LstdFlags|log.Lmicroseconds)
 	}
 	logger = logger.With(watermill.LogFields{"instance": cfg.Instance})
 

@@ -14,6 +14,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/IBM/sarama"
 )
 
 // payload is the JSON body of a soak event.
@@ -54,6 +56,9 @@ type instance struct {
 	cmd     *exec.Cmd
 	stdin   io.WriteCloser
 	pending atomic.Int32 // fault armed in the process, not yet executed
+	// consuming is set at the process's first delivery: it has completed
+	// a JoinGroup and a SyncGroup and owns partitions.
+	consuming atomic.Bool
 	// expected is set before the process ends on purpose: "stop" (SIGTERM,
 	// graceful), "sigkill" (the soak killed it) or a fault kind (it killed
 	// itself). Any other end is a violation.
@@ -70,18 +75,18 @@ type stateKey struct{}
 type delivery struct{ ran bool }
 
 // start starts a consumer process and waits until its router runs. It
-// starts none (false) during an offset reset, which starts the instances
+// starts none (nil) during an offset reset, which starts the instances
 // again itself, or once the run is over.
-func (g *group) start(ctx context.Context) (bool, error) {
+func (g *group) start(ctx context.Context) (*instance, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.resetting || g.h.closing.Load() {
-		return false, nil
+		return nil, nil
 	}
-	return true, g.startLocked(ctx)
+	return g.startLocked(ctx)
 }
 
-func (g *group) startLocked(ctx context.Context) error {
+func (g *group) startLocked(ctx context.Context) (*instance, error) {
 	h := g.h
 	g.next++
 	inst := &instance{g: g, id: g.next, ready: make(chan struct{}), exited: make(chan struct{}), stderr: &tailBuffer{max: 20}}
@@ -108,23 +113,23 @@ func (g *group) startLocked(ctx context.Context) error {
 		Verbose:     h.cfg.ConsumerLogs,
 	})
 	if err != nil {
-		return err
+		return nil, err
 	}
 	cmd := exec.Command(h.exe)
 	cmd.Env = append(os.Environ(), ConsumerEnv+"="+string(cc))
 	if inst.stdin, err = cmd.StdinPipe(); err != nil {
-		return err
+		return nil, err
 	}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("start consumer process %s: %w", h.exe, err)
+		return nil, fmt.Errorf("start consumer process %s: %w", h.exe, err)
 	}
 	inst.cmd = cmd
 	var pipes sync.WaitGroup
@@ -139,13 +144,13 @@ func (g *group) startLocked(ctx context.Context) error {
 	select {
 	case <-inst.ready:
 	case <-inst.exited:
-		return fmt.Errorf("consumer %s exited before it was ready: %s", inst.name, inst.stderr)
+		return nil, fmt.Errorf("consumer %s exited before it was ready: %s", inst.name, inst.stderr)
 	case <-ctx.Done():
 		inst.kill("stop")
-		return ctx.Err()
+		return nil, ctx.Err()
 	}
 	g.live = append(g.live, inst)
-	return nil
+	return inst, nil
 }
 
 // readStdout turns the process's protocol lines into counters and faults.
@@ -157,6 +162,7 @@ func (inst *instance) readStdout(r io.Reader) {
 		switch {
 		case line == lineDelivery:
 			g.deliveries.Add(1)
+			inst.consuming.Store(true)
 		case line == lineApplied:
 			g.applied.Add(1)
 		case line == lineDuplicate:
@@ -236,16 +242,20 @@ func (g *group) exited(ctx context.Context, inst *instance, err error) {
 	if h.closing.Load() {
 		return
 	}
+	delay := h.crashDelay()
+	if expected == faultCrashLoop {
+		delay = crashLoopBackoff
+	}
 	select {
-	case <-time.After(h.crashDelay()):
+	case <-time.After(delay):
 	case <-ctx.Done():
 		return
 	}
-	started, err := g.start(ctx)
+	next, err := g.start(ctx)
 	switch {
 	case err != nil && !h.closing.Load() && ctx.Err() == nil:
 		h.violation("%s: restart after crash: %v", g.name, err)
-	case started && err == nil:
+	case next != nil && err == nil:
 		h.fault(faultRestart, false)
 	}
 }
@@ -318,16 +328,76 @@ func (inst *instance) arm(p int32) bool {
 	return true
 }
 
-// killOne sends SIGKILL to a live instance chosen by pick, at whatever point
-// it is (polling, inside a transaction, committing, between commit and ack).
+// killOne sends SIGKILL to a consuming instance chosen by pick, at whatever
+// point it is (fetching, inside a transaction, committing, between commit
+// and ack, rejoining during a rebalance). Instances that have not consumed
+// yet are not chosen: killing one that never finished its first join is the
+// crash-loop fault's business (see [group.crashLoop]).
 func (g *group) killOne(pick uint64) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.resetting || len(g.live) == 0 {
+	var consuming []*instance
+	for _, inst := range g.live {
+		if inst.consuming.Load() {
+			consuming = append(consuming, inst)
+		}
+	}
+	if g.resetting || len(consuming) == 0 {
 		return false
 	}
-	g.live[int(pick%uint64(len(g.live)))].kill(faultSigkill)
+	consuming[int(pick%uint64(len(consuming)))].kill(faultSigkill)
 	return true
+}
+
+// crashLoopBackoff is how long an instance killed while joining stays down:
+// Kubernetes' first CrashLoopBackOff delay.
+const crashLoopBackoff = 10 * time.Second
+
+// crashLoop starts a new instance (scaling out) and kills it with SIGKILL
+// while its first JoinGroup is held by the coordinator: the group forms with
+// a member that is already dead. Its replacement starts after
+// [crashLoopBackoff] and joins while the dead member is still in the group,
+// so the coordinator holds every member's JoinGroup until the rebalance
+// timeout removes the dead one. That is the wait a consumer must sit
+// through (issue 10 §5): with a Net.ReadTimeout shorter than
+// Consumer.Group.Rebalance.Timeout the joins time out, the members leave
+// and join again, and the group does not re-form.
+//
+// It reports false when it started nothing (an offset reset is under way).
+func (g *group) crashLoop(ctx context.Context) (bool, error) {
+	inst, err := g.start(ctx)
+	if err != nil || inst == nil {
+		return false, err
+	}
+	g.killWhileJoining(ctx, inst)
+	return true, nil
+}
+
+// killWhileJoining sends SIGKILL to inst once its consumer group is
+// rebalancing, which a new member's JoinGroup starts: the process dies while
+// the coordinator holds its join. The group's state comes from the Kafka
+// admin API (DescribeGroups), so this works on any cluster. If the group is
+// not seen rebalancing within 20 s, inst is killed anyway.
+func (g *group) killWhileJoining(ctx context.Context, inst *instance) {
+	h := g.h
+	joining := false
+	admin, err := sarama.NewClusterAdmin(h.brokers, sarama.NewConfig())
+	if err == nil {
+		defer admin.Close()
+		deadline := time.Now().Add(20 * time.Second)
+		for !joining && time.Now().Before(deadline) && ctx.Err() == nil {
+			ds, err := admin.DescribeConsumerGroups([]string{g.name})
+			if err == nil && len(ds) == 1 && (ds[0].State == "PreparingRebalance" || ds[0].State == "CompletingRebalance") {
+				joining = true
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if !joining {
+		h.logf("%s: crash loop: group %s not seen rebalancing (%v); killing the replacement anyway", inst.name, g.name, err)
+	}
+	inst.kill(faultCrashLoop)
 }
 
 // tailBuffer keeps the last max lines written to it.

@@ -56,11 +56,24 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		if f.kind == faultKillCommit {
 			p = pendingKillCommit
 		}
-		if !g.arm(f.pick, p) { // counted when the instance executes it
+		// Counted when the instance executes it.
+		if !waitFor(ctx, func() bool { return g.arm(f.pick, p) }) {
 			h.fault(f.kind, true)
 		}
 	case faultSigkill:
-		if !g.killOne(f.pick) {
+		if !waitFor(ctx, func() bool { return g.killOne(f.pick) }) {
+			h.fault(f.kind, true)
+			return
+		}
+		h.kills.Add(1)
+		h.fault(f.kind, false)
+	case faultCrashLoop:
+		done, err := g.crashLoop(ctx)
+		if err != nil {
+			h.violation("%s: crash loop: %v", g.name, err)
+			return
+		}
+		if !done {
 			h.fault(f.kind, true)
 			return
 		}
@@ -73,12 +86,12 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		}
 		h.fault(f.kind, false)
 	case faultJoin:
-		started, err := g.start(ctx)
+		joined, err := g.start(ctx)
 		if err != nil {
 			h.violation("%s: join: %v", g.name, err)
 			return
 		}
-		if !started {
+		if joined == nil {
 			h.fault(f.kind, true)
 			return
 		}
@@ -121,6 +134,19 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		}
 		h.fault(f.kind, false)
 	}
+}
+
+// waitFor retries try until it succeeds (a fault found its target: a live,
+// consuming instance, no offset reset under way) or ctx ends.
+func waitFor(ctx context.Context, try func() bool) bool {
+	for !try() {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return true
 }
 
 // terminate kills every PostgreSQL backend of one component whose name
@@ -242,7 +268,7 @@ func (h *harness) resetOffsets(ctx context.Context, g *group) error {
 	defer g.mu.Unlock()
 	g.resetting = false
 	for len(g.live) < n {
-		if err := g.startLocked(ctx); err != nil {
+		if _, err := g.startLocked(ctx); err != nil {
 			return err
 		}
 	}

@@ -110,6 +110,7 @@ type FaultCounts struct {
 	KillMidHandler    int // consumer process SIGKILLed while its handler is inside the transaction
 	KillAfterCommit   int // consumer process SIGKILLed after COMMIT, before the ack
 	Kill              int // consumer process SIGKILLed by the soak at a random moment
+	CrashLoop         int // a new consumer process SIGKILLed while its first JoinGroup is held (opt-in: see docs/soak.md)
 	DisruptDB         int // the run's database drops every connection and refuses new ones for Outage
 	Join              int // extra instance joins a group (rebalance), leaves later (gracefully)
 	TerminateConsumer int // pg_terminate_backend on a consumer instance's connections

@@ -46,7 +46,7 @@ func TestSoakShort(t *testing.T) {
 		require.Positive(t, g.Duplicates, "%s: the faults produced no duplicate to absorb", g.Name)
 	}
 	require.GreaterOrEqual(t, rep.Kills, 2, "consumer processes killed with SIGKILL")
-	require.Equal(t, rep.Faults["sigkill-mid-handler"]+rep.Faults["sigkill-after-commit"]+rep.Faults["sigkill-random"], rep.Kills)
+	require.Equal(t, rep.Faults["sigkill-mid-handler"]+rep.Faults["sigkill-after-commit"]+rep.Faults["sigkill-random"], rep.Kills, "every kill is in the report")
 	require.Positive(t, rep.Disruptions)
 	for _, kind := range []string{"sigkill-mid-handler", "sigkill-after-commit", "sigkill-random", "pg-disruption", "restart (rejoin)", "join (rebalance)", "pg-terminate-consumer", "restart-forwarder", "offset-reset"} {
 		require.Positive(t, rep.Faults[kind], "fault %q was never injected", kind)

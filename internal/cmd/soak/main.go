@@ -4,7 +4,7 @@
 // faults injected and the duplicates absorbed, and exits 1 on a violation,
 // printing the seed to reproduce the event plan and fault schedule.
 //
-//	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-direct] [-keep] [-v]
+//	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-keep] [-v]
 package main
 
 import (
@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -36,6 +37,7 @@ func main() {
 	keep := flag.Bool("keep", false, "keep the run's PostgreSQL database for inspection")
 	verbose := flag.Bool("v", false, "log the components (Watermill, middleware, consumer processes) at info level")
 	direct := flag.Bool("direct", false, "producer publishes directly to Kafka after its commit (no outbox)")
+	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset); "none" starts from an empty mix`)
 	flag.Parse()
 
 	cfg := soak.Config{
@@ -53,6 +55,26 @@ func main() {
 	if *short {
 		cfg.Events = 2000
 		cfg.Faults = soak.ShortFaults
+	}
+	if *faults != "" {
+		base := soak.FullFaults
+		if *short {
+			base = soak.ShortFaults
+		}
+		spec := *faults
+		if rest, ok := strings.CutPrefix(spec, "none"); ok {
+			base, spec = soak.FaultCounts{}, strings.TrimPrefix(rest, ",")
+		}
+		fc, err := soak.ParseFaults(base, spec)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "soak: -faults: %v\n", err)
+			os.Exit(2)
+		}
+		if fc == (soak.FaultCounts{}) {
+			fmt.Fprintln(os.Stderr, "soak: -faults: no fault left")
+			os.Exit(2)
+		}
+		cfg.Faults = fc
 	}
 	if *verbose {
 		cfg.Logger = watermill.NewStdLogger(false, false)
