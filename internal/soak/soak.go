@@ -194,6 +194,9 @@ type Report struct {
 	// consumer group that cannot re-form logs one per member per
 	// Net.ReadTimeout.
 	IOTimeouts int
+	// ForwarderExits counts forwarders that stopped on an error (and were
+	// started again).
+	ForwarderExits int
 	// Database is the run's database, when kept.
 	Database string
 	// OutboxRows is the number of outbox rows written (all forwarded when
@@ -247,6 +250,9 @@ func (r *Report) String() string {
 	fmt.Fprintf(&b, "  %-22s %d\n", "dlq replayed", r.DLQReplayed)
 	fmt.Fprintf(&b, "  %-22s %d\n", "published twice", r.DoublePublished)
 	fmt.Fprintf(&b, "consumer log lines with \"i/o timeout\": %d\n", r.IOTimeouts)
+	if r.ForwarderExits > 0 {
+		fmt.Fprintf(&b, "forwarders stopped on an error and started again: %d\n", r.ForwarderExits)
+	}
 	if r.OutboxRows > 0 {
 		fmt.Fprintf(&b, "outbox rows written and forwarded: %d\n", r.OutboxRows)
 	}
@@ -299,6 +305,7 @@ type harness struct {
 	doublePublished atomic.Int64
 	terminated      atomic.Int64
 	kills           atomic.Int64
+	forwarderExits  atomic.Int64
 	disruptions     atomic.Int64
 	ioTimeouts      atomic.Int64
 

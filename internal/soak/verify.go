@@ -16,6 +16,7 @@ func (h *harness) verify(ctx context.Context) error {
 	r.Kills = int(h.kills.Load())
 	r.Disruptions = int(h.disruptions.Load())
 	r.IOTimeouts = int(h.ioTimeouts.Load())
+	r.ForwarderExits = int(h.forwarderExits.Load())
 
 	var events int
 	var sum int64
