@@ -1,8 +1,11 @@
 // Command soak runs the chaos soak of internal/soak (`make soak`): by default
-// 20,000 events over 64 aggregates with every fault kind, then checks that
-// every event was applied exactly once per consumer group. It prints the
-// faults injected and the duplicates absorbed, and exits 1 on a violation,
-// printing the seed to reproduce the event plan and fault schedule.
+// 20,000 events over 64 aggregates with every default fault kind (consumer
+// processes killed with SIGKILL, database outages, rebalances, offset
+// resets...), then checks that every event was applied exactly once per
+// consumer group. It prints the faults injected, the duplicates absorbed and
+// the events lost or doubled per group, and exits 1 on a violation, printing
+// the seed to reproduce the event plan and fault schedule. The consumers are
+// this same binary, re-executed.
 //
 //	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-keep] [-v]
 package main
