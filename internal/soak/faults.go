@@ -116,11 +116,17 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		leaving.stop()
 		h.fault(faultLeave, false)
 	case faultTermConsumer:
-		h.terminate(ctx, f.kind, g.name+"-i", f.pick)
+		h.terminate(ctx, func(string) string { return f.kind }, []string{g.name + "-i"}, f.pick)
 	case faultTermProducer:
-		c := h.prod.dbComponents()
-		target := c[f.pick%uint64(len(c))]
-		h.terminate(ctx, "pg-terminate-"+target, target, f.pick)
+		prefixes := h.prod.dbComponents()
+		h.terminate(ctx, func(target string) string {
+			for _, c := range prefixes {
+				if target == h.appName(c) {
+					return "pg-terminate-" + c
+				}
+			}
+			return f.kind
+		}, prefixes, f.pick)
 	case faultRestartFwd:
 		if err := h.prod.restart(ctx); err != nil {
 			h.violation("restart forwarder: %v", err)
@@ -150,37 +156,45 @@ func waitFor(ctx context.Context, try func() bool) bool {
 }
 
 // terminate kills every PostgreSQL backend of one component whose name
-// starts with prefix (chosen by pick among those with open connections),
-// found by application_name. It retries for a while when none has a
-// connection open (pools connect lazily, and reconnect after a kill).
-func (h *harness) terminate(ctx context.Context, kind, prefix string, pick uint64) {
-	deadline := time.Now().Add(3 * time.Second)
+// starts with one of prefixes, chosen by pick among those with open
+// connections (found by application_name); kind names the fault after the
+// chosen one. It retries for a while when none has a connection open (pools
+// connect lazily, and reconnect after a kill or a disruption): 10 s, after
+// which the fault counts as skipped (a component with no work left keeps no
+// connection).
+func (h *harness) terminate(ctx context.Context, kind func(target string) string, prefixes []string, pick uint64) {
+	like := make([]string, len(prefixes))
+	for i, p := range prefixes {
+		like[i] = h.appName(p)
+	}
+	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var names []string
-		rows, err := h.maint.Query(ctx, `SELECT DISTINCT application_name FROM pg_stat_activity WHERE starts_with(application_name, $1) ORDER BY 1`, h.appName(prefix))
+		rows, err := h.maint.Query(ctx, `SELECT DISTINCT application_name FROM pg_stat_activity WHERE EXISTS (SELECT 1 FROM unnest($1::text[]) p WHERE starts_with(application_name, p)) ORDER BY 1`, like)
 		if err == nil {
 			names, err = pgx.CollectRows(rows, pgx.RowTo[string])
 		}
 		if err != nil {
-			h.violation("%s %s: %v", kind, prefix, err)
+			h.violation("%s %v: %v", kind(""), prefixes, err)
 			return
 		}
 		if len(names) > 0 {
+			target := names[pick%uint64(len(names))]
 			var n int
 			err := h.maint.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()`,
-				names[pick%uint64(len(names))]).Scan(&n)
+				target).Scan(&n)
 			if err != nil {
-				h.violation("%s %s: %v", kind, prefix, err)
+				h.violation("%s %s: %v", kind(target), target, err)
 				return
 			}
 			if n > 0 {
 				h.terminated.Add(int64(n))
-				h.fault(kind, false)
+				h.fault(kind(target), false)
 				return
 			}
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			h.fault(kind, true)
+			h.fault(kind(""), true)
 			return
 		}
 		time.Sleep(50 * time.Millisecond)
