@@ -45,8 +45,8 @@ demo: ## Run the billing example end to end (orders, billing with Idempotency-Ke
 	$(GO) run ./examples/billing
 
 .PHONY: soak
-soak: ## Long chaos soak: 20,000 events with every fault type
-	$(GO) run ./internal/cmd/soak
+soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, every fault type
+	$(GO) run ./internal/cmd/soak $(SOAK_FLAGS)
 
 .PHONY: db/reset
 db/reset: ## Drop the test schemas left behind by interrupted test runs

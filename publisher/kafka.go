@@ -3,8 +3,11 @@ package publisher
 import (
 	"errors"
 	"fmt"
+	"math"
+	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -37,6 +40,36 @@ func SaramaProducerConfig(base *sarama.Config) *sarama.Config {
 	return cfg
 }
 
+// JoinGroupTimeoutMargin is how much longer than
+// Consumer.Group.Rebalance.Timeout the consumer configs make Net.ReadTimeout.
+//
+// The coordinator answers a JoinGroup request only when the rebalance
+// completes, and it may hold it for up to the group's rebalance timeout
+// (waiting for members that do not rejoin, such as a crashed process). Sarama
+// waits for any response at most Net.ReadTimeout (IBM/sarama#2820): with
+// Sarama's defaults (30 s against 60 s) the member drops the join with an
+// "i/o timeout", joins again, and every member doing so can keep the group
+// rebalancing forever. The margin covers the coordinator completing the join
+// and the network; the Java consumer adds the same 5 s to its JoinGroup
+// request timeout (JOIN_GROUP_TIMEOUT_LAPSE).
+const JoinGroupTimeoutMargin = 5 * time.Second
+
+// MinConsumerReadTimeout returns the smallest Net.ReadTimeout that lets a
+// member of a group with cfg's rebalance timeout wait out a JoinGroup:
+// Consumer.Group.Rebalance.Timeout + [JoinGroupTimeoutMargin].
+//
+// The coordinator holds a join for the largest rebalance timeout among the
+// group's members, so members of one group should share one value; when
+// raising it in a rolling deployment, the members that still run the old
+// value wait only their own ReadTimeout.
+func MinConsumerReadTimeout(cfg *sarama.Config) time.Duration {
+	rt := cfg.Consumer.Group.Rebalance.Timeout
+	if rt > math.MaxInt64-JoinGroupTimeoutMargin {
+		return math.MaxInt64
+	}
+	return rt + JoinGroupTimeoutMargin
+}
+
 // SaramaConsumerConfig returns base (or sarama.NewConfig() when nil) set up
 // for a dedup consumer:
 //   - Consumer.Offsets.Initial = OffsetOldest: a new group starts at the
@@ -45,13 +78,39 @@ func SaramaProducerConfig(base *sarama.Config) *sarama.Config {
 //   - Consumer.Offsets.AutoCommit.Enable = true: Sarama periodically commits
 //     only the offsets marked after ack, so it never skips an unprocessed
 //     message (disabling it commits synchronously per message, ~100 msg/s);
+//   - Net.ReadTimeout raised to at least [MinConsumerReadTimeout]
+//     (Consumer.Group.Rebalance.Timeout + 5 s; 65 s with Sarama's defaults):
+//     a shorter one can leave the group rejoining forever after a member
+//     crashes (see [JoinGroupTimeoutMargin]). A base that set either value
+//     itself and broke this rule gets the correction logged on sarama.Logger;
 //   - Consumer.Return.Errors = true; Version at least MinKafkaVersion.
 func SaramaConsumerConfig(base *sarama.Config) *sarama.Config {
+	cfg, note := consumerConfig(base)
+	if note != "" {
+		sarama.Logger.Println(note)
+	}
+	return cfg
+}
+
+// consumerConfig is SaramaConsumerConfig, returning the correction to log
+// ("" when none or when it only replaced Sarama's defaults).
+func consumerConfig(base *sarama.Config) (*sarama.Config, string) {
 	cfg := clone(base)
 	cfg.Consumer.Offsets.Initial = sarama.OffsetOldest
 	cfg.Consumer.Offsets.AutoCommit.Enable = true
 	cfg.Consumer.Return.Errors = true
-	return cfg
+	var note string
+	if minRead := MinConsumerReadTimeout(cfg); cfg.Net.ReadTimeout < minRead {
+		def := sarama.NewConfig()
+		if cfg.Net.ReadTimeout != def.Net.ReadTimeout || cfg.Consumer.Group.Rebalance.Timeout != def.Consumer.Group.Rebalance.Timeout {
+			note = fmt.Sprintf("publisher: Net.ReadTimeout raised from %s to %s: it must exceed Consumer.Group.Rebalance.Timeout (%s) by %s, "+
+				"or a JoinGroup the coordinator holds for the rebalance times out and the group can keep rebalancing (IBM/sarama#2820); "+
+				"to detect a dead broker sooner, lower Consumer.Group.Rebalance.Timeout instead",
+				cfg.Net.ReadTimeout, minRead, cfg.Consumer.Group.Rebalance.Timeout, JoinGroupTimeoutMargin)
+		}
+		cfg.Net.ReadTimeout = minRead
+	}
+	return cfg, note
 }
 
 func clone(base *sarama.Config) *sarama.Config {
@@ -77,6 +136,10 @@ type KafkaConfig struct {
 	// the delivery-safety settings listed on SaramaProducerConfig and
 	// SaramaConsumerConfig.
 	Sarama *sarama.Config
+	// Logger receives, at info level, the corrections
+	// NewKafkaSubscriberConfig makes to a value the Sarama base set itself
+	// (see [SaramaConsumerConfig]). Defaults to sarama.Logger.
+	Logger watermill.LoggerAdapter
 }
 
 // NewKafkaSubscriberConfig returns a watermill-kafka SubscriberConfig for a
@@ -89,7 +152,14 @@ func NewKafkaSubscriberConfig(cfg KafkaConfig, consumerGroup string) (kafka.Subs
 	if consumerGroup == "" {
 		return kafka.SubscriberConfig{}, errors.New("invalid config: consumerGroup: required")
 	}
-	sc := SaramaConsumerConfig(cfg.Sarama)
+	sc, note := consumerConfig(cfg.Sarama)
+	if note != "" {
+		if cfg.Logger != nil {
+			cfg.Logger.Info(note, watermill.LogFields{"consumer_group": consumerGroup})
+		} else {
+			sarama.Logger.Println(note)
+		}
+	}
 	if err := sc.Validate(); err != nil {
 		return kafka.SubscriberConfig{}, fmt.Errorf("invalid config: Sarama: %w", err)
 	}

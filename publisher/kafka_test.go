@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"math"
 	"testing"
 	"time"
 
@@ -96,6 +97,76 @@ func TestSaramaConsumerConfigEnforcesSafeSettings(t *testing.T) {
 	requireSecurityPreserved(t, got, base)
 	require.NoError(t, got.Validate())
 	require.Equal(t, sarama.OffsetNewest, base.Consumer.Offsets.Initial, "the caller's config is not modified")
+}
+
+// A JoinGroup can be held for the rebalance timeout: the consumer config
+// keeps Net.ReadTimeout above it by JoinGroupTimeoutMargin, correcting (and
+// logging) a base that breaks the rule, and keeping a base that follows it.
+func TestSaramaConsumerConfigReadTimeoutOutlastsRebalance(t *testing.T) {
+	t.Parallel()
+	def := sarama.NewConfig()
+	require.Less(t, def.Net.ReadTimeout, def.Consumer.Group.Rebalance.Timeout, "Sarama's own defaults break the rule")
+
+	withTimeouts := func(read, rebalance time.Duration) *sarama.Config {
+		c := sarama.NewConfig()
+		c.ClientID = "billing-service"
+		if read > 0 {
+			c.Net.ReadTimeout = read
+		}
+		if rebalance > 0 {
+			c.Consumer.Group.Rebalance.Timeout = rebalance
+		}
+		return c
+	}
+	for _, tc := range []struct {
+		name                    string
+		base                    *sarama.Config
+		wantRead, wantRebalance time.Duration
+		wantLogged              bool
+	}{
+		{"nil base: Sarama's defaults, ReadTimeout raised", nil, 65 * time.Second, 60 * time.Second, false},
+		{"untouched Sarama defaults", withTimeouts(0, 0), 65 * time.Second, 60 * time.Second, false},
+		{"ReadTimeout lowered by the user", withTimeouts(10*time.Second, 0), 65 * time.Second, 60 * time.Second, true},
+		{"Rebalance.Timeout raised by the user", withTimeouts(0, 10*time.Minute), 10*time.Minute + 5*time.Second, 10 * time.Minute, true},
+		{"both set, too close", withTimeouts(62*time.Second, 60*time.Second), 65 * time.Second, 60 * time.Second, true},
+		{"Rebalance.Timeout lowered below ReadTimeout - margin: kept", withTimeouts(0, 20*time.Second), 30 * time.Second, 20 * time.Second, false},
+		{"exactly the margin: kept", withTimeouts(25*time.Second, 20*time.Second), 25 * time.Second, 20 * time.Second, false},
+		{"a longer ReadTimeout: kept", withTimeouts(3*time.Minute, 0), 3 * time.Minute, 60 * time.Second, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var before sarama.Config
+			if tc.base != nil {
+				before = *tc.base
+			}
+			got := publisher.SaramaConsumerConfig(tc.base)
+			require.Equal(t, tc.wantRead, got.Net.ReadTimeout)
+			require.Equal(t, tc.wantRebalance, got.Consumer.Group.Rebalance.Timeout, "the rebalance timeout is the user's")
+			require.GreaterOrEqual(t, got.Net.ReadTimeout, got.Consumer.Group.Rebalance.Timeout+publisher.JoinGroupTimeoutMargin)
+			require.Equal(t, publisher.MinConsumerReadTimeout(got), got.Consumer.Group.Rebalance.Timeout+publisher.JoinGroupTimeoutMargin)
+			require.NoError(t, got.Validate())
+			if tc.base != nil {
+				require.Equal(t, before.Net.ReadTimeout, tc.base.Net.ReadTimeout, "the caller's config is not modified")
+			}
+
+			logger := watermill.NewCaptureLogger()
+			sub, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}, Sarama: tc.base, Logger: logger}, "billing")
+			require.NoError(t, err)
+			require.Equal(t, tc.wantRead, sub.OverwriteSaramaConfig.Net.ReadTimeout)
+			infos := logger.Captured()[watermill.InfoLogLevel]
+			if tc.wantLogged {
+				require.Len(t, infos, 1)
+				require.Contains(t, infos[0].Msg, "Net.ReadTimeout raised from "+tc.base.Net.ReadTimeout.String()+" to "+tc.wantRead.String())
+				require.Equal(t, "billing", infos[0].Fields["consumer_group"])
+			} else {
+				require.Empty(t, infos, "nothing to report: no value the user set was changed")
+			}
+		})
+	}
+
+	huge := sarama.NewConfig()
+	huge.Consumer.Group.Rebalance.Timeout = time.Duration(math.MaxInt64)
+	require.Equal(t, time.Duration(math.MaxInt64), publisher.MinConsumerReadTimeout(huge), "no overflow")
 }
 
 func TestNewKafkaSubscriberConfig(t *testing.T) {

@@ -1,22 +1,21 @@
 package soak
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
-
-	idem "github.com/idemkit/watermill-idempotency/middleware"
-	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // payload is the JSON body of a soak event.
@@ -27,14 +26,14 @@ type payload struct {
 	Amount    int64  `json:"amount"`
 }
 
-// group is one consumer group: its live router instances and counters.
+// group is one consumer group: its live consumer processes and counters.
 type group struct {
 	h    *harness
 	idx  int
 	name string
 	base int // instances it normally runs
 
-	mu        sync.Mutex // guards live, next; held across an offset reset
+	mu        sync.Mutex // guards live, next, resetting; held across an offset reset
 	live      []*instance
 	next      int
 	resetting bool
@@ -42,27 +41,32 @@ type group struct {
 	deliveries, applied, duplicates, failed atomic.Int64
 }
 
-// Pending faults an instance executes on its next applied message.
+// Pending faults a consumer executes on its next applied message.
 const (
 	pendingNone int32 = iota
 	pendingKillMid
 	pendingKillCommit
 )
 
+// instance is one consumer process.
 type instance struct {
 	g       *group
 	id      int
 	name    string
-	pool    *pgxpool.Pool
-	router  *message.Router
-	pending atomic.Int32
-	kill    sync.Once // stop runs once
-	stopped chan struct{}
+	cmd     *exec.Cmd
+	stdin   io.WriteCloser
+	pending atomic.Int32 // fault armed in the process, not yet executed
+	// consuming is set at the process's first delivery: it has completed
+	// a JoinGroup and a SyncGroup and owns partitions.
+	consuming atomic.Bool
+	// expected is set before the process ends on purpose: "stop" (SIGTERM,
+	// graceful), "sigkill" (the soak killed it) or a fault kind (it killed
+	// itself). Any other end is a violation.
+	expected atomic.Value
+	ready    chan struct{}
+	exited   chan struct{}
+	stderr   *tailBuffer
 }
-
-// errKilled is returned by a handler whose instance is being killed: the
-// message is nacked and redelivered to another instance.
-var errKilled = errors.New("soak: instance killed")
 
 type stateKey struct{}
 
@@ -70,19 +74,22 @@ type stateKey struct{}
 // message context (the dedup middleware keeps the context's values).
 type delivery struct{ ran bool }
 
-func (g *group) start(ctx context.Context) error {
+// start starts a consumer process and waits until its router runs. It
+// starts none (nil) during an offset reset, which starts the instances
+// again itself, or once the run is over.
+func (g *group) start(ctx context.Context) (*instance, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if g.resetting || g.h.closing.Load() {
+		return nil, nil
+	}
 	return g.startLocked(ctx)
 }
 
-func (g *group) startLocked(ctx context.Context) error {
+func (g *group) startLocked(ctx context.Context) (*instance, error) {
 	h := g.h
-	if g.resetting {
-		return nil // the offset reset starts the instances again
-	}
 	g.next++
-	inst := &instance{g: g, id: g.next, stopped: make(chan struct{})}
+	inst := &instance{g: g, id: g.next, ready: make(chan struct{}), exited: make(chan struct{}), stderr: &tailBuffer{max: 20}}
 	inst.name = fmt.Sprintf("%s-i%d", g.name, inst.id)
 	maxConns := int32(4)
 	if h.cfg.UnsafeLedgerOutsideTx {
@@ -90,177 +97,196 @@ func (g *group) startLocked(ctx context.Context) error {
 		// a second connection for the unsafe write.
 		maxConns = 2*h.cfg.Partitions + 2
 	}
-	pool, err := h.pool(ctx, inst.name, maxConns)
+	cc, err := json.Marshal(childConfig{
+		DatabaseURL: h.cfg.DatabaseURL,
+		Database:    h.dbName,
+		Schema:      h.schema,
+		AppName:     h.appName(inst.name),
+		Brokers:     h.brokers,
+		Topic:       h.topic,
+		DLQ:         h.dlq,
+		Group:       g.name,
+		Instance:    inst.name,
+		CopyToDLQ:   g.idx == 0 && h.cfg.DLQPercent > 0,
+		Unsafe:      h.cfg.UnsafeLedgerOutsideTx,
+		MaxConns:    maxConns,
+		Verbose:     h.cfg.ConsumerLogs,
+	})
 	if err != nil {
-		return err
+		return nil, err
 	}
-	inst.pool = pool
-	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: g.name, Table: h.table}, h.logger)
+	cmd := exec.Command(h.exe)
+	cmd.Env = append(os.Environ(), ConsumerEnv+"="+string(cc))
+	if inst.stdin, err = cmd.StdinPipe(); err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		pool.Close()
-		return err
+		return nil, err
 	}
-	base := sarama.NewConfig()
-	base.ClientID = h.appName(inst.name)
-	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: h.brokers, Sarama: base}, g.name)
+	stderr, err := cmd.StderrPipe()
 	if err != nil {
-		pool.Close()
-		return err
+		return nil, err
 	}
-	subCfg.NackResendSleep = 50 * time.Millisecond
-	sub, err := kafka.NewSubscriber(subCfg, h.logger)
-	if err != nil {
-		pool.Close()
-		return err
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start consumer process %s: %w", h.exe, err)
 	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, h.logger)
-	if err != nil {
-		pool.Close()
-		return err
-	}
-	router.AddConsumerHandler("soak-"+inst.name, h.topic, sub, g.outer(inst, dedup.Middleware(g.handler(inst))))
-	inst.router = router
-	go func() {
-		if err := router.Run(context.WithoutCancel(ctx)); err != nil {
-			h.logf("%s: router: %v", inst.name, err)
-		}
-	}()
+	inst.cmd = cmd
+	var pipes sync.WaitGroup
+	pipes.Go(func() { inst.readStdout(stdout) })
+	pipes.Go(func() { inst.readStderr(stderr) })
+	h.bg.Go(func() {
+		pipes.Wait() // Wait closes the pipes: read them to the end first
+		err := cmd.Wait()
+		close(inst.exited)
+		g.exited(ctx, inst, err)
+	})
 	select {
-	case <-router.Running():
+	case <-inst.ready:
+	case <-inst.exited:
+		return nil, fmt.Errorf("consumer %s exited before it was ready: %s", inst.name, inst.stderr)
 	case <-ctx.Done():
-		return ctx.Err()
+		inst.kill("stop")
+		return nil, ctx.Err()
 	}
 	g.live = append(g.live, inst)
-	return nil
+	return inst, nil
 }
 
-// stop closes an instance (gracefully for Kafka: the consumer leaves the
-// group; in-flight messages are not acked) and removes it from the group.
-func (g *group) stop(inst *instance) {
-	inst.kill.Do(func() {
-		if p := inst.pending.Swap(pendingNone); p != pendingNone {
-			g.rearm(inst, p) // armed but never executed
-		}
-		if err := inst.router.Close(); err != nil {
-			g.h.logf("%s: close: %v", inst.name, err)
-		}
-		inst.pool.Close()
-		g.mu.Lock()
-		for i, x := range g.live {
-			if x == inst {
-				g.live = append(g.live[:i], g.live[i+1:]...)
-				break
-			}
-		}
-		g.mu.Unlock()
-		close(inst.stopped)
-	})
-}
-
-// crash stops inst from inside its own handler and replaces it after delay.
-func (g *group) crash(ctx context.Context, inst *instance, delay time.Duration) {
-	go func() {
-		g.stop(inst)
-		select {
-		case <-time.After(delay):
-		case <-ctx.Done():
-			return
-		}
-		if err := g.start(ctx); err != nil {
-			g.h.violation("%s: restart after crash: %v", g.name, err)
-			return
-		}
-		g.h.fault(faultRestart, false)
-	}()
-}
-
-// outer sits outside the dedup middleware: it counts deliveries, applied
-// messages and absorbed duplicates, runs the kill-after-COMMIT fault, and
-// copies group 1's applied events to the dead-letter topic.
-func (g *group) outer(inst *instance, next message.HandlerFunc) message.NoPublishHandlerFunc {
-	h := g.h
-	return func(msg *message.Message) error {
-		d := &delivery{}
-		ctx := context.WithValue(msg.Context(), stateKey{}, d)
-		msg.SetContext(ctx)
-		g.deliveries.Add(1)
-		_, err := next(msg)
+// readStdout turns the process's protocol lines into counters and faults.
+func (inst *instance) readStdout(r io.Reader) {
+	g, h := inst.g, inst.g.h
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		line := sc.Text()
 		switch {
-		case err != nil && idem.IsPermanent(err):
-			h.violation("%s: permanent error (would go to the poison queue): %v", inst.name, err)
-			return nil
-		case err != nil:
-			g.failed.Add(1)
-			return err
-		case !d.ran:
+		case line == lineDelivery:
+			g.deliveries.Add(1)
+			inst.consuming.Store(true)
+		case line == lineApplied:
+			g.applied.Add(1)
+		case line == lineDuplicate:
 			g.duplicates.Add(1)
-			return nil
+		case line == lineFailed:
+			g.failed.Add(1)
+		case line == lineDLQ:
+			h.dlqSent.Add(1)
+		case line == lineReady:
+			close(inst.ready)
+		case strings.HasPrefix(line, lineKill):
+			kind := strings.TrimPrefix(line, lineKill)
+			inst.expected.Store(kind)
+			inst.pending.Store(pendingNone)
+			h.fault(kind, false)
+			h.kills.Add(1)
+		case strings.HasPrefix(line, lineViolation):
+			h.violation("%s: %s", inst.name, strings.TrimPrefix(line, lineViolation))
 		}
-		g.applied.Add(1)
-		if g.idx == 0 && msg.Metadata.Get(metaDLQ) == "1" {
-			h.sendToDLQ(msg)
-		}
-		if inst.pending.CompareAndSwap(pendingKillCommit, pendingNone) {
-			h.fault(faultKillCommit, false)
-			// COMMIT happened; the ack will not: the message is redelivered
-			// elsewhere and must be absorbed as a duplicate.
-			g.crash(context.WithoutCancel(ctx), inst, g.h.crashDelay())
-			waitDone(msg.Context())
-			return errKilled
-		}
-		return nil
 	}
 }
 
-// handler applies the event: one ledger row in the middleware's transaction.
-func (g *group) handler(inst *instance) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		ctx := msg.Context()
-		var p payload
-		if err := json.Unmarshal(msg.Payload, &p); err != nil {
-			return nil, idem.Permanent(fmt.Errorf("%w: %v", idem.ErrMalformedPayload, err))
+// readStderr keeps the process's last log lines (for an unexpected exit),
+// counts the "i/o timeout" errors that mark a consumer group that cannot
+// re-form (a JoinGroup response not awaited long enough), and forwards
+// the logs when the run is verbose.
+func (inst *instance) readStderr(r io.Reader) {
+	h := inst.g.h
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64*1024), 1024*1024)
+	for sc.Scan() {
+		line := sc.Text()
+		inst.stderr.add(line)
+		if strings.Contains(line, "i/o timeout") {
+			h.ioTimeouts.Add(1)
 		}
-		id, _ := idem.EventIDFromContext(ctx)
-		var db interface {
-			Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
-		} = idem.MustTxFromContext(ctx)
-		if g.h.cfg.UnsafeLedgerOutsideTx {
-			db = inst.pool
+		if h.cfg.ConsumerLogs {
+			h.logf("%s: %s", inst.name, line)
 		}
-		if _, err := db.Exec(ctx, `INSERT INTO soak_ledger (grp, event_id, aggregate, seq, amount) VALUES ($1, $2, $3, $4, $5)`,
-			g.name, id, p.Aggregate, p.Seq, p.Amount); err != nil {
-			return nil, err
-		}
-		if inst.pending.CompareAndSwap(pendingKillMid, pendingNone) {
-			g.h.fault(faultKillMid, false)
-			// Inside the transaction, business row written, not committed.
-			g.crash(context.WithoutCancel(ctx), inst, g.h.crashDelay())
-			waitDone(ctx)
-			return nil, errKilled
-		}
-		if d, ok := ctx.Value(stateKey{}).(*delivery); ok {
-			d.ran = true
-		}
-		return nil, nil
 	}
 }
 
-// waitDone waits until the subscriber closing cancels the message's
-// context, so the message is never acked by this instance.
-func waitDone(ctx context.Context) {
+// exited runs when a consumer process has ended: it leaves the group's live
+// list, hands an unexecuted fault to another instance and, after a crash,
+// starts a replacement (the orchestrator restarting the pod).
+func (g *group) exited(ctx context.Context, inst *instance, err error) {
+	h := g.h
+	g.mu.Lock()
+	for i, x := range g.live {
+		if x == inst {
+			g.live = append(g.live[:i], g.live[i+1:]...)
+			break
+		}
+	}
+	g.mu.Unlock()
+	if p := inst.pending.Swap(pendingNone); p != pendingNone {
+		g.rearm(inst, p) // armed but never executed
+	}
+	expected, _ := inst.expected.Load().(string)
+	killed := false
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL {
+			killed = true
+		}
+	}
+	switch {
+	case expected == "stop":
+		return // stopped on purpose (a leave, an offset reset, the end of the run)
+	case killed && expected != "":
+		// crashed on purpose: restart below
+	case killed:
+		h.violation("%s: killed by a SIGKILL the soak did not send (out of memory?)", inst.name)
+	default:
+		h.violation("%s: exited unexpectedly (%v): %s", inst.name, err, inst.stderr)
+	}
+	if h.closing.Load() {
+		return
+	}
+	delay := h.crashDelay()
+	if expected == faultCrashLoop {
+		delay = crashLoopBackoff
+	}
 	select {
+	case <-time.After(delay):
 	case <-ctx.Done():
-	case <-time.After(10 * time.Second):
+		return
+	}
+	next, err := g.start(ctx)
+	switch {
+	case err != nil && !h.closing.Load() && ctx.Err() == nil:
+		h.violation("%s: restart after crash: %v", g.name, err)
+	case next != nil && err == nil:
+		h.fault(faultRestart, false)
 	}
 }
 
-// rearm hands a fault that a stopping instance did not execute to another
+// kill ends the process with SIGKILL; why is recorded as expected.
+func (inst *instance) kill(why string) {
+	inst.expected.Store(why)
+	_ = inst.cmd.Process.Kill()
+}
+
+// stop ends the process gracefully (SIGTERM: the router closes, the consumer
+// leaves its group, in-flight messages are not acked) and waits for it.
+func (inst *instance) stop() {
+	inst.expected.Store("stop")
+	_ = inst.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-inst.exited:
+	case <-time.After(60 * time.Second):
+		inst.g.h.logf("%s: no exit 60s after SIGTERM, killing it", inst.name)
+		_ = inst.cmd.Process.Kill()
+		<-inst.exited
+	}
+}
+
+// rearm hands a fault that an ending instance did not execute to another
 // live instance, or counts it as skipped.
 func (g *group) rearm(from *instance, p int32) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for _, inst := range g.live {
-		if inst != from && inst.pending.CompareAndSwap(pendingNone, p) {
+		if inst != from && inst.arm(p) {
 			return
 		}
 	}
@@ -280,9 +306,121 @@ func (g *group) arm(pick uint64, p int32) bool {
 		return false
 	}
 	for i := range g.live {
-		if g.live[(int(pick%uint64(len(g.live)))+i)%len(g.live)].pending.CompareAndSwap(pendingNone, p) {
+		if g.live[(int(pick%uint64(len(g.live)))+i)%len(g.live)].arm(p) {
 			return true
 		}
 	}
 	return false
+}
+
+func (inst *instance) arm(p int32) bool {
+	if !inst.pending.CompareAndSwap(pendingNone, p) {
+		return false
+	}
+	cmd := cmdKillMid
+	if p == pendingKillCommit {
+		cmd = cmdKillCommit
+	}
+	if _, err := io.WriteString(inst.stdin, cmd+"\n"); err != nil {
+		inst.pending.Store(pendingNone) // the process is ending
+		return false
+	}
+	return true
+}
+
+// killOne sends SIGKILL to a consuming instance chosen by pick, at whatever
+// point it is (fetching, inside a transaction, committing, between commit
+// and ack, rejoining during a rebalance). Instances that have not consumed
+// yet are not chosen: killing one that never finished its first join is the
+// crash-loop fault's business (see [group.crashLoop]).
+func (g *group) killOne(pick uint64) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var consuming []*instance
+	for _, inst := range g.live {
+		if inst.consuming.Load() {
+			consuming = append(consuming, inst)
+		}
+	}
+	if g.resetting || len(consuming) == 0 {
+		return false
+	}
+	consuming[int(pick%uint64(len(consuming)))].kill(faultSigkill)
+	return true
+}
+
+// crashLoopBackoff is how long an instance killed while joining stays down:
+// Kubernetes' first CrashLoopBackOff delay.
+const crashLoopBackoff = 10 * time.Second
+
+// crashLoop starts a new instance (scaling out) and kills it with SIGKILL
+// while its first JoinGroup is held by the coordinator: the group forms with
+// a member that is already dead. Its replacement starts after
+// [crashLoopBackoff] and joins while the dead member is still in the group,
+// so the coordinator holds every member's JoinGroup until the rebalance
+// timeout removes the dead one. That is the wait a consumer must sit
+// through (issue 10 §5): with a Net.ReadTimeout shorter than
+// Consumer.Group.Rebalance.Timeout the joins time out, the members leave
+// and join again, and the group does not re-form.
+//
+// It reports false when it started nothing (an offset reset is under way).
+func (g *group) crashLoop(ctx context.Context) (bool, error) {
+	inst, err := g.start(ctx)
+	if err != nil || inst == nil {
+		return false, err
+	}
+	g.killWhileJoining(ctx, inst)
+	return true, nil
+}
+
+// killWhileJoining sends SIGKILL to inst once its consumer group is
+// rebalancing, which a new member's JoinGroup starts: the process dies while
+// the coordinator holds its join. The group's state comes from the Kafka
+// admin API (DescribeGroups), so this works on any cluster. If the group is
+// not seen rebalancing within 20 s, inst is killed anyway.
+func (g *group) killWhileJoining(ctx context.Context, inst *instance) {
+	h := g.h
+	joining := false
+	admin, err := sarama.NewClusterAdmin(h.brokers, sarama.NewConfig())
+	if err == nil {
+		defer admin.Close()
+		deadline := time.Now().Add(20 * time.Second)
+		for !joining && time.Now().Before(deadline) && ctx.Err() == nil {
+			ds, err := admin.DescribeConsumerGroups([]string{g.name})
+			if err == nil && len(ds) == 1 && (ds[0].State == "PreparingRebalance" || ds[0].State == "CompletingRebalance") {
+				joining = true
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if !joining {
+		h.logf("%s: crash loop: group %s not seen rebalancing (%v); killing the replacement anyway", inst.name, g.name, err)
+	}
+	inst.kill(faultCrashLoop)
+}
+
+// tailBuffer keeps the last max lines written to it.
+type tailBuffer struct {
+	mu    sync.Mutex
+	max   int
+	lines []string
+}
+
+func (b *tailBuffer) add(line string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.lines = append(b.lines, line)
+	if len(b.lines) > b.max {
+		b.lines = b.lines[len(b.lines)-b.max:]
+	}
+}
+
+func (b *tailBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(b.lines) == 0 {
+		return "(no output)"
+	}
+	return strings.Join(b.lines, " | ")
 }

@@ -1,12 +1,16 @@
 // Package soak is the chaos soak of watermill-idempotency: a producer service
-// and two consumer groups of routers on a multi-partition topic, with faults
-// injected at seeded random moments, and a checker of the invariant "every
-// event applied exactly once per consumer group" at the end.
+// and two consumer groups of consumer processes on a multi-partition topic,
+// with faults injected at seeded random moments (processes killed with
+// SIGKILL, the database refusing connections, rebalances, offset resets...),
+// and a checker of the invariant "every event applied exactly once per
+// consumer group" at the end.
 //
-// [Run] builds everything in a fresh PostgreSQL schema (dropped afterwards)
+// [Run] builds everything in a fresh PostgreSQL database (dropped afterwards)
 // and an in-process Kafka-protocol broker (or the cluster in
-// [Config.Brokers]), and returns a [Report]: the faults injected, the
-// duplicates the dedup middleware absorbed and the violations found. `make
-// soak` runs the full version (internal/cmd/soak); TestSoakShort runs a short
-// one inside `make test`. See docs/soak.md.
+// [Config.Brokers]), starts each consumer by re-executing the running binary
+// (whose main or TestMain calls [RunConsumerIfChild] first), and returns a
+// [Report]: the faults injected, the duplicates the dedup middleware
+// absorbed, the events lost or applied twice per group, and the violations
+// found. `make soak` runs the full version (internal/cmd/soak); TestSoakShort
+// runs a short one inside `make test`. See docs/soak.md.
 package soak

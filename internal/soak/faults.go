@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// crashDelay is how long a crashed instance stays down before its
+// crashDelay is how long a crashed consumer process stays down before its
 // replacement starts.
 func (h *harness) crashDelay() time.Duration { return 300 * time.Millisecond }
 
@@ -56,12 +56,43 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		if f.kind == faultKillCommit {
 			p = pendingKillCommit
 		}
-		if !g.arm(f.pick, p) { // counted when the instance executes it
+		// Counted when the instance executes it.
+		if !waitFor(ctx, func() bool { return g.arm(f.pick, p) }) {
 			h.fault(f.kind, true)
 		}
+	case faultSigkill:
+		if !waitFor(ctx, func() bool { return g.killOne(f.pick) }) {
+			h.fault(f.kind, true)
+			return
+		}
+		h.kills.Add(1)
+		h.fault(f.kind, false)
+	case faultCrashLoop:
+		done, err := g.crashLoop(ctx)
+		if err != nil {
+			h.violation("%s: crash loop: %v", g.name, err)
+			return
+		}
+		if !done {
+			h.fault(f.kind, true)
+			return
+		}
+		h.kills.Add(1)
+		h.fault(f.kind, false)
+	case faultDisrupt:
+		if err := h.disrupt(ctx); err != nil {
+			h.violation("database disruption: %v", err)
+			return
+		}
+		h.fault(f.kind, false)
 	case faultJoin:
-		if err := g.start(ctx); err != nil {
+		joined, err := g.start(ctx)
+		if err != nil {
 			h.violation("%s: join: %v", g.name, err)
+			return
+		}
+		if joined == nil {
+			h.fault(f.kind, true)
 			return
 		}
 		h.fault(f.kind, false)
@@ -82,14 +113,20 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 			h.fault(faultLeave, true)
 			return
 		}
-		g.stop(leaving)
+		leaving.stop()
 		h.fault(faultLeave, false)
 	case faultTermConsumer:
-		h.terminate(ctx, f.kind, g.name+"-i", f.pick)
+		h.terminate(ctx, func(string) string { return f.kind }, []string{g.name + "-i"}, f.pick)
 	case faultTermProducer:
-		c := h.prod.dbComponents()
-		target := c[f.pick%uint64(len(c))]
-		h.terminate(ctx, "pg-terminate-"+target, target, f.pick)
+		prefixes := h.prod.dbComponents()
+		h.terminate(ctx, func(target string) string {
+			for _, c := range prefixes {
+				if target == h.appName(c) {
+					return "pg-terminate-" + c
+				}
+			}
+			return f.kind
+		}, prefixes, f.pick)
 	case faultRestartFwd:
 		if err := h.prod.restart(ctx); err != nil {
 			h.violation("restart forwarder: %v", err)
@@ -105,42 +142,106 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 	}
 }
 
+// waitFor retries try until it succeeds (a fault found its target: a live,
+// consuming instance, no offset reset under way) or ctx ends.
+func waitFor(ctx context.Context, try func() bool) bool {
+	for !try() {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return true
+}
+
 // terminate kills every PostgreSQL backend of one component whose name
-// starts with prefix (chosen by pick among those with open connections),
-// found by application_name. It retries for a while when none has a
-// connection open (pools connect lazily, and reconnect after a kill).
-func (h *harness) terminate(ctx context.Context, kind, prefix string, pick uint64) {
-	deadline := time.Now().Add(3 * time.Second)
+// starts with one of prefixes, chosen by pick among those with open
+// connections (found by application_name); kind names the fault after the
+// chosen one. It retries for a while when none has a connection open (pools
+// connect lazily, and reconnect after a kill or a disruption): 10 s, after
+// which the fault counts as skipped (a component with no work left keeps no
+// connection).
+func (h *harness) terminate(ctx context.Context, kind func(target string) string, prefixes []string, pick uint64) {
+	like := make([]string, len(prefixes))
+	for i, p := range prefixes {
+		like[i] = h.appName(p)
+	}
+	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var names []string
-		rows, err := h.admin.Query(ctx, `SELECT DISTINCT application_name FROM pg_stat_activity WHERE starts_with(application_name, $1) ORDER BY 1`, h.appName(prefix))
+		rows, err := h.maint.Query(ctx, `SELECT DISTINCT application_name FROM pg_stat_activity WHERE EXISTS (SELECT 1 FROM unnest($1::text[]) p WHERE starts_with(application_name, p)) ORDER BY 1`, like)
 		if err == nil {
 			names, err = pgx.CollectRows(rows, pgx.RowTo[string])
 		}
 		if err != nil {
-			h.violation("%s %s: %v", kind, prefix, err)
+			h.violation("%s %v: %v", kind(""), prefixes, err)
 			return
 		}
 		if len(names) > 0 {
+			target := names[pick%uint64(len(names))]
 			var n int
-			err := h.admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()`,
-				names[pick%uint64(len(names))]).Scan(&n)
+			err := h.maint.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()`,
+				target).Scan(&n)
 			if err != nil {
-				h.violation("%s %s: %v", kind, prefix, err)
+				h.violation("%s %s: %v", kind(target), target, err)
 				return
 			}
 			if n > 0 {
 				h.terminated.Add(int64(n))
-				h.fault(kind, false)
+				h.fault(kind(target), false)
 				return
 			}
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			h.fault(kind, true)
+			h.fault(kind(""), true)
 			return
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// disrupt takes the run's database away, as a failover or a restart of the
+// server would, without touching the rest of the shared server: the database
+// stops accepting connections (ALLOW_CONNECTIONS false), every backend on it
+// is terminated (the soak's own included), stragglers that connected in
+// between are terminated until the outage ends, then connections are
+// allowed again.
+func (h *harness) disrupt(ctx context.Context) error {
+	db := pgx.Identifier{h.dbName}.Sanitize()
+	if _, err := h.maint.Exec(ctx, "ALTER DATABASE "+db+" WITH ALLOW_CONNECTIONS false"); err != nil {
+		return err
+	}
+	start := time.Now()
+	var terminated int64
+	var err error
+	for {
+		var n int64
+		if err = h.maint.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend'`,
+			h.dbName).Scan(&n); err != nil {
+			break
+		}
+		terminated += n
+		if time.Since(start) >= h.cfg.Outage {
+			break
+		}
+		select {
+		case <-time.After(200 * time.Millisecond):
+		case <-ctx.Done():
+		}
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	// Always allow connections again, even when the run is being cancelled.
+	_, aerr := h.maint.Exec(context.WithoutCancel(ctx), "ALTER DATABASE "+db+" WITH ALLOW_CONNECTIONS true")
+	h.terminated.Add(terminated)
+	h.disruptions.Add(1)
+	h.logf("disruption: database %s refused connections for %s, %d backends terminated", h.dbName, time.Since(start).Round(time.Millisecond), terminated)
+	if err == nil {
+		err = aerr
+	}
+	return err
 }
 
 // resetOffsets stops every instance of g (Kafka only lets an empty group's
@@ -161,7 +262,7 @@ func (h *harness) resetOffsets(ctx context.Context, g *group) error {
 
 	var wg sync.WaitGroup
 	for _, inst := range live {
-		wg.Go(func() { g.stop(inst) })
+		wg.Go(inst.stop)
 	}
 	wg.Wait()
 
@@ -181,7 +282,7 @@ func (h *harness) resetOffsets(ctx context.Context, g *group) error {
 	defer g.mu.Unlock()
 	g.resetting = false
 	for len(g.live) < n {
-		if err := g.startLocked(ctx); err != nil {
+		if _, err := g.startLocked(ctx); err != nil {
 			return err
 		}
 	}

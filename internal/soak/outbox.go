@@ -27,7 +27,6 @@ type outboxProducer struct {
 	sp    sarama.SyncProducer
 
 	mu     sync.Mutex
-	fwd    *outbox.Forwarder
 	cancel context.CancelFunc
 	done   chan struct{}
 }
@@ -64,14 +63,22 @@ func (p *outboxProducer) kind() string { return "outbox+forwarder" }
 
 func (p *outboxProducer) dbComponents() []string { return []string{"forwarder", "producer"} }
 
-func (p *outboxProducer) startForwarder() error {
-	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{
+func (p *outboxProducer) newForwarder() (*outbox.Forwarder, error) {
+	return outbox.NewForwarder(outbox.ForwarderConfig{
 		DB: p.fpool, Outbox: p.ob, Producer: p.sp,
 		RetryInterval: 100 * time.Millisecond,
 		// A kill, not a graceful stop: the in-flight batch is aborted and
 		// sent again by the next forwarder.
 		ShutdownTimeout: time.Nanosecond,
 	}, p.h.logger)
+}
+
+// startForwarder runs a forwarder until the next restart. A forwarder that
+// stops with an error (it gives up when its start-up queries fail, e.g.
+// while the database refuses connections) is started again, as a
+// supervisor would: counted in the report, not a violation.
+func (p *outboxProducer) startForwarder() error {
+	fwd, err := p.newForwarder()
 	if err != nil {
 		return err
 	}
@@ -79,11 +86,25 @@ func (p *outboxProducer) startForwarder() error {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		if err := fwd.Run(ctx); err != nil {
-			p.h.violation("forwarder: %v", err)
+		for {
+			err := fwd.Run(ctx)
+			if ctx.Err() != nil {
+				return
+			}
+			p.h.forwarderExits.Add(1)
+			p.h.logf("forwarder stopped (%v); starting it again", err)
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			if fwd, err = p.newForwarder(); err != nil {
+				p.h.violation("forwarder: %v", err)
+				return
+			}
 		}
 	}()
-	p.fwd, p.cancel, p.done = fwd, cancel, done
+	p.cancel, p.done = cancel, done
 	return nil
 }
 

@@ -1,7 +1,10 @@
 package soak
 
 import (
+	"fmt"
 	"math/rand/v2"
+	"strconv"
+	"strings"
 )
 
 // event is one planned business event.
@@ -34,8 +37,11 @@ func makePlan(cfg Config) []event {
 
 // Fault kinds, as printed in the report.
 const (
-	faultKillMid      = "kill-mid-handler"
-	faultKillCommit   = "kill-after-commit"
+	faultKillMid      = "sigkill-mid-handler"
+	faultKillCommit   = "sigkill-after-commit"
+	faultSigkill      = "sigkill-random"
+	faultCrashLoop    = "sigkill-while-joining (crash loop)"
+	faultDisrupt      = "pg-disruption"
 	faultJoin         = "join (rebalance)"
 	faultLeave        = "leave (rebalance)"
 	faultRestart      = "restart (rejoin)"
@@ -88,6 +94,9 @@ func makeSchedule(cfg Config) []scheduled {
 	fc := cfg.Faults
 	add(fc.KillMidHandler, faultKillMid, byApplied, 0.03, 0.9)
 	add(fc.KillAfterCommit, faultKillCommit, byApplied, 0.03, 0.9)
+	add(fc.Kill, faultSigkill, byApplied, 0.03, 0.9)
+	add(fc.CrashLoop, faultCrashLoop, byApplied, 0.05, 0.7)
+	add(fc.DisruptDB, faultDisrupt, byApplied, 0.1, 0.8)
 	add(fc.Join, faultJoin, byApplied, 0.03, 0.7)
 	add(fc.TerminateConsumer, faultTermConsumer, byApplied, 0.03, 0.9)
 	add(fc.TerminateProducer, faultTermProducer, byProduced, 0.05, 0.9)
@@ -98,4 +107,49 @@ func makeSchedule(cfg Config) []scheduled {
 		}
 	}
 	return s
+}
+
+// faultFlags names the fault kinds for [ParseFaults].
+var faultFlags = []struct {
+	name string
+	n    func(*FaultCounts) *int
+}{
+	{"mid-handler", func(f *FaultCounts) *int { return &f.KillMidHandler }},
+	{"after-commit", func(f *FaultCounts) *int { return &f.KillAfterCommit }},
+	{"kill", func(f *FaultCounts) *int { return &f.Kill }},
+	{"crash-loop", func(f *FaultCounts) *int { return &f.CrashLoop }},
+	{"disrupt", func(f *FaultCounts) *int { return &f.DisruptDB }},
+	{"join", func(f *FaultCounts) *int { return &f.Join }},
+	{"pg-consumer", func(f *FaultCounts) *int { return &f.TerminateConsumer }},
+	{"pg-producer", func(f *FaultCounts) *int { return &f.TerminateProducer }},
+	{"restart-forwarder", func(f *FaultCounts) *int { return &f.RestartForwarder }},
+	{"offset-reset", func(f *FaultCounts) *int { return &f.OffsetResetPerGrp }},
+}
+
+// ParseFaults reads a fault mix such as "kill=3,crash-loop=1" on top of
+// base; kinds: mid-handler, after-commit, kill, crash-loop, disrupt, join,
+// pg-consumer, pg-producer, restart-forwarder, offset-reset (per group).
+func ParseFaults(base FaultCounts, spec string) (FaultCounts, error) {
+	for _, kv := range strings.Split(spec, ",") {
+		kv = strings.TrimSpace(kv)
+		if kv == "" {
+			continue
+		}
+		name, val, ok := strings.Cut(kv, "=")
+		n, err := strconv.Atoi(val)
+		if !ok || err != nil || n < 0 {
+			return base, fmt.Errorf("fault %q: want kind=count", kv)
+		}
+		found := false
+		for _, f := range faultFlags {
+			if f.name == name {
+				*f.n(&base) = n
+				found = true
+			}
+		}
+		if !found {
+			return base, fmt.Errorf("fault %q: unknown kind", name)
+		}
+	}
+	return base, nil
 }

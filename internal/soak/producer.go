@@ -178,32 +178,12 @@ func (h *harness) runProducers(ctx context.Context) error {
 	return <-errs
 }
 
-// sendToDLQ copies an applied message to the dead-letter topic.
-func (h *harness) sendToDLQ(msg *message.Message) {
-	m := message.NewMessage(watermill.NewUUID(), msg.Payload)
-	for k, v := range msg.Metadata {
-		if k != metaDLQ {
-			m.Metadata.Set(k, v)
-		}
-	}
-	if err := retry(context.Background(), "publish to dlq", func() error { return h.dlqR.pub.Publish(h.dlq, m) }); err != nil {
-		h.violation("dlq publish: %v", err)
-		return
-	}
-	h.dlqSent.Add(1)
-}
-
 // dlqReplayer republishes the dead-letter topic to the main topic.
 type dlqReplayer struct {
-	pub    *kafka.Publisher // to the dlq topic (used by group 1)
 	router *message.Router
 }
 
 func (h *harness) startDLQReplayer(ctx context.Context) error {
-	dpub, err := h.kafkaPublisher()
-	if err != nil {
-		return err
-	}
 	rpub, err := h.kafkaPublisher()
 	if err != nil {
 		return err
@@ -234,11 +214,10 @@ func (h *harness) startDLQReplayer(ctx context.Context) error {
 		}
 	}()
 	<-router.Running()
-	h.dlqR = &dlqReplayer{pub: dpub, router: router}
+	h.dlqR = &dlqReplayer{router: router}
 	return nil
 }
 
 func (d *dlqReplayer) close() {
 	_ = d.router.Close()
-	_ = d.pub.Close()
 }

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -33,6 +34,7 @@ const (
 	DefaultDLQPercent      = 10
 	DefaultDoublePercent   = 2
 	DefaultTimeout         = 15 * time.Minute
+	DefaultOutage          = 3 * time.Second
 )
 
 // Config of a soak run.
@@ -76,24 +78,41 @@ type Config struct {
 	UnsafeLedgerOutsideTx bool
 	// Timeout bounds the whole run. Defaults to [DefaultTimeout].
 	Timeout time.Duration
-	// DatabaseURL of the PostgreSQL server. Required.
+	// DatabaseURL of the PostgreSQL server. Required. The run creates its
+	// own database on that server (idem_soak_<run>, dropped afterwards), so
+	// that a disruption can refuse connections to it without touching
+	// anyone else's; the role needs CREATEDB and the right to terminate
+	// backends (a superuser, or pg_signal_backend).
 	DatabaseURL string
 	// Brokers of a real Kafka cluster; nil starts an in-process kfake broker.
 	Brokers []string
-	// KeepSchema leaves the soak's schema in place for inspection. Defaults to false.
-	KeepSchema bool
+	// KeepDatabase leaves the run's database in place for inspection. Defaults to false.
+	KeepDatabase bool
+	// Executable is the binary started for each consumer process, with
+	// [ConsumerEnv] set; its main (or TestMain) must call
+	// [RunConsumerIfChild] first. Defaults to the running binary.
+	Executable string
+	// Outage is how long a database disruption refuses connections.
+	// Defaults to [DefaultOutage].
+	Outage time.Duration
 	// Log receives progress lines. Defaults to io.Discard.
 	Log io.Writer
-	// Logger receives the components' (Watermill, middleware) logs. Defaults
-	// to watermill.NopLogger.
+	// Logger receives the in-process components' (producer, forwarder, DLQ
+	// replayer) logs. Defaults to watermill.NopLogger.
 	Logger watermill.LoggerAdapter
+	// ConsumerLogs forwards the consumer processes' logs (info level) to
+	// Log. Defaults to false: they log errors only, kept for the report.
+	ConsumerLogs bool
 }
 
 // FaultCounts is how many faults of each kind a run injects.
 type FaultCounts struct {
-	KillMidHandler    int // consumer instance closed while its handler is inside the transaction
-	KillAfterCommit   int // consumer instance closed after COMMIT, before the ack
-	Join              int // extra instance joins a group (rebalance), leaves later
+	KillMidHandler    int // consumer process SIGKILLed while its handler is inside the transaction
+	KillAfterCommit   int // consumer process SIGKILLed after COMMIT, before the ack
+	Kill              int // consumer process SIGKILLed by the soak at a random moment
+	CrashLoop         int // a new consumer process SIGKILLed while its first JoinGroup is held (opt-in: see docs/soak.md)
+	DisruptDB         int // the run's database drops every connection and refuses new ones for Outage
+	Join              int // extra instance joins a group (rebalance), leaves later (gracefully)
 	TerminateConsumer int // pg_terminate_backend on a consumer instance's connections
 	TerminateProducer int // pg_terminate_backend on the producer's/forwarder's connections
 	RestartForwarder  int // forwarder (or producer publisher) closed and restarted
@@ -101,10 +120,10 @@ type FaultCounts struct {
 }
 
 // FullFaults is the default fault mix of `make soak`.
-var FullFaults = FaultCounts{KillMidHandler: 6, KillAfterCommit: 6, Join: 4, TerminateConsumer: 8, TerminateProducer: 4, RestartForwarder: 4, OffsetResetPerGrp: 1}
+var FullFaults = FaultCounts{KillMidHandler: 4, KillAfterCommit: 4, Kill: 4, DisruptDB: 2, Join: 4, TerminateConsumer: 8, TerminateProducer: 4, RestartForwarder: 4, OffsetResetPerGrp: 1}
 
 // ShortFaults is the mix of the short run in `make test`.
-var ShortFaults = FaultCounts{KillMidHandler: 2, KillAfterCommit: 2, Join: 1, TerminateConsumer: 2, TerminateProducer: 1, RestartForwarder: 1, OffsetResetPerGrp: 1}
+var ShortFaults = FaultCounts{KillMidHandler: 1, KillAfterCommit: 1, Kill: 1, DisruptDB: 1, Join: 1, TerminateConsumer: 2, TerminateProducer: 1, RestartForwarder: 1, OffsetResetPerGrp: 1}
 
 func (c *Config) setDefaults() {
 	def := func(v *int, d int) {
@@ -128,6 +147,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.Timeout == 0 {
 		c.Timeout = DefaultTimeout
+	}
+	if c.Outage == 0 {
+		c.Outage = DefaultOutage
 	}
 	if c.Log == nil {
 		c.Log = io.Discard
@@ -160,8 +182,23 @@ type Report struct {
 	// Faults counts injected faults by kind; Skipped those that found no target.
 	Faults  map[string]int
 	Skipped map[string]int
-	// TerminatedBackends counts PostgreSQL backends killed by pg_terminate_backend.
+	// Kills counts consumer processes killed with SIGKILL (all kinds);
+	// Disruptions the database outages (every connection dropped, new ones
+	// refused for Outage).
+	Kills, Disruptions int
+	Outage             time.Duration
+	// TerminatedBackends counts PostgreSQL backends killed by
+	// pg_terminate_backend (the pg-terminate faults and the disruptions).
 	TerminatedBackends int
+	// IOTimeouts counts "i/o timeout" errors in the consumers' logs: a
+	// consumer group that cannot re-form logs one per member per
+	// Net.ReadTimeout.
+	IOTimeouts int
+	// ForwarderExits counts forwarders that stopped on an error (and were
+	// started again).
+	ForwarderExits int
+	// Database is the run's database, when kept.
+	Database string
 	// OutboxRows is the number of outbox rows written (all forwarded when
 	// the run passes); 0 with DirectPublish.
 	OutboxRows int
@@ -185,6 +222,10 @@ type GroupReport struct {
 	// LedgerRows, DistinctEvents and Sum are read from the ledger at the end.
 	LedgerRows, DistinctEvents int
 	Sum                        int64
+	// Lost counts the events the producer committed that the group never
+	// applied; Double those it applied more than once. Both are read from
+	// the ledger and must be 0.
+	Lost, Double int
 }
 
 // OK reports whether the run found no violation.
@@ -194,6 +235,7 @@ func (r *Report) OK() bool { return len(r.Violations) == 0 }
 func (r *Report) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "soak seed=%d events=%d producer=%s elapsed=%s\n", r.Seed, r.Events, r.Producer, r.Elapsed.Round(time.Millisecond))
+	fmt.Fprintf(&b, "kills (consumer processes SIGKILLed)=%d disruptions (database refused connections for %s)=%d\n", r.Kills, r.Outage, r.Disruptions)
 	b.WriteString("faults injected:\n")
 	kinds := maps.Clone(r.Faults)
 	maps.Copy(kinds, r.Skipped)
@@ -207,12 +249,19 @@ func (r *Report) String() string {
 	fmt.Fprintf(&b, "  %-22s %d\n", "backends terminated", r.TerminatedBackends)
 	fmt.Fprintf(&b, "  %-22s %d\n", "dlq replayed", r.DLQReplayed)
 	fmt.Fprintf(&b, "  %-22s %d\n", "published twice", r.DoublePublished)
+	fmt.Fprintf(&b, "consumer log lines with \"i/o timeout\": %d\n", r.IOTimeouts)
+	if r.ForwarderExits > 0 {
+		fmt.Fprintf(&b, "forwarders stopped on an error and started again: %d\n", r.ForwarderExits)
+	}
 	if r.OutboxRows > 0 {
 		fmt.Fprintf(&b, "outbox rows written and forwarded: %d\n", r.OutboxRows)
 	}
 	for _, g := range r.Groups {
-		fmt.Fprintf(&b, "group %s: deliveries=%d applied=%d duplicates absorbed=%d failed+redelivered=%d ledger rows=%d distinct=%d sum=%d\n",
-			g.Name, g.Deliveries, g.Applied, g.Duplicates, g.Failed, g.LedgerRows, g.DistinctEvents, g.Sum)
+		fmt.Fprintf(&b, "group %s: lost=%d double=%d | deliveries=%d applied=%d duplicates absorbed=%d failed+redelivered=%d ledger rows=%d distinct=%d sum=%d\n",
+			g.Name, g.Lost, g.Double, g.Deliveries, g.Applied, g.Duplicates, g.Failed, g.LedgerRows, g.DistinctEvents, g.Sum)
+	}
+	if r.Database != "" {
+		fmt.Fprintf(&b, "database kept: %s\n", r.Database)
 	}
 	if r.OK() {
 		b.WriteString("PASS: every event applied exactly once per group\n")
@@ -229,12 +278,15 @@ func (r *Report) String() string {
 type harness struct {
 	cfg     Config
 	runID   string
+	dbName  string // the run's own database
+	exe     string // binary of the consumer processes
 	schema  string
 	table   deduplicator.TableConfig
 	topic   string
 	dlq     string
 	brokers []string
-	admin   *pgxpool.Pool
+	admin   *pgxpool.Pool // on the run's database
+	maint   *pgxpool.Pool // on DatabaseURL's database: creates, disrupts and drops the run's
 	logger  watermill.LoggerAdapter
 
 	plan     []event
@@ -252,6 +304,13 @@ type harness struct {
 	dlqReplayedIDs  sync.Map
 	doublePublished atomic.Int64
 	terminated      atomic.Int64
+	kills           atomic.Int64
+	forwarderExits  atomic.Int64
+	disruptions     atomic.Int64
+	ioTimeouts      atomic.Int64
+
+	closing atomic.Bool    // the run is over: no consumer restarts
+	bg      sync.WaitGroup // consumer process waiters and restarts
 }
 
 func (h *harness) logf(format string, args ...any) {
@@ -290,16 +349,25 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	var rnd [4]byte
 	_, _ = rand.Read(rnd[:])
 	runID := hex.EncodeToString(rnd[:])
+	exe := cfg.Executable
+	if exe == "" {
+		var err error
+		if exe, err = os.Executable(); err != nil {
+			return nil, fmt.Errorf("consumer executable: %w", err)
+		}
+	}
 	h := &harness{
 		cfg:    cfg,
 		runID:  runID,
+		dbName: "idem_soak_" + runID,
+		exe:    exe,
 		schema: "soak_" + runID,
 		topic:  "soak-events-" + runID,
 		dlq:    "soak-dlq-" + runID,
 		logger: cfg.Logger,
-		report: &Report{Seed: cfg.Seed, Events: cfg.Events, Faults: map[string]int{}, Skipped: map[string]int{}},
+		report: &Report{Seed: cfg.Seed, Events: cfg.Events, Outage: cfg.Outage, Faults: map[string]int{}, Skipped: map[string]int{}},
 	}
-	h.table = deduplicator.TableConfig{Schema: h.schema}
+	h.table = tableConfig(h.schema)
 	h.plan = makePlan(cfg)
 
 	h.brokers = cfg.Brokers
@@ -317,10 +385,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		}
 	}
 
+	defer h.dropDB()
 	if err := h.setupDB(ctx); err != nil {
 		return nil, err
 	}
-	defer h.dropDB()
 
 	err := h.run(ctx)
 	h.report.Elapsed = time.Since(start)
@@ -331,14 +399,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 }
 
 func (h *harness) pool(ctx context.Context, component string, maxConns int32) (*pgxpool.Pool, error) {
-	pc, err := pgxpool.ParseConfig(h.cfg.DatabaseURL)
-	if err != nil {
-		return nil, err
-	}
-	pc.ConnConfig.RuntimeParams["search_path"] = h.schema
-	pc.ConnConfig.RuntimeParams["application_name"] = h.appName(component)
-	pc.MaxConns = maxConns
-	return pgxpool.NewWithConfig(ctx, pc)
+	return pgPool(ctx, h.cfg.DatabaseURL, h.dbName, h.schema, h.appName(component), maxConns)
 }
 
 // appName is the application_name of a component's connections, which the
@@ -346,17 +407,25 @@ func (h *harness) pool(ctx context.Context, component string, maxConns int32) (*
 func (h *harness) appName(component string) string { return "soak-" + h.runID + "-" + component }
 
 func (h *harness) setupDB(ctx context.Context) error {
-	admin, err := pgx.Connect(ctx, h.cfg.DatabaseURL)
+	pc, err := pgxpool.ParseConfig(h.cfg.DatabaseURL)
 	if err != nil {
+		return fmt.Errorf("parse %s: %w", h.cfg.DatabaseURL, err)
+	}
+	pc.ConnConfig.RuntimeParams["application_name"] = h.appName("maint")
+	pc.MaxConns = 2
+	if h.maint, err = pgxpool.NewWithConfig(ctx, pc); err != nil {
 		return fmt.Errorf("connect %s: %w", h.cfg.DatabaseURL, err)
 	}
-	defer admin.Close(ctx)
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{h.schema}.Sanitize()); err != nil {
-		return fmt.Errorf("create schema: %w", err)
+	if _, err := h.maint.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{h.dbName}.Sanitize()); err != nil {
+		h.dbName = "" // nothing to drop
+		return fmt.Errorf("create database: %w", err)
 	}
 	h.admin, err = h.pool(ctx, "admin", 4)
 	if err != nil {
 		return err
+	}
+	if _, err := h.admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{h.schema}.Sanitize()); err != nil {
+		return fmt.Errorf("create schema: %w", err)
 	}
 	if err := deduplicator.Migrate(ctx, h.admin, h.table); err != nil {
 		return fmt.Errorf("migrate processed_event: %w", err)
@@ -388,20 +457,24 @@ func (h *harness) dropDB() {
 	if h.admin != nil {
 		h.admin.Close()
 	}
-	if h.cfg.KeepSchema {
-		h.logf("kept schema %s", h.schema)
+	if h.maint == nil {
+		return
+	}
+	defer h.maint.Close()
+	if h.dbName == "" {
+		return
+	}
+	if h.cfg.KeepDatabase {
+		h.report.Database = h.dbName
+		h.logf("kept database %s (schema %s)", h.dbName, h.schema)
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, h.cfg.DatabaseURL)
-	if err != nil {
-		h.logf("drop schema: %v", err)
-		return
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{h.schema}.Sanitize()+" CASCADE"); err != nil {
-		h.logf("drop schema %s: %v", h.schema, err)
+	// FORCE: a disruption may have left the database refusing connections,
+	// and a consumer killed late may still be disconnecting.
+	if _, err := h.maint.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{h.dbName}.Sanitize()+" WITH (FORCE)"); err != nil {
+		h.logf("drop database %s: %v", h.dbName, err)
 	}
 }
 
@@ -418,18 +491,18 @@ func (h *harness) run(ctx context.Context) error {
 	if err := h.startDLQReplayer(ctx); err != nil {
 		return err
 	}
+	defer h.shutdown()
 	for _, g := range h.groups {
 		for range g.base {
-			if err := g.start(ctx); err != nil {
+			if _, err := g.start(ctx); err != nil {
 				return fmt.Errorf("%s: start: %w", g.name, err)
 			}
 		}
 	}
-	defer h.shutdown()
 
 	schedule := makeSchedule(h.cfg)
-	h.logf("seed=%d events=%d aggregates=%d partitions=%d producer=%q faults scheduled=%d schema=%s",
-		h.cfg.Seed, h.cfg.Events, h.cfg.Aggregates, h.cfg.Partitions, prod.kind(), len(schedule), h.schema)
+	h.logf("seed=%d events=%d aggregates=%d partitions=%d producer=%q faults scheduled=%d database=%s consumers=%s",
+		h.cfg.Seed, h.cfg.Events, h.cfg.Aggregates, h.cfg.Partitions, prod.kind(), len(schedule), h.dbName, h.exe)
 
 	faultsDone := make(chan struct{})
 	go func() {
@@ -451,16 +524,18 @@ func (h *harness) run(ctx context.Context) error {
 }
 
 func (h *harness) shutdown() {
+	h.closing.Store(true)
 	var wg sync.WaitGroup
 	for _, g := range h.groups {
 		g.mu.Lock()
 		live := append([]*instance(nil), g.live...)
 		g.mu.Unlock()
 		for _, inst := range live {
-			wg.Go(func() { g.stop(inst) })
+			wg.Go(inst.stop)
 		}
 	}
 	wg.Wait()
+	h.bg.Wait()
 	if h.dlqR != nil {
 		h.dlqR.close()
 	}
@@ -485,6 +560,7 @@ func (h *harness) progressLog(ctx context.Context, faultsDone <-chan struct{}) {
 		}
 		h.mu.Lock()
 		line += fmt.Sprintf(" faults=%v", h.report.Faults)
+		line += fmt.Sprintf(" i/o timeouts=%d", h.ioTimeouts.Load())
 		h.mu.Unlock()
 		h.logf("%s", line)
 	}

@@ -14,8 +14,10 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/soak"
 )
 
-// TestSoakShort is a short, seeded chaos soak: every fault kind at least
-// once, then "every event applied exactly once per group".
+// TestSoakShort is a short, seeded chaos soak: consumers are child processes
+// on the library's default Sarama settings, killed with SIGKILL; the
+// database refuses connections for a while; every fault kind at least once,
+// then "every event applied exactly once per group".
 func TestSoakShort(t *testing.T) {
 	if testing.Short() {
 		t.Skip("soak: skipped in -short mode")
@@ -38,10 +40,15 @@ func TestSoakShort(t *testing.T) {
 	t.Log("\n" + rep.String())
 	require.True(t, rep.OK(), "soak violations (seed %d):\n%s", rep.Seed, rep.String())
 	for _, g := range rep.Groups {
+		require.Zero(t, g.Lost, "%s: events lost", g.Name)
+		require.Zero(t, g.Double, "%s: events applied twice", g.Name)
 		require.Equal(t, cfg.Events, g.LedgerRows, g.Name)
 		require.Positive(t, g.Duplicates, "%s: the faults produced no duplicate to absorb", g.Name)
 	}
-	for _, kind := range []string{"kill-mid-handler", "kill-after-commit", "join (rebalance)", "pg-terminate-consumer", "restart-forwarder", "offset-reset"} {
+	require.GreaterOrEqual(t, rep.Kills, 2, "consumer processes killed with SIGKILL")
+	require.Equal(t, rep.Faults["sigkill-mid-handler"]+rep.Faults["sigkill-after-commit"]+rep.Faults["sigkill-random"], rep.Kills, "every kill is in the report")
+	require.Positive(t, rep.Disruptions)
+	for _, kind := range []string{"sigkill-mid-handler", "sigkill-after-commit", "sigkill-random", "pg-disruption", "restart (rejoin)", "join (rebalance)", "pg-terminate-consumer", "restart-forwarder", "offset-reset"} {
 		require.Positive(t, rep.Faults[kind], "fault %q was never injected", kind)
 	}
 	require.Positive(t, rep.Faults["pg-terminate-forwarder"]+rep.Faults["pg-terminate-producer"], "no producer-side backend terminated")
@@ -51,8 +58,8 @@ func TestSoakShort(t *testing.T) {
 }
 
 // The checker can fail: a handler that writes outside the middleware's
-// transaction applies an event twice when it is killed mid-handler, and the
-// soak must report it.
+// transaction applies an event twice when its process is killed
+// mid-handler, and the soak must report it.
 func TestSoakDetectsNonTransactionalHandler(t *testing.T) {
 	if testing.Short() {
 		t.Skip("soak: skipped in -short mode")
@@ -72,6 +79,11 @@ func TestSoakDetectsNonTransactionalHandler(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.False(t, rep.OK(), "the soak missed a double application:\n%s", rep.String())
-	require.Positive(t, rep.Faults["kill-mid-handler"])
+	require.Positive(t, rep.Faults["sigkill-mid-handler"])
 	require.Contains(t, strings.Join(rep.Violations, "\n"), "applied more than once")
+	double := 0
+	for _, g := range rep.Groups {
+		double += g.Double
+	}
+	require.Positive(t, double, "the report counts the events applied twice")
 }

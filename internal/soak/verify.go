@@ -13,6 +13,10 @@ func (h *harness) verify(ctx context.Context) error {
 	r.TerminatedBackends = int(h.terminated.Load())
 	r.DLQReplayed = int(h.dlqSent.Load())
 	r.DoublePublished = int(h.doublePublished.Load())
+	r.Kills = int(h.kills.Load())
+	r.Disruptions = int(h.disruptions.Load())
+	r.IOTimeouts = int(h.ioTimeouts.Load())
+	r.ForwarderExits = int(h.forwarderExits.Load())
 
 	var events int
 	var sum int64
@@ -27,6 +31,12 @@ func (h *harness) verify(ctx context.Context) error {
 		gr := GroupReport{Name: g.name, Deliveries: g.deliveries.Load(), Applied: g.applied.Load(), Duplicates: g.duplicates.Load(), Failed: g.failed.Load()}
 		if err := h.admin.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id), coalesce(sum(amount), 0) FROM soak_ledger WHERE grp = $1`, g.name).
 			Scan(&gr.LedgerRows, &gr.DistinctEvents, &gr.Sum); err != nil {
+			return fmt.Errorf("verify: %w", err)
+		}
+		if err := h.admin.QueryRow(ctx, `SELECT
+    (SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)),
+    (SELECT count(*) FROM (SELECT event_id FROM soak_ledger WHERE grp = $1 GROUP BY event_id HAVING count(*) > 1) x)`, g.name).
+			Scan(&gr.Lost, &gr.Double); err != nil {
 			return fmt.Errorf("verify: %w", err)
 		}
 		r.Groups = append(r.Groups, gr)

@@ -1,10 +1,13 @@
 // Command soak runs the chaos soak of internal/soak (`make soak`): by default
-// 20,000 events over 64 aggregates with every fault kind, then checks that
-// every event was applied exactly once per consumer group. It prints the
-// faults injected and the duplicates absorbed, and exits 1 on a violation,
-// printing the seed to reproduce the event plan and fault schedule.
+// 20,000 events over 64 aggregates with every default fault kind (consumer
+// processes killed with SIGKILL, database outages, rebalances, offset
+// resets...), then checks that every event was applied exactly once per
+// consumer group. It prints the faults injected, the duplicates absorbed and
+// the events lost or doubled per group, and exits 1 on a violation, printing
+// the seed to reproduce the event plan and fault schedule. The consumers are
+// this same binary, re-executed.
 //
-//	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-direct] [-keep] [-v]
+//	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-keep] [-v]
 package main
 
 import (
@@ -13,6 +16,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -23,15 +27,20 @@ import (
 )
 
 func main() {
+	// The soak runs its consumers as child processes of this binary, and
+	// kills them with SIGKILL.
+	soak.RunConsumerIfChild()
+
 	seed := flag.Uint64("seed", uint64(time.Now().UnixNano()), "seed of the event plan and the fault schedule")
 	events := flag.Int("events", soak.DefaultEvents, "events to produce")
 	aggregates := flag.Int("aggregates", soak.DefaultAggregates, "aggregates (partition keys)")
 	partitions := flag.Int("partitions", soak.DefaultPartitions, "partitions of the topic")
 	timeout := flag.Duration("timeout", soak.DefaultTimeout, "abort (and fail) after this long")
 	short := flag.Bool("short", false, "2,000 events and the short fault mix")
-	keep := flag.Bool("keep", false, "keep the PostgreSQL schema for inspection")
-	verbose := flag.Bool("v", false, "log the components (Watermill, middleware) at info level")
+	keep := flag.Bool("keep", false, "keep the run's PostgreSQL database for inspection")
+	verbose := flag.Bool("v", false, "log the components (Watermill, middleware, consumer processes) at info level")
 	direct := flag.Bool("direct", false, "producer publishes directly to Kafka after its commit (no outbox)")
+	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset); "none" starts from an empty mix`)
 	flag.Parse()
 
 	cfg := soak.Config{
@@ -42,7 +51,7 @@ func main() {
 		Timeout:       *timeout,
 		DatabaseURL:   pgtest.URL(),
 		Brokers:       kafkatest.External(),
-		KeepSchema:    *keep,
+		KeepDatabase:  *keep,
 		DirectPublish: *direct,
 		Log:           os.Stderr,
 	}
@@ -50,8 +59,29 @@ func main() {
 		cfg.Events = 2000
 		cfg.Faults = soak.ShortFaults
 	}
+	if *faults != "" {
+		base := soak.FullFaults
+		if *short {
+			base = soak.ShortFaults
+		}
+		spec := *faults
+		if rest, ok := strings.CutPrefix(spec, "none"); ok {
+			base, spec = soak.FaultCounts{}, strings.TrimPrefix(rest, ",")
+		}
+		fc, err := soak.ParseFaults(base, spec)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "soak: -faults: %v\n", err)
+			os.Exit(2)
+		}
+		if fc == (soak.FaultCounts{}) {
+			fmt.Fprintln(os.Stderr, "soak: -faults: no fault left")
+			os.Exit(2)
+		}
+		cfg.Faults = fc
+	}
 	if *verbose {
 		cfg.Logger = watermill.NewStdLogger(false, false)
+		cfg.ConsumerLogs = true
 	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
