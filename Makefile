@@ -45,8 +45,9 @@ demo: ## Run the billing example end to end (orders, billing with Idempotency-Ke
 	$(GO) run ./examples/billing
 
 .PHONY: soak
-soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, every fault type
+soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, every fault type; one transaction per message, then group commit
 	$(GO) run ./internal/cmd/soak $(SOAK_FLAGS)
+	$(GO) run ./internal/cmd/soak -group-commit $(SOAK_FLAGS)
 
 .PHONY: db/reset
 db/reset: ## Drop the test schemas left behind by interrupted test runs

@@ -72,6 +72,7 @@ type childConfig struct {
 	Unsafe      bool     `json:"unsafe_ledger_outside_tx"`
 	MaxConns    int32    `json:"max_conns"`
 	Verbose     bool     `json:"verbose"`
+	GroupCommit bool     `json:"group_commit"`
 }
 
 // The consumer-to-soak protocol: one line on standard output per event.
@@ -163,7 +164,11 @@ func runConsumer(cfg childConfig) error {
 	// The database may be refusing connections (a disruption): retry.
 	var dedup *idem.Dedup
 	if err := retry(ctx, "dedup middleware", func() error {
-		dedup, err = idem.NewDedup(idem.Config{DB: c.pool, ConsumerGroup: cfg.Group, Table: tableConfig(cfg.Schema)}, logger)
+		dcfg := idem.Config{DB: c.pool, ConsumerGroup: cfg.Group, Table: tableConfig(cfg.Schema)}
+		if cfg.GroupCommit {
+			dcfg.GroupCommit = &idem.GroupCommitConfig{}
+		}
+		dedup, err = idem.NewDedup(dcfg, logger)
 		return err
 	}); err != nil {
 		return err

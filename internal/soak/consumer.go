@@ -111,6 +111,7 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		Unsafe:      h.cfg.UnsafeLedgerOutsideTx,
 		MaxConns:    maxConns,
 		Verbose:     h.cfg.ConsumerLogs,
+		GroupCommit: h.cfg.GroupCommit,
 	})
 	if err != nil {
 		return nil, err

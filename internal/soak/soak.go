@@ -76,6 +76,10 @@ type Config struct {
 	// handler, to check that the soak catches double application. Defaults
 	// to false.
 	UnsafeLedgerOutsideTx bool
+	// GroupCommit runs the consumers in group-commit mode
+	// (idem.Config.GroupCommit with its defaults). Defaults to false: one
+	// transaction per message.
+	GroupCommit bool
 	// Timeout bounds the whole run. Defaults to [DefaultTimeout].
 	Timeout time.Duration
 	// DatabaseURL of the PostgreSQL server. Required. The run creates its
@@ -179,6 +183,8 @@ type Report struct {
 	Elapsed time.Duration
 	// Producer is "outbox+forwarder" or "kafka" (direct publish).
 	Producer string
+	// Consumers is "one transaction per message" or "group commit".
+	Consumers string
 	// Faults counts injected faults by kind; Skipped those that found no target.
 	Faults  map[string]int
 	Skipped map[string]int
@@ -234,7 +240,7 @@ func (r *Report) OK() bool { return len(r.Violations) == 0 }
 // String renders the report for a terminal.
 func (r *Report) String() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "soak seed=%d events=%d producer=%s elapsed=%s\n", r.Seed, r.Events, r.Producer, r.Elapsed.Round(time.Millisecond))
+	fmt.Fprintf(&b, "soak seed=%d events=%d producer=%s consumers=%q elapsed=%s\n", r.Seed, r.Events, r.Producer, r.Consumers, r.Elapsed.Round(time.Millisecond))
 	fmt.Fprintf(&b, "kills (consumer processes SIGKILLed)=%d disruptions (database refused connections for %s)=%d\n", r.Kills, r.Outage, r.Disruptions)
 	b.WriteString("faults injected:\n")
 	kinds := maps.Clone(r.Faults)
@@ -488,6 +494,10 @@ func (h *harness) run(ctx context.Context) error {
 	}
 	h.prod = prod
 	h.report.Producer = prod.kind()
+	h.report.Consumers = "one transaction per message"
+	if h.cfg.GroupCommit {
+		h.report.Consumers = "group commit"
+	}
 	if err := h.startDLQReplayer(ctx); err != nil {
 		return err
 	}

@@ -23,38 +23,47 @@ func TestSoakShort(t *testing.T) {
 		t.Skip("soak: skipped in -short mode")
 	}
 	t.Parallel()
-	cfg := soak.Config{
-		Seed:        20261130,
-		Events:      1500,
-		Aggregates:  32,
-		Faults:      soak.ShortFaults,
-		Timeout:     100 * time.Second,
-		DatabaseURL: pgtest.URL(),
-		Brokers:     kafkatest.External(),
+	for _, mode := range []struct {
+		name        string
+		groupCommit bool
+	}{{"one transaction per message", false}, {"group commit", true}} {
+		t.Run(mode.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := soak.Config{
+				Seed:        20261130,
+				Events:      1500,
+				Aggregates:  32,
+				Faults:      soak.ShortFaults,
+				GroupCommit: mode.groupCommit,
+				Timeout:     150 * time.Second,
+				DatabaseURL: pgtest.URL(),
+				Brokers:     kafkatest.External(),
+			}
+			if testing.Verbose() {
+				cfg.Log = os.Stderr
+			}
+			rep, err := soak.Run(context.Background(), cfg)
+			require.NoError(t, err)
+			t.Log("\n" + rep.String())
+			require.True(t, rep.OK(), "soak violations (seed %d):\n%s", rep.Seed, rep.String())
+			for _, g := range rep.Groups {
+				require.Zero(t, g.Lost, "%s: events lost", g.Name)
+				require.Zero(t, g.Double, "%s: events applied twice", g.Name)
+				require.Equal(t, cfg.Events, g.LedgerRows, g.Name)
+				require.Positive(t, g.Duplicates, "%s: the faults produced no duplicate to absorb", g.Name)
+			}
+			require.GreaterOrEqual(t, rep.Kills, 2, "consumer processes killed with SIGKILL")
+			require.Equal(t, rep.Faults["sigkill-mid-handler"]+rep.Faults["sigkill-after-commit"]+rep.Faults["sigkill-random"], rep.Kills, "every kill is in the report")
+			require.Positive(t, rep.Disruptions)
+			for _, kind := range []string{"sigkill-mid-handler", "sigkill-after-commit", "sigkill-random", "pg-disruption", "restart (rejoin)", "join (rebalance)", "pg-terminate-consumer", "restart-forwarder", "offset-reset"} {
+				require.Positive(t, rep.Faults[kind], "fault %q was never injected", kind)
+			}
+			require.Positive(t, rep.Faults["pg-terminate-forwarder"]+rep.Faults["pg-terminate-producer"], "no producer-side backend terminated")
+			require.Positive(t, rep.DLQReplayed)
+			require.Positive(t, rep.DoublePublished)
+			require.GreaterOrEqual(t, rep.OutboxRows, cfg.Events+rep.DoublePublished)
+		})
 	}
-	if testing.Verbose() {
-		cfg.Log = os.Stderr
-	}
-	rep, err := soak.Run(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Log("\n" + rep.String())
-	require.True(t, rep.OK(), "soak violations (seed %d):\n%s", rep.Seed, rep.String())
-	for _, g := range rep.Groups {
-		require.Zero(t, g.Lost, "%s: events lost", g.Name)
-		require.Zero(t, g.Double, "%s: events applied twice", g.Name)
-		require.Equal(t, cfg.Events, g.LedgerRows, g.Name)
-		require.Positive(t, g.Duplicates, "%s: the faults produced no duplicate to absorb", g.Name)
-	}
-	require.GreaterOrEqual(t, rep.Kills, 2, "consumer processes killed with SIGKILL")
-	require.Equal(t, rep.Faults["sigkill-mid-handler"]+rep.Faults["sigkill-after-commit"]+rep.Faults["sigkill-random"], rep.Kills, "every kill is in the report")
-	require.Positive(t, rep.Disruptions)
-	for _, kind := range []string{"sigkill-mid-handler", "sigkill-after-commit", "sigkill-random", "pg-disruption", "restart (rejoin)", "join (rebalance)", "pg-terminate-consumer", "restart-forwarder", "offset-reset"} {
-		require.Positive(t, rep.Faults[kind], "fault %q was never injected", kind)
-	}
-	require.Positive(t, rep.Faults["pg-terminate-forwarder"]+rep.Faults["pg-terminate-producer"], "no producer-side backend terminated")
-	require.Positive(t, rep.DLQReplayed)
-	require.Positive(t, rep.DoublePublished)
-	require.GreaterOrEqual(t, rep.OutboxRows, cfg.Events+rep.DoublePublished)
 }
 
 // The checker can fail: a handler that writes outside the middleware's

@@ -7,7 +7,7 @@
 // the seed to reproduce the event plan and fault schedule. The consumers are
 // this same binary, re-executed.
 //
-//	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-keep] [-v]
+//	go run ./internal/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-keep] [-v]
 package main
 
 import (
@@ -40,6 +40,7 @@ func main() {
 	keep := flag.Bool("keep", false, "keep the run's PostgreSQL database for inspection")
 	verbose := flag.Bool("v", false, "log the components (Watermill, middleware, consumer processes) at info level")
 	direct := flag.Bool("direct", false, "producer publishes directly to Kafka after its commit (no outbox)")
+	groupCommit := flag.Bool("group-commit", false, "consumers in group-commit mode (idem.Config.GroupCommit, defaults)")
 	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset); "none" starts from an empty mix`)
 	flag.Parse()
 
@@ -53,6 +54,7 @@ func main() {
 		Brokers:       kafkatest.External(),
 		KeepDatabase:  *keep,
 		DirectPublish: *direct,
+		GroupCommit:   *groupCommit,
 		Log:           os.Stderr,
 	}
 	if *short {
