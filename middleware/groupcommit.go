@@ -153,8 +153,7 @@ func (gc *groupCommit) submit(msg *message.Message, h message.HandlerFunc, id uu
 	// Only messages in flight can join: with one message per partition in
 	// flight, n partitions fill Concurrency groups of n/Concurrency, and a
 	// lone message runs at once instead of waiting for company.
-	want := min(gc.cfg.MaxMessages, (gc.inflight+gc.cfg.Concurrency-1)/gc.cfg.Concurrency)
-	if len(g.reqs) >= want {
+	if len(g.reqs) >= gc.want() {
 		gc.open = nil
 		close(g.full)
 	} else if !leader {
@@ -170,8 +169,19 @@ func (gc *groupCommit) submit(msg *message.Message, h message.HandlerFunc, id uu
 	res := <-r.done
 	gc.mu.Lock()
 	gc.inflight--
+	// Fewer in flight: the open group may already hold its share.
+	if g := gc.open; g != nil && len(g.reqs) >= gc.want() {
+		gc.open = nil
+		close(g.full)
+	}
 	gc.mu.Unlock()
 	return res
+}
+
+// want is the size at which the open group seals: its share of the
+// messages in flight, at most MaxMessages. Called with mu held.
+func (gc *groupCommit) want() int {
+	return min(gc.cfg.MaxMessages, (gc.inflight+gc.cfg.Concurrency-1)/gc.cfg.Concurrency)
 }
 
 // lead waits for a slot and for the group to gather, seals it and runs it.

@@ -53,15 +53,67 @@ func (r RejectedStats) Total() uint64 {
 	return r.MissingEventID + r.InvalidEventID + r.NilEventID + r.NotUUIDv7 + r.EventIDMismatch + r.Stale
 }
 
-// Reasons of refused messages, as [AttrRejectReason] records them.
+// Reasons a message is refused: the values of the span attribute
+// [AttrRejectReason] and of the exporters' reason label (idemprom,
+// idemotel).
 const (
-	reasonMissing  = "missing_event_id"
-	reasonInvalid  = "invalid_event_id"
-	reasonNil      = "nil_event_id"
-	reasonNotV7    = "not_uuidv7"
-	reasonMismatch = "event_id_mismatch"
-	reasonStale    = "stale"
+	ReasonMissingEventID  = "missing_event_id"
+	ReasonInvalidEventID  = "invalid_event_id"
+	ReasonNilEventID      = "nil_event_id"
+	ReasonNotUUIDv7       = "not_uuidv7"
+	ReasonEventIDMismatch = "event_id_mismatch"
+	ReasonStale           = "stale"
 )
+
+const (
+	reasonMissing  = ReasonMissingEventID
+	reasonInvalid  = ReasonInvalidEventID
+	reasonNil      = ReasonNilEventID
+	reasonNotV7    = ReasonNotUUIDv7
+	reasonMismatch = ReasonEventIDMismatch
+	reasonStale    = ReasonStale
+)
+
+// ReasonCount is the number of messages refused for one reason.
+type ReasonCount struct {
+	Reason string
+	Count  uint64
+}
+
+// ByReason returns the counts of every reason, in a fixed order.
+func (r RejectedStats) ByReason() []ReasonCount {
+	return []ReasonCount{
+		{ReasonMissingEventID, r.MissingEventID},
+		{ReasonInvalidEventID, r.InvalidEventID},
+		{ReasonNilEventID, r.NilEventID},
+		{ReasonNotUUIDv7, r.NotUUIDv7},
+		{ReasonEventIDMismatch, r.EventIDMismatch},
+		{ReasonStale, r.Stale},
+	}
+}
+
+// Add returns the sum of s and o, counter by counter: the stats of several
+// middlewares of one consumer group, as the exporters report them.
+func (s Stats) Add(o Stats) Stats {
+	s.Processed += o.Processed
+	s.Duplicates += o.Duplicates
+	s.Failed += o.Failed
+	s.ClaimErrors += o.ClaimErrors
+	s.Rejected.MissingEventID += o.Rejected.MissingEventID
+	s.Rejected.InvalidEventID += o.Rejected.InvalidEventID
+	s.Rejected.NilEventID += o.Rejected.NilEventID
+	s.Rejected.NotUUIDv7 += o.Rejected.NotUUIDv7
+	s.Rejected.EventIDMismatch += o.Rejected.EventIDMismatch
+	s.Rejected.Stale += o.Rejected.Stale
+	s.ClaimDuration += o.ClaimDuration
+	s.ClaimCount += o.ClaimCount
+	s.TxDuration += o.TxDuration
+	s.Groups += o.Groups
+	s.GroupedMessages += o.GroupedMessages
+	s.GroupFallbacks += o.GroupFallbacks
+	s.Alone += o.Alone
+	return s
+}
 
 // rejectReason classifies a refusal by its sentinel error.
 func rejectReason(err error) string {

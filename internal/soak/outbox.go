@@ -116,11 +116,14 @@ func (p *outboxProducer) stopForwarder() {
 	}
 }
 
-func (p *outboxProducer) restart(context.Context) error {
+func (p *outboxProducer) restart(ctx context.Context) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.stopForwarder()
-	return p.startForwarder()
+	// NewForwarder's table check fails while the database refuses
+	// connections or a backend is terminated: start it again, as a
+	// supervisor would.
+	return retry(ctx, "restart forwarder", p.startForwarder)
 }
 
 func (p *outboxProducer) produce(ctx context.Context, ev event, msg *message.Message) error {

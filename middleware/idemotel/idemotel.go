@@ -28,21 +28,9 @@ const BacklogTimeout = 5 * time.Second
 // (messaging.consumer.group.name, messaging.destination.name).
 const (
 	// AttrForwarder is the forwarder's name ([outbox.ForwarderConfig.Name]).
+	// The reason of idem.dedup.rejected is [idem.AttrRejectReason], with
+	// the values idem.Reason* (the dedup span's).
 	AttrForwarder = attribute.Key("idem.outbox.forwarder.name")
-	// AttrRejectReason is the reason of a refused message, the same key and
-	// values as the dedup span's ([idem.AttrRejectReason]).
-	AttrRejectReason = idem.AttrRejectReason
-)
-
-// The reasons of idem.dedup.rejected: the values the dedup span records in
-// idem.reject_reason.
-const (
-	ReasonMissingEventID  = "missing_event_id"
-	ReasonInvalidEventID  = "invalid_event_id"
-	ReasonNilEventID      = "nil_event_id"
-	ReasonNotUUIDv7       = "not_uuidv7"
-	ReasonEventIDMismatch = "event_id_mismatch"
-	ReasonStale           = "stale"
 )
 
 type backlogSource struct {
@@ -195,7 +183,7 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 			order = append(order, g)
 			continue
 		}
-		add(acc, s)
+		*acc = acc.Add(s)
 	}
 	for _, g := range order {
 		s := byGroup[g]
@@ -205,18 +193,8 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.duplicates, int64(s.Duplicates), set)
 		o.ObserveInt64(m.failed, int64(s.Failed), set)
 		o.ObserveInt64(m.claimErrors, int64(s.ClaimErrors), set)
-		for _, r := range []struct {
-			reason string
-			n      uint64
-		}{
-			{ReasonMissingEventID, s.Rejected.MissingEventID},
-			{ReasonInvalidEventID, s.Rejected.InvalidEventID},
-			{ReasonNilEventID, s.Rejected.NilEventID},
-			{ReasonNotUUIDv7, s.Rejected.NotUUIDv7},
-			{ReasonEventIDMismatch, s.Rejected.EventIDMismatch},
-			{ReasonStale, s.Rejected.Stale},
-		} {
-			o.ObserveInt64(m.rejected, int64(r.n), metric.WithAttributeSet(attribute.NewSet(group, AttrRejectReason.String(r.reason))))
+		for _, r := range s.Rejected.ByReason() {
+			o.ObserveInt64(m.rejected, int64(r.Count), metric.WithAttributeSet(attribute.NewSet(group, idem.AttrRejectReason.String(r.Reason))))
 		}
 		o.ObserveInt64(m.claims, int64(s.ClaimCount), set)
 		o.ObserveFloat64(m.claimTime, s.ClaimDuration.Seconds(), set)
@@ -252,25 +230,4 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// add sums s into acc.
-func add(acc *idem.Stats, s idem.Stats) {
-	acc.Processed += s.Processed
-	acc.Duplicates += s.Duplicates
-	acc.Failed += s.Failed
-	acc.ClaimErrors += s.ClaimErrors
-	acc.Rejected.MissingEventID += s.Rejected.MissingEventID
-	acc.Rejected.InvalidEventID += s.Rejected.InvalidEventID
-	acc.Rejected.NilEventID += s.Rejected.NilEventID
-	acc.Rejected.NotUUIDv7 += s.Rejected.NotUUIDv7
-	acc.Rejected.EventIDMismatch += s.Rejected.EventIDMismatch
-	acc.Rejected.Stale += s.Rejected.Stale
-	acc.ClaimDuration += s.ClaimDuration
-	acc.ClaimCount += s.ClaimCount
-	acc.TxDuration += s.TxDuration
-	acc.Groups += s.Groups
-	acc.GroupedMessages += s.GroupedMessages
-	acc.GroupFallbacks += s.GroupFallbacks
-	acc.Alone += s.Alone
 }

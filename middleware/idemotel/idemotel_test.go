@@ -191,8 +191,8 @@ func TestMetricsExportDedupForwarderAndBacklog(t *testing.T) {
 	require.InDelta(t, s.TxDuration.Seconds(), got.must(t, "idem.dedup.tx.time", group), 1e-9)
 	require.Positive(t, got.must(t, "idem.dedup.tx.time", group))
 	for r, want := range map[string]float64{
-		idemotel.ReasonInvalidEventID: 1, idemotel.ReasonNotUUIDv7: 1, idemotel.ReasonMissingEventID: 1,
-		idemotel.ReasonNilEventID: 0, idemotel.ReasonEventIDMismatch: 0, idemotel.ReasonStale: 0,
+		idem.ReasonInvalidEventID: 1, idem.ReasonNotUUIDv7: 1, idem.ReasonMissingEventID: 1,
+		idem.ReasonNilEventID: 0, idem.ReasonEventIDMismatch: 0, idem.ReasonStale: 0,
 	} {
 		require.Equal(t, want, got.must(t, "idem.dedup.rejected", group, reason(r)), r)
 	}
@@ -233,7 +233,7 @@ func TestMetricsExportDedupForwarderAndBacklog(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, map[string]bool{idemotel.ReasonInvalidEventID: true, idemotel.ReasonNotUUIDv7: true, idemotel.ReasonMissingEventID: true}, reasons)
+	require.Equal(t, map[string]bool{idem.ReasonInvalidEventID: true, idem.ReasonNotUUIDv7: true, idem.ReasonMissingEventID: true}, reasons)
 
 	// Closed: nothing more is reported.
 	require.NoError(t, metrics.Close())

@@ -133,22 +133,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			order = append(order, g)
 			continue
 		}
-		acc.Processed += s.Processed
-		acc.Duplicates += s.Duplicates
-		acc.Failed += s.Failed
-		acc.ClaimErrors += s.ClaimErrors
-		acc.Rejected.MissingEventID += s.Rejected.MissingEventID
-		acc.Rejected.InvalidEventID += s.Rejected.InvalidEventID
-		acc.Rejected.NilEventID += s.Rejected.NilEventID
-		acc.Rejected.NotUUIDv7 += s.Rejected.NotUUIDv7
-		acc.Rejected.Stale += s.Rejected.Stale
-		acc.ClaimDuration += s.ClaimDuration
-		acc.ClaimCount += s.ClaimCount
-		acc.TxDuration += s.TxDuration
-		acc.Groups += s.Groups
-		acc.GroupedMessages += s.GroupedMessages
-		acc.GroupFallbacks += s.GroupFallbacks
-		acc.Alone += s.Alone
+		*acc = acc.Add(s)
 	}
 	counter := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
@@ -159,11 +144,9 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descDuplicates, float64(s.Duplicates), g)
 		counter(descFailed, float64(s.Failed), g)
 		counter(descClaimErrors, float64(s.ClaimErrors), g)
-		counter(descRejected, float64(s.Rejected.MissingEventID), g, "missing")
-		counter(descRejected, float64(s.Rejected.InvalidEventID), g, "invalid")
-		counter(descRejected, float64(s.Rejected.NilEventID), g, "nil")
-		counter(descRejected, float64(s.Rejected.NotUUIDv7), g, "not_v7")
-		counter(descRejected, float64(s.Rejected.Stale), g, "stale")
+		for _, r := range s.Rejected.ByReason() {
+			counter(descRejected, float64(r.Count), g, r.Reason)
+		}
 		counter(descClaimSec, s.ClaimDuration.Seconds(), g)
 		counter(descClaims, float64(s.ClaimCount), g)
 		counter(descTxSec, s.TxDuration.Seconds(), g)

@@ -80,10 +80,11 @@ idem_dedup_duplicates_total{consumer_group="billing"} 1
 idem_dedup_processed_total{consumer_group="billing"} 1
 # HELP idem_dedup_rejected_total Messages refused before any SQL (poison queue), by reason.
 # TYPE idem_dedup_rejected_total counter
-idem_dedup_rejected_total{consumer_group="billing",reason="invalid"} 1
-idem_dedup_rejected_total{consumer_group="billing",reason="missing"} 0
-idem_dedup_rejected_total{consumer_group="billing",reason="nil"} 0
-idem_dedup_rejected_total{consumer_group="billing",reason="not_v7"} 0
+idem_dedup_rejected_total{consumer_group="billing",reason="event_id_mismatch"} 0
+idem_dedup_rejected_total{consumer_group="billing",reason="invalid_event_id"} 1
+idem_dedup_rejected_total{consumer_group="billing",reason="missing_event_id"} 0
+idem_dedup_rejected_total{consumer_group="billing",reason="nil_event_id"} 0
+idem_dedup_rejected_total{consumer_group="billing",reason="not_uuidv7"} 0
 idem_dedup_rejected_total{consumer_group="billing",reason="stale"} 0
 # HELP idem_outbox_pending_rows Committed outbox rows the forwarder has not forwarded yet.
 # TYPE idem_outbox_pending_rows gauge
@@ -97,7 +98,7 @@ idem_outbox_forwarded_total{forwarder="outbox_forwarder"} 1
 		"idem_dedup_duplicates_total", "idem_dedup_processed_total", "idem_dedup_rejected_total", "idem_outbox_forwarded_total", "idem_outbox_pending_rows"))
 	n, err := testutil.GatherAndCount(reg)
 	require.NoError(t, err)
-	require.Equal(t, 22, n) // 16 dedup series (5 rejected reasons, 4 group-commit) + 4 forwarder + 2 backlog series
+	require.Equal(t, 23, n) // 17 dedup series (6 rejected reasons, 4 group-commit) + 4 forwarder + 2 backlog series
 }
 
 func TestCollectorExportsGroupCommit(t *testing.T) {
@@ -107,38 +108,52 @@ func TestCollectorExportsGroupCommit(t *testing.T) {
 	table := deduplicator.TableConfig{Schema: db.Schema}
 	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
 
-	// Groups of two: the second of two concurrent messages fills the group,
-	// which then runs at once (the long MaxWait never expires).
+	// Groups of two: while a blocker's group holds the one slot, two
+	// concurrent messages gather; the second fills the group (MaxMessages),
+	// which runs when the blocker is done.
 	d, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table,
 		GroupCommit: &idem.GroupCommitConfig{MaxMessages: 2, MaxWait: time.Minute, Concurrency: 1}}, nil)
 	require.NoError(t, err)
 	var failOnce sync.Map // event ids whose handler fails on its first run
+	var blockers sync.Map // event id -> channel the blocker waits on
 	h := d.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		if _, first := failOnce.LoadAndDelete(msg.Metadata.Get(publisher.MetadataEventID)); first {
+		id := msg.Metadata.Get(publisher.MetadataEventID)
+		if release, ok := blockers.Load(id); ok {
+			<-release.(chan struct{})
+			return nil, nil
+		}
+		if _, first := failOnce.LoadAndDelete(id); first {
 			return nil, errors.New("transient")
 		}
 		return nil, nil
 	})
+	deliver := func(id string) {
+		m := message.NewMessage(watermill.NewUUID(), nil)
+		m.Metadata.Set(publisher.MetadataEventID, id)
+		_, err := h(m)
+		assert.NoError(t, err) // a failed group's messages succeed alone
+	}
 	pair := func(failFirst bool) {
+		blocker, release := publisher.NewEventID().String(), make(chan struct{})
+		blockers.Store(blocker, release)
+		groups := d.Stats().Groups
 		var wg sync.WaitGroup
+		wg.Go(func() { deliver(blocker) })
+		require.Eventually(t, func() bool { return d.Stats().Groups == groups+1 }, 30*time.Second, time.Millisecond)
+		var pairWG sync.WaitGroup
 		for i := range 2 {
 			id := publisher.NewEventID().String()
 			if failFirst && i == 0 {
 				failOnce.Store(id, true)
 			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				m := message.NewMessage(watermill.NewUUID(), nil)
-				m.Metadata.Set(publisher.MetadataEventID, id)
-				_, err := h(m)
-				assert.NoError(t, err) // a failed group's messages succeed alone
-			}()
+			pairWG.Go(func() { deliver(id) })
 		}
+		close(release)
+		pairWG.Wait()
 		wg.Wait()
 	}
-	pair(false) // one group of two, committed
-	pair(true)  // one group of two, rolled back by the first handler; both then alone
+	pair(false) // a blocker, then one group of two, committed
+	pair(true)  // a blocker, then one group of two, rolled back by the first handler; both then alone
 
 	c := idemprom.NewCollector()
 	c.AddDedup(d)
@@ -153,13 +168,13 @@ idem_dedup_alone_total{consumer_group="billing"} 2
 idem_dedup_group_fallbacks_total{consumer_group="billing"} 1
 # HELP idem_dedup_grouped_messages_total Messages claimed in group-commit transactions (divided by idem_dedup_groups_total: the mean group size).
 # TYPE idem_dedup_grouped_messages_total counter
-idem_dedup_grouped_messages_total{consumer_group="billing"} 4
+idem_dedup_grouped_messages_total{consumer_group="billing"} 6
 # HELP idem_dedup_groups_total Group-commit transactions that claimed their messages (Config.GroupCommit).
 # TYPE idem_dedup_groups_total counter
-idem_dedup_groups_total{consumer_group="billing"} 2
+idem_dedup_groups_total{consumer_group="billing"} 4
 # HELP idem_dedup_processed_total Messages whose handler ran and whose transaction committed.
 # TYPE idem_dedup_processed_total counter
-idem_dedup_processed_total{consumer_group="billing"} 4
+idem_dedup_processed_total{consumer_group="billing"} 6
 `
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(expected),
 		"idem_dedup_groups_total", "idem_dedup_grouped_messages_total", "idem_dedup_group_fallbacks_total", "idem_dedup_alone_total", "idem_dedup_processed_total"))
