@@ -6,7 +6,7 @@ import (
 	"fmt"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 )
 
 // Check verifies the live table before claims rely on it. A table made with

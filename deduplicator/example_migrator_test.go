@@ -5,7 +5,7 @@ import (
 	"fmt"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 )
 
 // A Migrator says which versions it applied; going down it reverts one

@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 

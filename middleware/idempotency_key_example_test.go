@@ -8,7 +8,7 @@ import (
 	"net/http/httptest"
 	"strings"
 
-	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"

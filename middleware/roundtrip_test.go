@@ -15,8 +15,8 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
-	"github.com/idemkit/watermill-idempotency/internal/pgtest"
-	"github.com/idemkit/watermill-idempotency/internal/rtcount"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 

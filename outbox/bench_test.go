@@ -7,8 +7,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/watermill-idempotency/internal/pgtest"
-	"github.com/idemkit/watermill-idempotency/internal/rtcount"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )

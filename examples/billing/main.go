@@ -23,7 +23,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 
-	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 )
 
 func main() {

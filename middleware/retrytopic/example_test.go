@@ -15,8 +15,8 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
-	"github.com/idemkit/watermill-idempotency/internal/pgtest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"

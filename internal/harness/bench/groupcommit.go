@@ -17,7 +17,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
-	"github.com/idemkit/watermill-idempotency/internal/rtcount"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )

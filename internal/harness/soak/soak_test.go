@@ -9,9 +9,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
-	"github.com/idemkit/watermill-idempotency/internal/pgtest"
-	"github.com/idemkit/watermill-idempotency/internal/soak"
+	"github.com/idemkit/watermill-idempotency/internal/harness/soak"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 )
 
 // TestSoakShort is a short, seeded chaos soak: consumers are child processes

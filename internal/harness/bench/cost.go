@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/watermill-idempotency/internal/rtcount"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
 )
 
 // cost is what a measured run consumed, for "where does the time go".

@@ -20,7 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/kafkatest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 )
 
 // Defaults of [Config].

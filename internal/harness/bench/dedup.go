@@ -18,7 +18,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
-	"github.com/idemkit/watermill-idempotency/internal/rtcount"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )

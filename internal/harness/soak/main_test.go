@@ -5,7 +5,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/idemkit/watermill-idempotency/internal/soak"
+	"github.com/idemkit/watermill-idempotency/internal/harness/soak"
 )
 
 // Every router, consumer, producer, forwarder and pool a soak starts is
