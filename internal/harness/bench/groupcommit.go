@@ -266,8 +266,9 @@ func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 	fmt.Fprintf(&b, "\nLatency added by gathering, at 32 partitions: events published at a fixed rate for %s per run while the pipeline runs; "+
 		"each message's time inside the dedup middleware, from its arrival to its result (in group mode: waiting for the group to gather "+
 		"and for a free slot, the handlers before it in its group, the COMMIT); %d run(s) per mode, rotated, all runs pooled. "+
-		"\"added\" is the group mode's percentile minus single mode's. A group runs when it is full, at MaxWait, or when no message joined "+
-		"it for MaxWait/5 (1 ms at the default MaxWait, 200 µs at 1 ms), so at low load a lone message waits that gap:\n\n", latFor, latRounds)
+		"\"added\" is the group mode's percentile minus single mode's. A group runs when it holds its share of the messages in flight "+
+		"(ceil(in flight / Concurrency), at most MaxMessages), at MaxWait, or when no message joined it for MaxWait/5; a lone message "+
+		"is its own share and runs at once:\n\n", latFor, latRounds)
 	b.WriteString(Table([]string{"published (msg/s)", "group mode", "p50 single", "p50 group", "p50 added", "p99 single", "p99 group", "p99 added", "mean group size"}, latRows))
 	return Section{Title: "Group commit end to end: one transaction per group vs one per message", Markdown: b.String()}, nil
 }
@@ -630,8 +631,8 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 		"client CPU per message", "backends running", "backends waiting on WAL", "backends waiting on other", "backends waiting for the client"}, costRows))
 	fmt.Fprintf(&b, "\nA lone message (one worker: nothing ever joins its group), the modes interleaved call by call, %d rounds of %s; "+
 		"time per message (median over rounds), its excess over single mode, and the ratio of times. A group that nobody joins runs after "+
-		"MaxWait/5; Go's runtime sleeps in whole milliseconds when the process is otherwise idle (its Linux netpoller waits at least 1 ms), "+
-		"so an idle gap under 1 ms still costs about 1 ms:\n\n", loneRounds, loneDur)
+		"MaxWait/5 unless it already holds its share of the messages in flight, which a lone message always does, so it runs at once "+
+		"(without that rule it waited the gap, at least about 1 ms: Go's Linux netpoller sleeps in whole milliseconds):\n\n", loneRounds, loneDur)
 	b.WriteString(Table([]string{"mode", "time per message", "added", "time / single's"}, loneRows))
 	return Section{Title: "Group commit against its ceiling: the database part alone", Markdown: b.String()}, nil
 }
