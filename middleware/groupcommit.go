@@ -53,12 +53,16 @@ const (
 // when an instance consumes many partitions and the database's commit rate
 // is the limit; docs/groupcommit.md has the measurements.
 type GroupCommitConfig struct {
-	// MaxMessages is the largest group. Defaults to
+	// MaxMessages is the largest group. A group runs as soon as it holds
+	// its share of the messages in flight, ceil(in flight / Concurrency),
+	// at most MaxMessages: n partitions fill Concurrency groups of about
+	// n/Concurrency, and a lone message runs at once. Defaults to
 	// [DefaultGroupMaxMessages] (64).
 	MaxMessages int
-	// MaxWait is the longest a group gathers messages before it runs; it
-	// also runs when it is full, or when no message joined it for a fifth
-	// of MaxWait. Defaults to [DefaultGroupMaxWait] (5 ms).
+	// MaxWait is the longest a group gathers before it runs, for a share
+	// that does not come (messages in flight elsewhere); it also runs when
+	// no message joined it for a fifth of MaxWait. Defaults to
+	// [DefaultGroupMaxWait] (5 ms).
 	MaxWait time.Duration
 	// Concurrency is how many groups run at once, each on its own
 	// connection, so handler CPU is not serialized through one goroutine.
