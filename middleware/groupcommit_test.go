@@ -267,10 +267,11 @@ func TestGroupCommit_CommitFailureNacksTheGroup(t *testing.T) {
 	f := newLedgerFixture(t)
 	f.db.Exec(t, "CREATE TABLE once (k int, CONSTRAINT once_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)")
 	// One slot: while a blocker holds it, the six deliveries gather into
-	// one group (it seals when the sixth joins: MaxMessages); a minute of
-	// MaxWait only bounds a stall.
+	// one open group; once all six have joined the blocker is released, and
+	// the group (its share of the six in flight) runs. A minute of MaxWait
+	// only bounds a stall.
 	d := f.dedup(t, "billing", func(c *idem.Config) {
-		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 6, MaxWait: time.Minute, Concurrency: 1}
+		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 7, MaxWait: time.Minute, Concurrency: 1}
 	})
 	var calls atomic.Int32
 	insert := f.insertHandler(1, &calls)
@@ -303,6 +304,7 @@ func TestGroupCommit_CommitFailureNacksTheGroup(t *testing.T) {
 	var errs []error
 	done := make(chan struct{})
 	go func() { errs = deliverAll(h, f.msgs(ids)); close(done) }()
+	require.Eventually(t, func() bool { return idem.OpenGroupSize(d) == 6 }, 30*time.Second, time.Millisecond, "the six gather behind the blocker")
 	close(release)
 	require.NoError(t, <-blocked)
 	<-done
