@@ -250,6 +250,15 @@ func (a *app) connect(ctx context.Context) (*pgxpool.Pool, error) {
 // tableConfig connects and returns the processed_event table named by the
 // flags; with --layout auto its layout is read from the database (plain
 // when the table does not exist yet and missingOK).
+// tableOnly parses a command that takes only the common flags and returns
+// its table, connected.
+func (a *app) tableOnly(ctx context.Context, args []string) (deduplicator.TableConfig, error) {
+	if _, err := a.parse(a.flags(), args); err != nil {
+		return deduplicator.TableConfig{}, err
+	}
+	return a.tableConfig(ctx, false)
+}
+
 func (a *app) tableConfig(ctx context.Context, missingOK bool) (deduplicator.TableConfig, error) {
 	tc := deduplicator.TableConfig{Schema: a.opts.schema, Table: a.opts.table}
 	if err := tc.Validate(); err != nil {

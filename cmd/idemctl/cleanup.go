@@ -148,11 +148,7 @@ func partitionsMaintain(ctx context.Context, a *app, args []string) error {
 }
 
 func partitionsList(ctx context.Context, a *app, args []string) error {
-	fs := a.flags()
-	if _, err := a.parse(fs, args); err != nil {
-		return err
-	}
-	tc, err := a.tableConfig(ctx, false)
+	tc, err := a.tableOnly(ctx, args)
 	if err != nil {
 		return err
 	}

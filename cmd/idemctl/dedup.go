@@ -133,11 +133,7 @@ func listOrNone(names []string) string {
 }
 
 func dedupStats(ctx context.Context, a *app, args []string) error {
-	fs := a.flags()
-	if _, err := a.parse(fs, args); err != nil {
-		return err
-	}
-	tc, err := a.tableConfig(ctx, false)
+	tc, err := a.tableOnly(ctx, args)
 	if err != nil {
 		return err
 	}

@@ -9,11 +9,7 @@ import (
 )
 
 func groupsList(ctx context.Context, a *app, args []string) error {
-	fs := a.flags()
-	if _, err := a.parse(fs, args); err != nil {
-		return err
-	}
-	tc, err := a.tableConfig(ctx, false)
+	tc, err := a.tableOnly(ctx, args)
 	if err != nil {
 		return err
 	}
@@ -132,11 +128,7 @@ func groupsForget(ctx context.Context, a *app, args []string) error {
 }
 
 func retentionShow(ctx context.Context, a *app, args []string) error {
-	fs := a.flags()
-	if _, err := a.parse(fs, args); err != nil {
-		return err
-	}
-	tc, err := a.tableConfig(ctx, false)
+	tc, err := a.tableOnly(ctx, args)
 	if err != nil {
 		return err
 	}

@@ -13,6 +13,7 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -149,14 +150,7 @@ func (m *Metrics) AddForwarder(name string, f *outbox.Forwarder) {
 func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db deduplicator.Beginner, opts *outbox.BacklogOpts) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var o outbox.BacklogOpts
-	if opts != nil {
-		o = *opts
-		o.Topics = append([]string(nil), opts.Topics...)
-	}
-	if o.Forwarder == "" {
-		o.Forwarder = outbox.DefaultForwarderName
-	}
+	o := statsx.BacklogOpts(opts)
 	m.backlogs = append(m.backlogs, backlogSource{ob: ob, db: db, opts: o})
 }
 
@@ -172,21 +166,8 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 	backlogs := append([]backlogSource(nil), m.backlogs...)
 	m.mu.Unlock()
 
-	byGroup := map[string]*idem.Stats{}
-	var order []string
-	for _, d := range dedups {
-		g := d.Deduplicator().Config().ConsumerGroup
-		s := d.Stats()
-		acc, ok := byGroup[g]
-		if !ok {
-			byGroup[g] = &s
-			order = append(order, g)
-			continue
-		}
-		*acc = acc.Add(s)
-	}
-	for _, g := range order {
-		s := byGroup[g]
+	for _, gs := range statsx.ByGroup(dedups) {
+		g, s := gs.Group, gs.Stats
 		group := semconv.MessagingConsumerGroupName(g)
 		set := metric.WithAttributeSet(attribute.NewSet(group))
 		o.ObserveInt64(m.processed, int64(s.Processed), set)

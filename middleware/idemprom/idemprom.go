@@ -8,6 +8,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -92,14 +93,7 @@ func (c *Collector) AddForwarder(name string, f *outbox.Forwarder) {
 func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db deduplicator.Beginner, opts *outbox.BacklogOpts) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	var o outbox.BacklogOpts
-	if opts != nil {
-		o = *opts
-		o.Topics = append([]string(nil), opts.Topics...)
-	}
-	if o.Forwarder == "" {
-		o.Forwarder = outbox.DefaultForwarderName
-	}
+	o := statsx.BacklogOpts(opts)
 	c.backlogs = append(c.backlogs, backlogSource{ob: ob, db: db, opts: o})
 }
 
@@ -122,24 +116,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	backlogs := append([]backlogSource(nil), c.backlogs...)
 	c.mu.Unlock()
 
-	byGroup := map[string]*idem.Stats{}
-	var order []string
-	for _, d := range dedups {
-		g := d.Deduplicator().Config().ConsumerGroup
-		s := d.Stats()
-		acc, ok := byGroup[g]
-		if !ok {
-			byGroup[g] = &s
-			order = append(order, g)
-			continue
-		}
-		*acc = acc.Add(s)
-	}
 	counter := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
 	}
-	for _, g := range order {
-		s := byGroup[g]
+	for _, gs := range statsx.ByGroup(dedups) {
+		g, s := gs.Group, gs.Stats
 		counter(descProcessed, float64(s.Processed), g)
 		counter(descDuplicates, float64(s.Duplicates), g)
 		counter(descFailed, float64(s.Failed), g)
