@@ -48,15 +48,6 @@ const (
 // minBatchSize is the floor the batch size is halved down to after timeouts.
 const minBatchSize = 100
 
-// Acquirer hands out a dedicated connection: *pgxpool.Pool. The cleaner needs
-// one connection for a whole pass, because the session advisory lock that
-// elects the single working instance belongs to a connection.
-type Acquirer interface {
-	Acquire(ctx context.Context) (*pgxpool.Conn, error)
-}
-
-var _ Acquirer = (*pgxpool.Pool)(nil)
-
 // ErrCleanerTimeout is returned (wrapped, with the server's error) when
 // MaxTimeouts consecutive batches hit the statement timeout.
 var ErrCleanerTimeout = errors.New("deduplicator: cleaner batches keep hitting statement_timeout")
@@ -69,8 +60,10 @@ var ErrLayoutMismatch = errors.New("deduplicator: table layout in the database d
 type CleanerConfig struct {
 	TableConfig
 
-	// DB gives the cleaner one connection per pass. Required.
-	DB Acquirer
+	// DB gives the cleaner one connection per pass (the session advisory
+	// lock that elects the single working instance belongs to a
+	// connection): a pool, like ForwarderConfig.DB. Required.
+	DB *pgxpool.Pool
 
 	// BatchSize is the number of rows deleted per transaction. Defaults to
 	// [DefaultCleanerBatchSize] (10,000).

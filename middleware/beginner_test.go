@@ -21,7 +21,7 @@ import (
 
 // beginOnly is a Beginner that is neither a pool nor a conn: the middleware
 // takes its two-statement path (BEGIN, then the claim).
-type beginOnly struct{ idem.Beginner }
+type beginOnly struct{ deduplicator.Beginner }
 
 // The pool path (BEGIN and the claim pipelined) and the plain Beginner path
 // behave the same: first delivery commits, a duplicate is skipped and rolled
@@ -30,10 +30,10 @@ func TestBeginnerPathsBehaveAlike(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name string
-		db   func(f *ledgerFixture) idem.Beginner
+		db   func(f *ledgerFixture) deduplicator.Beginner
 	}{
-		{"pool", func(f *ledgerFixture) idem.Beginner { return f.pool }},
-		{"plain Beginner", func(f *ledgerFixture) idem.Beginner { return beginOnly{f.pool} }},
+		{"pool", func(f *ledgerFixture) deduplicator.Beginner { return f.pool }},
+		{"plain Beginner", func(f *ledgerFixture) deduplicator.Beginner { return beginOnly{f.pool} }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -114,7 +114,7 @@ func TestTxOptionsRefusedWithoutBeginTx(t *testing.T) {
 	outer, err := f.pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = outer.Rollback(ctx) }()
-	for _, db := range []idem.Beginner{beginOnly{f.pool}, outer} {
+	for _, db := range []deduplicator.Beginner{beginOnly{f.pool}, outer} {
 		_, err := idem.NewDedup(idem.Config{DB: db, ConsumerGroup: "g", TxOptions: pgx.TxOptions{IsoLevel: pgx.RepeatableRead}}, nil)
 		require.ErrorContains(t, err, "TxOptions", "%T", db)
 	}

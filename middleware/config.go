@@ -15,13 +15,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// Beginner begins the per-message transaction: *pgxpool.Pool (the usual
-// choice), *pgx.Conn or pgx.Tx (each message then runs in a savepoint). When
-// it also has BeginTx (pool and conn do), [Config.TxOptions] is used.
-type Beginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}
-
 type txOptionsBeginner interface {
 	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
 }
@@ -57,10 +50,12 @@ const (
 
 // Config configures the dedup middleware.
 type Config struct {
-	// DB begins one transaction per message. Required. With a *pgxpool.Pool
-	// or *pgx.Conn, BEGIN and the claim travel in one pipelined round trip;
-	// other Beginners (a pgx.Tx: one savepoint per message) take two.
-	DB Beginner
+	// DB begins one transaction per message: a *pgxpool.Pool (the usual
+	// choice), a *pgx.Conn, or a pgx.Tx (each message then runs in a
+	// savepoint of it). Required. With a pool or a conn, BEGIN and the claim
+	// travel in one pipelined round trip; other Beginners take two. When it
+	// also has BeginTx (pool and conn do), [Config.TxOptions] is used.
+	DB deduplicator.Beginner
 
 	// ConsumerGroup is the second half of the dedup key (event id, consumer
 	// group). Required, never defaulted: use the Kafka consumer group of the

@@ -128,7 +128,7 @@ type record struct {
 func consume(t *testing.T, brokers []string, topic string, n int) []record {
 	t.Helper()
 	cfg := sarama.NewConfig()
-	cfg.Version = publisher.MinKafkaVersion
+	cfg.Version = sarama.V2_1_0_0
 	c, err := sarama.NewConsumer(brokers, cfg)
 	require.NoError(t, err)
 	defer c.Close()

@@ -12,9 +12,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// MinKafkaVersion is the lowest protocol version the safe configs accept: the
-// idempotent producer needs 0.11, and 2.1 is Sarama's own default.
-var MinKafkaVersion = sarama.V2_1_0_0
+// minKafkaVersion is the lowest protocol version the safe configs accept
+// (2.1.0): the idempotent producer needs 0.11, and 2.1 is Sarama's own
+// default.
+var minKafkaVersion = sarama.V2_1_0_0
 
 // SaramaProducerConfig returns base (or sarama.NewConfig() when nil) with the
 // settings that make producing safe, overriding whatever base had:
@@ -23,7 +24,7 @@ var MinKafkaVersion = sarama.V2_1_0_0
 //     keeps per-partition order across retries);
 //   - Producer.Retry.Max = 10 (at least), Producer.Return.Successes = true
 //     (the SyncProducer needs it);
-//   - Version raised to at least MinKafkaVersion.
+//   - Version raised to at least 2.1.0.
 //
 // Everything else (TLS, SASL, ClientID, timeouts, compression) passes
 // through, so set security on base.
@@ -83,7 +84,7 @@ func MinConsumerReadTimeout(cfg *sarama.Config) time.Duration {
 //     a shorter one can leave the group rejoining forever after a member
 //     crashes (see [JoinGroupTimeoutMargin]). A base that set either value
 //     itself and broke this rule gets the correction logged on sarama.Logger;
-//   - Consumer.Return.Errors = true; Version at least MinKafkaVersion.
+//   - Consumer.Return.Errors = true; Version at least 2.1.0.
 func SaramaConsumerConfig(base *sarama.Config) *sarama.Config {
 	cfg, note := consumerConfig(base)
 	if note != "" {
@@ -121,8 +122,8 @@ func clone(base *sarama.Config) *sarama.Config {
 		c := *base
 		cfg = &c
 	}
-	if !cfg.Version.IsAtLeast(MinKafkaVersion) {
-		cfg.Version = MinKafkaVersion
+	if !cfg.Version.IsAtLeast(minKafkaVersion) {
+		cfg.Version = minKafkaVersion
 	}
 	return cfg
 }

@@ -411,7 +411,7 @@ func (r *e2eRig) xminHolder(ctx context.Context) string {
 // (from one goroutine at a time) for each of the first n records.
 func (r *e2eRig) readAll(topic string, n int, got func(sentAt int64, now time.Time)) (stop func(), errf func() error) {
 	cfg := sarama.NewConfig()
-	cfg.Version = publisher.MinKafkaVersion
+	cfg.Version = sarama.V2_1_0_0
 	c, err := sarama.NewConsumer(r.brokers, cfg)
 	if err != nil {
 		return func() {}, func() error { return err }
