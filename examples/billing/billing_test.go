@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -74,6 +75,49 @@ func TestDemo(t *testing.T) {
 		require.Equal(t, 3, g.PoisonedEvents, name)
 	}
 	require.Contains(t, out.String(), "OK: every order charged once")
+
+	// The printed trace: order 4's response was lost once and its event
+	// published twice. One processed span per group, the failed attempt
+	// and its retry with the same Idempotency-Key, a duplicate per group.
+	require.Equal(t, "ord-00004", rep.TracedOrder)
+	require.True(t, rep.TracedLost)
+	require.True(t, rep.TracedRepublished)
+	require.Contains(t, out.String(), "the trace of order ord-00004")
+	tr := rep.Trace
+	require.True(t, strings.HasPrefix(tr, "confirm order "), tr)
+	require.Equal(t, 1, strings.Count(tr, "confirm order"), tr)
+	require.Equal(t, 1, countLines(tr, "billing", "outcome=processed"), tr)
+	require.Equal(t, 1, countLines(tr, "notification", "outcome=processed"), tr)
+	require.GreaterOrEqual(t, countLines(tr, "billing", "outcome=failed"), 1, tr)
+	require.GreaterOrEqual(t, countLines(tr, "billing", "outcome=duplicate"), 1, tr)
+	require.GreaterOrEqual(t, countLines(tr, "notification", "outcome=duplicate"), 1, tr)
+	require.GreaterOrEqual(t, countLines(tr, "linked: send "+TopicOrdersConfirmed, "outbox-forwarder"), 1, tr)
+	require.GreaterOrEqual(t, countLines(tr, "linked: send "+TopicBillingCharged, "outbox-forwarder"), 1, tr)
+	keys := regexp.MustCompile(`idempotency_key=(\S+)`).FindAllStringSubmatch(tr, -1)
+	require.GreaterOrEqual(t, len(keys), 2, "the failed attempt and the processed one: %s", tr)
+	for _, k := range keys {
+		require.Equal(t, keys[0][1], k[1], "every attempt sends the same Idempotency-Key")
+	}
+	for _, line := range strings.Split(tr, "\n") {
+		if strings.Contains(line, "outcome=duplicate") {
+			require.NotContains(t, line, "idempotency_key", "a duplicate's handler does not run")
+		}
+	}
+}
+
+// countLines counts the lines of s that contain every one of parts.
+func countLines(s string, parts ...string) int {
+	n := 0
+	for _, line := range strings.Split(s, "\n") {
+		all := true
+		for _, p := range parts {
+			all = all && strings.Contains(line, p)
+		}
+		if all {
+			n++
+		}
+	}
+	return n
 }
 
 // With Brokers set (a real cluster), topics and groups get a per-run suffix,

@@ -17,6 +17,11 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -132,6 +137,15 @@ type demo struct {
 	producer sarama.SyncProducer
 	kclient  sarama.Client // counts the records on orders.confirmed
 
+	// spans receives the spans of every service: each has a TracerProvider
+	// of its own (its service.name), as in a process of its own.
+	spans     *tracetest.InMemoryExporter
+	providers map[string]*sdktrace.TracerProvider
+	// traced is the order whose trace the report shows: its provider
+	// response is lost once and its event is published twice.
+	traced      int
+	tracedTrace trace.TraceID
+
 	provider     *paymentProvider
 	fwd          *outbox.Forwarder
 	billing      *consumer
@@ -171,6 +185,7 @@ func runDemo(ctx context.Context, cfg demoConfig) (rep *report, err error) {
 	if err := d.openPostgres(ctx); err != nil {
 		return nil, err
 	}
+	d.openTracing()
 	if err := d.openKafka(); err != nil {
 		return nil, err
 	}
@@ -241,6 +256,28 @@ func (d *demo) openPostgres(ctx context.Context) error {
 	}
 	d.n = newNames(d.suffix)
 	return nil
+}
+
+// Service names: the service.name of each service's TracerProvider.
+const (
+	serviceOrders       = "order-service"
+	serviceBilling      = "billing"
+	serviceNotification = "notification"
+	serviceForwarder    = "outbox-forwarder"
+)
+
+// openTracing gives each service an SDK TracerProvider of its own, named by
+// its resource's service.name, all exporting synchronously to one in-memory
+// exporter: the report prints one order's trace from it.
+func (d *demo) openTracing() {
+	d.spans = tracetest.NewInMemoryExporter()
+	d.providers = map[string]*sdktrace.TracerProvider{}
+	for _, name := range []string{serviceOrders, serviceBilling, serviceNotification, serviceForwarder} {
+		tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(d.spans),
+			sdktrace.WithResource(resource.NewSchemaless(attribute.String("service.name", name))))
+		d.providers[name] = tp
+		d.onClose(func() error { return tp.Shutdown(context.Background()) })
+	}
 }
 
 // openKafka starts kfake (unless Brokers is set), creates the topics and
@@ -338,7 +375,8 @@ func (d *demo) startServices(ctx context.Context) error {
 	d.bg, d.bgCtx = errgroup.WithContext(ctx)
 	d.stopBG, d.stopAll = context.WithCancel(d.bgCtx)
 
-	d.fwd, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: d.pool, Outbox: d.ob, Producer: d.producer, PollInterval: 20 * time.Millisecond}, d.cfg.Logger)
+	d.fwd, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: d.pool, Outbox: d.ob, Producer: d.producer, PollInterval: 20 * time.Millisecond,
+		TracerProvider: d.providers[serviceForwarder]}, d.cfg.Logger)
 	if err != nil {
 		return err
 	}
@@ -350,7 +388,7 @@ func (d *demo) startServices(ctx context.Context) error {
 	}
 	billingSvc := NewBillingService(p.URL())
 	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, poison,
-		idem.Config{DB: d.pool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob},
+		idem.Config{DB: d.pool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling]},
 		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
 			// The router closes each handler's publisher on shutdown; the
 			// handlers share kafkaPub (closed at the end), so each gets a view
@@ -362,7 +400,7 @@ func (d *demo) startServices(ctx context.Context) error {
 		return err
 	}
 	d.notification, err = d.newConsumer("notification", 1, poison,
-		idem.Config{DB: d.pool, ConsumerGroup: d.n.notification, Table: d.table},
+		idem.Config{DB: d.pool, ConsumerGroup: d.n.notification, Table: d.table, TracerProvider: d.providers[serviceNotification]},
 		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
 			return r.AddConsumerHandler(handler, d.n.orders, sub, NotificationService{}.Handle)
 		})

@@ -8,6 +8,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -62,11 +65,33 @@ type OrderService struct {
 	// Topic the event is written for: an outbox topic (its tables must be
 	// migrated). Defaults to TopicOrdersConfirmed.
 	Topic string
+	// TracerProvider traces Confirm: the business transaction is a span,
+	// "confirm order", the root of the order's trace, and the outbox row
+	// stores its context, so the event's consumers continue that trace.
+	// Defaults to nil: the global provider (no span while no SDK is
+	// installed there).
+	TracerProvider trace.TracerProvider
 }
+
+// OrderServiceTracer is the instrumentation name of the order service's span.
+const OrderServiceTracer = "order-service"
 
 // Confirm stores the order and writes its event to the outbox. It returns the
 // event message (as written) so the demo can re-publish copies of it.
-func (s *OrderService) Confirm(ctx context.Context, o Order) (*message.Message, error) {
+func (s *OrderService) Confirm(ctx context.Context, o Order) (_ *message.Message, err error) {
+	tp := s.TracerProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	ctx, span := tp.Tracer(OrderServiceTracer).Start(ctx, "confirm order", trace.WithSpanKind(trace.SpanKindServer))
+	defer func() {
+		if err != nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+		span.End()
+	}()
+
 	eventID := publisher.NewEventID()
 	now := time.Now().UTC()
 	payload, err := json.Marshal(OrderConfirmed{
@@ -104,6 +129,7 @@ func (s *OrderService) Confirm(ctx context.Context, o Order) (*message.Message, 
 	if topic == "" {
 		topic = TopicOrdersConfirmed
 	}
+	// The row stores ctx's trace context (traceparent), the span above.
 	if err := s.Outbox.PublishInTx(ctx, tx, topic, msg); err != nil {
 		return nil, fmt.Errorf("confirm order %s: outbox: %w", o.ID, err)
 	}

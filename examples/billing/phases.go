@@ -15,6 +15,7 @@ import (
 	"github.com/google/uuid"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -31,8 +32,19 @@ func (d *demo) phase1(ctx context.Context) error {
 			Currency:    []string{"EUR", "USD", "GBP"}[i%3],
 		}
 	}
+	// The first lost response is on the first order whose event is
+	// published twice: the report prints that order's trace, which then
+	// shows a failed attempt, the retry with the same Idempotency-Key and
+	// the skipped copy.
+	d.traced = 3
+	if d.cfg.RedeliverEvery > 0 {
+		d.traced = d.cfg.RedeliverEvery - 1
+	}
+	if len(d.orders) > 0 {
+		d.traced %= len(d.orders)
+	}
 	for i := 0; i < d.cfg.LostResponses && i < len(d.orders); i++ {
-		d.provider.DropResponse(d.orders[(i*7+3)%len(d.orders)].ID)
+		d.provider.DropResponse(d.orders[(d.traced+i*7)%len(d.orders)].ID)
 	}
 	d.rep.LostResponses = min(d.cfg.LostResponses, len(d.orders))
 	d.progress("phase 1: confirming %d orders (orders row + outbox event in one tx), %d lost provider responses, 1 event in %d published twice",
@@ -47,6 +59,9 @@ func (d *demo) phase1(ctx context.Context) error {
 			msg, err := svc.Confirm(ctx, o)
 			if err != nil {
 				return err
+			}
+			if i == d.traced {
+				d.tracedTrace = otelx.Extract(msg).TraceID() // read after eg.Wait
 			}
 			if d.cfg.RedeliverEvery > 0 && (i+1)%d.cfg.RedeliverEvery == 0 {
 				if err := d.kafkaPub.Publish(d.n.orders, msg.Copy()); err != nil {
@@ -149,7 +164,7 @@ func (d *demo) settled() bool {
 
 // orderService writes order.confirmed.v1 to this run's topic.
 func (d *demo) orderService() *OrderService {
-	return &OrderService{DB: d.pool, Outbox: d.ob, Topic: d.n.orders}
+	return &OrderService{DB: d.pool, Outbox: d.ob, Topic: d.n.orders, TracerProvider: d.providers[serviceOrders]}
 }
 
 // waitFor polls cond until it holds, printing progress about once a second.

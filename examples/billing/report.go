@@ -7,6 +7,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/idemkit/watermill-idempotency/internal/harness/spantree"
 )
 
 // groupReport is what one consumer group's handler chain did. Deliveries,
@@ -73,8 +75,15 @@ type report struct {
 	Forwarded       uint64
 	OutboxPruned    int64 // forwarded outbox rows deleted at the end
 	PoisonReasons   []string
-	Elapsed         time.Duration
-	Violations      []string
+	// Trace is one order's trace as an indented tree (spantree.Tree):
+	// TracedOrder, whose provider response was lost once (TracedLost) and
+	// whose event was published twice (TracedRepublished).
+	Trace             string
+	TracedOrder       string
+	TracedLost        bool
+	TracedRepublished bool
+	Elapsed           time.Duration
+	Violations        []string
 }
 
 // Injected is the number of duplicate copies the demo published on purpose.
@@ -132,6 +141,12 @@ func (d *demo) collect(ctx context.Context) {
 	r.Billing.Claims = d.count(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1`, d.n.billing)
 	r.Notification.Claims = d.count(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1`, d.n.notification)
 	r.ChargedOutbox = d.count(ctx, `SELECT count(*) FROM `+d.ob.MessagesTable(d.n.charged))
+	if d.tracedTrace.IsValid() {
+		r.TracedOrder = d.orders[d.traced].ID
+		r.TracedLost = r.LostResponses > 0
+		r.TracedRepublished = d.cfg.RedeliverEvery > 0 && (d.traced+1)%d.cfg.RedeliverEvery == 0
+		r.Trace = spantree.Tree(d.spans.GetSpans(), d.tracedTrace)
+	}
 }
 
 // checkInvariants records every broken invariant in the report's
@@ -214,11 +229,35 @@ func printReport(w io.Writer, r *report) {
 			fmt.Fprintln(w, "  -", reason)
 		}
 	}
+	printTrace(w, r)
 	if len(r.Violations) == 0 {
 		fmt.Fprintf(w, "\nOK: every order charged once, booked once, notified once; every malformed event poisoned (%.1fs)\n", r.Elapsed.Seconds())
 		return
 	}
 	fmt.Fprintf(w, "\nFAILED: %d invariant(s) broken:\n  %s\n", len(r.Violations), strings.Join(r.Violations, "\n  "))
+}
+
+// printTrace writes the traced order's trace, indented under a caption.
+func printTrace(w io.Writer, r *report) {
+	if r.Trace == "" {
+		return
+	}
+	var what []string
+	if r.TracedLost {
+		what = append(what, "its provider response was lost once")
+	}
+	if r.TracedRepublished {
+		what = append(what, "its event was published twice")
+	}
+	about := ""
+	if len(what) > 0 {
+		about = " (" + strings.Join(what, ", and ") + ")"
+	}
+	fmt.Fprintf(w, "\nthe trace of order %s%s:\n", r.TracedOrder, about)
+	fmt.Fprintln(w, "span, service, duration, dedup outcome; indented: parent → child; linked: the forwarder's batch that sent it")
+	for _, line := range strings.Split(strings.TrimRight(r.Trace, "\n"), "\n") {
+		fmt.Fprintln(w, "  "+line)
+	}
 }
 
 // kafkaSkipped is the number of duplicates the demo did not put on the

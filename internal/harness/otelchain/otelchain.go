@@ -18,7 +18,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"sort"
 	"strings"
 	"sync"
 	"testing"
@@ -35,6 +34,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/harness/spantree"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -459,55 +459,8 @@ func AssertNothingLeaks(t testing.TB, spans tracetest.SpanStubs, records ...*sar
 	}
 }
 
-// Tree renders the spans of one trace as an indented tree (children in
-// start order), each line with the span's name, the last element of its
-// instrumentation scope (the service or package), its duration and
-// outcome; spans of other traces that link into it (the forwarder's batch
-// spans) are listed under the span they link to, marked "linked:".
+// Tree renders the spans of one trace as an indented tree: see
+// [spantree.Tree] (the billing demo prints its trees with it too).
 func Tree(spans tracetest.SpanStubs, traceID trace.TraceID) string {
-	byParent := map[trace.SpanID]tracetest.SpanStubs{}
-	linkedTo := map[trace.SpanID]tracetest.SpanStubs{}
-	var roots tracetest.SpanStubs
-	for _, s := range spans {
-		switch {
-		case s.SpanContext.TraceID() != traceID:
-			for _, l := range s.Links {
-				if l.SpanContext.TraceID() == traceID {
-					linkedTo[l.SpanContext.SpanID()] = append(linkedTo[l.SpanContext.SpanID()], s)
-				}
-			}
-		case !s.Parent.IsValid() || s.Parent.TraceID() != traceID:
-			roots = append(roots, s)
-		default:
-			byParent[s.Parent.SpanID()] = append(byParent[s.Parent.SpanID()], s)
-		}
-	}
-	var b strings.Builder
-	line := func(depth int, prefix string, s tracetest.SpanStub) {
-		scope := s.InstrumentationScope.Name[strings.LastIndex(s.InstrumentationScope.Name, "/")+1:]
-		fmt.Fprintf(&b, "%-48s %-14s %8s", strings.Repeat("  ", depth)+prefix+s.Name, scope, s.EndTime.Sub(s.StartTime).Round(10*time.Microsecond))
-		if o := Attr(s, idem.AttrOutcome).AsString(); o != "" {
-			fmt.Fprintf(&b, " outcome=%s", o)
-		}
-		if k := Attr(s, idem.AttrIdempotencyKey).AsString(); k != "" {
-			fmt.Fprintf(&b, " idempotency_key=%s", k)
-		}
-		b.WriteString("\n")
-	}
-	var walk func(depth int, s tracetest.SpanStub)
-	walk = func(depth int, s tracetest.SpanStub) {
-		line(depth, "", s)
-		for _, l := range linkedTo[s.SpanContext.SpanID()] {
-			line(depth+1, "linked: ", l)
-		}
-		kids := byParent[s.SpanContext.SpanID()]
-		sort.Slice(kids, func(i, j int) bool { return kids[i].StartTime.Before(kids[j].StartTime) })
-		for _, k := range kids {
-			walk(depth+1, k)
-		}
-	}
-	for _, r := range roots {
-		walk(0, r)
-	}
-	return b.String()
+	return spantree.Tree(spans, traceID)
 }
