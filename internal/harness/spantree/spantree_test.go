@@ -25,7 +25,7 @@ func TestTree(t *testing.T) {
 	span := func(name string, self, parent trace.SpanContext, startMs, durUs int, service string, attrs ...attribute.KeyValue) tracetest.SpanStub {
 		s := tracetest.SpanStub{
 			Name: name, SpanContext: self, Parent: parent, Attributes: attrs,
-			StartTime: t0.Add(time.Duration(startMs) * time.Millisecond),
+			StartTime:            t0.Add(time.Duration(startMs) * time.Millisecond),
 			InstrumentationScope: instrumentation.Scope{Name: "github.com/idemkit/watermill-idempotency/middleware"},
 			// The SDK's default resource names no service of its own.
 			Resource: resource.NewSchemaless(attribute.String("service.name", "unknown_service:spantree.test")),
