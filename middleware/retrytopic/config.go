@@ -118,7 +118,11 @@ type Config struct {
 	// the delays within a topic alike, so a copy waiting long never holds a
 	// copy due sooner behind it in its partition. Required. Subscribe to
 	// each with a Kafka consumer group of its own (not the main topic's),
-	// through [NewKafkaSubscriberConfig].
+	// through [NewKafkaSubscriberConfig]. Retry topics belong to one dedup
+	// consumer group: another service (another idem.Config.ConsumerGroup)
+	// that consumes the same main topic needs retry topics of its own, or
+	// its retry consumers run this group's copies, ahead of the events
+	// before them in its own stream.
 	Topics []string
 
 	// PoisonTopic receives the messages whose attempts ran out and those

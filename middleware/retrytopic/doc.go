@@ -34,6 +34,8 @@
 //
 // Both handlers use the same dedup middleware (idem.Config.ConsumerGroup
 // "billing"); only the Kafka consumer group of the retry topic differs.
+// The retry and poison topics are billing's own: another service consuming
+// "orders" has retry topics of its own (see [Config.Topics]).
 // [RetryTopic.Middleware] replaces watermill's PoisonQueue: it poisons
 // permanent errors (idem.IsPermanent) itself, with topic_poisoned naming the
 // original topic also for a copy that fails on a retry topic.

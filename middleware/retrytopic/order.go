@@ -181,6 +181,25 @@ func (o *keyOrder) releaseUnlessDone(ctx context.Context, pk *parking) error {
 	return o.releaseNow(ctx, pk)
 }
 
+// settle releases pk's row after a copy that found none succeeded. park
+// publishes the copy before it commits the row, so the copy can be consumed
+// while the row is still uncommitted, invisible to look. The probe INSERT
+// waits on the primary key for such a transaction to end; when it
+// committed, the probe inserts nothing and the DELETE removes the committed
+// row (released is true); otherwise the DELETE removes the probe's own row.
+func (o *keyOrder) settle(ctx context.Context, pk *parking) (released bool, err error) {
+	err = pgx.BeginFunc(ctx, o.cfg.DB, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(ctx, `INSERT INTO `+o.table()+` (consumer_group, partition_key, event_id, topic, not_before)
+VALUES ($1, $2, $3, '', now()) ON CONFLICT (consumer_group, partition_key, event_id) DO NOTHING`, pk.group, pk.key, pk.id)
+		if err != nil {
+			return fmt.Errorf("retrytopic: settle parked key: %w", err)
+		}
+		released = tag.RowsAffected() == 0
+		return o.release(ctx, tx, pk)
+	})
+	return released && err == nil, err
+}
+
 type releaseKey struct{}
 
 func withRelease(ctx context.Context, pk *parking) context.Context {

@@ -111,11 +111,25 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		produced, err := h(msg)
 		if err == nil {
-			if pk != nil && pk.parked {
+			switch {
+			case pk != nil && pk.parked:
 				if err := r.order.releaseUnlessDone(ctx, pk); err != nil {
 					return nil, err
 				}
 				r.stats.released.Add(1)
+			case pk != nil && onRetry:
+				// The copy found no row of its own, but it may have
+				// overtaken the transaction that parks it (a follower's
+				// copy is due at once): wait for that transaction, and
+				// release the row it committed, or the key would stay
+				// parked behind an event that is done.
+				released, err := r.order.settle(ctx, pk)
+				if err != nil {
+					return nil, err
+				}
+				if released {
+					r.stats.released.Add(1)
+				}
 			}
 			if onRetry {
 				r.stats.recovered.Add(1)
