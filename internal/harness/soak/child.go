@@ -4,10 +4,13 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log"
 	"os"
 	"os/signal"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,11 +21,15 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -66,6 +73,9 @@ type childConfig struct {
 	Brokers     []string `json:"brokers"`
 	Topic       string   `json:"topic"`
 	DLQ         string   `json:"dlq"`
+	RetryTopics []string `json:"retry_topics"`
+	PoisonTopic string   `json:"poison_topic"`
+	Retries     int      `json:"in_process_retries"` // MaxRetries of watermill's Retry
 	Group       string   `json:"group"`
 	Instance    string   `json:"instance"`
 	CopyToDLQ   bool     `json:"copy_to_dlq"`
@@ -77,22 +87,44 @@ type childConfig struct {
 
 // The consumer-to-soak protocol: one line on standard output per event.
 const (
-	lineReady     = "ready"
-	lineDelivery  = "d"   // a message reached the outer middleware
-	lineApplied   = "a"   // the handler ran and its transaction committed
-	lineDuplicate = "u"   // acked without running the handler
-	lineFailed    = "f"   // error returned: nacked, redelivered
-	lineDLQ       = "q"   // a copy was published to the dead-letter topic
-	lineKill      = "k "  // + fault kind: about to SIGKILL itself
-	lineViolation = "v "  // + description
-	cmdKillMid    = "mid" // soak-to-consumer commands, on standard input
-	cmdKillCommit = "commit"
+	lineReady         = "ready"
+	lineDelivery      = "d"   // a message of the main topic reached the outer middleware
+	lineDeliveryRetry = "dr"  // a message of a retry topic did
+	lineApplied       = "a"   // the handler ran and its transaction committed
+	lineAppliedRetry  = "ar"  // the same, for a message of a retry topic
+	lineDuplicate     = "u"   // acked without running the handler
+	lineFailed        = "f"   // error returned: nacked, redelivered
+	lineTransient     = "t"   // the handler returned a planned transient failure
+	lineEscalated     = "r "  // + attempt + " " + event id: moved to a retry topic after a failure
+	lineDeferred      = "s"   // acked to the retry path without running: follows its key's parked event, or is already there
+	linePoisoned      = "p "  // + event id + reason: published to the poison topic
+	lineDLQ           = "q "  // + event id: a copy was published to the dead-letter topic
+	lineKill          = "k "  // + fault kind: about to SIGKILL itself
+	lineJoined        = "j"   // every consumer group of the process has had its first session
+	lineViolation     = "v "  // + description
+	cmdKillMid        = "mid" // soak-to-consumer commands, on standard input
+	cmdKillCommit     = "commit"
+)
+
+// The retry-topic settings of the consumers: short delays, so that a soak
+// does not wait for its copies, and enough attempts to outlast a database
+// disruption (the delays add up to 11 s, ±20 %) so that no event is
+// poisoned.
+const (
+	retryMaxAttempts  = 8
+	retryInitialDelay = 200 * time.Millisecond
+	retryMaxDelay     = 2 * time.Second
 )
 
 // tableConfig is the processed_event table of a run, for the soak and its
 // consumer processes alike.
 func tableConfig(schema string) deduplicator.TableConfig {
 	return deduplicator.TableConfig{Schema: schema}
+}
+
+// parkedTable is the parked-keys table of a run (retrytopic.KeyOrder).
+func parkedTable(schema string) retrytopic.ParkedKeysTable {
+	return retrytopic.ParkedKeysTable{Schema: schema}
 }
 
 // pgPool opens a pool on the run's database and schema, its connections
@@ -110,11 +142,21 @@ func pgPool(ctx context.Context, url, database, schema, applicationName string, 
 }
 
 type child struct {
-	cfg    childConfig
-	pool   *pgxpool.Pool
-	dlqPub *kafka.Publisher
-	armed  atomic.Int32 // pendingKillMid / pendingKillCommit
-	outMu  sync.Mutex
+	cfg  childConfig
+	pool *pgxpool.Pool
+	// downPool is the planned failures' "downstream": the handler counts
+	// an event's failures through it while it holds the transaction's
+	// connection of pool.
+	downPool *pgxpool.Pool
+	dlqPub   *kafka.Publisher
+	rt       *retrytopic.RetryTopic
+	poisoned sync.Map     // message UUID → true: published to the poison topic
+	armed    atomic.Int32 // pendingKillMid / pendingKillCommit
+
+	sessMu    sync.Mutex
+	joined    []bool      // per subscriber: its consumer group has had a session
+	allJoined atomic.Bool // every one has: the armed kills may run
+	outMu     sync.Mutex
 }
 
 // emit writes one protocol line, unbuffered: a line written before a
@@ -161,6 +203,10 @@ func runConsumer(cfg childConfig) error {
 		return err
 	}
 	defer c.pool.Close()
+	if c.downPool, err = pgPool(ctx, cfg.DatabaseURL, cfg.Database, cfg.Schema, cfg.AppName, 2); err != nil {
+		return err
+	}
+	defer c.downPool.Close()
 	// The database may be refusing connections (a disruption): retry.
 	var dedup *idem.Dedup
 	if err := retry(ctx, "dedup middleware", func() error {
@@ -173,30 +219,73 @@ func runConsumer(cfg childConfig) error {
 	}); err != nil {
 		return err
 	}
-	// The library's default Sarama settings: only the brokers and the group.
-	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: cfg.Brokers}, cfg.Group)
+	kc := publisher.KafkaConfig{Brokers: cfg.Brokers}
+	pc, err := publisher.NewKafkaPublisherConfig(kc)
 	if err != nil {
 		return err
 	}
-	sub, err := kafka.NewSubscriber(subCfg, logger)
+	pub, err := kafka.NewPublisher(pc, logger)
 	if err != nil {
 		return err
 	}
+	defer pub.Close()
 	if cfg.CopyToDLQ {
-		pc, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: cfg.Brokers})
-		if err != nil {
-			return err
-		}
-		if c.dlqPub, err = kafka.NewPublisher(pc, logger); err != nil {
-			return err
-		}
-		defer c.dlqPub.Close()
+		c.dlqPub = pub
+	}
+	// The retry topics as docs/retry.md wires them, with KeyOrder (the
+	// soak checks each aggregate's order): its parked-keys check reads the
+	// database, which may be refusing connections.
+	if err := retry(ctx, "retry-topic middleware", func() error {
+		c.rt, err = retrytopic.New(retrytopic.Config{
+			Publisher:   tapPublisher{Publisher: pub, c: c},
+			Topics:      cfg.RetryTopics,
+			PoisonTopic: cfg.PoisonTopic,
+			MaxAttempts: retryMaxAttempts,
+			Backoff:     retrytopic.Backoff{Initial: retryInitialDelay, Max: retryMaxDelay},
+			KeyOrder:    &retrytopic.KeyOrder{DB: c.pool, ConsumerGroup: cfg.Group, Table: parkedTable(cfg.Schema)},
+		}, logger)
+		return err
+	}); err != nil {
+		return err
+	}
+	inProcess := middleware.Retry{
+		MaxRetries:      cfg.Retries,
+		InitialInterval: 10 * time.Millisecond,
+		ShouldRetry:     func(p middleware.RetryParams) bool { return !idem.IsPermanent(p.Err) },
 	}
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 20 * time.Second}, logger)
 	if err != nil {
 		return err
 	}
-	router.AddConsumerHandler("soak-"+cfg.Instance, cfg.Topic, sub, c.outer(ctx, dedup.Middleware(c.handler)))
+	// docs/retry.md's chain, with the soak's reporting middlewares around
+	// the retry-topic middleware and around each in-process attempt.
+	router.AddMiddleware(c.outer(ctx), c.rt.Middleware, inProcess.Middleware, c.attempt, dedup.Middleware, c.rt.ReleaseMiddleware)
+	// The library's default Sarama settings: only the brokers and the group.
+	c.joined = make([]bool, 1+len(cfg.RetryTopics))
+	subCfg, err := publisher.NewKafkaSubscriberConfig(kc, cfg.Group)
+	if err != nil {
+		return err
+	}
+	subCfg.Tracer = sessionTracer{next: subCfg.Tracer, c: c, i: 0}
+	sub, err := kafka.NewSubscriber(subCfg, logger)
+	if err != nil {
+		return err
+	}
+	router.AddConsumerHandler("soak-"+cfg.Instance, cfg.Topic, sub, c.handler)
+	// A retry consumer per retry topic, each in a Kafka consumer group of
+	// its own; the dedup consumer group is the same.
+	for i, topic := range cfg.RetryTopics {
+		rc, err := retrytopic.NewKafkaSubscriberConfig(kc, retryGroup(cfg.Group, i))
+		if err != nil {
+			return err
+		}
+		rc.Tracer = sessionTracer{next: rc.Tracer, c: c, i: 1 + i}
+		rsub, err := kafka.NewSubscriber(rc, logger)
+		if err != nil {
+			return err
+		}
+		router.AddConsumerHandler(fmt.Sprintf("soak-%s-retry%d", cfg.Instance, i+1), topic, rsub, c.handler)
+	}
 	go func() {
 		select {
 		case <-router.Running():
@@ -207,54 +296,121 @@ func runConsumer(cfg childConfig) error {
 	return router.Run(ctx) // until SIGTERM: Close leaves the group, in-flight messages are not acked
 }
 
-// outer sits outside the dedup middleware: it reports deliveries, applied
-// messages and absorbed duplicates, copies the first group's applied DLQ
-// events to the dead-letter topic, and dies after COMMIT when armed.
-func (c *child) outer(ctx context.Context, next message.HandlerFunc) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) error {
-		d := &delivery{}
-		msg.SetContext(context.WithValue(msg.Context(), stateKey{}, d))
-		c.emit(lineDelivery)
-		_, err := next(msg)
-		switch {
-		case err != nil && idem.IsPermanent(err):
-			c.emit(lineViolation + "permanent error (would go to the poison queue): " + oneLine(err.Error()))
-			return nil
-		case err != nil:
-			c.emit(lineFailed)
-			return err
-		case !d.ran:
-			c.emit(lineDuplicate)
-			return nil
-		}
-		c.emit(lineApplied)
-		if c.dlqPub != nil && msg.Metadata.Get(metaDLQ) == "1" {
-			m := message.NewMessage(watermill.NewUUID(), msg.Payload)
-			for k, v := range msg.Metadata {
-				if k != metaDLQ {
-					m.Metadata.Set(k, v)
+// outer sits outside the retry-topic middleware: it reports deliveries,
+// applied messages, absorbed duplicates and messages sent along the retry
+// path, copies the first group's applied DLQ events to the dead-letter
+// topic, and dies after COMMIT when armed.
+func (c *child) outer(ctx context.Context) message.HandlerMiddleware {
+	return func(next message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			d := &delivery{}
+			msg.SetContext(context.WithValue(msg.Context(), stateKey{}, d))
+			onRetry := c.rt.IsRetryTopic(message.SubscribeTopicFromCtx(msg.Context()))
+			if onRetry {
+				c.emit(lineDeliveryRetry)
+			} else {
+				c.emit(lineDelivery)
+			}
+			produced, err := next(msg)
+			switch {
+			case err != nil:
+				c.emit(lineFailed)
+				return nil, err
+			case !d.reached:
+				// KeyOrder: sent behind its key's parked event, or already
+				// on the retry path.
+				c.emit(lineDeferred)
+				return produced, nil
+			case d.err != nil:
+				// The retry-topic middleware acked a failure (the handler
+				// may have run, its transaction did not commit, or its
+				// COMMIT's outcome is unknown): moved to the retry topic of
+				// the next attempt, or poisoned.
+				if _, poisoned := c.poisoned.LoadAndDelete(msg.UUID); !poisoned {
+					attempt, _ := strconv.Atoi(msg.Metadata.Get(retrytopic.MetadataAttempt))
+					if !onRetry {
+						attempt = 0
+					}
+					c.emit(lineEscalated + strconv.Itoa(attempt+1) + " " + msg.Metadata.Get(publisher.MetadataEventID))
+				}
+				return produced, nil
+			case d.ran && onRetry:
+				c.emit(lineAppliedRetry)
+			case d.ran:
+				c.emit(lineApplied)
+			default:
+				c.emit(lineDuplicate)
+				return produced, nil
+			}
+			if c.dlqPub != nil && msg.Metadata.Get(metaDLQ) == "1" {
+				// As a dead-letter replay does (poison.Replay): without the
+				// retry headers of the copy that was applied.
+				m := message.NewMessage(watermill.NewUUID(), msg.Payload)
+				for k, v := range msg.Metadata {
+					if k != metaDLQ && !slices.Contains(retrytopic.Headers(), k) {
+						m.Metadata.Set(k, v)
+					}
+				}
+				if err := retry(ctx, "publish to dlq", func() error { return c.dlqPub.Publish(c.cfg.DLQ, m) }); err == nil {
+					c.emit(lineDLQ + msg.Metadata.Get(publisher.MetadataEventID))
 				}
 			}
-			if err := retry(ctx, "publish to dlq", func() error { return c.dlqPub.Publish(c.cfg.DLQ, m) }); err == nil {
-				c.emit(lineDLQ)
+			if c.allJoined.Load() && c.armed.CompareAndSwap(pendingKillCommit, pendingNone) {
+				// COMMIT happened, the ack will not: the next owner gets the
+				// message again and must absorb it as a duplicate.
+				c.die(faultKillCommit)
 			}
+			return produced, nil
 		}
-		if c.armed.CompareAndSwap(pendingKillCommit, pendingNone) {
-			// COMMIT happened, the ack will not: the next owner gets the
-			// message again and must absorb it as a duplicate.
-			c.die(faultKillCommit)
-		}
-		return nil
 	}
 }
 
+// attempt wraps each in-process attempt (inside watermill's Retry): the
+// outer middleware learns whether the chain ran and how its last attempt
+// ended.
+func (c *child) attempt(next message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		d, _ := msg.Context().Value(stateKey{}).(*delivery)
+		if d != nil {
+			d.reached, d.ran = true, false
+		}
+		produced, err := next(msg)
+		if d != nil {
+			d.err = err
+		}
+		return produced, err
+	}
+}
+
+// tapPublisher is the retry-topic middleware's publisher: it reports each
+// message published to the poison topic.
+type tapPublisher struct {
+	message.Publisher
+	c *child
+}
+
+func (t tapPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if err := t.Publisher.Publish(topic, msgs...); err != nil {
+		return err
+	}
+	if topic == t.c.cfg.PoisonTopic {
+		for _, m := range msgs {
+			t.c.poisoned.Store(m.UUID, true)
+			t.c.emit(linePoisoned + m.Metadata.Get(publisher.MetadataEventID) + " " + oneLine(m.Metadata.Get(middleware.ReasonForPoisonedKey)))
+		}
+	}
+	return nil
+}
+
 // handler applies the event: one ledger row in the middleware's transaction
-// (or, for the broken handler of the checker's own test, through the pool).
-func (c *child) handler(msg *message.Message) ([]*message.Message, error) {
+// (or, for the broken handler of the checker's own test, through the pool),
+// then, for an event planned to fail, the call to a downstream that is down
+// for it until it has failed as often as planned.
+func (c *child) handler(msg *message.Message) error {
 	ctx := msg.Context()
 	var p payload
 	if err := json.Unmarshal(msg.Payload, &p); err != nil {
-		return nil, idem.Permanent(fmt.Errorf("%w: %v", idem.ErrMalformedPayload, err))
+		return idem.Permanent(fmt.Errorf("%w: %v", idem.ErrMalformedPayload, err))
 	}
 	id, _ := idem.EventIDFromContext(ctx)
 	var db interface {
@@ -263,18 +419,117 @@ func (c *child) handler(msg *message.Message) ([]*message.Message, error) {
 	if c.cfg.Unsafe {
 		db = c.pool
 	}
-	if _, err := db.Exec(ctx, `INSERT INTO soak_ledger (grp, event_id, aggregate, seq, amount) VALUES ($1, $2, $3, $4, $5)`,
-		c.cfg.Group, id, p.Aggregate, p.Seq, p.Amount); err != nil {
-		return nil, err
+	if _, err := db.Exec(ctx, `INSERT INTO soak_ledger (grp, event_id, aggregate, seq, amount, topic, attempt, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
+		c.cfg.Group, id, p.Aggregate, p.Seq, p.Amount, message.SubscribeTopicFromCtx(ctx), msg.Metadata.Get(retrytopic.MetadataAttempt), c.cfg.Instance); err != nil {
+		return err
 	}
-	if c.armed.CompareAndSwap(pendingKillMid, pendingNone) {
+	if p.Fail > 0 {
+		// After the ledger row: the failure rolls it back.
+		if err := c.downstream(ctx, id, p.Fail); err != nil {
+			return err
+		}
+	}
+	if c.allJoined.Load() && c.armed.CompareAndSwap(pendingKillMid, pendingNone) {
 		// Inside the transaction: business row written, not committed.
 		c.die(faultKillMid)
 	}
 	if d, ok := ctx.Value(stateKey{}).(*delivery); ok {
 		d.ran = true
 	}
-	return nil, nil
+	return nil
+}
+
+// downstream fails transiently until the event has failed fail times in
+// this group. The count is kept in soak_failure, written outside the
+// handler's transaction (on downPool), so neither the rollback of the
+// failed attempt nor a kill loses it: the plan's failures happen once each,
+// on whichever delivery, copy or process comes next.
+func (c *child) downstream(ctx context.Context, id uuid.UUID, fail int) error {
+	var n int
+	err := c.downPool.QueryRow(ctx, `INSERT INTO soak_failure (grp, event_id, failures) VALUES ($1, $2, 1)
+ON CONFLICT (grp, event_id) DO UPDATE SET failures = soak_failure.failures + 1 WHERE soak_failure.failures < $3
+RETURNING failures`, c.cfg.Group, id, fail).Scan(&n)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return nil // failed as often as planned: up again
+	case err != nil:
+		return fmt.Errorf("soak: downstream: %w", err)
+	}
+	c.emit(lineTransient)
+	return fmt.Errorf("soak: downstream unavailable for event %s (planned failure %d of %d)", id, n, fail)
+}
+
+// session records that subscriber i's consumer group has set up a session
+// (its first JoinGroup and SyncGroup are done), and reports when every
+// consumer group of the process has.
+func (c *child) session(i int) {
+	c.sessMu.Lock()
+	defer c.sessMu.Unlock()
+	if c.joined[i] {
+		return
+	}
+	c.joined[i] = true
+	if !slices.Contains(c.joined, false) {
+		c.allJoined.Store(true)
+		c.emit(lineJoined)
+	}
+}
+
+// sessionTracer wraps a subscriber's tracer (nil, or the retry topics'
+// HoldingTracer) to see its consumer group's first session start. The
+// soak's faults kill a process only once each of its three consumer groups
+// has completed its first join: kfake never expires a member killed while
+// its first JoinGroup is pending, and the group then stalls until a
+// rebalance times out (docs/soak.md, "The consumer-group livelock"). With
+// one group per process, "has consumed a message" was enough to tell; with
+// three, a process consumes its main topic while a retry group's first
+// join may still be pending. Killing a member during that join is the
+// crash-loop fault's business.
+type sessionTracer struct {
+	next kafka.SaramaTracer
+	c    *child
+	i    int
+}
+
+func (t sessionTracer) WrapConsumer(c sarama.Consumer) sarama.Consumer {
+	if t.next != nil {
+		return t.next.WrapConsumer(c)
+	}
+	return c
+}
+
+func (t sessionTracer) WrapPartitionConsumer(pc sarama.PartitionConsumer) sarama.PartitionConsumer {
+	if t.next != nil {
+		return t.next.WrapPartitionConsumer(pc)
+	}
+	return pc
+}
+
+func (t sessionTracer) WrapConsumerGroupHandler(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
+	if t.next != nil {
+		h = t.next.WrapConsumerGroupHandler(h)
+	}
+	return sessionHandler{ConsumerGroupHandler: h, t: t}
+}
+
+func (t sessionTracer) WrapSyncProducer(cfg *sarama.Config, p sarama.SyncProducer) sarama.SyncProducer {
+	if t.next != nil {
+		return t.next.WrapSyncProducer(cfg, p)
+	}
+	return p
+}
+
+type sessionHandler struct {
+	sarama.ConsumerGroupHandler
+	t sessionTracer
+}
+
+func (h sessionHandler) Setup(s sarama.ConsumerGroupSession) error {
+	err := h.ConsumerGroupHandler.Setup(s)
+	if err == nil {
+		h.t.c.session(h.t.i)
+	}
+	return err
 }
 
 func oneLine(s string) string { return strings.ReplaceAll(s, "\n", " ") }

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -24,6 +25,9 @@ type payload struct {
 	Aggregate int    `json:"aggregate"`
 	Seq       int    `json:"seq"`
 	Amount    int64  `json:"amount"`
+	// Fail is how many times the handler fails transiently on the event
+	// before it succeeds (the plan's failure marks; 0 for most events).
+	Fail int `json:"fail,omitempty"`
 }
 
 // group is one consumer group: its live consumer processes and counters.
@@ -39,7 +43,23 @@ type group struct {
 	resetting bool
 
 	deliveries, applied, duplicates, failed atomic.Int64
+
+	// The retry-topic leg (see [GroupReport]).
+	retryDeliveries, appliedFromRetry, deferred atomic.Int64
+	escalated, poisoned, maxAttempt             atomic.Int64
+	escalatedIDs                                sync.Map // event id → true
 }
+
+// retryGroup is the Kafka consumer group of a group's consumers of retry
+// topic i (the dedup consumer group stays the group's name).
+func retryGroup(group string, i int) string { return fmt.Sprintf("%s-retry%d", group, i+1) }
+
+// inProcessRetries is the MaxRetries of each group's watermill Retry, inside
+// the retry-topic middleware: the first group retries once in process (an
+// event planned to fail once never leaves its partition, one failing 2 or 3
+// times goes to a retry topic once), the second not at all (every failure
+// goes to a retry topic: attempts 1 to 3, over both retry topics).
+var inProcessRetries = [2]int{1, 0}
 
 // Pending faults a consumer executes on its next applied message.
 const (
@@ -59,6 +79,9 @@ type instance struct {
 	// consuming is set at the process's first delivery: it has completed
 	// a JoinGroup and a SyncGroup and owns partitions.
 	consuming atomic.Bool
+	// joined is set once every consumer group of the process (the main
+	// topic's and the retry topics') has completed its first join.
+	joined atomic.Bool
 	// expected is set before the process ends on purpose: "stop" (SIGTERM,
 	// graceful), "sigkill" (the soak killed it) or a fault kind (it killed
 	// itself). Any other end is a violation.
@@ -70,9 +93,15 @@ type instance struct {
 
 type stateKey struct{}
 
-// delivery is shared by the outer middleware and the handler through the
-// message context (the dedup middleware keeps the context's values).
-type delivery struct{ ran bool }
+// delivery is shared by the outer middleware, the per-attempt middleware
+// and the handler through the message context (the retry-topic and dedup
+// middlewares keep the context's values): reached, the chain inside the
+// retry-topic middleware ran; err, how its last attempt ended; ran, the
+// handler of the last attempt got through.
+type delivery struct {
+	reached, ran bool
+	err          error
+}
 
 // start starts a consumer process and waits until its router runs. It
 // starts none (nil) during an offset reset, which starts the instances
@@ -93,9 +122,10 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 	inst.name = fmt.Sprintf("%s-i%d", g.name, inst.id)
 	maxConns := int32(4)
 	if h.cfg.UnsafeLedgerOutsideTx {
-		// Each concurrently handled partition holds a transaction and needs
-		// a second connection for the unsafe write.
-		maxConns = 2*h.cfg.Partitions + 2
+		// Each concurrently handled partition (of the main topic and of
+		// each retry topic) holds a transaction and needs a second
+		// connection for the unsafe write.
+		maxConns = h.cfg.Partitions*int32(1+len(h.retryTopics(g.idx))) + 2
 	}
 	cc, err := json.Marshal(childConfig{
 		DatabaseURL: h.cfg.DatabaseURL,
@@ -105,6 +135,9 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		Brokers:     h.brokers,
 		Topic:       h.topic,
 		DLQ:         h.dlq,
+		RetryTopics: h.retryTopics(g.idx),
+		PoisonTopic: h.poisonTopic(g.idx),
+		Retries:     inProcessRetries[g.idx%len(inProcessRetries)],
 		Group:       g.name,
 		Instance:    inst.name,
 		CopyToDLQ:   g.idx == 0 && h.cfg.DLQPercent > 0,
@@ -164,14 +197,40 @@ func (inst *instance) readStdout(r io.Reader) {
 		case line == lineDelivery:
 			g.deliveries.Add(1)
 			inst.consuming.Store(true)
+		case line == lineDeliveryRetry:
+			g.deliveries.Add(1)
+			g.retryDeliveries.Add(1)
+			inst.consuming.Store(true)
 		case line == lineApplied:
 			g.applied.Add(1)
+		case line == lineAppliedRetry:
+			g.applied.Add(1)
+			g.appliedFromRetry.Add(1)
+		case line == lineDeferred:
+			g.deferred.Add(1)
+		case strings.HasPrefix(line, lineEscalated):
+			attempt, id, _ := strings.Cut(strings.TrimPrefix(line, lineEscalated), " ")
+			g.escalated.Add(1)
+			g.escalatedIDs.Store(id, true)
+			if n, err := strconv.ParseInt(attempt, 10, 64); err == nil {
+				for {
+					m := g.maxAttempt.Load()
+					if n <= m || g.maxAttempt.CompareAndSwap(m, n) {
+						break
+					}
+				}
+			}
+		case strings.HasPrefix(line, linePoisoned):
+			g.poisoned.Add(1)
+			h.violation("%s: poisoned (the retry path gave up): %s", inst.name, strings.TrimPrefix(line, linePoisoned))
 		case line == lineDuplicate:
 			g.duplicates.Add(1)
 		case line == lineFailed:
 			g.failed.Add(1)
-		case line == lineDLQ:
-			h.dlqSent.Add(1)
+		case strings.HasPrefix(line, lineDLQ):
+			h.dlqSentIDs.Store(strings.TrimPrefix(line, lineDLQ), true)
+		case line == lineJoined:
+			inst.joined.Store(true)
 		case line == lineReady:
 			close(inst.ready)
 		case strings.HasPrefix(line, lineKill):
@@ -331,15 +390,17 @@ func (inst *instance) arm(p int32) bool {
 
 // killOne sends SIGKILL to a consuming instance chosen by pick, at whatever
 // point it is (fetching, inside a transaction, committing, between commit
-// and ack, rejoining during a rebalance). Instances that have not consumed
-// yet are not chosen: killing one that never finished its first join is the
-// crash-loop fault's business (see [group.crashLoop]).
+// and ack, holding a retry copy, rejoining during a rebalance). Instances
+// that have not consumed yet, or one of whose consumer groups has not
+// completed its first join, are not chosen: killing one that never
+// finished its first join is the crash-loop fault's business (see
+// [group.crashLoop] and [sessionTracer]).
 func (g *group) killOne(pick uint64) bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	var consuming []*instance
 	for _, inst := range g.live {
-		if inst.consuming.Load() {
+		if inst.consuming.Load() && inst.joined.Load() {
 			consuming = append(consuming, inst)
 		}
 	}

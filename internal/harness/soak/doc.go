@@ -3,7 +3,9 @@
 // with faults injected at seeded random moments (processes killed with
 // SIGKILL, the database refusing connections, rebalances, offset resets...),
 // and a checker of the invariant "every event applied exactly once per
-// consumer group" at the end.
+// consumer group" at the end. A share of the events fail transiently in the
+// consumers' handler and go through retry topics (middleware/retrytopic,
+// wired as docs/retry.md shows) before they succeed.
 //
 // [Run] builds everything in a fresh PostgreSQL database (dropped afterwards)
 // and an in-process Kafka-protocol broker (or the cluster in

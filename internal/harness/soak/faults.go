@@ -379,3 +379,22 @@ func (h *harness) lag(groupName, topic string) (int64, error) {
 	}
 	return lag, nil
 }
+
+// records returns the number of records on topic (the sum of its
+// partitions' high-water marks).
+func (h *harness) records(topic string) (int64, error) {
+	client, err := sarama.NewClient(h.brokers, sarama.NewConfig())
+	if err != nil {
+		return 0, err
+	}
+	defer client.Close()
+	var n int64
+	for p := range h.cfg.Partitions {
+		hw, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return 0, err
+		}
+		n += hw
+	}
+	return n, nil
+}

@@ -14,11 +14,21 @@ type event struct {
 	amount    int64
 	dlq       bool // copied to the dead-letter topic after group 1 applied it, then replayed
 	double    bool // published twice, concurrently
+	// fail is how many times the handler fails transiently on this event
+	// (in each group) before it succeeds: 0, or 1 to [maxPlannedFailures]
+	// for [Config.RetryPercent] of the events. It travels in the payload.
+	fail int
 }
 
-// makePlan derives the events from the seed.
+// maxPlannedFailures is the most transient failures planned for one event.
+const maxPlannedFailures = 3
+
+// makePlan derives the events from the seed. The planned failures come
+// from a stream of their own, so the rest of a seed's plan is the same with
+// or without them.
 func makePlan(cfg Config) []event {
 	r := rand.New(rand.NewPCG(cfg.Seed, 0x5eed_e7e7))
+	rf := rand.New(rand.NewPCG(cfg.Seed, 0xfa11_5eed))
 	seqs := make([]int, cfg.Aggregates)
 	plan := make([]event, cfg.Events)
 	for i := range plan {
@@ -30,6 +40,9 @@ func makePlan(cfg Config) []event {
 			amount:    1 + r.Int64N(1000),
 			dlq:       r.IntN(100) < cfg.DLQPercent,
 			double:    r.IntN(100) < cfg.DoublePercent,
+		}
+		if rf.IntN(100) < cfg.RetryPercent {
+			plan[i].fail = 1 + rf.IntN(maxPlannedFailures)
 		}
 	}
 	return plan

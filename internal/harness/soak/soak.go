@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 )
 
 // Defaults of [Config].
@@ -33,6 +34,7 @@ const (
 	DefaultProducers       = 8
 	DefaultDLQPercent      = 10
 	DefaultDoublePercent   = 2
+	DefaultRetryPercent    = 5
 	DefaultTimeout         = 15 * time.Minute
 	DefaultOutage          = 3 * time.Second
 )
@@ -64,6 +66,14 @@ type Config struct {
 	// DoublePercent of the events are published a second time, concurrently
 	// with the first. Defaults to [DefaultDoublePercent]; negative means none.
 	DoublePercent int
+	// RetryPercent of the events fail transiently 1 to 3 times (drawn from
+	// the seed) in each group's handler before they succeed: the
+	// retry-topic leg. The consumers always run the retry-topic chain of
+	// docs/retry.md (retrytopic.RetryTopic with KeyOrder outside
+	// watermill's Retry, a retry consumer per retry topic in each process);
+	// the failures make events go through it. Defaults to
+	// [DefaultRetryPercent]; negative means none.
+	RetryPercent int
 	// Faults is how many of each fault kind to inject (offset resets: per
 	// group, at most 1 by default). Defaults to [FullFaults].
 	Faults FaultCounts
@@ -142,7 +152,8 @@ func (c *Config) setDefaults() {
 	def(&c.Producers, DefaultProducers)
 	def(&c.DLQPercent, DefaultDLQPercent)
 	def(&c.DoublePercent, DefaultDoublePercent)
-	c.DLQPercent, c.DoublePercent = max(c.DLQPercent, 0), max(c.DoublePercent, 0) // negative: none
+	def(&c.RetryPercent, DefaultRetryPercent)
+	c.DLQPercent, c.DoublePercent, c.RetryPercent = max(c.DLQPercent, 0), max(c.DoublePercent, 0), max(c.RetryPercent, 0) // negative: none
 	if c.Partitions == 0 {
 		c.Partitions = DefaultPartitions
 	}
@@ -170,8 +181,8 @@ func (c Config) Validate() error {
 		return errors.New("field DatabaseURL: required")
 	case c.Events < 1, c.Aggregates < 1, c.Partitions < 1, c.Instances < 1, c.SecondInstances < 1, c.Producers < 1:
 		return errors.New("fields Events, Aggregates, Partitions, Instances, SecondInstances, Producers: must be positive")
-	case c.DLQPercent < 0 || c.DLQPercent > 100, c.DoublePercent < 0 || c.DoublePercent > 100:
-		return errors.New("fields DLQPercent, DoublePercent: must be in [0, 100]")
+	case c.DLQPercent < 0 || c.DLQPercent > 100, c.DoublePercent < 0 || c.DoublePercent > 100, c.RetryPercent < 0 || c.RetryPercent > 100:
+		return errors.New("fields DLQPercent, DoublePercent, RetryPercent: must be in [0, 100]")
 	}
 	return nil
 }
@@ -208,9 +219,14 @@ type Report struct {
 	// OutboxRows is the number of outbox rows written (all forwarded when
 	// the run passes); 0 with DirectPublish.
 	OutboxRows int
-	// DLQReplayed and DoublePublished count the duplicate copies sent.
+	// DLQReplayed counts the events copied to the dead-letter topic (and
+	// replayed), DoublePublished the events published twice.
 	DLQReplayed     int
 	DoublePublished int
+	// RetryEvents are the events planned to fail transiently (in each
+	// group), RetryFailures the failures planned for them in all
+	// ([Config.RetryPercent]).
+	RetryEvents, RetryFailures int
 	// Per consumer group.
 	Groups []GroupReport
 	// Violations of the invariants; empty means the run passed.
@@ -220,10 +236,12 @@ type Report struct {
 // GroupReport is one consumer group's view.
 type GroupReport struct {
 	Name string
-	// Deliveries reached the dedup middleware; Applied committed the
-	// handler's effect; Duplicates were acknowledged without running the
-	// handler; Failed returned an error (injected fault, terminated backend)
-	// and were redelivered.
+	// Deliveries reached the consumer's chain (from the main topic or a
+	// retry topic); Applied committed the handler's effect; Duplicates were
+	// acknowledged without running the handler; Failed returned an error and
+	// were redelivered: the failures the retry-topic middleware could not
+	// move to a retry topic (the database or the broker unreachable, the
+	// process closing).
 	Deliveries, Applied, Duplicates, Failed int64
 	// LedgerRows, DistinctEvents and Sum are read from the ledger at the end.
 	LedgerRows, DistinctEvents int
@@ -232,6 +250,32 @@ type GroupReport struct {
 	// applied; Double those it applied more than once. Both are read from
 	// the ledger and must be 0.
 	Lost, Double int
+
+	// The retry-topic leg.
+	//
+	// InProcessRetries is the MaxRetries of the group's watermill Retry.
+	// FailedEvents and Failures are read from the database at the end: the
+	// events the handler failed on transiently as planned, and how many
+	// times in all (equal to [Report.RetryEvents] and
+	// [Report.RetryFailures] when the run passes).
+	InProcessRetries       int
+	FailedEvents, Failures int
+	// Escalated counts the deliveries moved to a retry topic after a
+	// failure the in-process Retry could not fix (the escalations),
+	// EscalatedEvents the distinct events among them (the events that went
+	// through a retry topic because they failed), MaxAttempt the highest
+	// retry-topic attempt reached. As the processes report them: an
+	// escalation whose process was killed before its report is missing.
+	Escalated, EscalatedEvents, MaxAttempt int64
+	// RetryDeliveries reached the outer middleware from a retry topic;
+	// AppliedFromRetry of them applied the event. Deferred counts the
+	// deliveries KeyOrder sent along the retry path without running them:
+	// later events of a key with an event on the retry path, which follow
+	// it there.
+	RetryDeliveries, AppliedFromRetry, Deferred int64
+	// Poisoned counts messages published to the poison topic; any is a
+	// violation.
+	Poisoned int64
 }
 
 // OK reports whether the run found no violation.
@@ -255,6 +299,7 @@ func (r *Report) String() string {
 	fmt.Fprintf(&b, "  %-22s %d\n", "backends terminated", r.TerminatedBackends)
 	fmt.Fprintf(&b, "  %-22s %d\n", "dlq replayed", r.DLQReplayed)
 	fmt.Fprintf(&b, "  %-22s %d\n", "published twice", r.DoublePublished)
+	fmt.Fprintf(&b, "  %-22s %d events, %d failures in each group\n", "planned to fail", r.RetryEvents, r.RetryFailures)
 	fmt.Fprintf(&b, "consumer log lines with \"i/o timeout\": %d\n", r.IOTimeouts)
 	if r.ForwarderExits > 0 {
 		fmt.Fprintf(&b, "forwarders stopped on an error and started again: %d\n", r.ForwarderExits)
@@ -265,6 +310,8 @@ func (r *Report) String() string {
 	for _, g := range r.Groups {
 		fmt.Fprintf(&b, "group %s: lost=%d double=%d | deliveries=%d applied=%d duplicates absorbed=%d failed+redelivered=%d ledger rows=%d distinct=%d sum=%d\n",
 			g.Name, g.Lost, g.Double, g.Deliveries, g.Applied, g.Duplicates, g.Failed, g.LedgerRows, g.DistinctEvents, g.Sum)
+		fmt.Fprintf(&b, "  retry topics (in-process retries %d): failed as planned: %d events, %d times | escalated to a retry topic: %d times, %d events, attempts up to %d | deferred behind their key: %d | retry-topic deliveries=%d applied from a retry topic=%d | poisoned=%d\n",
+			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, g.Poisoned)
 	}
 	if r.Database != "" {
 		fmt.Fprintf(&b, "database kept: %s\n", r.Database)
@@ -290,6 +337,7 @@ type harness struct {
 	table   deduplicator.TableConfig
 	topic   string
 	dlq     string
+	parked  retrytopic.ParkedKeysTable
 	brokers []string
 	admin   *pgxpool.Pool // on the run's database
 	maint   *pgxpool.Pool // on DatabaseURL's database: creates, disrupts and drops the run's
@@ -306,7 +354,7 @@ type harness struct {
 	report     *Report
 	violations []string
 
-	dlqSent         atomic.Int64
+	dlqSentIDs      sync.Map // event ids copied to the dead-letter topic
 	dlqReplayedIDs  sync.Map
 	doublePublished atomic.Int64
 	terminated      atomic.Int64
@@ -318,6 +366,21 @@ type harness struct {
 	closing atomic.Bool    // the run is over: no consumer restarts
 	bg      sync.WaitGroup // consumer process waiters and restarts
 }
+
+// groups is the number of consumer groups.
+const groups = 2
+
+// retryTopics returns the retry topics of consumer group g: attempt 1, then
+// attempts 2 and later. They belong to the group: each dedup consumer group
+// needs retry topics of its own (docs/retry.md), or one group's retry
+// consumers would run the events another group failed on, ahead of their
+// turn.
+func (h *harness) retryTopics(g int) []string {
+	return []string{fmt.Sprintf("soak-g%d-retry1-%s", g+1, h.runID), fmt.Sprintf("soak-g%d-retry2-%s", g+1, h.runID)}
+}
+
+// poisonTopic returns the poison topic of consumer group g.
+func (h *harness) poisonTopic(g int) string { return fmt.Sprintf("soak-g%d-poison-%s", g+1, h.runID) }
 
 func (h *harness) logf(format string, args ...any) {
 	fmt.Fprintf(h.cfg.Log, "soak: "+format+"\n", args...)
@@ -374,7 +437,14 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		report: &Report{Seed: cfg.Seed, Events: cfg.Events, Outage: cfg.Outage, Faults: map[string]int{}, Skipped: map[string]int{}},
 	}
 	h.table = tableConfig(h.schema)
+	h.parked = parkedTable(h.schema)
 	h.plan = makePlan(cfg)
+	for _, ev := range h.plan {
+		if ev.fail > 0 {
+			h.report.RetryEvents++
+			h.report.RetryFailures += ev.fail
+		}
+	}
 
 	h.brokers = cfg.Brokers
 	if len(h.brokers) == 0 {
@@ -385,7 +455,11 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		defer fake.Close()
 		h.brokers = fake.ListenAddrs()
 	}
-	for _, t := range []string{h.topic, h.dlq} {
+	topics := []string{h.topic, h.dlq}
+	for g := range groups {
+		topics = append(append(topics, h.poisonTopic(g)), h.retryTopics(g)...)
+	}
+	for _, t := range topics {
 		if err := kafkatest.CreateTopic(h.brokers, t, cfg.Partitions); err != nil {
 			return nil, fmt.Errorf("create topic %s: %w", t, err)
 		}
@@ -436,12 +510,42 @@ func (h *harness) setupDB(ctx context.Context) error {
 	if err := deduplicator.Migrate(ctx, h.admin, h.table); err != nil {
 		return fmt.Errorf("migrate processed_event: %w", err)
 	}
+	if err := retrytopic.Migrate(ctx, h.admin, h.parked); err != nil {
+		return fmt.Errorf("migrate retry_parked_key: %w", err)
+	}
+	// Every change of the parked-keys table, for the diagnosis of a failed
+	// run (-keep): which process parked or released which event, in which
+	// transaction, when.
+	if _, err := h.admin.Exec(ctx, `
+CREATE TABLE soak_park_log (
+    op       text        NOT NULL,
+    grp      text        NOT NULL,
+    k        text        NOT NULL,
+    event_id uuid        NOT NULL,
+    seq      bigint      NOT NULL,
+    topic    text        NOT NULL,
+    xid      xid8        NOT NULL DEFAULT pg_current_xact_id(),
+    app      text        NOT NULL DEFAULT current_setting('application_name'),
+    at       timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE FUNCTION soak_park_log() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE r record;
+BEGIN
+    IF TG_OP = 'DELETE' THEN r := OLD; ELSE r := NEW; END IF;
+    INSERT INTO soak_park_log (op, grp, k, event_id, seq, topic) VALUES (TG_OP, r.consumer_group, r.partition_key, r.event_id, r.seq, r.topic);
+    RETURN r;
+END $$;
+CREATE TRIGGER soak_park_log AFTER INSERT OR UPDATE OR DELETE ON `+pgx.Identifier{h.parked.Schema, retrytopic.DefaultTable}.Sanitize()+`
+    FOR EACH ROW EXECUTE FUNCTION soak_park_log();`); err != nil {
+		return fmt.Errorf("create soak_park_log: %w", err)
+	}
 	_, err = h.admin.Exec(ctx, `
 CREATE TABLE soak_event (
     event_id  uuid   PRIMARY KEY,
     aggregate int    NOT NULL,
     seq       int    NOT NULL,
     amount    bigint NOT NULL,
+    fail      int    NOT NULL, -- planned transient failures (per group)
     UNIQUE (aggregate, seq)
 );
 -- No unique key on purpose: a double application must show up as two rows.
@@ -451,7 +555,23 @@ CREATE TABLE soak_ledger (
     event_id  uuid   NOT NULL,
     aggregate int    NOT NULL,
     seq       int    NOT NULL,
-    amount    bigint NOT NULL
+    amount    bigint NOT NULL,
+    -- Where it was applied from, for the diagnosis of a failed run (-keep):
+    -- the topic, the retry attempt of a copy, the consumer process.
+    topic     text   NOT NULL,
+    attempt   text   NOT NULL,
+    instance  text   NOT NULL,
+    xid       xid8   NOT NULL DEFAULT pg_current_xact_id(),
+    at        timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+-- The handler's "downstream" for the events planned to fail: how many times
+-- it failed so far, per group. Written outside the handler's transaction
+-- (which rolls back), so that kills and rollbacks keep the count.
+CREATE TABLE soak_failure (
+    grp      text NOT NULL,
+    event_id uuid NOT NULL,
+    failures int  NOT NULL,
+    PRIMARY KEY (grp, event_id)
 );`)
 	if err != nil {
 		return fmt.Errorf("create soak tables: %w", err)
@@ -485,7 +605,7 @@ func (h *harness) dropDB() {
 }
 
 func (h *harness) run(ctx context.Context) error {
-	for i, n := range []int{h.cfg.Instances, h.cfg.SecondInstances} {
+	for i, n := range []int{h.cfg.Instances, h.cfg.SecondInstances}[:groups] {
 		h.groups = append(h.groups, &group{h: h, idx: i, name: fmt.Sprintf("soak-g%d-%s", i+1, h.runID), base: n})
 	}
 	prod, err := h.newProducer(ctx)
@@ -566,7 +686,7 @@ func (h *harness) progressLog(ctx context.Context, faultsDone <-chan struct{}) {
 		pend, _ := h.prod.pending(ctx)
 		line := fmt.Sprintf("produced=%d outbox pending=%d", h.produced.Load(), pend)
 		for _, g := range h.groups {
-			line += fmt.Sprintf(" %s: applied=%d dup=%d failed=%d", g.name, g.applied.Load(), g.duplicates.Load(), g.failed.Load())
+			line += fmt.Sprintf(" %s: applied=%d dup=%d failed=%d escalated=%d", g.name, g.applied.Load(), g.duplicates.Load(), g.failed.Load(), g.escalated.Load())
 		}
 		h.mu.Lock()
 		line += fmt.Sprintf(" faults=%v", h.report.Faults)
@@ -589,6 +709,7 @@ func (h *harness) waitConverged(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			h.violation("did not converge before the timeout: %s", why)
+			h.logStuck(context.WithoutCancel(ctx))
 			return
 		case <-time.After(250 * time.Millisecond):
 		}
@@ -614,10 +735,8 @@ func (h *harness) converged(ctx context.Context) (bool, string) {
 			return false, fmt.Sprintf("%s applied %d of %d events", g.name, n, h.cfg.Events)
 		}
 	}
-	replayed := 0
-	h.dlqReplayedIDs.Range(func(any, any) bool { replayed++; return true })
-	if int64(replayed) < h.dlqSent.Load() {
-		return false, fmt.Sprintf("dlq replayed %d of %d", replayed, h.dlqSent.Load())
+	if missing, sent := h.dlqMissing(); len(missing) > 0 {
+		return false, fmt.Sprintf("dlq replayed %d of %d events", sent-len(missing), sent)
 	}
 	if lag, err := h.lag("soak-dlq-replay-"+h.runID, h.dlq); err != nil || lag > 0 {
 		return false, fmt.Sprintf("dlq replayer lag %d (%v)", lag, err)
@@ -626,8 +745,63 @@ func (h *harness) converged(ctx context.Context) (bool, string) {
 		if lag, err := h.lag(g.name, h.topic); err != nil || lag > 0 {
 			return false, fmt.Sprintf("%s lag %d (%v)", g.name, lag, err)
 		}
+		for i, t := range h.retryTopics(g.idx) {
+			if lag, err := h.lag(retryGroup(g.name, i), t); err != nil || lag > 0 {
+				return false, fmt.Sprintf("%s lag %d on %s (%v)", retryGroup(g.name, i), lag, t, err)
+			}
+		}
+		if n, err := h.parkedEvents(ctx, g.name); err != nil || n > 0 {
+			return false, fmt.Sprintf("%s: %d events parked on the retry path (%v)", g.name, n, err)
+		}
 	}
 	return true, ""
+}
+
+// logStuck logs, after a run that did not converge, every consumer
+// group's lag and the events left parked on the retry path.
+func (h *harness) logStuck(ctx context.Context) {
+	missing, sent := h.dlqMissing()
+	lag, err := h.lag("soak-dlq-replay-"+h.runID, h.dlq)
+	h.logf("stuck: dlq: %d of %d events not replayed %v, replayer lag %d (%v)", len(missing), sent, missing[:min(len(missing), 10)], lag, err)
+	for _, g := range h.groups {
+		lag, err := h.lag(g.name, h.topic)
+		h.logf("stuck: %s lag %d on %s (%v)", g.name, lag, h.topic, err)
+		for i, t := range h.retryTopics(g.idx) {
+			lag, err := h.lag(retryGroup(g.name, i), t)
+			n, _ := h.records(t)
+			h.logf("stuck: %s lag %d on %s of %d records (%v)", retryGroup(g.name, i), lag, t, n, err)
+		}
+		parked, err := retrytopic.ListParked(ctx, h.admin, h.parked, g.name)
+		h.logf("stuck: %s: %d parked events (%v)", g.name, len(parked), err)
+		for i, p := range parked {
+			if i == 20 {
+				break
+			}
+			var seq, fail int
+			_ = h.admin.QueryRow(ctx, `SELECT seq, fail FROM soak_event WHERE event_id = $1`, p.EventID).Scan(&seq, &fail)
+			h.logf("stuck:   %s key=%s seq=%d fail=%d event=%s topic=%s not_before=%s parked_at=%s", g.name, p.Key, seq, fail, p.EventID, p.Topic, p.NotBefore.Format(time.RFC3339Nano), p.ParkedAt.Format(time.RFC3339Nano))
+		}
+	}
+}
+
+// dlqMissing returns the events copied to the dead-letter topic that the
+// replayer has not replayed yet, and how many were copied.
+func (h *harness) dlqMissing() (missing []string, sent int) {
+	h.dlqSentIDs.Range(func(id, _ any) bool {
+		sent++
+		if _, ok := h.dlqReplayedIDs.Load(id); !ok {
+			missing = append(missing, id.(string))
+		}
+		return true
+	})
+	return missing, sent
+}
+
+// parkedEvents counts group's rows in the parked-keys table: events on the
+// retry path, and the later events of their keys that follow them.
+func (h *harness) parkedEvents(ctx context.Context, group string) (int, error) {
+	p, err := retrytopic.ListParked(ctx, h.admin, h.parked, group)
+	return len(p), err
 }
 
 func (h *harness) newProducer(ctx context.Context) (producer, error) {

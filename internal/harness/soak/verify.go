@@ -5,13 +5,15 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 )
 
 // verify checks the invariants and fills the report.
 func (h *harness) verify(ctx context.Context) error {
 	r := h.report
 	r.TerminatedBackends = int(h.terminated.Load())
-	r.DLQReplayed = int(h.dlqSent.Load())
+	_, r.DLQReplayed = h.dlqMissing()
 	r.DoublePublished = int(h.doublePublished.Load())
 	r.Kills = int(h.kills.Load())
 	r.Disruptions = int(h.disruptions.Load())
@@ -28,7 +30,16 @@ func (h *harness) verify(ctx context.Context) error {
 	}
 
 	for _, g := range h.groups {
-		gr := GroupReport{Name: g.name, Deliveries: g.deliveries.Load(), Applied: g.applied.Load(), Duplicates: g.duplicates.Load(), Failed: g.failed.Load()}
+		gr := GroupReport{Name: g.name, Deliveries: g.deliveries.Load(), Applied: g.applied.Load(), Duplicates: g.duplicates.Load(), Failed: g.failed.Load(),
+			InProcessRetries: inProcessRetries[g.idx%len(inProcessRetries)],
+			Escalated:        g.escalated.Load(), MaxAttempt: g.maxAttempt.Load(),
+			RetryDeliveries: g.retryDeliveries.Load(), AppliedFromRetry: g.appliedFromRetry.Load(), Deferred: g.deferred.Load(), Poisoned: g.poisoned.Load(),
+		}
+		g.escalatedIDs.Range(func(any, any) bool { gr.EscalatedEvents++; return true })
+		if err := h.admin.QueryRow(ctx, `SELECT count(*), coalesce(sum(failures), 0) FROM soak_failure WHERE grp = $1`, g.name).
+			Scan(&gr.FailedEvents, &gr.Failures); err != nil {
+			return fmt.Errorf("verify: %w", err)
+		}
 		if err := h.admin.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id), coalesce(sum(amount), 0) FROM soak_ledger WHERE grp = $1`, g.name).
 			Scan(&gr.LedgerRows, &gr.DistinctEvents, &gr.Sum); err != nil {
 			return fmt.Errorf("verify: %w", err)
@@ -38,6 +49,9 @@ func (h *harness) verify(ctx context.Context) error {
     (SELECT count(*) FROM (SELECT event_id FROM soak_ledger WHERE grp = $1 GROUP BY event_id HAVING count(*) > 1) x)`, g.name).
 			Scan(&gr.Lost, &gr.Double); err != nil {
 			return fmt.Errorf("verify: %w", err)
+		}
+		if n, err := h.records(h.poisonTopic(g.idx)); err != nil || n > 0 {
+			h.violation("%s: %d messages on the poison topic (%v)", g.name, n, err)
 		}
 		r.Groups = append(r.Groups, gr)
 		if gr.LedgerRows != events || gr.DistinctEvents != events {
@@ -53,6 +67,8 @@ func (h *harness) verify(ctx context.Context) error {
 			{"ledger rows whose data differs from the event", `SELECT count(*) FROM soak_ledger l JOIN soak_event e USING (event_id) WHERE l.grp = $1 AND (l.aggregate, l.seq, l.amount) <> (e.aggregate, e.seq, e.amount)`},
 			{"per-aggregate order breaks (seq not previous+1 in apply order)", `SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY aggregate ORDER BY applied) AS prev FROM soak_ledger WHERE grp = $1) x WHERE seq <> coalesce(prev, 0) + 1`},
 			{"events without a processed_event row", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND p.event_id = e.event_id)`},
+			{"events that did not fail as often as planned", `SELECT count(*) FROM soak_event e LEFT JOIN soak_failure f ON f.grp = $1 AND f.event_id = e.event_id WHERE coalesce(f.failures, 0) <> e.fail`},
+			{"events left parked on the retry path (retry_parked_key rows)", `SELECT count(*) FROM ` + pgx.Identifier{h.parked.Schema, retrytopic.DefaultTable}.Sanitize() + ` WHERE consumer_group = $1`},
 			{"processed_event rows without a ledger row", `SELECT count(*) FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = p.event_id)`},
 		}
 		for _, c := range checks {

@@ -2,12 +2,14 @@
 // 20,000 events over 64 aggregates with every default fault kind (consumer
 // processes killed with SIGKILL, database outages, rebalances, offset
 // resets...), then checks that every event was applied exactly once per
-// consumer group. It prints the faults injected, the duplicates absorbed and
-// the events lost or doubled per group, and exits 1 on a violation, printing
+// consumer group. 5 % of the events fail transiently 1 to 3 times and go
+// through the consumers' retry topics. It prints the faults injected, the
+// duplicates absorbed, the events that went through a retry topic and the
+// events lost or doubled per group, and exits 1 on a violation, printing
 // the seed to reproduce the event plan and fault schedule. The consumers are
 // this same binary, re-executed.
 //
-//	go run ./internal/harness/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-keep] [-v]
+//	go run ./internal/harness/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-retry-percent 5] [-keep] [-v]
 package main
 
 import (
@@ -41,6 +43,7 @@ func main() {
 	verbose := flag.Bool("v", false, "log the components (Watermill, middleware, consumer processes) at info level")
 	direct := flag.Bool("direct", false, "producer publishes directly to Kafka after its commit (no outbox)")
 	groupCommit := flag.Bool("group-commit", false, "consumers in group-commit mode (idem.Config.GroupCommit, defaults)")
+	retryPercent := flag.Int("retry-percent", soak.DefaultRetryPercent, "percent of the events that fail transiently 1-3 times and go through the retry topics (negative: none)")
 	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset); "none" starts from an empty mix`)
 	flag.Parse()
 
@@ -55,6 +58,7 @@ func main() {
 		KeepDatabase:  *keep,
 		DirectPublish: *direct,
 		GroupCommit:   *groupCommit,
+		RetryPercent:  *retryPercent,
 		Log:           os.Stderr,
 	}
 	if *short {
