@@ -30,11 +30,11 @@ lint: ## gofmt, go vet, staticcheck
 
 .PHONY: bench
 bench: ## Benchmarks as ratios against same-run baselines; writes docs/benchmarks.md
-	$(GO) run ./internal/harness/cmd/bench -out docs/benchmarks.md
+	$(GO) run ./cmd/bench -out docs/benchmarks.md
 
 .PHONY: bench/short
 bench/short: ## A quick benchmark pass (CI smoke), prints the table only
-	$(GO) run ./internal/harness/cmd/bench -short
+	$(GO) run ./cmd/bench -short
 
 .PHONY: bench/go
 bench/go: ## Go benchmarks (testing.B) of the per-message hot path: ns/op, allocs, round trips (BENCHTIME=500ms)
@@ -46,8 +46,8 @@ demo: ## Run the billing example end to end (orders, billing with Idempotency-Ke
 
 .PHONY: soak
 soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, every fault type; one transaction per message, then group commit
-	$(GO) run ./internal/harness/cmd/soak $(SOAK_FLAGS)
-	$(GO) run ./internal/harness/cmd/soak -group-commit $(SOAK_FLAGS)
+	$(GO) run ./cmd/soak $(SOAK_FLAGS)
+	$(GO) run ./cmd/soak -group-commit $(SOAK_FLAGS)
 
 .PHONY: db/reset
 db/reset: ## Drop the test schemas left behind by interrupted test runs

@@ -9,7 +9,7 @@ import (
 )
 
 // Stats are the middleware's cumulative counters since [NewDedup]. Read them
-// with [Dedup.Stats]; the middleware/idemprom package exports them to
+// with [Dedup.Stats]; the components/idemprom package exports them to
 // Prometheus.
 type Stats struct {
 	// Processed counts messages whose handler ran and whose transaction

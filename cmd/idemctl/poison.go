@@ -18,7 +18,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/google/uuid"
 
-	"github.com/idemkit/watermill-idempotency/middleware/poison"
+	"github.com/idemkit/watermill-idempotency/components/poison"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 

@@ -14,8 +14,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/components/poison"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
-	"github.com/idemkit/watermill-idempotency/middleware/poison"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 

@@ -8,7 +8,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/idemkit/watermill-idempotency/internal/harness/spantree"
+	"github.com/idemkit/watermill-idempotency/tests/spantree"
 )
 
 // groupReport is what one consumer group's handler chain did. Deliveries,

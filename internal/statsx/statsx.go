@@ -1,5 +1,5 @@
-// Package statsx holds what the metric exporters (middleware/idemprom,
-// middleware/idemotel) share: the dedup counters summed per consumer group,
+// Package statsx holds what the metric exporters (components/idemprom,
+// components/idemotel) share: the dedup counters summed per consumer group,
 // and the backlog options they label with.
 package statsx
 

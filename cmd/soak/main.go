@@ -1,4 +1,4 @@
-// Command soak runs the chaos soak of internal/harness/soak (`make soak`): by default
+// Command soak runs the chaos soak of tests/soak (`make soak`): by default
 // 20,000 events over 64 aggregates with every default fault kind (consumer
 // processes killed with SIGKILL, database outages, rebalances, offset
 // resets...), then checks that every event was applied exactly once per
@@ -9,7 +9,7 @@
 // the seed to reproduce the event plan and fault schedule. The consumers are
 // this same binary, re-executed.
 //
-//	go run ./internal/harness/cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-retry-percent 5] [-keep] [-v]
+//	go run ./cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-retry-percent 5] [-keep] [-v]
 package main
 
 import (
@@ -23,9 +23,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 
-	"github.com/idemkit/watermill-idempotency/internal/harness/soak"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/tests/soak"
 )
 
 func main() {
@@ -101,7 +101,7 @@ func main() {
 		os.Exit(2)
 	}
 	if !rep.OK() {
-		fmt.Fprintf(os.Stderr, "soak: FAILED, reproduce the plan with: go run ./internal/harness/cmd/soak -seed %d -events %d\n", cfg.Seed, cfg.Events)
+		fmt.Fprintf(os.Stderr, "soak: FAILED, reproduce the plan with: go run ./cmd/soak -seed %d -events %d\n", cfg.Seed, cfg.Events)
 		os.Exit(1)
 	}
 }

@@ -1,6 +1,6 @@
 // Package idemotel exports the counters of the dedup middleware and the
 // outbox forwarder, and the outbox backlog, through the OpenTelemetry metric
-// API: the same numbers that middleware/idemprom gives Prometheus, for
+// API: the same numbers that components/idemprom gives Prometheus, for
 // services that ship metrics over OTLP (or any other OpenTelemetry
 // exporter). It lives apart from the core packages, like idemprom, so that
 // services not using it never link the metric API's instruments. idemprom

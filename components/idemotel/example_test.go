@@ -4,8 +4,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
+	"github.com/idemkit/watermill-idempotency/components/idemotel"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
-	"github.com/idemkit/watermill-idempotency/middleware/idemotel"
 )
 
 // Report the dedup middleware's counters through the OpenTelemetry metric

@@ -20,7 +20,7 @@ import (
 
 // MeterName is the instrumentation name of the meter the instruments are
 // created on.
-const MeterName = "github.com/idemkit/watermill-idempotency/middleware/idemotel"
+const MeterName = "github.com/idemkit/watermill-idempotency/components/idemotel"
 
 // BacklogTimeout bounds the backlog query of one collection.
 const BacklogTimeout = 5 * time.Second

@@ -13,6 +13,6 @@
 // (whose main or TestMain calls [RunConsumerIfChild] first), and returns a
 // [Report]: the faults injected, the duplicates the dedup middleware
 // absorbed, the events lost or applied twice per group, and the violations
-// found. `make soak` runs the full version (internal/harness/cmd/soak); TestSoakShort
+// found. `make soak` runs the full version (cmd/soak); TestSoakShort
 // runs a short one inside `make test`. See docs/soak.md.
 package soak

@@ -5,7 +5,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/idemkit/watermill-idempotency/internal/harness/soak"
+	"github.com/idemkit/watermill-idempotency/tests/soak"
 )
 
 // Every router, consumer, producer, forwarder and pool a soak starts is

@@ -10,8 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
+	"github.com/idemkit/watermill-idempotency/components/poison"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
-	"github.com/idemkit/watermill-idempotency/middleware/poison"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
