@@ -16,6 +16,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -129,7 +130,7 @@ func TestRouterRoutesEventIDMismatchToPoisonTopic(t *testing.T) {
 	poisonTopic := broker.Topic(t, "mismatch-poison", 1)
 	logger := watermill.NopLogger{}
 
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: broker.Addrs})
 	require.NoError(t, err)
 	pub, err := kafka.NewPublisher(pubCfg, logger)
 	require.NoError(t, err)
@@ -143,7 +144,7 @@ func TestRouterRoutesEventIDMismatchToPoisonTopic(t *testing.T) {
 
 	var mu sync.Mutex
 	poisoned := map[string]*message.Message{}
-	poisonSubCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: broker.Addrs}, poisonTopic+"-reader")
+	poisonSubCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: broker.Addrs}, poisonTopic+"-reader")
 	require.NoError(t, err)
 	poisonSub, err := kafka.NewSubscriber(poisonSubCfg, logger)
 	require.NoError(t, err)
@@ -160,7 +161,7 @@ func TestRouterRoutesEventIDMismatchToPoisonTopic(t *testing.T) {
 	}()
 
 	group := topic + "-ledger"
-	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: broker.Addrs}, group)
+	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: broker.Addrs}, group)
 	require.NoError(t, err)
 	sub, err := kafka.NewSubscriber(subCfg, logger)
 	require.NoError(t, err)

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -89,9 +90,9 @@ func ExampleDedup_Middleware() {
 	logger := watermill.NewStdLogger(false, false)
 	brokers := []string{"localhost:9092"}
 
-	subCfg, _ := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: brokers}, "billing")
+	subCfg, _ := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: brokers}, "billing")
 	sub, _ := kafka.NewSubscriber(subCfg, logger)
-	pubCfg, _ := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: brokers})
+	pubCfg, _ := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: brokers})
 	pub, _ := kafka.NewPublisher(pubCfg, logger)
 
 	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "billing"}, logger)

@@ -17,6 +17,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -45,7 +46,7 @@ func TestRouterRoutesRefusedMessagesToPoisonTopic(t *testing.T) {
 	poisonTopic := broker.Topic(t, "orders-poison", 1)
 	logger := watermill.NopLogger{}
 
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: broker.Addrs})
 	require.NoError(t, err)
 	pub, err := kafka.NewPublisher(pubCfg, logger)
 	require.NoError(t, err)
@@ -89,7 +90,7 @@ func TestRouterRoutesRefusedMessagesToPoisonTopic(t *testing.T) {
 	// Poison topic reader.
 	var mu sync.Mutex
 	poisoned := map[string]*message.Message{}
-	poisonSubCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: broker.Addrs}, poisonTopic+"-reader")
+	poisonSubCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: broker.Addrs}, poisonTopic+"-reader")
 	require.NoError(t, err)
 	poisonSub, err := kafka.NewSubscriber(poisonSubCfg, logger)
 	require.NoError(t, err)
@@ -107,7 +108,7 @@ func TestRouterRoutesRefusedMessagesToPoisonTopic(t *testing.T) {
 
 	// The consumer.
 	group := topic + "-ledger"
-	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: broker.Addrs}, group)
+	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: broker.Addrs}, group)
 	require.NoError(t, err)
 	sub, err := kafka.NewSubscriber(subCfg, logger)
 	require.NoError(t, err)

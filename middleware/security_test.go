@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -179,19 +180,19 @@ func TestSecurityKafkaTLSAndSASLPassThrough(t *testing.T) {
 		require.NoError(t, c.Validate())
 	}
 
-	sub, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"kafka:9093"}, Sarama: base}, "billing")
+	sub, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: []string{"kafka:9093"}, Sarama: base}, "billing")
 	require.NoError(t, err)
 	check(t, sub.OverwriteSaramaConfig)
 	require.Equal(t, sarama.OffsetOldest, sub.OverwriteSaramaConfig.Consumer.Offsets.Initial)
 
-	pub, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: []string{"kafka:9093"}, Sarama: base})
+	pub, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: []string{"kafka:9093"}, Sarama: base})
 	require.NoError(t, err)
 	check(t, pub.OverwriteSaramaConfig)
 	require.True(t, pub.OverwriteSaramaConfig.Producer.Idempotent)
 	require.Equal(t, sarama.WaitForAll, pub.OverwriteSaramaConfig.Producer.RequiredAcks)
 
-	check(t, publisher.SaramaProducerConfig(base))
-	check(t, publisher.SaramaConsumerConfig(base))
+	check(t, idemkafka.SaramaProducerConfig(base))
+	check(t, idemkafka.SaramaConsumerConfig(base))
 
 	require.False(t, base.Producer.Idempotent, "the base config must not be modified")
 	require.Equal(t, baseCopy.Consumer.Offsets.Initial, base.Consumer.Offsets.Initial)

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -47,7 +48,7 @@ func TestOutbox_SamePayloadTwice_OneEventID_AppliedOnce(t *testing.T) {
 	require.NoError(t, deduplicator.Migrate(ctx, e.db.Pool, table))
 	dedup, err := idem.NewDedup(idem.Config{DB: e.db.Pool, ConsumerGroup: group, Table: table}, logger)
 	require.NoError(t, err)
-	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: e.broker.Addrs}, group)
+	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: e.broker.Addrs}, group)
 	require.NoError(t, err)
 	sub, err := kafka.NewSubscriber(subCfg, logger)
 	require.NoError(t, err)

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -54,7 +55,7 @@ func ExampleNewForwarder() {
 		panic(err)
 	}
 
-	producer, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: brokers})
+	producer, err := idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: brokers})
 	if err != nil {
 		panic(err)
 	}

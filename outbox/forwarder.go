@@ -22,6 +22,7 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -63,19 +64,19 @@ type ForwarderConfig struct {
 	// Outbox names the tables. Required.
 	Outbox *Outbox
 	// Producer is a Sarama SyncProducer built with
-	// publisher.SaramaProducerConfig (idempotent, acks=all,
+	// idemkafka.SaramaProducerConfig (idempotent, acks=all,
 	// MaxOpenRequests=1): each batch goes out in one SendMessages call, in
 	// order, keyed by partition_key. This is the fast path; see
-	// [NewKafkaProducer]. The forwarder does not close it.
+	// idemkafka.NewSyncProducer. The forwarder does not close it.
 	Producer sarama.SyncProducer
 	// Publisher is any Watermill publisher, e.g. a watermill-kafka publisher
-	// built from publisher.NewKafkaPublisherConfig; each batch is one
+	// built from idemkafka.WatermillPublisherConfig; each batch is one
 	// Publish(topic, batch...) call. watermill-kafka sends the messages of
 	// one call one at a time, so prefer Producer for Kafka. The forwarder
 	// does not close it.
 	Publisher message.Publisher
 	// Marshaler turns rows into Kafka records when Producer is used.
-	// Defaults to publisher.Marshaler (metadata as headers, key =
+	// Defaults to idemkafka.Marshaler (metadata as headers, key =
 	// partition_key).
 	Marshaler kafka.Marshaler
 	// Topics to forward; each is published to the broker topic of the same
@@ -124,7 +125,7 @@ type ForwarderConfig struct {
 
 func (c *ForwarderConfig) setDefaults() {
 	if c.Marshaler == nil {
-		c.Marshaler = publisher.Marshaler{}
+		c.Marshaler = idemkafka.Marshaler{}
 	}
 	if len(c.Topics) == 0 && c.Outbox != nil {
 		c.Topics = c.Outbox.cfg.Topics
@@ -186,15 +187,6 @@ func (c ForwarderConfig) validate() error {
 		}
 	}
 	return nil
-}
-
-// NewKafkaProducer returns a Sarama SyncProducer with the safe settings of
-// publisher.SaramaProducerConfig, for [ForwarderConfig.Producer].
-func NewKafkaProducer(cfg publisher.KafkaConfig) (sarama.SyncProducer, error) {
-	if len(cfg.Brokers) == 0 {
-		return nil, errors.New("invalid config: Brokers: required")
-	}
-	return sarama.NewSyncProducer(cfg.Brokers, publisher.SaramaProducerConfig(cfg.Sarama))
 }
 
 // ForwarderStats are counters since the forwarder was created.

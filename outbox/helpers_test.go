@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -69,7 +70,7 @@ func migrateTopics(ctx context.Context, db deduplicator.Beginner, o *outbox.Outb
 
 func (e *env) producer(t *testing.T) sarama.SyncProducer {
 	t.Helper()
-	p, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: e.kafka(t).Addrs})
+	p, err := idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: e.kafka(t).Addrs})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = p.Close() })
 	return p

@@ -2,8 +2,7 @@
 // dedup middleware: the metadata names, the rules an event id must follow and
 // the errors that say which one it broke. It stamps every outgoing event with
 // a UUIDv7 event id and the metadata consumers rely on, it reads the id back
-// on the consumer side, and it builds Kafka (Sarama / watermill-kafka)
-// configs that produce and consume safely.
+// on the consumer side.
 //
 // # Event ids
 //
@@ -43,12 +42,6 @@
 // [NewStampingPublisher] wraps any message.Publisher so that everything it
 // publishes is stamped. The outbox package stamps on its own.
 //
-// # Kafka
-//
-// [NewKafkaPublisherConfig] and [NewKafkaSubscriberConfig] return
-// watermill-kafka configs with the idempotent producer (acks=all,
-// MaxOpenRequests=1), a [Marshaler] that keys records by partition_key, and a
-// consumer that starts at the oldest offset. [SaramaProducerConfig] gives the
-// same producer settings for a raw Sarama producer, as the outbox forwarder
-// uses.
+// The Kafka client configs (safe producer and consumer settings, the
+// record key taken from partition_key) are in package idemkafka.
 package publisher

@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -150,7 +151,7 @@ func TestWithPartitionKey(t *testing.T) {
 	t.Parallel()
 	msg := publisher.WithPartitionKey(&message.Message{}, "order-7")
 	require.Equal(t, "order-7", msg.Metadata.Get(publisher.MetadataPartitionKey))
-	pm, err := publisher.Marshaler{}.Marshal("t", msg)
+	pm, err := idemkafka.Marshaler{}.Marshal("t", msg)
 	require.NoError(t, err)
 	key, err := pm.Key.Encode()
 	require.NoError(t, err)

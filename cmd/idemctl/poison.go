@@ -19,7 +19,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/components/poison"
-	"github.com/idemkit/watermill-idempotency/publisher"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 )
 
 // poisonOptions are the flags of poison list and poison replay, parsed and
@@ -128,21 +128,21 @@ func (o *poisonOptions) filter() poison.Filter {
 // config never asks the brokers to create a topic: a mistyped --topic, or a
 // topic_poisoned naming a topic that is gone, is an error rather than a new
 // empty topic.
-func (a *app) kafkaConfig() (publisher.KafkaConfig, error) {
+func (a *app) kafkaConfig() (idemkafka.ClientConfig, error) {
 	brokers := a.opts.brokers
 	if brokers == "" {
 		brokers = a.getenv("KAFKA_BROKERS")
 	}
 	list := splitList(brokers)
 	if len(list) == 0 {
-		return publisher.KafkaConfig{}, usageError("no Kafka brokers: set KAFKA_BROKERS or pass --brokers")
+		return idemkafka.ClientConfig{}, usageError("no Kafka brokers: set KAFKA_BROKERS or pass --brokers")
 	}
 	sc := sarama.NewConfig()
 	sc.ClientID = "idemctl"
 	sc.Net.DialTimeout = 10 * time.Second
 	sc.Metadata.AllowAutoTopicCreation = false
 	sc.Consumer.MaxWaitTime = 100 * time.Millisecond
-	return publisher.KafkaConfig{Brokers: list, Sarama: sc}, nil
+	return idemkafka.ClientConfig{Brokers: list, Sarama: sc}, nil
 }
 
 func poisonList(ctx context.Context, a *app, args []string) error {
@@ -183,7 +183,7 @@ func (a *app) poisonCommand(ctx context.Context, args []string, replay bool) err
 		cfg.Rate = -1 // --rate 0: no limit
 	}
 	if !cfg.DryRun {
-		pc, err := publisher.NewKafkaPublisherConfig(kc)
+		pc, err := idemkafka.WatermillPublisherConfig(kc)
 		if err != nil {
 			return err
 		}

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/components/poison"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -117,7 +118,7 @@ func TestPoisonListAndReplay(t *testing.T) {
 	poisonTopic := broker.Topic(t, "orders-poison", 1)
 	orders := broker.Topic(t, "orders", 1)
 	payments := broker.Topic(t, "payments", 1)
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: broker.Addrs})
 	require.NoError(t, err)
 	pub, err := kafka.NewPublisher(pubCfg, watermill.NopLogger{})
 	require.NoError(t, err)

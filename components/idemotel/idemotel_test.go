@@ -18,6 +18,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/components/idemotel"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -167,7 +168,7 @@ func TestMetricsExportDedupForwarderAndBacklog(t *testing.T) {
 	require.EqualValues(t, 1, got.must(t, "idem.outbox.pending", fwdAttrs...))
 	require.Positive(t, got.must(t, "idem.outbox.oldest_pending_age", fwdAttrs...))
 
-	producer, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: b.Addrs})
+	producer, err := idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: b.Addrs})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = producer.Close() })
 	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: db.Pool, Outbox: ob, Producer: producer, PollInterval: 20 * time.Millisecond}, nil)

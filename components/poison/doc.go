@@ -11,7 +11,7 @@
 // poison list|replay) or a one-off program can call them:
 //
 //	res, err := poison.Replay(ctx, poison.Config{
-//		Kafka:     publisher.KafkaConfig{Brokers: brokers},
+//		Kafka:     idemkafka.ClientConfig{Brokers: brokers},
 //		Topic:     "orders.poison",
 //		Publisher: kafkaPub,
 //		Filter:    poison.Filter{Reason: "payment provider", PoisonedFrom: since},

@@ -11,6 +11,7 @@ import (
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/idemkit/watermill-idempotency/components/poison"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -45,7 +46,7 @@ func ExampleReplay() {
 	brokers, topics, stop := exampleTopics("orders", "orders-poison")
 	defer stop()
 	orders, ordersPoison := topics[0], topics[1]
-	pubCfg, _ := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: brokers})
+	pubCfg, _ := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: brokers})
 	pub, err := kafka.NewPublisher(pubCfg, nil)
 	if err != nil {
 		panic(err)
@@ -65,7 +66,7 @@ func ExampleReplay() {
 	}
 
 	cfg := poison.Config{
-		Kafka:     publisher.KafkaConfig{Brokers: brokers},
+		Kafka:     idemkafka.ClientConfig{Brokers: brokers},
 		Topic:     ordersPoison,
 		Publisher: pub,
 		Filter:    poison.Filter{Reason: "unknown product"},

@@ -13,19 +13,19 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/idemkit/watermill-idempotency/publisher"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 )
 
 // Config configures [List] and [Replay].
 type Config struct {
 	// Kafka names the brokers (required) and the base Sarama config (TLS,
 	// SASL...) the poison topic is read with.
-	Kafka publisher.KafkaConfig
+	Kafka idemkafka.ClientConfig
 	// Topic is the poison topic. Required.
 	Topic string
 	// Publisher publishes the replayed messages (to each one's
 	// topic_poisoned). Required by Replay unless DryRun. Use a Kafka
-	// publisher keyed by partition_key (publisher.NewKafkaPublisherConfig),
+	// publisher keyed by partition_key (idemkafka.WatermillPublisherConfig),
 	// so a replayed event lands in its key's partition.
 	Publisher message.Publisher
 	// Filter selects the messages. Defaults to the zero Filter: all.
@@ -152,7 +152,7 @@ type replayer struct {
 var errLimit = errors.New("limit reached")
 
 func (r *replayer) run(ctx context.Context) error {
-	sc := publisher.SaramaConsumerConfig(r.cfg.Kafka.Sarama)
+	sc := idemkafka.SaramaConsumerConfig(r.cfg.Kafka.Sarama)
 	sc.Consumer.Return.Errors = true
 	client, err := sarama.NewClient(r.cfg.Kafka.Brokers, sc)
 	if err != nil {

@@ -20,6 +20,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/components/poison"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -56,7 +57,7 @@ func newFixture(t *testing.T) *fixture {
 	f := &fixture{db: db, broker: broker, seen: map[string]message.Metadata{}}
 	f.main = broker.Topic(t, "orders", 2)
 	f.poisonTopic = broker.Topic(t, "orders-poison", 1)
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: broker.Addrs})
 	require.NoError(t, err)
 	pub, err := kafka.NewPublisher(pubCfg, watermill.NopLogger{})
 	require.NoError(t, err)
@@ -70,7 +71,7 @@ func newFixture(t *testing.T) *fixture {
 func (f *fixture) run(t *testing.T) {
 	t.Helper()
 	logger := watermill.NopLogger{}
-	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: f.broker.Addrs}, f.main+"-ledger")
+	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: f.broker.Addrs}, f.main+"-ledger")
 	require.NoError(t, err)
 	sub, err := kafka.NewSubscriber(subCfg, logger)
 	require.NoError(t, err)
@@ -164,7 +165,7 @@ func TestReplayAppliesTheNeverAppliedAndAbsorbsTheApplied(t *testing.T) {
 	late.Metadata.Set(wmiddleware.PoisonedSubscriberKey, "kafka")
 	require.NoError(t, f.pub.Publish(f.poisonTopic, late))
 
-	cfg := poison.Config{Kafka: publisher.KafkaConfig{Brokers: f.broker.Addrs}, Topic: f.poisonTopic, Publisher: f.pub}
+	cfg := poison.Config{Kafka: idemkafka.ClientConfig{Brokers: f.broker.Addrs}, Topic: f.poisonTopic, Publisher: f.pub}
 	var res *poison.Result
 	eventually(t, func() bool {
 		var err error
@@ -253,7 +254,7 @@ func TestReplayRateAndLimit(t *testing.T) {
 	broker := kafkatest.Start(t)
 	poisonTopic := broker.Topic(t, "poison", 1)
 	target := broker.Topic(t, "target", 1)
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: broker.Addrs})
 	require.NoError(t, err)
 	pub, err := kafka.NewPublisher(pubCfg, nil)
 	require.NoError(t, err)
@@ -267,7 +268,7 @@ func TestReplayRateAndLimit(t *testing.T) {
 	}
 	rec := &timedPublisher{Publisher: pub}
 	const rate = 20.0 // 50 ms apart
-	res, err := poison.Replay(ctx, poison.Config{Kafka: publisher.KafkaConfig{Brokers: broker.Addrs}, Topic: poisonTopic,
+	res, err := poison.Replay(ctx, poison.Config{Kafka: idemkafka.ClientConfig{Brokers: broker.Addrs}, Topic: poisonTopic,
 		Publisher: rec, Rate: rate, Limit: 4}, nil)
 	require.NoError(t, err)
 	require.Equal(t, 4, res.Matched)
@@ -281,10 +282,10 @@ func TestReplayRateAndLimit(t *testing.T) {
 
 	// An empty topic reads to its end at once; a bad config is refused.
 	empty := broker.Topic(t, "empty", 2)
-	res, err = poison.List(ctx, poison.Config{Kafka: publisher.KafkaConfig{Brokers: broker.Addrs}, Topic: empty}, nil)
+	res, err = poison.List(ctx, poison.Config{Kafka: idemkafka.ClientConfig{Brokers: broker.Addrs}, Topic: empty}, nil)
 	require.NoError(t, err)
 	require.Zero(t, res.Scanned)
-	_, err = poison.Replay(ctx, poison.Config{Kafka: publisher.KafkaConfig{Brokers: broker.Addrs}, Topic: empty}, nil)
+	_, err = poison.Replay(ctx, poison.Config{Kafka: idemkafka.ClientConfig{Brokers: broker.Addrs}, Topic: empty}, nil)
 	require.ErrorContains(t, err, "poison: invalid config: Publisher: required unless DryRun")
 	_, err = poison.List(ctx, poison.Config{Topic: empty}, nil)
 	require.ErrorContains(t, err, "Kafka.Brokers: required")
@@ -307,7 +308,7 @@ func TestReplayStopsOnPublishError(t *testing.T) {
 	ctx := context.Background()
 	broker := kafkatest.Start(t)
 	poisonTopic := broker.Topic(t, "poison", 1)
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: broker.Addrs})
 	require.NoError(t, err)
 	pub, err := kafka.NewPublisher(pubCfg, nil)
 	require.NoError(t, err)
@@ -317,7 +318,7 @@ func TestReplayStopsOnPublishError(t *testing.T) {
 		require.NoError(t, pub.Publish(poisonTopic, m))
 	}
 	require.NoError(t, pub.Close()) // a closed publisher refuses to publish
-	res, err := poison.Replay(ctx, poison.Config{Kafka: publisher.KafkaConfig{Brokers: broker.Addrs}, Topic: poisonTopic, Publisher: pub}, nil)
+	res, err := poison.Replay(ctx, poison.Config{Kafka: idemkafka.ClientConfig{Brokers: broker.Addrs}, Topic: poisonTopic, Publisher: pub}, nil)
 	require.ErrorIs(t, err, poison.ErrPublish)
 	require.Equal(t, 1, res.Matched)
 	require.Zero(t, res.Replayed)

@@ -25,10 +25,10 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
-	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // demoConfig sizes the demo and its injected faults.
@@ -304,8 +304,8 @@ func (d *demo) openKafka() error {
 		}
 	}
 
-	kcfg := publisher.KafkaConfig{Brokers: d.brokers}
-	pubCfg, err := publisher.NewKafkaPublisherConfig(kcfg)
+	kcfg := idemkafka.ClientConfig{Brokers: d.brokers}
+	pubCfg, err := idemkafka.WatermillPublisherConfig(kcfg)
 	if err != nil {
 		return err
 	}
@@ -319,7 +319,7 @@ func (d *demo) openKafka() error {
 	manual := sarama.NewConfig()
 	manual.Producer.Partitioner = sarama.NewManualPartitioner
 	partPub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers: d.brokers, Marshaler: partitionMarshaler{}, OverwriteSaramaConfig: publisher.SaramaProducerConfig(manual),
+		Brokers: d.brokers, Marshaler: partitionMarshaler{}, OverwriteSaramaConfig: idemkafka.SaramaProducerConfig(manual),
 	}, d.cfg.Logger)
 	if err != nil {
 		return fmt.Errorf("kafka publisher: %w", err)
@@ -327,12 +327,12 @@ func (d *demo) openKafka() error {
 	d.partPub = partPub
 	d.onClose(ignoreError(partPub.Close))
 
-	if d.producer, err = outbox.NewKafkaProducer(kcfg); err != nil {
+	if d.producer, err = idemkafka.NewSyncProducer(kcfg); err != nil {
 		return fmt.Errorf("kafka producer: %w", err)
 	}
 	d.onClose(ignoreError(d.producer.Close))
 
-	if d.kclient, err = sarama.NewClient(d.brokers, publisher.SaramaConsumerConfig(nil)); err != nil {
+	if d.kclient, err = sarama.NewClient(d.brokers, idemkafka.SaramaConsumerConfig(nil)); err != nil {
 		return fmt.Errorf("kafka client: %w", err)
 	}
 	d.onClose(ignoreError(d.kclient.Close))
@@ -458,7 +458,7 @@ func (d *demo) newConsumer(service string, instances int, poison message.Handler
 }
 
 func (d *demo) newSubscriber(group string) (*kafka.Subscriber, error) {
-	sc, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: d.brokers}, group)
+	sc, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: d.brokers}, group)
 	if err != nil {
 		return nil, err
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/google/uuid"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -219,7 +220,7 @@ func (d *demo) stallHint(ctx context.Context) {
 // partitionMarshaler sends a message to the partition named in its
 // "demo_partition" metadata (with a manual partitioner), to put copies of one
 // event on several partitions at once.
-type partitionMarshaler struct{ publisher.Marshaler }
+type partitionMarshaler struct{ idemkafka.Marshaler }
 
 func (m partitionMarshaler) Marshal(topic string, msg *message.Message) (*sarama.ProducerMessage, error) {
 	pm, err := m.Marshaler.Marshal(topic, msg)

@@ -18,6 +18,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -54,12 +55,12 @@ func run() error {
 	if _, err := pool.Exec(ctx, "CREATE TABLE payment (event_id uuid NOT NULL, account text NOT NULL, amount_cents bigint NOT NULL)"); err != nil {
 		return err
 	}
-	kafkaCfg := publisher.KafkaConfig{Brokers: env.brokers}
-	pubCfg, err := publisher.NewKafkaPublisherConfig(kafkaCfg) // idempotent producer, keyed by partition_key
+	kafkaCfg := idemkafka.ClientConfig{Brokers: env.brokers}
+	pubCfg, err := idemkafka.WatermillPublisherConfig(kafkaCfg) // idempotent producer, keyed by partition_key
 	if err != nil {
 		return err
 	}
-	subCfg, err := publisher.NewKafkaSubscriberConfig(kafkaCfg, env.group) // from the oldest offset
+	subCfg, err := idemkafka.WatermillSubscriberConfig(kafkaCfg, env.group) // from the oldest offset
 	if err != nil {
 		return err
 	}

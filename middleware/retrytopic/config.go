@@ -108,7 +108,7 @@ func (b Backoff) delay(attempt int, r float64) time.Duration {
 type Config struct {
 	// Publisher publishes the retry-topic copies and the poisoned messages.
 	// Required. Use a Kafka publisher whose marshaler keys records by the
-	// partition_key metadata (publisher.NewKafkaPublisherConfig), so that a
+	// partition_key metadata (idemkafka.WatermillPublisherConfig), so that a
 	// copy lands in one partition with the other events of its key.
 	Publisher message.Publisher
 

@@ -17,7 +17,7 @@
 // # Wiring
 //
 //	rt, err := retrytopic.New(retrytopic.Config{
-//		Publisher:   kafkaPub, // publisher.NewKafkaPublisherConfig: keyed by partition_key
+//		Publisher:   kafkaPub, // idemkafka.WatermillPublisherConfig: keyed by partition_key
 //		Topics:      []string{"orders.retry"},
 //		PoisonTopic: "orders.poison",
 //	}, logger)
@@ -25,9 +25,9 @@
 //		ShouldRetry: func(p middleware.RetryParams) bool { return !idem.IsPermanent(p.Err) }}
 //	router.AddMiddleware(rt.Middleware, retry.Middleware, dedup.Middleware, rt.ReleaseMiddleware)
 //
-//	subCfg, _ := publisher.NewKafkaSubscriberConfig(kc, "billing")
+//	subCfg, _ := idemkafka.WatermillSubscriberConfig(kc, "billing")
 //	sub, _ := kafka.NewSubscriber(subCfg, logger)
-//	retryCfg, _ := retrytopic.NewKafkaSubscriberConfig(kc, "billing-retry")
+//	retryCfg, _ := retrytopic.WatermillSubscriberConfig(kc, "billing-retry")
 //	retrySub, _ := kafka.NewSubscriber(retryCfg, logger)
 //	router.AddConsumerHandler("charge", "orders", sub, charge)
 //	router.AddConsumerHandler("charge-retry", "orders.retry", retrySub, charge)

@@ -15,6 +15,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -64,8 +65,8 @@ func Example() {
 	}
 
 	logger := watermill.NopLogger{}
-	kc := publisher.KafkaConfig{Brokers: brokers}
-	pubCfg, _ := publisher.NewKafkaPublisherConfig(kc)
+	kc := idemkafka.ClientConfig{Brokers: brokers}
+	pubCfg, _ := idemkafka.WatermillPublisherConfig(kc)
 	pub, err := kafka.NewPublisher(pubCfg, logger)
 	if err != nil {
 		panic(err)
@@ -88,9 +89,9 @@ func Example() {
 	retry := wmiddleware.Retry{MaxRetries: 1, InitialInterval: 10 * time.Millisecond,
 		ShouldRetry: func(p wmiddleware.RetryParams) bool { return !idem.IsPermanent(p.Err) }}
 
-	subCfg, _ := publisher.NewKafkaSubscriberConfig(kc, "billing")
+	subCfg, _ := idemkafka.WatermillSubscriberConfig(kc, "billing")
 	sub, _ := kafka.NewSubscriber(subCfg, logger)
-	retrySubCfg, _ := retrytopic.NewKafkaSubscriberConfig(kc, "billing-retry")
+	retrySubCfg, _ := retrytopic.WatermillSubscriberConfig(kc, "billing-retry")
 	retrySub, _ := kafka.NewSubscriber(retrySubCfg, logger)
 
 	applied := make(chan struct{})

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -56,7 +57,7 @@ func newFixture(t *testing.T, mainPartitions, retryPartitions int32) *fixture {
 	f.poison = broker.Topic(t, "orders-poison", 1)
 	f.group = f.main + "-ledger"
 
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: broker.Addrs})
 	require.NoError(t, err)
 	pub, err := kafka.NewPublisher(pubCfg, watermill.NopLogger{})
 	require.NoError(t, err)
@@ -130,16 +131,16 @@ func (f *fixture) run(t *testing.T, c consumer, fail failFunc) *message.Router {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	logger := watermill.NopLogger{}
-	kc := publisher.KafkaConfig{Brokers: f.broker.Addrs, Sarama: c.sarama}
-	subCfg, err := publisher.NewKafkaSubscriberConfig(kc, f.group)
+	kc := idemkafka.ClientConfig{Brokers: f.broker.Addrs, Sarama: c.sarama}
+	subCfg, err := idemkafka.WatermillSubscriberConfig(kc, f.group)
 	require.NoError(t, err)
 	sub, err := kafka.NewSubscriber(subCfg, logger)
 	require.NoError(t, err)
 	var retryCfg kafka.SubscriberConfig
 	if c.holdInHandler {
-		retryCfg, err = publisher.NewKafkaSubscriberConfig(kc, f.group+"-retry")
+		retryCfg, err = idemkafka.WatermillSubscriberConfig(kc, f.group+"-retry")
 	} else {
-		retryCfg, err = retrytopic.NewKafkaSubscriberConfig(kc, f.group+"-retry")
+		retryCfg, err = retrytopic.WatermillSubscriberConfig(kc, f.group+"-retry")
 	}
 	require.NoError(t, err)
 	retrySub, err := kafka.NewSubscriber(retryCfg, logger)
@@ -249,7 +250,7 @@ type collector struct {
 
 func (f *fixture) collect(t *testing.T, topic string) *collector {
 	t.Helper()
-	cfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: f.broker.Addrs}, topic+"-reader")
+	cfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: f.broker.Addrs}, topic+"-reader")
 	require.NoError(t, err)
 	sub, err := kafka.NewSubscriber(cfg, watermill.NopLogger{})
 	require.NoError(t, err)

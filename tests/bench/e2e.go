@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -114,12 +115,12 @@ func (r *e2eRig) topic(prefix string) (string, error) {
 // keys, the send time in sentAtKey) with the idempotent producer. With rate
 // > 0 they are paced at rate per second, else sent in batches of 500.
 func (r *e2eRig) produce(topic string, n int, rate float64) error {
-	p, err := sarama.NewSyncProducer(r.brokers, publisher.SaramaProducerConfig(nil))
+	p, err := sarama.NewSyncProducer(r.brokers, idemkafka.SaramaProducerConfig(nil))
 	if err != nil {
 		return err
 	}
 	defer p.Close()
-	m := publisher.Marshaler{}
+	m := idemkafka.Marshaler{}
 	batch := 500
 	var interval time.Duration
 	if rate > 0 {
@@ -166,7 +167,7 @@ func (refusing) Close() error { return nil }
 // is closed, and returns the first handler error.
 func (r *e2eRig) runRouter(ctx context.Context, topic, group, outTopic string, h message.HandlerFunc, done <-chan struct{}) error {
 	logger := watermill.NopLogger{}
-	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: r.brokers}, group)
+	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: r.brokers}, group)
 	if err != nil {
 		return err
 	}
@@ -301,7 +302,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	if err != nil {
 		return res, err
 	}
-	producer, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: r.brokers})
+	producer, err := idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: r.brokers})
 	if err != nil {
 		return res, err
 	}

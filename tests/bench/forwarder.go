@@ -16,6 +16,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -69,12 +70,12 @@ func newFwdRig(ctx context.Context, o Options, n int) (*fwdRig, error) {
 	if r.outbox, err = outbox.New(outbox.Config{Schema: db.Schema}, nil); err != nil {
 		return fail(err)
 	}
-	kc := publisher.KafkaConfig{Brokers: r.brokers}
-	if r.producer, err = outbox.NewKafkaProducer(kc); err != nil {
+	kc := idemkafka.ClientConfig{Brokers: r.brokers}
+	if r.producer, err = idemkafka.NewSyncProducer(kc); err != nil {
 		return fail(err)
 	}
 	r.closers = append(r.closers, func() { _ = r.producer.Close() })
-	pc, err := publisher.NewKafkaPublisherConfig(kc)
+	pc, err := idemkafka.WatermillPublisherConfig(kc)
 	if err != nil {
 		return fail(err)
 	}
@@ -142,7 +143,7 @@ func (r *fwdRig) raw(ctx context.Context, batch int) (float64, error) {
 		if _, err := publisher.Stamp(ctx, m); err != nil {
 			return 0, err
 		}
-		pm, err := publisher.Marshaler{}.Marshal(topic, m)
+		pm, err := idemkafka.Marshaler{}.Marshal(topic, m)
 		if err != nil {
 			return 0, err
 		}

@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -51,7 +52,7 @@ func newEnv(ctx context.Context, t *testing.T) *env {
 	e.table = deduplicator.TableConfig{Schema: e.db.Schema}
 	require.NoError(t, deduplicator.Migrate(ctx, e.db.Pool, e.table))
 	e.db.Exec(t, "CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, amount bigint NOT NULL)")
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: e.broker.Addrs})
+	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: e.broker.Addrs})
 	require.NoError(t, err)
 	e.pub, err = kafka.NewPublisher(pubCfg, e.logger)
 	require.NoError(t, err)
@@ -62,7 +63,7 @@ func newEnv(ctx context.Context, t *testing.T) *env {
 // subscriber joins group (the safe consumer config).
 func (e *env) subscriber(t *testing.T, group string) *kafka.Subscriber {
 	t.Helper()
-	cfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: e.broker.Addrs}, group)
+	cfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: e.broker.Addrs}, group)
 	require.NoError(t, err)
 	sub, err := kafka.NewSubscriber(cfg, e.logger)
 	require.NoError(t, err)

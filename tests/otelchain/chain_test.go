@@ -15,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -212,7 +213,7 @@ func TestTrace_NonGoTraceparentIsContinued(t *testing.T) {
 		spanID  = "b7ad6b7169203331"
 		state   = "congo=t61rcWkgMzE"
 	)
-	p, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: e.Broker.Addrs})
+	p, err := idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: e.Broker.Addrs})
 	require.NoError(t, err)
 	defer p.Close()
 	id := publisher.NewEventID().String()

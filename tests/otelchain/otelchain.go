@@ -34,6 +34,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -157,7 +158,7 @@ func (e *Env) StartForwarder(t *testing.T, mod func(*outbox.ForwarderConfig)) *o
 		mod(&cfg)
 	}
 	if cfg.Producer == nil && cfg.Publisher == nil {
-		producer, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: e.Broker.Addrs})
+		producer, err := idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: e.Broker.Addrs})
 		must(t, err)
 		t.Cleanup(func() { _ = producer.Close() })
 		cfg.Producer = producer
@@ -186,7 +187,7 @@ func (e *Env) StartConsumer(t *testing.T, group, topic, publishTopic string, h m
 	}
 	dedup, err := idem.NewDedup(cfg, e.Logger)
 	must(t, err)
-	sc, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: e.Broker.Addrs}, group)
+	sc, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: e.Broker.Addrs}, group)
 	must(t, err)
 	sc.NackResendSleep = 20 * time.Millisecond
 	if subMod != nil {
@@ -325,7 +326,7 @@ func (p *Provider) Requests() int {
 // Sarama consumer sees them, headers included.
 func (e *Env) Records(t *testing.T, topic string, n int) []*sarama.ConsumerMessage {
 	t.Helper()
-	c, err := sarama.NewConsumer(e.Broker.Addrs, publisher.SaramaConsumerConfig(nil))
+	c, err := sarama.NewConsumer(e.Broker.Addrs, idemkafka.SaramaConsumerConfig(nil))
 	must(t, err)
 	defer c.Close()
 	pc, err := c.ConsumePartition(topic, 0, sarama.OffsetOldest)
@@ -348,7 +349,7 @@ func (e *Env) Records(t *testing.T, topic string, n int) []*sarama.ConsumerMessa
 // redelivery of the same event, as a forwarder resend would make.
 func (e *Env) Republish(t *testing.T, rec *sarama.ConsumerMessage) {
 	t.Helper()
-	p, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: e.Broker.Addrs})
+	p, err := idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: e.Broker.Addrs})
 	must(t, err)
 	defer p.Close()
 	pm := &sarama.ProducerMessage{Topic: rec.Topic, Key: sarama.ByteEncoder(rec.Key), Value: sarama.ByteEncoder(rec.Value)}

@@ -28,6 +28,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -219,8 +220,8 @@ func runConsumer(cfg childConfig) error {
 	}); err != nil {
 		return err
 	}
-	kc := publisher.KafkaConfig{Brokers: cfg.Brokers}
-	pc, err := publisher.NewKafkaPublisherConfig(kc)
+	kc := idemkafka.ClientConfig{Brokers: cfg.Brokers}
+	pc, err := idemkafka.WatermillPublisherConfig(kc)
 	if err != nil {
 		return err
 	}
@@ -262,7 +263,7 @@ func runConsumer(cfg childConfig) error {
 	router.AddMiddleware(c.outer(ctx), c.rt.Middleware, inProcess.Middleware, c.attempt, dedup.Middleware, c.rt.ReleaseMiddleware)
 	// The library's default Sarama settings: only the brokers and the group.
 	c.joined = make([]bool, 1+len(cfg.RetryTopics))
-	subCfg, err := publisher.NewKafkaSubscriberConfig(kc, cfg.Group)
+	subCfg, err := idemkafka.WatermillSubscriberConfig(kc, cfg.Group)
 	if err != nil {
 		return err
 	}
@@ -275,7 +276,7 @@ func runConsumer(cfg childConfig) error {
 	// A retry consumer per retry topic, each in a Kafka consumer group of
 	// its own; the dedup consumer group is the same.
 	for i, topic := range cfg.RetryTopics {
-		rc, err := retrytopic.NewKafkaSubscriberConfig(kc, retryGroup(cfg.Group, i))
+		rc, err := retrytopic.WatermillSubscriberConfig(kc, retryGroup(cfg.Group, i))
 		if err != nil {
 			return err
 		}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -48,7 +49,7 @@ func newOutboxProducer(ctx context.Context, h *harness) (*outboxProducer, error)
 		p.close()
 		return nil, fmt.Errorf("outbox migrate: %w", err)
 	}
-	if p.sp, err = outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: h.brokers}); err != nil {
+	if p.sp, err = idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: h.brokers}); err != nil {
 		p.close()
 		return nil, err
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -49,7 +50,7 @@ func eventMessage(id uuid.UUID, ev event) *message.Message {
 }
 
 func (h *harness) kafkaPublisher() (*kafka.Publisher, error) {
-	pc, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: h.brokers})
+	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: h.brokers})
 	if err != nil {
 		return nil, err
 	}
@@ -188,7 +189,7 @@ func (h *harness) startDLQReplayer(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: h.brokers}, "soak-dlq-replay-"+h.runID)
+	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: h.brokers}, "soak-dlq-replay-"+h.runID)
 	if err != nil {
 		return err
 	}

@@ -15,9 +15,9 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
-	"github.com/idemkit/watermill-idempotency/publisher"
 	"github.com/idemkit/watermill-idempotency/tests/otelchain"
 )
 
@@ -100,7 +100,7 @@ func TestSaramaTracer_ConsumerSideOneTrace(t *testing.T) {
 func TestSaramaTracer_ProducerAndConsumerSideOneTrace(t *testing.T) {
 	e := otelchain.New(t)
 	useGlobal(t, e, w3c)
-	pc, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: e.Broker.Addrs})
+	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: e.Broker.Addrs})
 	require.NoError(t, err)
 	pc.Tracer = kafka.NewOTELSaramaTracer()
 	pub, err := kafka.NewPublisher(pc, e.Logger)

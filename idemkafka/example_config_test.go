@@ -1,22 +1,22 @@
-package publisher_test
+package idemkafka_test
 
 import (
 	"fmt"
 
 	"github.com/IBM/sarama"
 
-	"github.com/idemkit/watermill-idempotency/publisher"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 )
 
 // The subscriber config for a dedup consumer: a consumer group is required,
 // a new group starts from the oldest offset, and security settings of the
 // base Sarama config are kept.
-func ExampleNewKafkaSubscriberConfig() {
+func ExampleWatermillSubscriberConfig() {
 	base := sarama.NewConfig()
 	base.ClientID = "billing-service"
 	base.Net.TLS.Enable = true
 
-	cfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{
+	cfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{
 		Brokers: []string{"kafka-1:9092", "kafka-2:9092"},
 		Sarama:  base,
 	}, "billing")
@@ -29,7 +29,7 @@ func ExampleNewKafkaSubscriberConfig() {
 	fmt.Println("auto-commit of acked offsets:", sc.Consumer.Offsets.AutoCommit.Enable)
 	fmt.Println("client id and TLS kept:", sc.ClientID, sc.Net.TLS.Enable)
 
-	_, err = publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"kafka-1:9092"}}, "")
+	_, err = idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: []string{"kafka-1:9092"}}, "")
 	fmt.Println(err)
 	// Output:
 	// group: billing

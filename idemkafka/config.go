@@ -1,4 +1,4 @@
-package publisher
+package idemkafka
 
 import (
 	"errors"
@@ -10,6 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // minKafkaVersion is the lowest protocol version the safe configs accept
@@ -41,7 +43,7 @@ func SaramaProducerConfig(base *sarama.Config) *sarama.Config {
 	return cfg
 }
 
-// JoinGroupTimeoutMargin is how much longer than
+// joinGroupTimeoutMargin is how much longer than
 // Consumer.Group.Rebalance.Timeout the consumer configs make Net.ReadTimeout.
 //
 // The coordinator answers a JoinGroup request only when the rebalance
@@ -53,22 +55,22 @@ func SaramaProducerConfig(base *sarama.Config) *sarama.Config {
 // rebalancing forever. The margin covers the coordinator completing the join
 // and the network; the Java consumer adds the same 5 s to its JoinGroup
 // request timeout (JOIN_GROUP_TIMEOUT_LAPSE).
-const JoinGroupTimeoutMargin = 5 * time.Second
+const joinGroupTimeoutMargin = 5 * time.Second
 
-// MinConsumerReadTimeout returns the smallest Net.ReadTimeout that lets a
+// minConsumerReadTimeout returns the smallest Net.ReadTimeout that lets a
 // member of a group with cfg's rebalance timeout wait out a JoinGroup:
-// Consumer.Group.Rebalance.Timeout + [JoinGroupTimeoutMargin].
+// Consumer.Group.Rebalance.Timeout + [joinGroupTimeoutMargin].
 //
 // The coordinator holds a join for the largest rebalance timeout among the
 // group's members, so members of one group should share one value; when
 // raising it in a rolling deployment, the members that still run the old
 // value wait only their own ReadTimeout.
-func MinConsumerReadTimeout(cfg *sarama.Config) time.Duration {
+func minConsumerReadTimeout(cfg *sarama.Config) time.Duration {
 	rt := cfg.Consumer.Group.Rebalance.Timeout
-	if rt > math.MaxInt64-JoinGroupTimeoutMargin {
+	if rt > math.MaxInt64-joinGroupTimeoutMargin {
 		return math.MaxInt64
 	}
-	return rt + JoinGroupTimeoutMargin
+	return rt + joinGroupTimeoutMargin
 }
 
 // SaramaConsumerConfig returns base (or sarama.NewConfig() when nil) set up
@@ -79,10 +81,10 @@ func MinConsumerReadTimeout(cfg *sarama.Config) time.Duration {
 //   - Consumer.Offsets.AutoCommit.Enable = true: Sarama periodically commits
 //     only the offsets marked after ack, so it never skips an unprocessed
 //     message (disabling it commits synchronously per message, ~100 msg/s);
-//   - Net.ReadTimeout raised to at least [MinConsumerReadTimeout]
+//   - Net.ReadTimeout raised to at least [minConsumerReadTimeout]
 //     (Consumer.Group.Rebalance.Timeout + 5 s; 65 s with Sarama's defaults):
 //     a shorter one can leave the group rejoining forever after a member
-//     crashes (see [JoinGroupTimeoutMargin]). A base that set either value
+//     crashes (see [joinGroupTimeoutMargin]). A base that set either value
 //     itself and broke this rule gets the correction logged on sarama.Logger;
 //   - Consumer.Return.Errors = true; Version at least 2.1.0.
 func SaramaConsumerConfig(base *sarama.Config) *sarama.Config {
@@ -101,13 +103,13 @@ func consumerConfig(base *sarama.Config) (*sarama.Config, string) {
 	cfg.Consumer.Offsets.AutoCommit.Enable = true
 	cfg.Consumer.Return.Errors = true
 	var note string
-	if minRead := MinConsumerReadTimeout(cfg); cfg.Net.ReadTimeout < minRead {
+	if minRead := minConsumerReadTimeout(cfg); cfg.Net.ReadTimeout < minRead {
 		def := sarama.NewConfig()
 		if cfg.Net.ReadTimeout != def.Net.ReadTimeout || cfg.Consumer.Group.Rebalance.Timeout != def.Consumer.Group.Rebalance.Timeout {
-			note = fmt.Sprintf("publisher: Net.ReadTimeout raised from %s to %s: it must exceed Consumer.Group.Rebalance.Timeout (%s) by %s, "+
+			note = fmt.Sprintf("idemkafka: Net.ReadTimeout raised from %s to %s: it must exceed Consumer.Group.Rebalance.Timeout (%s) by %s, "+
 				"or a JoinGroup the coordinator holds for the rebalance times out and the group can keep rebalancing (IBM/sarama#2820); "+
 				"to detect a dead broker sooner, lower Consumer.Group.Rebalance.Timeout instead",
-				cfg.Net.ReadTimeout, minRead, cfg.Consumer.Group.Rebalance.Timeout, JoinGroupTimeoutMargin)
+				cfg.Net.ReadTimeout, minRead, cfg.Consumer.Group.Rebalance.Timeout, joinGroupTimeoutMargin)
 		}
 		cfg.Net.ReadTimeout = minRead
 	}
@@ -128,8 +130,8 @@ func clone(base *sarama.Config) *sarama.Config {
 	return cfg
 }
 
-// KafkaConfig is what the Kafka helpers need.
-type KafkaConfig struct {
+// ClientConfig is what the Kafka helpers need.
+type ClientConfig struct {
 	// Brokers to bootstrap from. Required.
 	Brokers []string
 	// Sarama is the base client config (TLS, SASL, ClientID, version...).
@@ -138,15 +140,15 @@ type KafkaConfig struct {
 	// SaramaConsumerConfig.
 	Sarama *sarama.Config
 	// Logger receives, at info level, the corrections
-	// NewKafkaSubscriberConfig makes to a value the Sarama base set itself
+	// WatermillSubscriberConfig makes to a value the Sarama base set itself
 	// (see [SaramaConsumerConfig]). Defaults to sarama.Logger.
 	Logger watermill.LoggerAdapter
 }
 
-// NewKafkaSubscriberConfig returns a watermill-kafka SubscriberConfig for a
+// WatermillSubscriberConfig returns a watermill-kafka SubscriberConfig for a
 // dedup consumer in consumerGroup (required: without a group Sarama reads
 // every partition from the start on each run and commits nothing).
-func NewKafkaSubscriberConfig(cfg KafkaConfig, consumerGroup string) (kafka.SubscriberConfig, error) {
+func WatermillSubscriberConfig(cfg ClientConfig, consumerGroup string) (kafka.SubscriberConfig, error) {
 	if len(cfg.Brokers) == 0 {
 		return kafka.SubscriberConfig{}, errors.New("invalid config: Brokers: required")
 	}
@@ -172,10 +174,10 @@ func NewKafkaSubscriberConfig(cfg KafkaConfig, consumerGroup string) (kafka.Subs
 	}, nil
 }
 
-// NewKafkaPublisherConfig returns a watermill-kafka PublisherConfig with the
+// WatermillPublisherConfig returns a watermill-kafka PublisherConfig with the
 // safe producer settings and a [Marshaler] that keys records by the
 // partition_key metadata.
-func NewKafkaPublisherConfig(cfg KafkaConfig) (kafka.PublisherConfig, error) {
+func WatermillPublisherConfig(cfg ClientConfig) (kafka.PublisherConfig, error) {
 	if len(cfg.Brokers) == 0 {
 		return kafka.PublisherConfig{}, errors.New("invalid config: Brokers: required")
 	}
@@ -204,8 +206,17 @@ func (m Marshaler) Marshal(topic string, msg *message.Message) (*sarama.Producer
 	if err != nil {
 		return nil, err
 	}
-	if key := msg.Metadata.Get(MetadataPartitionKey); key != "" {
+	if key := msg.Metadata.Get(publisher.MetadataPartitionKey); key != "" {
 		pm.Key = sarama.StringEncoder(key)
 	}
 	return pm, nil
+}
+
+// NewSyncProducer returns a Sarama SyncProducer with the settings of
+// [SaramaProducerConfig], for outbox.ForwarderConfig.Producer.
+func NewSyncProducer(cfg ClientConfig) (sarama.SyncProducer, error) {
+	if len(cfg.Brokers) == 0 {
+		return nil, errors.New("invalid config: Brokers: required")
+	}
+	return sarama.NewSyncProducer(cfg.Brokers, SaramaProducerConfig(cfg.Sarama))
 }

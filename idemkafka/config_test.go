@@ -1,4 +1,4 @@
-package publisher_test
+package idemkafka_test
 
 import (
 	"context"
@@ -15,6 +15,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -57,7 +58,7 @@ func requireSecurityPreserved(t *testing.T, got, base *sarama.Config) {
 func TestSaramaProducerConfigEnforcesSafeSettings(t *testing.T) {
 	t.Parallel()
 	base := unsafeBase()
-	got := publisher.SaramaProducerConfig(base)
+	got := idemkafka.SaramaProducerConfig(base)
 	require.NotSame(t, base, got)
 	require.True(t, got.Producer.Idempotent)
 	require.Equal(t, sarama.WaitForAll, got.Producer.RequiredAcks)
@@ -77,11 +78,11 @@ func TestSaramaProducerConfigEnforcesSafeSettings(t *testing.T) {
 	// A newer version and a larger retry budget are kept.
 	base.Version = sarama.V3_6_0_0
 	base.Producer.Retry.Max = 50
-	got = publisher.SaramaProducerConfig(base)
+	got = idemkafka.SaramaProducerConfig(base)
 	require.Equal(t, sarama.V3_6_0_0, got.Version)
 	require.Equal(t, 50, got.Producer.Retry.Max)
 
-	nilBase := publisher.SaramaProducerConfig(nil)
+	nilBase := idemkafka.SaramaProducerConfig(nil)
 	require.True(t, nilBase.Producer.Idempotent)
 	require.NoError(t, nilBase.Validate())
 }
@@ -89,7 +90,7 @@ func TestSaramaProducerConfigEnforcesSafeSettings(t *testing.T) {
 func TestSaramaConsumerConfigEnforcesSafeSettings(t *testing.T) {
 	t.Parallel()
 	base := unsafeBase()
-	got := publisher.SaramaConsumerConfig(base)
+	got := idemkafka.SaramaConsumerConfig(base)
 	require.Equal(t, sarama.OffsetOldest, got.Consumer.Offsets.Initial)
 	require.True(t, got.Consumer.Offsets.AutoCommit.Enable)
 	require.True(t, got.Consumer.Return.Errors)
@@ -139,18 +140,18 @@ func TestSaramaConsumerConfigReadTimeoutOutlastsRebalance(t *testing.T) {
 			if tc.base != nil {
 				before = *tc.base
 			}
-			got := publisher.SaramaConsumerConfig(tc.base)
+			got := idemkafka.SaramaConsumerConfig(tc.base)
 			require.Equal(t, tc.wantRead, got.Net.ReadTimeout)
 			require.Equal(t, tc.wantRebalance, got.Consumer.Group.Rebalance.Timeout, "the rebalance timeout is the user's")
-			require.GreaterOrEqual(t, got.Net.ReadTimeout, got.Consumer.Group.Rebalance.Timeout+publisher.JoinGroupTimeoutMargin)
-			require.Equal(t, publisher.MinConsumerReadTimeout(got), got.Consumer.Group.Rebalance.Timeout+publisher.JoinGroupTimeoutMargin)
+			require.GreaterOrEqual(t, got.Net.ReadTimeout, got.Consumer.Group.Rebalance.Timeout+idemkafka.JoinGroupTimeoutMargin)
+			require.Equal(t, idemkafka.MinConsumerReadTimeout(got), got.Consumer.Group.Rebalance.Timeout+idemkafka.JoinGroupTimeoutMargin)
 			require.NoError(t, got.Validate())
 			if tc.base != nil {
 				require.Equal(t, before.Net.ReadTimeout, tc.base.Net.ReadTimeout, "the caller's config is not modified")
 			}
 
 			logger := watermill.NewCaptureLogger()
-			sub, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}, Sarama: tc.base, Logger: logger}, "billing")
+			sub, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: []string{"k:9092"}, Sarama: tc.base, Logger: logger}, "billing")
 			require.NoError(t, err)
 			require.Equal(t, tc.wantRead, sub.OverwriteSaramaConfig.Net.ReadTimeout)
 			infos := logger.Captured()[watermill.InfoLogLevel]
@@ -166,39 +167,39 @@ func TestSaramaConsumerConfigReadTimeoutOutlastsRebalance(t *testing.T) {
 
 	huge := sarama.NewConfig()
 	huge.Consumer.Group.Rebalance.Timeout = time.Duration(math.MaxInt64)
-	require.Equal(t, time.Duration(math.MaxInt64), publisher.MinConsumerReadTimeout(huge), "no overflow")
+	require.Equal(t, time.Duration(math.MaxInt64), idemkafka.MinConsumerReadTimeout(huge), "no overflow")
 }
 
 func TestNewKafkaSubscriberConfig(t *testing.T) {
 	t.Parallel()
-	_, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{}, "g")
+	_, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{}, "g")
 	require.ErrorContains(t, err, "Brokers")
-	_, err = publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}}, "")
+	_, err = idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: []string{"k:9092"}}, "")
 	require.ErrorContains(t, err, "consumerGroup")
 	bad := sarama.NewConfig()
 	bad.Net.SASL.Enable = true // no user: Sarama refuses it
-	_, err = publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}, Sarama: bad}, "g")
+	_, err = idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: []string{"k:9092"}, Sarama: bad}, "g")
 	require.ErrorContains(t, err, "invalid config: Sarama")
 
 	base := unsafeBase()
-	cfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}, Sarama: base}, "billing")
+	cfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: []string{"k:9092"}, Sarama: base}, "billing")
 	require.NoError(t, err)
 	require.Equal(t, "billing", cfg.ConsumerGroup)
 	require.Equal(t, []string{"k:9092"}, cfg.Brokers)
-	require.IsType(t, publisher.Marshaler{}, cfg.Unmarshaler)
+	require.IsType(t, idemkafka.Marshaler{}, cfg.Unmarshaler)
 	require.Equal(t, sarama.OffsetOldest, cfg.OverwriteSaramaConfig.Consumer.Offsets.Initial)
 	requireSecurityPreserved(t, cfg.OverwriteSaramaConfig, base)
 }
 
 func TestNewKafkaPublisherConfig(t *testing.T) {
 	t.Parallel()
-	_, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{})
+	_, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{})
 	require.ErrorContains(t, err, "Brokers")
 
 	base := unsafeBase()
-	cfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: []string{"k:9092"}, Sarama: base})
+	cfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: []string{"k:9092"}, Sarama: base})
 	require.NoError(t, err)
-	require.IsType(t, publisher.Marshaler{}, cfg.Marshaler)
+	require.IsType(t, idemkafka.Marshaler{}, cfg.Marshaler)
 	require.True(t, cfg.OverwriteSaramaConfig.Producer.Idempotent)
 	require.Equal(t, sarama.WaitForAll, cfg.OverwriteSaramaConfig.Producer.RequiredAcks)
 	requireSecurityPreserved(t, cfg.OverwriteSaramaConfig, base)
@@ -208,12 +209,12 @@ func TestMarshalerKeysByPartitionKey(t *testing.T) {
 	t.Parallel()
 	m := message.NewMessage(uuid.NewString(), []byte("p"))
 	m.Metadata.Set(publisher.MetadataEventID, publisher.NewEventID().String())
-	pm, err := publisher.Marshaler{}.Marshal("t", m)
+	pm, err := idemkafka.Marshaler{}.Marshal("t", m)
 	require.NoError(t, err)
 	require.Nil(t, pm.Key, "no partition_key, no record key")
 
 	m.Metadata.Set(publisher.MetadataPartitionKey, "account-42")
-	pm, err = publisher.Marshaler{}.Marshal("t", m)
+	pm, err = idemkafka.Marshaler{}.Marshal("t", m)
 	require.NoError(t, err)
 	key, err := pm.Key.Encode()
 	require.NoError(t, err)
@@ -234,7 +235,7 @@ func TestKafkaConfigsAgainstBroker(t *testing.T) {
 	topic := broker.Topic(t, "accounts", 4)
 	logger := watermill.NopLogger{}
 
-	pubCfg, err := publisher.NewKafkaPublisherConfig(publisher.KafkaConfig{Brokers: broker.Addrs})
+	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: broker.Addrs})
 	require.NoError(t, err)
 	pub, err := kafka.NewPublisher(pubCfg, logger)
 	require.NoError(t, err)
@@ -251,7 +252,7 @@ func TestKafkaConfigsAgainstBroker(t *testing.T) {
 		}
 	}
 
-	subCfg, err := publisher.NewKafkaSubscriberConfig(publisher.KafkaConfig{Brokers: broker.Addrs}, topic+"-late-group")
+	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: broker.Addrs}, topic+"-late-group")
 	require.NoError(t, err)
 	sub, err := kafka.NewSubscriber(subCfg, logger)
 	require.NoError(t, err)

@@ -1,0 +1,7 @@
+package idemkafka
+
+// Exported for the tests of package idemkafka_test.
+var (
+	MinConsumerReadTimeout = minConsumerReadTimeout
+	JoinGroupTimeoutMargin = joinGroupTimeoutMargin
+)
