@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
-	"github.com/idemkit/watermill-idempotency/internal/migrate"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // ConvertOptions tunes [ConvertTable].

@@ -5,7 +5,7 @@ import (
 	"io/fs"
 	"slices"
 
-	"github.com/idemkit/watermill-idempotency/internal/migrate"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 //go:embed migrations/partitioned/*.sql

@@ -7,7 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/watermill-idempotency/internal/migrate"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // MigrationStatus is one version of one component as [Migrator.Status] (or

@@ -15,7 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/migrate"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 //go:embed migrations/*.sql

@@ -6,7 +6,7 @@ import (
 	"strings"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/migrate"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // Status lists, topic by topic, every version of the topic's tables, oldest
