@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -20,7 +21,7 @@ func claimDB(t *testing.T, group string) (*pgtest.DB, *deduplicator.Deduplicator
 	t.Helper()
 	db := pgtest.New(t, 6)
 	tc := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(context.Background(), db.Pool, tc))
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, deduplicator.MigrationLine(tc)))
 	d, err := deduplicator.New(deduplicator.Config{TableConfig: tc, ConsumerGroup: group}, nil)
 	require.NoError(t, err)
 	return db, d

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/migtable"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -63,7 +64,7 @@ type ConvertResult struct {
 // A table that is already right is left as it is (Converted false); a
 // missing table is an error ([ErrTableMissing]): there is nothing to adopt.
 // db is a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx (then a savepoint).
-func ConvertTable(ctx context.Context, db Beginner, cfg TableConfig, opts ConvertOptions) (res ConvertResult, err error) {
+func ConvertTable(ctx context.Context, db migrate.Beginner, cfg TableConfig, opts ConvertOptions) (res ConvertResult, err error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return res, err
@@ -78,7 +79,7 @@ func ConvertTable(ctx context.Context, db Beginner, cfg TableConfig, opts Conver
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 
-	if err := migrate.Lock(ctx, tx, cfg.Schema); err != nil {
+	if err := migtable.Lock(ctx, tx, cfg.Schema); err != nil {
 		return res, fmt.Errorf("deduplicator: convert: migration lock: %w", err)
 	}
 	shape, err := inspectTable(ctx, tx, cfg.Schema, cfg.Table)
@@ -110,7 +111,7 @@ func ConvertTable(ctx context.Context, db Beginner, cfg TableConfig, opts Conver
 		}
 		res.Converted = true
 	}
-	if err := Migrate(ctx, tx, cfg); err != nil {
+	if err := migrateUp(ctx, tx, cfg); err != nil {
 		return ConvertResult{}, fmt.Errorf("deduplicator: convert: %w", err)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -127,7 +128,7 @@ const convertedSuffix = "_unconverted"
 // 1 in its place, copies one row per (event_id, consumer_group) and drops
 // the old table; versions of the partitioned layout recorded for the old
 // table are forgotten, so Migrate converts the new table again.
-func rebuild(ctx context.Context, tx pgx.Tx, cfg TableConfig, shape tableShape, opts ConvertOptions, migs []migrate.Migration, res *ConvertResult) error {
+func rebuild(ctx context.Context, tx pgx.Tx, cfg TableConfig, shape tableShape, opts ConvertOptions, migs []migtable.Version, res *ConvertResult) error {
 	name := cfg.Schema + "." + cfg.Table
 	refuse := func(fix, format string, args ...any) error {
 		return &TableError{Table: name, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: ErrTableColumns}
@@ -209,7 +210,7 @@ WHERE i.indrelid = $1::oid AND ic.relname = ANY($2)`, shape.oid, []string{cfg.Ta
 		}
 		return err
 	}
-	i := slices.IndexFunc(migs, func(m migrate.Migration) bool { return m.Version == 1 })
+	i := slices.IndexFunc(migs, func(m migtable.Version) bool { return m.Version == 1 })
 	if i < 0 {
 		return errors.New("deduplicator: convert: no migration version 1")
 	}
@@ -242,7 +243,7 @@ ORDER BY event_id, processed_at`
 	if err != nil {
 		return err
 	}
-	if err := migrate.Forget(ctx, tx, cfg.Schema, componentKey(cfg), versions); err != nil {
+	if err := migtable.Forget(ctx, tx, cfg.Schema, componentKey(cfg), versions); err != nil {
 		return fmt.Errorf("deduplicator: convert %s: forget partitioned versions: %w", name, err)
 	}
 	return nil
@@ -263,7 +264,7 @@ func partitionedOnlyVersions(cfg TableConfig) ([]int, error) {
 	}
 	var versions []int
 	for _, m := range part {
-		if !slices.ContainsFunc(plain, func(p migrate.Migration) bool { return p.Version == m.Version }) {
+		if !slices.ContainsFunc(plain, func(p migtable.Version) bool { return p.Version == m.Version }) {
 			versions = append(versions, m.Version)
 		}
 	}

@@ -87,7 +87,7 @@ func TestConvertTable_ReferencePrimaryKey(t *testing.T) {
 			// The bug (notifications would skip x, which only billing processed)
 			// cannot be silent: the claim names its conflict target, the key.
 			claimNoMatchingKey(t, db, tc, "notifications", x)
-			requireTableError(t, deduplicator.Migrate(ctx, db.Pool, tc), deduplicator.ErrTableKey, db.Schema+".processed_event")
+			requireTableError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)), deduplicator.ErrTableKey, db.Schema+".processed_event")
 
 			res, err := deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{})
 			require.NoError(t, err)
@@ -99,7 +99,7 @@ func TestConvertTable_ReferencePrimaryKey(t *testing.T) {
 			require.Equal(t, sortPairs(rows), pairs(t, db, "processed_event"))
 
 			require.NoError(t, deduplicator.Check(ctx, db.Pool, tc))
-			require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
+			require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)))
 			require.Equal(t, layout == deduplicator.LayoutPartitioned, db.Count(t, "SELECT 1 FROM pg_partitioned_table WHERE partrelid = 'processed_event'::regclass") == 1)
 			require.Zero(t, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'ix_processed_event_processed_at'", db.Schema), "the old table's indexes went with it")
 			// Migration 2 registered the groups found in the converted rows
@@ -147,7 +147,7 @@ func TestConvertTable_PartitionedByProcessedAt(t *testing.T) {
 
 			// The bug (billing would run x a third time) cannot be silent.
 			claimNoMatchingKey(t, db, tc, "billing", x)
-			requireTableError(t, deduplicator.Migrate(ctx, db.Pool, tc), deduplicator.ErrTableKey, db.Schema+".processed_event")
+			requireTableError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)), deduplicator.ErrTableKey, db.Schema+".processed_event")
 
 			res, err := deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{})
 			require.NoError(t, err)
@@ -157,7 +157,7 @@ func TestConvertTable_PartitionedByProcessedAt(t *testing.T) {
 			require.Equal(t, sortPairs([]pair{{x, "billing", june}, {x, "notifications", later}, {y, "billing", june}}), pairs(t, db, "processed_event"), "every pair, with its earliest processed_at")
 
 			require.NoError(t, deduplicator.Check(ctx, db.Pool, tc))
-			require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
+			require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)))
 			require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name LIKE 'processed_event_2026%'", db.Schema), "the old partitions are gone")
 
 			require.False(t, claimRolledBack(t, db, tc, "billing", x), "after: billing skips x")
@@ -177,12 +177,11 @@ func TestConvertTable_AfterTheOldMigrateRecordedVersions(t *testing.T) {
 	db := pgtest.New(t, 2)
 	tc := deduplicator.TableConfig{Schema: db.Schema, Layout: deduplicator.LayoutPartitioned}
 	db.Exec(t, referencePartitionedDDL)
-	migs, err := deduplicator.Migrations(tc)
-	require.NoError(t, err)
+	migs := renderMigrations(t, tc)
 	for _, m := range migs {
 		db.Exec(t, m.Up) // what the old Migrate did: no-ops on this table, recorded
 	}
-	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM "+migrate.Table+" WHERE version = 100"), "the old Migrate recorded the partitioned layout")
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE version = 100"), "the old Migrate recorded the partitioned layout")
 	x := publisher.NewEventID()
 	insertPairs(t, db, pair{x, "billing", june}, pair{x, "billing", july})
 
@@ -207,7 +206,7 @@ func TestConvertTable_NoConsumerGroupColumn(t *testing.T) {
 	db.Exec(t, "INSERT INTO processed_event VALUES ($1, $2), ($3, $4)", x, june, y, july)
 
 	requireTableError(t, deduplicator.Check(ctx, db.Pool, tc), deduplicator.ErrTableColumns, db.Schema+".processed_event")
-	requireTableError(t, deduplicator.Migrate(ctx, db.Pool, tc), deduplicator.ErrTableColumns, db.Schema+".processed_event")
+	requireTableError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)), deduplicator.ErrTableColumns, db.Schema+".processed_event")
 	_, err := deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{})
 	terr := requireTableError(t, err, deduplicator.ErrTableColumns, db.Schema+".processed_event")
 	require.Contains(t, terr.Fix, "ConsumerGroup")
@@ -296,7 +295,7 @@ func TestConvertSQLInDocs(t *testing.T) {
 			insertPairs(t, db, tc.rows...)
 			db.Exec(t, convert)
 			require.Equal(t, sortPairs(tc.want), pairs(t, db, "processed_event"))
-			require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+			require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 			require.NoError(t, deduplicator.Check(ctx, db.Pool, table))
 			require.True(t, claimRolledBack(t, db, table, "audit", x), "a new group processes x")
 			require.False(t, claimRolledBack(t, db, table, "billing", x))

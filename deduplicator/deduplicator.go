@@ -9,20 +9,12 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
-
-// DBTX runs statements: a pgx.Tx, a *pgx.Conn or a *pgxpool.Pool. Claims must
-// run in the caller's transaction to be useful.
-type DBTX interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
 
 // Deduplicator claims event ids for one consumer group in a processed_event
 // table.
@@ -74,7 +66,7 @@ func (d *Deduplicator) Config() Config { return d.cfg }
 //
 // The claim is only visible to others once tx commits, so commit it together
 // with the business writes it protects.
-func (d *Deduplicator) Claim(ctx context.Context, tx DBTX, eventID uuid.UUID) (first bool, err error) {
+func (d *Deduplicator) Claim(ctx context.Context, tx migrate.DBTX, eventID uuid.UUID) (first bool, err error) {
 	tag, err := tx.Exec(ctx, d.claimSQL, eventID, d.cfg.ConsumerGroup)
 	if err != nil {
 		return false, fmt.Errorf("claim event %s: %w", eventID, err)
@@ -92,7 +84,7 @@ func (d *Deduplicator) Claim(ctx context.Context, tx DBTX, eventID uuid.UUID) (f
 // is not nil (for a pool that releases the connection); a nil tx comes with
 // an error and nothing to release. A duplicate's claim inserts nothing, so
 // its transaction gets no transaction id and its ROLLBACK writes no WAL.
-func (d *Deduplicator) BeginClaim(ctx context.Context, db Beginner, opts pgx.TxOptions, eventID uuid.UUID) (tx pgx.Tx, first bool, err error) {
+func (d *Deduplicator) BeginClaim(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, eventID uuid.UUID) (tx pgx.Tx, first bool, err error) {
 	tx, err = beginPipelined(ctx, db, opts, func(b *pgx.Batch) {
 		b.Queue(d.claimSQL, eventID, d.cfg.ConsumerGroup)
 	}, func(br pgx.BatchResults) error {
@@ -114,7 +106,7 @@ func (d *Deduplicator) BeginClaim(ctx context.Context, db Beginner, opts pgx.TxO
 // ids cannot deadlock) in one round trip with a pool or a conn. It returns
 // the ids claimed for the first time, sorted; the others are duplicates.
 // The same rules for tx apply.
-func (d *Deduplicator) BeginClaimBatch(ctx context.Context, db Beginner, opts pgx.TxOptions, eventIDs []uuid.UUID) (tx pgx.Tx, first []uuid.UUID, err error) {
+func (d *Deduplicator) BeginClaimBatch(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, eventIDs []uuid.UUID) (tx pgx.Tx, first []uuid.UUID, err error) {
 	ids := sortedUnique(eventIDs)
 	tx, err = beginPipelined(ctx, db, opts, func(b *pgx.Batch) {
 		b.Queue(d.claimBatchSQL, ids, d.cfg.ConsumerGroup)
@@ -140,7 +132,7 @@ func (d *Deduplicator) BeginClaimBatch(ctx context.Context, db Beginner, opts pg
 // pool or a conn as one pipelined batch (queue adds the claim, read reads
 // its result), otherwise BEGIN then inTx. The returned tx is non-nil
 // whenever BEGIN may have happened, also with an error.
-func beginPipelined(ctx context.Context, db Beginner, opts pgx.TxOptions, queue func(*pgx.Batch), read func(pgx.BatchResults) error, inTx func(pgx.Tx) error) (pgx.Tx, error) {
+func beginPipelined(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, queue func(*pgx.Batch), read func(pgx.BatchResults) error, inTx func(pgx.Tx) error) (pgx.Tx, error) {
 	var send func(context.Context, *pgx.Batch) pgx.BatchResults
 	switch db := db.(type) {
 	case *pgxpool.Pool:
@@ -185,7 +177,7 @@ func beginPipelined(ctx context.Context, db Beginner, opts pgx.TxOptions, queue 
 // ClaimBatch claims several ids in one statement and returns those claimed
 // for the first time, sorted. Ids are inserted in sorted order, so two
 // batches that share ids lock them in the same order and cannot deadlock.
-func (d *Deduplicator) ClaimBatch(ctx context.Context, tx DBTX, eventIDs []uuid.UUID) ([]uuid.UUID, error) {
+func (d *Deduplicator) ClaimBatch(ctx context.Context, tx migrate.DBTX, eventIDs []uuid.UUID) ([]uuid.UUID, error) {
 	if len(eventIDs) == 0 {
 		return nil, nil
 	}
@@ -203,7 +195,7 @@ func (d *Deduplicator) ClaimBatch(ctx context.Context, tx DBTX, eventIDs []uuid.
 }
 
 // IsProcessed reports whether eventID has a committed claim for the group.
-func (d *Deduplicator) IsProcessed(ctx context.Context, db DBTX, eventID uuid.UUID) (bool, error) {
+func (d *Deduplicator) IsProcessed(ctx context.Context, db migrate.DBTX, eventID uuid.UUID) (bool, error) {
 	var ok bool
 	if err := db.QueryRow(ctx, d.existsSQL, eventID, d.cfg.ConsumerGroup).Scan(&ok); err != nil {
 		return false, fmt.Errorf("is processed %s: %w", eventID, err)

@@ -7,7 +7,7 @@
 // [Migrate] (or a [Migrator]) at start-up. Use a [Deduplicator] directly to dedup outside
 // Watermill, in your own transaction:
 //
-//	if err := deduplicator.Migrate(ctx, pool, deduplicator.TableConfig{}); err != nil { ... }
+//	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(deduplicator.TableConfig{})); err != nil { ... }
 //	dedup, err := deduplicator.New(deduplicator.Config{ConsumerGroup: "billing"}, logger)
 //	...
 //	group, err := dedup.Register(ctx, pool, "") // at start-up: registers the consumer group
@@ -45,8 +45,8 @@
 // the caller's transaction; [Migrator.Validate] lists the pending versions.
 // [Migrate] is the start-up shorthand: up to the newest version.
 //
-//	migrator, err := deduplicator.NewMigrator(pool, table)
-//	res, err := migrator.Migrate(ctx, deduplicator.DirectionUp, nil)
+//	migrator, err := migrate.New(pool, deduplicator.MigrationLine(table))
+//	res, err := migrator.Migrate(ctx, migrate.DirectionUp, nil)
 //	for _, v := range res.Versions { log.Printf("applied %s %d_%s", v.Component, v.Version, v.Name) }
 //
 // The outbox's tables have a Migrator of the same shape on the same engine

@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // groupsExamplePool connects to DATABASE_URL (or the local test database)
@@ -30,7 +31,7 @@ func ExampleSetRetention() {
 	pool, schema, cleanup := groupsExamplePool(ctx)
 	defer cleanup()
 	table := deduplicator.TableConfig{Schema: schema} // Retention zero: the recorded value
-	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
 		panic(err)
 	}
 	recorded, _ := deduplicator.RecordedRetention(ctx, pool, table)
@@ -39,7 +40,7 @@ func ExampleSetRetention() {
 	// A component configured with another value is refused, not obeyed.
 	other := table
 	other.Retention = 24 * time.Hour
-	err := deduplicator.Migrate(ctx, pool, other)
+	err := migrate.Up(ctx, pool, deduplicator.MigrationLine(other))
 	fmt.Println("configured 24h:", errors.Is(err, deduplicator.ErrRetentionMismatch))
 
 	// Lengthen it for DLQ replays: every component reads the new value.
@@ -86,7 +87,7 @@ func ExampleRenameGroup() {
 	pool, schema, cleanup := groupsExamplePool(ctx)
 	defer cleanup()
 	table := deduplicator.TableConfig{Schema: schema}
-	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
 		panic(err)
 	}
 	newDedup := func(group string) *deduplicator.Deduplicator {

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -19,16 +20,17 @@ func examplePool(ctx context.Context) (*pgxpool.Pool, string, func()) {
 	return pgtest.ForExample(ctx, "example_dedup")
 }
 
-// Migrate creates the processed_event table (and its schema) at start-up;
-// calling it again, from any number of instances, is safe.
-func ExampleMigrate() {
+// MigrationLine is the processed_event table's migrations: migrate.Up
+// creates the table (and its schema) at start-up; calling it again, from any
+// number of instances, is safe.
+func ExampleMigrationLine() {
 	ctx := context.Background()
 	pool, schema, cleanup := examplePool(ctx)
 	defer cleanup()
 
 	table := deduplicator.TableConfig{Schema: schema} // Table defaults to processed_event
 	for range 2 {
-		if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+		if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
 			panic(err)
 		}
 	}
@@ -38,7 +40,8 @@ func ExampleMigrate() {
 	fmt.Println("applied versions:", versions)
 
 	// The same SQL, rendered for goose or golang-migrate users.
-	migs, _ := deduplicator.Migrations(table)
+	render, _ := migrate.New(nil, deduplicator.MigrationLine(table))
+	migs, _ := render.Migrations()
 	for _, m := range migs {
 		fmt.Printf("%03d_%s\n", m.Version, m.Name)
 	}
@@ -56,7 +59,7 @@ func ExampleDeduplicator_Claim() {
 	pool, schema, cleanup := examplePool(ctx)
 	defer cleanup()
 	table := deduplicator.TableConfig{Schema: schema}
-	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
 		panic(err)
 	}
 	dedup, err := deduplicator.New(deduplicator.Config{TableConfig: table, ConsumerGroup: "billing"}, nil)

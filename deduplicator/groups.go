@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // Companion tables of a processed_event table (migration 002).
@@ -86,7 +87,7 @@ type setting struct {
 	cleanedBefore       time.Time // zero: never cleaned
 }
 
-func readSetting(ctx context.Context, db DBTX, cfg TableConfig) (setting, error) {
+func readSetting(ctx context.Context, db migrate.DBTX, cfg TableConfig) (setting, error) {
 	var (
 		s             setting
 		us, prevUS    *int64
@@ -117,7 +118,7 @@ func (s setting) check(cfg TableConfig) error {
 }
 
 // RecordedRetention returns the retention recorded with the table.
-func RecordedRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Duration, error) {
+func RecordedRetention(ctx context.Context, db migrate.DBTX, cfg TableConfig) (time.Duration, error) {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return 0, err
@@ -128,7 +129,7 @@ func RecordedRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Dura
 
 // effectiveRetention returns the recorded retention, refusing a configured
 // one that differs.
-func effectiveRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Duration, error) {
+func effectiveRetention(ctx context.Context, db migrate.DBTX, cfg TableConfig) (time.Duration, error) {
 	s, err := readSetting(ctx, db, cfg)
 	if err != nil {
 		return 0, err
@@ -147,7 +148,7 @@ func effectiveRetention(ctx context.Context, db DBTX, cfg TableConfig) (time.Dur
 //     RetentionRefreshInterval later (it keeps the previous, longer value
 //     until then), so that no running consumer still guards with the longer
 //     value while the Cleaner deletes at the shorter one.
-func SetRetention(ctx context.Context, db DBTX, cfg TableConfig, retention time.Duration) error {
+func SetRetention(ctx context.Context, db migrate.DBTX, cfg TableConfig, retention time.Duration) error {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return err
@@ -204,7 +205,7 @@ func (h Horizon) Stale(created, now time.Time, margin time.Duration) bool {
 // It follows the table: a configured TableConfig.Retention is checked by
 // Register at start-up, not here, so a running consumer adopts a
 // [SetRetention] change.
-func (d *Deduplicator) Horizon(ctx context.Context, db DBTX) (Horizon, error) {
+func (d *Deduplicator) Horizon(ctx context.Context, db migrate.DBTX) (Horizon, error) {
 	s, err := readSetting(ctx, db, d.cfg.TableConfig)
 	if err != nil {
 		return Horizon{}, err
@@ -241,7 +242,7 @@ func scanGroup(row pgx.Row) (Group, error) {
 }
 
 // Groups returns the consumer groups registered with the table, by name.
-func Groups(ctx context.Context, db DBTX, cfg TableConfig) ([]Group, error) {
+func Groups(ctx context.Context, db migrate.DBTX, cfg TableConfig) ([]Group, error) {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return nil, err
@@ -249,7 +250,7 @@ func Groups(ctx context.Context, db DBTX, cfg TableConfig) ([]Group, error) {
 	return groups(ctx, db, cfg)
 }
 
-func groups(ctx context.Context, db DBTX, cfg TableConfig) ([]Group, error) {
+func groups(ctx context.Context, db migrate.DBTX, cfg TableConfig) ([]Group, error) {
 	rows, err := db.Query(ctx, "SELECT "+groupColumns+" FROM "+companion(cfg, groupSuffix)+" ORDER BY consumer_group")
 	if err != nil {
 		return nil, fmt.Errorf("read consumer groups of %s: %w", ident.Quote(cfg.Schema, cfg.Table), notMigrated(err))
@@ -272,7 +273,7 @@ func groups(ctx context.Context, db DBTX, cfg TableConfig) ([]Group, error) {
 // different non-empty namespace is refused with [ErrNamespaceMismatch]. A
 // configured TableConfig.Retention that differs from the recorded one is
 // refused with [ErrRetentionMismatch].
-func (d *Deduplicator) Register(ctx context.Context, db DBTX, namespace string) (Group, error) {
+func (d *Deduplicator) Register(ctx context.Context, db migrate.DBTX, namespace string) (Group, error) {
 	if _, err := effectiveRetention(ctx, db, d.cfg.TableConfig); err != nil {
 		return Group{}, err
 	}
@@ -314,7 +315,7 @@ type RenameResult struct {
 // offsets with Kafka's tooling and start the consumers under the new name.
 // It returns [ErrGroupNotFound] when from is not registered and
 // [ErrGroupExists] when to is registered or holds claims.
-func RenameGroup(ctx context.Context, db Beginner, cfg TableConfig, from, to string) (RenameResult, error) {
+func RenameGroup(ctx context.Context, db migrate.Beginner, cfg TableConfig, from, to string) (RenameResult, error) {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return RenameResult{}, err
@@ -366,7 +367,7 @@ func RenameGroup(ctx context.Context, db Beginner, cfg TableConfig, from, to str
 // that no longer consumes (after [RenameGroup], or a decommissioned
 // service): its claims are dead weight. A consumer of that group
 // started afterwards is new: it applies every event it reads again.
-func ForgetGroup(ctx context.Context, db Beginner, cfg TableConfig, group string) (int64, error) {
+func ForgetGroup(ctx context.Context, db migrate.Beginner, cfg TableConfig, group string) (int64, error) {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return 0, err

@@ -13,12 +13,13 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // ProcessedAt reports whether eventID has a committed claim for the group
 // and, if so, the claim's processed_at: when the transaction that applied
 // the event began.
-func (d *Deduplicator) ProcessedAt(ctx context.Context, db DBTX, eventID uuid.UUID) (at time.Time, ok bool, err error) {
+func (d *Deduplicator) ProcessedAt(ctx context.Context, db migrate.DBTX, eventID uuid.UUID) (at time.Time, ok bool, err error) {
 	err = db.QueryRow(ctx, d.processedAtSQL, eventID, d.cfg.ConsumerGroup).Scan(&at)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return time.Time{}, false, nil
@@ -35,7 +36,7 @@ func (d *Deduplicator) ProcessedAt(ctx context.Context, db DBTX, eventID uuid.UU
 // a table whose configuration they do not know (idemctl) use it to build
 // the TableConfig of the Cleaner or the Migrator; a service names its
 // layout in its TableConfig, and [Check] refuses a mismatch.
-func TableLayout(ctx context.Context, db DBTX, cfg TableConfig) (Layout, error) {
+func TableLayout(ctx context.Context, db migrate.DBTX, cfg TableConfig) (Layout, error) {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return 0, err
@@ -85,7 +86,7 @@ type Partition struct {
 // field is ignored): the daily ones in the order of their bounds, then the
 // DEFAULT one and any other. A plain table has none. It only reads the
 // catalogs; a missing table is [ErrTableMissing].
-func Partitions(ctx context.Context, db DBTX, cfg TableConfig) ([]Partition, error) {
+func Partitions(ctx context.Context, db migrate.DBTX, cfg TableConfig) ([]Partition, error) {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return nil, err
@@ -102,7 +103,7 @@ func Partitions(ctx context.Context, db DBTX, cfg TableConfig) ([]Partition, err
 
 // listPartitions reads the partitions of table (quoted), sorted as
 // [Partitions] documents.
-func listPartitions(ctx context.Context, db DBTX, table string) ([]Partition, error) {
+func listPartitions(ctx context.Context, db migrate.DBTX, table string) ([]Partition, error) {
 	rows, err := db.Query(ctx, `SELECT c.oid, c.relname::text, pg_get_expr(c.relpartbound, c.oid), pg_total_relation_size(c.oid)
 FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
 WHERE i.inhparent = to_regclass($1)`, table)
@@ -218,7 +219,7 @@ type PartitionStats struct {
 // transaction so the counts agree (on a pgx.Tx, in a savepoint of it): on a big table it takes as long as a count(*) (a sequential
 // scan), so run it from an operator's shell, not on a hot path. A missing
 // table is [ErrTableMissing].
-func Stats(ctx context.Context, db Beginner, cfg TableConfig) (*TableStats, error) {
+func Stats(ctx context.Context, db migrate.Beginner, cfg TableConfig) (*TableStats, error) {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return nil, err

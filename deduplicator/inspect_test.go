@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // tableSnapshot is every row of the table and every partition's name.
@@ -286,16 +287,16 @@ func TestMigratorStatus(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
 	plain := TableConfig{Schema: db.Schema}
-	m, err := NewMigrator(db.Pool, plain)
+	m, err := migrate.New(db.Pool, MigrationLine(plain))
 	require.NoError(t, err)
 	st, err := m.Status(ctx)
 	require.NoError(t, err)
-	require.Equal(t, []MigrationStatus{
+	require.Equal(t, []migrate.MigrationStatus{
 		{Component: "processed_event:processed_event", Version: 1, Name: "processed_event"},
 		{Component: "processed_event:processed_event", Version: 2, Name: "retention_and_groups"},
 	}, st)
 
-	_, err = m.Migrate(ctx, DirectionUp, &MigrateOpts{TargetVersion: 1})
+	_, err = m.Migrate(ctx, migrate.DirectionUp, &migrate.MigrateOpts{TargetVersion: 1})
 	require.NoError(t, err)
 	st, err = m.Status(ctx)
 	require.NoError(t, err)
@@ -304,11 +305,11 @@ func TestMigratorStatus(t *testing.T) {
 	require.False(t, st[1].Applied)
 	require.True(t, st[1].AppliedAt.IsZero())
 
-	require.NoError(t, Migrate(ctx, db.Pool, TableConfig{Schema: db.Schema, Layout: LayoutPartitioned}))
+	require.NoError(t, migrate.Up(ctx, db.Pool, MigrationLine(TableConfig{Schema: db.Schema, Layout: LayoutPartitioned})))
 	st, err = m.Status(ctx)
 	require.NoError(t, err)
 	require.Len(t, st, 3)
 	require.True(t, st[1].Applied)
-	require.Equal(t, MigrationStatus{Component: "processed_event:processed_event", Version: 100, Name: "partition_by_event_id", Applied: true, AppliedAt: st[2].AppliedAt, Unknown: true}, st[2],
+	require.Equal(t, migrate.MigrationStatus{Component: "processed_event:processed_event", Version: 100, Name: "partition_by_event_id", Applied: true, AppliedAt: st[2].AppliedAt, Unknown: true}, st[2],
 		"the plain migrator does not know the partitioned layout's version")
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -21,7 +22,7 @@ func TestMigrateIsIdempotent(t *testing.T) {
 	db := pgtest.New(t, 2)
 	tc := deduplicator.TableConfig{Schema: db.Schema}
 	for range 3 {
-		require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
+		require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)))
 	}
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'processed_event'", db.Schema))
 	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", "processed_event:processed_event"))
@@ -41,7 +42,7 @@ func TestMigrateConcurrently(t *testing.T) {
 	errs := make([]error, 4)
 	var wg sync.WaitGroup
 	for i := range errs {
-		wg.Go(func() { errs[i] = deduplicator.Migrate(ctx, db.Pool, tc) })
+		wg.Go(func() { errs[i] = migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)) })
 	}
 	wg.Wait()
 	for _, err := range errs {
@@ -62,9 +63,9 @@ func TestMigrateCustomNames(t *testing.T) {
 	})
 	orders := deduplicator.TableConfig{Schema: schema, Table: "Orders_seen"}
 	refunds := deduplicator.TableConfig{Schema: schema, Table: "refunds_seen"}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, orders))
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, refunds))
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, orders))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(orders)))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(refunds)))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(orders)))
 
 	require.Equal(t, 7, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", schema), "two tables, their _setting and _group, and the migration table")
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'Orders_seen_processed_at_idx'", schema))
@@ -97,8 +98,8 @@ func TestMigrateRefusesInjection(t *testing.T) {
 		{Schema: db.Schema, Table: strings.Repeat("t", 64)},
 	} {
 		require.Error(t, tc.Validate(), "%+v", tc)
-		require.Error(t, deduplicator.Migrate(ctx, db.Pool, tc), "%+v", tc)
-		_, err := deduplicator.Migrations(tc)
+		require.Error(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)), "%+v", tc)
+		_, err := migrate.New(nil, deduplicator.MigrationLine(tc))
 		require.Error(t, err, "%+v", tc)
 	}
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "only victim exists")
@@ -109,8 +110,7 @@ func TestMigrateRefusesInjection(t *testing.T) {
 func TestMigrationsRawSQLUpAndDown(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t, 2)
-	migs, err := deduplicator.Migrations(deduplicator.TableConfig{Schema: db.Schema, Table: "seen"})
-	require.NoError(t, err)
+	migs := renderMigrations(t, deduplicator.TableConfig{Schema: db.Schema, Table: "seen"})
 	require.NotEmpty(t, migs)
 	require.Equal(t, 1, migs[0].Version)
 	require.Contains(t, migs[0].Up, pgx.Identifier{db.Schema, "seen"}.Sanitize())
@@ -128,15 +128,10 @@ func TestMigrationsRawSQLUpAndDown(t *testing.T) {
 	}
 	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'seen'", db.Schema))
 	require.Zero(t, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
-
-	// The templates themselves are exposed too.
-	raw, err := deduplicator.MigrationTemplates.Open("001_processed_event.up.sql")
-	require.NoError(t, err)
-	require.NoError(t, raw.Close())
 }
 
 // versionsOf lists "component version" for each applied or reverted version.
-func versionsOf(res *deduplicator.MigrateResult) []string {
+func versionsOf(res *migrate.MigrateResult) []string {
 	out := []string{}
 	for _, v := range res.Versions {
 		out = append(out, fmt.Sprintf("%s %d_%s", v.Component, v.Version, v.Name))
@@ -144,7 +139,7 @@ func versionsOf(res *deduplicator.MigrateResult) []string {
 	return out
 }
 
-func pendingOf(t *testing.T, m *deduplicator.Migrator) []int {
+func pendingOf(t *testing.T, m *migrate.Migrator) []int {
 	t.Helper()
 	res, err := m.Validate(context.Background())
 	require.NoError(t, err)
@@ -164,7 +159,7 @@ func TestMigratorUpValidateDown(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
 	table := deduplicator.TableConfig{Schema: db.Schema, Table: "seen"}
-	m, err := deduplicator.NewMigrator(db.Pool, table)
+	m, err := migrate.New(db.Pool, deduplicator.MigrationLine(table))
 	require.NoError(t, err)
 
 	v, err := m.Validate(ctx)
@@ -172,57 +167,53 @@ func TestMigratorUpValidateDown(t *testing.T) {
 	require.False(t, v.OK)
 	require.Len(t, v.Pending, 2)
 	require.Equal(t, "processed_event:seen", v.Pending[0].Component)
-	migs, err := deduplicator.Migrations(table)
-	require.NoError(t, err)
-	require.Equal(t, migs, v.Pending, "pending migrations are rendered as Migrations renders them")
+	require.Equal(t, renderMigrations(t, table), v.Pending, "pending migrations are rendered as Migrations renders them")
 	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "Validate only reads")
 
-	res, err := m.Migrate(ctx, deduplicator.DirectionUp, &deduplicator.MigrateOpts{TargetVersion: 1})
+	res, err := m.Migrate(ctx, migrate.DirectionUp, &migrate.MigrateOpts{TargetVersion: 1})
 	require.NoError(t, err)
-	require.Equal(t, deduplicator.DirectionUp, res.Direction)
+	require.Equal(t, migrate.DirectionUp, res.Direction)
 	require.Equal(t, []string{"processed_event:seen 1_processed_event"}, versionsOf(res))
 	require.Equal(t, []int{2}, pendingOf(t, m))
-	requireTableError(t, deduplicator.Check(ctx, db.Pool, table), deduplicator.ErrMigrationsPending, db.Schema+".seen")
+	requireTableError(t, deduplicator.Check(ctx, db.Pool, table), migrate.ErrMigrationsPending, db.Schema+".seen")
 
-	res, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	res, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Equal(t, []string{"processed_event:seen 2_retention_and_groups"}, versionsOf(res))
-	res, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	res, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, res.Versions, "nothing left to apply")
 	require.Empty(t, pendingOf(t, m))
 	require.NoError(t, deduplicator.Check(ctx, db.Pool, table))
 
-	res, err = m.Migrate(ctx, deduplicator.DirectionDown, nil)
+	res, err = m.Migrate(ctx, migrate.DirectionDown, nil)
 	require.NoError(t, err)
-	require.Equal(t, deduplicator.DirectionDown, res.Direction)
+	require.Equal(t, migrate.DirectionDown, res.Direction)
 	require.Equal(t, []string{"processed_event:seen 2_retention_and_groups"}, versionsOf(res), "one step by default")
 	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'seen_setting'", db.Schema))
 	require.Equal(t, []int{2}, pendingOf(t, m))
 
-	_, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	_, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
-	res, err = m.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: 1})
+	res, err = m.Migrate(ctx, migrate.DirectionDown, &migrate.MigrateOpts{TargetVersion: 1})
 	require.NoError(t, err)
 	require.Equal(t, []string{"processed_event:seen 2_retention_and_groups"}, versionsOf(res))
-	res, err = m.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: -1})
+	res, err = m.Migrate(ctx, migrate.DirectionDown, &migrate.MigrateOpts{TargetVersion: -1})
 	require.NoError(t, err)
 	require.Equal(t, []string{"processed_event:seen 1_processed_event"}, versionsOf(res))
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "only idem_schema_migration is left")
 	require.Zero(t, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
-	res, err = m.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: -1})
+	res, err = m.Migrate(ctx, migrate.DirectionDown, &migrate.MigrateOpts{TargetVersion: -1})
 	require.NoError(t, err)
 	require.Empty(t, res.Versions)
 
-	_, err = m.Migrate(ctx, deduplicator.DirectionUp, &deduplicator.MigrateOpts{TargetVersion: 3})
+	_, err = m.Migrate(ctx, migrate.DirectionUp, &migrate.MigrateOpts{TargetVersion: 3})
 	require.ErrorContains(t, err, "target version 3 is not a version of processed_event:seen")
 	_, err = m.Migrate(ctx, "sideways", nil)
 	require.ErrorContains(t, err, `direction "sideways"`)
 
-	_, err = deduplicator.NewMigrator(db.Pool, deduplicator.TableConfig{Schema: db.Schema, Table: "a;b"})
+	_, err = migrate.New(db.Pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: db.Schema, Table: "a;b"}))
 	require.ErrorContains(t, err, "Table:")
-	_, err = deduplicator.NewMigrator(nil, table)
-	require.ErrorContains(t, err, "db is nil")
 }
 
 // Down from the partitioned layout reverts version 100 first, keeping every
@@ -234,9 +225,9 @@ func TestMigratorDownFromPartitioned(t *testing.T) {
 	db := pgtest.New(t, 2)
 	part := deduplicator.TableConfig{Schema: db.Schema, Layout: deduplicator.LayoutPartitioned}
 	plain := deduplicator.TableConfig{Schema: db.Schema}
-	mp, err := deduplicator.NewMigrator(db.Pool, part)
+	mp, err := migrate.New(db.Pool, deduplicator.MigrationLine(part))
 	require.NoError(t, err)
-	res, err := mp.Migrate(ctx, deduplicator.DirectionUp, nil)
+	res, err := mp.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Equal(t, []string{
 		"processed_event:processed_event 1_processed_event",
@@ -245,13 +236,13 @@ func TestMigratorDownFromPartitioned(t *testing.T) {
 	}, versionsOf(res))
 	db.Exec(t, "INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'g')", publisher.NewEventID())
 
-	m, err := deduplicator.NewMigrator(db.Pool, plain)
+	m, err := migrate.New(db.Pool, deduplicator.MigrationLine(plain))
 	require.NoError(t, err)
-	res, err = m.Migrate(ctx, deduplicator.DirectionDown, nil)
-	require.ErrorIs(t, err, deduplicator.ErrUnknownVersion)
+	res, err = m.Migrate(ctx, migrate.DirectionDown, nil)
+	require.ErrorIs(t, err, migrate.ErrUnknownVersion)
 	require.Empty(t, res.Versions)
 
-	res, err = mp.Migrate(ctx, deduplicator.DirectionDown, nil)
+	res, err = mp.Migrate(ctx, migrate.DirectionDown, nil)
 	require.NoError(t, err)
 	require.Equal(t, []string{"processed_event:processed_event 100_partition_by_event_id"}, versionsOf(res))
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM processed_event"))
@@ -265,12 +256,12 @@ func TestMigratorMigrateTx(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	m, err := deduplicator.NewMigrator(db.Pool, table)
+	m, err := migrate.New(db.Pool, deduplicator.MigrationLine(table))
 	require.NoError(t, err)
 
 	tx, err := db.Pool.Begin(ctx)
 	require.NoError(t, err)
-	res, err := m.MigrateTx(ctx, tx, deduplicator.DirectionUp, nil)
+	res, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Len(t, res.Versions, 2)
 	v, err := m.ValidateTx(ctx, tx)
@@ -281,9 +272,19 @@ func TestMigratorMigrateTx(t *testing.T) {
 	require.Equal(t, []int{1, 2}, pendingOf(t, m), "rolled back with the caller's transaction")
 
 	inTx(t, db, func(tx pgx.Tx) {
-		res, err := m.MigrateTx(ctx, tx, deduplicator.DirectionUp, nil)
+		res, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 		require.NoError(t, err)
 		require.Len(t, res.Versions, 2)
 	})
 	require.NoError(t, deduplicator.Check(ctx, db.Pool, table))
+}
+
+// renderMigrations is the SQL a migrate.Migrator renders for cfg's line.
+func renderMigrations(t *testing.T, cfg deduplicator.TableConfig) []migrate.Migration {
+	t.Helper()
+	m, err := migrate.New(nil, deduplicator.MigrationLine(cfg))
+	require.NoError(t, err)
+	migs, err := m.Migrations()
+	require.NoError(t, err)
+	return migs
 }

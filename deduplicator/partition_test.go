@@ -13,6 +13,8 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 func TestUUIDv7FloorAndBounds(t *testing.T) {
@@ -72,7 +74,7 @@ func TestPartitionedMigrateCreatesDaysAheadAndDefault(t *testing.T) {
 	}
 	require.ElementsMatch(t, want, partitionNames(t, db, tc))
 	// Idempotent.
-	require.NoError(t, Migrate(context.Background(), db.Pool, tc))
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, MigrationLine(tc)))
 	require.ElementsMatch(t, want, partitionNames(t, db, tc))
 }
 
@@ -307,7 +309,7 @@ func TestMigratePlainToPartitionedKeepsEveryRow(t *testing.T) {
 
 	part := plain
 	part.Layout = LayoutPartitioned
-	require.NoError(t, Migrate(ctx, db.Pool, part))
+	require.NoError(t, migrate.Up(ctx, db.Pool, MigrationLine(part)))
 	require.Equal(t, before, snapshot())
 	var kind string
 	require.NoError(t, db.Pool.QueryRow(ctx, "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", plain.Table).Scan(&kind))
@@ -324,7 +326,7 @@ func TestMigratePlainToPartitionedKeepsEveryRow(t *testing.T) {
 	}
 
 	// And back, still keeping every row.
-	migs, err := Migrations(part)
+	migs, err := renderMigrations(part)
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, migs[len(migs)-1].Down)
 	require.NoError(t, err)
@@ -338,7 +340,7 @@ func TestMigrateToPartitionedRefusesNonV7Rows(t *testing.T) {
 	insertRows(t, db.Pool, plain, "g", time.Now(), v7At(time.Now()), uuid.New())
 	part := plain
 	part.Layout = LayoutPartitioned
-	err := Migrate(ctx, db.Pool, part)
+	err := migrate.Up(ctx, db.Pool, MigrationLine(part))
 	var pgErr *pgconn.PgError
 	require.True(t, errors.As(err, &pgErr), "got %v", err)
 	require.Equal(t, pgerrcode.CheckViolation, pgErr.Code)

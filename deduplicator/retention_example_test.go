@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // retentionExamplePool connects to DATABASE_URL (or the local test database)
@@ -28,7 +29,7 @@ func ExampleCleaner_RunOnce() {
 	// One value for every component: Migrate records the retention with the
 	// table, the middleware and the Cleaner read it from there.
 	table := deduplicator.TableConfig{Schema: schema, Retention: 7 * 24 * time.Hour}
-	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
 		panic(err)
 	}
 	now := time.Now()
@@ -64,7 +65,7 @@ func ExampleCleaner_partitioned() {
 	pool, schema, cleanup := retentionExamplePool(ctx)
 	defer cleanup()
 	table := deduplicator.TableConfig{Schema: schema, Layout: deduplicator.LayoutPartitioned}
-	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
 		panic(err)
 	}
 	var partitions int

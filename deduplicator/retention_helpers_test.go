@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // v7At returns a UUIDv7 created at t with random bits.
@@ -44,7 +45,7 @@ func retentionDB(t *testing.T, layout Layout) (*pgtest.DB, TableConfig) {
 	t.Helper()
 	db := pgtest.New(t, 12)
 	tc := TableConfig{Schema: db.Schema, Layout: layout}
-	require.NoError(t, Migrate(context.Background(), db.Pool, tc))
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, MigrationLine(tc)))
 	tc.setDefaults()
 	return db, tc
 }
@@ -125,4 +126,13 @@ func runOnceAsync(ctx context.Context, c *Cleaner) <-chan runOnceOutcome {
 		done <- runOnceOutcome{r, err}
 	}()
 	return done
+}
+
+// renderMigrations is the SQL a migrate.Migrator renders for cfg's line.
+func renderMigrations(cfg TableConfig) ([]migrate.Migration, error) {
+	m, err := migrate.New(nil, MigrationLine(cfg))
+	if err != nil {
+		return nil, err
+	}
+	return m.Migrations()
 }

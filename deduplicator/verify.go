@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/internal/migtable"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -27,15 +28,12 @@ var (
 	// ErrTableColumns: a column is missing, has another type, is nullable,
 	// or would make a claim's INSERT fail.
 	ErrTableColumns = errors.New("deduplicator: processed_event columns are not the expected ones")
-	// ErrMigrationsPending: versions of [Migrations] are not recorded as
-	// applied in idem_schema_migration.
-	ErrMigrationsPending = errors.New("deduplicator: migrations are pending")
 )
 
 // TableError is a processed_event table that claims cannot rely on. Its
 // message names the table, the problem and the fix in one line; Unwrap
 // returns the reason: [ErrTableMissing], [ErrTableKey], [ErrTableColumns],
-// [ErrMigrationsPending] or [ErrLayoutMismatch].
+// migrate.ErrMigrationsPending or [ErrLayoutMismatch].
 type TableError struct {
 	// Table is schema.table.
 	Table string
@@ -71,7 +69,7 @@ func (e *TableError) Unwrap() error { return e.Err }
 // It only reads the catalogs, so it may run at every start-up; db is a
 // *pgxpool.Pool, a *pgx.Conn or a pgx.Tx. A table that fails returns a
 // [*TableError]; a failing query returns its error, wrapped.
-func Check(ctx context.Context, db DBTX, cfg TableConfig) error {
+func Check(ctx context.Context, db migrate.DBTX, cfg TableConfig) error {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return err
@@ -83,7 +81,7 @@ func Check(ctx context.Context, db DBTX, cfg TableConfig) error {
 	return check(ctx, db, cfg, migs)
 }
 
-func check(ctx context.Context, db DBTX, cfg TableConfig, migs []migrate.Migration) error {
+func check(ctx context.Context, db migrate.DBTX, cfg TableConfig, migs []migtable.Version) error {
 	shape, err := inspectTable(ctx, db, cfg.Schema, cfg.Table)
 	if err != nil {
 		return err
@@ -91,16 +89,16 @@ func check(ctx context.Context, db DBTX, cfg TableConfig, migs []migrate.Migrati
 	if terr := shape.problem(cfg); terr != nil {
 		return terr
 	}
-	pending, err := pendingMigrations(ctx, db, cfg, migs)
+	pending, err := pendingVersions(ctx, db, cfg, migs)
 	if err != nil {
 		return err
 	}
 	if len(pending) > 0 {
 		return &TableError{
 			Table:   cfg.Schema + "." + cfg.Table,
-			Problem: fmt.Sprintf("migration versions %s of layout %s are not recorded in %s.%s", joinVersions(pending), cfg.Layout, cfg.Schema, migrate.Table),
-			Fix:     "run deduplicator.Migrate with this TableConfig at start-up (or apply deduplicator.Migrations with your migration tool and record them)",
-			Err:     ErrMigrationsPending,
+			Problem: fmt.Sprintf("migration versions %s of layout %s are not recorded in %s.%s", joinVersions(pending), cfg.Layout, cfg.Schema, migtable.Table),
+			Fix:     "migrate deduplicator.MigrationLine(cfg) up at start-up (a migrate.Migrator, or its rendered Migrations in your migration tool)",
+			Err:     migrate.ErrMigrationsPending,
 		}
 	}
 	if shape.partitioned != (cfg.Layout == LayoutPartitioned) {
@@ -110,20 +108,17 @@ func check(ctx context.Context, db DBTX, cfg TableConfig, migs []migrate.Migrati
 			terr.Fix = "set TableConfig.Layout to LayoutPartitioned in every component that names this table"
 		} else {
 			terr.Problem = "the table is plain but TableConfig.Layout is LayoutPartitioned and its migrations are recorded as applied"
-			terr.Fix = "set TableConfig.Layout to LayoutPlain, or delete the stale version 100+ rows of " + componentKey(cfg) + " from " + migrate.Table + " and run deduplicator.Migrate"
+			terr.Fix = "set TableConfig.Layout to LayoutPlain, or delete the stale version 100+ rows of " + componentKey(cfg) + " from " + migtable.Table + " and migrate up again"
 		}
 		return terr
 	}
 	return nil
 }
 
-// componentKey names cfg's table in the migration table.
-func componentKey(cfg TableConfig) string { return component + ":" + cfg.Table }
-
 // checkBeforeMigrate refuses an existing table that the migrations would
 // leave as it is although claims cannot rely on it (wrong key, wrong
-// partitioning, wrong columns). A missing table is fine: Migrate creates it.
-func checkBeforeMigrate(ctx context.Context, db DBTX, cfg TableConfig) error {
+// partitioning, wrong columns). A missing table is fine: the migration creates it.
+func checkBeforeMigrate(ctx context.Context, db migrate.DBTX, cfg TableConfig) error {
 	shape, err := inspectTable(ctx, db, cfg.Schema, cfg.Table)
 	if err != nil || !shape.exists {
 		return err
@@ -170,7 +165,7 @@ var wantColumns = []tableColumn{
 
 // inspectTable reads schema.table's kind, partition key, columns and unique
 // keys from the catalogs; names travel as parameters.
-func inspectTable(ctx context.Context, db DBTX, schema, table string) (tableShape, error) {
+func inspectTable(ctx context.Context, db migrate.DBTX, schema, table string) (tableShape, error) {
 	var s tableShape
 	wrap := func(err error) (tableShape, error) {
 		return s, fmt.Errorf("deduplicator: inspect table %s.%s: %w", schema, table, err)
@@ -255,7 +250,7 @@ func (s tableShape) primaryKey() (tableKey, bool) {
 
 // Fixes named by the table errors.
 const (
-	fixMigrate = "run deduplicator.Migrate with this TableConfig at start-up (or apply deduplicator.Migrations with your migration tool)"
+	fixMigrate = "migrate deduplicator.MigrationLine(cfg) up at start-up (a migrate.Migrator, or its rendered Migrations in your migration tool)"
 	fixConvert = "convert it with deduplicator.ConvertTable, which keeps every (event_id, consumer_group), or with the SQL of docs/operations.md \"Adopting an existing processed_event\""
 )
 
@@ -338,10 +333,10 @@ func (s tableShape) problem(cfg TableConfig) *TableError {
 	return nil
 }
 
-func joinVersions(migs []Migration) string {
-	s := make([]string, len(migs))
-	for i, m := range migs {
-		s[i] = fmt.Sprint(m.Version)
+func joinVersions(versions []int) string {
+	s := make([]string, len(versions))
+	for i, v := range versions {
+		s[i] = fmt.Sprint(v)
 	}
 	return strings.Join(s, ", ")
 }

@@ -53,7 +53,7 @@ func requireTableError(t *testing.T, err error, reason error, table string) *ded
 	require.Contains(t, err.Error(), table)
 	require.Contains(t, err.Error(), terr.Problem)
 	require.Contains(t, err.Error(), "fix: "+terr.Fix)
-	for _, other := range []error{deduplicator.ErrTableMissing, deduplicator.ErrTableKey, deduplicator.ErrTableColumns, deduplicator.ErrMigrationsPending, deduplicator.ErrLayoutMismatch} {
+	for _, other := range []error{deduplicator.ErrTableMissing, deduplicator.ErrTableKey, deduplicator.ErrTableColumns, migrate.ErrMigrationsPending, deduplicator.ErrLayoutMismatch} {
 		if other != reason {
 			require.False(t, errors.Is(err, other), "%v is not %v", err, other)
 		}
@@ -69,7 +69,7 @@ func TestCheck_MigratedTablesPass(t *testing.T) {
 		{Schema: db.Schema},
 		{Schema: db.Schema, Table: "Seen_Partitioned", Layout: deduplicator.LayoutPartitioned},
 	} {
-		require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
+		require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)))
 		require.NoError(t, deduplicator.Check(ctx, db.Pool, tc), "%+v", tc)
 		inTx(t, db, func(tx pgx.Tx) { require.NoError(t, deduplicator.Check(ctx, tx, tc)) })
 	}
@@ -81,7 +81,7 @@ func TestCheck_TableMissing(t *testing.T) {
 	db := pgtest.New(t, 1)
 	err := deduplicator.Check(ctx, db.Pool, deduplicator.TableConfig{Schema: db.Schema})
 	terr := requireTableError(t, err, deduplicator.ErrTableMissing, db.Schema+".processed_event")
-	require.Contains(t, terr.Fix, "deduplicator.Migrate")
+	require.Contains(t, terr.Fix, "deduplicator.MigrationLine")
 
 	// A view of that name is not a table.
 	db.Exec(t, "CREATE VIEW processed_event AS SELECT gen_random_uuid() AS event_id, 'g'::text AS consumer_group, now() AS processed_at")
@@ -129,7 +129,7 @@ func TestCheck_HarmlessExtras(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 1)
 	tc := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)))
 	db.Exec(t, `CREATE UNIQUE INDEX wider ON processed_event (consumer_group, processed_at, event_id);
 		CREATE INDEX by_group ON processed_event (consumer_group);
 		ALTER TABLE processed_event ADD COLUMN note text, ADD COLUMN attempts int NOT NULL DEFAULT 1`)
@@ -155,7 +155,7 @@ func TestCheck_Columns(t *testing.T) {
 			t.Parallel()
 			db := pgtest.New(t, 1)
 			tc0 := deduplicator.TableConfig{Schema: db.Schema}
-			require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc0))
+			require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc0)))
 			db.Exec(t, tc.alter)
 			err := deduplicator.Check(ctx, db.Pool, tc0)
 			terr := requireTableError(t, err, deduplicator.ErrTableColumns, db.Schema+".processed_event")
@@ -176,25 +176,24 @@ func TestCheck_PendingAndLayout(t *testing.T) {
 	part := deduplicator.TableConfig{Schema: db.Schema, Table: "seen", Layout: deduplicator.LayoutPartitioned}
 
 	db.Exec(t, "CREATE TABLE seen (event_id uuid, consumer_group text, processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (event_id, consumer_group))")
-	terr := requireTableError(t, deduplicator.Check(ctx, db.Pool, plain), deduplicator.ErrMigrationsPending, db.Schema+".seen")
+	terr := requireTableError(t, deduplicator.Check(ctx, db.Pool, plain), migrate.ErrMigrationsPending, db.Schema+".seen")
 	require.Contains(t, terr.Problem, "versions 1, 2 of layout plain")
 
-	migs, err := deduplicator.Migrations(plain)
-	require.NoError(t, err)
+	migs := renderMigrations(t, plain)
 	for _, m := range migs {
 		db.Exec(t, m.Up) // as goose would
 	}
 	require.NoError(t, deduplicator.Check(ctx, db.Pool, plain))
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, plain))
-	terr = requireTableError(t, deduplicator.Check(ctx, db.Pool, part), deduplicator.ErrMigrationsPending, db.Schema+".seen")
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(plain)))
+	terr = requireTableError(t, deduplicator.Check(ctx, db.Pool, part), migrate.ErrMigrationsPending, db.Schema+".seen")
 	require.Contains(t, terr.Problem, "100")
 
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, part))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(part)))
 	require.NoError(t, deduplicator.Check(ctx, db.Pool, part))
 	terr = requireTableError(t, deduplicator.Check(ctx, db.Pool, plain), deduplicator.ErrLayoutMismatch, db.Schema+".seen")
 	require.Contains(t, terr.Fix, "LayoutPartitioned")
 	// Migrate with the other layout does not downgrade: it says so.
-	requireTableError(t, deduplicator.Migrate(ctx, db.Pool, plain), deduplicator.ErrLayoutMismatch, db.Schema+".seen")
+	requireTableError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(plain)), deduplicator.ErrLayoutMismatch, db.Schema+".seen")
 }
 
 // Migrate used to accept both reference tables (CREATE TABLE IF NOT EXISTS
@@ -210,10 +209,10 @@ func TestMigrate_RefusesReferenceTables(t *testing.T) {
 				db := pgtest.New(t, 2)
 				db.Exec(t, ddl)
 				indexes := db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1", db.Schema)
-				err := deduplicator.Migrate(ctx, db.Pool, deduplicator.TableConfig{Schema: db.Schema, Layout: layout})
+				err := migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: db.Schema, Layout: layout}))
 				terr := requireTableError(t, err, deduplicator.ErrTableKey, db.Schema+".processed_event")
 				require.Contains(t, terr.Fix, "ConvertTable")
-				require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2", db.Schema, migrate.Table), "nothing recorded")
+				require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2", db.Schema, "idem_schema_migration"), "nothing recorded")
 				require.Equal(t, indexes, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1", db.Schema), "nothing created")
 			})
 		}
@@ -268,7 +267,7 @@ func TestCheck_MigrationTableNotReadable(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
 	tc := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)))
 	role := db.Schema + "_svc"
 	db.Exec(t, "CREATE ROLE "+pgx.Identifier{role}.Sanitize()+" NOLOGIN")
 	t.Cleanup(func() {

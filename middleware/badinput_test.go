@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -69,7 +70,7 @@ func TestBadInput(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 8)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	db.Exec(t, `CREATE TABLE bad_input_ledger (event_id uuid NOT NULL, consumer_group text NOT NULL, payload_len int NOT NULL)`)
 
 	v7 := func() string { return publisher.NewEventID().String() }

@@ -15,13 +15,14 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // beginOnly is a Beginner that is neither a pool nor a conn: the middleware
 // takes its two-statement path (BEGIN, then the claim).
-type beginOnly struct{ deduplicator.Beginner }
+type beginOnly struct{ migrate.Beginner }
 
 // The pool path (BEGIN and the claim pipelined) and the plain Beginner path
 // behave the same: first delivery commits, a duplicate is skipped and rolled
@@ -30,10 +31,10 @@ func TestBeginnerPathsBehaveAlike(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name string
-		db   func(f *ledgerFixture) deduplicator.Beginner
+		db   func(f *ledgerFixture) migrate.Beginner
 	}{
-		{"pool", func(f *ledgerFixture) deduplicator.Beginner { return f.pool }},
-		{"plain Beginner", func(f *ledgerFixture) deduplicator.Beginner { return beginOnly{f.pool} }},
+		{"pool", func(f *ledgerFixture) migrate.Beginner { return f.pool }},
+		{"plain Beginner", func(f *ledgerFixture) migrate.Beginner { return beginOnly{f.pool} }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -114,7 +115,7 @@ func TestTxOptionsRefusedWithoutBeginTx(t *testing.T) {
 	outer, err := f.pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = outer.Rollback(ctx) }()
-	for _, db := range []deduplicator.Beginner{beginOnly{f.pool}, outer} {
+	for _, db := range []migrate.Beginner{beginOnly{f.pool}, outer} {
 		_, err := idem.NewDedup(idem.Config{DB: db, ConsumerGroup: "g", TxOptions: pgx.TxOptions{IsoLevel: pgx.RepeatableRead}}, nil)
 		require.ErrorContains(t, err, "TxOptions", "%T", db)
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -28,7 +29,7 @@ func benchDB(b *testing.B) (*pgxpool.Pool, deduplicator.TableConfig, *rtcount.Co
 	b.Helper()
 	db := pgtest.New(b, 1)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	if err := deduplicator.Migrate(b.Context(), db.Pool, table); err != nil {
+	if err := migrate.Up(b.Context(), db.Pool, deduplicator.MigrationLine(table)); err != nil {
 		b.Fatal(err)
 	}
 	db.Exec(b, "CREATE TABLE payment (event_id uuid PRIMARY KEY, amount_cents bigint NOT NULL)")

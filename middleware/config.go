@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -55,7 +56,7 @@ type Config struct {
 	// savepoint of it). Required. With a pool or a conn, BEGIN and the claim
 	// travel in one pipelined round trip; other Beginners take two. When it
 	// also has BeginTx (pool and conn do), [Config.TxOptions] is used.
-	DB deduplicator.Beginner
+	DB migrate.Beginner
 
 	// ConsumerGroup is the second half of the dedup key (event id, consumer
 	// group). Required, never defaulted: use the Kafka consumer group of the

@@ -2,7 +2,6 @@ package middleware
 
 import (
 	"context"
-	"errors"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -17,7 +16,7 @@ import (
 // transaction to write in), and it is the value [MustTxFromContext] panics
 // with. Use msg.Context() of the handled message, or a context derived from
 // it.
-var ErrNotInHandler = errors.New("watermill-idempotency: not in a dedup handler: the context carries no message transaction or event (is the handler wrapped by the dedup middleware, and does it use msg.Context()?)")
+var ErrNotInHandler = idemctx.ErrNotInHandler
 
 // TxFromContext returns the transaction the dedup middleware opened for the
 // message being handled. Run every business write of the handler on it: it

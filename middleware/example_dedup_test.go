@@ -18,6 +18,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -26,7 +27,7 @@ import (
 // schema's name, and a cleanup that drops it.
 func dedupExampleDB(ctx context.Context) (*pgxpool.Pool, string, func()) {
 	pool, schema, drop := pgtest.ForExample(ctx, "example_dedup")
-	if err := deduplicator.Migrate(ctx, pool, deduplicator.TableConfig{Schema: schema}); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: schema})); err != nil {
 		panic(err)
 	}
 	if _, err := pool.Exec(ctx, "CREATE TABLE ledger (event_id uuid NOT NULL, amount bigint NOT NULL)"); err != nil {

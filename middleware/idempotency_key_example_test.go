@@ -16,13 +16,14 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // idemKeyExampleDB creates a throwaway schema with the processed_event table
 // and returns a pool on it and a cleanup that drops the schema.
 func idemKeyExampleDB(ctx context.Context) (*pgxpool.Pool, string, func()) {
 	pool, schema, drop := pgtest.ForExample(ctx, "example_idemkey")
-	if err := deduplicator.Migrate(ctx, pool, deduplicator.TableConfig{Schema: schema}); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: schema})); err != nil {
 		panic(err)
 	}
 	return pool, schema, drop

@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // keyServer is a real HTTP server that records the Idempotency-Key of every
@@ -212,7 +213,7 @@ func TestIdempotencyKeyTransport_SameKeyAcrossRedelivery(t *testing.T) {
 	db := pgtest.New(t, 4)
 	ctx := context.Background()
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	d, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table}, nil)
 	require.NoError(t, err)
 

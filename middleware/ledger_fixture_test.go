@@ -16,6 +16,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -32,7 +33,7 @@ func newLedgerFixture(t *testing.T) *ledgerFixture {
 	t.Helper()
 	ctx := context.Background()
 	db := pgtest.New(t, 4)
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, deduplicator.TableConfig{Schema: db.Schema}))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: db.Schema})))
 	db.Exec(t, `CREATE TABLE ledger (
 		event_id uuid NOT NULL,
 		consumer_group text NOT NULL,

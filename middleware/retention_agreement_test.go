@@ -20,6 +20,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // The reported case: a Cleaner with Retention 24h next to a middleware with
@@ -216,7 +217,7 @@ func TestRenameGroupKeepsIdempotencyKeys(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 4)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	srv := newKeyServer(t)
 	client := &http.Client{Transport: idem.NewIdempotencyKeyTransport(srv.Client().Transport, "charge")}
 	errLost := errors.New("response lost")

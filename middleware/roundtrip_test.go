@@ -17,6 +17,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -34,7 +35,7 @@ func newRTFixture(t *testing.T, mode pgx.QueryExecMode) *rtFixture {
 	ctx := context.Background()
 	db := pgtest.New(t, 1)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	db.Exec(t, "CREATE TABLE business (event_id uuid PRIMARY KEY)")
 
 	rt := &rtcount.Counter{}
@@ -161,7 +162,7 @@ func TestRoundTrips_Conn(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 1)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	db.Exec(t, "CREATE TABLE business (event_id uuid PRIMARY KEY)")
 	rt := &rtcount.Counter{}
 	cfg, err := pgx.ParseConfig(db.URL)
@@ -208,7 +209,7 @@ func TestBeginClaimErrorReleasesConn(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 1)
 	table := deduplicator.TableConfig{Schema: db.Schema, Table: "dropped"}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	d, err := NewDedup(Config{DB: db.Pool, ConsumerGroup: "g", Table: table}, nil)
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, "DROP TABLE dropped")

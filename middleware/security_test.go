@@ -23,6 +23,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -85,9 +86,9 @@ func TestSecurityIdentifiersRefused(t *testing.T) {
 			label := fmt.Sprintf("%s=%q", tc.field, name)
 			_, err := deduplicator.New(deduplicator.Config{TableConfig: tc.table, ConsumerGroup: "g"}, nil)
 			require.ErrorContains(t, err, tc.field, "deduplicator.New %s", label)
-			_, err = deduplicator.Migrations(tc.table)
-			require.ErrorContains(t, err, tc.field, "deduplicator.Migrations %s", label)
-			err = deduplicator.Migrate(ctx, db.Pool, tc.table)
+			_, err = migrate.New(nil, deduplicator.MigrationLine(tc.table))
+			require.ErrorContains(t, err, tc.field, "deduplicator.MigrationLine %s", label)
+			err = migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc.table))
 			require.ErrorContains(t, err, tc.field, "deduplicator.Migrate %s", label)
 			_, err = idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "g", Table: tc.table}, nil)
 			require.ErrorContains(t, err, tc.field, "idem.NewDedup %s", label)
@@ -124,7 +125,7 @@ func TestSecurityIdentifiersQuoted(t *testing.T) {
 	long := strings.Repeat("p", 55) // 63 bytes with its companion table's suffix (_setting)
 	for _, table := range []string{"select", "user", "Processed_Event", long} {
 		cfg := deduplicator.TableConfig{Schema: db.Schema, Table: table}
-		require.NoError(t, deduplicator.Migrate(ctx, db.Pool, cfg), table)
+		require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(cfg)), table)
 		require.Equal(t, 1, db.Count(t, `SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = $2`, db.Schema, table), "table %q exists with its exact name", table)
 		d, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "g", Table: cfg}, nil)
 		require.NoError(t, err)
@@ -138,7 +139,7 @@ func TestSecurityIdentifiersQuoted(t *testing.T) {
 
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"orders.v1"}}, nil)
 	require.NoError(t, err)
-	require.NoError(t, ob.Migrate(ctx, db.Pool))
+	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), "orders.v1")))
 	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = 'outbox_orders.v1'`, db.Schema),
 		"a dotted topic is one quoted table name, not schema.table")
 }
@@ -257,10 +258,10 @@ func TestSecurityPayloadNotLoggedAboveDebug(t *testing.T) {
 	defer cancel()
 	db := pgtest.New(t, 8)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"out"}}, nil)
 	require.NoError(t, err)
-	require.NoError(t, ob.Migrate(ctx, db.Pool))
+	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), "out")))
 
 	const secret = "SECRET-CARD-4111111111111111"
 	logger := newSecurityLogger()

@@ -21,6 +21,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -42,7 +43,7 @@ func newStaleFixture(t *testing.T, layout deduplicator.Layout) *staleFixture {
 	t.Helper()
 	db := pgtest.New(t, 4)
 	tc := deduplicator.TableConfig{Schema: db.Schema, Layout: layout}
-	require.NoError(t, deduplicator.Migrate(context.Background(), db.Pool, tc))
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, deduplicator.MigrationLine(tc)))
 	f := &staleFixture{db: db, table: tc}
 	f.ageGroup(t, "g")
 	return f

@@ -13,6 +13,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 func TestNewDedupChecksTheTableAtStartup(t *testing.T) {
@@ -31,13 +32,13 @@ func TestNewDedupChecksTheTableAtStartup(t *testing.T) {
 				PRIMARY KEY (event_id, processed_at)) PARTITION BY RANGE (processed_at)`)
 		}, deduplicator.ErrTableKey},
 		{"migration 2 pending", func(t *testing.T, db *pgtest.DB, table deduplicator.TableConfig) {
-			require.NoError(t, deduplicator.Migrate(context.Background(), db.Pool, table))
+			require.NoError(t, migrate.Up(context.Background(), db.Pool, deduplicator.MigrationLine(table)))
 			db.Exec(t, `DROP TABLE processed_event_group, processed_event_setting`)
 			db.Exec(t, `DELETE FROM idem_schema_migration WHERE version = 2`)
-		}, deduplicator.ErrMigrationsPending},
+		}, migrate.ErrMigrationsPending},
 		{"partitioned table, plain layout configured", func(t *testing.T, db *pgtest.DB, table deduplicator.TableConfig) {
 			table.Layout = deduplicator.LayoutPartitioned
-			require.NoError(t, deduplicator.Migrate(context.Background(), db.Pool, table))
+			require.NoError(t, migrate.Up(context.Background(), db.Pool, deduplicator.MigrationLine(table)))
 		}, deduplicator.ErrLayoutMismatch},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -12,6 +12,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -20,7 +21,7 @@ func TestStatsCountEveryOutcome(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 4)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	d, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "stats", Table: table}, nil)
 	require.NoError(t, err)
 

@@ -7,7 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // Backlog is what a forwarder has not yet forwarded from one topic.
@@ -38,7 +38,7 @@ type BacklogOpts struct {
 // means the forwarder is stuck (down, or held back by an old transaction on
 // the server: see docs/operations.md). It reads every topic in one
 // transaction on db.
-func (o *Outbox) Backlog(ctx context.Context, db deduplicator.Beginner, opts *BacklogOpts) ([]Backlog, error) {
+func (o *Outbox) Backlog(ctx context.Context, db migrate.Beginner, opts *BacklogOpts) ([]Backlog, error) {
 	var forwarder string
 	topics := o.cfg.Topics
 	if opts != nil {

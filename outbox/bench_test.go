@@ -9,6 +9,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -24,7 +25,7 @@ func BenchmarkPublishInTx(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	if err := ob.Migrate(ctx, db.Pool); err != nil {
+	if err := migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), "payments")); err != nil {
 		b.Fatal(err)
 	}
 	rt := &rtcount.Counter{}

@@ -9,7 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/migtable"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -23,7 +23,7 @@ var ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 
 // TableError is an outbox table that writers or the forwarder cannot use.
 // Its message names the topic, the table, the problem and the fix in one
 // line; Unwrap returns the reason: [ErrTopicNotMigrated] (the table does not
-// exist), [ErrTableShape] or [ErrMigrationsPending].
+// exist), [ErrTableShape] or migrate.ErrMigrationsPending.
 type TableError struct {
 	// Topic whose table it is.
 	Topic string
@@ -45,11 +45,11 @@ func (e *TableError) Unwrap() error { return e.Err }
 // Check verifies, for each topic (default: Config.Topics), that its
 // messages table and its offsets table exist with the columns this package
 // and the [Forwarder] use, and that every migration of the topic is
-// recorded as applied ([Migrator.Validate]). It only reads; run it at
-// start-up when another process owns the migrations ([Outbox.Migrate] and
-// [NewForwarder] run it themselves). A table that fails returns a
+// recorded as applied. It only reads; run it at start-up when another
+// process owns the migrations ([MigrationLine] and [NewForwarder] run it
+// themselves). A table that fails returns a
 // [*TableError]; a failing query returns its error, wrapped.
-func (o *Outbox) Check(ctx context.Context, db deduplicator.Beginner, topics ...string) error {
+func (o *Outbox) Check(ctx context.Context, db migrate.Beginner, topics ...string) error {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("outbox: check: begin: %w", err)
@@ -77,19 +77,19 @@ func (o *Outbox) checkTopics(ctx context.Context, q querier, topics []string) er
 		if err := o.checkShape(ctx, q, topic); err != nil {
 			return err
 		}
-		pending, err := o.pendingMigrations(ctx, q, topic)
+		pending, err := o.pendingVersions(ctx, q, topic)
 		if err != nil {
 			return err
 		}
 		if len(pending) > 0 {
 			versions := make([]string, len(pending))
-			for i, m := range pending {
-				versions[i] = fmt.Sprint(m.Version)
+			for i, v := range pending {
+				versions[i] = fmt.Sprint(v)
 			}
 			return &TableError{
-				Topic: topic, Table: o.MessagesTable(topic), Err: ErrMigrationsPending,
-				Problem: fmt.Sprintf("migration versions %s of component %s are not recorded in %s.%s", strings.Join(versions, ", "), o.componentKey(topic), o.cfg.Schema, migrate.Table),
-				Fix:     "run Outbox.Migrate (or outbox.NewMigrator(...).Migrate) at start-up, which records tables of the right shape without changing them, or apply outbox.Migrations with your migration tool",
+				Topic: topic, Table: o.MessagesTable(topic), Err: migrate.ErrMigrationsPending,
+				Problem: fmt.Sprintf("migration versions %s of component %s are not recorded in %s.%s", strings.Join(versions, ", "), o.componentKey(topic), o.cfg.Schema, migtable.Table),
+				Fix:     "migrate outbox.MigrationLine(cfg, topic) up at start-up, which records tables of the right shape without changing them (a migrate.Migrator, or its rendered Migrations in your migration tool)",
 			}
 		}
 	}
@@ -133,12 +133,12 @@ FROM pg_catalog.pg_class c
 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')`, o.cfg.Schema, name).Scan(&columns, &groupUniq)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return fail(ErrTopicNotMigrated, "add the topic to Config.Topics and call Outbox.Migrate (or a Migrator) at start-up", "does not exist")
+		return fail(ErrTopicNotMigrated, "migrate outbox.MigrationLine(cfg, topic) up at start-up", "does not exist")
 	}
 	if err != nil {
 		return fmt.Errorf("outbox: check table %s: %w", quoted, err)
 	}
-	const fixShape = "let Outbox.Migrate create the table (drop or rename this one once the forwarder has passed its rows)"
+	const fixShape = "let outbox.MigrationLine create the table (drop or rename this one once the forwarder has passed its rows)"
 	want := map[string]string{"offset": "bigint", "uuid": "", "payload": strings.ToLower(o.cfg.PayloadType), "metadata": "", "transaction_id": "xid8"}
 	if offsets {
 		want = map[string]string{"consumer_group": "", "offset_acked": "bigint", "last_processed_transaction_id": "xid8"}

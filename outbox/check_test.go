@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -24,7 +25,7 @@ func requireOutboxTableError(t *testing.T, err error, reason error, topic, table
 	require.NotEmpty(t, terr.Fix)
 	require.NotContains(t, err.Error(), "\n")
 	require.Contains(t, err.Error(), "fix: "+terr.Fix)
-	for _, other := range []error{outbox.ErrTopicNotMigrated, outbox.ErrTableShape, outbox.ErrMigrationsPending} {
+	for _, other := range []error{outbox.ErrTopicNotMigrated, outbox.ErrTableShape, migrate.ErrMigrationsPending} {
 		if other != reason {
 			require.False(t, errors.Is(err, other))
 		}
@@ -108,7 +109,7 @@ func TestMigrate_RefusesTablesOfAnotherShape(t *testing.T) {
 	e := newEnv(t, 2, "orders")
 	jsonb, err := outbox.New(outbox.Config{Schema: e.db.Schema, Topics: []string{"orders", "invoices"}, PayloadType: "JSONB"}, nil)
 	require.NoError(t, err)
-	terr := requireOutboxTableError(t, jsonb.Migrate(ctx, e.db.Pool), outbox.ErrTableShape, "orders", jsonb.MessagesTable("orders"))
+	terr := requireOutboxTableError(t, migrate.Up(ctx, e.db.Pool, outbox.MigrationLine(jsonb.Config(), "orders"), outbox.MigrationLine(jsonb.Config(), "invoices")), outbox.ErrTableShape, "orders", jsonb.MessagesTable("orders"))
 	require.Contains(t, terr.Problem, "payload is bytea but Config.PayloadType is JSONB")
 	requireOutboxTableError(t, jsonb.Check(ctx, e.db.Pool, "invoices"), outbox.ErrTopicNotMigrated, "invoices", jsonb.MessagesTable("invoices"))
 

@@ -7,8 +7,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // DefaultDeleteBatch is how many rows one DeleteForwarded statement removes.
@@ -37,7 +37,7 @@ type DeleteForwardedOpts struct {
 // periodically: the forwarder never deletes, since another forwarder or
 // subscriber may still need the rows. When ctx is done between two
 // statements, it returns what it deleted so far with ctx's error.
-func (o *Outbox) DeleteForwarded(ctx context.Context, db deduplicator.Beginner, opts *DeleteForwardedOpts) (int64, error) {
+func (o *Outbox) DeleteForwarded(ctx context.Context, db migrate.Beginner, opts *DeleteForwardedOpts) (int64, error) {
 	var opt DeleteForwardedOpts
 	if opts != nil {
 		opt = *opts
@@ -70,7 +70,7 @@ func (o *Outbox) DeleteForwarded(ctx context.Context, db deduplicator.Beginner, 
 	return total, nil
 }
 
-func (o *Outbox) deleteForwarded(ctx context.Context, db deduplicator.Beginner, topic string, opts DeleteForwardedOpts) (int64, error) {
+func (o *Outbox) deleteForwarded(ctx context.Context, db migrate.Beginner, topic string, opts DeleteForwardedOpts) (int64, error) {
 	tables := o.tables(topic)
 	var pos outboxsql.Position
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) (err error) {

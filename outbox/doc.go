@@ -13,7 +13,7 @@
 // causation_id and correlation_id).
 //
 //	ob, _ := outbox.New(outbox.Config{Topics: []string{"orders"}}, logger)
-//	_ = ob.Migrate(ctx, pool) // at start-up: versioned, see Migrator
+//	_ = migrate.Up(ctx, pool, outbox.MigrationLine(ob.Config(), "orders")) // at start-up: versioned, see Migrator
 //
 //	tx, _ := pool.Begin(ctx)
 //	_, _ = tx.Exec(ctx, "INSERT INTO orders ...")
@@ -54,7 +54,7 @@
 // migration table of [deduplicator.Migrator] and with its shape and types:
 // [Migrator.Migrate] returns what it applied, [Migrator.MigrateTx] runs on
 // the caller's transaction, [Migrator.Validate] lists the pending versions,
-// [deduplicator.DirectionDown] reverts. [Outbox.Migrate] is the start-up shorthand.
+// [migrate.DirectionDown] reverts. [Outbox.Migrate] is the start-up shorthand.
 // Tables an earlier release made without versions are adopted as version 1
 // when their shape matches. [Migrations] renders the SQL, with its record,
 // for goose or golang-migrate. [Outbox.Check] and [NewForwarder] refuse

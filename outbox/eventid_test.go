@@ -15,6 +15,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -45,7 +46,7 @@ func TestOutbox_SamePayloadTwice_OneEventID_AppliedOnce(t *testing.T) {
 	logger := watermill.NopLogger{}
 	const group = "payload-id-consumer"
 	table := deduplicator.TableConfig{Schema: e.db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, e.db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, e.db.Pool, deduplicator.MigrationLine(table)))
 	dedup, err := idem.NewDedup(idem.Config{DB: e.db.Pool, ConsumerGroup: group, Table: table}, logger)
 	require.NoError(t, err)
 	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: e.broker.Addrs}, group)

@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -47,7 +48,7 @@ func ExampleNewForwarder() {
 	if err != nil {
 		panic(err)
 	}
-	if err := ob.Migrate(ctx, pool); err != nil {
+	if err := migrate.Up(ctx, pool, outbox.MigrationLine(ob.Config(), topic)); err != nil {
 		panic(err)
 	}
 	msg := publisher.WithPartitionKey(message.NewMessage(watermill.NewUUID(), []byte(`{"orderId":"order-42"}`)), "order-42")

@@ -4,21 +4,21 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
-// A Migrator creates each topic's messages and offsets tables as a
-// versioned component of its own and says what it applied; Validate lists
-// what is pending, for a start-up that must not migrate itself.
-func ExampleMigrator_Migrate() {
+// Each topic's messages and offsets tables are a line of their own: a
+// migrate.Migrator over them says what it applied, and Validate lists what
+// is pending, for a start-up that must not migrate itself.
+func ExampleMigrationLine() {
 	ctx := context.Background()
 	pool, schema, cleanup := pgtest.ForExample(ctx, "example_outbox_migrator")
 	defer cleanup()
 
 	cfg := outbox.Config{Schema: schema, Topics: []string{"orders", "payments"}}
-	migrator, err := outbox.NewMigrator(pool, cfg)
+	migrator, err := migrate.New(pool, outbox.MigrationLine(cfg, "orders"), outbox.MigrationLine(cfg, "payments"))
 	if err != nil {
 		panic(err)
 	}
@@ -28,7 +28,7 @@ func ExampleMigrator_Migrate() {
 	}
 	fmt.Println("pending:", len(v.Pending))
 
-	res, err := migrator.Migrate(ctx, deduplicator.DirectionUp, nil)
+	res, err := migrator.Migrate(ctx, migrate.DirectionUp, nil)
 	if err != nil {
 		panic(err)
 	}
@@ -38,7 +38,7 @@ func ExampleMigrator_Migrate() {
 	v, _ = migrator.Validate(ctx)
 	fmt.Println("ok:", v.OK)
 
-	res, err = migrator.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: -1})
+	res, err = migrator.Migrate(ctx, migrate.DirectionDown, &migrate.MigrateOpts{TargetVersion: -1})
 	if err != nil {
 		panic(err)
 	}
@@ -49,19 +49,4 @@ func ExampleMigrator_Migrate() {
 	// outbox:outbox_payments: applied 001_topic_tables
 	// ok: true
 	// reverted: 2
-}
-
-// Migrations renders each topic's migrations for goose or golang-migrate;
-// every Up records its version the way a Migrator does, so Check and the
-// forwarder accept the tables.
-func ExampleMigrations() {
-	migs, err := outbox.Migrations(outbox.Config{Schema: "billing", Topics: []string{"billing.charged"}})
-	if err != nil {
-		panic(err)
-	}
-	for _, m := range migs {
-		fmt.Printf("%s %03d_%s\n", m.Component, m.Version, m.Name)
-	}
-	// Output:
-	// outbox:outbox_billing.charged 001_topic_tables
 }

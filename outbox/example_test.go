@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -31,7 +32,7 @@ func ExampleOutbox_Publisher() {
 	if err != nil {
 		panic(err)
 	}
-	if err := ob.Migrate(ctx, pool); err != nil { // at start-up
+	if err := migrate.Up(ctx, pool, outbox.MigrationLine(ob.Config(), "orders")); err != nil { // at start-up
 		panic(err)
 	}
 	if _, err := pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{schema, "orders"}.Sanitize()+" (id text PRIMARY KEY, total int)"); err != nil {

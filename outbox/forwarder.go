@@ -223,7 +223,7 @@ type Forwarder struct {
 // [Forwarder.Run] starts it. A missing table is a [*TableError] wrapping
 // [ErrTopicNotMigrated], a table of another shape one wrapping
 // [ErrTableShape]: the service fails at start-up, not at its first batch.
-// Create the tables (Outbox.Migrate) before the forwarder.
+// Create the tables (outbox.MigrationLine) before the forwarder.
 func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forwarder, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {

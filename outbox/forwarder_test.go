@@ -20,6 +20,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -138,7 +139,7 @@ func (e *env) service(t *testing.T, topic, group, outTopic string, h message.Han
 	ctx := context.Background()
 	logger := watermill.NopLogger{}
 	table := deduplicator.TableConfig{Schema: e.db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, e.db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, e.db.Pool, deduplicator.MigrationLine(table)))
 	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: e.broker.Addrs}, group)
 	require.NoError(t, err)
 	sub, err := kafka.NewSubscriber(subCfg, logger)

@@ -12,10 +12,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -35,7 +35,7 @@ func newEnv(t *testing.T, maxConns int32, topics ...string) *env {
 	db := pgtest.New(t, maxConns)
 	o, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: topics}, watermill.NopLogger{})
 	require.NoError(t, err)
-	require.NoError(t, o.Migrate(context.Background(), db.Pool))
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, lines(o.Config())...))
 	return &env{db: db, outbox: o}
 }
 
@@ -57,15 +57,33 @@ func (e *env) topic(t *testing.T, prefix string, partitions int32) string {
 
 // migrateTopics migrates the tables of topics in o's schema, with o's
 // prefix and payload type, whether or not o's Config lists them.
-func migrateTopics(ctx context.Context, db deduplicator.Beginner, o *outbox.Outbox, topics ...string) error {
+func migrateTopics(ctx context.Context, db migrate.Beginner, o *outbox.Outbox, topics ...string) error {
 	cfg := o.Config()
 	cfg.Topics = topics
-	m, err := outbox.NewMigrator(db, cfg)
-	if err != nil {
-		return err
+	return migrate.Up(ctx, db, lines(cfg)...)
+}
+
+// lines are the migration lines of cfg's topics.
+func lines(cfg outbox.Config) []migrate.Line {
+	var out []migrate.Line
+	for _, topic := range cfg.Topics {
+		out = append(out, outbox.MigrationLine(cfg, topic))
 	}
-	_, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
-	return err
+	return out
+}
+
+// newMigrator is a Migrator of cfg's topics.
+func newMigrator(db migrate.Beginner, cfg outbox.Config) (*migrate.Migrator, error) {
+	return migrate.New(db, lines(cfg)...)
+}
+
+// rendered is the SQL a Migrator renders for lines.
+func rendered(ls ...migrate.Line) ([]migrate.Migration, error) {
+	m, err := migrate.New(nil, ls...)
+	if err != nil {
+		return nil, err
+	}
+	return m.Migrations()
 }
 
 func (e *env) producer(t *testing.T) sarama.SyncProducer {

@@ -10,12 +10,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
-func versionsOf(res *deduplicator.MigrateResult) []string {
+func versionsOf(res *migrate.MigrateResult) []string {
 	out := []string{}
 	for _, v := range res.Versions {
 		out = append(out, fmt.Sprintf("%s %d_%s", v.Component, v.Version, v.Name))
@@ -23,7 +23,7 @@ func versionsOf(res *deduplicator.MigrateResult) []string {
 	return out
 }
 
-func pendingOf(t *testing.T, m *outbox.Migrator) []string {
+func pendingOf(t *testing.T, m *migrate.Migrator) []string {
 	t.Helper()
 	res, err := m.Validate(context.Background())
 	require.NoError(t, err)
@@ -45,22 +45,22 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	cfg := outbox.Config{Schema: db.Schema, Topics: []string{"orders", "orders.v2"}}
 	ob, err := outbox.New(cfg, nil)
 	require.NoError(t, err)
-	m, err := outbox.NewMigrator(db.Pool, cfg)
+	m, err := newMigrator(db.Pool, cfg)
 	require.NoError(t, err)
 
 	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders.v2 1"}, pendingOf(t, m))
-	migs, err := outbox.Migrations(cfg)
+	migs, err := rendered(lines(cfg)...)
 	require.NoError(t, err)
 	v, err := m.Validate(ctx)
 	require.NoError(t, err)
 	require.Equal(t, migs, v.Pending, "pending migrations are rendered as Migrations renders them")
 	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "Validate only reads")
 
-	res, err := m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	res, err := m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Equal(t, deduplicator.DirectionUp, res.Direction)
+	require.Equal(t, migrate.DirectionUp, res.Direction)
 	require.Equal(t, []string{"outbox:outbox_orders 1_topic_tables", "outbox:outbox_orders.v2 1_topic_tables"}, versionsOf(res))
-	res, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	res, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, res.Versions)
 	require.Empty(t, pendingOf(t, m))
@@ -68,30 +68,28 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 
 	// The record is what Check reads: without it the tables are pending.
 	db.Exec(t, "DELETE FROM idem_schema_migration WHERE component = 'outbox:outbox_orders.v2'")
-	terr := requireOutboxTableError(t, ob.Check(ctx, db.Pool), outbox.ErrMigrationsPending, "orders.v2", ob.MessagesTable("orders.v2"))
+	terr := requireOutboxTableError(t, ob.Check(ctx, db.Pool), migrate.ErrMigrationsPending, "orders.v2", ob.MessagesTable("orders.v2"))
 	require.Contains(t, terr.Problem, "outbox:outbox_orders.v2")
 	_, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: db.Pool, Outbox: ob, Publisher: refusingPublisher{t}}, nil)
-	requireOutboxTableError(t, err, outbox.ErrMigrationsPending, "orders.v2", ob.MessagesTable("orders.v2"))
-	res, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
+	requireOutboxTableError(t, err, migrate.ErrMigrationsPending, "orders.v2", ob.MessagesTable("orders.v2"))
+	res, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Equal(t, []string{"outbox:outbox_orders.v2 1_topic_tables"}, versionsOf(res), "existing tables of the right shape are recorded")
 
-	res, err = m.Migrate(ctx, deduplicator.DirectionDown, nil)
+	res, err = m.Migrate(ctx, migrate.DirectionDown, nil)
 	require.NoError(t, err)
-	require.Equal(t, deduplicator.DirectionDown, res.Direction)
+	require.Equal(t, migrate.DirectionDown, res.Direction)
 	require.Equal(t, []string{"outbox:outbox_orders.v2 1_topic_tables", "outbox:outbox_orders 1_topic_tables"}, versionsOf(res), "backwards, one version per topic")
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "only idem_schema_migration is left")
 	requireOutboxTableError(t, ob.Check(ctx, db.Pool), outbox.ErrTopicNotMigrated, "orders", ob.MessagesTable("orders"))
-	res, err = m.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: -1})
+	res, err = m.Migrate(ctx, migrate.DirectionDown, &migrate.MigrateOpts{TargetVersion: -1})
 	require.NoError(t, err)
 	require.Empty(t, res.Versions)
 
-	_, err = m.Migrate(ctx, deduplicator.DirectionUp, &deduplicator.MigrateOpts{TargetVersion: 2})
+	_, err = m.Migrate(ctx, migrate.DirectionUp, &migrate.MigrateOpts{TargetVersion: 2})
 	require.ErrorContains(t, err, "target version 2 is not a version of outbox:outbox_orders")
-	_, err = outbox.NewMigrator(db.Pool, outbox.Config{Topics: []string{"bad;topic"}})
+	_, err = newMigrator(db.Pool, outbox.Config{Topics: []string{"bad;topic"}})
 	require.ErrorIs(t, err, outbox.ErrInvalidTopic)
-	_, err = outbox.NewMigrator(nil, cfg)
-	require.ErrorContains(t, err, "db is nil")
 }
 
 // Tables an earlier release created through watermill-sql's CREATE TABLE IF
@@ -119,15 +117,15 @@ func TestMigrator_AdoptsUnversionedTables(t *testing.T) {
 	}))
 	e := &env{db: db, outbox: ob}
 	e.publishTx(t, "orders", event("a", 0), event("a", 1))
-	requireOutboxTableError(t, ob.Check(ctx, db.Pool), outbox.ErrMigrationsPending, "orders", ob.MessagesTable("orders"))
+	requireOutboxTableError(t, ob.Check(ctx, db.Pool), migrate.ErrMigrationsPending, "orders", ob.MessagesTable("orders"))
 
-	m, err := outbox.NewMigrator(db.Pool, cfg)
+	m, err := newMigrator(db.Pool, cfg)
 	require.NoError(t, err)
-	results := make([]*deduplicator.MigrateResult, 4)
+	results := make([]*migrate.MigrateResult, 4)
 	errs := make([]error, 4)
 	var wg sync.WaitGroup
 	for i := range results {
-		wg.Go(func() { results[i], errs[i] = m.Migrate(ctx, deduplicator.DirectionUp, nil) })
+		wg.Go(func() { results[i], errs[i] = m.Migrate(ctx, migrate.DirectionUp, nil) })
 	}
 	wg.Wait()
 	var applied []string
@@ -147,14 +145,14 @@ func TestMigrator_MigrateTx(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
 	cfg := outbox.Config{Schema: db.Schema, Topics: []string{"orders"}}
-	m, err := outbox.NewMigrator(db.Pool, cfg)
+	m, err := newMigrator(db.Pool, cfg)
 	require.NoError(t, err)
 	ob, err := outbox.New(cfg, nil)
 	require.NoError(t, err)
 
 	tx, err := db.Pool.Begin(ctx)
 	require.NoError(t, err)
-	res, err := m.MigrateTx(ctx, tx, deduplicator.DirectionUp, nil)
+	res, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Len(t, res.Versions, 1)
 	v, err := m.ValidateTx(ctx, tx)
@@ -165,7 +163,7 @@ func TestMigrator_MigrateTx(t *testing.T) {
 	require.Equal(t, []string{"outbox:outbox_orders 1"}, pendingOf(t, m))
 
 	require.NoError(t, pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-		_, err := m.MigrateTx(ctx, tx, deduplicator.DirectionUp, nil)
+		_, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 		return err
 	}))
 	require.NoError(t, ob.Check(ctx, db.Pool))

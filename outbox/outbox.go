@@ -14,11 +14,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
-	idem "github.com/idemkit/watermill-idempotency/middleware"
+
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -43,8 +44,8 @@ const offsetsSuffix = "__offsets"
 var (
 	// ErrTopicNotMigrated is returned when a topic's table does not exist:
 	// add the topic to Config.Topics and migrate it at start-up
-	// ([Outbox.Migrate] or a [Migrator]).
-	ErrTopicNotMigrated = errors.New("outbox: topic table does not exist; create it with Migrate at start-up")
+	// ([MigrationLine]).
+	ErrTopicNotMigrated = errors.New("outbox: topic table does not exist; create it with its MigrationLine at start-up")
 	// ErrInvalidTopic is returned for a topic that cannot name a table.
 	ErrInvalidTopic = errors.New("invalid topic")
 )
@@ -62,7 +63,7 @@ type Config struct {
 	// fit PostgreSQL's 63-byte limit. Defaults to [DefaultTablePrefix]
 	// ("outbox_").
 	TablePrefix string
-	// Topics are the topics whose tables a [Migrator] (and [Outbox.Migrate])
+	// Topics are the topics whose tables [MigrationLine]
 	// creates, that [Outbox.Check] verifies, and that a [Forwarder] forwards
 	// unless told otherwise. Defaults to none.
 	Topics []string
@@ -136,7 +137,7 @@ var _ interface {
 
 // New validates cfg and returns an Outbox. It does not touch the database
 // (it has no connection: writes use the caller's transaction): call
-// [Outbox.Migrate] (or a [Migrator]) at start-up, or [Outbox.Check] when
+// its [MigrationLine] at start-up, or [Outbox.Check] when
 // another process owns the migrations, so that a missing table fails the
 // start-up rather than the first message.
 func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
@@ -267,11 +268,11 @@ func (o *Outbox) Publisher(tx pgx.Tx) message.Publisher {
 // causation_id = the incoming event id. Outside such a handler it returns
 // middleware.ErrNotInHandler.
 func (o *Outbox) PublisherFromContext(ctx context.Context) (message.Publisher, error) {
-	tx, ok := idem.TxFromContext(ctx)
-	if !ok {
-		return nil, idem.ErrNotInHandler
+	v := idemctx.From(ctx)
+	if v == nil || v.Tx == nil {
+		return nil, idemctx.ErrNotInHandler
 	}
-	return &txPublisher{o: o, tx: tx, ctx: ctx}, nil
+	return &txPublisher{o: o, tx: v.Tx, ctx: ctx}, nil
 }
 
 type txPublisher struct {
@@ -297,13 +298,13 @@ func (p *txPublisher) Close() error { return nil }
 // on db for every Publish call (all messages of one call commit together).
 // Use it for events that are not part of a business transaction; for those
 // that are, use [Outbox.Publisher] on that transaction.
-func (o *Outbox) PoolPublisher(db deduplicator.Beginner) message.Publisher {
+func (o *Outbox) PoolPublisher(db migrate.Beginner) message.Publisher {
 	return &poolPublisher{o: o, db: db}
 }
 
 type poolPublisher struct {
 	o  *Outbox
-	db deduplicator.Beginner
+	db migrate.Beginner
 }
 
 func (p *poolPublisher) Publish(topic string, msgs ...*message.Message) error {

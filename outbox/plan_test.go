@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -24,7 +25,7 @@ func TestForwarderReadDoesNotScanTheBacklog(t *testing.T) {
 	db := pgtest.New(t, 2)
 	o, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"backlog"}}, nil)
 	require.NoError(t, err)
-	require.NoError(t, o.Migrate(ctx, db.Pool))
+	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(o.Config(), "backlog")))
 	for k := 0; k < 20; k++ {
 		msgs := make([]*message.Message, 1000)
 		for i := range msgs {

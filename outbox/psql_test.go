@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -60,9 +61,9 @@ func TestMigrationsAppliedWithPsql(t *testing.T) {
 	require.NoError(t, err)
 	e.outbox = ob
 
-	dedupMigs, err := deduplicator.Migrations(table)
+	dedupMigs, err := rendered(deduplicator.MigrationLine(table))
 	require.NoError(t, err)
-	outboxMigs, err := outbox.Migrations(cfg)
+	outboxMigs, err := rendered(lines(cfg)...)
 	require.NoError(t, err)
 	require.Len(t, outboxMigs, 1)
 	require.Equal(t, "outbox:outbox_"+topic, outboxMigs[0].Component)
@@ -81,20 +82,20 @@ func TestMigrationsAppliedWithPsql(t *testing.T) {
 		psqlFile(t, db.Schema, f)
 	}
 
-	dm, err := deduplicator.NewMigrator(db.Pool, table)
+	dm, err := migrate.New(db.Pool, deduplicator.MigrationLine(table))
 	require.NoError(t, err)
 	dv, err := dm.Validate(ctx)
 	require.NoError(t, err)
 	require.True(t, dv.OK, "pending: %+v", dv.Pending)
-	om, err := outbox.NewMigrator(db.Pool, cfg)
+	om, err := newMigrator(db.Pool, cfg)
 	require.NoError(t, err)
 	require.Empty(t, pendingOf(t, om))
 	require.NoError(t, deduplicator.Check(ctx, db.Pool, table))
 	require.NoError(t, ob.Check(ctx, db.Pool))
-	dres, err := dm.Migrate(ctx, deduplicator.DirectionUp, nil)
+	dres, err := dm.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, dres.Versions)
-	ores, err := om.Migrate(ctx, deduplicator.DirectionUp, nil)
+	ores, err := om.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, ores.Versions)
 

@@ -12,8 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/tests"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -23,7 +23,7 @@ import (
 type migratingPublisher struct {
 	message.Publisher
 	o  *outbox.Outbox
-	db deduplicator.Beginner
+	db migrate.Beginner
 
 	mu   sync.Mutex
 	done map[string]bool

@@ -9,6 +9,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -24,24 +25,24 @@ func TestMigrator_StatusAndRecordedTopics(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, topics, "no migration table yet")
 
-	m, err := outbox.NewMigrator(db.Pool, cfg)
+	m, err := newMigrator(db.Pool, cfg)
 	require.NoError(t, err)
 	st, err := m.Status(ctx)
 	require.NoError(t, err)
-	require.Equal(t, []deduplicator.MigrationStatus{
+	require.Equal(t, []migrate.MigrationStatus{
 		{Component: "outbox:outbox_orders", Version: 1, Name: "topic_tables"},
 		{Component: "outbox:outbox_orders.v2", Version: 1, Name: "topic_tables"},
 	}, st)
 
-	one, err := outbox.NewMigrator(db.Pool, outbox.Config{Schema: db.Schema, Topics: []string{"orders"}})
+	one, err := newMigrator(db.Pool, outbox.Config{Schema: db.Schema, Topics: []string{"orders"}})
 	require.NoError(t, err)
-	_, err = one.Migrate(ctx, deduplicator.DirectionUp, nil)
+	_, err = one.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	// Another prefix and the dedup table share the migration table.
 	other, err := outbox.New(outbox.Config{Schema: db.Schema, TablePrefix: "ob_", Topics: []string{"payments"}}, nil)
 	require.NoError(t, err)
-	require.NoError(t, other.Migrate(ctx, db.Pool))
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, deduplicator.TableConfig{Schema: db.Schema}))
+	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(other.Config(), "payments")))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: db.Schema})))
 
 	st, err = m.Status(ctx)
 	require.NoError(t, err)

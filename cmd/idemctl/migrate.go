@@ -9,33 +9,91 @@ import (
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
-// migrators are the dedup table's and the outbox topics' migrators, as
-// selected by --only.
-type migrators struct {
-	dedup  *deduplicator.Migrator // nil: not selected
-	outbox *outbox.Migrator       // nil: not selected or no topic
-	tc     deduplicator.TableConfig
-	ob     outbox.Config
-}
+// selection is what --only names: the dedup table, the outbox topics'
+// tables, retrytopic's parked-keys table.
+type selection struct{ dedup, outbox, retry bool }
 
-// only validates --only.
-func only(v string) (dedup, ob bool, err error) {
-	switch v {
-	case "", "all":
-		return true, true, nil
-	case "dedup":
-		return true, false, nil
-	case "outbox":
-		return false, true, nil
+// only validates --only: a comma-separated list of dedup, outbox and retry
+// ("" or "all": every one).
+func only(v string) (selection, error) {
+	if v == "" || v == "all" {
+		return selection{true, true, true}, nil
 	}
-	return false, false, usageError("usage: --only %q: want dedup or outbox", v)
+	var s selection
+	for _, part := range splitList(v) {
+		switch part {
+		case "dedup":
+			s.dedup = true
+		case "outbox":
+			s.outbox = true
+		case "retry":
+			s.retry = true
+		default:
+			return s, usageError("usage: --only %q: want dedup, outbox or retry (comma-separated)", v)
+		}
+	}
+	return s, nil
 }
 
-func (a *app) migrators(ctx context.Context, onlyFlag string, retention time.Duration) (*migrators, error) {
-	wantDedup, wantOutbox, err := only(onlyFlag)
+// single reports whether one kind of table is selected: the kinds' versions
+// differ, so --target needs it.
+func (s selection) single() bool {
+	n := 0
+	for _, b := range []bool{s.dedup, s.outbox, s.retry} {
+		if b {
+			n++
+		}
+	}
+	return n == 1
+}
+
+// migrators is one Migrator over the selected lines: the dedup table, one
+// line per outbox topic, the parked-keys table.
+type migrators struct {
+	m   *migrate.Migrator
+	sel selection
+	tc  deduplicator.TableConfig
+	ob  outbox.Config // Topics: the lines' topics
+	rt  retrytopic.ParkedKeysTable
+}
+
+// lines returns the selected lines, in the order up runs them.
+func (m *migrators) lines() []migrate.Line {
+	var lines []migrate.Line
+	if m.sel.dedup {
+		lines = append(lines, deduplicator.MigrationLine(m.tc))
+	}
+	if m.sel.outbox {
+		for _, topic := range m.ob.Topics {
+			lines = append(lines, outbox.MigrationLine(m.ob, topic))
+		}
+	}
+	if m.sel.retry {
+		lines = append(lines, retrytopic.MigrationLine(m.rt))
+	}
+	return lines
+}
+
+// build makes the Migrator of the selected lines on db (nil: render only).
+func (m *migrators) build(db migrate.Beginner) error {
+	var err error
+	if m.m, err = migrate.New(db, m.lines()...); err != nil {
+		return usageError("%v", err)
+	}
+	return nil
+}
+
+func (a *app) parkedTable(name string) retrytopic.ParkedKeysTable {
+	return retrytopic.ParkedKeysTable{Schema: a.opts.schema, Table: name}
+}
+
+func (a *app) migrators(ctx context.Context, onlyFlag, parked, payload string, retention time.Duration) (*migrators, error) {
+	sel, err := only(onlyFlag)
 	if err != nil {
 		return nil, err
 	}
@@ -43,48 +101,23 @@ func (a *app) migrators(ctx context.Context, onlyFlag string, retention time.Dur
 	if err != nil {
 		return nil, err
 	}
-	m := &migrators{}
-	if wantDedup {
+	m := &migrators{sel: sel, rt: a.parkedTable(parked)}
+	if sel.dedup {
 		if m.tc, err = a.tableConfig(ctx, true); err != nil {
 			return nil, err
 		}
 		m.tc.Retention = retention
-		if m.dedup, err = deduplicator.NewMigrator(pool, m.tc); err != nil {
-			return nil, usageError("%v", err)
-		}
 	}
-	if wantOutbox {
+	if sel.outbox {
 		if m.ob, err = a.outboxConfig(ctx, true); err != nil {
 			return nil, err
 		}
-		if len(m.ob.Topics) > 0 {
-			if m.outbox, err = outbox.NewMigrator(pool, m.ob); err != nil {
-				return nil, usageError("%v", err)
-			}
-		} else if !wantDedup {
+		m.ob.PayloadType = payload
+		if len(m.ob.Topics) == 0 && !sel.dedup && !sel.retry {
 			return nil, usageError("no outbox topic: none is recorded under prefix %s in %s.idem_schema_migration; pass --topics", m.ob.TablePrefix, m.ob.Schema)
 		}
 	}
-	return m, nil
-}
-
-func (m *migrators) status(ctx context.Context) ([]deduplicator.MigrationStatus, error) {
-	var out []deduplicator.MigrationStatus
-	if m.dedup != nil {
-		st, err := m.dedup.Status(ctx)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, st...)
-	}
-	if m.outbox != nil {
-		st, err := m.outbox.Status(ctx)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, st...)
-	}
-	return out, nil
+	return m, m.build(pool)
 }
 
 type jsonVersion struct {
@@ -95,7 +128,7 @@ type jsonVersion struct {
 	AppliedAt jsonTime `json:"applied_at"`
 }
 
-func statusWord(s deduplicator.MigrationStatus) string {
+func statusWord(s migrate.MigrationStatus) string {
 	switch {
 	case s.Unknown:
 		return "unknown"
@@ -111,30 +144,36 @@ type jsonCheck struct {
 	Problem string `json:"problem,omitempty"`
 }
 
+const (
+	onlyUsage   = "`tables` to act on, comma-separated: dedup, outbox, retry (default all)"
+	parkedUsage = "parked-keys `table` of retry topics' KeyOrder, in --schema"
+)
+
 func migrateStatus(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
-	onlyFlag := fs.String("only", "", "`dedup` or `outbox`: only those tables (default both)")
+	onlyFlag := fs.String("only", "", onlyUsage)
+	parked := fs.String("parked-table", retrytopic.DefaultTable, parkedUsage)
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}
-	m, err := a.migrators(ctx, *onlyFlag, 0)
+	m, err := a.migrators(ctx, *onlyFlag, *parked, "", 0)
 	if err != nil {
 		return err
 	}
-	st, err := m.status(ctx)
+	st, err := m.m.Status(ctx)
 	if err != nil {
 		return err
 	}
 	// The live tables' checks: what a service would refuse at start-up.
 	var checks []jsonCheck
-	if m.dedup != nil {
+	if m.sel.dedup {
 		c := jsonCheck{Target: m.tc.Schema + "." + m.tc.Table + " (" + m.tc.Layout.String() + ")", OK: true}
 		if err := deduplicator.Check(ctx, a.pool, m.tc); err != nil {
 			c.OK, c.Problem = false, err.Error()
 		}
 		checks = append(checks, c)
 	}
-	if m.outbox != nil {
+	if m.sel.outbox && len(m.ob.Topics) > 0 {
 		ob, err := outbox.New(m.ob, nil)
 		if err != nil {
 			return err
@@ -175,7 +214,7 @@ func migrateStatus(ctx context.Context, a *app, args []string) error {
 		fmt.Fprint(a.stdout, " (recorded by another layout or a newer release: migrate down refuses to go past them)")
 	}
 	fmt.Fprintln(a.stdout)
-	if m.dedup != nil && m.outbox == nil && m.ob.TablePrefix != "" && *onlyFlag == "" {
+	if m.sel.outbox && len(m.ob.Topics) == 0 && m.ob.TablePrefix != "" && *onlyFlag == "" {
 		fmt.Fprintf(a.stdout, "no outbox topic recorded under prefix %s in schema %s (pass --topics to name some)\n", m.ob.TablePrefix, m.ob.Schema)
 	}
 	fmt.Fprintln(a.stdout)
@@ -196,12 +235,12 @@ type jsonStep struct {
 	DurationMS float64 `json:"duration_ms"`
 }
 
-func (a *app) printSteps(direction deduplicator.Direction, dryRun bool, steps []deduplicator.MigrateVersion) error {
+func (a *app) printSteps(direction migrate.Direction, dryRun bool, steps []migrate.MigrateVersion) error {
 	if a.opts.json {
 		out := struct {
-			Direction deduplicator.Direction `json:"direction"`
-			DryRun    bool                   `json:"dry_run"`
-			Versions  []jsonStep             `json:"versions"`
+			Direction migrate.Direction `json:"direction"`
+			DryRun    bool              `json:"dry_run"`
+			Versions  []jsonStep        `json:"versions"`
 		}{direction, dryRun, []jsonStep{}}
 		for _, s := range steps {
 			out.Versions = append(out.Versions, jsonStep{s.Component, s.Version, s.Name, float64(s.Duration.Microseconds()) / 1000})
@@ -209,7 +248,7 @@ func (a *app) printSteps(direction deduplicator.Direction, dryRun bool, steps []
 		return a.printJSON(out)
 	}
 	verb, done := "apply", "applied"
-	if direction == deduplicator.DirectionDown {
+	if direction == migrate.DirectionDown {
 		verb, done = "revert", "reverted"
 	}
 	if len(steps) == 0 {
@@ -229,90 +268,64 @@ func (a *app) printSteps(direction deduplicator.Direction, dryRun bool, steps []
 
 func migrateUp(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
-	onlyFlag := fs.String("only", "", "`dedup` or `outbox`: only those tables (default both)")
-	target := fs.Int("target", 0, "apply the versions up to this `version` only (needs --only)")
+	onlyFlag := fs.String("only", "", onlyUsage)
+	parked := fs.String("parked-table", retrytopic.DefaultTable, parkedUsage)
+	target := fs.Int("target", 0, "apply the versions up to this `version` only (needs --only naming one kind)")
 	retention := fs.String("retention", "", "retention a new processed_event table records (7d, 720h...; default 7d); an existing table's must match")
 	payload := fs.String("payload-type", "", "payload column type of new outbox tables: BYTEA, JSON or JSONB (default BYTEA)")
 	dryRun := fs.Bool("dry-run", false, "list the versions it would apply, change nothing")
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}
-	if *target != 0 && *onlyFlag == "" {
-		return usageError("usage: --target needs --only dedup or --only outbox (their versions differ)")
+	sel, err := only(*onlyFlag)
+	if err != nil {
+		return err
+	}
+	if *target != 0 && !sel.single() {
+		return usageError("usage: --target needs --only dedup, outbox or retry (their versions differ)")
 	}
 	if *target < 0 {
 		return usageError("usage: --target %d: going up it must be a version", *target)
 	}
 	var ret time.Duration
 	if *retention != "" {
-		var err error
 		if ret, err = parseDuration(*retention); err != nil {
 			return usageError("usage: --retention: %v", err)
 		}
 	}
-	m, err := a.migrators(ctx, *onlyFlag, ret)
+	m, err := a.migrators(ctx, *onlyFlag, *parked, *payload, ret)
 	if err != nil {
 		return err
 	}
-	if *payload != "" && m.outbox != nil {
-		m.ob.PayloadType = *payload
-		if m.outbox, err = outbox.NewMigrator(a.pool, m.ob); err != nil {
-			return usageError("%v", err)
-		}
-	}
 	if *dryRun {
-		st, err := m.status(ctx)
+		st, err := m.m.Status(ctx)
 		if err != nil {
 			return err
 		}
-		var steps []deduplicator.MigrateVersion
+		var steps []migrate.MigrateVersion
 		for _, s := range st {
 			if !s.Applied && (*target == 0 || s.Version <= *target) {
-				steps = append(steps, deduplicator.MigrateVersion{Component: s.Component, Version: s.Version, Name: s.Name})
+				steps = append(steps, migrate.MigrateVersion{Component: s.Component, Version: s.Version, Name: s.Name})
 			}
 		}
-		return a.printSteps(deduplicator.DirectionUp, true, steps)
+		return a.printSteps(migrate.DirectionUp, true, steps)
 	}
-	opts := &deduplicator.MigrateOpts{TargetVersion: *target}
-	var steps []deduplicator.MigrateVersion
-	for _, mg := range m.list() {
-		res, err := mg.Migrate(ctx, deduplicator.DirectionUp, opts)
-		if res != nil {
-			steps = append(steps, res.Versions...)
+	res, err := m.m.Migrate(ctx, migrate.DirectionUp, &migrate.MigrateOpts{TargetVersion: *target})
+	if err != nil {
+		if len(res.Versions) > 0 {
+			_ = a.printSteps(migrate.DirectionUp, false, res.Versions)
 		}
-		if err != nil {
-			if len(steps) > 0 {
-				_ = a.printSteps(deduplicator.DirectionUp, false, steps)
-			}
-			return err
-		}
+		return err
 	}
-	return a.printSteps(deduplicator.DirectionUp, false, steps)
-}
-
-// migrator is what both migrators do.
-type migrator interface {
-	Migrate(context.Context, deduplicator.Direction, *deduplicator.MigrateOpts) (*deduplicator.MigrateResult, error)
-}
-
-// list returns the selected migrators in the order up runs them.
-func (m *migrators) list() []migrator {
-	var out []migrator
-	if m.dedup != nil {
-		out = append(out, m.dedup)
-	}
-	if m.outbox != nil {
-		out = append(out, m.outbox)
-	}
-	return out
+	return a.printSteps(migrate.DirectionUp, false, res.Versions)
 }
 
 // downPlan lists, from st, what a down migration to target reverts, by
 // MigrateOpts.TargetVersion's rules: 0 the newest applied version of each
 // component, N the applied versions above N, -1 every applied version;
-// newest first within a component, the outbox's before the dedup table's.
-func downPlan(st []deduplicator.MigrationStatus, target int) (plan []deduplicator.MigrateVersion, unknown []deduplicator.MigrationStatus) {
-	byComp := map[string][]deduplicator.MigrationStatus{}
+// newest first within a component, the components backwards.
+func downPlan(st []migrate.MigrationStatus, target int) (plan []migrate.MigrateVersion, unknown []migrate.MigrationStatus) {
+	byComp := map[string][]migrate.MigrationStatus{}
 	var order []string
 	for _, s := range st {
 		if _, ok := byComp[s.Component]; !ok {
@@ -337,7 +350,7 @@ func downPlan(st []deduplicator.MigrationStatus, target int) (plan []deduplicato
 			if !s.Applied || s.Unknown || s.Version <= target || (target == 0 && s.Version != newest) {
 				continue
 			}
-			plan = append(plan, deduplicator.MigrateVersion{Component: s.Component, Version: s.Version, Name: s.Name})
+			plan = append(plan, migrate.MigrateVersion{Component: s.Component, Version: s.Version, Name: s.Name})
 		}
 	}
 	return plan, unknown
@@ -345,7 +358,8 @@ func downPlan(st []deduplicator.MigrationStatus, target int) (plan []deduplicato
 
 func migrateDown(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
-	onlyFlag := fs.String("only", "", "`dedup` or `outbox`: only those tables (default both)")
+	onlyFlag := fs.String("only", "", onlyUsage)
+	parked := fs.String("parked-table", retrytopic.DefaultTable, parkedUsage)
 	target := fs.Int("target", 0, "revert the versions above this `version` (default: only the newest of each component)")
 	all := fs.Bool("all", false, "revert every version: drop the tables and their rows")
 	dryRun := fs.Bool("dry-run", false, "list the versions it would revert, change nothing")
@@ -353,22 +367,26 @@ func migrateDown(ctx context.Context, a *app, args []string) error {
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}
+	sel, err := only(*onlyFlag)
+	if err != nil {
+		return err
+	}
 	switch {
 	case *all && *target != 0:
 		return usageError("usage: --all and --target exclude each other")
 	case *target < 0:
 		return usageError("usage: --target %d: use --all to revert every version", *target)
-	case *target > 0 && *onlyFlag == "":
-		return usageError("usage: --target needs --only dedup or --only outbox (their versions differ)")
+	case *target > 0 && !sel.single():
+		return usageError("usage: --target needs --only dedup, outbox or retry (their versions differ)")
 	}
 	if *all {
 		*target = -1
 	}
-	m, err := a.migrators(ctx, *onlyFlag, 0)
+	m, err := a.migrators(ctx, *onlyFlag, *parked, "", 0)
 	if err != nil {
 		return err
 	}
-	st, err := m.status(ctx)
+	st, err := m.m.Status(ctx)
 	if err != nil {
 		return err
 	}
@@ -377,10 +395,10 @@ func migrateDown(ctx context.Context, a *app, args []string) error {
 		for _, u := range unknown {
 			fmt.Fprintf(a.stderr, "%s: warning: %s version %d (%s) is recorded but unknown to this release: migrate down refuses to revert past it\n", a.path, u.Component, u.Version, u.Name)
 		}
-		return a.printSteps(deduplicator.DirectionDown, true, plan)
+		return a.printSteps(migrate.DirectionDown, true, plan)
 	}
 	if len(plan) == 0 && len(unknown) == 0 {
-		return a.printSteps(deduplicator.DirectionDown, false, nil)
+		return a.printSteps(migrate.DirectionDown, false, nil)
 	}
 	if !*yes {
 		names := make([]string, len(plan))
@@ -389,98 +407,70 @@ func migrateDown(ctx context.Context, a *app, args []string) error {
 		}
 		return usageError("migrate down would revert %s, dropping tables or columns with their rows: pass --yes to do it (--dry-run lists it)", strings.Join(names, ", "))
 	}
-	opts := &deduplicator.MigrateOpts{TargetVersion: *target}
-	var steps []deduplicator.MigrateVersion
-	list := m.list()
-	slices.Reverse(list)
-	for _, mg := range list {
-		res, err := mg.Migrate(ctx, deduplicator.DirectionDown, opts)
-		if res != nil {
-			steps = append(steps, res.Versions...)
+	res, err := m.m.Migrate(ctx, migrate.DirectionDown, &migrate.MigrateOpts{TargetVersion: *target})
+	if err != nil {
+		if len(res.Versions) > 0 {
+			_ = a.printSteps(migrate.DirectionDown, false, res.Versions)
 		}
-		if err != nil {
-			if len(steps) > 0 {
-				_ = a.printSteps(deduplicator.DirectionDown, false, steps)
-			}
-			return err
-		}
+		return err
 	}
-	return a.printSteps(deduplicator.DirectionDown, false, steps)
+	return a.printSteps(migrate.DirectionDown, false, res.Versions)
 }
 
 func migrateSQL(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
-	onlyFlag := fs.String("only", "", "`dedup` or `outbox`: only those tables (default both)")
+	onlyFlag := fs.String("only", "", onlyUsage)
+	parked := fs.String("parked-table", retrytopic.DefaultTable, parkedUsage)
 	down := fs.Bool("down", false, "print the down migrations (newest first) instead of the up ones")
 	pending := fs.Bool("pending", false, "only the versions the database has not recorded (connects; without it nothing connects and --layout auto means plain)")
 	payload := fs.String("payload-type", "", "payload column type of the outbox tables: BYTEA, JSON or JSONB (default BYTEA)")
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}
-	wantDedup, wantOutbox, err := only(*onlyFlag)
+	sel, err := only(*onlyFlag)
 	if err != nil {
 		return err
 	}
-	var migs []deduplicator.Migration
+	var migs []migrate.Migration
 	if *pending {
 		if *down {
 			return usageError("usage: --pending and --down exclude each other")
 		}
-		m, err := a.migrators(ctx, *onlyFlag, 0)
+		m, err := a.migrators(ctx, *onlyFlag, *parked, *payload, 0)
 		if err != nil {
 			return err
 		}
-		if m.outbox != nil && *payload != "" {
-			m.ob.PayloadType = *payload
-			if m.outbox, err = outbox.NewMigrator(a.pool, m.ob); err != nil {
-				return usageError("%v", err)
-			}
+		res, err := m.m.Validate(ctx)
+		if err != nil {
+			return err
 		}
-		if m.dedup != nil {
-			res, err := m.dedup.Validate(ctx)
-			if err != nil {
-				return err
-			}
-			migs = append(migs, res.Pending...)
-		}
-		if m.outbox != nil {
-			res, err := m.outbox.Validate(ctx)
-			if err != nil {
-				return err
-			}
-			migs = append(migs, res.Pending...)
-		}
+		migs = res.Pending
 	} else {
-		if wantDedup {
-			tc := deduplicator.TableConfig{Schema: a.opts.schema, Table: a.opts.table}
+		m := &migrators{sel: sel, rt: a.parkedTable(*parked)}
+		if sel.dedup {
+			m.tc = deduplicator.TableConfig{Schema: a.opts.schema, Table: a.opts.table}
 			switch a.opts.layout {
 			case "auto", "", "plain":
 			case "partitioned":
-				tc.Layout = deduplicator.LayoutPartitioned
+				m.tc.Layout = deduplicator.LayoutPartitioned
 			default:
 				return usageError("usage: --layout %q: want auto, plain or partitioned", a.opts.layout)
 			}
-			ms, err := deduplicator.Migrations(tc)
-			if err != nil {
-				return usageError("%v", err)
-			}
-			migs = append(migs, ms...)
 		}
-		if wantOutbox {
-			cfg, err := a.outboxConfig(ctx, false)
-			if err != nil {
+		if sel.outbox {
+			if m.ob, err = a.outboxConfig(ctx, false); err != nil {
 				return err
 			}
-			cfg.PayloadType = *payload
-			if len(cfg.Topics) > 0 {
-				ms, err := outbox.Migrations(cfg)
-				if err != nil {
-					return usageError("%v", err)
-				}
-				migs = append(migs, ms...)
-			} else if *onlyFlag == "outbox" {
+			m.ob.PayloadType = *payload
+			if len(m.ob.Topics) == 0 && sel.single() {
 				return usageError("usage: migrate sql --only outbox needs --topics (it does not connect to find them)")
 			}
+		}
+		if err := m.build(nil); err != nil {
+			return err
+		}
+		if migs, err = m.m.Migrations(); err != nil {
+			return usageError("%v", err)
 		}
 	}
 	if *down {

@@ -12,9 +12,9 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -36,7 +36,7 @@ const (
 
 type backlogSource struct {
 	ob   *outbox.Outbox
-	db   deduplicator.Beginner
+	db   migrate.Beginner
 	opts outbox.BacklogOpts
 }
 
@@ -147,7 +147,7 @@ func (m *Metrics) AddForwarder(name string, f *outbox.Forwarder) {
 // idem.outbox.oldest_pending_age, with the attributes
 // messaging.destination.name (the topic) and idem.outbox.forwarder.name, queried
 // from db at each collection (bounded by [BacklogTimeout]).
-func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db deduplicator.Beginner, opts *outbox.BacklogOpts) {
+func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts *outbox.BacklogOpts) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	o := statsx.BacklogOpts(opts)

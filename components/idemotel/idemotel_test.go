@@ -22,6 +22,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -106,13 +107,13 @@ func TestMetricsExportDedupForwarderAndBacklog(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 6)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	b := kafkatest.Start(t)
 	topic := b.Topic(t, "otelmetrics", 1)
 
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{topic}}, nil)
 	require.NoError(t, err)
-	require.NoError(t, ob.Migrate(ctx, db.Pool))
+	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), topic)))
 
 	exp := tracetest.NewInMemoryExporter()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
@@ -249,7 +250,7 @@ func TestMetricsSumOneGroup(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 4)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
@@ -278,7 +279,7 @@ func TestMetricsBacklogErrorReportsNoValue(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 4)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"never_migrated"}}, nil)
 	require.NoError(t, err)
 	d, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table}, nil)

@@ -7,9 +7,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -45,7 +45,7 @@ const BacklogTimeout = 5 * time.Second
 
 type backlogSource struct {
 	ob   *outbox.Outbox
-	db   deduplicator.Beginner
+	db   migrate.Beginner
 	opts outbox.BacklogOpts
 }
 
@@ -90,7 +90,7 @@ func (c *Collector) AddForwarder(name string, f *outbox.Forwarder) {
 // forwarder's Name), queried from db at each scrape (bounded by
 // [BacklogTimeout]; a failed query fails the scrape's metric rather than
 // reporting a stale value).
-func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db deduplicator.Beginner, opts *outbox.BacklogOpts) {
+func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts *outbox.BacklogOpts) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	o := statsx.BacklogOpts(opts)

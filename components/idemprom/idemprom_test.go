@@ -22,6 +22,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -31,13 +32,13 @@ func TestCollectorExportsDedupAndForwarder(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 6)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 	b := kafkatest.Start(t)
 	topic := b.Topic(t, "prom", 1)
 
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{topic}}, nil)
 	require.NoError(t, err)
-	require.NoError(t, ob.Migrate(ctx, db.Pool))
+	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), topic)))
 
 	d, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table, Outbox: ob}, nil)
 	require.NoError(t, err)
@@ -108,7 +109,7 @@ func TestCollectorExportsGroupCommit(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 6)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)))
 
 	// Concurrent deliveries in group mode, one of whose handlers fails once
 	// (its group rolls back; its messages then go alone). How the groups

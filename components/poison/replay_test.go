@@ -24,6 +24,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -51,7 +52,7 @@ func newFixture(t *testing.T) *fixture {
 	t.Helper()
 	ctx := context.Background()
 	db := pgtest.New(t, 8)
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, deduplicator.TableConfig{Schema: db.Schema}))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: db.Schema})))
 	db.Exec(t, `CREATE TABLE ledger (event_id uuid NOT NULL, product text NOT NULL)`)
 	broker := kafkatest.Start(t)
 	f := &fixture{db: db, broker: broker, seen: map[string]message.Metadata{}}

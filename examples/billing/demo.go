@@ -28,6 +28,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -342,14 +343,14 @@ func (d *demo) openKafka() error {
 // migrate creates the dedup table, the outbox tables and the business
 // tables. Migrations run before NewDedup, which may verify the table.
 func (d *demo) migrate(ctx context.Context) error {
-	if err := deduplicator.Migrate(ctx, d.pool, d.table); err != nil {
+	if err := migrate.Up(ctx, d.pool, deduplicator.MigrationLine(d.table)); err != nil {
 		return fmt.Errorf("migrate processed_event: %w", err)
 	}
 	ob, err := outbox.New(outbox.Config{Schema: d.table.Schema, Topics: []string{d.n.orders, d.n.charged}}, d.cfg.Logger)
 	if err != nil {
 		return err
 	}
-	if err := ob.Migrate(ctx, d.pool); err != nil {
+	if err := migrate.Up(ctx, d.pool, outbox.MigrationLine(ob.Config(), d.n.orders), outbox.MigrationLine(ob.Config(), d.n.charged)); err != nil {
 		return fmt.Errorf("migrate outbox: %w", err)
 	}
 	d.ob = ob

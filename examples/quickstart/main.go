@@ -20,6 +20,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -49,7 +50,7 @@ func run() error {
 	// Set up: the processed_event table (before idem.NewDedup, which checks
 	// it), the business table, and Kafka configs with safe settings.
 	table := deduplicator.TableConfig{Schema: env.schema}
-	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
 		return fmt.Errorf("migrate: %w", err)
 	}
 	if _, err := pool.Exec(ctx, "CREATE TABLE payment (event_id uuid NOT NULL, account text NOT NULL, amount_cents bigint NOT NULL)"); err != nil {

@@ -1,10 +1,11 @@
 // Package idemctx carries the dedup middleware's per-message state (the
 // transaction, the event id, the consumer group) in a context.Context, so the
-// outbox can find the transaction without importing the middleware.
+// outbox finds the transaction without importing the middleware.
 package idemctx
 
 import (
 	"context"
+	"errors"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -21,6 +22,10 @@ type Value struct {
 	// CorrelationID is the incoming message's correlation id, if any.
 	CorrelationID string
 }
+
+// ErrNotInHandler is middleware.ErrNotInHandler: the context does not come
+// from a handler wrapped by the dedup middleware.
+var ErrNotInHandler = errors.New("watermill-idempotency: not in a dedup handler: the context carries no message transaction or event (is the handler wrapped by the dedup middleware, and does it use msg.Context()?)")
 
 type key struct{}
 

@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -24,7 +25,7 @@ func TestPositionRoundTrip(t *testing.T) {
 	db := pgtest.New(t, 1)
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"orders"}}, nil)
 	require.NoError(t, err)
-	require.NoError(t, ob.Migrate(ctx, db.Pool))
+	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), "orders")))
 	tables := outboxsql.Tables{Messages: ob.MessagesTable("orders"), Offsets: ob.OffsetsTable("orders")}
 	require.NoError(t, ob.PoolPublisher(db.Pool).Publish("orders",
 		message.NewMessage("m-1", []byte(`{}`)), message.NewMessage("m-2", []byte(`{}`))))

@@ -13,6 +13,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/idemtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -28,7 +29,7 @@ func (exampleTB) Fatalf(f string, a ...any) { panic(fmt.Sprintf(f, a...)) }
 func exampleDB(ctx context.Context) (pool *pgxpool.Pool, table deduplicator.TableConfig, drop func()) {
 	pool, schema, drop := pgtest.ForExample(ctx, "example_idemtest")
 	table = deduplicator.TableConfig{Schema: schema}
-	if err := deduplicator.Migrate(ctx, pool, table); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
 		panic(err)
 	}
 	if _, err := pool.Exec(ctx, `CREATE TABLE ledger (event_id uuid NOT NULL, amount int NOT NULL)`); err != nil {
@@ -86,7 +87,7 @@ func ExampleRequireOutboxMessage() {
 	if err != nil {
 		panic(err)
 	}
-	if err := ob.Migrate(ctx, pool); err != nil {
+	if err := migrate.Up(ctx, pool, outbox.MigrationLine(ob.Config(), "invoices")); err != nil {
 		panic(err)
 	}
 	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "billing", Table: table}, nil)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // RequireProcessed fails tb unless eventID has a committed claim for group in
@@ -45,21 +46,21 @@ func RequireNotProcessedTx(ctx context.Context, tb testing.TB, tx pgx.Tx, table 
 	requireNotProcessed(ctx, tb, tx, table, group, eventID)
 }
 
-func requireProcessed(ctx context.Context, tb testing.TB, db deduplicator.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+func requireProcessed(ctx context.Context, tb testing.TB, db migrate.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
 	tb.Helper()
 	if !processed(ctx, tb, db, table, group, eventID) {
 		tb.Fatalf("idemtest: event %s was not processed by consumer group %q (no committed row in the processed_event table)", eventID, group)
 	}
 }
 
-func requireNotProcessed(ctx context.Context, tb testing.TB, db deduplicator.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+func requireNotProcessed(ctx context.Context, tb testing.TB, db migrate.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
 	tb.Helper()
 	if processed(ctx, tb, db, table, group, eventID) {
 		tb.Fatalf("idemtest: event %s was processed by consumer group %q, expected it not to be", eventID, group)
 	}
 }
 
-func processed(ctx context.Context, tb testing.TB, db deduplicator.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) bool {
+func processed(ctx context.Context, tb testing.TB, db migrate.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) bool {
 	tb.Helper()
 	d, err := deduplicator.New(deduplicator.Config{TableConfig: table, ConsumerGroup: group}, nil)
 	if err != nil {

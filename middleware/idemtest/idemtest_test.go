@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/idemtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -21,7 +22,7 @@ func setup(t *testing.T, group string) (*pgtest.DB, deduplicator.TableConfig, *i
 	t.Helper()
 	db := pgtest.New(t, 10)
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	require.NoError(t, deduplicator.Migrate(context.Background(), db.Pool, table))
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, deduplicator.MigrationLine(table)))
 	db.Exec(t, `CREATE TABLE ledger (event_id uuid NOT NULL, amount int NOT NULL)`)
 	dedup, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: group, Table: table}, nil)
 	require.NoError(t, err)

@@ -13,8 +13,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -82,7 +82,7 @@ func RequireNoOutboxMessageTx(ctx context.Context, tb testing.TB, tx pgx.Tx, ob 
 	requireNoOutboxMessage(ctx, tb, tx, ob, topic, opts)
 }
 
-func requireOutboxMessage(ctx context.Context, tb testing.TB, db deduplicator.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
+func requireOutboxMessage(ctx context.Context, tb testing.TB, db migrate.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
 	tb.Helper()
 	all := outboxMessages(ctx, tb, db, ob, topic)
 	var match []*message.Message
@@ -104,7 +104,7 @@ func requireOutboxMessage(ctx context.Context, tb testing.TB, db deduplicator.DB
 	return match
 }
 
-func requireNoOutboxMessage(ctx context.Context, tb testing.TB, db deduplicator.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
+func requireNoOutboxMessage(ctx context.Context, tb testing.TB, db migrate.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
 	tb.Helper()
 	n := 0
 	for _, m := range outboxMessages(ctx, tb, db, ob, topic) {
@@ -124,7 +124,7 @@ func (o *RequireOutboxOpts) describe() string {
 	return fmt.Sprintf("{EventID:%s CausationID:%s Metadata:%v}", o.EventID, o.CausationID, o.Metadata)
 }
 
-func outboxMessages(ctx context.Context, tb testing.TB, db deduplicator.DBTX, ob *outbox.Outbox, topic string) []*message.Message {
+func outboxMessages(ctx context.Context, tb testing.TB, db migrate.DBTX, ob *outbox.Outbox, topic string) []*message.Message {
 	tb.Helper()
 	if ob == nil {
 		tb.Fatalf("idemtest: nil *outbox.Outbox")

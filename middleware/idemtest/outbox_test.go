@@ -10,6 +10,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/middleware/idemtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -18,7 +19,11 @@ func setupOutbox(t *testing.T, db *pgtest.DB, topics ...string) *outbox.Outbox {
 	t.Helper()
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: topics}, nil)
 	require.NoError(t, err)
-	require.NoError(t, ob.Migrate(context.Background(), db.Pool))
+	var lines []migrate.Line
+	for _, topic := range topics {
+		lines = append(lines, outbox.MigrationLine(ob.Config(), topic))
+	}
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, lines...))
 	return ob
 }
 

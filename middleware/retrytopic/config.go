@@ -9,9 +9,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -156,11 +156,11 @@ type Config struct {
 
 // KeyOrder configures the per-key order of [Config.KeyOrder]. The keys with
 // an event on the retry path ("parked") are recorded in a PostgreSQL table
-// (create it with [Migrate]).
+// (create it with [MigrationLine]).
 type KeyOrder struct {
 	// DB records and looks up the parked keys: a *pgxpool.Pool (the usual
 	// choice), a *pgx.Conn or a pgx.Tx. Required.
-	DB deduplicator.Beginner
+	DB migrate.Beginner
 	// ConsumerGroup is the dedup consumer group: the same value as
 	// idem.Config.ConsumerGroup of the main and the retry handlers.
 	// Required.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // Invalid configs are refused with the field's name; the zero Backoff and
@@ -64,8 +65,8 @@ func TestNewRefusesUnmigratedParkedKeysTable(t *testing.T) {
 	require.ErrorIs(t, err, retrytopic.ErrNotMigrated)
 
 	tbl := retrytopic.ParkedKeysTable{Schema: db.Schema}
-	require.NoError(t, retrytopic.Migrate(context.Background(), db.Pool, tbl))
-	require.NoError(t, retrytopic.Migrate(context.Background(), db.Pool, tbl), "Migrate is idempotent")
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, retrytopic.MigrationLine(tbl)))
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, retrytopic.MigrationLine(tbl)), "Migrate is idempotent")
 	_, err = retrytopic.New(cfg, nil)
 	require.NoError(t, err)
 }
@@ -76,7 +77,9 @@ func TestMigrationsSQL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
-	migs, err := retrytopic.Migrations(retrytopic.ParkedKeysTable{Schema: db.Schema, Table: "parked"})
+	render, err := migrate.New(nil, retrytopic.MigrationLine(retrytopic.ParkedKeysTable{Schema: db.Schema, Table: "parked"}))
+	require.NoError(t, err)
+	migs, err := render.Migrations()
 	require.NoError(t, err)
 	require.Len(t, migs, 1)
 	require.Equal(t, 1, migs[0].Version)

@@ -63,7 +63,7 @@
 // [Config.KeyOrder]: while a key has an event on the retry path ("parked"),
 // its later events follow it there, and each runs only once every earlier
 // parked event of its key has succeeded or been poisoned. The parked events
-// are rows of a PostgreSQL table ([Migrate]); a success releases its row in
+// are rows of a PostgreSQL table ([MigrationLine]); a success releases its row in
 // the handler's transaction ([RetryTopic.ReleaseMiddleware]), so the
 // release commits with the claim. See docs/retry.md for the failure cases.
 package retrytopic

@@ -15,7 +15,7 @@ var (
 	// the handler.
 	ErrInvalidHeaders = errors.New("invalid retry headers")
 	// ErrNotMigrated: [New] found the parked-keys table of [KeyOrder]
-	// missing or with pending migrations; run [Migrate].
+	// missing or with pending migrations; migrate [MigrationLine] up.
 	ErrNotMigrated = errors.New("parked-keys table not migrated")
 )
 

@@ -20,6 +20,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -60,7 +61,7 @@ func Example() {
 	defer stop()
 	orders, ordersRetry, ordersPoison := topics[0], topics[1], topics[2]
 	name := map[string]string{orders: "orders", ordersRetry: "orders-retry"}
-	if err := deduplicator.Migrate(ctx, pool, deduplicator.TableConfig{Schema: schema}); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: schema})); err != nil {
 		panic(err)
 	}
 
@@ -146,19 +147,21 @@ func ExampleBackoff_Delay() {
 	// 5 10s
 }
 
-// KeyOrder needs the parked-keys table: Migrate creates it (every instance
-// may call it at start-up), Migrations renders the SQL for other tools.
-func ExampleMigrate() {
+// KeyOrder needs the parked-keys table: its MigrationLine, migrated up,
+// creates it (every instance may do it at start-up), and a Migrator renders
+// the SQL for other tools.
+func ExampleMigrationLine() {
 	ctx := context.Background()
 	pool, schema, cleanup := pgtest.ForExample(ctx, "retrytopic_migrate")
 	defer cleanup()
 	table := retrytopic.ParkedKeysTable{Schema: schema}
-	if err := retrytopic.Migrate(ctx, pool, table); err != nil {
+	if err := migrate.Up(ctx, pool, retrytopic.MigrationLine(table)); err != nil {
 		panic(err)
 	}
 	parked, err := retrytopic.ListParked(ctx, pool, table, "billing")
 	fmt.Println(len(parked), err)
-	migs, _ := retrytopic.Migrations(table)
+	render, _ := migrate.New(nil, retrytopic.MigrationLine(table))
+	migs, _ := render.Migrations()
 	for _, m := range migs {
 		fmt.Printf("%03d_%s\n", m.Version, m.Name)
 	}

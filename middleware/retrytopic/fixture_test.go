@@ -22,6 +22,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -42,8 +43,8 @@ func newFixture(t *testing.T, mainPartitions, retryPartitions int32) *fixture {
 	t.Helper()
 	ctx := context.Background()
 	db := pgtest.New(t, 16)
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, deduplicator.TableConfig{Schema: db.Schema}))
-	require.NoError(t, retrytopic.Migrate(ctx, db.Pool, retrytopic.ParkedKeysTable{Schema: db.Schema}))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: db.Schema})))
+	require.NoError(t, migrate.Up(ctx, db.Pool, retrytopic.MigrationLine(retrytopic.ParkedKeysTable{Schema: db.Schema})))
 	db.Exec(t, `CREATE TABLE ledger (
 		seq      bigserial PRIMARY KEY,
 		event_id uuid NOT NULL,

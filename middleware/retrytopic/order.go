@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -67,18 +68,7 @@ func (o *keyOrder) table() string { return ident.Quote(o.cfg.Table.Schema, o.cfg
 
 // check refuses a parked-keys table with pending migrations.
 func (o *keyOrder) check(ctx context.Context) error {
-	m, err := NewMigrator(o.cfg.DB, o.cfg.Table)
-	if err != nil {
-		return err
-	}
-	res, err := m.Validate(ctx)
-	if err != nil {
-		return err
-	}
-	if !res.OK {
-		return notMigrated(o.cfg.Table, res.Pending)
-	}
-	return nil
+	return checkMigrated(ctx, o.cfg.DB, o.cfg.Table)
 }
 
 // look reads msg's key's first parked event and whether msg itself is
@@ -252,16 +242,11 @@ type ParkedEvent struct {
 	ParkedAt  time.Time `json:"parked_at"`
 }
 
-// Querier runs a query: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
-type Querier interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}
-
 // ListParked returns the parked events of consumerGroup (of every group
 // when ""), by key and in order. A key parked for long means its first
 // event's copy is not coming back (its retry topic's retention ran out, or
 // no retry consumer runs); see docs/retry.md.
-func ListParked(ctx context.Context, db Querier, t ParkedKeysTable, consumerGroup string) ([]ParkedEvent, error) {
+func ListParked(ctx context.Context, db migrate.DBTX, t ParkedKeysTable, consumerGroup string) ([]ParkedEvent, error) {
 	t.setDefaults()
 	if err := t.validate(); err != nil {
 		return nil, fmt.Errorf("retrytopic: %w", err)

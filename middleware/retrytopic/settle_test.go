@@ -16,6 +16,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -30,9 +31,9 @@ func TestKeyOrderCopyConsumedBeforeItsParkCommits(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.New(t, 8)
-	require.NoError(t, deduplicator.Migrate(ctx, db.Pool, deduplicator.TableConfig{Schema: db.Schema}))
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: db.Schema})))
 	table := retrytopic.ParkedKeysTable{Schema: db.Schema}
-	require.NoError(t, retrytopic.Migrate(ctx, db.Pool, table))
+	require.NoError(t, migrate.Up(ctx, db.Pool, retrytopic.MigrationLine(table)))
 	logger := watermill.NopLogger{}
 	ps := gochannel.NewGoChannel(gochannel.Config{}, logger)
 	const group, retryTopic, key = "billing", "orders.retry", "acct-1"

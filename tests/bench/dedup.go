@@ -23,6 +23,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -58,7 +59,7 @@ func newDedupRig(ctx context.Context, o Options, prefix string, maxConns int32, 
 		return nil, err
 	}
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	if err := deduplicator.Migrate(ctx, db.Pool, table); err != nil {
+	if err := migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)); err != nil {
 		db.Close()
 		return nil, err
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -78,7 +79,7 @@ func newE2ERigWith(ctx context.Context, o Options, n int, partitions, maxConns i
 	prev := r.close
 	r.close = func() { db.Close(); prev() }
 	r.table = deduplicator.TableConfig{Schema: db.Schema}
-	if err := deduplicator.Migrate(ctx, db.Pool, r.table); err != nil {
+	if err := migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(r.table)); err != nil {
 		r.close()
 		return nil, err
 	}
@@ -87,10 +88,6 @@ func newE2ERigWith(ctx context.Context, o Options, n int, partitions, maxConns i
 		return nil, err
 	}
 	if r.outbox, err = outbox.New(outbox.Config{Schema: db.Schema}, nil); err != nil {
-		r.close()
-		return nil, err
-	}
-	if err := r.outbox.Migrate(ctx, db.Pool); err != nil {
 		r.close()
 		return nil, err
 	}

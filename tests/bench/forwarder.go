@@ -15,9 +15,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -98,15 +98,10 @@ func (r *fwdRig) messages() []*message.Message {
 
 // migrateTopic creates the outbox tables of topic, a topic o's Config does
 // not list (the benchmarks make a fresh one per round).
-func migrateTopic(ctx context.Context, db deduplicator.Beginner, o *outbox.Outbox, topic string) error {
+func migrateTopic(ctx context.Context, db migrate.Beginner, o *outbox.Outbox, topic string) error {
 	cfg := o.Config()
 	cfg.Topics = []string{topic}
-	m, err := outbox.NewMigrator(db, cfg)
-	if err != nil {
-		return err
-	}
-	_, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
-	return err
+	return migrate.Up(ctx, db, outbox.MigrationLine(cfg, topic))
 }
 
 // fill creates a Kafka topic and an outbox table holding n committed rows,

@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -301,7 +302,7 @@ func newGCDBRig(ctx context.Context, o Options) (*gcDBRig, error) {
 	r := &gcDBRig{db: db, rt: rt, topic: "bench-gc"}
 	fail := func(err error) (*gcDBRig, error) { db.Close(); return nil, err }
 	table := deduplicator.TableConfig{Schema: db.Schema}
-	if err := deduplicator.Migrate(ctx, db.Pool, table); err != nil {
+	if err := migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table)); err != nil {
 		return fail(err)
 	}
 	if _, err := db.Pool.Exec(ctx, "CREATE TABLE bench_order (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, ref text NOT NULL, amount bigint NOT NULL)"); err != nil {
@@ -310,7 +311,7 @@ func newGCDBRig(ctx context.Context, o Options) (*gcDBRig, error) {
 	if r.ob, err = outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{r.topic}}, nil); err != nil {
 		return fail(err)
 	}
-	if err := r.ob.Migrate(ctx, db.Pool); err != nil {
+	if err := migrate.Up(ctx, db.Pool, outbox.MigrationLine(r.ob.Config(), r.topic)); err != nil {
 		return fail(err)
 	}
 	r.table = table

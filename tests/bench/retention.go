@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 func init() { Register("retention", retention) }
@@ -201,7 +202,7 @@ func mib(b int64) string {
 // daily partitions for the 14 days before d) and COPYs rows UUIDv7 rows
 // spread evenly over [d-14d, d), in id order.
 func loadRetentionTable(ctx context.Context, pool *pgxpool.Pool, tc deduplicator.TableConfig, d time.Time, rows int) error {
-	if err := deduplicator.Migrate(ctx, pool, tc); err != nil {
+	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(tc)); err != nil {
 		return err
 	}
 	if tc.Layout == deduplicator.LayoutPartitioned {

@@ -23,6 +23,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -50,7 +51,7 @@ func newEnv(ctx context.Context, t *testing.T) *env {
 	t.Helper()
 	e := &env{db: pgtest.New(t, 4), broker: kafkatest.Start(t), logger: watermill.NopLogger{}}
 	e.table = deduplicator.TableConfig{Schema: e.db.Schema}
-	require.NoError(t, deduplicator.Migrate(ctx, e.db.Pool, e.table))
+	require.NoError(t, migrate.Up(ctx, e.db.Pool, deduplicator.MigrationLine(e.table)))
 	e.db.Exec(t, "CREATE TABLE ledger (id bigserial PRIMARY KEY, event_id uuid NOT NULL, amount bigint NOT NULL)")
 	pubCfg, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: e.broker.Addrs})
 	require.NoError(t, err)

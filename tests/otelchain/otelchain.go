@@ -38,6 +38,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 	"github.com/idemkit/watermill-idempotency/tests/spantree"
@@ -81,7 +82,7 @@ func New(t *testing.T) *Env {
 	ctx := context.Background()
 	e := &Env{DB: pgtest.New(t, 10), Broker: kafkatest.Start(t), Logger: watermill.NopLogger{}}
 	e.Table = deduplicator.TableConfig{Schema: e.DB.Schema}
-	must(t, deduplicator.Migrate(ctx, e.DB.Pool, e.Table))
+	must(t, migrate.Up(ctx, e.DB.Pool, deduplicator.MigrationLine(e.Table)))
 	e.DB.Exec(t, `CREATE TABLE orders (id text PRIMARY KEY, customer_id text NOT NULL, amount numeric(12,2) NOT NULL)`)
 	e.DB.Exec(t, `CREATE TABLE ledger (order_id text PRIMARY KEY, charge_id text NOT NULL, event_id uuid NOT NULL)`)
 	e.DB.Exec(t, `CREATE TABLE notifications (order_id text PRIMARY KEY, event_id uuid NOT NULL)`)
@@ -90,7 +91,7 @@ func New(t *testing.T) *Env {
 	var err error
 	e.Outbox, err = outbox.New(outbox.Config{Schema: e.DB.Schema, Topics: []string{e.Orders, e.Charged}}, e.Logger)
 	must(t, err)
-	must(t, e.Outbox.Migrate(ctx, e.DB.Pool))
+	must(t, migrate.Up(ctx, e.DB.Pool, outbox.MigrationLine(e.Outbox.Config(), e.Orders), outbox.MigrationLine(e.Outbox.Config(), e.Charged)))
 	e.Provider = NewProvider(t)
 	e.Exp = tracetest.NewInMemoryExporter()
 	e.TP = sdktrace.NewTracerProvider(sdktrace.WithSyncer(e.Exp))

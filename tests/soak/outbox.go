@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -45,7 +46,7 @@ func newOutboxProducer(ctx context.Context, h *harness) (*outboxProducer, error)
 		p.pool.Close()
 		return nil, err
 	}
-	if err := ob.Migrate(ctx, p.pool); err != nil {
+	if err := migrate.Up(ctx, p.pool, outbox.MigrationLine(ob.Config(), h.topic)); err != nil {
 		p.close()
 		return nil, fmt.Errorf("outbox migrate: %w", err)
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // Defaults of [Config].
@@ -507,10 +508,10 @@ func (h *harness) setupDB(ctx context.Context) error {
 	if _, err := h.admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{h.schema}.Sanitize()); err != nil {
 		return fmt.Errorf("create schema: %w", err)
 	}
-	if err := deduplicator.Migrate(ctx, h.admin, h.table); err != nil {
+	if err := migrate.Up(ctx, h.admin, deduplicator.MigrationLine(h.table)); err != nil {
 		return fmt.Errorf("migrate processed_event: %w", err)
 	}
-	if err := retrytopic.Migrate(ctx, h.admin, h.parked); err != nil {
+	if err := migrate.Up(ctx, h.admin, retrytopic.MigrationLine(h.parked)); err != nil {
 		return fmt.Errorf("migrate retry_parked_key: %w", err)
 	}
 	// Every change of the parked-keys table, for the diagnosis of a failed

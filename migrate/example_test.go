@@ -1,4 +1,4 @@
-package deduplicator_test
+package migrate_test
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // A Migrator says which versions it applied; going down it reverts one
@@ -15,21 +16,21 @@ func ExampleMigrator_Migrate() {
 	pool, schema, cleanup := pgtest.ForExample(ctx, "example_migrator")
 	defer cleanup()
 
-	migrator, err := deduplicator.NewMigrator(pool, deduplicator.TableConfig{Schema: schema})
+	migrator, err := migrate.New(pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: schema}))
 	if err != nil {
 		panic(err)
 	}
-	res, err := migrator.Migrate(ctx, deduplicator.DirectionUp, nil)
+	res, err := migrator.Migrate(ctx, migrate.DirectionUp, nil)
 	if err != nil {
 		panic(err)
 	}
 	for _, v := range res.Versions {
 		fmt.Printf("%s: applied %03d_%s\n", v.Component, v.Version, v.Name)
 	}
-	res, _ = migrator.Migrate(ctx, deduplicator.DirectionUp, nil)
+	res, _ = migrator.Migrate(ctx, migrate.DirectionUp, nil)
 	fmt.Println("again:", len(res.Versions), "applied")
 
-	res, err = migrator.Migrate(ctx, deduplicator.DirectionDown, nil)
+	res, err = migrator.Migrate(ctx, migrate.DirectionDown, nil)
 	if err != nil {
 		panic(err)
 	}
@@ -50,7 +51,7 @@ func ExampleMigrator_Validate() {
 	ctx := context.Background()
 	pool, schema, cleanup := pgtest.ForExample(ctx, "example_validate")
 	defer cleanup()
-	migrator, err := deduplicator.NewMigrator(pool, deduplicator.TableConfig{Schema: schema})
+	migrator, err := migrate.New(pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: schema}))
 	if err != nil {
 		panic(err)
 	}
@@ -64,7 +65,7 @@ func ExampleMigrator_Validate() {
 		fmt.Printf("pending: %s %03d_%s\n", m.Component, m.Version, m.Name)
 	}
 
-	if _, err := migrator.Migrate(ctx, deduplicator.DirectionUp, nil); err != nil {
+	if _, err := migrator.Migrate(ctx, migrate.DirectionUp, nil); err != nil {
 		panic(err)
 	}
 	res, _ = migrator.Validate(ctx)
