@@ -139,4 +139,3 @@ func readTx(ctx context.Context, db migrate.Beginner, fn func(tx pgx.Tx) error) 
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	return fn(tx)
 }
-
