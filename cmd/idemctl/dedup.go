@@ -19,7 +19,7 @@ type stringsFlag []string
 
 func (s *stringsFlag) String() string { return strings.Join(*s, ",") }
 
-// Set refuses an empty value or item: "--group ”" must not mean "every
+// Set refuses an empty value or item: an empty --group must not mean "every
 // group".
 func (s *stringsFlag) Set(v string) error {
 	for _, item := range strings.Split(v, ",") {
