@@ -126,7 +126,7 @@ func ConvertTable(ctx context.Context, db Beginner, cfg TableConfig, opts Conver
 	}
 	if terr == nil {
 		if opts.ConsumerGroup != "" {
-			return res, &TableError{Table: cfg.Schema + "." + cfg.Table, Problem: "ConvertOptions.ConsumerGroup is set but the table's consumer_group column is NOT NULL", Fix: "leave ConsumerGroup empty: the rows keep their own groups", Err: ErrTableColumns}
+			return res, &TableError{Table: cfg.Schema + "." + cfg.Table, Problem: "ConvertOptions.ConsumerGroup is set but the table's consumer_group column is NOT NULL", Fix: "leave ConvertOptions.ConsumerGroup empty: the rows keep their own groups", Err: ErrTableColumns}
 		}
 	} else {
 		res.Was = terr.Problem

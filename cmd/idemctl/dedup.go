@@ -267,7 +267,7 @@ func dedupConvert(ctx context.Context, a *app, args []string) error {
 		var terr *deduplicator.TableError
 		if errors.As(err, &terr) && !errors.Is(err, deduplicator.ErrTableMissing) {
 			// What the table holds, or an option to set: nothing changed.
-			return &exitError{code: exitUsage, err: fmt.Errorf("%s: %s; fix: %s", terr.Table, terr.Problem, convertFix(terr.Fix))}
+			return &exitError{code: exitUsage, err: fmt.Errorf("%s: %s; fix: %s", terr.Table, convertFix(terr.Problem), convertFix(terr.Fix))}
 		}
 		return err
 	}
@@ -315,10 +315,12 @@ func dedupConvert(ctx context.Context, a *app, args []string) error {
 	return nil
 }
 
-// convertFix words the library's fix for the command line.
-func convertFix(fix string) string {
+// convertFix words the library's problem or fix for the command line.
+func convertFix(s string) string {
 	return strings.NewReplacer(
 		"set ConvertOptions.ConsumerGroup (idemctl dedup convert --group)", "pass --group",
 		"leave ConvertOptions.ConsumerGroup empty", "drop --group",
-	).Replace(fix)
+		"ConvertOptions.ConsumerGroup is empty", "--group is not set",
+		"ConvertOptions.ConsumerGroup is set", "--group is set",
+	).Replace(s)
 }
