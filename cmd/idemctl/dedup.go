@@ -318,7 +318,7 @@ func dedupConvert(ctx context.Context, a *app, args []string) error {
 // convertFix words the library's problem or fix for the command line.
 func convertFix(s string) string {
 	return strings.NewReplacer(
-		"set ConvertOptions.ConsumerGroup (idemctl dedup convert --group)", "pass --group",
+		"set ConvertOptions.ConsumerGroup (idemctl dedup convert --group) to", "pass --group naming",
 		"leave ConvertOptions.ConsumerGroup empty", "drop --group",
 		"ConvertOptions.ConsumerGroup is empty", "--group is not set",
 		"ConvertOptions.ConsumerGroup is set", "--group is set",

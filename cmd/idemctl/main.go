@@ -218,7 +218,10 @@ Flags (before or after the command):
 	fs.SetOutput(w)
 	fs.PrintDefaults()
 	fmt.Fprint(w, `
-Environment: DATABASE_URL (PostgreSQL), KAFKA_BROKERS (poison commands).
+Environment: DATABASE_URL (PostgreSQL), KAFKA_BROKERS (poison commands);
+Kafka TLS and SASL: KAFKA_TLS, KAFKA_TLS_CA, KAFKA_TLS_CERT, KAFKA_TLS_KEY,
+KAFKA_TLS_SERVER_NAME, KAFKA_SASL_MECHANISM, KAFKA_SASL_USER and
+KAFKA_SASL_PASSWORD (the password has no flag).
 Passwords are never printed: they are masked in every message and output.
 
 Exit codes: 0 done; 1 failed; 2 bad usage or input (nothing was changed);
