@@ -153,8 +153,9 @@ func (d *Dedup) currentHorizon(ctx context.Context) (deduplicator.Horizon, error
 // Stats returns the middleware's counters since it was created.
 func (d *Dedup) Stats() Stats { return d.stats.snapshot() }
 
-// Deduplicator returns the store the middleware claims in.
-func (d *Dedup) Deduplicator() *deduplicator.Deduplicator { return d.dedup }
+// ConsumerGroup returns the consumer group the middleware claims for
+// ([Config.ConsumerGroup]).
+func (d *Dedup) ConsumerGroup() string { return d.cfg.ConsumerGroup }
 
 // Middleware wraps h so that each message is applied at most once per
 // consumer group, atomically with the handler's writes:

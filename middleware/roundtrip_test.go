@@ -137,7 +137,7 @@ func TestDuplicateAssignsNoTransactionID(t *testing.T) {
 			id := uuid.Must(uuid.NewV7())
 
 			xid := func(wantFirst bool, commit bool) *int64 {
-				tx, first, err := f.dedup.Deduplicator().BeginClaim(ctx, f.pool, pgx.TxOptions{}, id)
+				tx, first, err := f.dedup.dedup.BeginClaim(ctx, f.pool, pgx.TxOptions{}, id)
 				require.NoError(t, err)
 				require.Equal(t, wantFirst, first)
 				var x *int64

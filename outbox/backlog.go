@@ -13,6 +13,9 @@ import (
 // Backlog is what a forwarder has not yet forwarded from one topic.
 type Backlog struct {
 	Topic string
+	// Forwarder is the forwarder whose position counts
+	// ([BacklogOpts.Forwarder]).
+	Forwarder string
 	// Pending counts the committed rows after the forwarder's position (all
 	// rows when it has no position yet). Rows of transactions still running
 	// are not counted: they are not visible yet.
@@ -58,7 +61,7 @@ func (o *Outbox) Backlog(ctx context.Context, db migrate.Beginner, opts *Backlog
 	out := make([]Backlog, 0, len(topics))
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		for _, topic := range topics {
-			b := Backlog{Topic: topic}
+			b := Backlog{Topic: topic, Forwarder: forwarder}
 			var err error
 			if b.Pending, b.OldestAge, err = o.tables(topic).Backlog(ctx, tx, forwarder); err != nil {
 				return fmt.Errorf("outbox: backlog of %s: %w", topic, err)

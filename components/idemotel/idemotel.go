@@ -150,7 +150,7 @@ func (m *Metrics) AddForwarder(name string, f *outbox.Forwarder) {
 func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts *outbox.BacklogOpts) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	o := statsx.BacklogOpts(opts)
+	o := cloneOpts(opts)
 	m.backlogs = append(m.backlogs, backlogSource{ob: ob, db: db, opts: o})
 }
 
@@ -166,8 +166,8 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 	backlogs := append([]backlogSource(nil), m.backlogs...)
 	m.mu.Unlock()
 
-	for _, gs := range statsx.ByGroup(dedups) {
-		g, s := gs.Group, gs.Stats
+	for _, gs := range statsx.ByKey(dedups, (*idem.Dedup).ConsumerGroup, (*idem.Dedup).Stats, idem.Stats.Add) {
+		g, s := gs.Key, gs.Value
 		group := semconv.MessagingConsumerGroupName(g)
 		set := metric.WithAttributeSet(attribute.NewSet(group))
 		o.ObserveInt64(m.processed, int64(s.Processed), set)
@@ -201,14 +201,25 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		if err != nil {
 			// No value rather than a stale one; the SDK hands the error to
 			// its error handler (a ManualReader returns it from Collect).
-			errs = append(errs, fmt.Errorf("idemotel: outbox backlog (forwarder %q): %w", b.opts.Forwarder, err))
+			errs = append(errs, fmt.Errorf("idemotel: outbox backlog: %w", err))
 			continue
 		}
 		for _, r := range rows {
-			set := metric.WithAttributeSet(attribute.NewSet(semconv.MessagingDestinationName(r.Topic), AttrForwarder.String(b.opts.Forwarder)))
+			set := metric.WithAttributeSet(attribute.NewSet(semconv.MessagingDestinationName(r.Topic), AttrForwarder.String(r.Forwarder)))
 			o.ObserveInt64(m.pending, r.Pending, set)
 			o.ObserveFloat64(m.oldest, r.OldestAge.Seconds(), set)
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// cloneOpts copies opts (nil: the zero value), so that the caller may
+// change its own afterwards.
+func cloneOpts(opts *outbox.BacklogOpts) outbox.BacklogOpts {
+	if opts == nil {
+		return outbox.BacklogOpts{}
+	}
+	o := *opts
+	o.Topics = append([]string(nil), opts.Topics...)
+	return o
 }

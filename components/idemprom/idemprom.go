@@ -93,7 +93,7 @@ func (c *Collector) AddForwarder(name string, f *outbox.Forwarder) {
 func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts *outbox.BacklogOpts) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	o := statsx.BacklogOpts(opts)
+	o := cloneOpts(opts)
 	c.backlogs = append(c.backlogs, backlogSource{ob: ob, db: db, opts: o})
 }
 
@@ -119,8 +119,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	counter := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
 	}
-	for _, gs := range statsx.ByGroup(dedups) {
-		g, s := gs.Group, gs.Stats
+	for _, gs := range statsx.ByKey(dedups, (*idem.Dedup).ConsumerGroup, (*idem.Dedup).Stats, idem.Stats.Add) {
+		g, s := gs.Key, gs.Value
 		counter(descProcessed, float64(s.Processed), g)
 		counter(descDuplicates, float64(s.Duplicates), g)
 		counter(descFailed, float64(s.Failed), g)
@@ -152,8 +152,19 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			continue
 		}
 		for _, r := range rows {
-			ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(r.Pending), r.Topic, b.opts.Forwarder)
-			ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, r.OldestAge.Seconds(), r.Topic, b.opts.Forwarder)
+			ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(r.Pending), r.Topic, r.Forwarder)
+			ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, r.OldestAge.Seconds(), r.Topic, r.Forwarder)
 		}
 	}
+}
+
+// cloneOpts copies opts (nil: the zero value), so that the caller may
+// change its own afterwards.
+func cloneOpts(opts *outbox.BacklogOpts) outbox.BacklogOpts {
+	if opts == nil {
+		return outbox.BacklogOpts{}
+	}
+	o := *opts
+	o.Topics = append([]string(nil), opts.Topics...)
+	return o
 }

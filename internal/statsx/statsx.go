@@ -1,48 +1,28 @@
-// Package statsx holds what the metric exporters (components/idemprom,
-// components/idemotel) share: the dedup counters summed per consumer group,
-// and the backlog options they label with.
+// Package statsx sums counters per key, in the order the keys first appear:
+// what the metric exporters (components/idemprom, components/idemotel) do
+// with the dedup middlewares' counters of each consumer group.
 package statsx
 
-import (
-	idem "github.com/idemkit/watermill-idempotency/middleware"
-	"github.com/idemkit/watermill-idempotency/outbox"
-)
-
-// GroupStats is one consumer group's counters, summed over its middlewares.
-type GroupStats struct {
-	Group string
-	Stats idem.Stats
+// Sum is one key's total.
+type Sum[S any] struct {
+	Key   string
+	Value S
 }
 
-// ByGroup sums the middlewares' Stats per consumer group, in the order the
-// groups first appear.
-func ByGroup(dedups []*idem.Dedup) []GroupStats {
-	var out []GroupStats
+// ByKey sums value(item) per key(item) with add, keys in the order they
+// first appear in items.
+func ByKey[T, S any](items []T, key func(T) string, value func(T) S, add func(S, S) S) []Sum[S] {
+	var out []Sum[S]
 	index := map[string]int{}
-	for _, d := range dedups {
-		g := d.Deduplicator().Config().ConsumerGroup
-		i, ok := index[g]
+	for _, it := range items {
+		k := key(it)
+		i, ok := index[k]
 		if !ok {
-			index[g] = len(out)
-			out = append(out, GroupStats{Group: g, Stats: d.Stats()})
+			index[k] = len(out)
+			out = append(out, Sum[S]{Key: k, Value: value(it)})
 			continue
 		}
-		out[i].Stats = out[i].Stats.Add(d.Stats())
+		out[i].Value = add(out[i].Value, value(it))
 	}
 	return out
-}
-
-// BacklogOpts returns a copy of opts (nil: the zero value) whose Forwarder
-// is set (outbox.DefaultForwarderName when empty): the value the exporters
-// keep and label the backlog gauges with.
-func BacklogOpts(opts *outbox.BacklogOpts) outbox.BacklogOpts {
-	var o outbox.BacklogOpts
-	if opts != nil {
-		o = *opts
-		o.Topics = append([]string(nil), opts.Topics...)
-	}
-	if o.Forwarder == "" {
-		o.Forwarder = outbox.DefaultForwarderName
-	}
-	return o
 }
