@@ -463,7 +463,7 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 	if c.cfg.DryRun {
 		return retention, young, nil
 	}
-	// Consumers read it (Horizon.CleanedBefore): after a lengthening, the
+	// Consumers read it (the stale rule, CheckStale): after a lengthening, the
 	// claims of events before it stay gone, and the guard keeps refusing them.
 	if _, err := conn.Exec(ctx, "UPDATE "+companion(c.cfg.TableConfig, settingSuffix)+
 		" SET cleaned_before = greatest(coalesce(cleaned_before, '-infinity'), $1)", now.Add(-retention)); err != nil {

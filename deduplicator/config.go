@@ -82,10 +82,24 @@ type Config struct {
 	// ConsumerGroup is the second half of the dedup key: the same event is
 	// applied once per group. Required; use the Kafka consumer group.
 	ConsumerGroup string
+
+	// StaleMargin is subtracted from the table's retention when
+	// [Deduplicator.CheckStale] decides that an event is stale. Defaults to
+	// [DefaultStaleMargin] (1 hour); it must be shorter than the retention.
+	StaleMargin time.Duration
+
+	// ReplayHorizon is how far back the group's consumers may be replayed
+	// (offset reset, DLQ replay). When it exceeds the retention minus
+	// StaleMargin, Register logs it at Info level: events replayed from
+	// further back will be refused as stale. Defaults to 0 (no check).
+	ReplayHorizon time.Duration
 }
 
 func (c *Config) setDefaults() {
 	c.TableConfig.setDefaults()
+	if c.StaleMargin == 0 {
+		c.StaleMargin = DefaultStaleMargin
+	}
 }
 
 // Validate reports the first invalid field, after applying the defaults to
@@ -98,6 +112,15 @@ func (c Config) Validate() error {
 func (c Config) validate() error {
 	if c.ConsumerGroup == "" {
 		return errors.New("ConsumerGroup: required (the dedup key is event id + consumer group)")
+	}
+	if c.StaleMargin < 0 {
+		return errors.New("StaleMargin: must not be negative")
+	}
+	if c.Retention != 0 && c.StaleMargin >= c.Retention {
+		return fmt.Errorf("StaleMargin: %s must be shorter than Retention (%s)", c.StaleMargin, c.Retention)
+	}
+	if c.ReplayHorizon < 0 {
+		return errors.New("ReplayHorizon: must not be negative")
 	}
 	return c.TableConfig.validate()
 }

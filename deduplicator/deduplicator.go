@@ -21,6 +21,7 @@ import (
 type Deduplicator struct {
 	cfg    Config
 	logger watermill.LoggerAdapter
+	stale  staleState
 	table  string // quoted schema.table
 
 	claimSQL       string

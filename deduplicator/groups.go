@@ -172,59 +172,21 @@ func SetRetention(ctx context.Context, db migrate.DBTX, cfg TableConfig, retenti
 	return nil
 }
 
-// Horizon is what a consumer group's stale guard needs to know about the
-// table: which events may have lost their claim to the [Cleaner].
-type Horizon struct {
-	// Retention is the table's recorded retention.
-	Retention time.Duration
-	// CleanedBefore is the highest cutoff the Cleaner has applied (zero:
-	// never): claims of events created before it may have been deleted,
-	// whatever the retention is now.
-	CleanedBefore time.Time
-	// GroupFirstSeen is when the group was first seen (zero: before the
-	// registry existed, i.e. long ago).
-	GroupFirstSeen time.Time
-}
-
-// Stale reports whether the claim of an event created at created may have
-// been deleted by now, so that a redelivery could apply the event again
-// unnoticed: the event is older than the retention minus margin, or older
-// than the Cleaner's highest cutoff plus margin, and the group is old enough
-// to have lost claims. A group first seen less than the retention minus
-// margin ago has lost none (the Cleaner keeps a young group's claims), so
-// nothing is stale for it. margin covers clock skew between producers, the
-// consumer and the Cleaner.
-func (h Horizon) Stale(created, now time.Time, margin time.Duration) bool {
-	limit := now.Add(-(h.Retention - margin))
-	if h.GroupFirstSeen.After(limit) {
-		return false
-	}
-	return created.Before(limit) || (!h.CleanedBefore.IsZero() && created.Before(h.CleanedBefore.Add(margin)))
-}
-
-// Horizon reads the table's recorded retention and cleanup horizon and the
-// group's first-seen time; the group must be registered ([Deduplicator.Register]).
-// It follows the table: a configured TableConfig.Retention is checked by
-// Register at start-up, not here, so a running consumer adopts a
-// [SetRetention] change.
-func (d *Deduplicator) Horizon(ctx context.Context, db migrate.DBTX) (Horizon, error) {
-	s, err := readSetting(ctx, db, d.cfg.TableConfig)
-	if err != nil {
-		return Horizon{}, err
-	}
+// groupFirstSeen reads when the group was first seen (zero: before the
+// registry existed); the group must be registered.
+func (d *Deduplicator) groupFirstSeen(ctx context.Context, db migrate.DBTX) (time.Time, error) {
 	var first pgtype.Timestamptz
-	err = db.QueryRow(ctx, "SELECT first_seen_at FROM "+companion(d.cfg.TableConfig, groupSuffix)+" WHERE consumer_group = $1", d.cfg.ConsumerGroup).Scan(&first)
+	err := db.QueryRow(ctx, "SELECT first_seen_at FROM "+companion(d.cfg.TableConfig, groupSuffix)+" WHERE consumer_group = $1", d.cfg.ConsumerGroup).Scan(&first)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return Horizon{}, fmt.Errorf("%w: %q (call Register first)", ErrGroupNotFound, d.cfg.ConsumerGroup)
+		return time.Time{}, fmt.Errorf("%w: %q (call Register first)", ErrGroupNotFound, d.cfg.ConsumerGroup)
 	}
 	if err != nil {
-		return Horizon{}, fmt.Errorf("read consumer group %q: %w", d.cfg.ConsumerGroup, notMigrated(err))
+		return time.Time{}, fmt.Errorf("read consumer group %q: %w", d.cfg.ConsumerGroup, notMigrated(err))
 	}
-	h := Horizon{Retention: s.retention, CleanedBefore: s.cleanedBefore}
 	if first.Valid && first.InfinityModifier == pgtype.Finite {
-		h.GroupFirstSeen = first.Time
+		return first.Time, nil
 	}
-	return h, nil
+	return time.Time{}, nil
 }
 
 const groupColumns = "consumer_group, first_seen_at, idempotency_namespace, started_at"
@@ -268,7 +230,9 @@ func groups(ctx context.Context, db migrate.DBTX, cfg TableConfig) ([]Group, err
 // returns the group as recorded: when it was first seen and its
 // Idempotency-Key namespace. The middleware calls it at start-up; call it
 // at start-up when you claim through a Deduplicator yourself, so that the
-// Cleaner and [Deduplicator.Horizon] know the group.
+// Cleaner and [Deduplicator.CheckStale] know the group. It reads the
+// table's retention for CheckStale, and refuses a [Config.StaleMargin] not
+// shorter than it.
 //
 // namespace is the Idempotency-Key namespace the consumer is configured
 // with; "" takes the recorded one (the group's name at its first start). A
@@ -293,6 +257,9 @@ func (d *Deduplicator) Register(ctx context.Context, db migrate.DBTX, namespace 
 	if namespace != "" && g.IdempotencyNamespace != namespace {
 		return Group{}, fmt.Errorf("%w: group %q records %q, configured %q (a renamed group keeps its namespace: leave it empty)",
 			ErrNamespaceMismatch, d.cfg.ConsumerGroup, g.IdempotencyNamespace, namespace)
+	}
+	if err := d.loadHorizon(ctx, db); err != nil {
+		return Group{}, err
 	}
 	return g, nil
 }

@@ -110,7 +110,7 @@ func TestBadInput(t *testing.T) {
 		{name: "nil UUID with AllowNonV7", header: badInputPtr(uuid.Nil.String()), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.AllowNonV7 = true }, want: poison(publisher.ErrNilEventID)},
 		{name: "max UUID (non-RFC variant)", header: badInputPtr("ffffffff-ffff-ffff-ffff-ffffffffffff"), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.AllowNonV7 = true }, want: poison(publisher.ErrInvalidEventID)},
 		{name: "UUIDv7 from the far future", header: badInputPtr(badInputV7At(time.Now().AddDate(30, 0, 0)).String()), payload: []byte(`{}`), want: processed},
-		{name: "UUIDv7 older than the retention", header: badInputPtr(badInputV7At(time.Now().Add(-deduplicator.DefaultRetention - time.Minute)).String()), payload: []byte(`{}`), want: poison(idem.ErrStaleEvent)},
+		{name: "UUIDv7 older than the retention", header: badInputPtr(badInputV7At(time.Now().Add(-deduplicator.DefaultRetention - time.Minute)).String()), payload: []byte(`{}`), want: poison(deduplicator.ErrStaleEvent)},
 		{name: "UUIDv7 older than the retention, ProcessStaleEvents", header: badInputPtr(badInputV7At(time.Now().Add(-deduplicator.DefaultRetention - time.Minute)).String()), payload: []byte(`{}`), cfg: func(c *idem.Config) { c.ProcessStaleEvents = true }, want: processed},
 		{name: "non-JSON payload, no header (JSON fallback on)", payload: []byte("amount=1\x00\xff"), want: poison(publisher.ErrMissingEventID)},
 		{name: "non-JSON payload with a valid header", header: badInputPtr(v7()), payload: []byte("amount=1\x00\xff"), want: processed},
@@ -197,8 +197,13 @@ func TestBadInput(t *testing.T) {
 			_, err = dedup.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(msg.Copy())
 			require.True(t, errors.Is(err, tc.want.reason), "errors.Is(%v, %v)", err, tc.want.reason)
 			require.True(t, idem.IsPermanent(err))
-			var ee *publisher.EventIDError
-			require.ErrorAs(t, err, &ee)
+			if errors.Is(tc.want.reason, deduplicator.ErrStaleEvent) {
+				var se *deduplicator.StaleEventError
+				require.ErrorAs(t, err, &se)
+			} else {
+				var ee *publisher.EventIDError
+				require.ErrorAs(t, err, &ee)
+			}
 		})
 	}
 }

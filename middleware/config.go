@@ -40,14 +40,8 @@ type OutboxWriter interface {
 	PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error
 }
 
-// Defaults.
-const (
-	// DefaultStaleMargin is subtracted from the retention before an event is
-	// considered stale, covering clock skew and a cleaner that runs early.
-	DefaultStaleMargin = time.Hour
-	// DefaultStartupTimeout bounds the start-up check of [NewDedup].
-	DefaultStartupTimeout = 30 * time.Second
-)
+// DefaultStartupTimeout bounds the start-up check of [NewDedup].
+const DefaultStartupTimeout = 30 * time.Second
 
 // Config configures the dedup middleware.
 type Config struct {
@@ -95,12 +89,12 @@ type Config struct {
 	Outbox OutboxWriter
 
 	// StaleMargin is subtracted from the table's retention when deciding
-	// that an event is stale. Defaults to [DefaultStaleMargin] (1 hour); it
+	// that an event is stale. Defaults to deduplicator.DefaultStaleMargin (1 hour); it
 	// must be shorter than the retention.
 	StaleMargin time.Duration
 
 	// ProcessStaleEvents processes events older than the retention minus
-	// StaleMargin instead of refusing them with ErrStaleEvent, even when
+	// StaleMargin instead of refusing them with deduplicator.ErrStaleEvent, even when
 	// their claim may have been cleaned. Defaults to false: such an event is
 	// refused, unless the consumer group was first seen less than the
 	// retention minus StaleMargin ago (it cannot have lost a claim yet, so
@@ -163,7 +157,7 @@ func (c *Config) setDefaults() {
 		c.GroupCommit = &gc
 	}
 	if c.StaleMargin == 0 {
-		c.StaleMargin = DefaultStaleMargin
+		c.StaleMargin = deduplicator.DefaultStaleMargin
 	}
 	if c.NowFunc == nil {
 		c.NowFunc = time.Now

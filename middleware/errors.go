@@ -3,6 +3,7 @@ package middleware
 import (
 	"errors"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -14,11 +15,6 @@ import (
 // reports true): redelivery cannot fix the message, so route it to a poison
 // topic with watermill's middleware.PoisonQueueWithFilter.
 var (
-	// ErrStaleEvent: the UUIDv7 time is older than the dedup retention, so a
-	// dedup row may already be gone and the middleware cannot vouch that the
-	// event was not applied before. The middleware returns it as the Reason
-	// of a *publisher.EventIDError whose Value is the id.
-	ErrStaleEvent = errors.New("event is older than the dedup retention")
 	// ErrMalformedPayload is for handlers: wrap payload decoding failures with
 	// it (or with [Permanent]) so they go to the poison queue.
 	ErrMalformedPayload = errors.New("malformed payload")
@@ -44,7 +40,7 @@ func Permanent(err error) error {
 // and belongs in a poison queue rather than being retried: publisher's
 // event-id sentinels (ErrMissingEventID, ErrInvalidEventID, ErrNilEventID,
 // ErrNotUUIDv7, ErrEventIDMismatch, whether the middleware or
-// publisher.Stamp returned them), [ErrStaleEvent], [ErrMalformedPayload]
+// publisher.Stamp returned them), deduplicator.ErrStaleEvent (the stale rule), [ErrMalformedPayload]
 // and anything wrapped by [Permanent]. Use it as the filter of watermill's
 // PoisonQueueWithFilter and to stop Retry.
 func IsPermanent(err error) bool {
@@ -66,5 +62,5 @@ func IsPermanent(err error) bool {
 var permanentSentinels = []error{
 	publisher.ErrMissingEventID, publisher.ErrInvalidEventID, publisher.ErrNilEventID,
 	publisher.ErrNotUUIDv7, publisher.ErrEventIDMismatch,
-	ErrStaleEvent, ErrMalformedPayload,
+	deduplicator.ErrStaleEvent, ErrMalformedPayload,
 }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -30,18 +28,9 @@ type Dedup struct {
 	// From the start-up check: the group as registered (first seen,
 	// Idempotency-Key namespace).
 	group deduplicator.Group
-	// horizon is the table's retention state for the stale guard, re-read
-	// every deduplicator.RetentionRefreshInterval (hmu serialises re-reads).
-	horizon atomic.Pointer[horizonAt]
-	hmu     sync.Mutex
 	// gc is the group-commit mode, nil when Config.GroupCommit is.
 	gc      *groupCommit
 	tracing otelx.Tracers
-}
-
-type horizonAt struct {
-	deduplicator.Horizon
-	readAt time.Time
 }
 
 // NewDedup validates cfg, checks the table and registers the consumer group,
@@ -60,7 +49,7 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	dd, err := deduplicator.New(deduplicator.Config{TableConfig: cfg.Table, ConsumerGroup: cfg.ConsumerGroup}, logger)
+	dd, err := deduplicator.New(deduplicator.Config{TableConfig: cfg.Table, ConsumerGroup: cfg.ConsumerGroup, StaleMargin: cfg.StaleMargin, ReplayHorizon: cfg.ReplayHorizon}, logger)
 	if err != nil {
 		return nil, fmt.Errorf("dedup: %w", err)
 	}
@@ -72,11 +61,6 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	if cfg.GroupCommit != nil {
 		d.gc = newGroupCommit(d, *cfg.GroupCommit)
 	}
-	if h, r := cfg.ReplayHorizon, d.horizon.Load().Retention; h > 0 && h > r-cfg.StaleMargin {
-		d.logger.Info("Dedup retention is shorter than the replay horizon: events replayed from further back will be refused as stale (ErrStaleEvent)", watermill.LogFields{
-			"retention": r.String(), "stale_margin": cfg.StaleMargin.String(), "replay_horizon": h.String(),
-		})
-	}
 	return d, nil
 }
 
@@ -84,70 +68,21 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 func (d *Dedup) start() error {
 	ctx, cancel := context.WithTimeout(context.Background(), d.cfg.StartupTimeout)
 	defer cancel()
-	var h deduplicator.Horizon
 	err := pgx.BeginFunc(ctx, d.cfg.DB, func(tx pgx.Tx) error {
 		if err := deduplicator.Check(ctx, tx, d.cfg.Table); err != nil {
 			return err
 		}
 		g, err := d.dedup.Register(ctx, tx, d.cfg.IdempotencyNamespace)
-		if err != nil {
-			return err
-		}
 		d.group = g
-		h, err = d.dedup.Horizon(ctx, tx)
 		return err
 	})
 	if err != nil {
 		return fmt.Errorf("dedup: start-up check of consumer group %q: %w", d.cfg.ConsumerGroup, err)
 	}
-	if err := d.checkMargin(h); err != nil {
-		return err
-	}
-	d.horizon.Store(&horizonAt{Horizon: h, readAt: time.Now()})
 	d.logger.Debug("Dedup started", watermill.LogFields{
-		"retention": h.Retention.String(), "group_first_seen": d.group.FirstSeen, "idempotency_namespace": d.group.IdempotencyNamespace,
+		"group_first_seen": d.group.FirstSeen, "idempotency_namespace": d.group.IdempotencyNamespace,
 	})
 	return nil
-}
-
-func (d *Dedup) checkMargin(h deduplicator.Horizon) error {
-	if d.cfg.StaleMargin >= h.Retention {
-		return fmt.Errorf("dedup: invalid config: StaleMargin: %s must be shorter than the table's retention (%s)", d.cfg.StaleMargin, h.Retention)
-	}
-	return nil
-}
-
-// currentHorizon returns the table's retention state, re-reading it when it
-// is older than deduplicator.RetentionRefreshInterval: a retention changed
-// with deduplicator.SetRetention reaches running consumers within that
-// interval, which is what lets the Cleaner apply a shortening safely. An
-// error fails the message (retryable): the guard never runs on a view older
-// than that.
-func (d *Dedup) currentHorizon(ctx context.Context) (deduplicator.Horizon, error) {
-	if h := d.horizon.Load(); time.Since(h.readAt) < deduplicator.RetentionRefreshInterval {
-		return h.Horizon, nil
-	}
-	d.hmu.Lock()
-	defer d.hmu.Unlock()
-	if h := d.horizon.Load(); time.Since(h.readAt) < deduplicator.RetentionRefreshInterval {
-		return h.Horizon, nil
-	}
-	var h deduplicator.Horizon
-	err := pgx.BeginFunc(ctx, d.cfg.DB, func(tx pgx.Tx) (err error) {
-		h, err = d.dedup.Horizon(ctx, tx)
-		return err
-	})
-	if err == nil {
-		err = d.checkMargin(h)
-	}
-	if err != nil {
-		return deduplicator.Horizon{}, fmt.Errorf("dedup: re-read the retention: %w", err)
-	}
-	if old := d.horizon.Load(); old.Retention != h.Retention {
-		d.logger.Info("Dedup retention changed", watermill.LogFields{"retention": h.Retention.String(), "previous": old.Retention.String()})
-	}
-	d.horizon.Store(&horizonAt{Horizon: h, readAt: time.Now()})
-	return h, nil
 }
 
 // Stats returns the middleware's counters since it was created.
@@ -201,16 +136,16 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 func (d *Dedup) process(msg *message.Message, h message.HandlerFunc, span *msgSpan) ([]*message.Message, string, error) {
 	id, err := d.eventID(msg)
 	if err == nil && id.Version() == 7 && !d.cfg.ProcessStaleEvents {
-		var retry error
-		if err, retry = d.staleGuard(msg.Context(), id); retry != nil {
+		err = d.dedup.CheckStale(msg.Context(), d.cfg.DB, id, d.cfg.NowFunc())
+		if err != nil && !errors.Is(err, deduplicator.ErrStaleEvent) {
 			d.stats.claimErrors.Add(1)
-			return nil, outcomeClaimError, retry
+			return nil, outcomeClaimError, fmt.Errorf("dedup: %w", err)
 		}
 	}
 	if err != nil {
 		d.stats.rejected(err)
 		d.logger.Error("Refusing message: unusable event id", err, watermill.LogFields{"message_uuid": msg.UUID})
-		if errors.Is(err, ErrStaleEvent) {
+		if errors.Is(err, deduplicator.ErrStaleEvent) {
 			return nil, outcomeStale, err
 		}
 		return nil, outcomeRejected, err
@@ -350,38 +285,3 @@ func (d *Dedup) eventID(msg *message.Message) (uuid.UUID, error) {
 	return id, nil
 }
 
-// staleGuard refuses a UUIDv7 whose claim the Cleaner may have deleted
-// (deduplicator.Horizon.Stale), so that a redelivery cannot apply it again
-// unnoticed: an event older than the retention minus the margin, or than the
-// Cleaner's highest cutoff, for a group old enough to have lost claims. A
-// group first seen less than that long ago has lost none, so it drains an
-// old backlog normally. A stale event is refused with a permanent
-// *publisher.EventIDError; an error re-reading the retention is returned as retry (the
-// message is retried).
-func (d *Dedup) staleGuard(ctx context.Context, id uuid.UUID) (refused, retry error) {
-	h, err := d.currentHorizon(ctx)
-	if err != nil {
-		return nil, err
-	}
-	sec, nsec := id.Time().UnixTime()
-	created := time.Unix(sec, nsec)
-	now := d.cfg.NowFunc()
-	if !h.Stale(created, now, d.cfg.StaleMargin) {
-		return nil, nil
-	}
-	limit := now.Add(-(h.Retention - d.cfg.StaleMargin))
-	cleaned := "never"
-	if !h.CleanedBefore.IsZero() {
-		cleaned = h.CleanedBefore.UTC().Format(time.RFC3339)
-	}
-	return &publisher.EventIDError{Reason: ErrStaleEvent, Value: id.String(),
-		Detail: fmt.Sprintf("created %s, before %s (retention %s minus margin %s) or the cleanup horizon (%s), and consumer group first seen %s: its claim may have been cleaned",
-			created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), h.Retention, d.cfg.StaleMargin, cleaned, firstSeen(h.GroupFirstSeen))}, nil
-}
-
-func firstSeen(t time.Time) string {
-	if t.IsZero() {
-		return "before the registry (long ago)"
-	}
-	return t.UTC().Format(time.RFC3339)
-}

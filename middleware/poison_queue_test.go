@@ -17,6 +17,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -81,7 +82,7 @@ func TestRouterRoutesRefusedMessagesToPoisonTopic(t *testing.T) {
 		addBad("garbage", `{"amount":1}`, publisher.ErrInvalidEventID.Error()),
 		addBad(uuid.Nil.String(), `{"amount":1}`, publisher.ErrNilEventID.Error()),
 		addBad(uuid.NewString(), `{"amount":1}`, publisher.ErrNotUUIDv7.Error()),
-		addBad(poisonV7At(time.Now().Add(-30*24*time.Hour)).String(), `{"amount":1}`, idem.ErrStaleEvent.Error()),
+		addBad(poisonV7At(time.Now().Add(-30*24*time.Hour)).String(), `{"amount":1}`, deduplicator.ErrStaleEvent.Error()),
 		addBad(publisher.NewEventID().String(), `{"amount":"lots"}`, idem.ErrMalformedPayload.Error()),
 	}
 	all := append(append(append([]*message.Message{}, good...), dup), badMsgs...)

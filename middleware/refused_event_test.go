@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -146,7 +147,7 @@ func TestIsPermanent(t *testing.T) {
 	t.Parallel()
 	for _, err := range []error{
 		publisher.ErrMissingEventID, publisher.ErrInvalidEventID, publisher.ErrNilEventID, publisher.ErrNotUUIDv7,
-		publisher.ErrEventIDMismatch, idem.ErrStaleEvent, idem.ErrMalformedPayload,
+		publisher.ErrEventIDMismatch, deduplicator.ErrStaleEvent, idem.ErrMalformedPayload,
 		fmt.Errorf("decode order: %w", idem.ErrMalformedPayload),
 		idem.Permanent(errors.New("amount must be positive")),
 		fmt.Errorf("wrapped twice: %w", idem.Permanent(errors.New("x"))),

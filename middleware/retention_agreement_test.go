@@ -88,7 +88,7 @@ func TestRetentionHasOneSourceOfTruth(t *testing.T) {
 	require.EqualValues(t, 1, res.Deleted)
 	require.Equal(t, 24*time.Hour, res.Retention)
 	_, err = h(f.msg(id))
-	require.ErrorIs(t, err, idem.ErrStaleEvent)
+	require.ErrorIs(t, err, deduplicator.ErrStaleEvent)
 	require.EqualValues(t, 1, calls.Load())
 	require.Equal(t, 1, f.ledgerRows(t))
 }
@@ -123,7 +123,7 @@ func TestLengtheningRetentionKeepsCleanedEventsStale(t *testing.T) {
 	require.NoError(t, deduplicator.SetRetention(ctx, f.pool, table, 30*24*time.Hour))
 	h = f.dedup(t, group, func(c *idem.Config) { c.NowFunc = later }).Middleware(f.insertHandler(1, &calls))
 	_, err = h(f.msg(id))
-	require.ErrorIs(t, err, idem.ErrStaleEvent)
+	require.ErrorIs(t, err, deduplicator.ErrStaleEvent)
 	require.ErrorContains(t, err, "cleanup horizon")
 	require.EqualValues(t, 1, calls.Load())
 	// An event created after the cleanup horizon is processed normally.
@@ -181,7 +181,7 @@ func TestNewGroupDrainsBacklogOlderThanRetention(t *testing.T) {
 	h = f.dedup(t, "late-joiner", func(c *idem.Config) { c.NowFunc = later }).Middleware(f.insertHandler(1, &calls))
 	for _, id := range backlog {
 		_, err := h(f.msg(id))
-		require.ErrorIs(t, err, idem.ErrStaleEvent)
+		require.ErrorIs(t, err, deduplicator.ErrStaleEvent)
 	}
 	require.EqualValues(t, 5, calls.Load())
 	require.Equal(t, 5, f.ledgerRows(t))
@@ -203,7 +203,7 @@ func TestOldGroupWithCleanedClaimsRefusesStaleEvents(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, res.YoungGroups)
 	_, err = h(f.msg(staleIDAt(time.Now().Add(-10 * 24 * time.Hour))))
-	require.ErrorIs(t, err, idem.ErrStaleEvent)
+	require.ErrorIs(t, err, deduplicator.ErrStaleEvent)
 	require.True(t, idem.IsPermanent(err))
 	require.Zero(t, calls.Load())
 }

@@ -73,7 +73,7 @@ func TestStaleGuardRefusesOnlyBeyondRetentionMinusMargin(t *testing.T) {
 	f := newStaleFixture(t, deduplicator.LayoutPlain)
 	now := time.UnixMilli(time.Now().UnixMilli()) // whole milliseconds, like a UUIDv7
 	h := f.handler(t, idem.Config{NowFunc: func() time.Time { return now }}, nil)
-	limit := deduplicator.DefaultRetention - idem.DefaultStaleMargin // 7 days - 1 hour
+	limit := deduplicator.DefaultRetention - deduplicator.DefaultStaleMargin // 7 days - 1 hour
 
 	for _, tc := range []struct {
 		name  string
@@ -95,11 +95,11 @@ func TestStaleGuardRefusesOnlyBeyondRetentionMinusMargin(t *testing.T) {
 			require.Equal(t, before+1, f.calls.Load(), tc.name)
 			continue
 		}
-		require.ErrorIs(t, err, idem.ErrStaleEvent, tc.name)
+		require.ErrorIs(t, err, deduplicator.ErrStaleEvent, tc.name)
 		require.True(t, idem.IsPermanent(err), tc.name)
-		var ee *publisher.EventIDError
-		require.True(t, errors.As(err, &ee), tc.name)
-		require.Equal(t, id.String(), ee.Value)
+		var se *deduplicator.StaleEventError
+		require.True(t, errors.As(err, &se), tc.name)
+		require.Equal(t, id, se.EventID)
 		require.Equal(t, before, f.calls.Load(), "%s: handler must not run", tc.name)
 		require.Zero(t, f.db.Count(t, "SELECT 1 FROM processed_event WHERE event_id = $1", id), tc.name)
 	}
@@ -115,7 +115,7 @@ func TestStaleGuardFollowsConfiguredRetention(t *testing.T) {
 	_, err := h(staleMsg(staleIDAt(now.Add(-20 * 24 * time.Hour))))
 	require.NoError(t, err)
 	_, err = h(staleMsg(staleIDAt(now.Add(-30*24*time.Hour + time.Hour))))
-	require.ErrorIs(t, err, idem.ErrStaleEvent)
+	require.ErrorIs(t, err, deduplicator.ErrStaleEvent)
 	require.EqualValues(t, 1, f.calls.Load())
 }
 

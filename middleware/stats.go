@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -118,7 +119,7 @@ func (s Stats) Add(o Stats) Stats {
 // rejectReason classifies a refusal by its sentinel error.
 func rejectReason(err error) string {
 	switch {
-	case errors.Is(err, ErrStaleEvent):
+	case errors.Is(err, deduplicator.ErrStaleEvent):
 		return reasonStale
 	case errors.Is(err, publisher.ErrNotUUIDv7):
 		return reasonNotV7

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	idem "github.com/idemkit/watermill-idempotency/middleware"
+
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -552,8 +552,8 @@ const (
 // shorter than the retention, so every consumer on the default would refuse
 // to start.
 func checkRetention(d time.Duration, force bool) error {
-	if d > idem.DefaultStaleMargin || force {
+	if d > deduplicator.DefaultStaleMargin || force {
 		return nil
 	}
-	return usageError("a retention of %s is not longer than the consumers' default StaleMargin (%s): every consumer that keeps the default refuses to start (NewDedup: StaleMargin must be shorter than the retention); pass --force if every consumer sets a shorter StaleMargin", humanDuration(d), humanDuration(idem.DefaultStaleMargin))
+	return usageError("a retention of %s is not longer than the consumers' default StaleMargin (%s): every consumer that keeps the default refuses to start (NewDedup: StaleMargin must be shorter than the retention); pass --force if every consumer sets a shorter StaleMargin", humanDuration(d), humanDuration(deduplicator.DefaultStaleMargin))
 }
