@@ -284,4 +284,3 @@ func (d *Dedup) eventID(msg *message.Message) (uuid.UUID, error) {
 	}
 	return id, nil
 }
-
