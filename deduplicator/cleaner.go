@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 )
 
 // Cleaner defaults.
@@ -380,7 +381,7 @@ func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result,
 	}
 	res.Retention, res.YoungGroups = retention, young
 	cutoff := now.Add(-retention)
-	boundary := UUIDv7Floor(cutoff)
+	boundary := partition.Floor(cutoff)
 	if partitioned {
 		var movedFrom uuid.UUID
 		movedFrom, err = c.maintainPartitions(ctx, conn, now, cutoff, &res)
@@ -391,7 +392,7 @@ func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result,
 			if c.cfg.DryRun && movedFrom != uuid.Nil && bytes.Compare(movedFrom[:], boundary[:]) < 0 {
 				boundary = movedFrom
 			}
-			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table)), boundary, cutoff, &res)
+			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, partition.DefaultName(c.cfg.Table)), boundary, cutoff, &res)
 		}
 	} else {
 		err = c.deleteV7(ctx, conn, c.table, boundary, cutoff, &res)

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -85,8 +86,8 @@ func (r *raceTable) requireOnce(group string, ids ...uuid.UUID) {
 // exists).
 func (r *raceTable) oldPartition(day time.Time) {
 	r.t.Helper()
-	from, to := PartitionBounds(day)
-	r.db.Exec(r.t, "CREATE TABLE "+PartitionName(r.tc.Table, day)+" PARTITION OF "+r.tc.Table+
+	from, to := partition.Bounds(day)
+	r.db.Exec(r.t, "CREATE TABLE "+partition.Name(r.tc.Table, day)+" PARTITION OF "+r.tc.Table+
 		" FOR VALUES FROM ('"+from.String()+"') TO ('"+to.String()+"')")
 }
 
@@ -151,7 +152,7 @@ func raceNewGroup(t *testing.T, layout Layout, pause racePause) {
 	if layout == LayoutPartitioned {
 		// An old partition, dropped by the pass unless a young group
 		// claims in it first.
-		day := utcDay(r.now.Add(-ret - 3*24*time.Hour))
+		day := partition.UTCDay(r.now.Add(-ret - 3*24*time.Hour))
 		r.oldPartition(day)
 		r.apply("veteran", v7At(day.Add(time.Hour)))
 		newcomerIDs = append(newcomerIDs, v7At(day.Add(2*time.Hour)))

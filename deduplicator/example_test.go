@@ -4,12 +4,11 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
-
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )

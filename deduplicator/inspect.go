@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -121,9 +122,9 @@ WHERE i.inhparent = to_regclass($1)`, table)
 		}
 		if m := boundRe.FindStringSubmatch(p.Bound); m != nil {
 			p.from, p.to, p.parsed = uuid.MustParse(m[1]), uuid.MustParse(m[2]), true
-			from, okFrom := uuidv7Time(p.from)
-			to, okTo := uuidv7Time(p.to)
-			if okFrom && okTo && UUIDv7Floor(from) == p.from && UUIDv7Floor(to) == p.to {
+			from, okFrom := partition.Time(p.from)
+			to, okTo := partition.Time(p.to)
+			if okFrom && okTo && partition.Floor(from) == p.from && partition.Floor(to) == p.to {
 				p.From, p.To = from, to
 			}
 		}

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -168,7 +169,7 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 	db, tc := retentionDB(t, LayoutPartitioned)
 	ctx := context.Background()
 	start := time.Now()
-	today := utcDay(start)
+	today := partition.UTCDay(start)
 
 	layout, err := TableLayout(ctx, db.Pool, TableConfig{Schema: tc.Schema})
 	require.NoError(t, err)
@@ -180,7 +181,7 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 	for i := 0; i <= DefaultPartitionsAhead; i++ {
 		p := parts[i]
 		day := today.AddDate(0, 0, i)
-		require.Equal(t, PartitionName(tc.Table, day), p.Name)
+		require.Equal(t, partition.Name(tc.Table, day), p.Name)
 		require.False(t, p.Default)
 		require.True(t, p.From.Equal(day), "%s from %s", p.Name, p.From)
 		require.True(t, p.To.Equal(day.AddDate(0, 0, 1)))
@@ -188,7 +189,7 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 		require.Positive(t, p.Bytes)
 	}
 	def := parts[len(parts)-1]
-	require.Equal(t, DefaultPartitionName(tc.Table), def.Name)
+	require.Equal(t, partition.DefaultName(tc.Table), def.Name)
 	require.True(t, def.Default)
 	require.True(t, def.From.IsZero())
 	require.Equal(t, "DEFAULT", def.Bound)
@@ -231,11 +232,11 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 		counts[p.Name] = p.Rows
 	}
 	require.Equal(t, map[string]int64{
-		PartitionName(tc.Table, today):                  2,
-		PartitionName(tc.Table, today.AddDate(0, 0, 1)): 1,
-		PartitionName(tc.Table, today.AddDate(0, 0, 2)): 0,
-		PartitionName(tc.Table, today.AddDate(0, 0, 3)): 0,
-		DefaultPartitionName(tc.Table):                  1,
+		partition.Name(tc.Table, today):                  2,
+		partition.Name(tc.Table, today.AddDate(0, 0, 1)): 1,
+		partition.Name(tc.Table, today.AddDate(0, 0, 2)): 0,
+		partition.Name(tc.Table, today.AddDate(0, 0, 3)): 0,
+		partition.DefaultName(tc.Table):                  1,
 	}, counts)
 	require.True(t, st.Partitions[0].Oldest.Equal(t1))
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 )
 
 var boundRe = regexp.MustCompile(`^FOR VALUES FROM \('([0-9a-f-]{36})'\) TO \('([0-9a-f-]{36})'\)$`)
@@ -37,7 +38,7 @@ func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, now, c
 	if err != nil {
 		return uuid.Nil, fmt.Errorf("cleaner: list partitions: %w", err)
 	}
-	today := utcDay(now)
+	today := partition.UTCDay(now)
 	last := today.AddDate(0, 0, c.cfg.PartitionsAhead)
 	hasDefault := slices.ContainsFunc(parts, func(p Partition) bool { return p.Default })
 
@@ -49,9 +50,9 @@ func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, now, c
 		// Days within the retention (and up to the last ahead day) that have
 		// rows in the DEFAULT partition: give them their partition.
 		rows, err := conn.Query(ctx, `SELECT DISTINCT (('x' || substr(replace(event_id::text, '-', ''), 1, 12))::bit(48)::bigint / 86400000)
-FROM `+ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table))+`
+FROM `+ident.Quote(c.cfg.Schema, partition.DefaultName(c.cfg.Table))+`
 WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4 = 7`,
-			UUIDv7Floor(utcDay(cutoff)), UUIDv7Floor(last.AddDate(0, 0, 1)))
+			partition.Floor(partition.UTCDay(cutoff)), partition.Floor(last.AddDate(0, 0, 1)))
 		if err != nil {
 			return uuid.Nil, fmt.Errorf("cleaner: scan default partition: %w", err)
 		}
@@ -70,7 +71,7 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 	slices.SortFunc(sorted, func(a, b time.Time) int { return a.Compare(b) })
 
 	for _, d := range sorted {
-		from, to := PartitionBounds(d)
+		from, to := partition.Bounds(d)
 		if covered, exact := overlaps(parts, from, to); covered {
 			if !exact {
 				c.logger.Info("Not creating a daily partition: its range overlaps an existing partition with other bounds", watermill.LogFields{"day": d.Format(time.DateOnly)})
@@ -90,12 +91,12 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 			movedFrom = from
 		}
 		res.PartitionsCreated++
-		res.CreatedPartitions = append(res.CreatedPartitions, PartitionName(c.cfg.Table, d))
+		res.CreatedPartitions = append(res.CreatedPartitions, partition.Name(c.cfg.Table, d))
 		res.RowsMoved += moved
-		parts = append(parts, Partition{Name: PartitionName(c.cfg.Table, d), parsed: true, from: from, to: to})
+		parts = append(parts, Partition{Name: partition.Name(c.cfg.Table, d), parsed: true, from: from, to: to})
 	}
 
-	boundary := UUIDv7Floor(cutoff)
+	boundary := partition.Floor(cutoff)
 	for _, p := range parts {
 		if p.Default || !p.parsed || bytes.Compare(p.to[:], boundary[:]) > 0 {
 			continue
@@ -124,7 +125,7 @@ func (c *Cleaner) countDefault(ctx context.Context, conn *pgx.Conn, from, to uui
 		return 0, nil
 	}
 	var n int64
-	err := conn.QueryRow(ctx, "SELECT count(*) FROM "+ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table))+
+	err := conn.QueryRow(ctx, "SELECT count(*) FROM "+ident.Quote(c.cfg.Schema, partition.DefaultName(c.cfg.Table))+
 		" WHERE event_id >= $1 AND event_id < $2", from, to).Scan(&n)
 	if err != nil {
 		return 0, fmt.Errorf("cleaner: count default partition rows: %w", err)
@@ -162,14 +163,14 @@ func overlaps(parts []Partition, from, to uuid.UUID) (covered, exact bool) {
 // (SQLSTATE 23514) after the commit and is retried by the router: it never
 // inserts a second row for a moved event.
 func (c *Cleaner) createPartition(ctx context.Context, conn *pgx.Conn, day time.Time, hasDefault bool) (int64, error) {
-	name := PartitionName(c.cfg.Table, day)
+	name := partition.Name(c.cfg.Table, day)
 	qname := ident.Quote(c.cfg.Schema, name)
-	from, to := PartitionBounds(day)
+	from, to := partition.Bounds(day)
 	var moved int64
 	err := c.ddl(ctx, conn, "create partition "+name, func(tx pgx.Tx) error {
 		moved = 0
 		if hasDefault {
-			if _, err := tx.Exec(ctx, "LOCK TABLE "+ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table))+" IN ACCESS EXCLUSIVE MODE"); err != nil {
+			if _, err := tx.Exec(ctx, "LOCK TABLE "+ident.Quote(c.cfg.Schema, partition.DefaultName(c.cfg.Table))+" IN ACCESS EXCLUSIVE MODE"); err != nil {
 				return err
 			}
 		}
@@ -178,7 +179,7 @@ func (c *Cleaner) createPartition(ctx context.Context, conn *pgx.Conn, day time.
 		}
 		if hasDefault {
 			tag, err := tx.Exec(ctx, `WITH moved AS (
-	DELETE FROM `+ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table))+` WHERE event_id >= $1 AND event_id < $2
+	DELETE FROM `+ident.Quote(c.cfg.Schema, partition.DefaultName(c.cfg.Table))+` WHERE event_id >= $1 AND event_id < $2
 	RETURNING event_id, consumer_group, processed_at
 ) INSERT INTO `+qname+` (event_id, consumer_group, processed_at) SELECT event_id, consumer_group, processed_at FROM moved`, from, to)
 			if err != nil {

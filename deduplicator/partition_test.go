@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -22,9 +23,9 @@ func TestUUIDv7FloorAndBounds(t *testing.T) {
 	day := time.Date(2026, 3, 14, 0, 0, 0, 0, time.UTC)
 	lastMs := day.Add(-time.Millisecond) // 23:59:59.999 of the day before
 
-	from, to := PartitionBounds(day.Add(13 * time.Hour))
-	require.Equal(t, UUIDv7Floor(day), from)
-	require.Equal(t, UUIDv7Floor(day.AddDate(0, 0, 1)), to)
+	from, to := partition.Bounds(day.Add(13 * time.Hour))
+	require.Equal(t, partition.Floor(day), from)
+	require.Equal(t, partition.Floor(day.AddDate(0, 0, 1)), to)
 	require.Equal(t, "019ce9a4-8800-7000-8000-000000000000", from.String())
 	require.Equal(t, uint8(7), uint8(from.Version()))
 
@@ -32,15 +33,15 @@ func TestUUIDv7FloorAndBounds(t *testing.T) {
 	// 00:00:00.000 is the bound itself.
 	maxLate := v7AtMax(lastMs)
 	require.Negative(t, bytes.Compare(maxLate[:], from[:]))
-	require.Equal(t, from, UUIDv7Floor(day))
-	require.Equal(t, "t_p20260313", PartitionName("t", lastMs))
-	require.Equal(t, "t_p20260314", PartitionName("t", day))
-	require.Equal(t, "t_p20260314", PartitionName("t", day.In(time.FixedZone("x", -5*3600)))) // UTC days
+	require.Equal(t, from, partition.Floor(day))
+	require.Equal(t, "t_p20260313", partition.Name("t", lastMs))
+	require.Equal(t, "t_p20260314", partition.Name("t", day))
+	require.Equal(t, "t_p20260314", partition.Name("t", day.In(time.FixedZone("x", -5*3600)))) // UTC days
 
-	ts, ok := uuidv7Time(v7At(lastMs))
+	ts, ok := partition.Time(v7At(lastMs))
 	require.True(t, ok)
 	require.True(t, ts.Equal(lastMs))
-	_, ok = uuidv7Time(uuid.New())
+	_, ok = partition.Time(uuid.New())
 	require.False(t, ok)
 }
 
@@ -48,11 +49,11 @@ func TestPartitionedBoundaryRowsLandInTheirDay(t *testing.T) {
 	t.Parallel()
 	db, tc := retentionDB(t, LayoutPartitioned)
 	ctx := context.Background()
-	today := utcDay(time.Now())
+	today := partition.UTCDay(time.Now())
 	tomorrow := today.AddDate(0, 0, 1)
 
 	late := v7AtMax(tomorrow.Add(-time.Millisecond)) // today 23:59:59.999, max random bits
-	early := UUIDv7Floor(tomorrow)                   // tomorrow 00:00:00.000, min random bits
+	early := partition.Floor(tomorrow)               // tomorrow 00:00:00.000, min random bits
 	d, err := New(Config{TableConfig: tc, ConsumerGroup: "g"}, nil)
 	require.NoError(t, err)
 	for _, id := range []uuid.UUID{late, early} {
@@ -60,17 +61,17 @@ func TestPartitionedBoundaryRowsLandInTheirDay(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, first)
 	}
-	require.Equal(t, PartitionName(tc.Table, today), partitionOf(t, db, tc, late))
-	require.Equal(t, PartitionName(tc.Table, tomorrow), partitionOf(t, db, tc, early))
+	require.Equal(t, partition.Name(tc.Table, today), partitionOf(t, db, tc, late))
+	require.Equal(t, partition.Name(tc.Table, tomorrow), partitionOf(t, db, tc, early))
 }
 
 func TestPartitionedMigrateCreatesDaysAheadAndDefault(t *testing.T) {
 	t.Parallel()
 	db, tc := retentionDB(t, LayoutPartitioned)
-	today := utcDay(time.Now())
+	today := partition.UTCDay(time.Now())
 	want := []string{tc.Table + "_default"}
 	for i := 0; i <= DefaultPartitionsAhead; i++ {
-		want = append(want, PartitionName(tc.Table, today.AddDate(0, 0, i)))
+		want = append(want, partition.Name(tc.Table, today.AddDate(0, 0, i)))
 	}
 	require.ElementsMatch(t, want, partitionNames(t, db, tc))
 	// Idempotent.
@@ -83,7 +84,7 @@ func TestCleanerPartitionedCreatesAheadAndDropsOld(t *testing.T) {
 	db, tc := retentionDB(t, LayoutPartitioned)
 	ctx := context.Background()
 	start := time.Now()
-	today := utcDay(start)
+	today := partition.UTCDay(start)
 	old := v7At(today.Add(time.Hour))
 	insertRows(t, db.Pool, tc, "g", start, old)
 
@@ -95,17 +96,17 @@ func TestCleanerPartitionedCreatesAheadAndDropsOld(t *testing.T) {
 	require.NoError(t, err)
 
 	// Migrate made today..today+3; those wholly before now-7d are dropped.
-	boundary := UUIDv7Floor(now.Add(-DefaultRetention))
+	boundary := partition.Floor(now.Add(-DefaultRetention))
 	want := []string{tc.Table + "_default"}
 	dropped := 0
 	for i := 0; i <= DefaultPartitionsAhead; i++ {
 		d := today.AddDate(0, 0, i)
-		if _, to := PartitionBounds(d); bytes.Compare(to[:], boundary[:]) > 0 {
-			want = append(want, PartitionName(tc.Table, d))
+		if _, to := partition.Bounds(d); bytes.Compare(to[:], boundary[:]) > 0 {
+			want = append(want, partition.Name(tc.Table, d))
 		} else {
 			dropped++
 		}
-		want = append(want, PartitionName(tc.Table, utcDay(now).AddDate(0, 0, i)))
+		want = append(want, partition.Name(tc.Table, partition.UTCDay(now).AddDate(0, 0, i)))
 	}
 	require.ElementsMatch(t, want, partitionNames(t, db, tc))
 	require.Equal(t, 4, res.PartitionsCreated) // now .. now+3
@@ -155,7 +156,7 @@ func TestPartitionedDedupSurvivesMaintenance(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, res.PartitionsCreated, "yesterday and two days ago get their partitions")
 	require.EqualValues(t, 2, res.RowsMoved)
-	require.Equal(t, PartitionName(tc.Table, start.AddDate(0, 0, -1)), partitionOf(t, db, tc, yesterday))
+	require.Equal(t, partition.Name(tc.Table, start.AddDate(0, 0, -1)), partitionOf(t, db, tc, yesterday))
 	require.Equal(t, def, partitionOf(t, db, tc, future))
 	for _, id := range []uuid.UUID{recent, yesterday, future, twoDaysAgo} {
 		require.False(t, claim(id), "redelivery after partitions were created must be a duplicate")
@@ -168,7 +169,7 @@ func TestPartitionedDedupSurvivesMaintenance(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 1, res.RowsMoved)
 	require.Positive(t, res.PartitionsDropped)
-	require.Equal(t, PartitionName(tc.Table, start.AddDate(0, 0, 20)), partitionOf(t, db, tc, future))
+	require.Equal(t, partition.Name(tc.Table, start.AddDate(0, 0, 20)), partitionOf(t, db, tc, future))
 	require.False(t, claim(future), "redelivery after its neighbours were dropped must be a duplicate")
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM "+tc.Table))
 }
@@ -314,7 +315,7 @@ func TestMigratePlainToPartitionedKeepsEveryRow(t *testing.T) {
 	var kind string
 	require.NoError(t, db.Pool.QueryRow(ctx, "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", plain.Table).Scan(&kind))
 	require.Equal(t, "p", kind)
-	require.Equal(t, PartitionName(part.Table, now.AddDate(0, 0, -39)), partitionOf(t, db, part, ids[5]))
+	require.Equal(t, partition.Name(part.Table, now.AddDate(0, 0, -39)), partitionOf(t, db, part, ids[5]))
 	require.Equal(t, part.Table+"_default", partitionOf(t, db, part, ids[len(ids)-1]))
 	// Rows outside every daily partition (far future) are still deduped.
 	dd, err := New(Config{TableConfig: part, ConsumerGroup: "a"}, nil)
@@ -413,12 +414,12 @@ func TestCleanerKeepsYoungGroupsClaims(t *testing.T) {
 	ctx := context.Background()
 	db, tc := retentionDB(t, LayoutPartitioned)
 	now := time.Now()
-	oldDay := utcDay(now.AddDate(0, 0, -10))
-	from, to := PartitionBounds(oldDay)
-	db.Exec(t, "CREATE TABLE "+PartitionName(tc.Table, oldDay)+" PARTITION OF "+tc.Table+" FOR VALUES FROM ('"+from.String()+"') TO ('"+to.String()+"')")
+	oldDay := partition.UTCDay(now.AddDate(0, 0, -10))
+	from, to := partition.Bounds(oldDay)
+	db.Exec(t, "CREATE TABLE "+partition.Name(tc.Table, oldDay)+" PARTITION OF "+tc.Table+" FOR VALUES FROM ('"+from.String()+"') TO ('"+to.String()+"')")
 	emptyDay := oldDay.AddDate(0, 0, -1)
-	from, to = PartitionBounds(emptyDay)
-	db.Exec(t, "CREATE TABLE "+PartitionName(tc.Table, emptyDay)+" PARTITION OF "+tc.Table+" FOR VALUES FROM ('"+from.String()+"') TO ('"+to.String()+"')")
+	from, to = partition.Bounds(emptyDay)
+	db.Exec(t, "CREATE TABLE "+partition.Name(tc.Table, emptyDay)+" PARTITION OF "+tc.Table+" FOR VALUES FROM ('"+from.String()+"') TO ('"+to.String()+"')")
 
 	young, err := New(Config{TableConfig: tc, ConsumerGroup: "young"}, nil)
 	require.NoError(t, err)

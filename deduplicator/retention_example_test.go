@@ -5,11 +5,11 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
-
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -34,7 +34,7 @@ func ExampleCleaner_RunOnce() {
 	}
 	now := time.Now()
 	for _, created := range []time.Time{now.AddDate(0, 0, -8), now.AddDate(0, 0, -9), now.Add(-time.Hour)} {
-		id := deduplicator.UUIDv7Floor(created) // a UUIDv7 created then
+		id := v7At(created) // a UUIDv7 created then
 		if _, err := pool.Exec(ctx, "INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'billing')", id); err != nil {
 			panic(err)
 		}
@@ -89,4 +89,16 @@ func ExampleCleaner_partitioned() {
 	// Output:
 	// partitions after Migrate: 5
 	// created: 4 dropped: 3
+}
+
+// v7At is a UUIDv7 whose time is t (its random bits zero), as a producer
+// would have stamped at t.
+func v7At(t time.Time) uuid.UUID {
+	var u uuid.UUID
+	ms := uint64(t.UnixMilli())
+	for i := range 6 {
+		u[i] = byte(ms >> (40 - 8*i))
+	}
+	u[6], u[8] = 0x70, 0x80 // version 7, variant 10
+	return u
 }

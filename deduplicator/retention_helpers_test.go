@@ -12,13 +12,14 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // v7At returns a UUIDv7 created at t with random bits.
 func v7At(t time.Time) uuid.UUID {
-	u := UUIDv7Floor(t)
+	u := partition.Floor(t)
 	var r [10]byte
 	_, _ = rand.Read(r[:])
 	u[6] = 0x70 | r[0]&0x0f
@@ -30,7 +31,7 @@ func v7At(t time.Time) uuid.UUID {
 
 // v7AtMax returns the largest UUIDv7 created at t (every random bit set).
 func v7AtMax(t time.Time) uuid.UUID {
-	u := UUIDv7Floor(t)
+	u := partition.Floor(t)
 	u[6] = 0x7f
 	u[7] = 0xff
 	u[8] = 0xbf

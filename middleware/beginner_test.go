@@ -1,13 +1,12 @@
 package middleware_test
 
 import (
-	"strings"
-	"time"
-
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"

@@ -7,8 +7,6 @@ import (
 	"os"
 	"time"
 
-	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
-
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -17,6 +15,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"

@@ -8,13 +8,12 @@ import (
 	"net/http/httptest"
 	"strings"
 
-	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
-
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )

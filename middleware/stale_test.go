@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -28,7 +29,7 @@ import (
 // staleIDAt returns a UUIDv7 whose timestamp is t (random bits random).
 func staleIDAt(t time.Time) uuid.UUID {
 	id := uuid.Must(uuid.NewV7())
-	floor := deduplicator.UUIDv7Floor(t)
+	floor := partition.Floor(t)
 	copy(id[0:6], floor[0:6])
 	return id
 }
@@ -152,7 +153,7 @@ func TestFutureEventIDIsAcceptedAndDeduplicated(t *testing.T) {
 				var part string
 				require.NoError(t, f.db.Pool.QueryRow(context.Background(),
 					"SELECT tableoid::regclass::text FROM processed_event WHERE event_id = $1", id).Scan(&part))
-				require.Equal(t, deduplicator.DefaultPartitionName("processed_event"), part)
+				require.Equal(t, partition.DefaultName("processed_event"), part)
 			}
 		})
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 )
 
 type checkJSON struct {
@@ -101,7 +102,7 @@ func TestDedupStats(t *testing.T) {
 	require.Contains(t, r.stdout, "retention 7d")
 	require.Regexp(t, `billing\s+yes\s+3\s`, r.stdout)
 	require.Regexp(t, `legacy\s+no\s+1\s`, r.stdout)
-	today := deduplicator.PartitionName("processed_event", now)
+	today := partition.Name("processed_event", now)
 	require.Regexp(t, today+`\s+\d{4}-\d\d-\d\d 00:00:00Z\s+\d{4}-\d\d-\d\d 00:00:00Z\s+2\s`, r.stdout)
 	require.Regexp(t, `processed_event_default\s+\(default\)\s+-\s+1\s`, r.stdout)
 
@@ -182,7 +183,7 @@ func TestPartitions(t *testing.T) {
 	claim(t, db, "g", false, v7At(now.AddDate(0, 0, 5))) // DEFAULT, moved by --ahead 6
 
 	r := ok(t, db, "partitions", "list")
-	require.Contains(t, r.stdout, deduplicator.PartitionName("processed_event", now))
+	require.Contains(t, r.stdout, partition.Name("processed_event", now))
 	require.Regexp(t, `processed_event_default\s+\(default\)`, r.stdout)
 	type part struct {
 		Name    string `json:"name"`
@@ -195,7 +196,7 @@ func TestPartitions(t *testing.T) {
 	require.True(t, c.DryRun)
 	want := []string{}
 	for i := deduplicator.DefaultPartitionsAhead + 1; i <= 6; i++ {
-		want = append(want, deduplicator.PartitionName("processed_event", now.AddDate(0, 0, i)))
+		want = append(want, partition.Name("processed_event", now.AddDate(0, 0, i)))
 	}
 	require.ElementsMatch(t, want, c.PartitionsCreated)
 	require.EqualValues(t, 1, c.RowsMoved)

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 )
 
@@ -115,7 +116,7 @@ func decode[T any](t *testing.T, r result) T {
 
 // v7At returns a UUIDv7 created at tm, with random bits.
 func v7At(tm time.Time) uuid.UUID {
-	u := deduplicator.UUIDv7Floor(tm)
+	u := partition.Floor(tm)
 	r := uuid.New()
 	u[7] = r[7]
 	copy(u[9:], r[9:])

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"

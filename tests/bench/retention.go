@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -80,7 +81,7 @@ func retention(ctx context.Context, o Options) (Section, error) {
 			return int64(rows / 2), err
 		}},
 		{"single DELETE", deduplicator.LayoutPlain, func(ctx context.Context, tc deduplicator.TableConfig) (int64, error) {
-			tag, err := db.Pool.Exec(ctx, "DELETE FROM "+tc.Table+" WHERE event_id < $1", deduplicator.UUIDv7Floor(d.Add(-retention)))
+			tag, err := db.Pool.Exec(ctx, "DELETE FROM "+tc.Table+" WHERE event_id < $1", partition.Floor(d.Add(-retention)))
 			return tag.RowsAffected(), err
 		}},
 		{"batched Cleaner (10,000 rows per tx)", deduplicator.LayoutPlain, func(ctx context.Context, tc deduplicator.TableConfig) (int64, error) {
@@ -208,9 +209,9 @@ func loadRetentionTable(ctx context.Context, pool *pgxpool.Pool, tc deduplicator
 	if tc.Layout == deduplicator.LayoutPartitioned {
 		for i := 1; i <= 14; i++ {
 			day := d.AddDate(0, 0, -i)
-			from, to := deduplicator.PartitionBounds(day)
+			from, to := partition.Bounds(day)
 			if _, err := pool.Exec(ctx, fmt.Sprintf("CREATE TABLE %s PARTITION OF %s FOR VALUES FROM ('%s') TO ('%s')",
-				pgx.Identifier{tc.Schema, deduplicator.PartitionName(tc.Table, day)}.Sanitize(), pgx.Identifier{tc.Schema, tc.Table}.Sanitize(), from, to)); err != nil {
+				pgx.Identifier{tc.Schema, partition.Name(tc.Table, day)}.Sanitize(), pgx.Identifier{tc.Schema, tc.Table}.Sanitize(), from, to)); err != nil {
 				return err
 			}
 		}
@@ -228,7 +229,7 @@ func loadRetentionTable(ctx context.Context, pool *pgxpool.Pool, tc deduplicator
 			}
 			at := start.Add(time.Duration(int64(span) / int64(rows) * int64(i)))
 			i++
-			id := deduplicator.UUIDv7Floor(at)
+			id := partition.Floor(at)
 			_, _ = rand.Read(rnd[:])
 			id[7], id[9], id[10], id[11], id[12], id[13], id[14], id[15] = rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5], rnd[6], rnd[7]
 			return []any{id, "bench", at.Add(time.Second)}, nil
