@@ -53,10 +53,6 @@ const minBatchSize = 100
 // MaxTimeouts consecutive batches hit the statement timeout.
 var ErrCleanerTimeout = errors.New("deduplicator: cleaner batches keep hitting statement_timeout")
 
-// ErrLayoutMismatch is returned when the table's layout in the database is
-// not the configured one (run Migrate with the same TableConfig).
-var ErrLayoutMismatch = errors.New("deduplicator: table layout in the database does not match TableConfig.Layout")
-
 // CleanerConfig configures a [Cleaner].
 type CleanerConfig struct {
 	TableConfig
@@ -285,9 +281,6 @@ func NewCleaner(cfg CleanerConfig, logger watermill.LoggerAdapter) (*Cleaner, er
 		hostNow: time.Now,
 	}, nil
 }
-
-// Config returns the configuration with defaults applied.
-func (c *Cleaner) Config() CleanerConfig { return c.cfg }
 
 // Run runs a pass now and then every Interval until ctx is done; it returns
 // nil when ctx is cancelled. A failed pass is logged and retried at the next

@@ -125,7 +125,19 @@ func (c Config) validate() error {
 	return c.TableConfig.validate()
 }
 
-// DefaultRetention is how long processed_event rows are kept: 7 days. Topics
-// replayed from a dead-letter queue need the longest replay delay plus a margin
-// (30 days is common).
-const DefaultRetention = 7 * 24 * time.Hour
+// Retention and the stale rule.
+const (
+	// DefaultRetention is how long processed_event rows are kept: 7 days.
+	// Topics replayed from a dead-letter queue need the longest replay
+	// delay plus a margin (30 days is common).
+	DefaultRetention = 7 * 24 * time.Hour
+	// DefaultStaleMargin is [Config.StaleMargin]'s default: it covers clock
+	// skew between producers, consumers and the Cleaner.
+	DefaultStaleMargin = time.Hour
+	// RetentionRefreshInterval is how often a running consumer re-reads the
+	// table's recorded retention and cleanup horizon for
+	// [Deduplicator.CheckStale]. A shortened retention takes effect for the
+	// [Cleaner] twice this long after [SetRetention], once every running
+	// consumer has re-read it.
+	RetentionRefreshInterval = time.Minute
+)

@@ -26,7 +26,6 @@ type Deduplicator struct {
 
 	claimSQL       string
 	claimBatchSQL  string
-	existsSQL      string
 	processedAtSQL string
 }
 
@@ -47,13 +46,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
 		table:          t,
 		claimSQL:       claimsql.Claim(t),
 		claimBatchSQL:  claimsql.ClaimBatch(t),
-		existsSQL:      "SELECT EXISTS (SELECT 1 FROM " + t + " WHERE event_id = $1 AND consumer_group = $2)",
 		processedAtSQL: "SELECT processed_at FROM " + t + " WHERE event_id = $1 AND consumer_group = $2",
 	}, nil
 }
-
-// Config returns the configuration with defaults applied.
-func (d *Deduplicator) Config() Config { return d.cfg }
 
 // Claim records eventID as processed by the consumer group inside tx and
 // reports whether this is the first claim (true) or a duplicate (false).
@@ -193,15 +188,6 @@ func (d *Deduplicator) ClaimBatch(ctx context.Context, tx migrate.DBTX, eventIDs
 	}
 	slices.SortFunc(first, func(a, b uuid.UUID) int { return compareUUID(a, b) })
 	return first, nil
-}
-
-// IsProcessed reports whether eventID has a committed claim for the group.
-func (d *Deduplicator) IsProcessed(ctx context.Context, db migrate.DBTX, eventID uuid.UUID) (bool, error) {
-	var ok bool
-	if err := db.QueryRow(ctx, d.existsSQL, eventID, d.cfg.ConsumerGroup).Scan(&ok); err != nil {
-		return false, fmt.Errorf("is processed %s: %w", eventID, err)
-	}
-	return ok, nil
 }
 
 // sortedUnique returns a sorted copy of ids without repeats.

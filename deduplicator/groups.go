@@ -24,23 +24,24 @@ const (
 
 // ErrRetentionMismatch is returned when a configured [TableConfig.Retention]
 // differs from the one recorded with the table. Every component reads the
-// recorded retention, so the middleware's stale guard and the Cleaner cannot
-// disagree; change it with [SetRetention].
+// recorded retention, so the stale rule and the Cleaner cannot disagree;
+// change it with [SetRetention].
 var ErrRetentionMismatch = errors.New("deduplicator: retention does not match the table's recorded retention")
 
-// ErrNamespaceMismatch is returned by [Deduplicator.Register] when the
-// configured Idempotency-Key namespace differs from the one recorded for
-// the group: the downstream keys of every event would change, and a
-// provider would apply a call a second time.
-var ErrNamespaceMismatch = errors.New("deduplicator: idempotency namespace does not match the one recorded for the consumer group")
-
-// ErrGroupExists is returned by [RenameGroup] when the new name is already
-// registered or holds claims.
-var ErrGroupExists = errors.New("deduplicator: consumer group already exists")
-
-// ErrGroupNotFound is returned by [RenameGroup] and [ForgetGroup] for a group
-// that is not registered.
-var ErrGroupNotFound = errors.New("deduplicator: consumer group not registered")
+// The errors of the consumer-group registry.
+var (
+	// ErrNamespaceMismatch is returned by [Deduplicator.Register] when the
+	// configured Idempotency-Key namespace differs from the one recorded
+	// for the group: the downstream keys of every event would change, and
+	// a provider would apply a call a second time.
+	ErrNamespaceMismatch = errors.New("deduplicator: idempotency namespace does not match the one recorded for the consumer group")
+	// ErrGroupExists is returned by [RenameGroup] when the new name is
+	// already registered or holds claims.
+	ErrGroupExists = errors.New("deduplicator: consumer group already exists")
+	// ErrGroupNotFound is returned by [RenameGroup] and [ForgetGroup] for a
+	// group that is not registered.
+	ErrGroupNotFound = errors.New("deduplicator: consumer group not registered")
+)
 
 // Group is a consumer group registered with a table, as recorded.
 type Group struct {
@@ -75,12 +76,6 @@ func withDefaults(cfg TableConfig) (TableConfig, error) {
 	cfg.setDefaults()
 	return cfg, cfg.validate()
 }
-
-// RetentionRefreshInterval is how often a running consumer (the middleware)
-// re-reads the table's recorded retention and cleanup horizon. A shortened
-// retention takes effect for the [Cleaner] twice this long after
-// [SetRetention], once every running consumer has re-read it.
-const RetentionRefreshInterval = time.Minute
 
 // setting is the table's recorded retention state (<table>_setting).
 type setting struct {

@@ -15,10 +15,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// DefaultStaleMargin is [Config.StaleMargin]'s default: it covers clock
-// skew between producers, consumers and the Cleaner.
-const DefaultStaleMargin = time.Hour
-
 // ErrStaleEvent is the reason of a [*StaleEventError]: the event's UUIDv7
 // time is older than the dedup retention (or the Cleaner's cutoff), so its
 // claim may be gone and [Deduplicator.CheckStale] cannot vouch that it was

@@ -28,6 +28,9 @@ var (
 	// ErrTableColumns: a column is missing, has another type, is nullable,
 	// or would make a claim's INSERT fail.
 	ErrTableColumns = errors.New("deduplicator: processed_event columns are not the expected ones")
+	// ErrLayoutMismatch: the table's layout in the database is not
+	// TableConfig.Layout (migrate with the same TableConfig).
+	ErrLayoutMismatch = errors.New("deduplicator: table layout in the database does not match TableConfig.Layout")
 )
 
 // TableError is a processed_event table that claims cannot rely on. Its

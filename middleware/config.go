@@ -20,18 +20,6 @@ type txOptionsBeginner interface {
 	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
 }
 
-// EventIDFunc extracts a message's event id; the middleware then checks it
-// with publisher.ValidateEventID. The publisher package has the usual ones:
-// [publisher.EventIDFromMessage] (the default: metadata "event_id", else the
-// JSON payload field "eventId", the two agreeing when both are present),
-// [publisher.EventIDFromMetadataFirst] (the metadata wins, the payload is
-// the fallback only) and [publisher.EventIDFromMetadata] (metadata only).
-// A custom one should return a *publisher.EventIDError (or an error wrapping
-// one of publisher's sentinels); any other error is wrapped as
-// publisher.ErrInvalidEventID with Source "func", so that the message still
-// goes to the poison queue.
-type EventIDFunc func(msg *message.Message) (uuid.UUID, error)
-
 // OutboxWriter writes messages inside the message's transaction. The outbox
 // package's Outbox implements it; the middleware uses it for the messages a
 // handler returns, so consuming one event and producing the next commit
@@ -63,10 +51,15 @@ type Config struct {
 	// Defaults to public.processed_event, plain layout.
 	Table deduplicator.TableConfig
 
-	// EventIDFunc extracts the event id. Defaults to
+	// EventIDFunc extracts the event id; the middleware then checks it with
+	// publisher.ValidateEventID. A custom one should return a
+	// *publisher.EventIDError (or an error wrapping one of publisher's
+	// sentinels); any other error is wrapped as publisher.ErrInvalidEventID
+	// with Source "func", so that the message still goes to the poison
+	// queue. Defaults to
 	// [publisher.EventIDFromMessage] (metadata "event_id", else the JSON
 	// payload field "eventId"; both must agree when both are present).
-	EventIDFunc EventIDFunc
+	EventIDFunc func(msg *message.Message) (uuid.UUID, error)
 
 	// AllowNonV7 accepts valid UUIDs of any version. Defaults to false: a
 	// non-v7 id is refused with publisher.ErrNotUUIDv7. Non-v7 ids cannot be

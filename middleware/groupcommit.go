@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -328,7 +329,7 @@ func (gc *groupCommit) startSpan(reqs []*request) trace.Span {
 		}
 	}
 	_, span := tr.Start(context.Background(), "group commit", trace.WithLinks(links...), trace.WithAttributes(
-		semconv.MessagingConsumerGroupName(gc.d.cfg.ConsumerGroup), AttrGroupSize.Int(len(reqs)),
+		semconv.MessagingConsumerGroupName(gc.d.cfg.ConsumerGroup), otelx.AttrGroupSize.Int(len(reqs)),
 	))
 	return span
 }

@@ -10,13 +10,11 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 )
 
-// IdempotencyKeyNamespace is the UUIDv5 namespace of the keys [IdempotencyKey]
-// derives for named operations. It is fixed forever: changing it would give
-// every redelivered event a new key, and the downstream provider would apply
-// the call a second time.
-const IdempotencyKeyNamespace = "143bda33-98c2-4c97-9cde-adc9f5df8776"
-
-var idempotencyKeyNamespace = uuid.MustParse(IdempotencyKeyNamespace)
+// idempotencyKeyNamespace is the UUIDv5 namespace of the keys
+// [IdempotencyKey] derives for named operations. It is fixed forever:
+// changing it would give every redelivered event a new key, and the
+// downstream provider would apply the call a second time.
+var idempotencyKeyNamespace = uuid.MustParse("143bda33-98c2-4c97-9cde-adc9f5df8776")
 
 // IdempotencyKey returns the Idempotency-Key for a downstream call made while
 // handling the event in ctx (msg.Context() inside a handler wrapped by the
@@ -24,7 +22,8 @@ var idempotencyKeyNamespace = uuid.MustParse(IdempotencyKeyNamespace)
 // repeated after a rollback and redelivery is recognised by the provider:
 //
 //   - operation "": the event id itself (canonical lowercase UUID string);
-//   - a named operation: a UUIDv5 in [IdempotencyKeyNamespace] over the
+//   - a named operation: a UUIDv5 in the library's fixed namespace
+//     (143bda33-98c2-4c97-9cde-adc9f5df8776) over the
 //     name "<event id>/<len(ns)>:<ns>/<operation>", where ns is the group's
 //     recorded namespace ([Config.IdempotencyNamespace]: the group's name at
 //     its first start, kept across deduplicator.RenameGroup), e.g.

@@ -54,7 +54,7 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 		return nil, fmt.Errorf("dedup: %w", err)
 	}
 	d := &Dedup{cfg: cfg, dedup: dd, logger: logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup})}
-	d.tracing = otelx.Tracers{Configured: cfg.TracerProvider, Name: TracerName}
+	d.tracing = otelx.Tracers{Configured: cfg.TracerProvider, Name: otelx.MiddlewareTracer}
 	if err := d.start(); err != nil {
 		return nil, err
 	}

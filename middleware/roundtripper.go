@@ -5,6 +5,8 @@ import (
 
 	"fmt"
 	"net/http"
+
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 )
 
 // IdempotencyKeyHeader is the request header set by [IdempotencyKeyTransport].
@@ -77,7 +79,7 @@ func (t *IdempotencyKeyTransport) RoundTrip(req *http.Request) (*http.Response, 
 	r.Header.Set(IdempotencyKeyHeader, key)
 	// The key (never the body) on the span of the call, or of the handler.
 	if span := trace.SpanFromContext(req.Context()); span.IsRecording() {
-		span.SetAttributes(AttrIdempotencyKey.String(key))
+		span.SetAttributes(otelx.AttrIdempotencyKey.String(key))
 	}
 	return next.RoundTrip(r)
 }

@@ -49,30 +49,15 @@ type RejectedStats struct {
 	MissingEventID, InvalidEventID, NilEventID, NotUUIDv7, EventIDMismatch, Stale uint64
 }
 
-// Total is the sum over reasons.
-func (r RejectedStats) Total() uint64 {
-	return r.MissingEventID + r.InvalidEventID + r.NilEventID + r.NotUUIDv7 + r.EventIDMismatch + r.Stale
-}
-
-// Reasons a message is refused: the values of the span attribute
-// [AttrRejectReason] and of the exporters' reason label (idemprom,
-// idemotel).
+// Reasons a message is refused: the values of [ReasonCount.Reason], of the
+// span attribute idem.reject_reason and of the exporters' reason label.
 const (
-	ReasonMissingEventID  = "missing_event_id"
-	ReasonInvalidEventID  = "invalid_event_id"
-	ReasonNilEventID      = "nil_event_id"
-	ReasonNotUUIDv7       = "not_uuidv7"
-	ReasonEventIDMismatch = "event_id_mismatch"
-	ReasonStale           = "stale"
-)
-
-const (
-	reasonMissing  = ReasonMissingEventID
-	reasonInvalid  = ReasonInvalidEventID
-	reasonNil      = ReasonNilEventID
-	reasonNotV7    = ReasonNotUUIDv7
-	reasonMismatch = ReasonEventIDMismatch
-	reasonStale    = ReasonStale
+	reasonMissing  = "missing_event_id"
+	reasonInvalid  = "invalid_event_id"
+	reasonNil      = "nil_event_id"
+	reasonNotV7    = "not_uuidv7"
+	reasonMismatch = "event_id_mismatch"
+	reasonStale    = "stale"
 )
 
 // ReasonCount is the number of messages refused for one reason.
@@ -84,12 +69,12 @@ type ReasonCount struct {
 // ByReason returns the counts of every reason, in a fixed order.
 func (r RejectedStats) ByReason() []ReasonCount {
 	return []ReasonCount{
-		{ReasonMissingEventID, r.MissingEventID},
-		{ReasonInvalidEventID, r.InvalidEventID},
-		{ReasonNilEventID, r.NilEventID},
-		{ReasonNotUUIDv7, r.NotUUIDv7},
-		{ReasonEventIDMismatch, r.EventIDMismatch},
-		{ReasonStale, r.Stale},
+		{reasonMissing, r.MissingEventID},
+		{reasonInvalid, r.InvalidEventID},
+		{reasonNil, r.NilEventID},
+		{reasonNotV7, r.NotUUIDv7},
+		{reasonMismatch, r.EventIDMismatch},
+		{reasonStale, r.Stale},
 	}
 }
 

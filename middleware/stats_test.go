@@ -58,8 +58,16 @@ func TestStatsCountEveryOutcome(t *testing.T) {
 	require.Equal(t, uint64(1), s.Failed)
 	require.Equal(t, uint64(0), s.ClaimErrors)
 	require.Equal(t, idem.RejectedStats{MissingEventID: 1, InvalidEventID: 1, NilEventID: 1, NotUUIDv7: 1}, s.Rejected)
-	require.Equal(t, uint64(4), s.Rejected.Total())
+	require.Equal(t, uint64(4), rejectedTotal(s.Rejected))
 	require.Equal(t, uint64(3), s.ClaimCount)
 	require.Positive(t, s.ClaimDuration)
 	require.Positive(t, s.TxDuration)
+}
+
+func rejectedTotal(r idem.RejectedStats) uint64 {
+	var n uint64
+	for _, rc := range r.ByReason() {
+		n += rc.Count
+	}
+	return n
 }

@@ -15,31 +15,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 )
 
-// TracerName is the instrumentation name of the middleware's spans.
-const TracerName = "github.com/idemkit/watermill-idempotency/middleware"
-
-// Span attributes of the dedup middleware, next to the messaging semantic
-// conventions. No payload and no header value other than the ids is ever
-// recorded.
-const (
-	// AttrEventID is the message's event id.
-	AttrEventID = attribute.Key("idem.event_id")
-	// AttrOutcome is what the middleware did: "processed", "duplicate",
-	// "rejected", "stale", "failed" or "claim_error".
-	AttrOutcome = attribute.Key("idem.outcome")
-	// AttrRejectReason is the sentinel error of a refused message.
-	AttrRejectReason = attribute.Key("idem.reject_reason")
-	// AttrClaimWait is the time BEGIN and the claim took, in seconds
-	// (including the wait for a concurrent claim of the same id).
-	AttrClaimWait = attribute.Key("idem.claim_wait")
-	// AttrGroupSize is the number of messages of a group commit.
-	AttrGroupSize = attribute.Key("idem.group.size")
-	// AttrIdempotencyKey is the Idempotency-Key the [IdempotencyKeyTransport]
-	// set on a downstream request, recorded on the request's span.
-	AttrIdempotencyKey = attribute.Key("idem.idempotency_key")
-)
-
-// Outcomes recorded in [AttrOutcome].
+// Outcomes recorded in otelx.AttrOutcome.
 const (
 	outcomeProcessed  = "processed"
 	outcomeDuplicate  = "duplicate"
@@ -84,13 +60,13 @@ func (d *Dedup) startSpan(msg *message.Message) (context.Context, *msgSpan) {
 
 func (s *msgSpan) eventID(id uuid.UUID) {
 	if s != nil {
-		s.span.SetAttributes(AttrEventID.String(id.String()))
+		s.span.SetAttributes(otelx.AttrEventID.String(id.String()))
 	}
 }
 
 func (s *msgSpan) claimed(wait time.Duration, first bool) {
 	if s != nil {
-		s.span.AddEvent("claim", trace.WithAttributes(AttrClaimWait.Float64(wait.Seconds()), attribute.Bool("idem.first", first)))
+		s.span.AddEvent("claim", trace.WithAttributes(otelx.AttrClaimWait.Float64(wait.Seconds()), attribute.Bool("idem.first", first)))
 	}
 }
 
@@ -105,11 +81,11 @@ func (s *msgSpan) end(outcome string, err error) {
 	if s == nil {
 		return
 	}
-	s.span.SetAttributes(AttrOutcome.String(outcome))
+	s.span.SetAttributes(otelx.AttrOutcome.String(outcome))
 	switch outcome {
 	case outcomeRejected, outcomeStale:
 		if reason := rejectReason(err); reason != "" {
-			s.span.SetAttributes(AttrRejectReason.String(reason))
+			s.span.SetAttributes(otelx.AttrRejectReason.String(reason))
 		}
 		s.span.SetStatus(codes.Error, "refused")
 	case outcomeFailed, outcomeClaimError:

@@ -21,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -97,8 +98,8 @@ func TestTracing_ConsumerSpanPerMessage(t *testing.T) {
 	require.Equal(t, trace.SpanKindConsumer, s.SpanKind)
 	require.Equal(t, producer.TraceID(), s.SpanContext.TraceID(), "same trace as the producer")
 	require.Equal(t, producer.SpanID(), s.Parent.SpanID(), "child of the producer's context")
-	require.Equal(t, "processed", attr(s, idem.AttrOutcome).AsString())
-	require.Equal(t, id.String(), attr(s, idem.AttrEventID).AsString())
+	require.Equal(t, "processed", attr(s, otelx.AttrOutcome).AsString())
+	require.Equal(t, id.String(), attr(s, otelx.AttrEventID).AsString())
 	require.Equal(t, "billing", attr(s, "messaging.consumer.group.name").AsString())
 	require.Equal(t, "process", attr(s, "messaging.operation.name").AsString())
 	require.Equal(t, "claim", s.Events[0].Name)
@@ -115,7 +116,7 @@ func TestTracing_ConsumerSpanPerMessage(t *testing.T) {
 	require.NoError(t, err)
 	dup := tr.spans("process")
 	require.Len(t, dup, 1)
-	require.Equal(t, "duplicate", attr(dup[0], idem.AttrOutcome).AsString())
+	require.Equal(t, "duplicate", attr(dup[0], otelx.AttrOutcome).AsString())
 	require.Empty(t, tr.spans("charge"), "the handler did not run")
 	require.EqualValues(t, 1, calls.Load())
 }
@@ -139,9 +140,9 @@ func TestTracing_RejectedAndFailedOutcomes(t *testing.T) {
 
 	spans := tr.spans("process")
 	require.Len(t, spans, 2)
-	require.Equal(t, "rejected", attr(spans[0], idem.AttrOutcome).AsString())
-	require.Equal(t, "not_uuidv7", attr(spans[0], idem.AttrRejectReason).AsString())
-	require.Equal(t, "failed", attr(spans[1], idem.AttrOutcome).AsString())
+	require.Equal(t, "rejected", attr(spans[0], otelx.AttrOutcome).AsString())
+	require.Equal(t, "not_uuidv7", attr(spans[0], otelx.AttrRejectReason).AsString())
+	require.Equal(t, "failed", attr(spans[1], otelx.AttrOutcome).AsString())
 	require.Equal(t, "Error", spans[1].Status.Code.String())
 }
 
@@ -156,7 +157,7 @@ func TestTracing_PanicEndsTheSpan(t *testing.T) {
 	require.PanicsWithValue(t, "handler bug", func() { _, _ = h(f.msg(publisher.NewEventID())) })
 	spans := tr.spans("process")
 	require.Len(t, spans, 1)
-	require.Equal(t, "failed", attr(spans[0], idem.AttrOutcome).AsString())
+	require.Equal(t, "failed", attr(spans[0], otelx.AttrOutcome).AsString())
 }
 
 // In group commit each message keeps its span, and the group has a span of
@@ -185,7 +186,7 @@ func TestTracing_GroupSpanLinksItsMessages(t *testing.T) {
 	}
 	for _, s := range msgSpans {
 		require.True(t, linked[s.SpanContext.SpanID()], "every message span is linked from its group")
-		require.Equal(t, "processed", attr(s, idem.AttrOutcome).AsString())
+		require.Equal(t, "processed", attr(s, otelx.AttrOutcome).AsString())
 	}
 }
 
@@ -213,7 +214,7 @@ func TestTracing_IdempotencyKeyAttribute(t *testing.T) {
 	require.NoError(t, err)
 	spans := tr.spans("process")
 	require.Len(t, spans, 1)
-	require.Equal(t, srv.Keys()[0], attr(spans[0], idem.AttrIdempotencyKey).AsString())
+	require.Equal(t, srv.Keys()[0], attr(spans[0], otelx.AttrIdempotencyKey).AsString())
 }
 
 // Without an outbox, the messages a handler returns go to the router's

@@ -55,11 +55,6 @@ func (o *Outbox) Check(ctx context.Context, db migrate.Beginner, topics ...strin
 		return fmt.Errorf("outbox: check: begin: %w", err)
 	}
 	defer rollback(ctx, tx)
-	return o.CheckTx(ctx, tx, topics...)
-}
-
-// CheckTx is [Outbox.Check] on the caller's transaction.
-func (o *Outbox) CheckTx(ctx context.Context, tx pgx.Tx, topics ...string) error {
 	if len(topics) == 0 {
 		topics = o.cfg.Topics
 	}

@@ -42,7 +42,7 @@ func TestCheck_MigratedTopicsPass(t *testing.T) {
 	tx, err := e.db.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
-	require.NoError(t, e.outbox.CheckTx(ctx, tx))
+	require.NoError(t, e.outbox.Check(ctx, tx))
 }
 
 func TestCheck_MissingTables(t *testing.T) {

@@ -76,7 +76,7 @@ func TestOutbox_SamePayloadTwice_OneEventID_AppliedOnce(t *testing.T) {
 	st := dedup.Stats()
 	require.EqualValues(t, 1, st.Processed)
 	require.EqualValues(t, 1, st.Duplicates, "the second copy is the same event")
-	require.Zero(t, st.Rejected.Total())
+	require.Zero(t, st.Rejected)
 	require.Equal(t, 1, e.db.Count(t, `SELECT 1 FROM applied`), "applied once")
 	require.Equal(t, 1, e.db.Count(t, `SELECT 1 FROM applied WHERE event_id = $1`, x))
 	require.Equal(t, 1, e.db.Count(t, `SELECT 1 FROM processed_event WHERE event_id = $1 AND consumer_group = $2`, x, group))

@@ -237,7 +237,7 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 		return nil, err
 	}
 	return &Forwarder{
-		tracing: otelx.Tracers{Configured: cfg.TracerProvider, Name: TracerName},
+		tracing: otelx.Tracers{Configured: cfg.TracerProvider, Name: otelx.OutboxTracer},
 		cfg:     cfg,
 		logger:  logger.With(watermill.LogFields{"forwarder": cfg.Name}),
 		closing: make(chan struct{}),
@@ -503,19 +503,6 @@ func (f *Forwarder) send(topic string, msgs []*message.Message) (err error) {
 	return f.cfg.Producer.SendMessages(pms)
 }
 
-// TracerName is the instrumentation name of the forwarder's spans.
-const TracerName = "github.com/idemkit/watermill-idempotency/outbox"
-
-// Attributes of the forwarder's batch span, next to the messaging semantic
-// conventions.
-const (
-	// AttrBatchBytes is the payload bytes of a forwarded batch.
-	AttrBatchBytes = attribute.Key("idem.outbox.batch.bytes")
-	// AttrOutboxLag is how long the batch's oldest message waited in the
-	// outbox (from its occurred_at), in seconds.
-	AttrOutboxLag = attribute.Key("idem.outbox.lag")
-)
-
 // startBatchSpan begins the span of one batch sent to the broker. A batch
 // has many parents, so the messages' own trace contexts (stored with each
 // row, sent on as their traceparent header) are links, not a parent.
@@ -538,10 +525,10 @@ func startBatchSpan(tr trace.Tracer, topic string, msgs []*message.Message) trac
 		semconv.MessagingOperationName("send"),
 		semconv.MessagingDestinationName(topic),
 		semconv.MessagingBatchMessageCount(len(msgs)),
-		AttrBatchBytes.Int(bytes),
+		otelx.AttrBatchBytes.Int(bytes),
 	}
 	if !oldest.IsZero() {
-		attrs = append(attrs, AttrOutboxLag.Float64(time.Since(oldest).Seconds()))
+		attrs = append(attrs, otelx.AttrOutboxLag.Float64(time.Since(oldest).Seconds()))
 	}
 	_, span := tr.Start(context.Background(), "send "+topic, trace.WithSpanKind(trace.SpanKindProducer), trace.WithLinks(links...), trace.WithAttributes(attrs...))
 	return span

@@ -9,6 +9,7 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
@@ -226,4 +227,14 @@ func waitPolls(t *testing.T, f *outbox.Forwarder, k uint64) {
 	t.Helper()
 	start := f.Stats().Polls
 	require.Eventually(t, func() bool { return f.Stats().Polls >= start+k }, eventuallyTimeout, 5*time.Millisecond)
+}
+
+func schemaAdapter(o *outbox.Outbox) *wsql.DefaultPostgreSQLSchema {
+	s, _ := outbox.Adapters(o)
+	return s
+}
+
+func offsetsAdapter(o *outbox.Outbox) wsql.DefaultPostgreSQLOffsetsAdapter {
+	_, off := outbox.Adapters(o)
+	return off
 }

@@ -103,9 +103,9 @@ func TestMigrator_AdoptsUnversionedTables(t *testing.T) {
 	ob, err := outbox.New(cfg, nil)
 	require.NoError(t, err)
 	// What (*Outbox).Migrate did before it had versions.
-	q, err := ob.SchemaAdapter().SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams{Topic: "orders"})
+	q, err := schemaAdapter(ob).SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams{Topic: "orders"})
 	require.NoError(t, err)
-	q2, err := ob.OffsetsAdapter().SchemaInitializingQueries(wsql.OffsetsSchemaInitializingQueriesParams{Topic: "orders"})
+	q2, err := offsetsAdapter(ob).SchemaInitializingQueries(wsql.OffsetsSchemaInitializingQueriesParams{Topic: "orders"})
 	require.NoError(t, err)
 	require.NoError(t, pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
 		for _, q := range append(q, q2...) {
@@ -158,7 +158,7 @@ func TestMigrator_MigrateTx(t *testing.T) {
 	v, err := m.ValidateTx(ctx, tx)
 	require.NoError(t, err)
 	require.True(t, v.OK)
-	require.NoError(t, ob.CheckTx(ctx, tx))
+	require.NoError(t, ob.Check(ctx, tx))
 	require.NoError(t, tx.Rollback(ctx))
 	require.Equal(t, []string{"outbox:outbox_orders 1"}, pendingOf(t, m))
 

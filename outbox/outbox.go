@@ -178,14 +178,6 @@ func (o *Outbox) tables(topic string) outboxsql.Tables {
 	return outboxsql.Tables{Messages: o.MessagesTable(topic), Offsets: o.OffsetsTable(topic)}
 }
 
-// SchemaAdapter returns the watermill-sql schema adapter of the outbox
-// tables, to read them with a watermill-sql Subscriber.
-func (o *Outbox) SchemaAdapter() *wsql.DefaultPostgreSQLSchema { return o.schema }
-
-// OffsetsAdapter returns the watermill-sql offsets adapter of the outbox
-// tables, to read them with a watermill-sql Subscriber.
-func (o *Outbox) OffsetsAdapter() wsql.DefaultPostgreSQLOffsetsAdapter { return o.offsets }
-
 func rollback(ctx context.Context, tx pgx.Tx) {
 	_ = tx.Rollback(context.WithoutCancel(ctx)) // pgx.ErrTxClosed after a commit is expected
 }

@@ -109,8 +109,8 @@ func TestMigrationsAppliedWithPsql(t *testing.T) {
 	// So does a watermill-sql subscriber, in its own consumer group.
 	sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(db.Pool), wsql.SubscriberConfig{
 		ConsumerGroup:  "psql-subscriber",
-		SchemaAdapter:  ob.SchemaAdapter(),
-		OffsetsAdapter: ob.OffsetsAdapter(),
+		SchemaAdapter:  schemaAdapter(ob),
+		OffsetsAdapter: offsetsAdapter(ob),
 		PollInterval:   10 * time.Millisecond,
 	}, watermill.NopLogger{})
 	require.NoError(t, err)

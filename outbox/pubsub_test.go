@@ -101,8 +101,8 @@ func TestPubSub(t *testing.T) {
 		pub := &migratingPublisher{Publisher: o.PoolPublisher(db.Pool), o: o, db: db.Pool, done: map[string]bool{}}
 		sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(db.Pool), wsql.SubscriberConfig{
 			ConsumerGroup:    group,
-			SchemaAdapter:    o.SchemaAdapter(),
-			OffsetsAdapter:   o.OffsetsAdapter(),
+			SchemaAdapter:    schemaAdapter(o),
+			OffsetsAdapter:   offsetsAdapter(o),
 			InitializeSchema: true,
 			PollInterval:     10 * time.Millisecond,
 			ResendInterval:   10 * time.Millisecond,

@@ -13,9 +13,8 @@
 // ([PayloadEventIDField]). [ParseEventID] parses one string;
 // [EventIDFromMessage] reads a message (header and payload must agree when
 // both are present), [EventIDFromMetadataFirst] lets the header win,
-// [EventIDFromMetadata] reads the header only, [PayloadEventID] the payload
-// only; [ValidateEventID] checks a parsed id. The EventIDFrom* functions are
-// ready-made values for the middleware's Config.EventIDFunc. Every refusal
+// [EventIDFromMetadata] reads the header only; [ValidateEventID] checks a
+// parsed id. The EventIDFrom* functions are ready-made values for the middleware's Config.EventIDFunc. Every refusal
 // is an *[EventIDError] whose Reason is one of [ErrMissingEventID],
 // [ErrInvalidEventID], [ErrNilEventID], [ErrNotUUIDv7] or
 // [ErrEventIDMismatch]; the middleware's IsPermanent treats them all as

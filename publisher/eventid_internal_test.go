@@ -91,7 +91,7 @@ func FuzzEventID(f *testing.F) {
 			require.Equal(t, id, pid)
 		}
 		if !hasHeader {
-			got, perr := PayloadEventID(payload)
+			got, perr := eventIDFromPayload(payload)
 			require.NoError(t, perr)
 			require.Equal(t, id, got)
 			return
@@ -165,7 +165,7 @@ func TestEventIDErrorValueIsTruncated(t *testing.T) {
 			return err
 		},
 		"payload, not a string": func() error {
-			_, err := PayloadEventID([]byte(`{"eventId":[` + strings.Repeat("1,", 200) + `1]}`))
+			_, err := eventIDFromPayload([]byte(`{"eventId":[` + strings.Repeat("1,", 200) + `1]}`))
 			return err
 		},
 		"ParseEventID":         func() error { _, err := ParseEventID(long); return err },

@@ -24,7 +24,7 @@ import (
 func EventIDFromMessage(msg *message.Message) (uuid.UUID, error) {
 	v, ok := msg.Metadata[MetadataEventID]
 	if !ok {
-		return PayloadEventID(msg.Payload)
+		return eventIDFromPayload(msg.Payload)
 	}
 	id, err := fromMetadata(v)
 	if err != nil {
@@ -52,7 +52,7 @@ func EventIDFromMetadataFirst(msg *message.Message) (uuid.UUID, error) {
 	if v, ok := msg.Metadata[MetadataEventID]; ok {
 		return fromMetadata(v)
 	}
-	return PayloadEventID(msg.Payload)
+	return eventIDFromPayload(msg.Payload)
 }
 
 // EventIDFromMetadata reads the event id from the metadata key event_id
@@ -66,7 +66,7 @@ func EventIDFromMetadata(msg *message.Message) (uuid.UUID, error) {
 	return fromMetadata(v)
 }
 
-// PayloadEventID reads the event id from the top-level field eventId of a
+// eventIDFromPayload reads the event id from the top-level field eventId of a
 // JSON object payload, for an EventIDFunc that looks at the payload only.
 // No id (the payload is empty, not JSON, JSON but not an object, an object
 // without the field, or the field is null or "") is ErrMissingEventID. The
@@ -79,7 +79,7 @@ func EventIDFromMetadata(msg *message.Message) (uuid.UUID, error) {
 // could spell the key with escapes) is answered without parsing; otherwise
 // it is validated by encoding/json and its top level walked once, without
 // decoding or copying the other members' values.
-func PayloadEventID(payload []byte) (uuid.UUID, error) {
+func eventIDFromPayload(payload []byte) (uuid.UUID, error) {
 	id, st, err := payloadEventID(payload)
 	if err != nil {
 		return uuid.Nil, err
@@ -139,7 +139,7 @@ var quotedPayloadField = []byte(`"` + PayloadEventIDField + `"`)
 
 // payloadEventID reads the top-level field eventId of payload: the id
 // (payloadFound), or why there is none, or an *EventIDError (Source
-// "payload") for a field that is present but unusable. See [PayloadEventID].
+// "payload") for a field that is present but unusable. See [eventIDFromPayload].
 func payloadEventID(payload []byte) (uuid.UUID, payloadState, error) {
 	raw, st := topLevelField(payload)
 	switch {

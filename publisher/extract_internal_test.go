@@ -61,7 +61,7 @@ func TestPayloadEventIDScan(t *testing.T) {
 			got, found, err := payloadID([]byte(tc.payload))
 			if tc.err != nil {
 				require.ErrorIs(t, err, tc.err)
-				_, perr := PayloadEventID([]byte(tc.payload))
+				_, perr := eventIDFromPayload([]byte(tc.payload))
 				require.Equal(t, err, perr)
 				var e *EventIDError
 				require.ErrorAs(t, err, &e)
@@ -73,7 +73,7 @@ func TestPayloadEventIDScan(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, tc.found, found)
 			// The exported form: no id is ErrMissingEventID.
-			pid, perr := PayloadEventID([]byte(tc.payload))
+			pid, perr := eventIDFromPayload([]byte(tc.payload))
 			if tc.found {
 				require.Equal(t, id, got)
 				require.NoError(t, perr)

@@ -12,27 +12,15 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
-// MeterName is the instrumentation name of the meter the instruments are
-// created on.
-const MeterName = "github.com/idemkit/watermill-idempotency/components/idemotel"
-
-// BacklogTimeout bounds the backlog query of one collection.
-const BacklogTimeout = 5 * time.Second
-
-// Attributes of the instruments, next to the messaging semantic conventions
-// (messaging.consumer.group.name, messaging.destination.name).
-const (
-	// AttrForwarder is the forwarder's name ([outbox.ForwarderConfig.Name]).
-	// The reason of idem.dedup.rejected is [idem.AttrRejectReason], with
-	// the values idem.Reason* (the dedup span's).
-	AttrForwarder = attribute.Key("idem.outbox.forwarder.name")
-)
+// backlogTimeout bounds the backlog query of one collection.
+const backlogTimeout = 5 * time.Second
 
 type backlogSource struct {
 	ob   *outbox.Outbox
@@ -59,7 +47,7 @@ type Metrics struct {
 	oldest                                                       metric.Float64ObservableGauge
 }
 
-// New creates the instruments on the meter [MeterName] of mp (nil: the
+// New creates the instruments on the meter [otelx.Meter] of mp (nil: the
 // global provider, otel.GetMeterProvider(), which forwards to the SDK once
 // one is installed) and registers the callback that observes them. Call
 // [Metrics.Close] to unregister it.
@@ -67,7 +55,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	if mp == nil {
 		mp = otel.GetMeterProvider()
 	}
-	meter := mp.Meter(MeterName)
+	meter := mp.Meter(otelx.Meter)
 	m := &Metrics{forwarders: map[string]*outbox.Forwarder{}}
 	var errs []error
 	counter := func(name, unit, desc string) metric.Int64ObservableCounter {
@@ -146,7 +134,7 @@ func (m *Metrics) AddForwarder(name string, f *outbox.Forwarder) {
 // outbox.DefaultForwarderName) as the gauges idem.outbox.pending and
 // idem.outbox.oldest_pending_age, with the attributes
 // messaging.destination.name (the topic) and idem.outbox.forwarder.name, queried
-// from db at each collection (bounded by [BacklogTimeout]).
+// from db at each collection (bounded by 5 s).
 func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts *outbox.BacklogOpts) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -175,7 +163,7 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.failed, int64(s.Failed), set)
 		o.ObserveInt64(m.claimErrors, int64(s.ClaimErrors), set)
 		for _, r := range s.Rejected.ByReason() {
-			o.ObserveInt64(m.rejected, int64(r.Count), metric.WithAttributeSet(attribute.NewSet(group, idem.AttrRejectReason.String(r.Reason))))
+			o.ObserveInt64(m.rejected, int64(r.Count), metric.WithAttributeSet(attribute.NewSet(group, otelx.AttrRejectReason.String(r.Reason))))
 		}
 		o.ObserveInt64(m.claims, int64(s.ClaimCount), set)
 		o.ObserveFloat64(m.claimTime, s.ClaimDuration.Seconds(), set)
@@ -187,7 +175,7 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 	}
 	for i, f := range forwarders {
 		s := f.Stats()
-		set := metric.WithAttributeSet(attribute.NewSet(AttrForwarder.String(names[i])))
+		set := metric.WithAttributeSet(attribute.NewSet(otelx.AttrForwarder.String(names[i])))
 		o.ObserveInt64(m.forwarded, int64(s.Forwarded), set)
 		o.ObserveInt64(m.commits, int64(s.Commits), set)
 		o.ObserveInt64(m.polls, int64(s.Polls), set)
@@ -195,7 +183,7 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 	}
 	var errs []error
 	for _, b := range backlogs {
-		qctx, cancel := context.WithTimeout(ctx, BacklogTimeout)
+		qctx, cancel := context.WithTimeout(ctx, backlogTimeout)
 		rows, err := b.ob.Backlog(qctx, b.db, &b.opts)
 		cancel()
 		if err != nil {
@@ -205,7 +193,7 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 			continue
 		}
 		for _, r := range rows {
-			set := metric.WithAttributeSet(attribute.NewSet(semconv.MessagingDestinationName(r.Topic), AttrForwarder.String(r.Forwarder)))
+			set := metric.WithAttributeSet(attribute.NewSet(semconv.MessagingDestinationName(r.Topic), otelx.AttrForwarder.String(r.Forwarder)))
 			o.ObserveInt64(m.pending, r.Pending, set)
 			o.ObserveFloat64(m.oldest, r.OldestAge.Seconds(), set)
 		}

@@ -19,6 +19,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/components/idemotel"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -36,7 +37,7 @@ func collect(t *testing.T, r *sdkmetric.ManualReader) (collected, error) {
 	err := r.Collect(context.Background(), &rm)
 	out := collected{}
 	for _, sm := range rm.ScopeMetrics {
-		require.Equal(t, idemotel.MeterName, sm.Scope.Name)
+		require.Equal(t, otelx.Meter, sm.Scope.Name)
 		for _, m := range sm.Metrics {
 			out[m.Name] = m
 		}
@@ -193,8 +194,8 @@ func TestMetricsExportDedupForwarderAndBacklog(t *testing.T) {
 	require.InDelta(t, s.TxDuration.Seconds(), got.must(t, "idem.dedup.tx.time", group), 1e-9)
 	require.Positive(t, got.must(t, "idem.dedup.tx.time", group))
 	for r, want := range map[string]float64{
-		idem.ReasonInvalidEventID: 1, idem.ReasonNotUUIDv7: 1, idem.ReasonMissingEventID: 1,
-		idem.ReasonNilEventID: 0, idem.ReasonEventIDMismatch: 0, idem.ReasonStale: 0,
+		"invalid_event_id": 1, "not_uuidv7": 1, "missing_event_id": 1,
+		"nil_event_id": 0, "event_id_mismatch": 0, "stale": 0,
 	} {
 		require.Equal(t, want, got.must(t, "idem.dedup.rejected", group, reason(r)), r)
 	}
@@ -230,12 +231,12 @@ func TestMetricsExportDedupForwarderAndBacklog(t *testing.T) {
 	reasons := map[string]bool{}
 	for _, sp := range exp.GetSpans() {
 		for _, kv := range sp.Attributes {
-			if kv.Key == idem.AttrRejectReason {
+			if kv.Key == otelx.AttrRejectReason {
 				reasons[kv.Value.AsString()] = true
 			}
 		}
 	}
-	require.Equal(t, map[string]bool{idem.ReasonInvalidEventID: true, idem.ReasonNotUUIDv7: true, idem.ReasonMissingEventID: true}, reasons)
+	require.Equal(t, map[string]bool{"invalid_event_id": true, "not_uuidv7": true, "missing_event_id": true}, reasons)
 
 	// Closed: nothing more is reported.
 	require.NoError(t, metrics.Close())

@@ -40,8 +40,8 @@ var (
 	descOldest  = prometheus.NewDesc("idem_outbox_oldest_pending_seconds", "Age of the oldest outbox row not forwarded yet (0 when none).", []string{"topic", "forwarder"}, nil)
 )
 
-// BacklogTimeout bounds the backlog query of one scrape.
-const BacklogTimeout = 5 * time.Second
+// backlogTimeout bounds the backlog query of one scrape.
+const backlogTimeout = 5 * time.Second
 
 type backlogSource struct {
 	ob   *outbox.Outbox
@@ -88,7 +88,7 @@ func (c *Collector) AddForwarder(name string, f *outbox.Forwarder) {
 // reports for opts (nil: ob's topics, the forwarder named
 // outbox.DefaultForwarderName), with the labels topic and forwarder (the
 // forwarder's Name), queried from db at each scrape (bounded by
-// [BacklogTimeout]; a failed query fails the scrape's metric rather than
+// 5 s; a failed query fails the scrape's metric rather than
 // reporting a stale value).
 func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts *outbox.BacklogOpts) {
 	c.mu.Lock()
@@ -144,7 +144,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descFwdErrors, float64(s.Errors), name)
 	}
 	for _, b := range backlogs {
-		ctx, cancel := context.WithTimeout(context.Background(), BacklogTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
 		rows, err := b.ob.Backlog(ctx, b.db, &b.opts)
 		cancel()
 		if err != nil {

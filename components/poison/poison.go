@@ -128,8 +128,8 @@ func (f Filter) validate() error {
 	return nil
 }
 
-// Match reports whether m passes every field of f that is set.
-func (f Filter) Match(m Message) bool {
+// match reports whether m passes every field of f that is set.
+func (f Filter) match(m Message) bool {
 	if f.Reason != "" {
 		if f.ReasonExact && m.Reason != f.Reason || !f.ReasonExact && !strings.Contains(m.Reason, f.Reason) {
 			return false

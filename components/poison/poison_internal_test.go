@@ -41,10 +41,10 @@ func TestFilterMatch(t *testing.T) {
 		"all set, all matching":  {Filter{Reason: "P-7", OriginalTopic: "orders", EventIDs: []uuid.UUID{id}, PoisonedFrom: at}, true},
 		"all set, one different": {Filter{Reason: "P-7", OriginalTopic: "orders", EventIDs: []uuid.UUID{id}, PoisonedFrom: at.Add(time.Second)}, false},
 	} {
-		require.Equal(t, tc.want, tc.f.Match(m), name)
+		require.Equal(t, tc.want, tc.f.match(m), name)
 	}
-	require.False(t, Filter{OccurredFrom: at.Add(-48 * time.Hour)}.Match(Message{}), "no occurrence time: no match when a bound is set")
-	require.False(t, Filter{EventIDs: []uuid.UUID{id}}.Match(Message{EventID: "garbage"}))
+	require.False(t, Filter{OccurredFrom: at.Add(-48 * time.Hour)}.match(Message{}), "no occurrence time: no match when a bound is set")
+	require.False(t, Filter{EventIDs: []uuid.UUID{id}}.match(Message{EventID: "garbage"}))
 }
 
 func TestFilterValidate(t *testing.T) {

@@ -233,7 +233,7 @@ func (r *replayer) record(ctx context.Context, rec *sarama.ConsumerMessage) erro
 		return fmt.Errorf("poison: unmarshal %s/%d@%d: %w", rec.Topic, rec.Partition, rec.Offset, err)
 	}
 	m := describe(msg, rec.Partition, rec.Offset, rec.Timestamp)
-	if !r.cfg.Filter.Match(m) {
+	if !r.cfg.Filter.match(m) {
 		return nil
 	}
 	r.res.Matched++

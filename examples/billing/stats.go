@@ -130,7 +130,7 @@ func (s *groupStats) report() groupReport {
 	return groupReport{
 		Deliveries: s.deliveries.Load(), Processed: st.Processed, Skipped: st.Duplicates,
 		Rejected: s.rejected.Load(), Failed: s.failed.Load(),
-		MiddlewareErrors: st.Rejected.Total() + st.Failed + st.ClaimErrors,
+		MiddlewareErrors: rejected(st.Rejected) + st.Failed + st.ClaimErrors,
 		Records:          len(s.ended), KafkaRedelivered: again, InFlightSkipped: s.overlapping(), NoRecord: s.noRecord.Load(),
 	}
 }
@@ -207,4 +207,13 @@ func (a *auditor) reasons() []string {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return append([]string(nil), a.reasonsList...)
+}
+
+// rejected is the number of messages refused for any reason.
+func rejected(r idem.RejectedStats) uint64 {
+	var n uint64
+	for _, rc := range r.ByReason() {
+		n += rc.Count
+	}
+	return n
 }

@@ -66,7 +66,7 @@ func processed(ctx context.Context, tb testing.TB, db migrate.DBTX, table dedupl
 	if err != nil {
 		tb.Fatalf("idemtest: %v", err)
 	}
-	ok, err := d.IsProcessed(ctx, db, eventID)
+	_, ok, err := d.ProcessedAt(ctx, db, eventID)
 	if err != nil {
 		tb.Fatalf("idemtest: %v", err)
 	}

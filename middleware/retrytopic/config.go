@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -168,12 +169,12 @@ type KeyOrder struct {
 	// Table is the parked-keys table. Defaults to public.retry_parked_key.
 	Table ParkedKeysTable
 	// KeyFunc returns the key whose order is kept; "" means the message
-	// has none and is never held back. Defaults to [DefaultKeyFunc]: the
+	// has none and is never held back. Defaults to the
 	// partition_key metadata, else the Kafka record key.
 	KeyFunc func(msg *message.Message) string
 	// EventIDFunc reads the event id. Defaults to publisher.EventIDFromMessage;
 	// use the same as idem.Config.EventIDFunc.
-	EventIDFunc idem.EventIDFunc
+	EventIDFunc func(msg *message.Message) (uuid.UUID, error)
 }
 
 // ParkedKeysTable names the parked-keys table. The zero value is
@@ -222,7 +223,7 @@ func (c *Config) setDefaults() {
 		ko := *c.KeyOrder // the caller's value stays as it was
 		ko.Table.setDefaults()
 		if ko.KeyFunc == nil {
-			ko.KeyFunc = DefaultKeyFunc
+			ko.KeyFunc = defaultKeyFunc
 		}
 		if ko.EventIDFunc == nil {
 			ko.EventIDFunc = publisher.EventIDFromMessage

@@ -31,12 +31,12 @@ const (
 	MetadataOriginalPartition = "retry_original_partition"
 	MetadataOriginalOffset    = "retry_original_offset"
 	// MetadataError is the text of the failure that sent the copy here (at
-	// most [MaxErrorLen] bytes).
+	// most [maxErrorLen] bytes).
 	MetadataError = "retry_error"
 )
 
-// MaxErrorLen bounds the error text kept in [MetadataError].
-const MaxErrorLen = 1024
+// maxErrorLen bounds the error text kept in [MetadataError].
+const maxErrorLen = 1024
 
 // retryHeaders are the keys this package adds: a copy of a copy replaces them.
 var retryHeaders = []string{MetadataAttempt, MetadataNotBefore, MetadataOriginalTopic,
@@ -86,7 +86,7 @@ func (o origin) set(m message.Metadata, cause error) {
 	setOrDelete(m, MetadataOriginalPartition, o.partition)
 	setOrDelete(m, MetadataOriginalOffset, o.offset)
 	if cause != nil {
-		m.Set(MetadataError, truncate(cause.Error(), MaxErrorLen))
+		m.Set(MetadataError, truncate(cause.Error(), maxErrorLen))
 	} else {
 		delete(m, MetadataError)
 	}
@@ -107,10 +107,10 @@ func truncate(s string, n int) string {
 	return s[:n] + "…"
 }
 
-// NotBefore returns the time before which a retry-topic copy must not be
+// msgNotBefore returns the time before which a retry-topic copy must not be
 // processed, from its [MetadataNotBefore]; ok is false when the message has
 // none (or an unparsable one).
-func NotBefore(msg *message.Message) (t time.Time, ok bool) {
+func msgNotBefore(msg *message.Message) (t time.Time, ok bool) {
 	v := msg.Metadata.Get(MetadataNotBefore)
 	if v == "" {
 		return time.Time{}, false

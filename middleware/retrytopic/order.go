@@ -20,11 +20,11 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// DefaultKeyFunc is the default [KeyOrder.KeyFunc]: the partition_key
+// defaultKeyFunc is the default [KeyOrder.KeyFunc]: the partition_key
 // metadata (publisher.MetadataPartitionKey, which the library's Kafka
 // marshaler turns into the record key), else the Kafka record key of the
 // consumed message.
-func DefaultKeyFunc(msg *message.Message) string {
+func defaultKeyFunc(msg *message.Message) string {
 	if k := msg.Metadata.Get(publisher.MetadataPartitionKey); k != "" {
 		return k
 	}

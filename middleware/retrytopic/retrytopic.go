@@ -53,8 +53,8 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*RetryTopic, error) {
 // Stats returns the counters since [New].
 func (r *RetryTopic) Stats() Stats { return r.stats.snapshot() }
 
-// IsRetryTopic reports whether topic is one of [Config.Topics].
-func (r *RetryTopic) IsRetryTopic(topic string) bool { return r.retry[topic] }
+// isRetryTopic reports whether topic is one of [Config.Topics].
+func (r *RetryTopic) isRetryTopic(topic string) bool { return r.retry[topic] }
 
 // Middleware handles what the handler chain inside it (watermill's Retry,
 // then the dedup middleware, then the handler) could not:
@@ -233,7 +233,7 @@ func (r *RetryTopic) escalate(ctx context.Context, msg *message.Message, o origi
 	r.stats.retried.Add(1)
 	r.logger.Debug("Transient failure moved to a retry topic", watermill.LogFields{
 		"message_uuid": msg.UUID, "retry_topic": topic, "attempt": next.attempt,
-		"not_before": next.notBefore.UTC().Format(time.RFC3339Nano), "original_topic": o.topic, "err": truncate(cause.Error(), MaxErrorLen),
+		"not_before": next.notBefore.UTC().Format(time.RFC3339Nano), "original_topic": o.topic, "err": truncate(cause.Error(), maxErrorLen),
 	})
 	return nil
 }

@@ -197,12 +197,13 @@ func (r *fwdRig) watermill(ctx context.Context) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
-	schema := *r.outbox.SchemaAdapter()
-	schema.SubscribeBatchSize = fwdBatch
+	// The outbox tables are watermill-sql v4's: its subscriber reads them
+	// through adapters naming them.
+	schema := wsql.DefaultPostgreSQLSchema{GenerateMessagesTableName: r.outbox.MessagesTable, SubscribeBatchSize: fwdBatch}
 	sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(r.db.Pool), wsql.SubscriberConfig{
 		ConsumerGroup:  "watermill-forwarder",
 		SchemaAdapter:  &schema,
-		OffsetsAdapter: r.outbox.OffsetsAdapter(),
+		OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: r.outbox.OffsetsTable},
 		PollInterval:   time.Millisecond,
 	}, nil)
 	if err != nil {

@@ -16,8 +16,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
-	idem "github.com/idemkit/watermill-idempotency/middleware"
-	"github.com/idemkit/watermill-idempotency/outbox"
+
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 	"github.com/idemkit/watermill-idempotency/tests/otelchain"
 )
@@ -132,14 +132,14 @@ func TestTrace_BillingChainIsOneTrace(t *testing.T) {
 		require.Equal(t, traceID, b.SpanContext.TraceID(), "billing is in the order's trace")
 		require.Equal(t, order.SpanID(), b.Parent.SpanID(), "billing's dedup span is a child of the producer's context")
 		require.True(t, b.Parent.IsRemote())
-		require.Equal(t, "processed", otelchain.Attr(b, idem.AttrOutcome).AsString())
+		require.Equal(t, "processed", otelchain.Attr(b, otelx.AttrOutcome).AsString())
 		require.Equal(t, otelchain.GroupBilling, otelchain.Attr(b, "messaging.consumer.group.name").AsString())
-		require.Equal(t, otelchain.Header(orderRecs[0], publisher.MetadataEventID), otelchain.Attr(b, idem.AttrEventID).AsString())
+		require.Equal(t, otelchain.Header(orderRecs[0], publisher.MetadataEventID), otelchain.Attr(b, otelx.AttrEventID).AsString())
 		require.Equal(t, []string{"claim", "commit"}, []string{b.Events[0].Name, b.Events[1].Name})
 		charge := otelchain.Named(otelchain.ChildrenOf(spans, b.SpanContext), "POST /charges")
 		require.Len(t, charge, 1, "the charge call nests under the dedup span")
 		require.Len(t, otelchain.Named(spans, "POST /charges"), 1)
-		require.Equal(t, e.Provider.Keys(), []string{otelchain.Attr(charge[0], idem.AttrIdempotencyKey).AsString()},
+		require.Equal(t, e.Provider.Keys(), []string{otelchain.Attr(charge[0], otelx.AttrIdempotencyKey).AsString()},
 			"the charge's span records the Idempotency-Key the provider received")
 	})
 
@@ -156,11 +156,11 @@ func TestTrace_BillingChainIsOneTrace(t *testing.T) {
 		require.Equal(t, traceID, notif[0].SpanContext.TraceID(), "the last consumer is in the order's trace")
 		require.Equal(t, b.SpanContext.SpanID(), notif[0].Parent.SpanID())
 		require.Equal(t, otelchain.GroupNotification, otelchain.Attr(notif[0], "messaging.consumer.group.name").AsString())
-		require.Equal(t, "processed", otelchain.Attr(notif[0], idem.AttrOutcome).AsString())
+		require.Equal(t, "processed", otelchain.Attr(notif[0], otelx.AttrOutcome).AsString())
 		// Every span but the forwarder's batch spans (roots of their own,
 		// linked) is in the one trace.
 		for _, s := range spans {
-			if s.SpanKind == trace.SpanKindProducer && s.InstrumentationScope.Name == outbox.TracerName {
+			if s.SpanKind == trace.SpanKindProducer && s.InstrumentationScope.Name == otelx.OutboxTracer {
 				continue
 			}
 			require.Equal(t, traceID, s.SpanContext.TraceID(), "span %q", s.Name)
@@ -169,7 +169,7 @@ func TestTrace_BillingChainIsOneTrace(t *testing.T) {
 
 	t.Run("6 a duplicate delivery is a span with outcome duplicate and no handler span", func(t *testing.T) {
 		e.Republish(t, orderRecs[0])
-		dupOf := func(s tracetest.SpanStub) bool { return otelchain.Attr(s, idem.AttrOutcome).AsString() == "duplicate" }
+		dupOf := func(s tracetest.SpanStub) bool { return otelchain.Attr(s, otelx.AttrOutcome).AsString() == "duplicate" }
 		spans = waitSpans(t, e, "process "+e.Orders, dupOf)
 		var dup tracetest.SpanStubs
 		for _, s := range otelchain.Named(spans, "process "+e.Orders) {
@@ -180,7 +180,7 @@ func TestTrace_BillingChainIsOneTrace(t *testing.T) {
 		require.Len(t, dup, 1)
 		require.Equal(t, traceID, dup[0].SpanContext.TraceID())
 		require.Equal(t, order.SpanID(), dup[0].Parent.SpanID())
-		require.Equal(t, otelchain.Attr(b, idem.AttrEventID), otelchain.Attr(dup[0], idem.AttrEventID))
+		require.Equal(t, otelchain.Attr(b, otelx.AttrEventID), otelchain.Attr(dup[0], otelx.AttrEventID))
 		require.Empty(t, otelchain.ChildrenOf(spans, dup[0].SpanContext), "the handler did not run: no child span")
 		require.Equal(t, "claim", dup[0].Events[0].Name)
 		require.Len(t, dup[0].Events, 1, "no commit")
@@ -234,7 +234,7 @@ func TestTrace_NonGoTraceparentIsContinued(t *testing.T) {
 	require.Equal(t, spanID, b.Parent.SpanID().String())
 	require.True(t, b.Parent.IsRemote())
 	require.Equal(t, state, b.SpanContext.TraceState().String(), "tracestate kept")
-	require.Equal(t, id, otelchain.Attr(b, idem.AttrEventID).AsString())
+	require.Equal(t, id, otelchain.Attr(b, otelx.AttrEventID).AsString())
 
 	// ...and handed on: billing.charged.v1 carries the same trace and state.
 	charged := e.Records(t, e.Charged, 1)[0]
@@ -261,7 +261,7 @@ func TestAssertNothingLeaksCatchesPayloadAndHeaders(t *testing.T) {
 		{Key: []byte("partition_key"), Value: []byte("ord-secret-key")},
 		{Key: []byte(publisher.MetadataEventID), Value: []byte("0190e8b5-0000-7000-8000-000000000001")},
 	}}
-	ok := tracetest.SpanStub{Name: "ok", Attributes: []attribute.KeyValue{idem.AttrEventID.String("0190e8b5-0000-7000-8000-000000000001")}}
+	ok := tracetest.SpanStub{Name: "ok", Attributes: []attribute.KeyValue{otelx.AttrEventID.String("0190e8b5-0000-7000-8000-000000000001")}}
 	r := &recorder{TB: t}
 	otelchain.AssertNothingLeaks(r, tracetest.SpanStubs{ok}, rec)
 	require.Empty(t, r.errors, "ids are allowed")

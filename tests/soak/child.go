@@ -306,7 +306,7 @@ func (c *child) outer(ctx context.Context) message.HandlerMiddleware {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			d := &delivery{}
 			msg.SetContext(context.WithValue(msg.Context(), stateKey{}, d))
-			onRetry := c.rt.IsRetryTopic(message.SubscribeTopicFromCtx(msg.Context()))
+			onRetry := c.isRetryTopic(message.SubscribeTopicFromCtx(msg.Context()))
 			if onRetry {
 				c.emit(lineDeliveryRetry)
 			} else {
@@ -545,3 +545,6 @@ func (l errorLogger) Trace(string, watermill.LogFields) {}
 func (l errorLogger) With(f watermill.LogFields) watermill.LoggerAdapter {
 	return errorLogger{l.LoggerAdapter.With(f)}
 }
+
+// isRetryTopic reports whether topic is one of the consumer's retry topics.
+func (c *child) isRetryTopic(topic string) bool { return slices.Contains(c.cfg.RetryTopics, topic) }

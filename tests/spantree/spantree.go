@@ -14,7 +14,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
-	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 )
 
 // Minimum widths of the name and service columns.
@@ -26,7 +26,7 @@ const (
 // Tree renders the spans of one trace as an indented tree (children in
 // start order), each line with the span's name, its service, its duration,
 // and the dedup outcome and Idempotency-Key when the span has them
-// (idem.AttrOutcome, idem.AttrIdempotencyKey). The service is the
+// (otelx.AttrOutcome, otelx.AttrIdempotencyKey). The service is the
 // resource's service.name when the TracerProvider was given one, else the
 // last element of the span's instrumentation scope (the package that made
 // it). Spans of other traces that link into the trace (the forwarder's
@@ -94,10 +94,10 @@ func Tree(spans tracetest.SpanStubs, traceID trace.TraceID) string {
 	for _, l := range lines {
 		s := l.span
 		fmt.Fprintf(&b, "%-*s %-*s %8s", nw, strings.Repeat("  ", l.depth)+l.prefix+s.Name, sw, l.service, s.EndTime.Sub(s.StartTime).Round(10*time.Microsecond))
-		if o := attr(s, idem.AttrOutcome).AsString(); o != "" {
+		if o := attr(s, otelx.AttrOutcome).AsString(); o != "" {
 			fmt.Fprintf(&b, " outcome=%s", o)
 		}
-		if k := attr(s, idem.AttrIdempotencyKey).AsString(); k != "" {
+		if k := attr(s, otelx.AttrIdempotencyKey).AsString(); k != "" {
 			fmt.Fprintf(&b, " idempotency_key=%s", k)
 		}
 		b.WriteString("\n")

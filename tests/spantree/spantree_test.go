@@ -12,7 +12,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
-	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 )
 
 func TestTree(t *testing.T) {
@@ -37,9 +37,9 @@ func TestTree(t *testing.T) {
 		return s
 	}
 	root := span("confirm order", sc(tid, 1), trace.SpanContext{}, 0, 1500, "order-service")
-	later := span("process orders", sc(tid, 2), root.SpanContext, 5, 2000, "", idem.AttrOutcome.String("duplicate"))
+	later := span("process orders", sc(tid, 2), root.SpanContext, 5, 2000, "", otelx.AttrOutcome.String("duplicate"))
 	first := span("process orders", sc(tid, 3), root.SpanContext, 2, 2840, "billing",
-		idem.AttrOutcome.String("processed"), idem.AttrIdempotencyKey.String("k-1"))
+		otelx.AttrOutcome.String("processed"), otelx.AttrIdempotencyKey.String("k-1"))
 	grandchild := span("POST /charges", sc(tid, 4), first.SpanContext, 3, 600, "billing")
 	batch := span("send orders", sc(other, 5), trace.SpanContext{}, 1, 250, "a-much-longer-service-name")
 	batch.Links = []sdktrace.Link{{SpanContext: root.SpanContext}}

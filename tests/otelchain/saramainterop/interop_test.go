@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/tests/otelchain"
@@ -85,7 +86,7 @@ func TestSaramaTracer_ConsumerSideOneTrace(t *testing.T) {
 	d := otelchain.Named(spans, "process "+e.Orders)[0]
 	require.Equal(t, order.TraceID(), d.SpanContext.TraceID(), "one trace, not two")
 	require.Equal(t, r.SpanContext.SpanID(), d.Parent.SpanID(), "the dedup span's parent is otelsarama's consumer span")
-	require.Equal(t, "processed", otelchain.Attr(d, idem.AttrOutcome).AsString())
+	require.Equal(t, "processed", otelchain.Attr(d, otelx.AttrOutcome).AsString())
 	require.Len(t, otelchain.Named(otelchain.ChildrenOf(spans, d.SpanContext), "POST /charges"), 1)
 
 	// The forwarder's batch span (global provider too) links to the row.
