@@ -7,6 +7,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/handlertracer"
 )
 
 // WatermillSubscriberConfig returns the watermill-kafka subscriber config of
@@ -42,37 +43,9 @@ func WatermillSubscriberConfig(cfg idemkafka.ClientConfig, consumerGroup string)
 // soon as the session ends (it was neither delivered nor marked, so its new
 // owner reads it again), and the rebalance goes on.
 func HoldingTracer(next kafka.SaramaTracer) kafka.SaramaTracer {
-	return holdingTracer{next: next}
-}
-
-type holdingTracer struct{ next kafka.SaramaTracer }
-
-func (t holdingTracer) WrapConsumer(c sarama.Consumer) sarama.Consumer {
-	if t.next != nil {
-		return t.next.WrapConsumer(c)
-	}
-	return c
-}
-
-func (t holdingTracer) WrapPartitionConsumer(pc sarama.PartitionConsumer) sarama.PartitionConsumer {
-	if t.next != nil {
-		return t.next.WrapPartitionConsumer(pc)
-	}
-	return pc
-}
-
-func (t holdingTracer) WrapConsumerGroupHandler(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
-	if t.next != nil {
-		h = t.next.WrapConsumerGroupHandler(h)
-	}
-	return holdingHandler{ConsumerGroupHandler: h}
-}
-
-func (t holdingTracer) WrapSyncProducer(cfg *sarama.Config, p sarama.SyncProducer) sarama.SyncProducer {
-	if t.next != nil {
-		return t.next.WrapSyncProducer(cfg, p)
-	}
-	return p
+	return handlertracer.New(next, func(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
+		return holdingHandler{ConsumerGroupHandler: h}
+	})
 }
 
 type holdingHandler struct{ sarama.ConsumerGroupHandler }

@@ -29,6 +29,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/handlertracer"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -267,7 +268,7 @@ func runConsumer(cfg childConfig) error {
 	if err != nil {
 		return err
 	}
-	subCfg.Tracer = sessionTracer{next: subCfg.Tracer, c: c, i: 0}
+	subCfg.Tracer = sessionTracer(subCfg.Tracer, c, 0)
 	sub, err := kafka.NewSubscriber(subCfg, logger)
 	if err != nil {
 		return err
@@ -280,7 +281,7 @@ func runConsumer(cfg childConfig) error {
 		if err != nil {
 			return err
 		}
-		rc.Tracer = sessionTracer{next: rc.Tracer, c: c, i: 1 + i}
+		rc.Tracer = sessionTracer(rc.Tracer, c, 1+i)
 		rsub, err := kafka.NewSubscriber(rc, logger)
 		if err != nil {
 			return err
@@ -486,49 +487,22 @@ func (c *child) session(i int) {
 // three, a process consumes its main topic while a retry group's first
 // join may still be pending. Killing a member during that join is the
 // crash-loop fault's business.
-type sessionTracer struct {
-	next kafka.SaramaTracer
-	c    *child
-	i    int
-}
-
-func (t sessionTracer) WrapConsumer(c sarama.Consumer) sarama.Consumer {
-	if t.next != nil {
-		return t.next.WrapConsumer(c)
-	}
-	return c
-}
-
-func (t sessionTracer) WrapPartitionConsumer(pc sarama.PartitionConsumer) sarama.PartitionConsumer {
-	if t.next != nil {
-		return t.next.WrapPartitionConsumer(pc)
-	}
-	return pc
-}
-
-func (t sessionTracer) WrapConsumerGroupHandler(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
-	if t.next != nil {
-		h = t.next.WrapConsumerGroupHandler(h)
-	}
-	return sessionHandler{ConsumerGroupHandler: h, t: t}
-}
-
-func (t sessionTracer) WrapSyncProducer(cfg *sarama.Config, p sarama.SyncProducer) sarama.SyncProducer {
-	if t.next != nil {
-		return t.next.WrapSyncProducer(cfg, p)
-	}
-	return p
+func sessionTracer(next kafka.SaramaTracer, c *child, i int) kafka.SaramaTracer {
+	return handlertracer.New(next, func(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
+		return sessionHandler{ConsumerGroupHandler: h, c: c, i: i}
+	})
 }
 
 type sessionHandler struct {
 	sarama.ConsumerGroupHandler
-	t sessionTracer
+	c *child
+	i int
 }
 
 func (h sessionHandler) Setup(s sarama.ConsumerGroupSession) error {
 	err := h.ConsumerGroupHandler.Setup(s)
 	if err == nil {
-		h.t.c.session(h.t.i)
+		h.c.session(h.i)
 	}
 	return err
 }
