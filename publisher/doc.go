@@ -1,10 +1,8 @@
 // Package publisher holds the event-id contract between producers and the
 // dedup middleware: the metadata names, the rules an event id must follow and
 // the errors that say which one it broke. It stamps every outgoing event with
-// a UUIDv7 event id and the metadata consumers rely on, it reads the id back
+// a UUIDv7 event id and the metadata consumers rely on, and reads the id back
 // on the consumer side.
-//
-// # Event ids
 //
 // An event id is a non-nil UUIDv7 in canonical form (36 characters,
 // hyphenated, either case), carried in the metadata key event_id
@@ -14,25 +12,17 @@
 // [EventIDFromMessage] reads a message (header and payload must agree when
 // both are present), [EventIDFromMetadataFirst] lets the header win,
 // [EventIDFromMetadata] reads the header only; [ValidateEventID] checks a
-// parsed id. The EventIDFrom* functions are ready-made values for the middleware's Config.EventIDFunc. Every refusal
-// is an *[EventIDError] whose Reason is one of [ErrMissingEventID],
+// parsed id. The EventIDFrom* functions are ready-made values for the
+// middleware's Config.EventIDFunc. Every refusal is an *[EventIDError] whose Reason is one of [ErrMissingEventID],
 // [ErrInvalidEventID], [ErrNilEventID], [ErrNotUUIDv7] or
 // [ErrEventIDMismatch]; the middleware's IsPermanent treats them all as
 // permanent.
 //
-// # Stamping
-//
-// [Stamp] applies the rule: keep a valid event_id; else copy a UUIDv7 from the
-// payload's top-level JSON field eventId (the event's own id: the same payload
-// published twice is one event); else reuse msg.UUID when it is a UUIDv7; else
-// generate a new UUIDv7 ([NewEventID]). It never overwrites the caller's
-// msg.UUID and never replaces an existing invalid event_id; a payload eventId
-// that is not a UUIDv7 or that differs from the event_id metadata is refused
-// too (each an *[EventIDError]). It also writes
-// occurred_at (RFC 3339) and, inside a handler wrapped by the dedup
-// middleware, causation_id (the incoming event id) and correlation_id
-// (carried through the chain). [WithPartitionKey] sets the aggregate id that
-// becomes the Kafka record key.
+// [Stamp] keeps a valid event_id; else copies a UUIDv7 from the payload's
+// eventId field; else reuses msg.UUID when it is a UUIDv7; else generates
+// one ([NewEventID]). It also writes occurred_at and, inside a handler,
+// causation_id and correlation_id. [WithPartitionKey] sets the aggregate id
+// that becomes the Kafka record key. docs/rules.md gives the reasons.
 //
 //	msg := message.NewMessage(watermill.NewUUID(), payload)
 //	publisher.WithPartitionKey(msg, orderID)

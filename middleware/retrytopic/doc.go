@@ -2,19 +2,10 @@
 // watermill's in-process Retry gives up, the message is republished to a
 // retry topic (same event id, payload and headers, plus the retry headers)
 // and the original is acked, so the partition moves on; a retry consumer
-// processes the copy once its backoff has passed, and after the last
-// attempt the message goes to the poison topic with the reason. It is the
-// retryable-topics pattern of Spring Kafka and the kafkajs recipes, on top
-// of the dedup middleware: the copy carries the same event_id and runs
-// under the same dedup consumer group, so a retried event and its original
-// share one claim and are applied once between them.
-//
-// Retry topics are opt-in. Without them a transient error that outlasts the
-// in-process Retry is nacked and redelivered in a loop, which blocks its
-// partition behind one bad dependency (a downstream down for one customer
-// stops every customer of that partition).
-//
-// # Wiring
+// processes the copy once its [Backoff] has passed, and after the last
+// attempt the message goes to the poison topic with the reason. The copy
+// runs under the same dedup consumer group, so a retried event and its
+// original share one claim and are applied once between them.
 //
 //	rt, err := retrytopic.New(retrytopic.Config{
 //		Publisher:   kafkaPub, // idemkafka.WatermillPublisherConfig: keyed by partition_key
@@ -32,38 +23,15 @@
 //	router.AddConsumerHandler("charge", "orders", sub, charge)
 //	router.AddConsumerHandler("charge-retry", "orders.retry", retrySub, charge)
 //
-// Both handlers use the same dedup middleware (idem.Config.ConsumerGroup
-// "billing"); only the Kafka consumer group of the retry topic differs.
-// The retry and poison topics are billing's own: another service consuming
-// "orders" has retry topics of its own (see [Config.Topics]).
-// [RetryTopic.Middleware] replaces watermill's PoisonQueue: it poisons
-// permanent errors (idem.IsPermanent) itself, with topic_poisoned naming the
-// original topic also for a copy that fails on a retry topic.
+// Both handlers use the same dedup middleware; only the Kafka consumer
+// group of the retry topic differs. [RetryTopic.Middleware] replaces
+// watermill's PoisonQueue. [WatermillSubscriberConfig] installs
+// [HoldingTracer], which holds a copy until its [MetadataNotBefore] time
+// inside Sarama's session, so other partitions and rebalances keep going.
 //
-// # Holding a copy until its time
-//
-// Each copy carries [MetadataNotBefore] (failure time plus [Backoff]).
-// [NewKafkaSubscriberConfig] installs [HoldingTracer], which holds the
-// records of a partition until that time inside Sarama's consumer-group
-// session: other partitions keep flowing (watermill-kafka runs partitions
-// concurrently, one message in flight each), and a rebalance is not stalled
-// by a held record. [RetryTopic.Middleware] also waits in the handler, for
-// subscribers without the tracer; that too blocks only its partition, but
-// stalls the group's rebalances for as long as it waits
-// (TestHoldingTracerLetsTheGroupRebalance explains the measurement). A
-// copy holds the copies behind it in its partition: with one retry topic a
-// long delay holds shorter ones; one topic per attempt keeps delays alike.
-//
-// # Order of the events of a key
-//
-// By default a retried event is overtaken by the later events of its key,
-// which keep flowing on the main topic: an "order shipped" can be applied
-// before the "order paid" that is waiting on a retry topic. Handlers that
-// cannot accept that either tolerate it (check state, not order) or set
-// [Config.KeyOrder]: while a key has an event on the retry path ("parked"),
-// its later events follow it there, and each runs only once every earlier
-// parked event of its key has succeeded or been poisoned. The parked events
-// are rows of a PostgreSQL table ([MigrationLine]); a success releases its row in
-// the handler's transaction ([RetryTopic.ReleaseMiddleware]), so the
-// release commits with the claim. See docs/retry.md for the failure cases.
+// [Config.KeyOrder] keeps the events of a key in order: while a key has an
+// event on the retry path, its later events follow it there. The parked
+// keys are rows of a PostgreSQL table ([MigrationLine]); a success releases
+// its row in the handler's transaction ([RetryTopic.ReleaseMiddleware]).
+// docs/retry.md explains the wiring, the failure cases and the measurements.
 package retrytopic
