@@ -15,7 +15,7 @@ const (
 )
 
 // TableConfig describes the processed_event table: its name, layout and
-// retention. Build it once and give the same value to [Migrate], the
+// retention. Build it once and give the same value to [MigrationLine], the
 // middleware (idem.Config.Table) and the [Cleaner]. The zero value is valid:
 // public.processed_event, plain layout, the recorded retention.
 type TableConfig struct {
@@ -25,11 +25,11 @@ type TableConfig struct {
 	Table string
 	// Layout of the table: [LayoutPlain] (delete old rows with a [Cleaner])
 	// or [LayoutPartitioned] (daily partitions on event_id, dropped whole).
-	// [Migrate] converts a plain table to the partitioned layout, keeping
+	// [MigrationLine] converts a plain table to the partitioned layout, keeping
 	// every row. Defaults to LayoutPlain.
 	Layout Layout
 	// Retention is how long claims are kept. It has one source of truth:
-	// the value recorded with the table. [Migrate] records it when it
+	// the value recorded with the table. [MigrationLine] records it when it
 	// creates the table (this field, or [DefaultRetention] when zero); the
 	// middleware's stale guard and the [Cleaner] read it. A non-zero value
 	// that differs from the recorded one is refused with

@@ -61,7 +61,7 @@ type ConvertResult struct {
 // for its key or partitioning (the reference recipe's PRIMARY KEY
 // (event_id), partitions on processed_at, a table without a primary key or
 // without a consumer_group column, or one whose consumer_group or
-// processed_at is nullable) into the table [Migrate] makes for cfg,
+// processed_at is nullable) into the table [MigrationLine] makes for cfg,
 // keeping one row per (event_id, consumer_group): the one with the earliest
 // processed_at. Then it runs Migrate, in the same transaction, so the result
 // passes Check; with [LayoutPartitioned] the rows end up in daily partitions

@@ -29,7 +29,7 @@ type Deduplicator struct {
 	processedAtSQL string
 }
 
-// New returns a Deduplicator. It does not touch the database; run [Migrate]
+// New returns a Deduplicator. It does not touch the database; migrate [MigrationLine] up
 // first.
 func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
 	cfg.setDefaults()

@@ -358,7 +358,7 @@ func ForgetGroup(ctx context.Context, db migrate.Beginner, cfg TableConfig, grou
 // notMigrated turns "relation does not exist" (SQLSTATE 42P01) into a
 // [*TableError] wrapping [ErrTableMissing] that names the missing table
 // (the processed_event table or one of its companions): a table the library
-// needs is missing (run [Migrate]).
+// needs is missing (migrate [MigrationLine] up).
 func notMigrated(err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {

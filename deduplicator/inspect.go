@@ -60,8 +60,8 @@ func TableLayout(ctx context.Context, db migrate.DBTX, cfg TableConfig) (Layout,
 // [LayoutPartitioned].
 type Partition struct {
 	// Name is the partition's table, in the table's schema:
-	// <table>_pYYYYMMDD ([PartitionName]), <table>_default
-	// ([DefaultPartitionName]), or any name for one attached by hand.
+	// <table>_pYYYYMMDD, <table>_default, or any name for one attached by
+	// hand.
 	Name string
 	// Default is true for the DEFAULT partition, which holds the ids outside
 	// every other partition.

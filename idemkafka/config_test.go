@@ -101,7 +101,7 @@ func TestSaramaConsumerConfigEnforcesSafeSettings(t *testing.T) {
 }
 
 // A JoinGroup can be held for the rebalance timeout: the consumer config
-// keeps Net.ReadTimeout above it by JoinGroupTimeoutMargin, correcting (and
+// keeps Net.ReadTimeout above it by the join margin (5 s), correcting (and
 // logging) a base that breaks the rule, and keeping a base that follows it.
 func TestSaramaConsumerConfigReadTimeoutOutlastsRebalance(t *testing.T) {
 	t.Parallel()
@@ -170,7 +170,7 @@ func TestSaramaConsumerConfigReadTimeoutOutlastsRebalance(t *testing.T) {
 	require.Equal(t, time.Duration(math.MaxInt64), idemkafka.MinConsumerReadTimeout(huge), "no overflow")
 }
 
-func TestNewKafkaSubscriberConfig(t *testing.T) {
+func TestWatermillSubscriberConfig(t *testing.T) {
 	t.Parallel()
 	_, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{}, "g")
 	require.ErrorContains(t, err, "Brokers")
@@ -191,7 +191,7 @@ func TestNewKafkaSubscriberConfig(t *testing.T) {
 	requireSecurityPreserved(t, cfg.OverwriteSaramaConfig, base)
 }
 
-func TestNewKafkaPublisherConfig(t *testing.T) {
+func TestWatermillPublisherConfig(t *testing.T) {
 	t.Parallel()
 	_, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{})
 	require.ErrorContains(t, err, "Brokers")

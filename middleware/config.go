@@ -46,7 +46,7 @@ type Config struct {
 	ConsumerGroup string
 
 	// Table describes the processed_event table: pass the same value to
-	// deduplicator.Migrate and the Cleaner. Its retention is the one
+	// deduplicator.MigrationLine and the Cleaner. Its retention is the one
 	// recorded with the table (Table.Retention, when set, must match it).
 	// Defaults to public.processed_event, plain layout.
 	Table deduplicator.TableConfig

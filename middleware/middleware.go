@@ -34,7 +34,7 @@ type Dedup struct {
 }
 
 // NewDedup validates cfg, checks the table and registers the consumer group,
-// and returns the middleware. Run deduplicator.Migrate first: NewDedup
+// and returns the middleware. Migrate deduplicator.MigrationLine first: NewDedup
 // refuses, at start-up rather than at the first message, a missing table or
 // pending migrations, a retention that differs from the one recorded with
 // the table (deduplicator.ErrRetentionMismatch), an Idempotency-Key

@@ -89,7 +89,7 @@ func TestSecurityIdentifiersRefused(t *testing.T) {
 			_, err = migrate.New(nil, deduplicator.MigrationLine(tc.table))
 			require.ErrorContains(t, err, tc.field, "deduplicator.MigrationLine %s", label)
 			err = migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc.table))
-			require.ErrorContains(t, err, tc.field, "deduplicator.Migrate %s", label)
+			require.ErrorContains(t, err, tc.field, "migrate.Up %s", label)
 			_, err = idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "g", Table: tc.table}, nil)
 			require.ErrorContains(t, err, tc.field, "idem.NewDedup %s", label)
 		}

@@ -52,7 +52,7 @@ func TestCheck_MissingTables(t *testing.T) {
 
 	err := e.outbox.Check(ctx, e.db.Pool, "payments")
 	terr := requireOutboxTableError(t, err, outbox.ErrTopicNotMigrated, "payments", e.outbox.MessagesTable("payments"))
-	require.Contains(t, terr.Fix, "Outbox.Migrate")
+	require.Contains(t, terr.Fix, "outbox.MigrationLine")
 
 	e.db.Exec(t, "DROP TABLE "+e.outbox.OffsetsTable("orders"))
 	requireOutboxTableError(t, e.outbox.Check(ctx, e.db.Pool), outbox.ErrTopicNotMigrated, "orders", e.outbox.OffsetsTable("orders"))

@@ -38,8 +38,8 @@ func writeSQL(t *testing.T, dir, name, body string) string {
 	return path
 }
 
-// The SQL exported for goose and golang-migrate (deduplicator.Migrations and
-// outbox.Migrations), applied by plain psql, makes the same tables and
+// The SQL exported for goose and golang-migrate (a migrate.Migrator's
+// Migrations of the dedup and outbox lines), applied by plain psql, makes the same tables and
 // records as the Go migrators: they find nothing pending and nothing to
 // apply, Check passes, and the forwarder and a watermill-sql subscriber work
 // on the outbox tables. The Down SQL takes it all back.

@@ -48,7 +48,7 @@ func exampleBroker(names ...string) (brokers []string, topics []string, stop fun
 }
 
 // The wiring: one router consumes the main topic and the retry topic (with
-// a Kafka consumer group of its own, through NewKafkaSubscriberConfig),
+// a Kafka consumer group of its own, through WatermillSubscriberConfig),
 // and both handlers run the same chain with the same dedup consumer group.
 // A payment provider is down on the first delivery: after the in-process
 // retry the event moves to the retry topic, and is applied from there once
