@@ -32,10 +32,10 @@ type command struct {
 }
 
 var commands = []command{
-	{"migrate", "status", "", "applied, pending and unknown versions of the dedup table and the outbox topics, and the tables' checks", migrateStatus},
-	{"migrate", "up", "[--only dedup|outbox] [--target N] [--retention D] [--dry-run]", "apply the pending versions", migrateUp},
-	{"migrate", "down", "[--only dedup|outbox] [--target N | --all] [--dry-run] --yes", "revert the newest version of each component (or down to --target)", migrateDown},
-	{"migrate", "sql", "[--only dedup|outbox] [--down] [--pending]", "print the migrations' SQL (for goose, golang-migrate or psql)", migrateSQL},
+	{"migrate", "status", "[--only dedup,outbox,retry]", "applied, pending and unknown versions of every table (dedup, outbox topics, retry parked keys), and the tables' checks", migrateStatus},
+	{"migrate", "up", "[--only dedup,outbox,retry] [--target N] [--retention D] [--dry-run]", "apply the pending versions", migrateUp},
+	{"migrate", "down", "[--only dedup,outbox,retry] [--target N | --all] [--dry-run] --yes", "revert the newest version of each component (or down to --target)", migrateDown},
+	{"migrate", "sql", "[--only dedup,outbox,retry] [--down] [--pending]", "print the migrations' SQL (for goose, golang-migrate or psql)", migrateSQL},
 	{"dedup", "check", "EVENT_ID [--group G]...", "was the event processed by the group (default: every registered group), and when", dedupCheck},
 	{"dedup", "convert", "[--group G] [--retention D] [--dry-run]", "convert an existing processed_event table (another key, NULL or no consumer_group) to the library's, keeping one row per (event, group)", dedupConvert},
 	{"dedup", "stats", "", "claims per group and per partition, oldest and newest, table size (reads every row)", dedupStats},

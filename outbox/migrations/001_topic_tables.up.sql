@@ -10,8 +10,9 @@
 -- being skipped. The primary key leads with transaction_id for that scan.
 --
 -- watermill-sql's advisory lock serialises this with a watermill-sql
--- subscriber that initialises the same tables (InitializeSchema) through
--- Outbox.SchemaAdapter: concurrent CREATE TABLE IF NOT EXISTS can collide.
+-- subscriber that initialises the same tables (InitializeSchema, with the
+-- lock DefaultSchemaInitializationLock("idemkit_outbox")): concurrent
+-- CREATE TABLE IF NOT EXISTS can collide.
 SELECT pg_advisory_xact_lock({{.InitLock}});
 
 CREATE TABLE IF NOT EXISTS {{ident .Schema .Messages}} (
