@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -264,6 +265,9 @@ type Querier interface {
 func ListParked(ctx context.Context, db Querier, t ParkedKeysTable, consumerGroup string) ([]ParkedEvent, error) {
 	t.setDefaults()
 	if err := t.validate(); err != nil {
+		return nil, fmt.Errorf("retrytopic: %w", err)
+	}
+	if err := deduplicator.ValidateGroupName("consumerGroup", consumerGroup); err != nil {
 		return nil, fmt.Errorf("retrytopic: %w", err)
 	}
 	rows, err := db.Query(ctx, `SELECT consumer_group, partition_key, event_id, seq, topic, not_before, parked_at
