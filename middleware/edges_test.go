@@ -6,6 +6,7 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync/atomic"
 	"testing"
 
@@ -141,4 +142,79 @@ func TestEdgeBOMPayloadEventIDHonoured(t *testing.T) {
 	require.True(t, idem.IsPermanent(err))
 	require.True(t, errors.Is(err, publisher.ErrEventIDMismatch))
 	require.EqualValues(t, 2, calls.Load())
+}
+
+// swallowingHandler writes its ledger row, then for the ids in bad runs a
+// statement that fails and swallows the error, returning nil: the
+// transaction it was handed is aborted (SQLSTATE 25P02 for everything
+// after), which the handler does not say.
+func (f *ledgerFixture) swallowingHandler(calls *atomic.Int32, bad ...uuid.UUID) message.HandlerFunc {
+	insert := f.insertHandler(1, calls)
+	return func(m *message.Message) ([]*message.Message, error) {
+		if _, err := insert(m); err != nil {
+			return nil, err
+		}
+		ctx := m.Context()
+		if id, _ := idem.EventIDFromContext(ctx); slices.Contains(bad, id) {
+			_, _ = idem.MustTxFromContext(ctx).Exec(ctx, "SELECT 1/0") // error swallowed
+		}
+		return nil, nil
+	}
+}
+
+// Group commit: a handler that swallows an SQL error leaves the shared
+// transaction aborted. It is the culprit: it alone goes to single mode
+// (where it fails with ErrTxAborted and stays alone on its later attempts),
+// while the rest of its group, rolled back with it, commits as a group on
+// its retry: no innocent message is processed alone or fails.
+func TestEdgeGroupCommitAbortedTxOnlyTheCulpritGoesAlone(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	d := groupDedup(t, f, "billing")
+	ids := newIDs(12)
+	bad := []uuid.UUID{ids[2], ids[9]}
+	var calls atomic.Int32
+	h := d.Middleware(f.swallowingHandler(&calls, bad...))
+	for i, err := range deliverAll(h, f.msgs(ids)) {
+		if slices.Contains(bad, ids[i]) {
+			require.ErrorIs(t, err, idem.ErrTxAborted, "delivery %d: the culprit fails, named", i)
+			require.False(t, idem.IsPermanent(err), "retryable: the swallowed error may be transient")
+			continue
+		}
+		require.NoError(t, err, "delivery %d: an innocent message", i)
+	}
+	st := d.Stats()
+	require.EqualValues(t, 10, st.Processed)
+	require.EqualValues(t, len(bad), st.Alone, "only the culprits were processed alone")
+	require.GreaterOrEqual(t, st.GroupFallbacks, uint64(1))
+	require.Equal(t, 10, f.ledgerRows(t))
+	require.Equal(t, 10, f.claims(t))
+	for _, id := range bad {
+		require.Zero(t, f.db.Count(t, "SELECT 1 FROM ledger WHERE event_id = $1", id))
+		require.Zero(t, f.db.Count(t, "SELECT 1 FROM processed_event WHERE event_id = $1", id))
+	}
+
+	// A culprit's next attempt goes alone at once, and fails the same way.
+	fallbacks := d.Stats().GroupFallbacks
+	_, err := h(f.msg(bad[0]))
+	require.ErrorIs(t, err, idem.ErrTxAborted)
+	require.Equal(t, fallbacks, d.Stats().GroupFallbacks)
+	require.EqualValues(t, len(bad)+1, d.Stats().Alone)
+	require.Zero(t, f.pool.Stat().AcquiredConns())
+}
+
+// Single mode: a handler that swallows an SQL error gets ErrTxAborted (not
+// the COMMIT's "unexpectedly resulted in rollback"); nothing is committed.
+func TestEdgeSingleAbortedTxNamed(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	d := f.dedup(t, "billing", nil)
+	id := publisher.NewEventID()
+	var calls atomic.Int32
+	h := d.Middleware(f.swallowingHandler(&calls, id))
+	_, err := h(f.msg(id))
+	require.ErrorIs(t, err, idem.ErrTxAborted)
+	require.Zero(t, f.ledgerRows(t))
+	require.Zero(t, f.claims(t))
+	require.EqualValues(t, 1, d.Stats().Failed)
 }
