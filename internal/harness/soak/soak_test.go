@@ -129,9 +129,17 @@ func TestSoakDetectsNonTransactionalHandler(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			rep, err := soak.Run(context.Background(), soak.Config{
-				Seed:                  7,
-				Events:                300,
-				Aggregates:            16,
+				Seed:       7,
+				Events:     300,
+				Aggregates: 16,
+				// Small: the unsafe handler's pools hold a connection per
+				// partition of each topic a process consumes (see
+				// [soak.Config.UnsafeLedgerOutsideTx]), 3 processes of
+				// 2 x 3 + 2 here.
+				Partitions:            2,
+				Instances:             2,
+				SecondInstances:       1,
+				Producers:             2,
 				Faults:                c.faults,
 				DLQPercent:            -1,
 				DoublePercent:         -1,
