@@ -10,7 +10,7 @@ STATICCHECK   := honnef.co/go/tools/cmd/staticcheck@v0.7.0
 TEST_P        ?= 2
 TEST_PARALLEL ?= 2
 TEST_CONNS    ?= 60
-TEST_FLAGS    ?= -race -count=1 -timeout 20m -p $(TEST_P) -parallel $(TEST_PARALLEL)
+TEST_FLAGS    ?= -race -count=1 -timeout 30m -p $(TEST_P) -parallel $(TEST_PARALLEL)
 BENCHTIME     ?= 500ms
 PKGS          := ./...
 
