@@ -196,9 +196,15 @@ type Report struct {
 	Producer string
 	// Consumers is "one transaction per message" or "group commit".
 	Consumers string
-	// Faults counts injected faults by kind; Skipped those that found no target.
+	// Faults counts injected faults by kind; Skipped those that found no
+	// target, or were armed in a consumer but not executed before the run
+	// ended. Every scheduled fault is in one or the other.
 	Faults  map[string]int
 	Skipped map[string]int
+	// Scheduled counts the faults the schedule planned, by kind (a join
+	// plans its leave; a pg-terminate-producer is reported under the name
+	// of the component it hit, pg-terminate-producer or -forwarder).
+	Scheduled map[string]int
 	// Kills counts consumer processes killed with SIGKILL (all kinds);
 	// Disruptions the database outages (every connection dropped, new ones
 	// refused for Outage).
@@ -292,7 +298,7 @@ func (r *Report) String() string {
 	for _, k := range slices.Sorted(maps.Keys(kinds)) {
 		fmt.Fprintf(&b, "  %-22s %d", k, r.Faults[k])
 		if s := r.Skipped[k]; s > 0 {
-			fmt.Fprintf(&b, " (%d skipped: no target)", s)
+			fmt.Fprintf(&b, " (%d skipped)", s)
 		}
 		b.WriteString("\n")
 	}
@@ -434,7 +440,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		topic:  "soak-events-" + runID,
 		dlq:    "soak-dlq-" + runID,
 		logger: cfg.Logger,
-		report: &Report{Seed: cfg.Seed, Events: cfg.Events, Outage: cfg.Outage, Faults: map[string]int{}, Skipped: map[string]int{}},
+		report: &Report{Seed: cfg.Seed, Events: cfg.Events, Outage: cfg.Outage, Faults: map[string]int{}, Skipped: map[string]int{}, Scheduled: map[string]int{}},
 	}
 	h.table = tableConfig(h.schema)
 	h.parked = parkedTable(h.schema)
@@ -631,6 +637,12 @@ func (h *harness) run(ctx context.Context) error {
 	}
 
 	schedule := makeSchedule(h.cfg)
+	for _, f := range schedule {
+		h.report.Scheduled[f.kind]++
+		if f.kind == faultJoin {
+			h.report.Scheduled[faultLeave]++
+		}
+	}
 	h.logf("seed=%d events=%d aggregates=%d partitions=%d producer=%q faults scheduled=%d database=%s consumers=%s",
 		h.cfg.Seed, h.cfg.Events, h.cfg.Aggregates, h.cfg.Partitions, prod.kind(), len(schedule), h.dbName, h.exe)
 
@@ -666,6 +678,9 @@ func (h *harness) shutdown() {
 	}
 	wg.Wait()
 	h.bg.Wait()
+	for _, g := range h.groups {
+		g.skipOrphans()
+	}
 	if h.dlqR != nil {
 		h.dlqR.close()
 	}
