@@ -152,6 +152,8 @@ type consumer struct {
 	retryTopics []string
 	// sarama is the base client config of the subscribers (nil: default).
 	sarama *sarama.Config
+	// observe, when set, goes outside rt.Middleware.
+	observe message.HandlerMiddleware
 }
 
 // run starts one router with the main handler and a retry handler per retry
@@ -185,6 +187,9 @@ func (f *fixture) run(t *testing.T, c consumer, fail failFunc) *message.Router {
 	}
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, logger)
 	require.NoError(t, err)
+	if c.observe != nil {
+		router.AddMiddleware(c.observe)
+	}
 	router.AddMiddleware(c.rt.Middleware, retry.Middleware, c.dedup.Middleware, c.rt.ReleaseMiddleware)
 	h := f.ledgerHandler(fail)
 	router.AddConsumerHandler("ledger", f.main, sub, h)

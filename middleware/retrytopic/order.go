@@ -64,6 +64,10 @@ const (
 	// actStore: a copy of a parked event that waits without its message (a
 	// row written before the table kept messages): store the message, ack.
 	actStore
+	// actProbe: a retry-topic copy of an event without a row, its key
+	// parked by another event: wait for a transaction that may be parking
+	// it (then look again), else the copy is stale, ack it.
+	actProbe
 )
 
 // parking is a keyed message's place in the parked-keys table.
@@ -123,11 +127,10 @@ func (o *keyOrder) check(ctx context.Context) error {
 //
 // On the main topic a parked event is acked (it waits in the table or its
 // copy is on the retry path) and any other event of a parked key waits
-// behind the head. On a retry topic the head runs; a copy of another parked
-// event is acked (its row keeps it), and a copy of an event that is not
-// parked while its key is (a copy that came back after its event was done,
-// or a second copy after a crash) waits behind the head like a main-topic
-// event, so it can never overtake the key's order.
+// behind the head. On a retry topic the head runs, and so does a copy
+// whose key is free (the dedup claim decides; see settle); a copy of
+// another parked event is acked (its row keeps it); a copy of an event
+// without a row while its key is parked by another is probed (see probe).
 func (o *keyOrder) look(ctx context.Context, msg *message.Message, onRetry bool) (pk *parking, act action, err error) {
 	key := o.cfg.KeyFunc(msg)
 	if key == "" {
@@ -152,6 +155,8 @@ WHERE h.consumer_group = $1 AND h.partition_key = $2 ORDER BY h.seq LIMIT 1`,
 	}
 	pk.head = &head
 	switch {
+	case !pk.parked && onRetry:
+		return pk, actProbe, nil
 	case !pk.parked:
 		return pk, actWait, nil
 	case !onRetry:
@@ -251,10 +256,17 @@ VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (consumer_group, partition_key, even
 			return fmt.Errorf("retrytopic: park behind key: %w", err)
 		}
 		queued = true
+		if testHookWaitBeforeCommit != nil {
+			testHookWaitBeforeCommit()
+		}
 		return nil
 	})
 	return queued, err
 }
+
+// testHookWaitBeforeCommit, set by tests, runs in wait between the INSERT
+// and the COMMIT.
+var testHookWaitBeforeCommit func()
 
 // store keeps c as the message of pk's parked event, which has none (it was
 // parked before the table kept messages, and its copy came back); the
@@ -408,6 +420,29 @@ func (o *keyOrder) releaseUnlessDone(ctx context.Context, pk *parking) error {
 		return nil
 	}
 	return o.releaseNow(ctx, pk)
+}
+
+// probe tells whether a retry-topic copy that found no row of its own is
+// being parked right now: park inserts the row before it publishes the
+// copy and commits after, so the probe INSERT waits on the primary key for
+// that transaction. pending is true when it committed the row (look
+// again); false when there is none: the copy is stale. Its event was
+// released (applied, poisoned, or skipped by Unblock) and this is a second
+// copy of it (a hand-off the forwarder sent again, a copy redelivered after
+// a crash), or its park was rolled back and the message it was made from
+// is redelivered instead (a park commits before that message is acked).
+func (o *keyOrder) probe(ctx context.Context, pk *parking) (pending bool, err error) {
+	tx, err := o.cfg.DB.Begin(ctx)
+	if err != nil {
+		return false, fmt.Errorf("retrytopic: probe parked key: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // the probe's row goes
+	tag, err := tx.Exec(ctx, `INSERT INTO `+o.table()+` (consumer_group, partition_key, event_id)
+VALUES ($1, $2, $3) ON CONFLICT (consumer_group, partition_key, event_id) DO NOTHING`, pk.group, pk.key, pk.id)
+	if err != nil {
+		return false, fmt.Errorf("retrytopic: probe parked key: %w", err)
+	}
+	return tag.RowsAffected() == 0, nil
 }
 
 // settle releases pk's row after a copy that found none succeeded. park

@@ -92,8 +92,25 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		var pk *parking
 		if r.order != nil {
 			var act action
-			if pk, act, err = r.order.look(ctx, msg, onRetry); err != nil {
-				return nil, err
+			for looks := 0; ; looks++ {
+				if pk, act, err = r.order.look(ctx, msg, onRetry); err != nil {
+					return nil, err
+				}
+				if act != actProbe {
+					break
+				}
+				pending, err := r.order.probe(ctx, pk)
+				if err != nil {
+					return nil, err
+				}
+				if !pending {
+					r.stats.stale.Add(1)
+					r.logger.Debug("Stale retry copy acked: its event is not parked and its key waits for another", pk.fields())
+					return nil, nil
+				}
+				if looks > 0 {
+					return nil, fmt.Errorf("retrytopic: event %s of key %q: its parked row keeps changing", pk.id, pk.key)
+				}
 			}
 			switch act {
 			case actAck:
