@@ -6,7 +6,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/middleware/retrytopic")
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+)
 
 // The failure table of docs/retry.md ("KeyOrder"), one case each: a crash
 // is played by delivering again the message whose ack it lost, or by
