@@ -8,10 +8,10 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// SetWaitHook sets the hook wait runs between its INSERT and its COMMIT
-// (nil removes it). Tests using it must not run in parallel with others
-// of the package that park.
-func SetWaitHook(f func()) { testHookWaitBeforeCommit = f }
+// SetWaitHook sets the hook wait runs between its INSERT and its COMMIT,
+// with the event id (nil removes it). Set it only from a test that is not
+// parallel: the other tests are not running then.
+func SetWaitHook(f func(id uuid.UUID)) { testHookWaitBeforeCommit = f }
 
 // Wait parks event id of key behind its key's head, as a main-topic
 // follower does: queued is false when the key is free.

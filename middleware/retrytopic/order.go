@@ -257,7 +257,7 @@ VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (consumer_group, partition_key, even
 		}
 		queued = true
 		if testHookWaitBeforeCommit != nil {
-			testHookWaitBeforeCommit()
+			testHookWaitBeforeCommit(pk.id)
 		}
 		return nil
 	})
@@ -266,7 +266,7 @@ VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (consumer_group, partition_key, even
 
 // testHookWaitBeforeCommit, set by tests, runs in wait between the INSERT
 // and the COMMIT.
-var testHookWaitBeforeCommit func()
+var testHookWaitBeforeCommit func(id uuid.UUID)
 
 // store keeps c as the message of pk's parked event, which has none (it was
 // parked before the table kept messages, and its copy came back); the
