@@ -145,8 +145,8 @@ type Config struct {
 	IsPermanentFunc func(error) bool
 
 	// KeyOrder, when set, keeps the order of the events of a key: while a
-	// key has an event on the retry path, its later events follow it there
-	// instead of overtaking it. Defaults to nil: a retried event is
+	// key has an event on the retry path, its later events wait for it in
+	// PostgreSQL instead of overtaking it. Defaults to nil: a retried event is
 	// overtaken by the later events of its key, which keep flowing.
 	KeyOrder *KeyOrder
 
