@@ -39,7 +39,6 @@ type unit struct {
 	fail     map[event]int // event → failures left
 	copies   []*message.Message
 	results  chan error
-	ledgerMu sync.Mutex
 }
 
 const (
