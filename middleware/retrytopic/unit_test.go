@@ -35,10 +35,10 @@ type unit struct {
 	ob    *outbox.Outbox
 	table retrytopic.ParkedKeysTable
 
-	mu       sync.Mutex
-	fail     map[event]int // event → failures left
-	copies   []*message.Message
-	results  chan error
+	mu      sync.Mutex
+	fail    map[event]int // event → failures left
+	copies  []*message.Message
+	results chan error
 }
 
 const (
