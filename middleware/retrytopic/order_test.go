@@ -71,7 +71,7 @@ func TestKeyOrderLaterEventsFollowTheRetriedOne(t *testing.T) {
 	f := newFixture(t, 2, 2)
 	rt, err := retrytopic.New(f.retryConfig(func(c *retrytopic.Config) {
 		c.MaxAttempts = 2
-		c.KeyOrder = f.keyOrder()
+		c.KeyOrder = f.keyOrder(t)
 	}), nil)
 	require.NoError(t, err)
 	// Each release is logged with its transaction id, to compare with the

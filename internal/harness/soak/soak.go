@@ -316,8 +316,12 @@ func (r *Report) String() string {
 	for _, g := range r.Groups {
 		fmt.Fprintf(&b, "group %s: lost=%d double=%d | deliveries=%d applied=%d duplicates absorbed=%d failed+redelivered=%d ledger rows=%d distinct=%d sum=%d\n",
 			g.Name, g.Lost, g.Double, g.Deliveries, g.Applied, g.Duplicates, g.Failed, g.LedgerRows, g.DistinctEvents, g.Sum)
-		fmt.Fprintf(&b, "  retry topics (in-process retries %d): failed as planned: %d events, %d times | escalated to a retry topic: %d times, %d events, attempts up to %d | deferred behind their key: %d | retry-topic deliveries=%d applied from a retry topic=%d | poisoned=%d\n",
-			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, g.Poisoned)
+		perEvent := 0.0
+		if g.AppliedFromRetry > 0 {
+			perEvent = float64(g.RetryDeliveries) / float64(g.AppliedFromRetry)
+		}
+		fmt.Fprintf(&b, "  retry topics (in-process retries %d): failed as planned: %d events, %d times | escalated to a retry topic: %d times, %d events, attempts up to %d | deferred behind their key: %d | retry-topic deliveries=%d applied from a retry topic=%d (%.2f deliveries per event on the retry path) | poisoned=%d\n",
+			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, perEvent, g.Poisoned)
 	}
 	if r.Database != "" {
 		fmt.Fprintf(&b, "database kept: %s\n", r.Database)
@@ -519,6 +523,17 @@ func (h *harness) setupDB(ctx context.Context) error {
 	if err := retrytopic.Migrate(ctx, h.admin, h.parked); err != nil {
 		return fmt.Errorf("migrate retry_parked_key: %w", err)
 	}
+	// KeyOrder hands a key on through the outbox, to each group's first
+	// retry topic.
+	for g := range groups {
+		ob, err := handoffOutbox(h.schema, h.retryTopics(g), h.logger)
+		if err != nil {
+			return err
+		}
+		if err := ob.Migrate(ctx, h.admin); err != nil {
+			return fmt.Errorf("migrate the hand-off outbox: %w", err)
+		}
+	}
 	// Every change of the parked-keys table, for the diagnosis of a failed
 	// run (-keep): which process parked or released which event, in which
 	// transaction, when.
@@ -538,7 +553,7 @@ CREATE FUNCTION soak_park_log() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE r record;
 BEGIN
     IF TG_OP = 'DELETE' THEN r := OLD; ELSE r := NEW; END IF;
-    INSERT INTO soak_park_log (op, grp, k, event_id, seq, topic) VALUES (TG_OP, r.consumer_group, r.partition_key, r.event_id, r.seq, r.topic);
+    INSERT INTO soak_park_log (op, grp, k, event_id, seq, topic) VALUES (TG_OP, r.consumer_group, r.partition_key, r.event_id, r.seq, COALESCE(r.topic, ''));
     RETURN r;
 END $$;
 CREATE TRIGGER soak_park_log AFTER INSERT OR UPDATE OR DELETE ON `+pgx.Identifier{h.parked.Schema, retrytopic.DefaultTable}.Sanitize()+`
