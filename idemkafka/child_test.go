@@ -1,0 +1,3 @@
+package idemkafka_test
+
+func runChildIfAsked() {}
