@@ -120,7 +120,7 @@ type SubscriberConfig struct {
 	// not be handed out (zero for none): the record waits in its
 	// partition's window, holding only the later messages of its key
 	// (with [OrderKey]); other keys keep flowing and a rebalance drops the
-	// wait. retrytopic.NotBefore reads the retry topics' not-before header.
+	// wait. retrytopic.RecordNotBefore reads the retry topics' not-before header.
 	// Defaults to nil (no wait).
 	NotBeforeFunc func(*sarama.ConsumerMessage) time.Time
 	// CommitMetadataMaxBytes bounds the offset commit metadata in which
