@@ -179,4 +179,3 @@ func TestSubscriberInstancesJoinAndLeave(t *testing.T) {
 	f.waitApplied(t, keys*perKey)
 	f.verifyLedger(t, keys, perKey)
 }
-
