@@ -144,7 +144,9 @@ func TestSubscriberSurvivesSIGKILL(t *testing.T) {
 			require.NoError(t, b.Process.Signal(syscall.SIGKILL))
 			_ = b.Wait()
 			f.startChild(t, "kill", groupCommit)
+			start := time.Now()
 			f.waitApplied(t, keys*perKey)
+			t.Logf("the rest applied %.1fs after the second kill", time.Since(start).Seconds())
 			f.verifyLedger(t, keys, perKey)
 		})
 	}

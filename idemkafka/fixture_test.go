@@ -156,10 +156,10 @@ func (f *fixture) router(t *testing.T, sub message.Subscriber, pool *pgxpool.Poo
 	return stop
 }
 
-// waitFor polls cond until it holds, failing the test after a minute.
+// waitFor polls cond until it holds, failing the test after three minutes (a deadline for a loaded machine, not an expected duration).
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(time.Minute)
+	deadline := time.Now().Add(3 * time.Minute)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
