@@ -18,6 +18,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -45,6 +46,8 @@ func TestEdgeGroupNameUnstorableRefused(t *testing.T) {
 	_ = good
 	pub := gochannel.NewGoChannel(gochannel.Config{}, nil)
 	t.Cleanup(func() { _ = pub.Close() })
+	handoff, err := outbox.New(outbox.Config{Schema: f.db.Schema, Topics: []string{"orders-retry"}}, nil)
+	require.NoError(t, err)
 
 	for _, bad := range []string{"bill\x00ing", "\x00", "bill\xffing", "bill\xc3", "\xed\xa0\x80"} { // NUL; invalid UTF-8: 0xff, a cut sequence, a surrogate
 		what := []byte(bad)
@@ -73,7 +76,7 @@ func TestEdgeGroupNameUnstorableRefused(t *testing.T) {
 		requireGroupNameError(t, err, "ConvertOptions.ConsumerGroup", "ConvertTable")
 
 		rcfg := retrytopic.Config{Publisher: pub, Topics: []string{"orders-retry"}, PoisonTopic: "orders-poison",
-			KeyOrder: &retrytopic.KeyOrder{DB: f.pool, ConsumerGroup: bad}}
+			KeyOrder: &retrytopic.KeyOrder{DB: f.pool, Outbox: handoff, ConsumerGroup: bad}}
 		requireGroupNameError(t, rcfg.Validate(), "KeyOrder.ConsumerGroup", "retrytopic KeyOrder")
 		_, err = retrytopic.ListParked(ctx, f.pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, bad)
 		requireGroupNameError(t, err, "consumerGroup", "ListParked")
