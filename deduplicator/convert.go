@@ -89,6 +89,9 @@ func ConvertTable(ctx context.Context, db migrate.Beginner, cfg TableConfig, opt
 	if err := cfg.Validate(); err != nil {
 		return res, err
 	}
+	if err := ValidateGroupName("ConvertOptions.ConsumerGroup", opts.ConsumerGroup); err != nil {
+		return res, err
+	}
 	migs, err := loadMigrations(cfg)
 	if err != nil {
 		return res, err

@@ -13,6 +13,7 @@ import (
 	"syscall"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -49,6 +50,8 @@ var commands = []command{
 	{"groups", "forget", "GROUP --yes", "delete a group's claims and registration", groupsForget},
 	{"retention", "show", "", "the retention recorded with the table", retentionShow},
 	{"retention", "set", "DURATION [--yes]", "change the recorded retention (7d, 720h...); shortening needs --yes", retentionSet},
+	{"retry", "parked", "[--group G] [--limit N] [--parked-table T]", "parked keys of retry topics' KeyOrder: queue per key, age of the oldest, how overdue the first event's copy is", retryParked},
+	{"retry", "unblock", "--group G --key K [--skip] [--topic T] --yes", "send a parked key's first event to the retry path again (or --skip it) when its copy is not coming back", retryUnblock},
 	{"poison", "list", "--topic T [filters]", "the poison topic's messages matching the filters", poisonList},
 	{"poison", "replay", "--topic T [filters] [--dry-run] [--rate N]", "publish matching poison messages back to their original topic", poisonReplay},
 }
@@ -137,6 +140,7 @@ func isBadInput(err error) bool {
 	for _, target := range []error{
 		deduplicator.ErrGroupNotFound, deduplicator.ErrGroupExists,
 		outbox.ErrInvalidTopic, outbox.ErrTopicNotMigrated,
+		retrytopic.ErrKeyNotParked, retrytopic.ErrNoStoredMessage,
 	} {
 		if errors.Is(err, target) {
 			return true

@@ -30,8 +30,10 @@
 // inside Sarama's session, so other partitions and rebalances keep going.
 //
 // [Config.KeyOrder] keeps the events of a key in order: while a key has an
-// event on the retry path, its later events follow it there. The parked
-// keys are rows of a PostgreSQL table ([MigrationLine]); a success releases
-// its row in the handler's transaction ([RetryTopic.ReleaseMiddleware]).
+// event on the retry path, its later events wait in a PostgreSQL table
+// ([MigrationLine]) with their message. A success releases its row in the
+// handler's transaction ([RetryTopic.ReleaseMiddleware]) and hands the key
+// to the next waiting event through the outbox ([KeyOrder.Outbox]).
+// [ParkedKeys], [SummarizeParked] and [Unblock] are for operators.
 // docs/retry.md explains the wiring, the failure cases and the measurements.
 package retrytopic

@@ -168,4 +168,5 @@ func ExampleMigrationLine() {
 	// Output:
 	// 0 <nil>
 	// 001_parked_key
+	// 002_parked_message
 }

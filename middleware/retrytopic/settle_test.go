@@ -17,6 +17,7 @@ import (
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
+	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -37,9 +38,12 @@ func TestKeyOrderCopyConsumedBeforeItsParkCommits(t *testing.T) {
 	logger := watermill.NopLogger{}
 	ps := gochannel.NewGoChannel(gochannel.Config{}, logger)
 	const group, retryTopic, key = "billing", "orders.retry", "acct-1"
+	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{retryTopic}}, logger)
+	require.NoError(t, err)
+	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), retryTopic)))
 	rt, err := retrytopic.New(retrytopic.Config{
 		Publisher: ps, Topics: []string{retryTopic}, PoisonTopic: "orders.poison",
-		KeyOrder: &retrytopic.KeyOrder{DB: db.Pool, ConsumerGroup: group, Table: table},
+		KeyOrder: &retrytopic.KeyOrder{DB: db.Pool, Outbox: ob, ConsumerGroup: group, Table: table},
 	}, logger)
 	require.NoError(t, err)
 	dedup, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: group, Table: deduplicator.TableConfig{Schema: db.Schema}}, logger)
