@@ -207,24 +207,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, r.OldestAge.Seconds(), r.Topic, r.Forwarder)
 		}
 	}
-	sums := map[string]retrytopic.Stats{}
-	var order []string
-	for _, r := range retries {
-		st, ok := sums[r.group]
-		if !ok {
-			order = append(order, r.group)
-		}
-		x := r.rt.Stats()
-		st.Retried += x.Retried
-		st.Recovered += x.Recovered
-		st.Poisoned += x.Poisoned
-		st.Followed += x.Followed
-		st.Released += x.Released
-		st.HandedOff += x.HandedOff
-		sums[r.group] = st
-	}
-	for _, g := range order {
-		s := sums[g]
+	for _, gs := range statsx.ByKey(retries, func(r retrySource) string { return r.group }, func(r retrySource) retrytopic.Stats { return r.rt.Stats() }, addRetryStats) {
+		g, s := gs.Key, gs.Value
 		counter(descRetried, float64(s.Retried), g)
 		counter(descRecovered, float64(s.Recovered), g)
 		counter(descPoisoned, float64(s.Poisoned), g)
@@ -265,4 +249,15 @@ func cloneOpts(opts *outbox.BacklogOpts) outbox.BacklogOpts {
 	o := *opts
 	o.Topics = append([]string(nil), opts.Topics...)
 	return o
+}
+
+// addRetryStats sums the retry-topic counters the collector exports.
+func addRetryStats(a, b retrytopic.Stats) retrytopic.Stats {
+	a.Retried += b.Retried
+	a.Recovered += b.Recovered
+	a.Poisoned += b.Poisoned
+	a.Followed += b.Followed
+	a.Released += b.Released
+	a.HandedOff += b.HandedOff
+	return a
 }
