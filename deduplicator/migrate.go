@@ -128,14 +128,3 @@ func pendingVersions(ctx context.Context, db migrate.DBTX, cfg TableConfig, migs
 func migrateUp(ctx context.Context, db migrate.Beginner, cfg TableConfig) error {
 	return migrate.Up(ctx, db, MigrationLine(cfg))
 }
-
-// readTx runs fn in a transaction (a savepoint when db is a pgx.Tx) that is
-// rolled back: fn only reads.
-func readTx(ctx context.Context, db migrate.Beginner, fn func(tx pgx.Tx) error) error {
-	tx, err := db.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("deduplicator: begin: %w", err)
-	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	return fn(tx)
-}

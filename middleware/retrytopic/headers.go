@@ -106,15 +106,3 @@ func truncate(s string, n int) string {
 	}
 	return s[:n] + "…"
 }
-
-// msgNotBefore returns the time before which a retry-topic copy must not be
-// processed, from its [MetadataNotBefore]; ok is false when the message has
-// none (or an unparsable one).
-func msgNotBefore(msg *message.Message) (t time.Time, ok bool) {
-	v := msg.Metadata.Get(MetadataNotBefore)
-	if v == "" {
-		return time.Time{}, false
-	}
-	t, err := time.Parse(time.RFC3339Nano, v)
-	return t, err == nil
-}
