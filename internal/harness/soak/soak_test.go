@@ -32,7 +32,16 @@ func TestSoakShort(t *testing.T) {
 	for _, mode := range []struct {
 		name        string
 		groupCommit bool
-	}{{"one transaction per message", false}, {"group commit", true}} {
+		parallel    bool
+	}{
+		{"one transaction per message", false, false},
+		{"group commit", true, false},
+		// idemkafka's parallel subscriber, with the per-key order check;
+		// in group commit mode its processes' pools stay at 4 connections
+		// (the suite's budget), one transaction per message would need
+		// one per message in flight.
+		{"parallel subscriber, group commit", true, true},
+	} {
 		t.Run(mode.name, func(t *testing.T) {
 			cfg := soak.Config{
 				Seed:        20261130,
@@ -40,6 +49,7 @@ func TestSoakShort(t *testing.T) {
 				Aggregates:  32,
 				Faults:      soak.ShortFaults,
 				GroupCommit: mode.groupCommit,
+				Parallel:    mode.parallel,
 				Timeout:     8 * time.Minute, // a bound, not a target: under -race a run takes ~1 min on an idle 2-core machine, up to 6 on a crowded one
 				DatabaseURL: pgtest.URL(),
 				Brokers:     kafkatest.External(),
