@@ -58,7 +58,7 @@ type group struct {
 	retryDeliveries, appliedFromRetry, deferred atomic.Int64
 	escalated, poisoned, maxAttempt             atomic.Int64
 	maxHandlers                                 atomic.Int64 // the most main-topic messages in one process's handlers at once
-	escalatedIDs                                sync.Map // event id → true
+	escalatedIDs                                sync.Map     // event id → true
 }
 
 // retryGroup is the Kafka consumer group of a group's consumers of retry
