@@ -475,7 +475,7 @@ func parallelSubscriber(ctx context.Context, o Options) (Section, error) {
 		"(`outbox.PublisherFromContext`; no forwarder runs). Each run consumes a backlog (%d events with the waiting "+
 		"handler, %d with the fast one; the same for every run of a workload) with a new consumer group and a new dedup consumer group; its rate runs from the first "+
 		"event handled to the last one of the count committed. watermill-kafka's subscriber on the waiting handler counts "+
-		"only the first %d events (draining %d at its ~%d msg/s would take a minute a round; its rate is flat, partitions / "+
+		"only the first %d events (draining %d at its ~%d msg/s would take %s a round; its rate is flat, partitions / "+
 		"handler time, and stopping early spares it the tail); the parallel subscriber drains the whole backlog, its tail "+
 		"included. The parallel subscriber declares `idem.Config.Concurrency: sub.MaxInFlight()`. Two rows bound the "+
 		"waiting workload: \"no database\" is the same wait without the dedup middleware and without PostgreSQL (the "+
@@ -484,7 +484,7 @@ func parallelSubscriber(ctx context.Context, o Options) (Section, error) {
 		"what this machine's PostgreSQL gives at that concurrency. %d rounds, the variants' order rotated each round; "+
 		"ratios are of the same round.\n\n",
 		kafkaDesc(o.Brokers), parPartitions, parKeys, parKeys, parPoolConns, parSlowCall, slowN, fastN, slowBase, slowN,
-		int(parPartitions*time.Second/parSlowCall), parMaxInFlight, parPartitions, parMaxInFlight/parPartitions, parMaxInFlight, rounds)
+		int(parPartitions*time.Second/parSlowCall), time.Duration(slowN)*parSlowCall/parPartitions, parMaxInFlight, parPartitions, parMaxInFlight/parPartitions, parMaxInFlight, rounds)
 	fmt.Fprintf(&b, "Latency from publish to commit of each event (its wait behind earlier events of its key, and of its partition "+
 		"with watermill-kafka, included), with events published for %s at half the consumer's median rate above, on a fresh "+
 		"topic while it consumes:\n\n", latFor)
