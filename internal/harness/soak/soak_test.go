@@ -19,7 +19,10 @@ import (
 // database refuses connections for a while; every fault kind scheduled
 // (those whose target depends on timing may be skipped, and are reported);
 // 5 % of the events fail transiently 1 to 3 times and go through the retry
-// topics; then "every event applied exactly once per group".
+// topics; then "every event applied exactly once per group" and each
+// aggregate's events in order. Three runs: watermill-kafka's subscriber in
+// both commit modes, and idemkafka's parallel subscriber in group commit
+// mode.
 //
 // The soak tests run one at a time, not in parallel: a run holds up to ~40
 // PostgreSQL connections (its producer, forwarder, five or six consumer
