@@ -33,8 +33,7 @@ type DeleteForwardedOpts struct {
 }
 
 // DeleteForwarded deletes, for each topic, the rows that every one of the
-// forwarders has already passed (those whose transaction is visible in the
-// snapshot of every forwarder's position), and returns how many it deleted. Run it
+// forwarders has already passed, and returns how many it deleted. Run it
 // periodically: the forwarder never deletes, since another forwarder or
 // subscriber may still need the rows. When ctx is done between two
 // statements, it returns what it deleted so far with ctx's error.
@@ -73,9 +72,9 @@ func (o *Outbox) DeleteForwarded(ctx context.Context, db deduplicator.Beginner, 
 
 func (o *Outbox) deleteForwarded(ctx context.Context, db deduplicator.Beginner, topic string, opts DeleteForwardedOpts) (int64, error) {
 	tables := o.tables(topic)
-	var passed outboxsql.Snapshot
+	var positions []outboxsql.Position
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) (err error) {
-		passed, err = tables.Passed(ctx, tx, opts.Forwarders)
+		positions, err = tables.Positions(ctx, tx, opts.Forwarders)
 		return err
 	})
 	if errors.Is(err, outboxsql.ErrNoPosition) {
@@ -88,7 +87,7 @@ func (o *Outbox) deleteForwarded(ctx context.Context, db deduplicator.Beginner, 
 	for {
 		var n int64
 		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) (err error) {
-			n, err = tables.DeleteVisible(ctx, tx, passed, opts.BatchSize)
+			n, err = tables.DeletePassed(ctx, tx, positions, opts.BatchSize)
 			return err
 		})
 		if err != nil {

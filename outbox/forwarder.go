@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/puddle/v2"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
@@ -270,7 +271,7 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 	defer cancel()
 	if err := f.checkTables(ctx); err != nil {
 		var te *TableError
-		if errors.As(err, &te) {
+		if errors.As(err, &te) || errors.Is(err, puddle.ErrClosedPool) {
 			return nil, err
 		}
 		f.logger.Error("Outbox forwarder cannot check its tables yet; Run will retry", err, nil)
@@ -368,7 +369,7 @@ func (f *Forwarder) start(stopCtx context.Context) error {
 		if err == nil {
 			return nil
 		}
-		if stopCtx.Err() != nil {
+		if stopCtx.Err() != nil || errors.Is(err, puddle.ErrClosedPool) {
 			return fmt.Errorf("outbox forwarder: stopped before it could start: %w", err)
 		}
 		f.logger.Error("Outbox forwarder cannot start, retrying", err, watermill.LogFields{"attempt": attempt, "retry_in": backoff.String()})

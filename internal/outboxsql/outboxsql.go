@@ -456,32 +456,52 @@ func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64,
 	return pending, oldest, nil
 }
 
-// ErrNoPosition is returned by [Tables.Position] and [Tables.Passed] when
-// a name has no position.
+// ErrNoPosition is returned by [Tables.Position] and [Tables.Positions]
+// when a name has no position.
 var ErrNoPosition = errors.New("no position")
 
-// Passed returns the snapshot whose visible transactions' rows every one of
-// names has forwarded, or [ErrNoPosition] if one of them has none.
-func (t Tables) Passed(ctx context.Context, db DB, names []string) (Snapshot, error) {
+// Positions returns the positions of names (duplicates once), or
+// [ErrNoPosition] if one of them has none.
+func (t Tables) Positions(ctx context.Context, db DB, names []string) ([]Position, error) {
 	names = slices.Compact(slices.Sorted(slices.Values(names)))
-	snaps := make([]Snapshot, 0, len(names))
+	out := make([]Position, 0, len(names))
 	for _, n := range names {
 		p, err := t.Position(ctx, db, n)
 		if err != nil {
-			return Snapshot{}, err
+			return nil, err
 		}
-		snaps = append(snaps, p.Snapshot)
+		out = append(out, p)
 	}
-	return Intersect(snaps...), nil
+	return out, nil
 }
 
-// DeleteVisible deletes at most limit rows whose transaction is visible in
-// s, and returns how many it deleted.
-func (t Tables) DeleteVisible(ctx context.Context, db DB, s Snapshot, limit int) (int64, error) {
+// DeletePassed deletes at most limit rows that every one of positions has
+// passed, and returns how many it deleted.
+func (t Tables) DeletePassed(ctx context.Context, db DB, positions []Position, limit int) (int64, error) {
+	if len(positions) == 0 {
+		return 0, nil
+	}
+	snaps := make([]string, len(positions))
+	cuts := make([]*string, len(positions))
+	offs := make([]int64, len(positions))
+	bound := uint64(math.MaxUint64)
+	for i, p := range positions {
+		snaps[i], offs[i] = p.Snapshot.String(), p.CutOffset
+		b := p.Snapshot.Xmax
+		if p.Cut != nil {
+			c := p.Cut.String()
+			cuts[i], b = &c, max(b, p.Cut.Xmax)
+		}
+		bound = min(bound, b)
+	}
 	tag, err := db.Exec(ctx, `DELETE FROM `+t.Messages+` WHERE ctid IN (
-		SELECT ctid FROM `+t.Messages+`
-		WHERE transaction_id < pg_snapshot_xmax($1::text::pg_snapshot)
-		  AND pg_visible_in_snapshot(transaction_id, $1::text::pg_snapshot)
-		LIMIT $2)`, s.String(), limit)
+		SELECT m.ctid FROM `+t.Messages+` m
+		WHERE m.transaction_id < $4::text::xid8
+		  AND NOT EXISTS (
+			SELECT 1 FROM unnest($1::text[], $2::text[], $3::bigint[]) p(snap, cut, off)
+			WHERE NOT (pg_visible_in_snapshot(m.transaction_id, p.snap::pg_snapshot)
+			           OR p.cut IS NOT NULL AND m."offset" <= p.off
+			              AND pg_visible_in_snapshot(m.transaction_id, p.cut::pg_snapshot)))
+		LIMIT $5)`, snaps, cuts, offs, strconv.FormatUint(bound, 10), limit)
 	return tag.RowsAffected(), err
 }

@@ -86,10 +86,11 @@ func TestPositionRoundTrip(t *testing.T) {
 			require.NoError(t, conn.QueryRow(ctx, `SELECT last_processed_transaction_id::text || '/' || offset_acked FROM `+tables.Offsets+` WHERE consumer_group = $1`, name).Scan(&legacy))
 			require.Equal(t, "1099511627782/9223372036854775807", legacy, "watermill-sql's columns: below far's xmin")
 
-			passed, err := tables.Passed(ctx, conn, []string{name})
+			ps, err := tables.Positions(ctx, conn, []string{name, name})
 			require.NoError(t, err)
-			require.Equal(t, far, passed)
-			_, err = tables.Passed(ctx, conn, []string{name, "never-registered"})
+			require.Len(t, ps, 1)
+			require.Equal(t, far, ps[0].Snapshot)
+			_, err = tables.Positions(ctx, conn, []string{name, "never-registered"})
 			require.ErrorIs(t, err, outboxsql.ErrNoPosition)
 		})
 	}
