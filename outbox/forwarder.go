@@ -241,6 +241,16 @@ type Forwarder struct {
 
 	forwarded, commits, polls, errs atomic.Uint64
 	tracing                         otelx.Tracers
+
+	// hook, when set (by tests, before Run), is called at each step of a
+	// forwarder transaction: "locked", "cut", "sent", "commit".
+	hook func(step string)
+}
+
+func (f *Forwarder) step(name string) {
+	if f.hook != nil {
+		f.hook(name)
+	}
 }
 
 // NewForwarder validates cfg, verifies the tables of its topics as
@@ -580,6 +590,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		return false, fmt.Errorf("lock position: %w", err)
 	}
 	f.polls.Add(1)
+	f.step("locked")
 	pages, ok := cache.pagesAfter(pos)
 	if !ok {
 		cut, err := tables.ReadCut(ctx, tx, pos, f.cfg.BatchSize)
@@ -590,6 +601,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		pages = cut.Pages
 	}
 	cut := cache.cut
+	f.step("cut")
 	if len(pages) == 0 {
 		if pos.Cut == nil {
 			return false, nil
@@ -633,6 +645,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		if sendErr := <-sent; sendErr != nil {
 			return false, fmt.Errorf("send %d messages: %w", len(msgs), sendErr)
 		}
+		f.step("sent")
 		if err != nil {
 			return false, err
 		}
@@ -651,6 +664,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 }
 
 func (f *Forwarder) commit(ctx context.Context, tx pgx.Tx, n int) error {
+	f.step("commit")
 	if err := tx.Commit(ctx); err != nil {
 		return fmt.Errorf("commit position: %w", err)
 	}
