@@ -39,7 +39,8 @@ const (
 	// DefaultBatchesPerTransaction is how many batches one forwarder
 	// transaction sends before it commits its position.
 	DefaultBatchesPerTransaction = 4
-	// DefaultPollInterval is the wait after an empty read.
+	// DefaultPollInterval is the longest wait between two reads when
+	// nothing wakes the forwarder up.
 	DefaultPollInterval = 100 * time.Millisecond
 	// DefaultRetryInterval is the wait after a failed batch.
 	DefaultRetryInterval = time.Second
@@ -115,8 +116,10 @@ type ForwarderConfig struct {
 	// disabled; the forwarder then polls every PollInterval. Defaults to
 	// false.
 	NoListen bool
-	// RetryInterval is the wait after a failed batch (its transaction is
-	// rolled back and the same rows are read again). Defaults to
+	// RetryInterval is the wait after a failed transaction (it is rolled
+	// back and the same rows are read again), the first wait between two
+	// start-up attempts of Run (then doubled up to 30 s), and the wait
+	// before the LISTEN connection is opened again. Defaults to
 	// [DefaultRetryInterval].
 	RetryInterval time.Duration
 	// ShutdownTimeout is how long the in-flight batch may still take after
@@ -124,8 +127,8 @@ type ForwarderConfig struct {
 	// Defaults to [DefaultShutdownTimeout].
 	ShutdownTimeout time.Duration
 	// StartupCheckTimeout bounds the check of the topics' tables that
-	// [NewForwarder] runs (a few catalog queries). Defaults to
-	// [DefaultStartupCheckTimeout] (10 s).
+	// [NewForwarder] runs (a few catalog queries), and each start-up
+	// attempt of Run. Defaults to [DefaultStartupCheckTimeout] (10 s).
 	StartupCheckTimeout time.Duration
 	// TracerProvider makes one producer span per batch sent to the broker,
 	// linked to the trace contexts stored with its rows (each record
