@@ -66,7 +66,7 @@ func TestForwarderReadDoesNotScanTheBacklog(t *testing.T) {
 		}
 		walk(plan[0]["Plan"].(map[string]any))
 	}
-	explain(outboxsql.CutSQL(tables.Messages), forwarded, nil, int64(0), 1000)
+	explain(outboxsql.CutSQL(tables.Messages), forwarded, nil, int64(0))
 
 	from, err := outboxsql.ParseSnapshot(forwarded)
 	require.NoError(t, err)
@@ -75,9 +75,9 @@ func TestForwarderReadDoesNotScanTheBacklog(t *testing.T) {
 	require.Len(t, cut.Pages, 1)
 	require.Equal(t, 100, cut.Pages[0].Rows)
 	pg := cut.Pages[0]
-	xids := make([]int64, len(pg.TxIDs))
+	xids := make([]string, len(pg.TxIDs))
 	for i, x := range pg.TxIDs {
-		xids[i] = int64(x)
+		xids[i] = fmt.Sprint(x)
 	}
 	explain(outboxsql.PageSQL(tables.Messages), xids, pg.First, pg.Last)
 }

@@ -26,6 +26,7 @@
 package outboxsql
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -315,22 +316,20 @@ func cutRowsSQL(messages string) string {
 		  AND m."offset" > $3`
 }
 
-// CutSQL is the statement of [Tables.ReadCut]: the pages of the cut, each
-// row carrying the cut's end snapshot.
+// CutSQL is the statement of [Tables.ReadCut]: the keys of the cut's rows
+// in "offset" order, each with the cut's end snapshot.
 func CutSQL(messages string) string {
-	return `SELECT min(o), max(o), array_agg(DISTINCT x), count(*), min(cur) FROM (
-		SELECT m."offset" AS o, m.transaction_id::text::bigint AS x,
-		       (row_number() OVER (ORDER BY m."offset") - 1) / $4 AS page,
-		       COALESCE($2::text::pg_snapshot, pg_current_snapshot())::text AS cur
+	return `SELECT m."offset", m.transaction_id, COALESCE($2::text::pg_snapshot, pg_current_snapshot())::text
 		` + cutRowsSQL(messages) + `
-		) c GROUP BY page ORDER BY page`
+		ORDER BY m."offset"`
 }
 
 // ReadCut returns the pages (of at most pageSize rows) of the cut that
 // continues p: the rest of p.Cut after p.CutOffset, or, when p has no cut,
 // a new cut from p.Snapshot to the snapshot of this statement (To; a cut
 // without rows has no pages and To is then meaningless). It reads only
-// the keys of the rows; [Tables.ReadPage] reads a page's rows.
+// the keys of the rows, 16 bytes each; [Tables.ReadPage] reads a page's
+// rows.
 func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (Cut, error) {
 	c := Cut{From: p.Snapshot}
 	var to *string
@@ -338,26 +337,42 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 		s := p.Cut.String()
 		to, c.To, c.After = &s, *p.Cut, p.CutOffset
 	}
-	rows, err := db.Query(ctx, CutSQL(t.Messages), p.Snapshot.String(), to, c.After, pageSize)
+	rows, err := db.Query(ctx, CutSQL(t.Messages), p.Snapshot.String(), to, c.After)
 	if err != nil {
 		return c, err
 	}
 	defer rows.Close()
-	var cur string
+	var (
+		cur    string
+		pg     Page
+		offset int64
+		xid    uint64
+	)
+	seen := make(map[uint64]struct{})
 	for rows.Next() {
-		var pg Page
-		var xids []int64
-		if err := rows.Scan(&pg.First, &pg.Last, &xids, &pg.Rows, &cur); err != nil {
+		if err := rows.Scan(&offset, &xid, &cur); err != nil {
 			return c, err
 		}
-		pg.TxIDs = make([]uint64, len(xids))
-		for i, x := range xids {
-			pg.TxIDs[i] = uint64(x)
+		if pg.Rows == 0 {
+			pg.First = offset
 		}
-		c.Pages = append(c.Pages, pg)
+		pg.Last = offset
+		pg.Rows++
+		if _, ok := seen[xid]; !ok {
+			seen[xid] = struct{}{}
+			pg.TxIDs = append(pg.TxIDs, xid)
+		}
+		if pg.Rows == pageSize {
+			c.Pages = append(c.Pages, pg)
+			pg = Page{}
+			clear(seen)
+		}
 	}
 	if err := rows.Err(); err != nil {
 		return c, err
+	}
+	if pg.Rows > 0 {
+		c.Pages = append(c.Pages, pg)
 	}
 	if p.Cut == nil && len(c.Pages) > 0 {
 		if c.To, err = ParseSnapshot(cur); err != nil {
@@ -369,29 +384,34 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 
 // PageSQL is the statement of [Tables.ReadPage].
 func PageSQL(messages string) string {
-	return `SELECT transaction_id::text::bigint, "offset", uuid, payload, metadata FROM ` + messages + `
-		WHERE transaction_id = ANY ($1::bigint[]::text[]::xid8[]) AND "offset" BETWEEN $2 AND $3
-		ORDER BY "offset"`
+	return `SELECT transaction_id, "offset", uuid, payload, metadata FROM ` + messages + `
+		WHERE transaction_id = ANY ($1::text[]::xid8[]) AND "offset" BETWEEN $2 AND $3`
 }
 
 // ReadPage appends to dst the rows of page, in "offset" order: one index
-// range of the primary key per transaction of the page.
+// range of the primary key per transaction of the page (sorted here: the
+// index returns them transaction by transaction).
 func (t Tables) ReadPage(ctx context.Context, db DB, page Page, dst []Row) ([]Row, error) {
-	xids := make([]int64, len(page.TxIDs))
+	xids := make([]string, len(page.TxIDs))
 	for i, x := range page.TxIDs {
-		xids[i] = int64(x)
+		xids[i] = strconv.FormatUint(x, 10)
 	}
 	rows, err := db.Query(ctx, PageSQL(t.Messages), xids, page.First, page.Last)
 	if err != nil {
 		return dst, err
 	}
-	return appendRows(rows, dst)
+	n := len(dst)
+	dst, err = appendRows(rows, dst)
+	if len(page.TxIDs) > 1 {
+		slices.SortFunc(dst[n:], func(a, b Row) int { return cmp.Compare(a.Offset, b.Offset) })
+	}
+	return dst, err
 }
 
 // ReadAll returns every row db sees in the messages table (a transaction's
 // own uncommitted rows included), in "offset" (insertion) order.
 func (t Tables) ReadAll(ctx context.Context, db DB) ([]Row, error) {
-	rows, err := db.Query(ctx, `SELECT transaction_id::text::bigint, "offset", uuid, payload, metadata FROM `+t.Messages+`
+	rows, err := db.Query(ctx, `SELECT transaction_id, "offset", uuid, payload, metadata FROM `+t.Messages+`
 		ORDER BY "offset"`)
 	if err != nil {
 		return nil, err
@@ -403,11 +423,9 @@ func appendRows(rows pgx.Rows, dst []Row) ([]Row, error) {
 	defer rows.Close()
 	for rows.Next() {
 		var r Row
-		var xid int64
-		if err := rows.Scan(&xid, &r.Offset, &r.UUID, &r.Payload, &r.Metadata); err != nil {
+		if err := rows.Scan(&r.TxID, &r.Offset, &r.UUID, &r.Payload, &r.Metadata); err != nil {
 			return dst, err
 		}
-		r.TxID = uint64(xid)
 		dst = append(dst, r)
 	}
 	return dst, rows.Err()
