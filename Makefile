@@ -4,7 +4,13 @@
 
 GO            ?= go
 STATICCHECK   := honnef.co/go/tools/cmd/staticcheck@v0.7.0
-TEST_FLAGS    ?= -race -count=1 -timeout 10m
+# The suite's PostgreSQL connection budget (README, "Testing"): packages tested
+# at once (-p), tests run at once within a package (-parallel), and the client
+# connections all of it may hold at once, checked against max_connections first.
+TEST_P        ?= 2
+TEST_PARALLEL ?= 2
+TEST_CONNS    ?= 60
+TEST_FLAGS    ?= -race -count=1 -timeout 30m -p $(TEST_P) -parallel $(TEST_PARALLEL)
 BENCHTIME     ?= 500ms
 PKGS          := ./...
 
@@ -15,12 +21,16 @@ help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_\/-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: test
-test: ## Run every test (real Postgres + in-process Kafka broker), with -race
+test: test/pg ## Run every test (real Postgres + in-process Kafka broker), with -race
 	$(GO) test $(TEST_FLAGS) $(PKGS)
 
 .PHONY: test/short
-test/short: ## Run the fast tests only (-short), without -race
-	$(GO) test -short -count=1 $(PKGS)
+test/short: test/pg ## Run the fast tests only (-short), without -race
+	$(GO) test -short -count=1 -p $(TEST_P) -parallel $(TEST_PARALLEL) $(PKGS)
+
+.PHONY: test/pg
+test/pg: ## Check that PostgreSQL (DATABASE_URL) is reachable and accepts the suite's TEST_CONNS connections
+	@$(GO) run ./internal/testkit/cmd/pgbudget -budget $(TEST_CONNS)
 
 .PHONY: lint
 lint: ## gofmt, go vet, staticcheck

@@ -106,9 +106,12 @@ type CleanerConfig struct {
 	// [DefaultPartitionLockRetries] (5).
 	LockRetries int
 
-	// NowFunc returns the current time; the cutoff is NowFunc() minus the
-	// table's recorded retention.
-	// Defaults to time.Now.
+	// NowFunc, when set, stands in for the database's clock: tests and
+	// simulations use it to run a pass as if it were later. Leave it nil in
+	// production: every pass then reads the database's clock (now()) and
+	// computes the cutoff, the young groups, the days of the partitions and
+	// the delay of a shortened retention from it, so that no host's clock
+	// decides what is deleted. Defaults to nil (the database's clock).
 	NowFunc func() time.Time
 
 	// DryRun makes a pass report what it would do and change nothing: it
@@ -146,9 +149,6 @@ func (c *CleanerConfig) setDefaults() {
 	}
 	if c.LockRetries == 0 {
 		c.LockRetries = DefaultPartitionLockRetries
-	}
-	if c.NowFunc == nil {
-		c.NowFunc = time.Now
 	}
 }
 
@@ -197,10 +197,21 @@ type Result struct {
 	// for 2 × RetentionRefreshInterval after a shortening the previous one.
 	Retention time.Duration
 	// YoungGroups are the consumer groups first seen less than a retention
-	// ago: their claims are kept whatever the event's age, because their
-	// stale guard lets old events through (none of their claims can have
-	// been cleaned yet).
+	// ago when the pass started: their claims are kept whatever the event's
+	// age, because their stale guard lets old events through (none of their
+	// claims can have been cleaned yet). Each DELETE and each partition drop
+	// reads the registry again in its own statement, so a group registering
+	// during the pass keeps its claims too.
 	YoungGroups []string
+	// Now is the database's clock at the start of the pass (or
+	// CleanerConfig.NowFunc's time): the cutoff is Now minus Retention.
+	Now time.Time
+	// ClockSkew is how far this host's clock is ahead of the database's
+	// (negative: behind), measured at the start of the pass; zero when
+	// CleanerConfig.NowFunc is set. The Cleaner does not use it: it is
+	// reported (and logged above a minute) because consumers' StaleMargin
+	// must cover their own hosts' skew.
+	ClockSkew time.Duration
 	// CreatedPartitions, DroppedPartitions and KeptPartitions name the
 	// partitions counted by PartitionsCreated, PartitionsDropped and
 	// PartitionsKept, in the order the pass met them.
@@ -230,9 +241,30 @@ type Cleaner struct {
 	table   string // quoted schema.table
 	lockKey string
 
-	// beforeBatch, when set (tests), runs before every batch with the
-	// batch number.
-	beforeBatch func(n int)
+	// hook, when set (tests), runs at each step of a pass with the pass's
+	// backend pid and, for stepBatch, the batch number: the interleaving
+	// tests pause the pass there.
+	hook func(s step, pid uint32, n int)
+	// hostNow is this host's clock, read only to report Result.ClockSkew.
+	hostNow func() time.Time
+}
+
+// step is a point of a pass where the interleaving tests pause it.
+type step int
+
+const (
+	// stepStart: before the pass reads the clock, the retention and the groups.
+	stepStart step = iota
+	// stepBatch: before each delete batch (n counts the batches done).
+	stepBatch
+	// stepDrop: before an old partition is locked, checked and dropped.
+	stepDrop
+)
+
+func (c *Cleaner) at(s step, conn *pgx.Conn, n int) {
+	if c.hook != nil {
+		c.hook(s, conn.PgConn().PID(), n)
+	}
 }
 
 // NewCleaner returns a Cleaner. It does not touch the database.
@@ -249,6 +281,7 @@ func NewCleaner(cfg CleanerConfig, logger watermill.LoggerAdapter) (*Cleaner, er
 		logger:  logger.With(watermill.LogFields{"table": cfg.Schema + "." + cfg.Table, "layout": cfg.Layout.String()}),
 		table:   ident.Quote(cfg.Schema, cfg.Table),
 		lockKey: "watermill-idempotency/retention/" + cfg.Schema + "." + cfg.Table,
+		hostNow: time.Now,
 	}, nil
 }
 
@@ -336,7 +369,11 @@ func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result,
 		return res, fmt.Errorf("%w: %s is %s, configured %s", ErrLayoutMismatch, c.table, map[bool]string{true: "partitioned", false: "plain"}[partitioned], c.cfg.Layout)
 	}
 
-	now := c.cfg.NowFunc()
+	c.at(stepStart, conn, 0)
+	now, err := c.clock(ctx, conn, &res)
+	if err != nil {
+		return res, err
+	}
 	retention, young, err := c.retention(ctx, conn, now)
 	if err != nil {
 		return res, err
@@ -346,7 +383,7 @@ func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result,
 	boundary := UUIDv7Floor(cutoff)
 	if partitioned {
 		var movedFrom uuid.UUID
-		movedFrom, err = c.maintainPartitions(ctx, conn, cutoff, young, &res)
+		movedFrom, err = c.maintainPartitions(ctx, conn, now, cutoff, &res)
 		if err == nil {
 			// Old rows left in the DEFAULT partition (far past ids). A dry
 			// run moved nothing: rows of the cutoff's day that a real pass
@@ -354,10 +391,10 @@ func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result,
 			if c.cfg.DryRun && movedFrom != uuid.Nil && bytes.Compare(movedFrom[:], boundary[:]) < 0 {
 				boundary = movedFrom
 			}
-			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table)), boundary, young, &res)
+			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, DefaultPartitionName(c.cfg.Table)), boundary, cutoff, &res)
 		}
 	} else {
-		err = c.deleteV7(ctx, conn, c.table, boundary, young, &res)
+		err = c.deleteV7(ctx, conn, c.table, boundary, cutoff, &res)
 		if err == nil && c.cfg.DeleteNonV7 {
 			err = c.deleteNonV7(ctx, conn, cutoff, &res)
 		}
@@ -368,8 +405,31 @@ func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result,
 	return res, err
 }
 
+// clock returns the time the pass computes with: the database's clock
+// (now() of a statement of its own), or NowFunc's time when set. It records
+// in res how far this host's clock is off the database's.
+func (c *Cleaner) clock(ctx context.Context, conn *pgx.Conn, res *Result) (time.Time, error) {
+	if c.cfg.NowFunc != nil {
+		res.Now = c.cfg.NowFunc()
+		return res.Now, nil
+	}
+	before := c.hostNow()
+	if err := conn.QueryRow(ctx, "SELECT now()").Scan(&res.Now); err != nil {
+		return time.Time{}, fmt.Errorf("cleaner: read the database's clock: %w", err)
+	}
+	after := c.hostNow()
+	res.ClockSkew = before.Add(after.Sub(before) / 2).Sub(res.Now).Round(time.Millisecond)
+	if res.ClockSkew > RetentionRefreshInterval || res.ClockSkew < -RetentionRefreshInterval {
+		c.logger.Info("This host's clock is off the database's: the Cleaner uses the database's clock, but consumers' StaleMargin must cover their own hosts' skew", watermill.LogFields{
+			"host_ahead_by": res.ClockSkew.String(),
+		})
+	}
+	return res.Now, nil
+}
+
 // retention returns the retention this pass applies and the groups first
-// seen less than that long ago, whose claims must be kept, and records the
+// seen less than that long ago (informational: each delete reads the
+// registry again), and records the
 // pass's cutoff as the table's cleanup horizon before anything is deleted.
 // It refuses ([ErrRetentionMismatch]) a configured retention that differs
 // from the recorded one. After a shortening ([SetRetention]) it applies the
@@ -394,7 +454,7 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 	if err != nil {
 		return 0, nil, fmt.Errorf("cleaner: %w", err)
 	}
-	young := []string{} // never nil: a NULL array would make <> ALL keep every row
+	young := []string{}
 	for _, g := range gs {
 		if g.Young(now, retention) {
 			young = append(young, g.Name)
@@ -424,9 +484,15 @@ func (r Result) logFields() watermill.LogFields {
 // partition) below boundary (the floor of the cutoff), walking the primary
 // key upwards in batches; a dry run counts them instead.
 //
-// The claims of young groups are kept: their stale guard lets old events
-// through, so deleting a claim would let a redelivery apply it again.
-func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, boundary uuid.UUID, young []string, res *Result) error {
+// The claims of young groups (first seen after cutoff) are kept: their
+// stale guard lets old events through, so deleting a claim would let a
+// redelivery apply it again. The registry is read inside each batch's
+// statement, in the snapshot the statement deletes from (see
+// docs/retention.md, "A group registering during a pass"): a claim the
+// statement can see was committed after its group's registration, so the
+// statement sees that registration too; a claim committed later is not
+// visible to it, so it cannot be deleted by it.
+func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, boundary uuid.UUID, cutoff time.Time, res *Result) error {
 	// Each batch takes the next rows in primary-key order below the boundary
 	// (an index range scan: filtering the version inside the scan would
 	// spoil the planner's estimate and turn it into a sort of the whole
@@ -437,11 +503,12 @@ func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, bo
 	// updated, so a row's ctid is stable within the statement. No FOR
 	// UPDATE: claims never lock existing rows (ON CONFLICT DO NOTHING does
 	// not), and locking would write every tuple twice.
-	del := `DELETE FROM ` + table + ` WHERE ctid = ANY (ARRAY (
-		SELECT ctid FROM batch WHERE get_byte(uuid_send(event_id), 6) >> 4 = 7 AND consumer_group <> ALL ($5::text[])))
+	old := `get_byte(uuid_send(b.event_id), 6) >> 4 = 7 AND NOT EXISTS (
+		SELECT 1 FROM ` + companion(c.cfg.TableConfig, groupSuffix) + ` g WHERE g.consumer_group = b.consumer_group AND g.first_seen_at > $5)`
+	del := `DELETE FROM ` + table + ` WHERE ctid = ANY (ARRAY (SELECT b.ctid FROM batch b WHERE ` + old + `))
 	RETURNING 1`
 	if c.cfg.DryRun {
-		del = `SELECT 1 FROM batch WHERE get_byte(uuid_send(event_id), 6) >> 4 = 7 AND consumer_group <> ALL ($5::text[])`
+		del = `SELECT 1 FROM batch b WHERE ` + old
 	}
 	q := `WITH batch AS MATERIALIZED (
 	SELECT ctid, event_id, consumer_group FROM ` + table + `
@@ -461,7 +528,7 @@ FROM (SELECT 1) one LEFT JOIN last ON true`
 	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (scanned, deleted int64, err error) {
 		var lastID *uuid.UUID
 		var lastGroup *string
-		if err := tx.QueryRow(ctx, q, fromID, fromGroup, boundary, limit, young).Scan(&scanned, &deleted, &lastID, &lastGroup); err != nil {
+		if err := tx.QueryRow(ctx, q, fromID, fromGroup, boundary, limit, cutoff).Scan(&scanned, &deleted, &lastID, &lastGroup); err != nil {
 			return 0, 0, err
 		}
 		if lastID != nil && lastGroup != nil {
@@ -473,6 +540,9 @@ FROM (SELECT 1) one LEFT JOIN last ON true`
 
 // deleteNonV7 deletes non-v7 rows processed before cutoff; a dry run counts
 // them in one statement (nothing is deleted, so batches would not advance).
+// No young group's claim qualifies: processed_at is the database's now() of
+// the claiming transaction, which began after the group's registration
+// committed, so it is later than first_seen_at, itself later than cutoff.
 func (c *Cleaner) deleteNonV7(ctx context.Context, conn *pgx.Conn, cutoff time.Time, res *Result) error {
 	if c.cfg.DryRun {
 		q := `SELECT count(*) FROM ` + c.table + ` WHERE processed_at < $1 AND get_byte(uuid_send(event_id), 6) >> 4 <> 7`
@@ -503,9 +573,7 @@ func (c *Cleaner) batches(ctx context.Context, conn *pgx.Conn, res *Result, batc
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		if c.beforeBatch != nil {
-			c.beforeBatch(res.Batches)
-		}
+		c.at(stepBatch, conn, res.Batches)
 		var scanned int64
 		n, err := c.inTx(ctx, conn, func(tx pgx.Tx) (int64, error) {
 			if c.cfg.StatementTimeout > 0 {
@@ -579,7 +647,7 @@ func isStatementTimeout(err error) bool {
 
 func isLockTimeout(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.LockNotAvailable
+	return errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.LockNotAvailable || pgErr.Code == pgerrcode.DeadlockDetected)
 }
 
 func cleanerSleep(ctx context.Context, d time.Duration) error {

@@ -82,8 +82,8 @@ func TestCleanerOnlyOneInstanceWorks(t *testing.T) {
 
 	inBatch, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	a.beforeBatch = func(n int) {
-		if n == 1 {
+	a.hook = func(s step, _ uint32, n int) {
+		if s == stepBatch && n == 1 {
 			once.Do(func() { close(inBatch) })
 			<-release
 		}
@@ -204,8 +204,8 @@ func TestCleanerStopsOnCancel(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, BatchSize: 10}, nil)
 	require.NoError(t, err)
-	c.beforeBatch = func(n int) {
-		if n == 3 {
+	c.hook = func(s step, _ uint32, n int) {
+		if s == stepBatch && n == 3 {
 			cancel()
 		}
 	}
@@ -218,7 +218,7 @@ func TestCleanerStopsOnCancel(t *testing.T) {
 	// once when the unlock got through; when a cancelled query took the
 	// connection down, as soon as the server has ended its session).
 	require.NoError(t, c.Run(ctx))
-	c.beforeBatch = nil
+	c.hook = nil
 	require.Eventually(t, func() bool {
 		res, err = c.RunOnce(context.Background())
 		require.NoError(t, err)

@@ -17,18 +17,29 @@ import (
 
 // ConvertOptions tunes [ConvertTable].
 type ConvertOptions struct {
-	// ConsumerGroup is the consumer group the existing rows belong to, for
-	// a table without a consumer_group column (used by one group only).
-	// Must be empty when the table has the column: its rows keep their own
-	// groups. Defaults to empty.
+	// ConsumerGroup is the consumer group that processed the rows that do
+	// not name one: every row of a table without a consumer_group column
+	// (used by one group only), or the rows whose consumer_group is NULL
+	// (the seed's table, whose code inserted only event_id). Required for
+	// such tables; refused for a table whose consumer_group is NOT NULL
+	// (its rows keep their own groups). Defaults to empty.
 	ConsumerGroup string
+	// DryRun converts inside the transaction and rolls it back: the result
+	// says what a conversion would do (rows kept and merged), and nothing
+	// changes. It takes the same locks as a conversion, for as long.
+	// Defaults to false.
+	DryRun bool
 }
 
 // ConvertResult reports what [ConvertTable] did.
 type ConvertResult struct {
 	// Converted is false when the table already had the expected columns
-	// and key: nothing was copied (the migrations still ran).
+	// and key: nothing was copied (the migrations still ran). With
+	// [ConvertOptions.DryRun], it says whether a conversion would copy.
 	Converted bool
+	// DryRun is true when everything was rolled back
+	// ([ConvertOptions.DryRun]).
+	DryRun bool
 	// Was describes what was wrong with the old table (the Problem of the
 	// [*TableError] that [Check] would have returned).
 	Was string
@@ -36,15 +47,20 @@ type ConvertResult struct {
 	Rows, Kept int64
 	// Collapsed = Rows - Kept: extra rows of an (event_id, consumer_group)
 	// stored more than once, which only a table keyed otherwise (e.g. by
-	// (event_id, processed_at)) can hold. The row with the earliest
-	// processed_at is kept.
+	// (event_id, processed_at)) can hold, or which a NULL consumer_group
+	// becomes once it takes [ConvertOptions.ConsumerGroup]. The row with
+	// the earliest processed_at is kept.
 	Collapsed int64
+	// GroupFilled counts the rows that took [ConvertOptions.ConsumerGroup]
+	// (every row without a consumer_group column; the NULL ones with it).
+	GroupFilled int64
 }
 
 // ConvertTable turns an existing processed_event table that [Check] refuses
 // for its key or partitioning (the reference recipe's PRIMARY KEY
 // (event_id), partitions on processed_at, a table without a primary key or
-// without a consumer_group column) into the table [Migrate] makes for cfg,
+// without a consumer_group column, or one whose consumer_group or
+// processed_at is nullable) into the table [Migrate] makes for cfg,
 // keeping one row per (event_id, consumer_group): the one with the earliest
 // processed_at. Then it runs Migrate, in the same transaction, so the result
 // passes Check; with [LayoutPartitioned] the rows end up in daily partitions
@@ -58,7 +74,11 @@ type ConvertResult struct {
 // view or foreign key depending on it makes the conversion fail. The old
 // table may have only the columns event_id (uuid), consumer_group (text or
 // varchar; or none, see [ConvertOptions.ConsumerGroup]) and processed_at
-// (timestamptz): any other column is refused rather than dropped.
+// (timestamptz): any other column is refused rather than dropped. A NULL
+// consumer_group takes [ConvertOptions.ConsumerGroup] (a table holding one
+// without it is refused, naming the option); a NULL processed_at becomes
+// the conversion's time (the claim is then kept for a whole retention); a
+// NULL event_id is refused (such a row names no event: delete it).
 //
 // A table that is already right is left as it is (Converted false); a
 // missing table is an error ([ErrTableMissing]): there is nothing to adopt.
@@ -99,9 +119,14 @@ func ConvertTable(ctx context.Context, db Beginner, cfg TableConfig, opts Conver
 		}
 		terr = shape.problem(cfg)
 	}
+	if opts.ConsumerGroup != "" {
+		if err := (Config{TableConfig: cfg, ConsumerGroup: opts.ConsumerGroup}).validate(); err != nil {
+			return res, fmt.Errorf("deduplicator: convert: ConvertOptions.%w", err)
+		}
+	}
 	if terr == nil {
 		if opts.ConsumerGroup != "" {
-			return res, &TableError{Table: cfg.Schema + "." + cfg.Table, Problem: "ConvertOptions.ConsumerGroup is set but the table has a consumer_group column", Fix: "leave ConsumerGroup empty: the rows keep their own groups", Err: ErrTableColumns}
+			return res, &TableError{Table: cfg.Schema + "." + cfg.Table, Problem: "ConvertOptions.ConsumerGroup is set but the table's consumer_group column is NOT NULL", Fix: "leave ConvertOptions.ConsumerGroup empty: the rows keep their own groups", Err: ErrTableColumns}
 		}
 	} else {
 		res.Was = terr.Problem
@@ -112,6 +137,13 @@ func ConvertTable(ctx context.Context, db Beginner, cfg TableConfig, opts Conver
 	}
 	if err := Migrate(ctx, tx, cfg); err != nil {
 		return ConvertResult{}, fmt.Errorf("deduplicator: convert: %w", err)
+	}
+	if opts.DryRun {
+		if err := tx.Rollback(ctx); err != nil {
+			return ConvertResult{}, fmt.Errorf("deduplicator: convert: roll back the dry run: %w", err)
+		}
+		res.DryRun = true
+		return res, nil
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return ConvertResult{}, fmt.Errorf("deduplicator: convert: commit: %w", err)
@@ -150,15 +182,25 @@ func rebuild(ctx context.Context, tx pgx.Tx, cfg TableConfig, shape tableShape, 
 			return refuse("add the column, then convert", "cannot convert: there is no %s column", want)
 		}
 	}
-	_, hasGroup := shape.column("consumer_group")
-	switch {
-	case hasGroup && opts.ConsumerGroup != "":
-		return refuse("leave ConvertOptions.ConsumerGroup empty: the rows keep their own groups", "ConvertOptions.ConsumerGroup is set but the table has a consumer_group column")
-	case !hasGroup && opts.ConsumerGroup == "":
-		return refuse("set ConvertOptions.ConsumerGroup to the consumer group that processed these rows", "cannot convert: the table has no consumer_group column and ConvertOptions.ConsumerGroup is empty")
-	}
-
 	table := ident.Quote(cfg.Schema, cfg.Table)
+	group, hasGroup := shape.column("consumer_group")
+	var nullEvents, nullGroups int64
+	if err := tx.QueryRow(ctx, "SELECT count(*) FILTER (WHERE event_id IS NULL), count(*) FILTER (WHERE "+
+		map[bool]string{true: "consumer_group IS NULL", false: "false"}[hasGroup]+") FROM "+table).Scan(&nullEvents, &nullGroups); err != nil {
+		return fmt.Errorf("deduplicator: convert %s: count NULLs: %w", name, err)
+	}
+	switch {
+	case nullEvents > 0:
+		return refuse("DELETE FROM "+name+" WHERE event_id IS NULL (such rows name no event and decide nothing), then convert",
+			"cannot convert: %d rows have a NULL event_id", nullEvents)
+	case hasGroup && group.notNull && opts.ConsumerGroup != "":
+		return refuse("leave ConvertOptions.ConsumerGroup empty: the rows keep their own groups", "ConvertOptions.ConsumerGroup is set but the table's consumer_group column is NOT NULL")
+	case hasGroup && nullGroups > 0 && opts.ConsumerGroup == "":
+		return refuse("set ConvertOptions.ConsumerGroup (idemctl dedup convert --group) to the consumer group that processed the rows whose consumer_group is NULL",
+			"cannot convert: %d rows have a NULL consumer_group and ConvertOptions.ConsumerGroup is empty", nullGroups)
+	case !hasGroup && opts.ConsumerGroup == "":
+		return refuse("set ConvertOptions.ConsumerGroup (idemctl dedup convert --group) to the consumer group that processed these rows", "cannot convert: the table has no consumer_group column and ConvertOptions.ConsumerGroup is empty")
+	}
 	oldName := cfg.Table + convertedSuffix
 	if len(oldName) > 63 {
 		oldName = cfg.Table[:63-len(convertedSuffix)] + convertedSuffix
@@ -216,18 +258,22 @@ WHERE i.indrelid = $1::oid AND ic.relname = ANY($2)`, shape.oid, []string{cfg.Ta
 	if _, err := exec("create the table (migration 1)", migs[i].Up); err != nil {
 		return err
 	}
-	copySQL := `INSERT INTO ` + table + ` (event_id, consumer_group, processed_at)
-SELECT DISTINCT ON (event_id, consumer_group) event_id, consumer_group, processed_at
-FROM (SELECT event_id, consumer_group::text AS consumer_group, processed_at FROM ` + old + `) o
-ORDER BY event_id, consumer_group, processed_at`
-	args := []any{}
+	// A NULL group takes $1; a NULL processed_at sorts last (a row with a
+	// time wins) and becomes now().
+	groupExpr := "COALESCE(consumer_group::text, $1::text)"
 	if !hasGroup {
-		copySQL = `INSERT INTO ` + table + ` (event_id, consumer_group, processed_at)
-SELECT DISTINCT ON (event_id) event_id, $1, processed_at FROM ` + old + `
-ORDER BY event_id, processed_at`
-		args = append(args, opts.ConsumerGroup)
+		groupExpr = "$1::text"
 	}
-	tag, err := exec("copy rows", copySQL, args...)
+	copySQL := `INSERT INTO ` + table + ` (event_id, consumer_group, processed_at)
+SELECT DISTINCT ON (event_id, consumer_group) event_id, consumer_group, COALESCE(processed_at, now())
+FROM (SELECT event_id, ` + groupExpr + ` AS consumer_group, processed_at FROM ` + old + `) o
+ORDER BY event_id, consumer_group, processed_at`
+	if !hasGroup {
+		res.GroupFilled = res.Rows
+	} else if opts.ConsumerGroup != "" {
+		res.GroupFilled = nullGroups
+	}
+	tag, err := exec("copy rows", copySQL, opts.ConsumerGroup)
 	if err != nil {
 		return err
 	}

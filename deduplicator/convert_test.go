@@ -215,7 +215,7 @@ func TestConvertTable_NoConsumerGroupColumn(t *testing.T) {
 
 	res, err := deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{ConsumerGroup: "billing"})
 	require.NoError(t, err)
-	require.Equal(t, deduplicator.ConvertResult{Converted: true, Was: res.Was, Rows: 2, Kept: 2}, res)
+	require.Equal(t, deduplicator.ConvertResult{Converted: true, Was: res.Was, Rows: 2, Kept: 2, GroupFilled: 2}, res)
 	require.Equal(t, sortPairs([]pair{{x, "billing", june}, {y, "billing", july}}), pairs(t, db, "processed_event"))
 	require.NoError(t, deduplicator.Check(ctx, db.Pool, tc))
 	require.True(t, claimRolledBack(t, db, tc, "notifications", x))
@@ -309,4 +309,101 @@ func scalar[T any](t *testing.T, db *pgtest.DB, query string, args ...any) T {
 	var v T
 	require.NoError(t, db.Pool.QueryRow(context.Background(), query, args...).Scan(&v))
 	return v
+}
+
+// seedDDL is the table the seed's code made: consumer_group nullable, and
+// the code inserted only event_id, so its rows have no group.
+const seedDDL = `CREATE TABLE processed_event (event_id uuid PRIMARY KEY, consumer_group text, processed_at timestamptz DEFAULT now())`
+
+// The seed's own table, as its code filled it (rows without a group, one
+// with a group, one without a processed_at): Check names the nullable
+// group and the key, with a fix that mends both; ConvertTable without a
+// group is refused with the option to set, and with one gives the NULL
+// rows that group and keeps the others'. A dry run reports the same and
+// changes nothing.
+func TestConvertTable_SeedTableWithNullGroups(t *testing.T) {
+	t.Parallel()
+	for _, layout := range []deduplicator.Layout{deduplicator.LayoutPlain, deduplicator.LayoutPartitioned} {
+		t.Run(layout.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			db := pgtest.New(t, 2)
+			tc := deduplicator.TableConfig{Schema: db.Schema, Layout: layout}
+			db.Exec(t, seedDDL)
+			x, y, z, w := publisher.NewEventID(), publisher.NewEventID(), publisher.NewEventID(), publisher.NewEventID()
+			db.Exec(t, "INSERT INTO processed_event (event_id) VALUES ($1)", x)
+			db.Exec(t, "INSERT INTO processed_event (event_id, processed_at) VALUES ($1, $2)", y, june)
+			db.Exec(t, "INSERT INTO processed_event (event_id, consumer_group, processed_at) VALUES ($1, 'notifications', $2)", z, july)
+			db.Exec(t, "INSERT INTO processed_event (event_id, processed_at) VALUES ($1, NULL)", w)
+
+			terr := requireTableError(t, deduplicator.Check(ctx, db.Pool, tc), deduplicator.ErrTableColumns, db.Schema+".processed_event")
+			require.Contains(t, terr.Problem, "consumer_group is nullable")
+			require.Contains(t, terr.Problem, "primary key is (event_id)", "the key is named too")
+			require.Contains(t, terr.Fix, "ConvertOptions.ConsumerGroup")
+			require.Contains(t, terr.Fix, "(event_id, consumer_group)", "the fix mends the key too")
+
+			// Without a group: a typed error naming the option, nothing changed.
+			_, err := deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{})
+			terr = requireTableError(t, err, deduplicator.ErrTableColumns, db.Schema+".processed_event")
+			require.Contains(t, terr.Problem, "3 rows have a NULL consumer_group")
+			require.Contains(t, terr.Fix, "ConvertOptions.ConsumerGroup")
+			require.Equal(t, 4, db.Count(t, "SELECT 1 FROM processed_event WHERE consumer_group IS NULL OR consumer_group = 'notifications'"))
+
+			// Dry run: the counts, nothing changed.
+			res, err := deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{ConsumerGroup: "billing", DryRun: true})
+			require.NoError(t, err)
+			require.Equal(t, deduplicator.ConvertResult{Converted: true, DryRun: true, Was: res.Was, Rows: 4, Kept: 4, GroupFilled: 3}, res)
+			require.Contains(t, res.Was, "consumer_group is nullable")
+			require.Equal(t, 3, db.Count(t, "SELECT 1 FROM processed_event WHERE consumer_group IS NULL"), "the dry run changed nothing")
+			requireTableError(t, deduplicator.Check(ctx, db.Pool, tc), deduplicator.ErrTableColumns, db.Schema+".processed_event")
+
+			res, err = deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{ConsumerGroup: "billing"})
+			require.NoError(t, err)
+			require.Equal(t, deduplicator.ConvertResult{Converted: true, Was: res.Was, Rows: 4, Kept: 4, GroupFilled: 3}, res)
+			got := pairs(t, db, "processed_event")
+			require.Len(t, got, 4)
+			for _, p := range got {
+				switch p.EventID {
+				case x, w:
+					require.Equal(t, "billing", p.Group)
+					require.WithinDuration(t, time.Now(), p.ProcessedAt, time.Hour, "the default, or the conversion's time for a NULL")
+				case y:
+					require.Equal(t, pair{y, "billing", june}, p)
+				case z:
+					require.Equal(t, pair{z, "notifications", july}, p)
+				}
+			}
+			require.NoError(t, deduplicator.Check(ctx, db.Pool, tc))
+			require.NoError(t, deduplicator.Migrate(ctx, db.Pool, tc))
+			require.False(t, claimRolledBack(t, db, tc, "billing", x), "billing processed x: a duplicate")
+			require.True(t, claimRolledBack(t, db, tc, "notifications", x), "notifications never did")
+			require.False(t, claimRolledBack(t, db, tc, "notifications", z))
+		})
+	}
+}
+
+// A NULL group that becomes the named group merges with that group's row of
+// the same event: one row is kept (the earliest), the other counted.
+func TestConvertTable_NullGroupMergesWithTheNamedGroup(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 2)
+	tc := deduplicator.TableConfig{Schema: db.Schema}
+	db.Exec(t, "CREATE TABLE processed_event (event_id uuid, consumer_group text, processed_at timestamptz)")
+	x := publisher.NewEventID()
+	db.Exec(t, "INSERT INTO processed_event VALUES ($1, NULL, $2), ($1, 'billing', $3)", x, july, june)
+
+	res, err := deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{ConsumerGroup: "billing"})
+	require.NoError(t, err)
+	require.Equal(t, deduplicator.ConvertResult{Converted: true, Was: res.Was, Rows: 2, Kept: 1, Collapsed: 1, GroupFilled: 1}, res)
+	require.Equal(t, []pair{{x, "billing", june}}, pairs(t, db, "processed_event"))
+
+	// A NULL event id names no event: refused, with the DELETE to run.
+	db.Exec(t, "DROP TABLE processed_event; DELETE FROM "+migrate.Table)
+	db.Exec(t, "CREATE TABLE processed_event (event_id uuid, consumer_group text NOT NULL, processed_at timestamptz)")
+	db.Exec(t, "INSERT INTO processed_event VALUES (NULL, 'billing', now())")
+	_, err = deduplicator.ConvertTable(ctx, db.Pool, tc, deduplicator.ConvertOptions{})
+	terr := requireTableError(t, err, deduplicator.ErrTableColumns, db.Schema+".processed_event")
+	require.Contains(t, terr.Problem, "1 rows have a NULL event_id")
+	require.Contains(t, terr.Fix, "DELETE FROM")
 }

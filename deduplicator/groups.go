@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -390,12 +392,22 @@ func ForgetGroup(ctx context.Context, db Beginner, cfg TableConfig, group string
 	return n, nil
 }
 
-// notMigrated turns "relation does not exist" (SQLSTATE 42P01) into
-// [ErrTableMissing]: a table the library needs is missing (run [Migrate]).
+// notMigrated turns "relation does not exist" (SQLSTATE 42P01) into a
+// [*TableError] wrapping [ErrTableMissing] that names the missing table
+// (the processed_event table or one of its companions): a table the library
+// needs is missing (run [Migrate]).
 func notMigrated(err error) error {
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
-		return fmt.Errorf("%w (%s; run deduplicator.Migrate)", ErrTableMissing, pgErr.Message)
+	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
+		// The message is `relation "schema.table" does not exist`, the name
+		// as the query wrote it.
+		table := pgErr.Message
+		if _, rest, ok := strings.Cut(pgErr.Message, `"`); ok {
+			if name, _, ok := strings.Cut(rest, `"`); ok {
+				table = name
+			}
+		}
+		return &TableError{Table: table, Problem: "does not exist", Fix: fixMigrate, Err: ErrTableMissing}
 	}
 	return err
 }

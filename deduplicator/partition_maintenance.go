@@ -3,6 +3,7 @@ package deduplicator
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"regexp"
 	"slices"
@@ -25,17 +26,18 @@ var boundRe = regexp.MustCompile(`^FOR VALUES FROM \('([0-9a-f-]{36})'\) TO \('(
 //
 // A partition that holds claims of a young group is kept: that group's stale
 // guard lets old events through, so their claims must stay until the group
-// is older than the retention.
+// is older than the retention. The check and the drop are one transaction
+// that first locks the partition against claims (see dropPartition).
 //
 // A dry run creates, moves and drops nothing: it counts the rows it would
 // move and names the partitions. It returns the lowest bound of the
 // partitions it created (or would create), uuid.Nil when none.
-func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, cutoff time.Time, young []string, res *Result) (movedFrom uuid.UUID, err error) {
+func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, now, cutoff time.Time, res *Result) (movedFrom uuid.UUID, err error) {
 	parts, err := listPartitions(ctx, conn, c.table)
 	if err != nil {
 		return uuid.Nil, fmt.Errorf("cleaner: list partitions: %w", err)
 	}
-	today := utcDay(c.cfg.NowFunc())
+	today := utcDay(now)
 	last := today.AddDate(0, 0, c.cfg.PartitionsAhead)
 	hasDefault := slices.ContainsFunc(parts, func(p Partition) bool { return p.Default })
 
@@ -98,22 +100,16 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 		if p.Default || !p.parsed || bytes.Compare(p.to[:], boundary[:]) > 0 {
 			continue
 		}
-		if len(young) > 0 {
-			var held bool
-			if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM "+ident.Quote(c.cfg.Schema, p.Name)+" WHERE consumer_group = ANY ($1::text[]))", young).Scan(&held); err != nil {
-				return uuid.Nil, fmt.Errorf("cleaner: check partition %s: %w", p.Name, err)
-			}
-			if held {
-				c.logger.Info("Keeping an old partition: it holds claims of a consumer group first seen less than a retention ago", watermill.LogFields{"partition": p.Name, "young_groups": young})
-				res.PartitionsKept++
-				res.KeptPartitions = append(res.KeptPartitions, p.Name)
-				continue
-			}
+		c.at(stepDrop, conn, 0)
+		dropped, err := c.dropPartition(ctx, conn, p.Name, cutoff)
+		if err != nil {
+			return uuid.Nil, err
 		}
-		if !c.cfg.DryRun {
-			if err := c.dropPartition(ctx, conn, p.Name); err != nil {
-				return uuid.Nil, err
-			}
+		if !dropped {
+			c.logger.Info("Keeping an old partition: it holds claims of a consumer group first seen less than a retention ago", watermill.LogFields{"partition": p.Name})
+			res.PartitionsKept++
+			res.KeptPartitions = append(res.KeptPartitions, p.Name)
+			continue
 		}
 		res.PartitionsDropped++
 		res.DroppedPartitions = append(res.DroppedPartitions, p.Name)
@@ -201,23 +197,66 @@ func (c *Cleaner) createPartition(ctx context.Context, conn *pgx.Conn, day time.
 	return moved, nil
 }
 
-// dropPartition detaches and drops a partition in one short transaction.
-// DETACH needs the parent's ACCESS EXCLUSIVE lock (DETACH CONCURRENTLY is not
-// allowed while a DEFAULT partition exists), so the wait is bounded by
-// LockTimeout and retried.
-func (c *Cleaner) dropPartition(ctx context.Context, conn *pgx.Conn, name string) error {
+// errKeep rolls back a drop whose partition holds a young group's claims.
+var errKeep = errors.New("partition holds claims of a young consumer group")
+
+// dropPartition detaches and drops a partition unless it holds a claim of a
+// consumer group first seen after cutoff (young), and reports whether it
+// dropped it. One transaction:
+//
+//  1. LOCK the partition IN SHARE MODE: claims into it (events older than
+//     the retention, which only a young group's stale guard lets through)
+//     wait until the transaction ends; claims into other partitions do not;
+//  2. look for a young group's claim in it, reading the registry in the
+//     same statement: every claim in the partition has committed, and so
+//     has its group's registration, before that statement's snapshot;
+//  3. DETACH (the parent's ACCESS EXCLUSIVE lock: DETACH CONCURRENTLY is not
+//     allowed while a DEFAULT partition exists) and DROP it.
+//
+// A claim waiting in step 1 is routed again after the commit, to the
+// DEFAULT partition, whose deletes keep young groups' claims. Each lock wait
+// is bounded by LockTimeout and retried. A claim that holds the parent's
+// lock and waits for the partition while step 3 waits for the parent is a
+// deadlock: PostgreSQL cancels one of the two (the Cleaner retries; a
+// consumer's transaction fails and its message is retried), and nothing is
+// deleted that a young group claimed. A dry run checks without locking.
+func (c *Cleaner) dropPartition(ctx context.Context, conn *pgx.Conn, name string, cutoff time.Time) (bool, error) {
 	qname := ident.Quote(c.cfg.Schema, name)
+	held := `SELECT CASE WHEN cardinality(y.a) = 0 THEN false
+	ELSE EXISTS (SELECT 1 FROM ` + qname + ` WHERE consumer_group = ANY (y.a)) END
+FROM (SELECT ARRAY (SELECT consumer_group FROM ` + companion(c.cfg.TableConfig, groupSuffix) + ` WHERE first_seen_at > $1) AS a) y`
+	if c.cfg.DryRun {
+		var keep bool
+		if err := conn.QueryRow(ctx, held, cutoff).Scan(&keep); err != nil {
+			return false, fmt.Errorf("cleaner: check partition %s: %w", name, err)
+		}
+		return !keep, nil
+	}
 	err := c.ddl(ctx, conn, "drop partition "+name, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "LOCK TABLE "+qname+" IN SHARE MODE"); err != nil {
+			return err
+		}
+		var keep bool
+		if err := tx.QueryRow(ctx, held, cutoff).Scan(&keep); err != nil {
+			return err
+		}
+		if keep {
+			return errKeep
+		}
 		if _, err := tx.Exec(ctx, "ALTER TABLE "+c.table+" DETACH PARTITION "+qname); err != nil {
 			return err
 		}
 		_, err := tx.Exec(ctx, "DROP TABLE "+qname)
 		return err
 	})
-	if err == nil {
-		c.logger.Debug("Partition dropped", watermill.LogFields{"partition": name})
+	if errors.Is(err, errKeep) {
+		return false, nil
 	}
-	return err
+	if err != nil {
+		return false, err
+	}
+	c.logger.Debug("Partition dropped", watermill.LogFields{"partition": name})
+	return true, nil
 }
 
 // ddl runs fn in a transaction with lock_timeout = LockTimeout, retrying
@@ -233,6 +272,9 @@ func (c *Cleaner) ddl(ctx context.Context, conn *pgx.Conn, what string, fn func(
 		})
 		if err == nil {
 			return nil
+		}
+		if errors.Is(err, errKeep) {
+			return err
 		}
 		if ctx.Err() != nil || !isLockTimeout(err) || attempt >= c.cfg.LockRetries {
 			return fmt.Errorf("cleaner: %s (attempt %d): %w", what, attempt, err)

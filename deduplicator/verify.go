@@ -273,6 +273,29 @@ func (s tableShape) problem(cfg TableConfig) *TableError {
 		return fail(ErrTableMissing, "drop or rename it, then "+fixMigrate, "is not a table (pg_class.relkind %q)", s.kind)
 	}
 
+	colErr := s.columnProblem(name, fail)
+	keyErr := s.keyProblem(cfg, name, fail)
+	switch {
+	case colErr == nil:
+		return keyErr
+	case keyErr == nil:
+		return colErr
+	}
+	// Both: the problem names the key too, and the fix ends with the
+	// conversion, which sets the key.
+	colErr.Problem += "; also: " + keyErr.Problem
+	if !strings.Contains(colErr.Fix, "ConvertTable") {
+		colErr.Fix += ", then " + fixConvert
+	}
+	return colErr
+}
+
+// fixNullGroup is the fix for a nullable consumer_group: ALTER ... SET NOT
+// NULL fails on the rows that have none, which only the caller can name.
+const fixNullGroup = "convert it with deduplicator.ConvertTable and ConvertOptions.ConsumerGroup set to the group that processed the rows whose consumer_group is NULL (idemctl dedup convert --group G); it also sets the column NOT NULL and the key (event_id, consumer_group)"
+
+// columnProblem is problem for the columns.
+func (s tableShape) columnProblem(name string, fail func(reason error, fix, format string, args ...any) *TableError) *TableError {
 	for _, want := range wantColumns {
 		got, ok := s.column(want.name)
 		switch {
@@ -287,6 +310,8 @@ func (s tableShape) problem(cfg TableConfig) *TableError {
 				fix = fixConvert
 			}
 			return fail(ErrTableColumns, fix, "column %s is %s, want %s", want.name, got.typ, want.typ)
+		case !got.notNull && want.name == "consumer_group":
+			return fail(ErrTableColumns, fixNullGroup, "column consumer_group is nullable, want NOT NULL: a row without a group cannot tell which consumer group processed it")
 		case !got.notNull:
 			return fail(ErrTableColumns, "ALTER TABLE "+name+" ALTER COLUMN "+want.name+" SET NOT NULL", "column %s is nullable, want NOT NULL", want.name)
 		case want.hasDefault && !got.hasDefault:
@@ -300,7 +325,11 @@ func (s tableShape) problem(cfg TableConfig) *TableError {
 				"column %s is NOT NULL without a default, so every claim (which inserts only event_id and consumer_group) would fail", got.name)
 		}
 	}
+	return nil
+}
 
+// keyProblem is problem for the partitioning and the keys.
+func (s tableShape) keyProblem(cfg TableConfig, name string, fail func(reason error, fix, format string, args ...any) *TableError) *TableError {
 	if s.partitioned && !s.partOnID {
 		return fail(ErrTableKey, fixConvert,
 			"is partitioned by %s, want RANGE (event_id) or no partitioning: a redelivery gets a new partition key, hence a new primary key, and its handler runs again", s.partKey)

@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -128,6 +129,17 @@ type Config struct {
 	// Defaults to nil: one transaction per message.
 	GroupCommit *GroupCommitConfig
 
+	// Concurrency is the most messages the subscriber hands the middleware
+	// at once: idemkafka's parallel Subscriber.MaxInFlight(), or, with
+	// watermill-kafka's subscriber (one message per partition), the
+	// partitions an instance consumes. When it is set and DB is a pool,
+	// NewDedup refuses (*[PoolSizeError]) a pool whose MaxConns cannot give
+	// each transaction its connection: Concurrency connections in
+	// one-transaction-per-message mode, min(Concurrency,
+	// GroupCommit.Concurrency) with group commit. A smaller pool makes the
+	// handlers queue for connections. Defaults to 0: not checked.
+	Concurrency int
+
 	// TracerProvider makes a consumer span per message (and one per group
 	// in group commit): its parent is the span in msg.Context() (the one
 	// watermill-kafka's Sarama tracer makes), else the trace context the
@@ -202,6 +214,12 @@ func (c Config) validate() error {
 	if c.StartupTimeout < 0 {
 		return errors.New("StartupTimeout: must not be negative")
 	}
+	if c.Concurrency < 0 {
+		return errors.New("Concurrency: must not be negative")
+	}
+	if err := c.checkPool(); err != nil {
+		return err
+	}
 	if c.GroupCommit != nil {
 		if err := c.GroupCommit.validate(); err != nil {
 			return err
@@ -209,6 +227,49 @@ func (c Config) validate() error {
 		if _, ok := c.DB.(pgx.Tx); ok {
 			return errors.New("GroupCommit: DB is a pgx.Tx, which cannot run concurrent groups (use a *pgxpool.Pool)")
 		}
+	}
+	return nil
+}
+
+// ErrPoolTooSmall is wrapped by a *[PoolSizeError].
+var ErrPoolTooSmall = errors.New("pool too small for the declared concurrency")
+
+// PoolSizeError is the start-up refusal of a pool whose MaxConns cannot
+// cover [Config.Concurrency]; it wraps [ErrPoolTooSmall].
+type PoolSizeError struct {
+	// MaxConns is the pool's size.
+	MaxConns int
+	// Need is the connections the middleware's transactions use at once.
+	Need int
+	// Concurrency is Config.Concurrency.
+	Concurrency int
+	// GroupCommit is true with group commit.
+	GroupCommit bool
+}
+
+func (e *PoolSizeError) Error() string {
+	if e.GroupCommit {
+		return fmt.Sprintf("Concurrency: the pool has MaxConns %d, the %d concurrent group transactions need %d connections (give the pool at least %d)",
+			e.MaxConns, e.Need, e.Need, e.Need)
+	}
+	return fmt.Sprintf("Concurrency: the pool has MaxConns %d, but up to %d messages run at once, each holding a connection for its transaction (give the pool at least %d, or lower the subscriber's MaxInFlight)",
+		e.MaxConns, e.Concurrency, e.Need)
+}
+
+func (e *PoolSizeError) Unwrap() error { return ErrPoolTooSmall }
+
+// checkPool compares a pool's MaxConns with Concurrency.
+func (c Config) checkPool() error {
+	pool, ok := c.DB.(interface{ Stat() *pgxpool.Stat })
+	if !ok || c.Concurrency == 0 {
+		return nil
+	}
+	need := c.Concurrency
+	if c.GroupCommit != nil {
+		need = min(need, c.GroupCommit.Concurrency)
+	}
+	if max := int(pool.Stat().MaxConns()); max < need {
+		return &PoolSizeError{MaxConns: max, Need: need, Concurrency: c.Concurrency, GroupCommit: c.GroupCommit != nil}
 	}
 	return nil
 }

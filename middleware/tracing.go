@@ -2,8 +2,10 @@ package middleware
 
 import (
 	"context"
+	"strconv"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/attribute"
@@ -72,14 +74,31 @@ func (d *Dedup) startSpan(msg *message.Message) (context.Context, *msgSpan) {
 	if topic != "" {
 		name += " " + topic
 	}
-	ctx, span := tr.Start(ctx, name, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(
+	attrs := []attribute.KeyValue{
 		semconv.MessagingOperationTypeProcess,
 		semconv.MessagingOperationName("process"),
 		semconv.MessagingDestinationName(topic),
 		semconv.MessagingConsumerGroupName(d.cfg.ConsumerGroup),
 		semconv.MessagingMessageID(msg.UUID),
-	))
+	}
+	ctx, span := tr.Start(ctx, name, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(append(attrs, kafkaAttributes(msg.Context())...)...))
 	return ctx, &msgSpan{span: span}
+}
+
+// kafkaAttributes are the record's partition, offset and key, from the
+// context values watermill-kafka's subscriber and idemkafka's set.
+func kafkaAttributes(ctx context.Context) []attribute.KeyValue {
+	var attrs []attribute.KeyValue
+	if p, ok := kafka.MessagePartitionFromCtx(ctx); ok {
+		attrs = append(attrs, semconv.MessagingDestinationPartitionID(strconv.FormatInt(int64(p), 10)))
+	}
+	if off, ok := kafka.MessagePartitionOffsetFromCtx(ctx); ok {
+		attrs = append(attrs, semconv.MessagingKafkaOffset(int(off)))
+	}
+	if key, ok := kafka.MessageKeyFromCtx(ctx); ok && len(key) > 0 {
+		attrs = append(attrs, semconv.MessagingKafkaMessageKey(string(key)))
+	}
+	return attrs
 }
 
 func (s *msgSpan) eventID(id uuid.UUID) {

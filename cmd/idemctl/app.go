@@ -67,6 +67,7 @@ type options struct {
 	outboxPrefix string
 	topics       string
 	json         bool
+	kafka        kafkaSecurity
 }
 
 func defaultOptions() options {
@@ -89,7 +90,8 @@ func (o *options) register(fs *flag.FlagSet) {
 	fs.StringVar(&o.outboxSchema, "outbox-schema", o.outboxSchema, "`schema` of the outbox tables (default: --schema)")
 	fs.StringVar(&o.outboxPrefix, "outbox-prefix", o.outboxPrefix, "outbox table name `prefix` (messages of topic T in <prefix>T)")
 	fs.StringVar(&o.topics, "topics", o.topics, "outbox `topics`, comma-separated (default: the topics recorded in idem_schema_migration)")
-	fs.BoolVar(&o.json, "json", o.json, "print JSON for scripts instead of tables")
+	fs.BoolVar(&o.json, "json", o.json, "print JSON for scripts instead of tables (errors too: {\"error\", \"code\"} on stdout)")
+	o.kafka.register(fs)
 }
 
 // app is one run of the command.
@@ -100,6 +102,7 @@ type app struct {
 	path           string   // "idemctl dedup check", for messages
 	cmd            *command // the leaf command running
 	pool           *pgxpool.Pool
+	printedJSON    bool // printJSON wrote a document
 }
 
 func (a *app) close() {
@@ -327,6 +330,7 @@ func (a *app) printJSON(v any) error {
 	if err != nil {
 		return err
 	}
+	a.printedJSON = true
 	_, err = a.stdout.Write(append(b, '\n'))
 	return err
 }

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"fmt"
 	"slices"
 	"strings"
@@ -17,7 +19,14 @@ type stringsFlag []string
 
 func (s *stringsFlag) String() string { return strings.Join(*s, ",") }
 
+// Set refuses an empty value or item: an empty --group must not mean "every
+// group".
 func (s *stringsFlag) Set(v string) error {
+	for _, item := range strings.Split(v, ",") {
+		if strings.TrimSpace(item) == "" {
+			return errors.New("empty value")
+		}
+	}
 	*s = append(*s, splitList(v)...)
 	return nil
 }
@@ -225,4 +234,93 @@ func partitionRange(p deduplicator.Partition) (from, to string) {
 		return p.Bound, ""
 	}
 	return humanTime(p.From), humanTime(p.To)
+}
+
+func dedupConvert(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	group := fs.String("group", "", "consumer `group` that processed the rows without one (a table without consumer_group, or its NULL ones)")
+	retention := fs.String("retention", "", "retention the converted table records when it has none yet (7d, 720h...; default 7d)")
+	dryRun := fs.Bool("dry-run", false, "convert inside a transaction and roll it back: report the rows kept and merged, change nothing")
+	force := fs.Bool("force", false, "accept a --retention not longer than the consumers' default StaleMargin (1h)")
+	groupSet := false
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	fs.Visit(func(f *flag.Flag) { groupSet = groupSet || f.Name == "group" })
+	if groupSet && *group == "" {
+		return usageError("usage: --group: empty value")
+	}
+	tc, err := a.tableConfig(ctx, false)
+	if err != nil {
+		return err
+	}
+	if *retention != "" {
+		if tc.Retention, err = parseDuration(*retention); err != nil {
+			return usageError("usage: --retention: %v", err)
+		}
+		if err := checkRetention(tc.Retention, *force); err != nil {
+			return err
+		}
+	}
+	res, err := deduplicator.ConvertTable(ctx, a.pool, tc, deduplicator.ConvertOptions{ConsumerGroup: *group, DryRun: *dryRun})
+	if err != nil {
+		var terr *deduplicator.TableError
+		if errors.As(err, &terr) && !errors.Is(err, deduplicator.ErrTableMissing) {
+			// What the table holds, or an option to set: nothing changed.
+			return &exitError{code: exitUsage, err: fmt.Errorf("%s: %s; fix: %s", terr.Table, convertFix(terr.Problem), convertFix(terr.Fix))}
+		}
+		return err
+	}
+	name := tc.Schema + "." + tc.Table
+	if a.opts.json {
+		return a.printJSON(struct {
+			Table       string `json:"table"`
+			Layout      string `json:"layout"`
+			DryRun      bool   `json:"dry_run"`
+			Converted   bool   `json:"converted"`
+			Was         string `json:"was"`
+			Rows        int64  `json:"rows"`
+			Kept        int64  `json:"kept"`
+			Merged      int64  `json:"merged"`
+			GroupFilled int64  `json:"group_filled"`
+		}{name, tc.Layout.String(), res.DryRun, res.Converted, res.Was, res.Rows, res.Kept, res.Collapsed, res.GroupFilled})
+	}
+	switch {
+	case !res.Converted && res.DryRun:
+		fmt.Fprintf(a.stdout, "dry run: %s already has the expected columns and key: nothing to convert (only pending migrations would run); nothing was changed\n", name)
+		return nil
+	case !res.Converted:
+		fmt.Fprintf(a.stdout, "%s already has the expected columns and key: nothing converted (pending migrations applied)\n", name)
+		return nil
+	case res.DryRun:
+		fmt.Fprintf(a.stdout, "dry run on %s (to %s): nothing was changed\n", name, tc.Layout)
+	default:
+		fmt.Fprintf(a.stdout, "converted %s (%s)\n", name, tc.Layout)
+	}
+	would := map[bool]string{true: "would be ", false: ""}[res.DryRun]
+	tw := a.table()
+	row(tw, "was", res.Was)
+	row(tw, "rows", res.Rows)
+	row(tw, "rows "+would+"kept", res.Kept)
+	row(tw, "rows "+would+"merged", fmt.Sprintf("%d (an (event, group) stored more than once: the earliest processed_at is kept)", res.Collapsed))
+	if res.GroupFilled > 0 {
+		row(tw, "rows "+would+"given group "+*group, res.GroupFilled)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if !res.DryRun {
+		fmt.Fprintf(a.stdout, "grants, triggers and other indexes of the old table were not carried over: grant them again\n")
+	}
+	return nil
+}
+
+// convertFix words the library's problem or fix for the command line.
+func convertFix(s string) string {
+	return strings.NewReplacer(
+		"set ConvertOptions.ConsumerGroup (idemctl dedup convert --group) to", "pass --group naming",
+		"leave ConvertOptions.ConsumerGroup empty", "drop --group",
+		"ConvertOptions.ConsumerGroup is empty", "--group is not set",
+		"ConvertOptions.ConsumerGroup is set", "--group is set",
+	).Replace(s)
 }

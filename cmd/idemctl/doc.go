@@ -13,6 +13,7 @@
 //
 //	migrate status|up|down|sql   versioned migrations of the dedup table and the outbox topics
 //	dedup check EVENT_ID         processed by the group(s)? when?
+//	dedup convert [--dry-run]    convert an existing processed_event table
 //	dedup stats                  claims per group and per partition, oldest/newest, size
 //	cleanup run [--dry-run]      one retention pass of the Cleaner
 //	partitions list|maintain     the daily partitions of a partitioned table
@@ -22,8 +23,9 @@
 //	poison list|replay           a poison topic's messages; publish them back to their topics
 //
 // It reads PostgreSQL from DATABASE_URL (or --database-url) and Kafka from
-// KAFKA_BROKERS (or --brokers). Output is a table for people, JSON with
-// --json. Exit codes: 0 done, 1 failed, 2 bad usage or input (nothing
+// KAFKA_BROKERS (or --brokers), over TLS and SASL when KAFKA_TLS*,
+// KAFKA_SASL_* (or the --kafka-* flags) say so. Output is a table for
+// people, JSON with --json (errors too). Exit codes: 0 done, 1 failed, 2 bad usage or input (nothing
 // changed), 3 dedup check: not processed. Passwords are masked in every line
 // it writes. See docs/idemctl.md for every command with an example.
 package main

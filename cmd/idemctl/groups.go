@@ -149,6 +149,7 @@ func retentionShow(ctx context.Context, a *app, args []string) error {
 func retentionSet(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
 	yes := fs.Bool("yes", false, "confirm a shorter retention (the cleaner then deletes claims sooner)")
+	force := fs.Bool("force", false, "accept a retention not longer than the consumers' default StaleMargin (1h)")
 	pos, err := a.parse(fs, args, "DURATION")
 	if err != nil {
 		return err
@@ -156,6 +157,9 @@ func retentionSet(ctx context.Context, a *app, args []string) error {
 	d, err := parseDuration(pos[0])
 	if err != nil {
 		return usageError("usage: retention: %v", err)
+	}
+	if err := checkRetention(d, *force); err != nil {
+		return err
 	}
 	tc, err := a.tableConfig(ctx, false)
 	if err != nil {

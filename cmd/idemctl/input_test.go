@@ -1,6 +1,7 @@
 package main_test
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -81,7 +82,9 @@ func TestCredentialsNeverPrinted(t *testing.T) {
 			require.NotContains(t, r.stdout, secret, c.name)
 			require.NotContains(t, r.stderr, secret, c.name)
 		}
-		if c.code != 0 {
+		if c.code != 0 && slices.Contains(c.args, "--json") {
+			require.Contains(t, r.stdout, `"error"`, c.name) // --json: the error is a document on stdout
+		} else if c.code != 0 {
 			require.NotEmpty(t, r.stderr, c.name)
 		}
 	}

@@ -8,10 +8,12 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -36,6 +38,7 @@ var commands = []command{
 	{"migrate", "down", "[--only dedup|outbox] [--target N | --all] [--dry-run] --yes", "revert the newest version of each component (or down to --target)", migrateDown},
 	{"migrate", "sql", "[--only dedup|outbox] [--down] [--pending]", "print the migrations' SQL (for goose, golang-migrate or psql)", migrateSQL},
 	{"dedup", "check", "EVENT_ID [--group G]...", "was the event processed by the group (default: every registered group), and when", dedupCheck},
+	{"dedup", "convert", "[--group G] [--retention D] [--dry-run]", "convert an existing processed_event table (another key, NULL or no consumer_group) to the library's, keeping one row per (event, group)", dedupConvert},
 	{"dedup", "stats", "", "claims per group and per partition, oldest and newest, table size (reads every row)", dedupStats},
 	{"cleanup", "run", "[--dry-run] [--batch-size N] [--delete-non-v7]", "one retention pass of the Cleaner (deletes, or drops partitions)", cleanupRun},
 	{"partitions", "list", "", "the partitions of a partitioned table, with their days and sizes", partitionsList},
@@ -47,6 +50,8 @@ var commands = []command{
 	{"groups", "forget", "GROUP --yes", "delete a group's claims and registration", groupsForget},
 	{"retention", "show", "", "the retention recorded with the table", retentionShow},
 	{"retention", "set", "DURATION [--yes]", "change the recorded retention (7d, 720h...); shortening needs --yes", retentionSet},
+	{"retry", "parked", "[--group G] [--limit N] [--parked-table T]", "parked keys of retry topics' KeyOrder: queue per key, age of the oldest, how overdue the first event's copy is", retryParked},
+	{"retry", "unblock", "--group G --key K [--skip] [--topic T] --yes", "send a parked key's first event to the retry path again (or --skip it) when its copy is not coming back", retryUnblock},
 	{"poison", "list", "--topic T [filters]", "the poison topic's messages matching the filters", poisonList},
 	{"poison", "replay", "--topic T [filters] [--dry-run] [--rate N]", "publish matching poison messages back to their original topic", poisonReplay},
 }
@@ -62,19 +67,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	switch {
 	case err == nil:
 	case errors.Is(err, flag.ErrHelp):
+		err = nil
 	case errors.As(err, &ee):
 		code = ee.code
-		if ee.err != nil {
-			fmt.Fprintf(a.stderr, "%s: %v\n", a.path, ee.err)
-		}
+		err = ee.err
 	case isBadInput(err):
 		code = exitUsage
-		fmt.Fprintf(a.stderr, "%s: %v\n", a.path, err)
 	default:
 		code = exitFailure
-		fmt.Fprintf(a.stderr, "%s: %v\n", a.path, err)
 	}
-	if code == exitUsage && ee != nil && ee.err != nil && strings.HasPrefix(ee.err.Error(), "usage:") {
+	asJSON := a.opts.json || jsonRequested(args)
+	if err != nil {
+		a.report(code, missingTable(err), asJSON)
+	}
+	if code == exitUsage && err != nil && strings.HasPrefix(err.Error(), "usage:") && !asJSON {
 		fmt.Fprintf(a.stderr, "Run '%s -h' for help.\n", a.path)
 	}
 	a.close()
@@ -83,12 +89,58 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	return code
 }
 
+// report prints err: on stderr, or with --json as {"error", "code"} on
+// stdout (unless the command already printed its document, which then
+// carries the error itself).
+func (a *app) report(code int, err error, asJSON bool) {
+	if !asJSON || a.printedJSON {
+		fmt.Fprintf(a.stderr, "%s: %v\n", a.path, err)
+		return
+	}
+	_ = a.printJSON(struct {
+		Error string `json:"error"`
+		Code  int    `json:"code"`
+	}{a.path + ": " + err.Error(), code})
+}
+
+// jsonRequested reports whether args ask for --json, for an error met
+// before the flags were parsed (or while parsing them).
+func jsonRequested(args []string) bool {
+	for _, arg := range args {
+		if arg == "--" {
+			return false
+		}
+		name, val, hasVal := strings.Cut(strings.TrimLeft(arg, "-"), "=")
+		if !strings.HasPrefix(arg, "-") || name != "json" {
+			continue
+		}
+		if !hasVal {
+			return true
+		}
+		if b, err := strconv.ParseBool(val); err == nil {
+			return b
+		}
+	}
+	return false
+}
+
+// missingTable words a missing table for idemctl's user: which table, and
+// the command that creates it.
+func missingTable(err error) error {
+	var terr *deduplicator.TableError
+	if errors.As(err, &terr) && errors.Is(terr, deduplicator.ErrTableMissing) && terr.Problem == "does not exist" {
+		return fmt.Errorf("table %s does not exist (run idemctl migrate up, or check --schema/--table)", terr.Table)
+	}
+	return err
+}
+
 // isBadInput reports errors of the library that mean the input named
 // something that is not there or not allowed; nothing was changed.
 func isBadInput(err error) bool {
 	for _, target := range []error{
 		deduplicator.ErrGroupNotFound, deduplicator.ErrGroupExists,
 		outbox.ErrInvalidTopic, outbox.ErrTopicNotMigrated,
+		retrytopic.ErrKeyNotParked, retrytopic.ErrNoStoredMessage,
 	} {
 		if errors.Is(err, target) {
 			return true
@@ -170,7 +222,10 @@ Flags (before or after the command):
 	fs.SetOutput(w)
 	fs.PrintDefaults()
 	fmt.Fprint(w, `
-Environment: DATABASE_URL (PostgreSQL), KAFKA_BROKERS (poison commands).
+Environment: DATABASE_URL (PostgreSQL), KAFKA_BROKERS (poison commands);
+Kafka TLS and SASL: KAFKA_TLS, KAFKA_TLS_CA, KAFKA_TLS_CERT, KAFKA_TLS_KEY,
+KAFKA_TLS_SERVER_NAME, KAFKA_SASL_MECHANISM, KAFKA_SASL_USER and
+KAFKA_SASL_PASSWORD (the password has no flag).
 Passwords are never printed: they are masked in every message and output.
 
 Exit codes: 0 done; 1 failed; 2 bad usage or input (nothing was changed);

@@ -4,11 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -234,6 +237,7 @@ func migrateUp(ctx context.Context, a *app, args []string) error {
 	retention := fs.String("retention", "", "retention a new processed_event table records (7d, 720h...; default 7d); an existing table's must match")
 	payload := fs.String("payload-type", "", "payload column type of new outbox tables: BYTEA, JSON or JSONB (default BYTEA)")
 	dryRun := fs.Bool("dry-run", false, "list the versions it would apply, change nothing")
+	force := fs.Bool("force", false, "accept a --retention not longer than the consumers' default StaleMargin (1h)")
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}
@@ -248,6 +252,9 @@ func migrateUp(ctx context.Context, a *app, args []string) error {
 		var err error
 		if ret, err = parseDuration(*retention); err != nil {
 			return usageError("usage: --retention: %v", err)
+		}
+		if err := checkRetention(ret, *force); err != nil {
+			return err
 		}
 	}
 	m, err := a.migrators(ctx, *onlyFlag, ret)
@@ -520,20 +527,43 @@ func migrateSQL(ctx context.Context, a *app, args []string) error {
 	return nil
 }
 
-// parseDuration accepts Go durations and whole days ("7d", "30d").
+// parseDuration accepts Go durations and whole days ("7d", "30d"); a value
+// too large for a time.Duration (about 106751 days) is an error, never a
+// wrapped-around one.
 func parseDuration(s string) (time.Duration, error) {
-	if n, ok := strings.CutSuffix(s, "d"); ok {
-		var days int
-		if _, err := fmt.Sscanf(n, "%d", &days); err == nil && fmt.Sprint(days) == n && days > 0 {
-			return time.Duration(days) * 24 * time.Hour, nil
+	if n, ok := strings.CutSuffix(s, "d"); ok && n != "" && strings.Trim(n, "0123456789") == "" {
+		days, err := strconv.ParseInt(n, 10, 64)
+		if err != nil || days > maxDays {
+			return 0, fmt.Errorf("%q is too long: at most %dd", s, maxDays)
 		}
+		if days <= 0 {
+			return 0, errors.New("must be positive")
+		}
+		return time.Duration(days) * day, nil
 	}
-	d, err := time.ParseDuration(s)
+	d, err := time.ParseDuration(s) // checks overflow itself
 	if err != nil {
-		return 0, fmt.Errorf("%q is not a duration (7d, 720h, 90m...)", s)
+		return 0, fmt.Errorf("%q is not a duration (7d, 720h, 90m...), or is longer than %dd", s, maxDays)
 	}
 	if d <= 0 {
 		return 0, errors.New("must be positive")
 	}
 	return d, nil
+}
+
+const (
+	day = 24 * time.Hour
+	// maxDays is the longest whole-day duration a time.Duration holds.
+	maxDays = int64(math.MaxInt64 / day)
+)
+
+// checkRetention refuses, unless force, a retention at or below the
+// consumers' default stale margin: NewDedup requires StaleMargin to be
+// shorter than the retention, so every consumer on the default would refuse
+// to start.
+func checkRetention(d time.Duration, force bool) error {
+	if d > idem.DefaultStaleMargin || force {
+		return nil
+	}
+	return usageError("a retention of %s is not longer than the consumers' default StaleMargin (%s): every consumer that keeps the default refuses to start (NewDedup: StaleMargin must be shorter than the retention); pass --force if every consumer sets a shorter StaleMargin", humanDuration(d), humanDuration(idem.DefaultStaleMargin))
 }

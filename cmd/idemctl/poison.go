@@ -142,6 +142,9 @@ func (a *app) kafkaConfig() (publisher.KafkaConfig, error) {
 	sc.Net.DialTimeout = 10 * time.Second
 	sc.Metadata.AllowAutoTopicCreation = false
 	sc.Consumer.MaxWaitTime = 100 * time.Millisecond
+	if err := a.opts.kafka.apply(sc, a.getenv); err != nil {
+		return publisher.KafkaConfig{}, err
+	}
 	return publisher.KafkaConfig{Brokers: list, Sarama: sc}, nil
 }
 

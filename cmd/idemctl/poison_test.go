@@ -298,9 +298,12 @@ func TestPoisonListAndReplay(t *testing.T) {
 	require.NoError(t, err)
 	require.NotContains(t, topics, gone, "replay does not create topics")
 
-	// Unreachable brokers: exit 1, nothing printed on stdout.
+	// Unreachable brokers: exit 1, nothing read, and with --json the error
+	// is the document.
 	r = run(t, nil, "poison", "list", "--topic", poisonTopic, "--brokers", "127.0.0.1:1", "--json")
 	require.Equal(t, 1, r.code, r)
-	require.Empty(t, r.stdout)
-	require.Contains(t, r.stderr, "poison: connect")
+	require.Empty(t, r.stderr)
+	e := decode[errorJSON](t, r)
+	require.Equal(t, 1, e.Code)
+	require.Contains(t, e.Error, "poison: connect")
 }

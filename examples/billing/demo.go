@@ -25,6 +25,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -47,6 +48,10 @@ type demoConfig struct {
 	// BillingInstances: billing consumers in the same group (partitions are
 	// split between them, as between pods).
 	BillingInstances int
+	// BillingInFlight is the MaxInFlight of each billing instance's
+	// parallel subscriber (idemkafka): the charges running at once per
+	// instance, each holding a database connection. Defaults to 16.
+	BillingInFlight int
 	// RedeliverEvery: every n-th order's event is published a second time
 	// with the same event id, as a producer retry or a forwarder resend after
 	// a crash would. 0 disables.
@@ -84,6 +89,9 @@ func (c *demoConfig) setDefaults() {
 	}
 	if c.BillingInstances == 0 {
 		c.BillingInstances = 2
+	}
+	if c.BillingInFlight == 0 {
+		c.BillingInFlight = 16
 	}
 	if c.ConcurrentLatency == 0 {
 		c.ConcurrentLatency = 100 * time.Millisecond
@@ -234,7 +242,7 @@ func (d *demo) openPostgres(ctx context.Context) error {
 	_, _ = rand.Read(rnd[:])
 	runID := hex.EncodeToString(rnd[:])
 	schema := "billing_demo_" + runID
-	pool, err := openSchema(ctx, d.cfg.DatabaseURL, schema)
+	pool, err := openSchema(ctx, d.cfg.DatabaseURL, schema, int32(d.cfg.BillingInstances*d.cfg.BillingInFlight+8))
 	if err != nil {
 		return err
 	}
@@ -382,8 +390,9 @@ func (d *demo) startServices(ctx context.Context) error {
 		return err
 	}
 	billingSvc := NewBillingService(p.URL())
-	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, poison,
-		idem.Config{DB: d.pool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling]},
+	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, d.newParallelSubscriber, poison,
+		idem.Config{DB: d.pool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling],
+			Concurrency: d.cfg.BillingInstances * d.cfg.BillingInFlight},
 		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
 			// The router closes each handler's publisher on shutdown; the
 			// handlers share kafkaPub (closed at the end), so each gets a view
@@ -394,7 +403,7 @@ func (d *demo) startServices(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	d.notification, err = d.newConsumer("notification", 1, poison,
+	d.notification, err = d.newConsumer("notification", 1, d.newWatermillSubscriber, poison,
 		idem.Config{DB: d.pool, ConsumerGroup: d.n.notification, Table: d.table, TracerProvider: d.providers[serviceNotification]},
 		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
 			return r.AddConsumerHandler(handler, d.n.orders, sub, NotificationService{}.Handle)
@@ -424,7 +433,7 @@ func (d *demo) startServices(ctx context.Context) error {
 // newConsumer builds one consumer group: a router with one handler per
 // instance (each with its own subscriber in the group), every handler behind
 // PoisonQueue → counting wrapper → dedup middleware → marker.
-func (d *demo) newConsumer(service string, instances int, poison message.HandlerMiddleware, cfg idem.Config,
+func (d *demo) newConsumer(service string, instances int, newSub func(group string) (message.Subscriber, error), poison message.HandlerMiddleware, cfg idem.Config,
 	add func(r *message.Router, handler string, sub message.Subscriber) *message.Handler,
 ) (*consumer, error) {
 	// CloseTimeout is a deadline for a busy machine, not an expected
@@ -440,7 +449,7 @@ func (d *demo) newConsumer(service string, instances int, poison message.Handler
 	}
 	c := &consumer{router: r, dedup: dedup, stats: &groupStats{dedup: dedup}}
 	for i := 1; i <= instances; i++ {
-		sub, err := d.newSubscriber(cfg.ConsumerGroup)
+		sub, err := newSub(cfg.ConsumerGroup)
 		if err != nil {
 			return nil, err
 		}
@@ -450,6 +459,22 @@ func (d *demo) newConsumer(service string, instances int, poison message.Handler
 		h.AddMiddleware(poison, c.stats.outer, dedup.Middleware, inner)
 	}
 	return c, nil
+}
+
+// newParallelSubscriber is billing's subscriber: idemkafka's, which keeps
+// BillingInFlight charges in flight per instance, ordered by order key.
+func (d *demo) newParallelSubscriber(group string) (message.Subscriber, error) {
+	return idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
+		Brokers:             d.brokers,
+		ConsumerGroup:       group,
+		MaxInFlight:         d.cfg.BillingInFlight,
+		NackResendSleep:     20 * time.Millisecond,
+		ReconnectRetrySleep: 100 * time.Millisecond,
+	}, d.cfg.Logger)
+}
+
+func (d *demo) newWatermillSubscriber(group string) (message.Subscriber, error) {
+	return d.newSubscriber(group)
 }
 
 func (d *demo) newSubscriber(group string) (*kafka.Subscriber, error) {
@@ -573,7 +598,7 @@ func topicRecords(client sarama.Client, topic string) (int, error) {
 	return int(n), nil
 }
 
-func openSchema(ctx context.Context, url, schema string) (*pgxpool.Pool, error) {
+func openSchema(ctx context.Context, url, schema string, maxConns int32) (*pgxpool.Pool, error) {
 	admin, err := pgx.Connect(ctx, url)
 	if err != nil {
 		return nil, fmt.Errorf("connect to PostgreSQL at %s: %w (set DATABASE_URL)", url, err)
@@ -587,7 +612,10 @@ func openSchema(ctx context.Context, url, schema string) (*pgxpool.Pool, error) 
 		return nil, err
 	}
 	pcfg.ConnConfig.RuntimeParams["search_path"] = schema
-	pcfg.MaxConns = 12 // a winner never needs a second connection, so waiting claims cannot starve it
+	// Billing's charges in flight each hold one, plus notification, the
+	// forwarder and the demo's own queries. A winner never needs a second
+	// connection, so waiting claims cannot starve it.
+	pcfg.MaxConns = maxConns
 	return pgxpool.NewWithConfig(ctx, pcfg)
 }
 

@@ -51,6 +51,7 @@ func (d *demo) phase1(ctx context.Context) error {
 		len(d.orders), d.rep.LostResponses, d.cfg.RedeliverEvery)
 
 	svc := d.orderService()
+	start := time.Now()
 	var republished atomic.Int64
 	var eg errgroup.Group
 	eg.SetLimit(4)
@@ -77,6 +78,7 @@ func (d *demo) phase1(ctx context.Context) error {
 	}
 	d.rep.Republished = int(republished.Load())
 	d.rep.Published = len(d.orders) + d.rep.Republished
+	confirmed := time.Now()
 
 	n := uint64(len(d.orders))
 	if err := d.waitFor(ctx, "phase 1", func() bool {
@@ -84,6 +86,12 @@ func (d *demo) phase1(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
+	d.rep.BillingSeconds = time.Since(start).Seconds()
+	d.rep.BillingEvents = len(d.orders)
+	d.rep.BillingBehind = time.Since(confirmed).Seconds()
+	d.progress("phase 1: billing charged %d orders in %.1fs: %.0f msg/s, done %.1fs after the last order was confirmed (provider %s per charge, %d partitions, %d instances × MaxInFlight %d)",
+		len(d.orders), d.rep.BillingSeconds, float64(len(d.orders))/d.rep.BillingSeconds, d.rep.BillingBehind,
+		d.cfg.ProviderLatency, d.cfg.Partitions, d.cfg.BillingInstances, d.cfg.BillingInFlight)
 	d.status("phase 1 done")
 	return nil
 }

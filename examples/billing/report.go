@@ -84,6 +84,13 @@ type report struct {
 	TracedRepublished bool
 	Elapsed           time.Duration
 	Violations        []string
+	// BillingEvents and BillingSeconds: phase 1's orders, and the time from
+	// its first confirmation until billing had processed them all.
+	BillingEvents  int
+	BillingSeconds float64
+	// BillingBehind is how long billing took after the last order was
+	// confirmed: near zero when the producer, not billing, set the pace.
+	BillingBehind float64
 }
 
 // Injected is the number of duplicate copies the demo published on purpose.
@@ -228,6 +235,10 @@ func printReport(w io.Writer, r *report) {
 		for _, reason := range r.PoisonReasons {
 			fmt.Fprintln(w, "  -", reason)
 		}
+	}
+	if r.BillingSeconds > 0 {
+		fmt.Fprintf(w, "billing throughput: %d orders in %.1fs = %.0f msg/s (idemkafka parallel subscriber), done %.1fs after the last order was confirmed\n",
+			r.BillingEvents, r.BillingSeconds, float64(r.BillingEvents)/r.BillingSeconds, r.BillingBehind)
 	}
 	printTrace(w, r)
 	if len(r.Violations) == 0 {

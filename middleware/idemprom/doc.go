@@ -7,6 +7,8 @@
 //	c.AddDedup(dedup)                                      // *middleware.Dedup
 //	c.AddForwarder(outbox.DefaultForwarderName, forwarder) // *outbox.Forwarder, by its Name
 //	c.AddOutboxBacklog(ob, pool, nil)                      // outbox lag, queried at scrape
+//	c.AddRetryTopic("billing", rt)                         // *retrytopic.RetryTopic counters
+//	c.AddParked(pool, retrytopic.ParkedKeysTable{}, "billing") // KeyOrder's parked keys, queried at scrape
 //	prometheus.MustRegister(c)
 //
 // # Metrics
@@ -29,8 +31,14 @@
 //	idem_outbox_forwarder_errors_total{forwarder}       failed batches (rolled back, retried)
 //	idem_outbox_pending_rows{topic,forwarder}           outbox rows not forwarded yet (AddOutboxBacklog)
 //	idem_outbox_oldest_pending_seconds{topic,forwarder}  age of the oldest of them
+//	idem_retry_{retried,recovered,poisoned}_total{consumer_group}  retry-topic middleware (AddRetryTopic)
+//	idem_retry_{followed,released,handed_off}_total{consumer_group}  KeyOrder: parked behind, released, handed on
+//	idem_retry_parked_keys{consumer_group}              KeyOrder: parked keys (AddParked, queried at scrape)
+//	idem_retry_parked_events{consumer_group}            their events; _max_queue: the longest queue of a key
+//	idem_retry_parked_oldest_seconds{consumer_group}    age of the oldest parked event
+//	idem_retry_parked_head_overdue_seconds{consumer_group}  longest time a first event's copy has been due
 //
-// The backlog gauges are queried from the database at scrape time; all
+// The backlog and parked gauges are queried from the database at scrape time; all
 // others are counters, cumulative since the component was created. Alert on
 // a growing rate of rejected or failed messages and, in group-commit mode,
 // of group fallbacks (each one retries a whole group alone), and on a

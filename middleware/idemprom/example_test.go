@@ -9,6 +9,7 @@ import (
 
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/idemprom"
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 )
 
 // Export the dedup middleware's counters on /metrics.
@@ -23,4 +24,15 @@ func ExampleNewCollector() {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(c)
 	http.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+}
+
+// The retry topics' counters and KeyOrder's parked keys (queried from the
+// database at each scrape).
+func ExampleCollector_AddParked() {
+	var pool *pgxpool.Pool        // your pool
+	var rt *retrytopic.RetryTopic // retrytopic.New(…, KeyOrder: …)
+	c := idemprom.NewCollector()
+	c.AddRetryTopic("billing", rt)
+	c.AddParked(pool, retrytopic.ParkedKeysTable{}, "billing")
+	prometheus.MustRegister(c)
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -36,12 +37,36 @@ var (
 	descPolls     = prometheus.NewDesc("idem_outbox_forwarder_polls_total", "Reads of the outbox by the forwarder.", fwd, nil)
 	descFwdErrors = prometheus.NewDesc("idem_outbox_forwarder_errors_total", "Failed forwarder batches (rolled back and retried).", fwd, nil)
 
+	descRetried   = prometheus.NewDesc("idem_retry_retried_total", "Copies published to a retry topic after a transient failure (retrytopic.Stats.Retried).", group, nil)
+	descRecovered = prometheus.NewDesc("idem_retry_recovered_total", "Retry-topic copies that then succeeded.", group, nil)
+	descPoisoned  = prometheus.NewDesc("idem_retry_poisoned_total", "Messages the retry-topic middleware published to the poison topic.", group, nil)
+	descFollowed  = prometheus.NewDesc("idem_retry_followed_total", "KeyOrder: events parked behind an earlier event of their key.", group, nil)
+	descReleased  = prometheus.NewDesc("idem_retry_released_total", "KeyOrder: parked events released (applied or poisoned).", group, nil)
+	descHandedOff = prometheus.NewDesc("idem_retry_handed_off_total", "KeyOrder: releases that handed their key to the next parked event.", group, nil)
+
+	descParkedKeys    = prometheus.NewDesc("idem_retry_parked_keys", "KeyOrder: keys with parked events.", group, nil)
+	descParkedEvents  = prometheus.NewDesc("idem_retry_parked_events", "KeyOrder: parked events (each key's first and those waiting behind it).", group, nil)
+	descParkedQueue   = prometheus.NewDesc("idem_retry_parked_max_queue", "KeyOrder: the longest queue of a key.", group, nil)
+	descParkedOldest  = prometheus.NewDesc("idem_retry_parked_oldest_seconds", "KeyOrder: age of the oldest parked event.", group, nil)
+	descParkedOverdue = prometheus.NewDesc("idem_retry_parked_head_overdue_seconds", "KeyOrder: longest time a key's first event's copy has been due without coming back.", group, nil)
+
 	descPending = prometheus.NewDesc("idem_outbox_pending_rows", "Committed outbox rows the forwarder has not forwarded yet.", []string{"topic", "forwarder"}, nil)
 	descOldest  = prometheus.NewDesc("idem_outbox_oldest_pending_seconds", "Age of the oldest outbox row not forwarded yet (0 when none).", []string{"topic", "forwarder"}, nil)
 )
 
 // BacklogTimeout bounds the backlog query of one scrape.
 const BacklogTimeout = 5 * time.Second
+
+type parkedSource struct {
+	db    retrytopic.Querier
+	table retrytopic.ParkedKeysTable
+	group string
+}
+
+type retrySource struct {
+	group string
+	rt    *retrytopic.RetryTopic
+}
 
 type backlogSource struct {
 	ob   *outbox.Outbox
@@ -57,6 +82,8 @@ type Collector struct {
 	dedups     []*idem.Dedup
 	forwarders map[string]*outbox.Forwarder
 	backlogs   []backlogSource
+	retries    []retrySource
+	parked     []parkedSource
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -97,10 +124,32 @@ func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db deduplicator.Beginner
 	c.backlogs = append(c.backlogs, backlogSource{ob: ob, db: db, opts: o})
 }
 
+// AddRetryTopic exports rt's counters (retrytopic.Stats) with the label
+// consumer_group=group (its dedup consumer group). Adding two of the same
+// group sums them.
+func (c *Collector) AddRetryTopic(group string, rt *retrytopic.RetryTopic) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.retries = append(c.retries, retrySource{group: group, rt: rt})
+}
+
+// AddParked exports the parked keys of retrytopic.KeyOrder in table (of
+// group only, unless ""): their number, events, longest queue, the age of
+// the oldest and how long a first event's copy is overdue
+// (retrytopic.SummarizeParked), queried from db at each scrape (bounded by
+// [BacklogTimeout]).
+func (c *Collector) AddParked(db retrytopic.Querier, table retrytopic.ParkedKeysTable, group string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.parked = append(c.parked, parkedSource{db: db, table: table, group: group})
+}
+
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec,
-		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descForwarded, descCommits, descPolls, descFwdErrors, descPending, descOldest} {
+		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descForwarded, descCommits, descPolls, descFwdErrors, descPending, descOldest,
+		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff,
+		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue} {
 		ch <- d
 	}
 }
@@ -114,6 +163,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		forwarders[k] = v
 	}
 	backlogs := append([]backlogSource(nil), c.backlogs...)
+	retries := append([]retrySource(nil), c.retries...)
+	parked := append([]parkedSource(nil), c.parked...)
 	c.mu.Unlock()
 
 	counter := func(d *prometheus.Desc, v float64, labels ...string) {
@@ -154,6 +205,53 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		for _, r := range rows {
 			ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(r.Pending), r.Topic, b.opts.Forwarder)
 			ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, r.OldestAge.Seconds(), r.Topic, b.opts.Forwarder)
+		}
+	}
+	sums := map[string]retrytopic.Stats{}
+	var order []string
+	for _, r := range retries {
+		st, ok := sums[r.group]
+		if !ok {
+			order = append(order, r.group)
+		}
+		x := r.rt.Stats()
+		st.Retried += x.Retried
+		st.Recovered += x.Recovered
+		st.Poisoned += x.Poisoned
+		st.Followed += x.Followed
+		st.Released += x.Released
+		st.HandedOff += x.HandedOff
+		sums[r.group] = st
+	}
+	for _, g := range order {
+		s := sums[g]
+		counter(descRetried, float64(s.Retried), g)
+		counter(descRecovered, float64(s.Recovered), g)
+		counter(descPoisoned, float64(s.Poisoned), g)
+		counter(descFollowed, float64(s.Followed), g)
+		counter(descReleased, float64(s.Released), g)
+		counter(descHandedOff, float64(s.HandedOff), g)
+	}
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	}
+	for _, p := range parked {
+		ctx, cancel := context.WithTimeout(context.Background(), BacklogTimeout)
+		sum, err := retrytopic.SummarizeParked(ctx, p.db, p.table, p.group)
+		cancel()
+		if err != nil {
+			ch <- prometheus.NewInvalidMetric(descParkedKeys, err)
+			continue
+		}
+		if len(sum) == 0 && p.group != "" {
+			sum = []retrytopic.ParkedSummary{{ConsumerGroup: p.group}}
+		}
+		for _, s := range sum {
+			gauge(descParkedKeys, float64(s.Keys), s.ConsumerGroup)
+			gauge(descParkedEvents, float64(s.Events), s.ConsumerGroup)
+			gauge(descParkedQueue, float64(s.MaxQueue), s.ConsumerGroup)
+			gauge(descParkedOldest, s.OldestAge.Seconds(), s.ConsumerGroup)
+			gauge(descParkedOverdue, s.MaxHeadOverdue.Seconds(), s.ConsumerGroup)
 		}
 	}
 }

@@ -145,8 +145,8 @@ type Config struct {
 	IsPermanentFunc func(error) bool
 
 	// KeyOrder, when set, keeps the order of the events of a key: while a
-	// key has an event on the retry path, its later events follow it there
-	// instead of overtaking it. Defaults to nil: a retried event is
+	// key has an event on the retry path, its later events wait for it in
+	// PostgreSQL instead of overtaking it. Defaults to nil: a retried event is
 	// overtaken by the later events of its key, which keep flowing.
 	KeyOrder *KeyOrder
 
@@ -156,11 +156,19 @@ type Config struct {
 
 // KeyOrder configures the per-key order of [Config.KeyOrder]. The keys with
 // an event on the retry path ("parked") are recorded in a PostgreSQL table
-// (create it with [Migrate]).
+// (create it with [Migrate]), with the messages of the events waiting
+// behind each key's first one: payloads and metadata are stored in
+// PostgreSQL until those events are released.
 type KeyOrder struct {
 	// DB records and looks up the parked keys: a *pgxpool.Pool (the usual
 	// choice), a *pgx.Conn or a pgx.Tx. Required.
 	DB deduplicator.Beginner
+	// Outbox writes, in the transaction that releases a key's event, the
+	// key's next parked event to the first retry topic (Config.Topics[0]),
+	// due at once: an *outbox.Outbox whose tables include that topic, with
+	// an outbox.Forwarder forwarding it. [New] checks the topic's table
+	// when the writer can (*outbox.Outbox does). Required.
+	Outbox idem.OutboxWriter
 	// ConsumerGroup is the dedup consumer group: the same value as
 	// idem.Config.ConsumerGroup of the main and the retry handlers.
 	// Required.
@@ -265,6 +273,9 @@ func (c Config) validate() error {
 	if ko := c.KeyOrder; ko != nil {
 		if ko.DB == nil {
 			return errors.New("KeyOrder.DB: required")
+		}
+		if ko.Outbox == nil {
+			return errors.New("KeyOrder.Outbox: required (the outbox that writes a key's next event to Topics[0] when the event before it is released)")
 		}
 		if ko.ConsumerGroup == "" {
 			return errors.New("KeyOrder.ConsumerGroup: required (the dedup consumer group, idem.Config.ConsumerGroup)")

@@ -37,11 +37,14 @@ func TestConfigValidate(t *testing.T) {
 		"max below initial":  {func(c *retrytopic.Config) { c.Backoff.Initial = 10e9; c.Backoff.Max = 1e9 }, "Backoff.Max"},
 		"jitter above 1":     {func(c *retrytopic.Config) { c.Backoff.Jitter = 1.5 }, "Backoff.Jitter"},
 		"order without db":   {func(c *retrytopic.Config) { c.KeyOrder = &retrytopic.KeyOrder{ConsumerGroup: "g"} }, "KeyOrder.DB: required"},
+		"order without outbox": {func(c *retrytopic.Config) {
+			c.KeyOrder = &retrytopic.KeyOrder{DB: pgtestDummy{}, ConsumerGroup: "g"}
+		}, "KeyOrder.Outbox: required"},
 		"order without group": {func(c *retrytopic.Config) {
-			c.KeyOrder = &retrytopic.KeyOrder{DB: pgtestDummy{}}
+			c.KeyOrder = &retrytopic.KeyOrder{DB: pgtestDummy{}, Outbox: outboxDummy{}}
 		}, "KeyOrder.ConsumerGroup: required"},
 		"order bad table": {func(c *retrytopic.Config) {
-			c.KeyOrder = &retrytopic.KeyOrder{DB: pgtestDummy{}, ConsumerGroup: "g", Table: retrytopic.ParkedKeysTable{Table: "x; DROP"}}
+			c.KeyOrder = &retrytopic.KeyOrder{DB: pgtestDummy{}, Outbox: outboxDummy{}, ConsumerGroup: "g", Table: retrytopic.ParkedKeysTable{Table: "x; DROP"}}
 		}, "KeyOrder.Table.Table:"},
 	} {
 		cfg := ok()
@@ -59,7 +62,7 @@ func TestNewRefusesUnmigratedParkedKeysTable(t *testing.T) {
 	db := pgtest.New(t, 2)
 	pub := gochannel.NewGoChannel(gochannel.Config{}, nil)
 	cfg := retrytopic.Config{Publisher: pub, Topics: []string{"r"}, PoisonTopic: "p",
-		KeyOrder: &retrytopic.KeyOrder{DB: db.Pool, ConsumerGroup: "g", Table: retrytopic.ParkedKeysTable{Schema: db.Schema}}}
+		KeyOrder: &retrytopic.KeyOrder{DB: db.Pool, Outbox: outboxDummy{}, ConsumerGroup: "g", Table: retrytopic.ParkedKeysTable{Schema: db.Schema}}}
 	_, err := retrytopic.New(cfg, nil)
 	require.ErrorIs(t, err, retrytopic.ErrNotMigrated)
 
@@ -78,17 +81,21 @@ func TestMigrationsSQL(t *testing.T) {
 	db := pgtest.New(t, 2)
 	migs, err := retrytopic.Migrations(retrytopic.ParkedKeysTable{Schema: db.Schema, Table: "parked"})
 	require.NoError(t, err)
-	require.Len(t, migs, 1)
+	require.Len(t, migs, 2)
 	require.Equal(t, 1, migs[0].Version)
 	require.Equal(t, "parked_key", migs[0].Name)
+	require.Equal(t, 2, migs[1].Version)
+	require.Equal(t, "parked_message", migs[1].Name)
 	db.Exec(t, migs[0].Up)
+	db.Exec(t, migs[1].Up)
 	pub := gochannel.NewGoChannel(gochannel.Config{}, nil)
 	_, err = retrytopic.New(retrytopic.Config{Publisher: pub, Topics: []string{"r"}, PoisonTopic: "p",
-		KeyOrder: &retrytopic.KeyOrder{DB: db.Pool, ConsumerGroup: "g", Table: retrytopic.ParkedKeysTable{Schema: db.Schema, Table: "parked"}}}, nil)
+		KeyOrder: &retrytopic.KeyOrder{DB: db.Pool, Outbox: outboxDummy{}, ConsumerGroup: "g", Table: retrytopic.ParkedKeysTable{Schema: db.Schema, Table: "parked"}}}, nil)
 	require.NoError(t, err)
 	parked, err := retrytopic.ListParked(ctx, db.Pool, retrytopic.ParkedKeysTable{Schema: db.Schema, Table: "parked"}, "")
 	require.NoError(t, err)
 	require.Empty(t, parked)
+	db.Exec(t, migs[1].Down)
 	db.Exec(t, migs[0].Down)
 	require.Zero(t, db.Count(t, "SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = 'parked'", db.Schema))
 }
@@ -97,3 +104,10 @@ func TestMigrationsSQL(t *testing.T) {
 type pgtestDummy struct{}
 
 func (pgtestDummy) Begin(context.Context) (pgx.Tx, error) { return nil, errors.New("not a database") }
+
+// outboxDummy is an OutboxWriter for tests that never hand a key on.
+type outboxDummy struct{}
+
+func (outboxDummy) PublishInTx(context.Context, pgx.Tx, string, ...*message.Message) error {
+	return errors.New("not an outbox")
+}

@@ -61,9 +61,10 @@
 // before the "order paid" that is waiting on a retry topic. Handlers that
 // cannot accept that either tolerate it (check state, not order) or set
 // [Config.KeyOrder]: while a key has an event on the retry path ("parked"),
-// its later events follow it there, and each runs only once every earlier
-// parked event of its key has succeeded or been poisoned. The parked events
-// are rows of a PostgreSQL table ([Migrate]); a success releases its row in
-// the handler's transaction ([RetryTopic.ReleaseMiddleware]), so the
-// release commits with the claim. See docs/retry.md for the failure cases.
+// its later events wait in a PostgreSQL table ([Migrate]) with their
+// message. A success releases its row in the handler's transaction
+// ([RetryTopic.ReleaseMiddleware]) and hands the key to the next waiting
+// event, written to the retry path through the outbox on the same
+// transaction ([KeyOrder.Outbox]). [ParkedKeys], [SummarizeParked] and
+// [Unblock] are for operators. See docs/retry.md for the failure cases.
 package retrytopic

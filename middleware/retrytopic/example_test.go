@@ -164,4 +164,5 @@ func ExampleMigrate() {
 	// Output:
 	// 0 <nil>
 	// 001_parked_key
+	// 002_parked_message
 }

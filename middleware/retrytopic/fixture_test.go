@@ -21,6 +21,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -35,6 +36,10 @@ type fixture struct {
 	// group is the dedup consumer group and the main topic's Kafka group.
 	group string
 	pub   message.Publisher
+	// ob is the outbox of the retry topic (KeyOrder's hand-offs); its
+	// forwarder runs once keyOrder was called.
+	ob      *outbox.Outbox
+	fwdOnce sync.Once
 }
 
 func newFixture(t *testing.T, mainPartitions, retryPartitions int32) *fixture {
@@ -62,7 +67,33 @@ func newFixture(t *testing.T, mainPartitions, retryPartitions int32) *fixture {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = pub.Close() })
 	f.pub = pub
+	f.ob, err = outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{f.retry}}, nil)
+	require.NoError(t, err)
+	require.NoError(t, f.ob.Migrate(ctx, db.Pool))
 	return f
+}
+
+// forwardPollInterval is the test forwarders' wait after an empty read: a
+// hand-off waits for it at most.
+const forwardPollInterval = 5 * time.Millisecond
+
+// forward runs a forwarder of the fixture's outbox until the test ends.
+func (f *fixture) forward(t *testing.T) {
+	t.Helper()
+	producer, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: f.broker.Addrs})
+	require.NoError(t, err)
+	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: f.db.Pool, Outbox: f.ob, Producer: producer, PollInterval: forwardPollInterval}, nil)
+	require.NoError(t, err)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = fwd.Run(context.Background())
+	}()
+	t.Cleanup(func() {
+		_ = fwd.Close()
+		<-done
+		_ = producer.Close()
+	})
 }
 
 // event is the payload of the test's events.
@@ -99,9 +130,11 @@ func (f *fixture) retryConfig(mod func(*retrytopic.Config)) retrytopic.Config {
 	return cfg
 }
 
-// keyOrder is a KeyOrder on the fixture's schema.
-func (f *fixture) keyOrder() *retrytopic.KeyOrder {
-	return &retrytopic.KeyOrder{DB: f.db.Pool, ConsumerGroup: f.group, Table: retrytopic.ParkedKeysTable{Schema: f.db.Schema}}
+// keyOrder is a KeyOrder on the fixture's schema, its hand-offs forwarded
+// to the retry topic.
+func (f *fixture) keyOrder(t *testing.T) *retrytopic.KeyOrder {
+	f.fwdOnce.Do(func() { f.forward(t) })
+	return &retrytopic.KeyOrder{DB: f.db.Pool, Outbox: f.ob, ConsumerGroup: f.group, Table: retrytopic.ParkedKeysTable{Schema: f.db.Schema}}
 }
 
 // failFunc decides whether the ledger handler fails for an event (after
@@ -119,6 +152,8 @@ type consumer struct {
 	retryTopics []string
 	// sarama is the base client config of the subscribers (nil: default).
 	sarama *sarama.Config
+	// observe, when set, goes outside rt.Middleware.
+	observe message.HandlerMiddleware
 }
 
 // run starts one router with the main handler and a retry handler per retry
@@ -152,6 +187,9 @@ func (f *fixture) run(t *testing.T, c consumer, fail failFunc) *message.Router {
 	}
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, logger)
 	require.NoError(t, err)
+	if c.observe != nil {
+		router.AddMiddleware(c.observe)
+	}
 	router.AddMiddleware(c.rt.Middleware, retry.Middleware, c.dedup.Middleware, c.rt.ReleaseMiddleware)
 	h := f.ledgerHandler(fail)
 	router.AddConsumerHandler("ledger", f.main, sub, h)

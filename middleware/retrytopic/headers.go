@@ -14,8 +14,8 @@ import (
 const (
 	// MetadataAttempt is the number of this retry-topic attempt: 1 for the
 	// copy made after the first failure, 2 after the second, and so on. 0
-	// marks a follower (see [KeyOrder]): it has not failed, it waits for its
-	// key's earlier event.
+	// marks a follower (see [KeyOrder]): it has not failed, it waited for
+	// its key's earlier event and was handed the key.
 	MetadataAttempt = "retry_attempt"
 	// MetadataNotBefore is the time (RFC 3339, UTC, nanoseconds) before
 	// which the copy is not processed: the failure time plus the backoff.

@@ -101,7 +101,7 @@ func (h holdingHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sar
 			case <-sessDone:
 				return
 			}
-			if d := time.Until(recordNotBefore(m)); d > 0 {
+			if d := time.Until(RecordNotBefore(m)); d > 0 {
 				t := time.NewTimer(d)
 				select {
 				case <-t.C:
@@ -135,8 +135,11 @@ type heldClaim struct {
 
 func (c heldClaim) Messages() <-chan *sarama.ConsumerMessage { return c.msgs }
 
-// recordNotBefore reads the not-before header of a record (zero if none).
-func recordNotBefore(m *sarama.ConsumerMessage) time.Time {
+// RecordNotBefore reads the [MetadataNotBefore] header of a record (zero if
+// none). Set it as idemkafka.SubscriberConfig.NotBeforeFunc of a retry
+// topic's parallel subscriber: a copy then waits in its partition's window,
+// holding only the later copies of its key, and a rebalance drops the wait.
+func RecordNotBefore(m *sarama.ConsumerMessage) time.Time {
 	for _, h := range m.Headers {
 		if h != nil && string(h.Key) == MetadataNotBefore {
 			t, err := time.Parse(time.RFC3339Nano, string(h.Value))

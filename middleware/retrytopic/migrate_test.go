@@ -4,6 +4,9 @@ import (
 	"context"
 	"testing"
 
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -25,13 +28,14 @@ func TestMigrator(t *testing.T) {
 	v, err := m.Validate(ctx)
 	require.NoError(t, err)
 	require.False(t, v.OK)
-	require.Len(t, v.Pending, 1)
+	require.Len(t, v.Pending, 2)
 	require.Equal(t, "retry_parked_key:retry_parked_key", v.Pending[0].Component)
 
 	res, err := m.Migrate(ctx, deduplicator.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Len(t, res.Versions, 1)
+	require.Len(t, res.Versions, 2)
 	require.Equal(t, 1, res.Versions[0].Version)
+	require.Equal(t, 2, res.Versions[1].Version)
 	res, err = m.Migrate(ctx, deduplicator.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, res.Versions, "nothing left to apply")
@@ -39,9 +43,19 @@ func TestMigrator(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, v.OK)
 
-	res, err = m.Migrate(ctx, deduplicator.DirectionDown, nil)
+	// Version 2 refuses to go down while an event waits in the table with
+	// its message only (version 1 would lose it).
+	db.Exec(t, `INSERT INTO `+pgx.Identifier{db.Schema, retrytopic.DefaultTable}.Sanitize()+
+		` (consumer_group, partition_key, event_id, payload, metadata) VALUES ('g', 'k', gen_random_uuid(), '', '{}')`)
+	_, err = m.Migrate(ctx, deduplicator.DirectionDown, nil)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, pgerrcode.ObjectInUse, pgErr.Code)
+	db.Exec(t, `DELETE FROM `+pgx.Identifier{db.Schema, retrytopic.DefaultTable}.Sanitize())
+
+	res, err = m.Migrate(ctx, deduplicator.DirectionDown, &deduplicator.MigrateOpts{TargetVersion: -1})
 	require.NoError(t, err)
-	require.Len(t, res.Versions, 1)
+	require.Len(t, res.Versions, 2)
 	require.Zero(t, db.Count(t, "SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = 'retry_parked_key'", db.Schema))
 
 	_, err = retrytopic.NewMigrator(db.Pool, retrytopic.ParkedKeysTable{Table: "no good"})

@@ -42,7 +42,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*RetryTopic, error) {
 		r.retry[t] = true
 	}
 	if cfg.KeyOrder != nil {
-		r.order = &keyOrder{cfg: *cfg.KeyOrder}
+		r.order = &keyOrder{cfg: *cfg.KeyOrder, handoffTopic: cfg.Topics[0], now: cfg.NowFunc}
 		if err := r.order.check(context.Background()); err != nil {
 			return nil, err
 		}
@@ -91,17 +91,48 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		var pk *parking
 		if r.order != nil {
-			var follow bool
-			if pk, follow, err = r.order.look(ctx, msg, onRetry); err != nil {
-				return nil, err
+			var act action
+			for looks := 0; ; looks++ {
+				if pk, act, err = r.order.look(ctx, msg, onRetry); err != nil {
+					return nil, err
+				}
+				if act != actProbe {
+					break
+				}
+				pending, err := r.order.probe(ctx, pk)
+				if err != nil {
+					return nil, err
+				}
+				if !pending {
+					r.stats.stale.Add(1)
+					r.logger.Debug("Stale retry copy acked: its event is not parked and its key waits for another", pk.fields())
+					return nil, nil
+				}
+				if looks > 0 {
+					return nil, fmt.Errorf("retrytopic: event %s of key %q: its parked row keeps changing", pk.id, pk.key)
+				}
 			}
-			if follow {
-				return nil, r.follow(ctx, msg, o, pk)
-			}
-			if pk != nil && pk.parked && !onRetry {
-				// Redelivered after it was parked: its copy is on the retry path.
-				r.logger.Debug("Parked event redelivered on its main topic, already on the retry path", pk.fields())
+			switch act {
+			case actAck:
+				r.logger.Debug("Parked event acked: it waits for its key, or its copy is on the retry path", pk.fields())
 				return nil, nil
+			case actStore:
+				if err := r.order.store(ctx, pk, r.waitingCopy(msg, o)); err != nil {
+					return nil, err
+				}
+				r.logger.Debug("Parked event's message stored: it waits for its key", pk.fields())
+				return nil, nil
+			case actWait:
+				queued, err := r.order.wait(ctx, pk, r.waitingCopy(msg, o))
+				if err != nil {
+					return nil, err
+				}
+				if queued {
+					r.stats.followed.Add(1)
+					r.logger.Debug("Event waits behind its key's parked event", pk.fields())
+					return nil, nil
+				}
+				pk.head = nil // released meanwhile: the key is free
 			}
 			if pk != nil && pk.parked {
 				ctx = withRelease(ctx, pk)
@@ -116,19 +147,18 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				if err := r.order.releaseUnlessDone(ctx, pk); err != nil {
 					return nil, err
 				}
-				r.stats.released.Add(1)
+				r.released(pk)
 			case pk != nil && onRetry:
 				// The copy found no row of its own, but it may have
-				// overtaken the transaction that parks it (a follower's
-				// copy is due at once): wait for that transaction, and
-				// release the row it committed, or the key would stay
-				// parked behind an event that is done.
+				// overtaken the transaction that parks it: wait for that
+				// transaction, and release the row it committed, or the
+				// key would stay parked behind an event that is done.
 				released, err := r.order.settle(ctx, pk)
 				if err != nil {
 					return nil, err
 				}
 				if released {
-					r.stats.released.Add(1)
+					r.released(pk)
 				}
 			}
 			if onRetry {
@@ -221,13 +251,19 @@ func (r *RetryTopic) escalate(ctx context.Context, msg *message.Message, o origi
 		}
 		return nil
 	}
-	var err error
 	if pk != nil {
-		err = r.order.park(ctx, pk, topic, next.notBefore, publish)
-	} else {
-		err = publish()
-	}
-	if err != nil {
+		queued, err := r.order.park(ctx, pk, topic, next.notBefore, c, publish)
+		if err != nil {
+			return err
+		}
+		if queued {
+			// Its key was parked by another event meanwhile: it waits
+			// behind that one, its copy kept in the table.
+			r.stats.followed.Add(1)
+			r.logger.Debug("Failed event waits behind its key's parked event", pk.fields())
+			return nil
+		}
+	} else if err := publish(); err != nil {
 		return err
 	}
 	r.stats.retried.Add(1)
@@ -238,29 +274,28 @@ func (r *RetryTopic) escalate(ctx context.Context, msg *message.Message, o origi
 	return nil
 }
 
-// follow sends msg along the retry path behind its key's first parked event:
-// to that event's topic, not before its time, without counting an attempt.
-func (r *RetryTopic) follow(ctx context.Context, msg *message.Message, o origin, pk *parking) error {
-	next := o
-	next.notBefore = pk.head.notBefore
+// waitingCopy is the message a parked event keeps while it waits behind
+// its key's first event: the copy it will have on the retry path, its
+// attempt unchanged (0 from the main topic) and its not-before time set
+// when it is handed off.
+func (r *RetryTopic) waitingCopy(msg *message.Message, o origin) *message.Message {
 	c := copyFor(msg)
+	next := o
+	next.notBefore = time.Time{}
 	next.set(c.Metadata, nil)
+	delete(c.Metadata, MetadataNotBefore)
 	if e := msg.Metadata.Get(MetadataError); e != "" && o.attempt > 0 {
 		c.Metadata.Set(MetadataError, e) // a failed copy keeps its last failure
 	}
-	topic := pk.head.topic
-	err := r.order.park(ctx, pk, topic, next.notBefore, func() error {
-		if err := r.cfg.Publisher.Publish(topic, c); err != nil {
-			return fmt.Errorf("retrytopic: publish follower to %s: %w", topic, err)
-		}
-		return nil
-	})
-	if err != nil {
-		return err
+	return c
+}
+
+// released counts a release of pk, and its hand-off.
+func (r *RetryTopic) released(pk *parking) {
+	r.stats.released.Add(1)
+	if pk.handedOff.Load() {
+		r.stats.handedOff.Add(1)
 	}
-	r.stats.followed.Add(1)
-	r.logger.Debug("Event follows its key's parked event", pk.fields().Add(watermill.LogFields{"retry_topic": topic}))
-	return nil
 }
 
 // poison publishes msg to the poison topic with watermill's poison metadata
@@ -286,7 +321,7 @@ func (r *RetryTopic) poison(ctx context.Context, msg *message.Message, o origin,
 		if err := r.order.releaseNow(ctx, pk); err != nil {
 			return err
 		}
-		r.stats.released.Add(1)
+		r.released(pk)
 	}
 	return nil
 }

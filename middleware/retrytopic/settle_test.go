@@ -16,6 +16,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -36,9 +37,12 @@ func TestKeyOrderCopyConsumedBeforeItsParkCommits(t *testing.T) {
 	logger := watermill.NopLogger{}
 	ps := gochannel.NewGoChannel(gochannel.Config{}, logger)
 	const group, retryTopic, key = "billing", "orders.retry", "acct-1"
+	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{retryTopic}}, logger)
+	require.NoError(t, err)
+	require.NoError(t, ob.Migrate(ctx, db.Pool))
 	rt, err := retrytopic.New(retrytopic.Config{
 		Publisher: ps, Topics: []string{retryTopic}, PoisonTopic: "orders.poison",
-		KeyOrder: &retrytopic.KeyOrder{DB: db.Pool, ConsumerGroup: group, Table: table},
+		KeyOrder: &retrytopic.KeyOrder{DB: db.Pool, Outbox: ob, ConsumerGroup: group, Table: table},
 	}, logger)
 	require.NoError(t, err)
 	dedup, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: group, Table: deduplicator.TableConfig{Schema: db.Schema}}, logger)

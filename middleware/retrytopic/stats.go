@@ -17,22 +17,29 @@ type Stats struct {
 	Poisoned uint64
 	// Exhausted: of Poisoned, those whose attempts ran out.
 	Exhausted uint64
-	// Followed: events sent along the retry path behind an earlier event
-	// of their key ([KeyOrder]).
+	// Followed: events parked behind an earlier event of their key
+	// ([KeyOrder]), to wait in the parked-keys table.
 	Followed uint64
 	// Released: parked events released from the parked-keys table
 	// ([KeyOrder]), because they succeeded or were poisoned.
 	Released uint64
+	// HandedOff: of Released, those whose release handed their key to the
+	// next parked event (written to the retry path through the outbox).
+	HandedOff uint64
+	// Stale: retry-topic copies acked without running because their event
+	// is no longer parked while its key waits for another event (a second
+	// copy of a released event).
+	Stale uint64
 }
 
 type counters struct {
-	retried, held, recovered, poisoned, exhausted, followed, released atomic.Uint64
+	retried, held, recovered, poisoned, exhausted, followed, released, handedOff, stale atomic.Uint64
 }
 
 func (c *counters) snapshot() Stats {
 	return Stats{
 		Retried: c.retried.Load(), Held: c.held.Load(), Recovered: c.recovered.Load(),
 		Poisoned: c.poisoned.Load(), Exhausted: c.exhausted.Load(),
-		Followed: c.followed.Load(), Released: c.released.Load(),
+		Followed: c.followed.Load(), Released: c.released.Load(), HandedOff: c.handedOff.Load(), Stale: c.stale.Load(),
 	}
 }

@@ -30,6 +30,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -232,6 +233,18 @@ func runConsumer(cfg childConfig) error {
 	if cfg.CopyToDLQ {
 		c.dlqPub = pub
 	}
+	// KeyOrder hands a key on to its next parked event through the outbox,
+	// to the first retry topic: every consumer process forwards it (the
+	// forwarders of one name share the work).
+	ob, err := handoffOutbox(cfg.Schema, cfg.RetryTopics, logger)
+	if err != nil {
+		return err
+	}
+	stopForwarder, err := c.forwardHandoffs(ctx, ob, logger)
+	if err != nil {
+		return err
+	}
+	defer stopForwarder()
 	// The retry topics as docs/retry.md wires them, with KeyOrder (the
 	// soak checks each aggregate's order): its parked-keys check reads the
 	// database, which may be refusing connections.
@@ -242,7 +255,7 @@ func runConsumer(cfg childConfig) error {
 			PoisonTopic: cfg.PoisonTopic,
 			MaxAttempts: retryMaxAttempts,
 			Backoff:     retrytopic.Backoff{Initial: retryInitialDelay, Max: retryMaxDelay},
-			KeyOrder:    &retrytopic.KeyOrder{DB: c.pool, ConsumerGroup: cfg.Group, Table: parkedTable(cfg.Schema)},
+			KeyOrder:    &retrytopic.KeyOrder{DB: c.pool, Outbox: ob, ConsumerGroup: cfg.Group, Table: parkedTable(cfg.Schema)},
 		}, logger)
 		return err
 	}); err != nil {
@@ -294,6 +307,58 @@ func runConsumer(cfg childConfig) error {
 		}
 	}()
 	return router.Run(ctx) // until SIGTERM: Close leaves the group, in-flight messages are not acked
+}
+
+// handoffOutbox is the outbox of KeyOrder's hand-offs: the table of the
+// first retry topic.
+func handoffOutbox(schema string, retryTopics []string, logger watermill.LoggerAdapter) (*outbox.Outbox, error) {
+	return outbox.New(outbox.Config{Schema: schema, Topics: retryTopics[:1]}, logger)
+}
+
+// handoffPollInterval is the hand-off forwarders' wait after an empty read:
+// a key's next event waits for it at most.
+const handoffPollInterval = 10 * time.Millisecond
+
+// forwardHandoffs runs a forwarder of ob on a connection of its own until
+// the returned function is called; one that stops on an error (the
+// database refusing connections) is started again, as a supervisor would.
+func (c *child) forwardHandoffs(ctx context.Context, ob *outbox.Outbox, logger watermill.LoggerAdapter) (stop func(), err error) {
+	fpool, err := pgPool(ctx, c.cfg.DatabaseURL, c.cfg.Database, c.cfg.Schema, c.cfg.AppName, 1)
+	if err != nil {
+		return nil, err
+	}
+	producer, err := outbox.NewKafkaProducer(publisher.KafkaConfig{Brokers: c.cfg.Brokers})
+	if err != nil {
+		fpool.Close()
+		return nil, err
+	}
+	fctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for fctx.Err() == nil {
+			fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{
+				DB: fpool, Outbox: ob, Producer: producer,
+				PollInterval: handoffPollInterval, RetryInterval: 100 * time.Millisecond,
+			}, logger)
+			if err == nil {
+				err = fwd.Run(fctx)
+			}
+			if fctx.Err() == nil {
+				logger.Info("hand-off forwarder stopped; starting it again", watermill.LogFields{"err": fmt.Sprint(err)})
+				select {
+				case <-fctx.Done():
+				case <-time.After(100 * time.Millisecond):
+				}
+			}
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+		_ = producer.Close()
+		fpool.Close()
+	}, nil
 }
 
 // outer sits outside the retry-topic middleware: it reports deliveries,

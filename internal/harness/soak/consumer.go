@@ -37,10 +37,20 @@ type group struct {
 	name string
 	base int // instances it normally runs
 
-	mu        sync.Mutex // guards live, next, resetting; held across an offset reset
+	mu        sync.Mutex // guards live, next, resetting, orphans; held across an offset reset
 	live      []*instance
 	next      int
 	resetting bool
+	// orphans are armed faults (pendingKillMid, pendingKillCommit) whose
+	// instance ended before it executed them while no other live instance
+	// could take them: the next instance started executes one.
+	orphans []int32
+
+	// faultMu keeps an offset reset (the writer) apart from the faults
+	// that need the group's instances as targets (readers: a kill and its
+	// restart, a join, a leave), so that neither finds the group stopped
+	// for the other and skips.
+	faultMu sync.RWMutex
 
 	deliveries, applied, duplicates, failed atomic.Int64
 
@@ -88,7 +98,10 @@ type instance struct {
 	expected atomic.Value
 	ready    chan struct{}
 	exited   chan struct{}
-	stderr   *tailBuffer
+	// settled is closed once the soak has handled the process's end
+	// (a crashed instance's replacement is started, or was not needed).
+	settled chan struct{}
+	stderr  *tailBuffer
 }
 
 type stateKey struct{}
@@ -118,7 +131,7 @@ func (g *group) start(ctx context.Context) (*instance, error) {
 func (g *group) startLocked(ctx context.Context) (*instance, error) {
 	h := g.h
 	g.next++
-	inst := &instance{g: g, id: g.next, ready: make(chan struct{}), exited: make(chan struct{}), stderr: &tailBuffer{max: 20}}
+	inst := &instance{g: g, id: g.next, ready: make(chan struct{}), exited: make(chan struct{}), settled: make(chan struct{}), stderr: &tailBuffer{max: 20}}
 	inst.name = fmt.Sprintf("%s-i%d", g.name, inst.id)
 	maxConns := int32(4)
 	if h.cfg.UnsafeLedgerOutsideTx {
@@ -173,6 +186,7 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		pipes.Wait() // Wait closes the pipes: read them to the end first
 		err := cmd.Wait()
 		close(inst.exited)
+		defer close(inst.settled)
 		g.exited(ctx, inst, err)
 	})
 	select {
@@ -184,6 +198,9 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		return nil, ctx.Err()
 	}
 	g.live = append(g.live, inst)
+	if n := len(g.orphans); n > 0 && inst.arm(g.orphans[n-1]) {
+		g.orphans = g.orphans[:n-1]
+	}
 	return inst, nil
 }
 
@@ -341,20 +358,40 @@ func (inst *instance) stop() {
 }
 
 // rearm hands a fault that an ending instance did not execute to another
-// live instance, or counts it as skipped.
+// live instance or, when none can take it, to the next instance started
+// (see [group.orphans]). Once the run is over it counts as skipped.
 func (g *group) rearm(from *instance, p int32) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if g.h.closing.Load() {
+		g.h.fault(pendingKind(p), true)
+		return
+	}
 	for _, inst := range g.live {
 		if inst != from && inst.arm(p) {
 			return
 		}
 	}
-	kind := faultKillMid
-	if p == pendingKillCommit {
-		kind = faultKillCommit
+	g.orphans = append(g.orphans, p)
+}
+
+// skipOrphans counts the armed faults no instance executed before the end
+// of the run as skipped.
+func (g *group) skipOrphans() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, p := range g.orphans {
+		g.h.fault(pendingKind(p), true)
 	}
-	g.h.fault(kind, true)
+	g.orphans = nil
+}
+
+// pendingKind is the fault kind of an armed fault.
+func pendingKind(p int32) string {
+	if p == pendingKillCommit {
+		return faultKillCommit
+	}
+	return faultKillMid
 }
 
 // arm hands fault p to a live instance (chosen by pick) that has none
@@ -394,8 +431,9 @@ func (inst *instance) arm(p int32) bool {
 // that have not consumed yet, or one of whose consumer groups has not
 // completed its first join, are not chosen: killing one that never
 // finished its first join is the crash-loop fault's business (see
-// [group.crashLoop] and [sessionTracer]).
-func (g *group) killOne(pick uint64) bool {
+// [group.crashLoop] and [sessionTracer]). It returns the instance killed,
+// or nil when none is consuming (or an offset reset is under way).
+func (g *group) killOne(pick uint64) *instance {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	var consuming []*instance
@@ -405,10 +443,11 @@ func (g *group) killOne(pick uint64) bool {
 		}
 	}
 	if g.resetting || len(consuming) == 0 {
-		return false
+		return nil
 	}
-	consuming[int(pick%uint64(len(consuming)))].kill(faultSigkill)
-	return true
+	inst := consuming[int(pick%uint64(len(consuming)))]
+	inst.kill(faultSigkill)
+	return inst
 }
 
 // crashLoopBackoff is how long an instance killed while joining stays down:

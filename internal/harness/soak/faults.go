@@ -61,12 +61,24 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 			h.fault(f.kind, true)
 		}
 	case faultSigkill:
-		if !waitFor(ctx, func() bool { return g.killOne(f.pick) }) {
+		// A kill and its restart: the group rebalances twice (the dead
+		// member's session expires, its replacement joins). Under the
+		// group's fault lock, so that no offset reset takes the place of
+		// the restart; the fault ends once the replacement runs, so that
+		// the run cannot end before it.
+		g.faultMu.RLock()
+		defer g.faultMu.RUnlock()
+		var killed *instance
+		if !waitFor(ctx, func() bool { killed = g.killOne(f.pick); return killed != nil }) {
 			h.fault(f.kind, true)
 			return
 		}
 		h.kills.Add(1)
 		h.fault(f.kind, false)
+		select {
+		case <-killed.settled:
+		case <-ctx.Done():
+		}
 	case faultCrashLoop:
 		done, err := g.crashLoop(ctx)
 		if err != nil {
@@ -86,12 +98,7 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		}
 		h.fault(f.kind, false)
 	case faultJoin:
-		joined, err := g.start(ctx)
-		if err != nil {
-			h.violation("%s: join: %v", g.name, err)
-			return
-		}
-		if joined == nil {
+		if !h.join(ctx, g) {
 			h.fault(f.kind, true)
 			return
 		}
@@ -99,21 +106,15 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		for h.progress(f) < f.until {
 			select {
 			case <-ctx.Done():
+				h.fault(faultLeave, true)
 				return
 			case <-time.After(20 * time.Millisecond):
 			}
 		}
-		g.mu.Lock()
-		var leaving *instance
-		if len(g.live) > g.base && !g.resetting {
-			leaving = g.live[len(g.live)-1]
-		}
-		g.mu.Unlock()
-		if leaving == nil {
+		if !h.leave(ctx, g) {
 			h.fault(faultLeave, true)
 			return
 		}
-		leaving.stop()
 		h.fault(faultLeave, false)
 	case faultTermConsumer:
 		h.terminate(ctx, func(string) string { return f.kind }, []string{g.name + "-i"}, f.pick)
@@ -140,6 +141,41 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		}
 		h.fault(f.kind, false)
 	}
+}
+
+// join starts an extra instance in g (a rebalance), under the group's fault
+// lock: no offset reset is under way, so g.start starts one (it starts
+// none once the run is over). It reports whether one was started.
+func (h *harness) join(ctx context.Context, g *group) bool {
+	g.faultMu.RLock()
+	defer g.faultMu.RUnlock()
+	joined, err := g.start(ctx)
+	if err != nil {
+		h.violation("%s: join: %v", g.name, err)
+		return false
+	}
+	return joined != nil
+}
+
+// leave stops an instance of g gracefully (a rebalance) once g runs more
+// than its base number: after a crash, that is when the replacement has
+// started. It reports false only when ctx ended first.
+func (h *harness) leave(ctx context.Context, g *group) bool {
+	g.faultMu.RLock()
+	defer g.faultMu.RUnlock()
+	var leaving *instance
+	if !waitFor(ctx, func() bool {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		if len(g.live) > g.base && !g.resetting {
+			leaving = g.live[len(g.live)-1]
+		}
+		return leaving != nil
+	}) {
+		return false
+	}
+	leaving.stop()
+	return true
 }
 
 // waitFor retries try until it succeeds (a fault found its target: a live,
@@ -249,6 +285,8 @@ func (h *harness) disrupt(ctx context.Context) error {
 // OffsetManager (works on any Kafka cluster), and starts the instances
 // again: the group re-reads the whole topic.
 func (h *harness) resetOffsets(ctx context.Context, g *group) error {
+	g.faultMu.Lock()
+	defer g.faultMu.Unlock()
 	g.mu.Lock()
 	g.resetting = true
 	live := append([]*instance(nil), g.live...)

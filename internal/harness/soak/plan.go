@@ -105,13 +105,16 @@ func makeSchedule(cfg Config) []scheduled {
 		}
 	}
 	fc := cfg.Faults
-	add(fc.KillMidHandler, faultKillMid, byApplied, 0.03, 0.9)
-	add(fc.KillAfterCommit, faultKillCommit, byApplied, 0.03, 0.9)
+	// The faults a consumer executes on its next applied message, or that
+	// need its connections, count their own group's progress: a tenth of
+	// its events is still to come when they fire.
+	add(fc.KillMidHandler, faultKillMid, byGroup, 0.03, 0.9)
+	add(fc.KillAfterCommit, faultKillCommit, byGroup, 0.03, 0.9)
 	add(fc.Kill, faultSigkill, byApplied, 0.03, 0.9)
 	add(fc.CrashLoop, faultCrashLoop, byApplied, 0.05, 0.7)
 	add(fc.DisruptDB, faultDisrupt, byApplied, 0.1, 0.8)
 	add(fc.Join, faultJoin, byApplied, 0.03, 0.7)
-	add(fc.TerminateConsumer, faultTermConsumer, byApplied, 0.03, 0.9)
+	add(fc.TerminateConsumer, faultTermConsumer, byGroup, 0.03, 0.9)
 	add(fc.TerminateProducer, faultTermProducer, byProduced, 0.05, 0.9)
 	add(fc.RestartForwarder, faultRestartFwd, byProduced, 0.05, 0.9)
 	for g := range 2 {

@@ -196,9 +196,15 @@ type Report struct {
 	Producer string
 	// Consumers is "one transaction per message" or "group commit".
 	Consumers string
-	// Faults counts injected faults by kind; Skipped those that found no target.
+	// Faults counts injected faults by kind; Skipped those that found no
+	// target, or were armed in a consumer but not executed before the run
+	// ended. Every scheduled fault is in one or the other.
 	Faults  map[string]int
 	Skipped map[string]int
+	// Scheduled counts the faults the schedule planned, by kind (a join
+	// plans its leave; a pg-terminate-producer is reported under the name
+	// of the component it hit, pg-terminate-producer or -forwarder).
+	Scheduled map[string]int
 	// Kills counts consumer processes killed with SIGKILL (all kinds);
 	// Disruptions the database outages (every connection dropped, new ones
 	// refused for Outage).
@@ -292,7 +298,7 @@ func (r *Report) String() string {
 	for _, k := range slices.Sorted(maps.Keys(kinds)) {
 		fmt.Fprintf(&b, "  %-22s %d", k, r.Faults[k])
 		if s := r.Skipped[k]; s > 0 {
-			fmt.Fprintf(&b, " (%d skipped: no target)", s)
+			fmt.Fprintf(&b, " (%d skipped)", s)
 		}
 		b.WriteString("\n")
 	}
@@ -310,8 +316,12 @@ func (r *Report) String() string {
 	for _, g := range r.Groups {
 		fmt.Fprintf(&b, "group %s: lost=%d double=%d | deliveries=%d applied=%d duplicates absorbed=%d failed+redelivered=%d ledger rows=%d distinct=%d sum=%d\n",
 			g.Name, g.Lost, g.Double, g.Deliveries, g.Applied, g.Duplicates, g.Failed, g.LedgerRows, g.DistinctEvents, g.Sum)
-		fmt.Fprintf(&b, "  retry topics (in-process retries %d): failed as planned: %d events, %d times | escalated to a retry topic: %d times, %d events, attempts up to %d | deferred behind their key: %d | retry-topic deliveries=%d applied from a retry topic=%d | poisoned=%d\n",
-			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, g.Poisoned)
+		perEvent := 0.0
+		if g.AppliedFromRetry > 0 {
+			perEvent = float64(g.RetryDeliveries) / float64(g.AppliedFromRetry)
+		}
+		fmt.Fprintf(&b, "  retry topics (in-process retries %d): failed as planned: %d events, %d times | escalated to a retry topic: %d times, %d events, attempts up to %d | deferred behind their key: %d | retry-topic deliveries=%d applied from a retry topic=%d (%.2f deliveries per event on the retry path) | poisoned=%d\n",
+			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, perEvent, g.Poisoned)
 	}
 	if r.Database != "" {
 		fmt.Fprintf(&b, "database kept: %s\n", r.Database)
@@ -434,7 +444,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		topic:  "soak-events-" + runID,
 		dlq:    "soak-dlq-" + runID,
 		logger: cfg.Logger,
-		report: &Report{Seed: cfg.Seed, Events: cfg.Events, Outage: cfg.Outage, Faults: map[string]int{}, Skipped: map[string]int{}},
+		report: &Report{Seed: cfg.Seed, Events: cfg.Events, Outage: cfg.Outage, Faults: map[string]int{}, Skipped: map[string]int{}, Scheduled: map[string]int{}},
 	}
 	h.table = tableConfig(h.schema)
 	h.parked = parkedTable(h.schema)
@@ -513,6 +523,17 @@ func (h *harness) setupDB(ctx context.Context) error {
 	if err := retrytopic.Migrate(ctx, h.admin, h.parked); err != nil {
 		return fmt.Errorf("migrate retry_parked_key: %w", err)
 	}
+	// KeyOrder hands a key on through the outbox, to each group's first
+	// retry topic.
+	for g := range groups {
+		ob, err := handoffOutbox(h.schema, h.retryTopics(g), h.logger)
+		if err != nil {
+			return err
+		}
+		if err := ob.Migrate(ctx, h.admin); err != nil {
+			return fmt.Errorf("migrate the hand-off outbox: %w", err)
+		}
+	}
 	// Every change of the parked-keys table, for the diagnosis of a failed
 	// run (-keep): which process parked or released which event, in which
 	// transaction, when.
@@ -532,7 +553,7 @@ CREATE FUNCTION soak_park_log() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE r record;
 BEGIN
     IF TG_OP = 'DELETE' THEN r := OLD; ELSE r := NEW; END IF;
-    INSERT INTO soak_park_log (op, grp, k, event_id, seq, topic) VALUES (TG_OP, r.consumer_group, r.partition_key, r.event_id, r.seq, r.topic);
+    INSERT INTO soak_park_log (op, grp, k, event_id, seq, topic) VALUES (TG_OP, r.consumer_group, r.partition_key, r.event_id, r.seq, COALESCE(r.topic, ''));
     RETURN r;
 END $$;
 CREATE TRIGGER soak_park_log AFTER INSERT OR UPDATE OR DELETE ON `+pgx.Identifier{h.parked.Schema, retrytopic.DefaultTable}.Sanitize()+`
@@ -631,6 +652,12 @@ func (h *harness) run(ctx context.Context) error {
 	}
 
 	schedule := makeSchedule(h.cfg)
+	for _, f := range schedule {
+		h.report.Scheduled[f.kind]++
+		if f.kind == faultJoin {
+			h.report.Scheduled[faultLeave]++
+		}
+	}
 	h.logf("seed=%d events=%d aggregates=%d partitions=%d producer=%q faults scheduled=%d database=%s consumers=%s",
 		h.cfg.Seed, h.cfg.Events, h.cfg.Aggregates, h.cfg.Partitions, prod.kind(), len(schedule), h.dbName, h.exe)
 
@@ -666,6 +693,9 @@ func (h *harness) shutdown() {
 	}
 	wg.Wait()
 	h.bg.Wait()
+	for _, g := range h.groups {
+		g.skipOrphans()
+	}
 	if h.dlqR != nil {
 		h.dlqR.close()
 	}

@@ -16,27 +16,31 @@ import (
 
 // TestSoakShort is a short, seeded chaos soak: consumers are child processes
 // on the library's default Sarama settings, killed with SIGKILL; the
-// database refuses connections for a while; every fault kind at least once;
+// database refuses connections for a while; every fault kind scheduled
+// (those whose target depends on timing may be skipped, and are reported);
 // 5 % of the events fail transiently 1 to 3 times and go through the retry
 // topics; then "every event applied exactly once per group".
+//
+// The soak tests run one at a time, not in parallel: a run holds up to ~40
+// PostgreSQL connections (its producer, forwarder, five or six consumer
+// processes), two side by side would take the whole suite past its
+// connection budget (README, "Testing").
 func TestSoakShort(t *testing.T) {
 	if testing.Short() {
 		t.Skip("soak: skipped in -short mode")
 	}
-	t.Parallel()
 	for _, mode := range []struct {
 		name        string
 		groupCommit bool
 	}{{"one transaction per message", false}, {"group commit", true}} {
 		t.Run(mode.name, func(t *testing.T) {
-			t.Parallel()
 			cfg := soak.Config{
 				Seed:        20261130,
 				Events:      1500,
 				Aggregates:  32,
 				Faults:      soak.ShortFaults,
 				GroupCommit: mode.groupCommit,
-				Timeout:     150 * time.Second,
+				Timeout:     8 * time.Minute, // a bound, not a target: under -race a run takes ~1 min on an idle 2-core machine, up to 6 on a crowded one
 				DatabaseURL: pgtest.URL(),
 				Brokers:     kafkatest.External(),
 			}
@@ -62,17 +66,45 @@ func TestSoakShort(t *testing.T) {
 				require.Zero(t, g.Poisoned, "%s: poisoned", g.Name)
 			}
 			require.Positive(t, rep.RetryEvents, "no event planned to fail")
-			require.GreaterOrEqual(t, rep.Kills, 2, "consumer processes killed with SIGKILL")
-			require.Equal(t, rep.Faults["sigkill-mid-handler"]+rep.Faults["sigkill-after-commit"]+rep.Faults["sigkill-random"], rep.Kills, "every kill is in the report")
-			require.Positive(t, rep.Disruptions)
-			for _, kind := range []string{"sigkill-mid-handler", "sigkill-after-commit", "sigkill-random", "pg-disruption", "restart (rejoin)", "join (rebalance)", "pg-terminate-consumer", "restart-forwarder", "offset-reset"} {
-				require.Positive(t, rep.Faults[kind], "fault %q was never injected", kind)
-			}
-			require.Positive(t, rep.Faults["pg-terminate-forwarder"]+rep.Faults["pg-terminate-producer"], "no producer-side backend terminated")
+			requireFaults(t, cfg.Faults, rep)
 			require.Positive(t, rep.DLQReplayed)
 			require.Positive(t, rep.DoublePublished)
 			require.GreaterOrEqual(t, rep.OutboxRows, cfg.Events+rep.DoublePublished)
 		})
+	}
+}
+
+// requireFaults checks the faults of a run of fc: those the schedule
+// guarantees (each waits for its target, see faults.go) were all injected,
+// and every other one was injected or reported skipped. Whether a
+// consumer executes an armed kill, or a pg-terminate finds a connection
+// open, depends on timing: a skip is logged, not failed.
+func requireFaults(t *testing.T, fc soak.FaultCounts, rep *soak.Report) {
+	t.Helper()
+	// At least one kill and rebalance in every run: a consuming process
+	// SIGKILLed, its partitions reassigned, its replacement joining.
+	require.Positive(t, fc.Kill)
+	require.Equal(t, fc.Kill, rep.Faults["sigkill-random"], "sigkill-random")
+	require.GreaterOrEqual(t, rep.Faults["restart (rejoin)"], rep.Faults["sigkill-random"], "a killed process's replacement started")
+	require.Equal(t, fc.Join, rep.Faults["join (rebalance)"], "join (rebalance)")
+	require.Equal(t, fc.Join, rep.Faults["leave (rebalance)"], "leave (rebalance)")
+	require.Equal(t, fc.DisruptDB, rep.Faults["pg-disruption"], "pg-disruption")
+	require.Equal(t, fc.DisruptDB, rep.Disruptions)
+	require.Equal(t, fc.RestartForwarder, rep.Faults["restart-forwarder"], "restart-forwarder")
+	require.Equal(t, 2*fc.OffsetResetPerGrp, rep.Faults["offset-reset"], "offset-reset")
+	require.Equal(t, rep.Faults["sigkill-mid-handler"]+rep.Faults["sigkill-after-commit"]+rep.Faults["sigkill-random"]+rep.Faults["sigkill-while-joining (crash loop)"], rep.Kills, "every kill is in the report")
+
+	injected := func(kind string) int {
+		if kind == "pg-terminate-producer" {
+			return rep.Faults[kind] + rep.Faults["pg-terminate-forwarder"]
+		}
+		return rep.Faults[kind]
+	}
+	for kind, n := range rep.Scheduled {
+		require.Equal(t, n, injected(kind)+rep.Skipped[kind], "fault %q: scheduled = injected + skipped", kind)
+		if rep.Skipped[kind] > 0 {
+			t.Logf("fault %q: %d of %d skipped (no target, or not executed before the end)", kind, rep.Skipped[kind], n)
+		}
 	}
 }
 
@@ -84,7 +116,6 @@ func TestSoakDetectsNonTransactionalHandler(t *testing.T) {
 	if testing.Short() {
 		t.Skip("soak: skipped in -short mode")
 	}
-	t.Parallel()
 	for _, c := range []struct {
 		name         string
 		faults       soak.FaultCounts
@@ -98,15 +129,23 @@ func TestSoakDetectsNonTransactionalHandler(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			rep, err := soak.Run(context.Background(), soak.Config{
-				Seed:                  7,
-				Events:                300,
-				Aggregates:            16,
+				Seed:       7,
+				Events:     300,
+				Aggregates: 16,
+				// Small: the unsafe handler's pools hold a connection per
+				// partition of each topic a process consumes (see
+				// [soak.Config.UnsafeLedgerOutsideTx]), 3 processes of
+				// 2 x 3 + 2 here.
+				Partitions:            2,
+				Instances:             2,
+				SecondInstances:       1,
+				Producers:             2,
 				Faults:                c.faults,
 				DLQPercent:            -1,
 				DoublePercent:         -1,
 				RetryPercent:          c.retryPercent,
 				UnsafeLedgerOutsideTx: true,
-				Timeout:               60 * time.Second,
+				Timeout:               2 * time.Minute,
 				DatabaseURL:           pgtest.URL(),
 				Brokers:               kafkatest.External(),
 			})

@@ -37,8 +37,13 @@ type DB struct {
 	URL string
 }
 
+// DefaultMaxConns caps the pools New (maxConns 0) and ForExample open:
+// pgxpool's own default grows with the machine's CPUs, and the suite's
+// connection budget must not (README, "Testing").
+const DefaultMaxConns = 4
+
 // New creates a fresh schema named after the test, and a pool bound to it.
-// Both are removed when the test ends. maxConns 0 means pgxpool's default.
+// Both are removed when the test ends. maxConns 0 means [DefaultMaxConns].
 func New(tb testing.TB, maxConns int32) *DB {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -59,12 +64,13 @@ func New(tb testing.TB, maxConns int32) *DB {
 		tb.Fatalf("pgtest: %v", err)
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	// A transaction a test leaves open holds back the server-wide xmin, which
-	// stalls every outbox forwarder of every parallel test: end it.
+	// A transaction a test leaves open holds back the server-wide xmin (vacuum,
+	// and watermill-sql subscribers, which read below it): end it.
 	cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "120s"
-	if maxConns > 0 {
-		cfg.MaxConns = maxConns
+	if maxConns <= 0 {
+		maxConns = DefaultMaxConns
 	}
+	cfg.MaxConns = maxConns
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		tb.Fatalf("pgtest: pool: %v", err)
@@ -169,6 +175,7 @@ func ForExample(ctx context.Context, prefix string) (pool *pgxpool.Pool, schema 
 		panic(err)
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = DefaultMaxConns
 	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 		panic(err)
 	}

@@ -1,0 +1,156 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/outbox"
+)
+
+// parkedTableFlag adds --parked-table to fs; the returned function gives
+// the table (schema from --schema) after parsing.
+func (a *app) parkedTableFlag(fs *flag.FlagSet) func() (retrytopic.ParkedKeysTable, error) {
+	name := fs.String("parked-table", retrytopic.DefaultTable, "the parked-keys `table` of retrytopic.KeyOrder (in --schema)")
+	return func() (retrytopic.ParkedKeysTable, error) {
+		t := retrytopic.ParkedKeysTable{Schema: a.opts.schema, Table: *name}
+		if _, err := retrytopic.Migrations(t); err != nil {
+			return t, usageError("--schema/--parked-table: %v", err)
+		}
+		return t, nil
+	}
+}
+
+func retryParked(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	group := fs.String("group", "", "only this dedup consumer `group` (default: every group)")
+	limit := fs.Int("limit", 50, "list at most `N` keys, the longest queues first (0: all)")
+	table := a.parkedTableFlag(fs)
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	t, err := table()
+	if err != nil {
+		return err
+	}
+	if *limit < 0 {
+		return usageError("usage: --limit must not be negative")
+	}
+	pool, err := a.connect(ctx)
+	if err != nil {
+		return err
+	}
+	sum, err := retrytopic.SummarizeParked(ctx, pool, t, *group)
+	if err != nil {
+		return err
+	}
+	keys, err := retrytopic.ParkedKeys(ctx, pool, t, *group, *limit)
+	if err != nil {
+		return err
+	}
+	if a.opts.json {
+		type key struct {
+			ConsumerGroup      string  `json:"consumer_group"`
+			Key                string  `json:"key"`
+			Events             int64   `json:"events"`
+			Head               string  `json:"head"`
+			HeadTopic          string  `json:"head_topic"`
+			HeadOverdueSeconds float64 `json:"head_overdue_seconds"`
+			OldestAgeSeconds   float64 `json:"oldest_age_seconds"`
+		}
+		type group struct {
+			ConsumerGroup         string  `json:"consumer_group"`
+			Keys                  int64   `json:"keys"`
+			Events                int64   `json:"events"`
+			MaxQueue              int64   `json:"max_queue"`
+			OldestAgeSeconds      float64 `json:"oldest_age_seconds"`
+			MaxHeadOverdueSeconds float64 `json:"max_head_overdue_seconds"`
+		}
+		out := struct {
+			Groups []group `json:"groups"`
+			Keys   []key   `json:"keys"`
+		}{[]group{}, []key{}}
+		for _, s := range sum {
+			out.Groups = append(out.Groups, group{s.ConsumerGroup, s.Keys, s.Events, s.MaxQueue, s.OldestAge.Seconds(), s.MaxHeadOverdue.Seconds()})
+		}
+		for _, k := range keys {
+			out.Keys = append(out.Keys, key{k.ConsumerGroup, k.Key, k.Events, k.Head.String(), k.HeadTopic, k.HeadOverdue.Seconds(), k.OldestAge.Seconds()})
+		}
+		return a.printJSON(out)
+	}
+	if len(sum) == 0 {
+		fmt.Fprintln(a.stdout, "no parked key")
+		return nil
+	}
+	tw := a.table()
+	row(tw, "GROUP", "KEYS", "EVENTS", "LONGEST QUEUE", "OLDEST AGE", "MOST OVERDUE COPY")
+	for _, s := range sum {
+		row(tw, s.ConsumerGroup, s.Keys, s.Events, s.MaxQueue, humanDuration(s.OldestAge), humanDuration(s.MaxHeadOverdue))
+	}
+	row(tw)
+	row(tw, "GROUP", "KEY", "QUEUE", "FIRST EVENT", "ITS COPY ON", "OVERDUE", "OLDEST AGE")
+	for _, k := range keys {
+		topic := k.HeadTopic
+		if topic == "" {
+			topic = "- (none: unblock it)"
+		}
+		row(tw, k.ConsumerGroup, k.Key, k.Events, k.Head, topic, humanDuration(k.HeadOverdue), humanDuration(k.OldestAge))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(a.stdout, "(a first event whose copy is long overdue is not coming back: idemctl retry unblock)")
+	return nil
+}
+
+func retryUnblock(ctx context.Context, a *app, args []string) error {
+	fs := a.flags()
+	group := fs.String("group", "", "the dedup consumer `group` (required)")
+	key := fs.String("key", "", "the parked `key` (required)")
+	skip := fs.Bool("skip", false, "remove the key's first event instead of sending it again (it is then neither applied nor poisoned: replay it)")
+	topic := fs.String("topic", "", "the retry `topic` to send to, with an outbox table (default: the topic of the first event's lost copy)")
+	yes := fs.Bool("yes", false, "really do it")
+	table := a.parkedTableFlag(fs)
+	if _, err := a.parse(fs, args); err != nil {
+		return err
+	}
+	t, err := table()
+	if err != nil {
+		return err
+	}
+	switch {
+	case *group == "" || *key == "":
+		return usageError("usage: --group and --key are required")
+	case !*yes:
+		return usageError("retry unblock writes the key's first event (or, with --skip, its next event) to the outbox of the retry topic; a copy still on its way would then run as a duplicate, which the claim absorbs; pass --yes to do it")
+	}
+	pool, err := a.connect(ctx)
+	if err != nil {
+		return err
+	}
+	cfg, err := a.outboxConfig(ctx, false)
+	if err != nil {
+		return err
+	}
+	ob, err := outbox.New(cfg, nil)
+	if err != nil {
+		return usageError("%v", err)
+	}
+	res, err := retrytopic.Unblock(ctx, pool, ob, t, *group, *key, &retrytopic.UnblockOpts{Skip: *skip, Topic: *topic})
+	if err != nil {
+		return err
+	}
+	if a.opts.json {
+		return a.printJSON(res)
+	}
+	switch {
+	case res.Resent:
+		fmt.Fprintf(a.stdout, "event %s sent to %s again through the outbox (due now)\n", res.Head, res.Topic)
+	case res.HandedOff != nil:
+		fmt.Fprintf(a.stdout, "event %s removed (neither applied nor poisoned: replay it); the key is handed to event %s on %s\n", res.Head, *res.HandedOff, res.Topic)
+	default:
+		fmt.Fprintf(a.stdout, "event %s removed (neither applied nor poisoned: replay it); nothing else waits: the key is free\n", res.Head)
+	}
+	return nil
+}

@@ -1,0 +1,326 @@
+package idemkafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Subscriber is a Watermill message.Subscriber on a Kafka consumer group
+// that keeps up to MaxInFlight messages in flight, in the order its
+// [Ordering] asks for (by default a message waits only for the earlier
+// messages of its key in its partition), and commits per partition only the
+// offset below which every message is acked. Use it in
+// router.AddConsumerHandler in place of watermill-kafka's subscriber,
+// behind the same dedup middleware. Create it with [NewSubscriber].
+type Subscriber struct {
+	cfg    SubscriberConfig
+	sarama *sarama.Config
+	logger watermill.LoggerAdapter
+
+	slots   chan struct{} // MaxInFlight tokens
+	closing chan struct{} // closed by Close
+	closed  chan struct{} // closed when Close is done: releases every slot
+	once    sync.Once
+	wg      sync.WaitGroup
+
+	mu      sync.Mutex
+	streams map[*stream]struct{}
+	stats   counters
+}
+
+var _ message.Subscriber = (*Subscriber)(nil)
+
+// NewSubscriber validates cfg and returns a Subscriber; it connects to
+// Kafka on Subscribe. A nil logger logs nothing.
+func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	return &Subscriber{
+		cfg:     cfg,
+		sarama:  cfg.saramaConfig(),
+		logger:  logger.With(watermill.LogFields{"subscriber": "idemkafka", "consumer_group": cfg.ConsumerGroup}),
+		slots:   make(chan struct{}, cfg.MaxInFlight),
+		closing: make(chan struct{}),
+		closed:  make(chan struct{}),
+		streams: map[*stream]struct{}{},
+	}, nil
+}
+
+// MaxInFlight is the most messages the Subscriber hands out at once, and
+// so the most handlers running at once on its messages. With the dedup
+// middleware in one-transaction-per-message mode each of them holds a
+// database connection for its transaction: give the pool at least this
+// many (idem.Config.Concurrency checks it at start-up). With group commit
+// the groups use GroupCommit.Concurrency connections instead.
+func (s *Subscriber) MaxInFlight() int { return s.cfg.MaxInFlight }
+
+// ErrClosed is returned by Subscribe on a closed Subscriber.
+var ErrClosed = errors.New("idemkafka: subscriber closed")
+
+// Subscribe joins the consumer group on topic and returns the channel of
+// its messages. The channel closes when ctx ends or the Subscriber
+// closes, after the messages in flight were given RevokeTimeout to be
+// acked and the offsets were committed. Each call has its own Kafka client
+// and group member; MaxInFlight is shared by all of them.
+func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	select {
+	case <-s.closing:
+		return nil, ErrClosed
+	default:
+	}
+	client, err := sarama.NewClient(s.cfg.Brokers, s.sarama)
+	if err != nil {
+		return nil, fmt.Errorf("idemkafka: new Kafka client: %w", err)
+	}
+	group, err := sarama.NewConsumerGroupFromClient(s.cfg.ConsumerGroup, client)
+	if err != nil {
+		_ = client.Close()
+		return nil, fmt.Errorf("idemkafka: new consumer group: %w", err)
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	st := &stream{
+		s:      s,
+		topic:  topic,
+		ctx:    sctx,
+		cancel: cancel,
+		client: client,
+		group:  group,
+		out:    make(chan *message.Message),
+		wake:   make(chan struct{}, 1),
+		parts:  map[int32]*partState{},
+		logger: s.logger.With(watermill.LogFields{"topic": topic}),
+	}
+	s.mu.Lock()
+	select {
+	case <-s.closing:
+		s.mu.Unlock()
+		cancel()
+		_ = group.Close()
+		_ = client.Close()
+		return nil, ErrClosed
+	default:
+	}
+	s.streams[st] = struct{}{}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	go st.run()
+	return st.out, nil
+}
+
+// Close leaves the groups: each partition's messages in flight get
+// RevokeTimeout to be acked, the offsets are committed, and the channels
+// Subscribe returned are closed. It returns when all of that is done.
+func (s *Subscriber) Close() error {
+	s.once.Do(func() {
+		s.mu.Lock()
+		close(s.closing)
+		for st := range s.streams {
+			st.cancel()
+		}
+		s.mu.Unlock()
+		s.wg.Wait()
+		close(s.closed)
+	})
+	return nil
+}
+
+// stream is one Subscribe call: a group member on one topic, its
+// partitions, and the queue of messages ready to be handed out.
+type stream struct {
+	s      *Subscriber
+	topic  string
+	ctx    context.Context // ends on Close or when Subscribe's ctx ends
+	cancel context.CancelFunc
+	client sarama.Client
+	group  sarama.ConsumerGroup
+	out    chan *message.Message
+	logger watermill.LoggerAdapter
+
+	// guarded by s.mu
+	ready []*entry
+	wake  chan struct{} // an entry became ready (buffered 1)
+	parts map[int32]*partState
+}
+
+// run consumes the group until the stream ends, then closes out.
+func (st *stream) run() {
+	defer st.s.wg.Done()
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for err := range st.group.Errors() {
+			st.logger.Error("Consumer group error", err, nil)
+		}
+	})
+	dispatched := make(chan struct{})
+	go func() {
+		defer close(dispatched)
+		st.dispatch()
+	}()
+	h := &groupHandler{st: st}
+	for {
+		err := st.group.Consume(st.ctx, []string{st.topic}, h)
+		if st.ctx.Err() != nil {
+			break
+		}
+		if err != nil {
+			st.logger.Error("Consume failed, joining again", err, watermill.LogFields{"retry_in": st.s.cfg.ReconnectRetrySleep.String()})
+		}
+		t := time.NewTimer(st.s.cfg.ReconnectRetrySleep)
+		select {
+		case <-t.C:
+		case <-st.ctx.Done():
+		}
+		t.Stop()
+		if st.ctx.Err() != nil {
+			break
+		}
+	}
+	if err := st.group.Close(); err != nil {
+		st.logger.Error("Closing the consumer group", err, nil)
+	}
+	wg.Wait()
+	<-dispatched
+	if err := st.client.Close(); err != nil && !errors.Is(err, sarama.ErrClosedClient) {
+		st.logger.Error("Closing the Kafka client", err, nil)
+	}
+	st.s.mu.Lock()
+	delete(st.s.streams, st)
+	st.s.mu.Unlock()
+	close(st.out)
+}
+
+// dispatch hands out the ready entries, one MaxInFlight slot each, until
+// the stream ends.
+func (st *stream) dispatch() {
+	s := st.s
+	for {
+		e := st.nextReady()
+		if e == nil {
+			return
+		}
+		select {
+		case s.slots <- struct{}{}:
+		case <-st.ctx.Done():
+			return
+		}
+		msg, err := st.handOut(e)
+		if err != nil {
+			<-s.slots
+			continue
+		}
+		if msg == nil {
+			<-s.slots // its partition stopped meanwhile
+			continue
+		}
+		select {
+		case st.out <- msg:
+			go st.await(e, msg)
+		case <-e.p.ctx.Done():
+			// Revoked past its timeout before the router took it.
+			s.mu.Lock()
+			e.p.drop(e)
+			s.mu.Unlock()
+			<-s.slots
+		case <-st.ctx.Done():
+			s.mu.Lock()
+			e.p.drop(e)
+			s.mu.Unlock()
+			<-s.slots
+			return
+		}
+	}
+}
+
+// nextReady waits for a ready entry of a live partition; nil when the
+// stream ends.
+func (st *stream) nextReady() *entry {
+	s := st.s
+	for {
+		s.mu.Lock()
+		for len(st.ready) > 0 {
+			e := st.ready[0]
+			st.ready[0] = nil
+			st.ready = st.ready[1:]
+			if e.state == stateReady && !e.p.stopping {
+				s.mu.Unlock()
+				return e
+			}
+		}
+		s.mu.Unlock()
+		select {
+		case <-st.wake:
+		case <-st.ctx.Done():
+			return nil
+		}
+	}
+}
+
+// handOut marks e in flight and builds its message; nil when its partition
+// stopped since e became ready.
+func (st *stream) handOut(e *entry) (*message.Message, error) {
+	s := st.s
+	msg, err := s.cfg.Unmarshaler.Unmarshal(e.m)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p := e.p
+	if p.stopping || e.state != stateReady {
+		return nil, nil
+	}
+	if err != nil {
+		// A record that cannot become a message cannot be processed; the
+		// partition stops here, as watermill-kafka's does.
+		err = fmt.Errorf("idemkafka: unmarshal %s/%d@%d: %w", e.m.Topic, e.m.Partition, e.m.Offset, err)
+		st.logger.Error("Message unmarshal failed, the partition stops at it", err, nil)
+		e.state = stateFailed
+		return nil, err
+	}
+	e.state = stateInFlight
+	p.inflight++
+	s.stats.inflight++
+	if e.m.Offset > p.highest {
+		p.highest = e.m.Offset
+	}
+	msg.SetContext(messageContext(p.ctx, e.m))
+	return msg, nil
+}
+
+// await waits for msg's ack or nack. Its slot is freed only then (or when
+// the Subscriber has closed), even after its partition was revoked, so
+// MaxInFlight bounds the handlers running at once.
+func (st *stream) await(e *entry, msg *message.Message) {
+	s := st.s
+	select {
+	case <-msg.Acked():
+		s.mu.Lock()
+		e.p.acked(e)
+		s.mu.Unlock()
+	case <-msg.Nacked():
+		s.mu.Lock()
+		e.p.nacked(e)
+		s.mu.Unlock()
+	case <-s.closed:
+	}
+	<-s.slots
+}
+
+// push queues e as ready. Called with s.mu held.
+func (st *stream) push(e *entry) {
+	e.state = stateReady
+	st.ready = append(st.ready, e)
+	select {
+	case st.wake <- struct{}{}:
+	default:
+	}
+}

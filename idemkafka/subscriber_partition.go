@@ -1,0 +1,426 @@
+package idemkafka
+
+import (
+	"context"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+type entryState uint8
+
+const (
+	stateWaiting  entryState = iota // behind an earlier message of its key
+	stateHeld                       // waiting for its NotBeforeFunc time
+	stateReady                      // queued to be handed out
+	stateInFlight                   // handed out, no ack or nack yet
+	stateBackoff                    // nacked, waiting NackResendSleep
+	stateDone                       // acked (or done before, per the commit metadata)
+	stateFailed                     // cannot be unmarshalled: its partition stops at it
+	stateDropped                    // its partition was revoked before it was handed out
+)
+
+// entry is one record of a partition's window.
+type entry struct {
+	m     *sarama.ConsumerMessage
+	p     *partState
+	key   string
+	state entryState
+	next  *entry // the next record of its key (OrderKey, OrderPartition)
+}
+
+// chain is the records of one key in a partition's window that are not done
+// yet, oldest first; only its head may be handed out.
+type chain struct{ head, tail *entry }
+
+// partState is a claimed partition: the window of records from the
+// committed offset on. Every field is guarded by the Subscriber's mu.
+type partState struct {
+	st        *stream
+	sess      sarama.ConsumerGroupSession
+	partition int32
+
+	ctx    context.Context // messages' parent; cancelled when abandoned
+	cancel context.CancelFunc
+
+	window []*entry // from the committed offset on, in offset order
+	chains map[string]*chain
+	skip   map[int64]bool // done before, per the commit metadata
+
+	next     int64 // the offset after the last record read
+	highest  int64 // the highest offset handed out, -1 for none
+	inflight int
+	waiting  int
+	stopping bool          // revoked: nothing more is handed out
+	space    chan struct{} // the window shrank (buffered 1)
+	drained  chan struct{} // stopping and nothing in flight (buffered 1)
+
+	marked  int64 // last offset given to the session
+	meta    string
+	changed bool // done set changed since the last mark
+}
+
+func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim, skip map[int64]bool) *partState {
+	// Messages keep their values when the stream ends, and are cancelled
+	// only when abandoned after RevokeTimeout.
+	ctx, cancel := context.WithCancel(context.WithoutCancel(st.ctx))
+	return &partState{
+		st: st, sess: sess, partition: claim.Partition(),
+		ctx: ctx, cancel: cancel,
+		chains:  map[string]*chain{},
+		skip:    skip,
+		next:    claim.InitialOffset(),
+		highest: -1,
+		marked:  -1,
+		space:   make(chan struct{}, 1),
+		drained: make(chan struct{}, 1),
+	}
+}
+
+// full reports whether the window holds PartitionWindow records.
+func (p *partState) full() bool { return len(p.window) >= p.st.s.cfg.PartitionWindow }
+
+// add appends a record read from the claim and queues it when nothing of
+// its key is before it. Called with mu held.
+func (p *partState) add(m *sarama.ConsumerMessage) {
+	s := p.st.s
+	e := &entry{m: m, p: p}
+	p.next = m.Offset + 1
+	p.window = append(p.window, e)
+	if p.skip[m.Offset] {
+		delete(p.skip, m.Offset)
+		e.state = stateDone
+		s.stats.skipped++
+		p.changed = true
+		return
+	}
+	switch s.cfg.Ordering {
+	case OrderNone:
+		p.release(e)
+		return
+	case OrderKey:
+		e.key = string(m.Key)
+	}
+	c := p.chains[e.key]
+	if c == nil {
+		p.chains[e.key] = &chain{head: e, tail: e}
+		p.release(e)
+		return
+	}
+	c.tail.next = e
+	c.tail = e
+	e.state = stateWaiting
+	p.waiting++
+	s.stats.waiting++
+}
+
+// release queues e, or holds it until its NotBeforeFunc time. Called with
+// mu held.
+func (p *partState) release(e *entry) {
+	s := p.st.s
+	if f := s.cfg.NotBeforeFunc; f != nil {
+		if d := time.Until(f(e.m)); d > 0 {
+			e.state = stateHeld
+			s.stats.held++
+			time.AfterFunc(d, func() {
+				s.mu.Lock()
+				defer s.mu.Unlock()
+				if e.state == stateHeld {
+					s.stats.held--
+					if !p.stopping {
+						p.st.push(e)
+					}
+				}
+			})
+			return
+		}
+	}
+	p.st.push(e)
+}
+
+// acked records e done: the next record of its key is released, the
+// committed offset moves past the records done at the front of the window.
+// Called with mu held.
+func (p *partState) acked(e *entry) {
+	s := p.st.s
+	if e.state != stateInFlight {
+		return
+	}
+	p.settled(e)
+	e.state = stateDone
+	s.stats.acked++
+	p.changed = true
+	if s.cfg.Ordering != OrderNone {
+		c := p.chains[e.key]
+		c.head = e.next
+		e.next = nil
+		if c.head == nil {
+			delete(p.chains, e.key)
+		} else if c.head.state == stateWaiting {
+			p.waiting--
+			s.stats.waiting--
+			p.release(c.head)
+		}
+	}
+	p.trim()
+}
+
+// nacked hands e out again after NackResendSleep; the later records of
+// its key stay behind it. Called with mu held.
+func (p *partState) nacked(e *entry) {
+	s := p.st.s
+	if e.state != stateInFlight {
+		return
+	}
+	p.settled(e)
+	s.stats.nacked++
+	if p.stopping {
+		e.state = stateDropped // the next owner gets it again
+		return
+	}
+	sleep := s.cfg.NackResendSleep
+	if sleep <= 0 {
+		p.st.push(e)
+		return
+	}
+	e.state = stateBackoff
+	time.AfterFunc(sleep, func() {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if e.state == stateBackoff && !p.stopping {
+			p.st.push(e)
+		}
+	})
+}
+
+// settled counts e, in flight, out of flight. Called with mu held.
+func (p *partState) settled(e *entry) {
+	p.inflight--
+	p.st.s.stats.inflight--
+	if p.stopping && p.inflight == 0 {
+		select {
+		case p.drained <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// drop gives up e, in flight but never taken by the router. Called with
+// mu held.
+func (p *partState) drop(e *entry) {
+	if e.state == stateInFlight {
+		p.settled(e)
+		e.state = stateDropped
+	}
+}
+
+// trim drops the done records at the front of the window. Called with mu
+// held.
+func (p *partState) trim() {
+	n := 0
+	for n < len(p.window) && p.window[n].state == stateDone {
+		n++
+	}
+	if n == 0 {
+		return
+	}
+	clear(p.window[:n])
+	p.window = p.window[n:]
+	if len(p.window) == 0 {
+		p.window = nil
+	}
+	select {
+	case p.space <- struct{}{}:
+	default:
+	}
+}
+
+// commitOffset is the offset below which every record is done.
+func (p *partState) commitOffset() int64 {
+	if len(p.window) > 0 {
+		return p.window[0].m.Offset
+	}
+	return p.next
+}
+
+// mark gives the session the committed offset and, in its metadata, the
+// done offsets above it. Called with mu held.
+func (p *partState) mark() {
+	off := p.commitOffset()
+	if off < 0 || off == p.marked && !p.changed {
+		return
+	}
+	meta := ""
+	if max := p.st.s.cfg.CommitMetadataMaxBytes; max > 0 {
+		var done []int64
+		for _, e := range p.window {
+			if e.state == stateDone {
+				done = append(done, e.m.Offset)
+			}
+		}
+		meta = encodeDone(off, done, max)
+	}
+	if off == p.marked && meta == p.meta {
+		p.changed = false
+		return
+	}
+	// MarkOffset moves the offset forward only; ResetOffset with the same
+	// offset replaces the metadata.
+	p.sess.MarkOffset(p.st.topic, p.partition, off, meta)
+	p.sess.ResetOffset(p.st.topic, p.partition, off, meta)
+	p.marked, p.meta, p.changed = off, meta, false
+}
+
+// groupHandler is the sarama.ConsumerGroupHandler of a stream.
+type groupHandler struct {
+	st   *stream
+	skip map[int32]map[int64]bool // per partition, from the commit metadata
+}
+
+// Setup reads the commit metadata of the claimed partitions: the offsets
+// above the committed one that are done already.
+func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
+	h.skip = map[int32]map[int64]bool{}
+	parts := sess.Claims()[h.st.topic]
+	if len(parts) == 0 || h.st.s.cfg.CommitMetadataMaxBytes < 0 {
+		return nil
+	}
+	done, err := h.st.fetchDone(parts)
+	if err != nil {
+		// Only an optimization: the records run again, their claims absorb it.
+		h.st.logger.Info("Could not read the commit metadata, done records above the committed offsets run again", watermill.LogFields{"err": err.Error()})
+		return nil
+	}
+	h.skip = done
+	return nil
+}
+
+// Cleanup implements sarama.ConsumerGroupHandler.
+func (h *groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
+
+// ConsumeClaim reads the partition into its window while the window has
+// room, marks the committed offset on a timer, and on revocation gives the
+// messages in flight RevokeTimeout before the final mark.
+func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	st := h.st
+	s := st.s
+	skip := h.skip[claim.Partition()]
+	p := s.newPartState(st, sess, claim, skip)
+	s.mu.Lock()
+	st.parts[p.partition] = p
+	s.mu.Unlock()
+	defer p.revoke()
+
+	interval := s.sarama.Consumer.Offsets.AutoCommit.Interval / 2
+	if interval <= 0 {
+		interval = 500 * time.Millisecond
+	}
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	msgs := claim.Messages()
+	done := sess.Context().Done()
+	for {
+		s.mu.Lock()
+		full := p.full()
+		s.mu.Unlock()
+		if full {
+			select {
+			case <-p.space:
+				continue
+			case <-tick.C:
+				s.mu.Lock()
+				p.mark()
+				s.mu.Unlock()
+				continue
+			case <-done:
+				return nil
+			}
+		}
+		select {
+		case m, ok := <-msgs:
+			if !ok {
+				return nil
+			}
+			s.mu.Lock()
+			p.add(m)
+			s.mu.Unlock()
+		case <-tick.C:
+			s.mu.Lock()
+			p.mark()
+			s.mu.Unlock()
+		case <-done:
+			return nil
+		}
+	}
+}
+
+// revoke stops handing out the partition's records, waits up to
+// RevokeTimeout for the ones in flight, marks the committed offset and
+// abandons the rest (their contexts are cancelled).
+func (p *partState) revoke() {
+	s := p.st.s
+	s.mu.Lock()
+	p.stopping = true
+	inflight := p.inflight
+	for _, e := range p.window {
+		switch e.state {
+		case stateHeld:
+			s.stats.held--
+		case stateWaiting:
+			s.stats.waiting--
+		case stateReady, stateBackoff:
+		default:
+			continue
+		}
+		e.state = stateDropped
+	}
+	p.waiting = 0
+	s.mu.Unlock()
+	if inflight > 0 {
+		t := time.NewTimer(s.cfg.RevokeTimeout)
+		select {
+		case <-p.drained:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	s.mu.Lock()
+	p.mark()
+	if p.inflight > 0 {
+		p.st.logger.Info("Partition revoked with messages in flight: abandoned, the next owner gets them again", watermill.LogFields{
+			"partition": p.partition, "in_flight": p.inflight, "committed": p.marked,
+		})
+	}
+	if p.st.parts[p.partition] == p {
+		delete(p.st.parts, p.partition)
+	}
+	s.mu.Unlock()
+	p.cancel()
+}
+
+// fetchDone reads the committed offsets and metadata of parts from the
+// group coordinator.
+func (st *stream) fetchDone(parts []int32) (map[int32]map[int64]bool, error) {
+	cfg := st.s
+	b, err := st.client.Coordinator(cfg.cfg.ConsumerGroup)
+	if err != nil {
+		return nil, err
+	}
+	req := sarama.NewOffsetFetchRequest(cfg.sarama.Version, cfg.cfg.ConsumerGroup, map[string][]int32{st.topic: parts})
+	resp, err := b.FetchOffset(req)
+	if err != nil {
+		return nil, err
+	}
+	out := map[int32]map[int64]bool{}
+	for _, part := range parts {
+		blk := resp.GetBlock(st.topic, part)
+		if blk == nil || blk.Err != sarama.ErrNoError || blk.Offset < 0 {
+			continue
+		}
+		if done := decodeDone(blk.Offset, blk.Metadata); len(done) > 0 {
+			out[part] = done
+		}
+	}
+	return out, nil
+}
