@@ -273,15 +273,17 @@ func TestForwarder_RaceCommitOrder(t *testing.T) {
 	}
 }
 
-// The forwarder wakes up when a writing transaction commits: with a poll
-// interval of an hour, a committed row is still forwarded, also after the
-// LISTEN connection was cut (it reconnects).
+// With Listen and the table's notify trigger enabled, the forwarder wakes
+// up when a writing transaction commits: with a poll interval of an hour, a
+// committed row is still forwarded, also after the LISTEN connection was
+// cut (it reconnects).
 func TestForwarder_WakesUpOnCommit(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	e := newEnv(t, 4)
 	topic := e.topic(t, "wake", 1)
-	f := e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}, PollInterval: time.Hour, RetryInterval: 10 * time.Millisecond})
+	e.db.Exec(t, "ALTER TABLE "+e.outbox.MessagesTable(topic)+" ENABLE TRIGGER idem_outbox_notify")
+	f := e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}, PollInterval: time.Hour, RetryInterval: 10 * time.Millisecond, Listen: true})
 
 	e.publishTx(t, topic, event("a", 0))
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == 1 }, eventuallyTimeout, 5*time.Millisecond)

@@ -39,8 +39,7 @@ const (
 	// DefaultBatchesPerTransaction is how many batches one forwarder
 	// transaction sends before it commits its position.
 	DefaultBatchesPerTransaction = 4
-	// DefaultPollInterval is the longest wait between two reads when
-	// nothing wakes the forwarder up.
+	// DefaultPollInterval is the longest wait between two reads.
 	DefaultPollInterval = 100 * time.Millisecond
 	// DefaultRetryInterval is the wait after a failed batch.
 	DefaultRetryInterval = time.Second
@@ -101,21 +100,26 @@ type ForwarderConfig struct {
 	// BatchSize*BatchesPerTransaction rows. Defaults to
 	// [DefaultBatchesPerTransaction].
 	BatchesPerTransaction int
-	// PollInterval is the longest wait between two reads when nothing
-	// wakes the forwarder up: the fallback of the wake-up on commit (see
-	// NoListen), and the pace of forwarding when there is none. Defaults
-	// to [DefaultPollInterval].
+	// PollInterval is the longest wait between two reads. After a read
+	// that found rows the forwarder reads again after 1 ms, and doubles
+	// the wait after each read that found none, up to PollInterval; a
+	// read that finds nothing is one query (index probes). A wake-up (see
+	// Listen) ends a wait. Defaults to [DefaultPollInterval].
 	PollInterval time.Duration
-	// NoListen turns the wake-up on commit off. By default the forwarder
-	// opens one connection of its own (outside DB's pool, with its
-	// connection settings) and LISTENs there on the channel that every
-	// transaction writing to a topic's table notifies as it commits
-	// (the trigger of migration 2), so a committed row is read at once
-	// rather than at the next poll. Set it where LISTEN cannot work (a
-	// pooler in transaction mode) or where the tables' notify trigger is
-	// disabled; the forwarder then polls every PollInterval. Defaults to
-	// false.
-	NoListen bool
+	// Listen turns on the wake-up on commit: the forwarder opens one
+	// connection of its own (outside DB's pool, with its connection
+	// settings) and LISTENs there on each topic's channel, which the
+	// tables' idem_outbox_notify trigger notifies as a writing transaction
+	// commits, so a committed row is read at once. The trigger is created
+	// disabled: enable it (ALTER TABLE <table> ENABLE TRIGGER
+	// idem_outbox_notify) on the topics that want it. NOTIFY takes a
+	// server-wide lock at commit, which serialises the commits of the
+	// notifying transactions (measured in make bench: a third of the
+	// end-to-end rate with 8 concurrent writers), so it suits topics with
+	// few commits per second. LISTEN does not work through a pooler in
+	// transaction mode. Defaults to false: the forwarder polls (see
+	// PollInterval).
+	Listen bool
 	// RetryInterval is the wait after a failed transaction (it is rolled
 	// back and the same rows are read again), the first wait between two
 	// start-up attempts of Run (then doubled up to 30 s), and the wait
@@ -231,8 +235,8 @@ type ForwarderStats struct {
 // the position (a snapshot, and the offset reached inside a cut) advances
 // in the transaction that locked it, once the pages were acknowledged. A
 // crash between send and commit resends those pages (at-least-once; the
-// event ids make the copies harmless to a dedup consumer). It wakes up when
-// a writing transaction commits (LISTEN/NOTIFY), and polls as a fallback.
+// event ids make the copies harmless to a dedup consumer). It polls, faster
+// while rows keep coming, and can wake up on commit (Listen).
 type Forwarder struct {
 	cfg    ForwarderConfig
 	logger watermill.LoggerAdapter
@@ -354,7 +358,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		wake[topic] = make(chan struct{}, 1)
 	}
 	var wg sync.WaitGroup
-	if !f.cfg.NoListen {
+	if f.cfg.Listen {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -494,14 +498,30 @@ func (f *Forwarder) listenOnce(ctx context.Context, byChannel map[string]chan st
 	}
 }
 
+// minPollInterval is the first wait after a read that found rows; each
+// read that finds none doubles it, up to PollInterval.
+const minPollInterval = time.Millisecond
+
+// known is the last position a loop saw: its own, or older than the
+// truth when another instance moved it since (its cut then holds more
+// rows, never fewer).
+type known struct {
+	pos outboxsql.Position
+	ok  bool
+}
+
 // loop forwards topic until stopCtx is done. A failed transaction is rolled
-// back and retried: its pages are read and sent again. After a transaction
-// that did not leave a cut half done, it waits for a wake-up or
-// PollInterval.
+// back and retried: its pages are read and sent again. Between
+// transactions it first asks, in one query, whether a new cut has any row;
+// after a read that found rows it asks again after minPollInterval, and
+// after each read that found none it waits twice as long, up to
+// PollInterval. A wake-up (NOTIFY) ends a wait.
 func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct{}) {
 	logger := f.logger.With(watermill.LogFields{"topic": topic})
 	tables := f.cfg.Outbox.tables(topic)
 	var cache cutCache
+	var last known
+	idle := min(minPollInterval, f.cfg.PollInterval)
 	for {
 		if stopCtx.Err() != nil {
 			return
@@ -511,33 +531,65 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		case <-wake:
 		default:
 		}
-		more, err := f.forwardTx(stopCtx, tables, topic, logger, &cache)
-		var wait time.Duration
+		var (
+			n    int
+			more bool
+			err  error
+			wait time.Duration
+		)
+		if last.ok && last.pos.Cut == nil {
+			f.polls.Add(1)
+			var has bool
+			if has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos); err == nil && !has {
+				idle = min(2*idle, f.cfg.PollInterval)
+				f.sleep(stopCtx, wake, idle)
+				continue
+			}
+			if err != nil {
+				err = fmt.Errorf("look for a cut: %w", err)
+			}
+		}
+		if err == nil {
+			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, &cache, &last)
+		}
 		switch {
 		case err != nil:
 			f.errs.Add(1)
-			cache = cutCache{}
+			cache, last = cutCache{}, known{}
 			if isSerializationFailure(err) {
 				logger.Debug("Outbox batch conflicted with another forwarder, retrying", watermill.LogFields{"err": err.Error()})
 			} else {
 				logger.Error("Outbox batch failed, retrying", err, watermill.LogFields{"retry_in": f.cfg.RetryInterval.String()})
 				wait = f.cfg.RetryInterval
 			}
-		case !more:
-			wait = f.cfg.PollInterval
+		case more:
+		case n > 0:
+			idle = min(minPollInterval, f.cfg.PollInterval)
+			wait = idle
+		default:
+			idle = min(2*idle, f.cfg.PollInterval)
+			wait = idle
 		}
-		if wait > 0 {
-			t := time.NewTimer(wait)
-			select {
-			case <-stopCtx.Done():
-				t.Stop()
-				return
-			case <-wake:
-				t.Stop()
-			case <-t.C:
-			}
+		if !f.sleep(stopCtx, wake, wait) {
+			return
 		}
 	}
+}
+
+// sleep waits d, or until a wake-up; it reports false when stopCtx ended.
+func (f *Forwarder) sleep(stopCtx context.Context, wake chan struct{}, d time.Duration) bool {
+	if d <= 0 {
+		return stopCtx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-stopCtx.Done():
+		return false
+	case <-wake:
+	case <-t.C:
+	}
+	return true
 }
 
 func isSerializationFailure(err error) bool {
@@ -574,7 +626,7 @@ func (c *cutCache) pagesAfter(p outboxsql.Position) ([]outboxsql.Page, bool) {
 // page k was acknowledged, which keeps the order. The position commits when
 // every page of the transaction was sent; if any send fails, the
 // transaction rolls back and all of them are sent again later.
-func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter, cache *cutCache) (more bool, err error) {
+func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter, cache *cutCache, last *known) (n int, more bool, err error) {
 	// The transaction itself is not cancelled by a stop: it gets
 	// ShutdownTimeout to finish, so a graceful stop does not resend.
 	ctx, cancel := context.WithCancel(context.WithoutCancel(stopCtx))
@@ -584,21 +636,22 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 
 	tx, err := f.cfg.DB.Begin(ctx)
 	if err != nil {
-		return false, fmt.Errorf("begin: %w", err)
+		return 0, false, fmt.Errorf("begin: %w", err)
 	}
 	defer rollback(ctx, tx)
 
 	pos, err := tables.Lock(ctx, tx, f.cfg.Name)
 	if err != nil {
-		return false, fmt.Errorf("lock position: %w", err)
+		return 0, false, fmt.Errorf("lock position: %w", err)
 	}
+	*last = known{pos: pos, ok: true}
 	f.polls.Add(1)
 	f.step("locked")
 	pages, ok := cache.pagesAfter(pos)
 	if !ok {
 		cut, err := tables.ReadCut(ctx, tx, pos, f.cfg.BatchSize)
 		if err != nil {
-			return false, fmt.Errorf("read cut: %w", err)
+			return 0, false, fmt.Errorf("read cut: %w", err)
 		}
 		*cache = cutCache{cut: cut}
 		pages = cut.Pages
@@ -607,21 +660,25 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	f.step("cut")
 	if len(pages) == 0 {
 		if pos.Cut == nil {
-			return false, nil
+			return 0, false, nil
 		}
 		// A cut with nothing left to send (a position of watermill-sql's
 		// kind that had passed its transaction's last row): close it.
-		if err := tables.Ack(ctx, tx, f.cfg.Name, outboxsql.Position{Snapshot: *pos.Cut}); err != nil {
-			return false, fmt.Errorf("advance position: %w", err)
+		closed := outboxsql.Position{Snapshot: *pos.Cut}
+		if err := tables.Ack(ctx, tx, f.cfg.Name, closed); err != nil {
+			return 0, false, fmt.Errorf("advance position: %w", err)
 		}
-		return false, f.commit(ctx, tx, 0)
+		if err := f.commit(ctx, tx, 0); err != nil {
+			return 0, false, err
+		}
+		*last = known{pos: closed, ok: true}
+		return 0, false, nil
 	}
 
 	msgs, err := f.readPage(ctx, tx, tables, pages[0])
 	if err != nil {
-		return false, err
+		return 0, false, err
 	}
-	n := 0
 	for i := 0; ; i++ {
 		sent := make(chan error, 1)
 		if len(msgs) == 0 { // the page's rows were deleted meanwhile
@@ -646,11 +703,11 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 			next, err = f.readPage(ctx, tx, tables, pages[i+1])
 		}
 		if sendErr := <-sent; sendErr != nil {
-			return false, fmt.Errorf("send %d messages: %w", len(msgs), sendErr)
+			return 0, false, fmt.Errorf("send %d messages: %w", len(msgs), sendErr)
 		}
 		f.step("sent")
 		if err != nil {
-			return false, err
+			return 0, false, err
 		}
 		n += len(msgs)
 		if last {
@@ -660,10 +717,11 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		msgs = next
 	}
 	if err := f.commit(ctx, tx, n); err != nil {
-		return false, err
+		return 0, false, err
 	}
+	*last = known{pos: pos, ok: true}
 	logger.Debug("Outbox messages forwarded", watermill.LogFields{"messages": n, "position": pos.Snapshot.String(), "cut_offset": pos.CutOffset})
-	return pos.Cut != nil, nil
+	return n, pos.Cut != nil, nil
 }
 
 func (f *Forwarder) commit(ctx context.Context, tx pgx.Tx, n int) error {

@@ -382,6 +382,15 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 	return c, nil
 }
 
+// HasRows reports whether the cut from p.Snapshot to the statement's
+// snapshot has a row: one query, index probes only, for a forwarder to ask
+// often at little cost. p must have no cut in progress.
+func (t Tables) HasRows(ctx context.Context, db DB, p Position) (bool, error) {
+	var has bool
+	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 `+cutRowsSQL(t.Messages)+`)`, p.Snapshot.String(), nil, int64(0)).Scan(&has)
+	return has, err
+}
+
 // PageSQL is the statement of [Tables.ReadPage].
 func PageSQL(messages string) string {
 	return `SELECT transaction_id, "offset", uuid, payload, metadata FROM ` + messages + `

@@ -20,12 +20,13 @@ ALTER TABLE {{ident .Schema .Offsets}}
     ADD COLUMN IF NOT EXISTS cut_snapshot pg_snapshot,
     ADD COLUMN IF NOT EXISTS cut_offset BIGINT;
 
--- Wake-up: every INSERT statement into the topic's table notifies the
--- forwarders listening on the topic's channel when its transaction commits
--- (PostgreSQL folds a transaction's identical notifications into one). A
--- service that prefers to spare the notification's commit-time lock disables
--- the trigger (ALTER TABLE ... DISABLE TRIGGER {{.Trigger}}); forwarders then
--- find rows by polling.
+-- Wake-up, opt-in: once enabled (ALTER TABLE ... ENABLE TRIGGER
+-- {{.Trigger}}), every INSERT statement into the topic's table notifies the
+-- forwarders listening on the topic's channel (ForwarderConfig.Listen) when
+-- its transaction commits; PostgreSQL folds a transaction's identical
+-- notifications into one. It is created disabled: NOTIFY takes a
+-- server-wide lock at commit that serialises the notifying transactions'
+-- commits, so only topics with few commits per second should enable it.
 CREATE OR REPLACE FUNCTION {{ident .Schema .NotifyFunction}}() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -36,3 +37,4 @@ $$;
 DROP TRIGGER IF EXISTS {{ident .Trigger}} ON {{ident .Schema .Messages}};
 CREATE TRIGGER {{ident .Trigger}} AFTER INSERT ON {{ident .Schema .Messages}}
     FOR EACH STATEMENT EXECUTE FUNCTION {{ident .Schema .NotifyFunction}}();
+ALTER TABLE {{ident .Schema .Messages}} DISABLE TRIGGER {{ident .Trigger}};
