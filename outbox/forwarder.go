@@ -540,7 +540,11 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		if last.ok && last.pos.Cut == nil {
 			f.polls.Add(1)
 			var has bool
-			if has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos); err == nil && !has {
+			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos)
+			if stopCtx.Err() != nil {
+				return
+			}
+			if err == nil && !has {
 				idle = min(2*idle, f.cfg.PollInterval)
 				f.sleep(stopCtx, wake, idle)
 				continue
