@@ -80,7 +80,9 @@ type Config struct {
 	TableConfig
 
 	// ConsumerGroup is the second half of the dedup key: the same event is
-	// applied once per group. Required; use the Kafka consumer group.
+	// applied once per group. Required; use the Kafka consumer group. A
+	// name PostgreSQL cannot store (a NUL byte, invalid UTF-8) is refused
+	// with a *[GroupNameError].
 	ConsumerGroup string
 }
 
@@ -98,6 +100,9 @@ func (c Config) Validate() error {
 func (c Config) validate() error {
 	if c.ConsumerGroup == "" {
 		return errors.New("ConsumerGroup: required (the dedup key is event id + consumer group)")
+	}
+	if err := ValidateGroupName("ConsumerGroup", c.ConsumerGroup); err != nil {
+		return err
 	}
 	return c.TableConfig.validate()
 }

@@ -88,6 +88,9 @@ func ConvertTable(ctx context.Context, db Beginner, cfg TableConfig, opts Conver
 	if err := cfg.Validate(); err != nil {
 		return res, err
 	}
+	if err := ValidateGroupName("ConvertOptions.ConsumerGroup", opts.ConsumerGroup); err != nil {
+		return res, err
+	}
 	migs, err := loadMigrations(cfg)
 	if err != nil {
 		return res, err

@@ -287,7 +287,7 @@ func (d *Deduplicator) Register(ctx context.Context, db DBTX, namespace string) 
 		" ON CONFLICT (consumer_group) DO UPDATE SET started_at = now()"+
 		" RETURNING "+groupColumns, d.cfg.ConsumerGroup, ns))
 	if err != nil {
-		return Group{}, fmt.Errorf("register consumer group %q: %w", d.cfg.ConsumerGroup, notMigrated(err))
+		return Group{}, fmt.Errorf("register consumer group %q: %w", d.cfg.ConsumerGroup, groupNameRefused("ConsumerGroup", d.cfg.ConsumerGroup, notMigrated(err)))
 	}
 	if namespace != "" && g.IdempotencyNamespace != namespace {
 		return Group{}, fmt.Errorf("%w: group %q records %q, configured %q (a renamed group keeps its namespace: leave it empty)",
@@ -323,6 +323,12 @@ func RenameGroup(ctx context.Context, db Beginner, cfg TableConfig, from, to str
 	}
 	if from == "" || to == "" || from == to {
 		return RenameResult{}, errors.New("rename group: from and to must be two different, non-empty names")
+	}
+	if err := ValidateGroupName("from", from); err != nil {
+		return RenameResult{}, fmt.Errorf("rename group: %w", err)
+	}
+	if err := ValidateGroupName("to", to); err != nil {
+		return RenameResult{}, fmt.Errorf("rename group: %w", err)
 	}
 	var res RenameResult
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
@@ -372,6 +378,9 @@ func ForgetGroup(ctx context.Context, db Beginner, cfg TableConfig, group string
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return 0, err
+	}
+	if err := ValidateGroupName("group", group); err != nil {
+		return 0, fmt.Errorf("forget group: %w", err)
 	}
 	var n int64
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {

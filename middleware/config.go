@@ -61,6 +61,8 @@ type Config struct {
 	// ConsumerGroup is the second half of the dedup key (event id, consumer
 	// group). Required, never defaulted: use the Kafka consumer group of the
 	// subscriber, so two services on the same topic each apply an event once.
+	// A name PostgreSQL cannot store (a NUL byte, invalid UTF-8) is refused
+	// with a *deduplicator.GroupNameError (deduplicator.ErrInvalidGroupName).
 	ConsumerGroup string
 
 	// Table describes the processed_event table: pass the same value to
@@ -195,6 +197,12 @@ func (c Config) validate() error {
 	}
 	if c.ConsumerGroup == "" {
 		return errors.New("ConsumerGroup: required (the dedup key is event id + consumer group; use the Kafka consumer group)")
+	}
+	if err := deduplicator.ValidateGroupName("ConsumerGroup", c.ConsumerGroup); err != nil {
+		return err
+	}
+	if err := deduplicator.ValidateGroupName("IdempotencyNamespace", c.IdempotencyNamespace); err != nil {
+		return err
 	}
 	if _, ok := c.DB.(txOptionsBeginner); !ok && c.TxOptions != (pgx.TxOptions{}) {
 		return fmt.Errorf("TxOptions: DB (%T) has no BeginTx, so the options would be ignored (a pgx.Tx runs each message in a savepoint of its own transaction)", c.DB)

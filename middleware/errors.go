@@ -24,6 +24,17 @@ var (
 	ErrMalformedPayload = errors.New("malformed payload")
 )
 
+// ErrTxAborted: the handler returned nil but left the message's
+// transaction unable to commit: one of its statements failed and it
+// swallowed the error (PostgreSQL then refuses every statement until
+// ROLLBACK, SQLSTATE 25P02), or it ended the transaction itself. The
+// middleware rolls back and returns it: the message is retried (it is
+// not permanent: the swallowed error may be transient). Handle a failing
+// statement you mean to survive in a savepoint (tx.Begin). In group
+// commit, only that message goes alone; the rest of its group commits as
+// a group.
+var ErrTxAborted = errors.New("the handler left its transaction aborted")
+
 // permanentError marks an error that redelivery cannot fix.
 type permanentError struct{ err error }
 

@@ -40,10 +40,13 @@ const (
 // at all, so the guarantees of the one-message mode hold; per-partition
 // order is untouched (one message per partition per group).
 //
-// A handler error or panic rolls the whole group back, and every message in
-// it is processed again alone, one transaction each (so one poison message
-// costs its group one retry); a message whose handler has failed once is
-// processed alone from then on (Retry's attempts, redeliveries). A failed
+// A handler error or panic, or a handler that leaves the transaction
+// aborted (it swallowed an SQL error: [ErrTxAborted]), rolls the group
+// back; that message (the culprit) is processed again alone, in its own
+// transaction, and the rest of the group runs again as a group (so one
+// poison message costs its group one retry); a message whose handler has
+// failed once is processed alone from then on (Retry's attempts,
+// redeliveries). A failed
 // COMMIT (outcome unknown) nacks every message of the group: redelivery and
 // the claims settle it.
 //
@@ -220,8 +223,20 @@ gather:
 }
 
 // run processes a sealed group in one transaction and hands every request
-// its result.
+// its result. When a handler fails (an error, a panic, or a transaction it
+// left unusable), that message (the culprit) and its copies go alone, and
+// the rest of the group runs again as a group, in a new transaction: each
+// round removes at least one message, so it ends.
 func (gc *groupCommit) run(reqs []*request) {
+	for len(reqs) > 0 {
+		reqs = gc.runOnce(reqs)
+	}
+}
+
+// runOnce processes reqs in one transaction and hands each its result, or
+// returns the requests to run again as a group (none answered yet) after a
+// handler failure rolled the group back.
+func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 	d := gc.d
 	// Database work outlives any single message's cancellation: a group is
 	// committed or rolled back as a whole.
@@ -243,7 +258,7 @@ func (gc *groupCommit) run(reqs []*request) {
 		d.logger.Info("Group claim failed, processing its messages alone", watermill.LogFields{"messages": len(reqs), "error": err.Error()})
 		gspan.RecordError(err)
 		gc.answer(reqs, result{alone: true})
-		return
+		return nil
 	}
 	d.stats.groups.Add(1)
 	d.stats.grouped.Add(uint64(len(reqs)))
@@ -273,16 +288,24 @@ func (gc *groupCommit) run(reqs []*request) {
 	out := &groupOutbox{}
 	for _, r := range runs {
 		if err := gc.handle(tx, r, out); err != nil {
+			// r is the culprit: it goes alone (and stays alone on its later
+			// attempts); the others, whose work is rolled back with it,
+			// run again as a group.
 			d.rollback(ctx, tx, nil)
 			gc.failed.add(r.id)
 			d.stats.groupFallbacks.Add(1)
-			gspan.AddEvent("rollback: a handler failed, messages processed alone")
-			d.logger.Debug("Handler failed in a group: rolling the group back, its messages are processed alone", watermill.LogFields{
-				"event_id": r.id.String(), "messages": len(runs) + len(copies),
+			gspan.AddEvent("rollback: a handler failed; it is processed alone, the others again as a group")
+			d.logger.Debug("Handler failed in a group: rolling the group back; it is processed alone, the others again as a group", watermill.LogFields{
+				"event_id": r.id.String(), "messages": len(runs) + len(copies), "error": err.Error(),
 			})
-			gc.answer(runs, result{alone: true})
-			gc.answer(copies, result{alone: true})
-			return
+			for _, o := range append(runs, copies...) {
+				if o.id == r.id {
+					o.done <- result{alone: true}
+				} else {
+					again = append(again, o)
+				}
+			}
+			return again
 		}
 	}
 	// The messages handlers returned, one multi-row INSERT per topic.
@@ -292,7 +315,7 @@ func (gc *groupCommit) run(reqs []*request) {
 		gspan.RecordError(err)
 		gc.answer(runs, result{alone: true})
 		gc.answer(copies, result{alone: true})
-		return
+		return nil
 	}
 	gspan.AddEvent("commit")
 	if err := tx.Commit(ctx); err != nil {
@@ -303,7 +326,7 @@ func (gc *groupCommit) run(reqs []*request) {
 		gspan.RecordError(err)
 		gc.answer(runs, result{outcome: outcomeFailed, err: err})
 		gc.answer(copies, result{outcome: outcomeFailed, err: err})
-		return
+		return nil
 	}
 	d.stats.processed.Add(uint64(len(runs)))
 	d.stats.duplicates.Add(uint64(len(copies)))
@@ -312,6 +335,7 @@ func (gc *groupCommit) run(reqs []*request) {
 		r.done <- result{produced: r.out, outcome: outcomeProcessed}
 	}
 	gc.answer(copies, result{outcome: outcomeDuplicate})
+	return nil
 }
 
 // startSpan begins the group's span, linked to its messages' spans (a group
@@ -344,7 +368,10 @@ func (gc *groupCommit) answer(reqs []*request, res result) {
 // context (event id, causation, trace) and kept for the group's outbox
 // write, or for the router without an outbox. A panic is an error here:
 // the message is processed again alone, where it panics in its own
-// goroutine.
+// goroutine. A handler that returns nil but leaves the transaction
+// unusable (it swallowed an SQL error, so PostgreSQL refuses every later
+// statement) fails with ErrTxAborted: it is the culprit, not the next
+// handler, whose statements would fail.
 func (gc *groupCommit) handle(tx pgx.Tx, r *request, out *groupOutbox) (err error) {
 	d := gc.d
 	origCtx := r.msg.Context()
@@ -356,8 +383,14 @@ func (gc *groupCommit) handle(tx pgx.Tx, r *request, out *groupOutbox) (err erro
 	}()
 	r.msg.SetContext(d.handlerContext(origCtx, tx, r.msg, r.id))
 	produced, err := r.h(r.msg)
-	if err != nil || len(produced) == 0 {
+	if err != nil {
 		return err
+	}
+	if err := txUsable(tx); err != nil {
+		return err
+	}
+	if len(produced) == 0 {
+		return nil
 	}
 	if d.cfg.Outbox == nil {
 		r.out, err = d.toOutbox(r.msg.Context(), origCtx, tx, produced)

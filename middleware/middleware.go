@@ -274,6 +274,9 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 	if err != nil {
 		return nil, outcomeFailed, err
 	}
+	if err := txUsable(tx); err != nil {
+		return nil, outcomeFailed, err
+	}
 	handlerFailed = false
 	if produced, err = d.toOutbox(msg.Context(), origCtx, tx, produced); err != nil {
 		return nil, outcomeFailed, err
@@ -323,6 +326,25 @@ func (d *Dedup) toOutbox(ctx, origCtx context.Context, tx pgx.Tx, produced []*me
 		return nil, fmt.Errorf("dedup: write returned messages to outbox: %w", err)
 	}
 	return nil, nil
+}
+
+// txUsable returns ErrTxAborted when tx can no longer commit: a statement
+// failed in it (PostgreSQL then refuses every statement until ROLLBACK) or
+// it was ended behind the middleware's back. It reads the status of the
+// connection's last ReadyForQuery message: no round trip.
+func txUsable(tx pgx.Tx) error {
+	c := tx.Conn()
+	if c == nil || c.IsClosed() {
+		return nil // the COMMIT reports it
+	}
+	switch st := c.PgConn().TxStatus(); st {
+	case 'T':
+		return nil
+	case 'E':
+		return fmt.Errorf("dedup: %w (a statement failed and the handler returned nil)", ErrTxAborted)
+	default:
+		return fmt.Errorf("dedup: %w (the handler ended the transaction: status %q)", ErrTxAborted, st)
+	}
 }
 
 func (d *Dedup) rollback(ctx context.Context, tx pgx.Tx, fields watermill.LogFields) {

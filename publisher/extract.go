@@ -67,7 +67,8 @@ func EventIDFromMetadata(msg *message.Message) (uuid.UUID, error) {
 }
 
 // PayloadEventID reads the event id from the top-level field eventId of a
-// JSON object payload, for an EventIDFunc that looks at the payload only.
+// JSON object payload (a leading UTF-8 byte order mark is skipped), for an
+// EventIDFunc that looks at the payload only.
 // No id (the payload is empty, not JSON, JSON but not an object, an object
 // without the field, or the field is null or "") is ErrMissingEventID. The
 // key is matched exactly (case sensitive, after JSON unescaping); a key
@@ -175,6 +176,7 @@ func topLevelField(payload []byte) ([]byte, payloadState) {
 	if !bytes.Contains(payload, quotedPayloadField) && bytes.IndexByte(payload, '\\') < 0 {
 		return nil, payloadNoKey
 	}
+	payload = trimBOM(payload)
 	if !json.Valid(payload) {
 		return nil, payloadNotObject
 	}
@@ -274,8 +276,21 @@ func valueEnd(b []byte, i int) int {
 	}
 }
 
-// isJSONObject reports whether payload is one valid JSON object.
+// isJSONObject reports whether payload is one valid JSON object (after a
+// UTF-8 byte order mark, if any).
 func isJSONObject(payload []byte) bool {
+	payload = trimBOM(payload)
 	b := bytes.TrimLeft(payload, " \t\r\n")
 	return len(b) > 0 && b[0] == '{' && json.Valid(payload)
+}
+
+// utf8BOM is the UTF-8 byte order mark, U+FEFF.
+var utf8BOM = []byte("\xef\xbb\xbf")
+
+// trimBOM drops a leading UTF-8 byte order mark. RFC 8259 §8.1 lets a parser
+// ignore it; producers that write one (Windows tools, some .NET and
+// PowerShell serializers) mean the JSON after it, so the eventId there is
+// the event's id for Stamp and for the extractors alike.
+func trimBOM(payload []byte) []byte {
+	return bytes.TrimPrefix(payload, utf8BOM)
 }

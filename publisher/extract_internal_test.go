@@ -31,10 +31,14 @@ func TestPayloadEventIDScan(t *testing.T) {
 		{"surrounding whitespace", " \n{ \"eventId\" : \"" + s + "\" }\t\n", true, nil},
 		{"after tricky members", `{"a":"}\"{[","b":[1,"]",{"c":"\\"},[]],"n":-1.5e10,"t":true,"z":null,"eventId":"` + s + `"}`, true, nil},
 		{"after an escaped key", `{"\"eventId\"":1,"eventId":"` + s + `"}`, true, nil},
+		{"after a UTF-8 BOM", "\xef\xbb\xbf{\"eventId\":\"" + s + "\"}", true, nil},
+		{"after a UTF-8 BOM and whitespace", "\xef\xbb\xbf \n{\"eventId\":\"" + s + "\"}", true, nil},
 
 		{"empty payload", ``, false, nil},
 		{"not JSON", `amount=1 eventId=` + s, false, nil},
 		{"binary", "\xff\xfe\x00\"eventId\"", false, nil},
+		{"BOM after whitespace", " \xef\xbb\xbf{\"eventId\":\"" + s + "\"}", false, nil},
+		{"two BOMs", "\xef\xbb\xbf\xef\xbb\xbf{\"eventId\":\"" + s + "\"}", false, nil},
 		{"JSON array", `[{"eventId":"` + s + `"}]`, false, nil},
 		{"JSON string", `"eventId"`, false, nil},
 		{"nested deeper", `{"order":{"eventId":"` + s + `"}}`, false, nil},
@@ -171,13 +175,15 @@ func FuzzPayloadEventID(f *testing.F) {
 		`{"a":"}\"{[","b":[1,"]",{"c":"\\"},[]],"n":-1.5e10,"t":true,"eventId":"` + v7 + `"}`,
 		`{"\"eventId\"":1,"x":{"eventId":2}}`,
 		`{"eventId":null}`, `{"eventId":""}`, `{"eventId":7}`, `"eventId"`, `{}`, ``, "\xff",
+		"\xef\xbb\xbf{\"eventId\":\"" + v7 + "\"}", "\xef\xbb\xbf\xef\xbb\xbf{}",
 	} {
 		f.Add([]byte(seed))
 	}
 	f.Fuzz(func(t *testing.T, payload []byte) {
 		id, found, err := payloadID(payload)
 		var top map[string]json.RawMessage
-		if json.Unmarshal(payload, &top) != nil || top == nil {
+		// A leading UTF-8 BOM is skipped (RFC 8259 §8.1), as by the scan.
+		if json.Unmarshal(bytes.TrimPrefix(payload, []byte("\xef\xbb\xbf")), &top) != nil || top == nil {
 			require.NoError(t, err, "not a JSON object: no payload id, no error")
 			require.False(t, found)
 			return

@@ -26,7 +26,8 @@ import (
 //     is an error, and so is one that differs from the event_id metadata
 //     (ErrEventIDMismatch): Stamp never chooses between two ids. A null or
 //     empty eventId, a payload that is not JSON or not a JSON object, and a
-//     field nested deeper count as no payload id.
+//     field nested deeper count as no payload id. A UTF-8 byte order mark
+//     before the JSON is skipped, as the extractors skip it.
 //   - msg.UUID is never overwritten; an empty one is set to the event id.
 //   - occurred_at: the current UTC time in RFC 3339 (nanoseconds), unless set.
 //   - causation_id: when ctx comes from a handler wrapped by the dedup

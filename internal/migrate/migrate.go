@@ -403,8 +403,17 @@ func inTx(ctx context.Context, db Beginner, schema, component string, version in
 	if err = Lock(ctx, tx, schema); err != nil {
 		return false, err
 	}
-	if _, err = tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident.Quote(schema)); err != nil {
+	// CREATE SCHEMA needs CREATE on the database even when the schema
+	// exists (IF NOT EXISTS is checked after the privilege): a migration
+	// role that owns only its schema (docs/security.md) never runs it.
+	var schemaExists bool
+	if err = tx.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)", schema).Scan(&schemaExists); err != nil {
 		return false, err
+	}
+	if !schemaExists {
+		if _, err = tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident.Quote(schema)); err != nil {
+			return false, err
+		}
 	}
 	if _, err = tx.Exec(ctx, createTableSQL(schema)); err != nil {
 		return false, err

@@ -280,6 +280,9 @@ func (c Config) validate() error {
 		if ko.ConsumerGroup == "" {
 			return errors.New("KeyOrder.ConsumerGroup: required (the dedup consumer group, idem.Config.ConsumerGroup)")
 		}
+		if err := deduplicator.ValidateGroupName("KeyOrder.ConsumerGroup", ko.ConsumerGroup); err != nil {
+			return err
+		}
 		if err := ko.Table.validate(); err != nil {
 			return fmt.Errorf("KeyOrder.Table.%w", err)
 		}

@@ -42,6 +42,9 @@ func ListParked(ctx context.Context, db Querier, t ParkedKeysTable, consumerGrou
 	if err := t.validate(); err != nil {
 		return nil, fmt.Errorf("retrytopic: %w", err)
 	}
+	if err := deduplicator.ValidateGroupName("consumerGroup", consumerGroup); err != nil {
+		return nil, fmt.Errorf("retrytopic: %w", err)
+	}
 	rows, err := db.Query(ctx, `SELECT consumer_group, partition_key, event_id, seq, COALESCE(topic, ''), not_before, parked_at
 FROM `+ident.Quote(t.Schema, t.Table)+` WHERE $1 = '' OR consumer_group = $1
 ORDER BY consumer_group, partition_key, seq`, consumerGroup)
