@@ -44,11 +44,13 @@ func ExampleMigrator_Migrate() {
 	}
 	fmt.Println("reverted:", len(res.Versions))
 	// Output:
-	// pending: 2
+	// pending: 4
 	// outbox:outbox_orders: applied 001_topic_tables
+	// outbox:outbox_orders: applied 002_snapshot_position
 	// outbox:outbox_payments: applied 001_topic_tables
+	// outbox:outbox_payments: applied 002_snapshot_position
 	// ok: true
-	// reverted: 2
+	// reverted: 4
 }
 
 // Migrations renders each topic's migrations for goose or golang-migrate;
@@ -64,4 +66,5 @@ func ExampleMigrations() {
 	}
 	// Output:
 	// outbox:outbox_billing.charged 001_topic_tables
+	// outbox:outbox_billing.charged 002_snapshot_position
 }
