@@ -24,7 +24,8 @@
 // map one to one to idemprom's. Attributes: group is
 // messaging.consumer.group.name (semantic conventions), reason is
 // idem.reject_reason, forwarder is idem.outbox.forwarder.name (the forwarder's
-// Name), topic is messaging.destination.name. Counters are int64 except the
+// Name), topic is messaging.destination.name, partition is
+// messaging.destination.partition.id. Counters are int64 except the
 // two times (float64 seconds); "-" marks the group-commit counters, which
 // idemprom does not export.
 //
@@ -47,6 +48,16 @@
 //	idem.outbox.forwarder.errors    counter  {batch}        forwarder         idem_outbox_forwarder_errors_total
 //	idem.outbox.pending             gauge    {message}      topic, forwarder  idem_outbox_pending_rows
 //	idem.outbox.oldest_pending_age  gauge    s              topic, forwarder  idem_outbox_oldest_pending_seconds
+//	idem.kafka.in_flight            gauge    {message}      group             idem_kafka_in_flight
+//	idem.kafka.max_in_flight        gauge    {message}      group             idem_kafka_max_in_flight
+//	idem.kafka.keys_waiting         gauge    {message}      group             idem_kafka_keys_waiting
+//	idem.kafka.held                 gauge    {message}      group             idem_kafka_held
+//	idem.kafka.acked                counter  {message}      group             idem_kafka_acked_total
+//	idem.kafka.nacked               counter  {message}      group             idem_kafka_nacked_total
+//	idem.kafka.skipped              counter  {message}      group             idem_kafka_skipped_total
+//	idem.kafka.sessions             counter  {session}      group             idem_kafka_sessions_total
+//	idem.kafka.partition.distance   gauge    {message}      group, topic, partition  idem_kafka_partition_distance
+//	idem.kafka.partition.window     gauge    {message}      group, topic, partition  idem_kafka_partition_window
 //
 // The reasons of idem.dedup.rejected are the values the dedup span records
 // in idem.reject_reason (missing_event_id, invalid_event_id, nil_event_id,
