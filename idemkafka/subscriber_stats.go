@@ -4,8 +4,8 @@ import "sort"
 
 // counters are the Subscriber's numbers, guarded by its mu.
 type counters struct {
-	inflight, waiting, held int
-	acked, nacked, skipped  uint64
+	inflight, waiting, held          int
+	acked, nacked, skipped, sessions uint64
 }
 
 // SubscriberStats is a snapshot of a [Subscriber]'s work.
@@ -13,6 +13,8 @@ type SubscriberStats struct {
 	// InFlight is the number of messages handed out and not yet acked or
 	// nacked (at most MaxInFlight).
 	InFlight int
+	// MaxInFlight is the Subscriber's [SubscriberConfig.MaxInFlight].
+	MaxInFlight int
 	// KeysWaiting is the number of records waiting for an earlier message
 	// of their key (with OrderPartition: of their partition).
 	KeysWaiting int
@@ -23,6 +25,9 @@ type SubscriberStats struct {
 	// Skipped counts the records not handed out because the commit
 	// metadata recorded them done before a restart or rebalance.
 	Skipped uint64
+	// Sessions counts the consumer-group sessions set up (the first join,
+	// then one per rebalance), across every Subscribe call.
+	Sessions uint64
 	// Partitions are the partitions this Subscriber holds now.
 	Partitions []PartitionStats
 }
@@ -44,13 +49,17 @@ type PartitionStats struct {
 	Window int
 }
 
+// ConsumerGroup is the Kafka consumer group of the Subscriber
+// (SubscriberConfig.ConsumerGroup), the label of its exported metrics.
+func (s *Subscriber) ConsumerGroup() string { return s.cfg.ConsumerGroup }
+
 // Stats returns a snapshot.
 func (s *Subscriber) Stats() SubscriberStats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := SubscriberStats{
-		InFlight: s.stats.inflight, KeysWaiting: s.stats.waiting, Held: s.stats.held,
-		Acked: s.stats.acked, Nacked: s.stats.nacked, Skipped: s.stats.skipped,
+		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.waiting, Held: s.stats.held,
+		Acked: s.stats.acked, Nacked: s.stats.nacked, Skipped: s.stats.skipped, Sessions: s.stats.sessions,
 	}
 	for st := range s.streams {
 		for _, p := range st.parts {
@@ -73,4 +82,42 @@ func (s *Subscriber) Stats() SubscriberStats {
 		return a.Partition < b.Partition
 	})
 	return out
+}
+
+// Add returns s plus o, for the stats of several Subscribers of one
+// consumer group: counters and gauges added, the partitions of the same
+// topic and number merged (Distance and Window added), sorted by topic and
+// partition.
+func (s SubscriberStats) Add(o SubscriberStats) SubscriberStats {
+	s.InFlight += o.InFlight
+	s.MaxInFlight += o.MaxInFlight
+	s.KeysWaiting += o.KeysWaiting
+	s.Held += o.Held
+	s.Acked += o.Acked
+	s.Nacked += o.Nacked
+	s.Skipped += o.Skipped
+	s.Sessions += o.Sessions
+	parts := append([]PartitionStats(nil), s.Partitions...)
+	for _, p := range o.Partitions {
+		merged := false
+		for i := range parts {
+			if parts[i].Topic == p.Topic && parts[i].Partition == p.Partition {
+				parts[i].Distance += p.Distance
+				parts[i].Window += p.Window
+				merged = true
+				break
+			}
+		}
+		if !merged {
+			parts = append(parts, p)
+		}
+	}
+	sort.Slice(parts, func(i, j int) bool {
+		if parts[i].Topic != parts[j].Topic {
+			return parts[i].Topic < parts[j].Topic
+		}
+		return parts[i].Partition < parts[j].Partition
+	})
+	s.Partitions = parts
+	return s
 }

@@ -1,12 +1,13 @@
-// Package idemotel exports the counters of the dedup middleware and the
-// outbox forwarder, and the outbox backlog, through the OpenTelemetry metric
-// API: the numbers components/idemprom gives Prometheus, for services that
+// Package idemotel exports the counters of the dedup middleware, the
+// outbox forwarder and the idemkafka parallel subscriber, and the outbox
+// backlog, through the OpenTelemetry metric API: the numbers components/idemprom gives Prometheus, for services that
 // ship metrics over OTLP or any other OpenTelemetry exporter.
 //
 //	m, err := idemotel.New(meterProvider)                  // nil: otel.GetMeterProvider()
 //	m.AddDedup(dedup)                                      // *middleware.Dedup
 //	m.AddForwarder(outbox.DefaultForwarderName, forwarder) // *outbox.Forwarder, by its Name
 //	m.AddOutboxBacklog(ob, pool, nil)                      // outbox lag, queried at collection
+//	m.AddSubscriber(sub)                                   // *idemkafka.Subscriber
 //	defer m.Close()                                        // unregisters the callback
 //
 // All instruments are observable: one callback reads the components' Stats
