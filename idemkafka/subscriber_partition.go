@@ -281,6 +281,9 @@ type groupHandler struct {
 // Setup reads the commit metadata of the claimed partitions: the offsets
 // above the committed one that are done already.
 func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
+	h.st.s.mu.Lock()
+	h.st.s.stats.sessions++
+	h.st.s.mu.Unlock()
 	h.skip = map[int32]map[int64]bool{}
 	parts := sess.Claims()[h.st.topic]
 	if len(parts) == 0 || h.st.s.cfg.CommitMetadataMaxBytes < 0 {

@@ -4,8 +4,8 @@ import "sort"
 
 // counters are the Subscriber's numbers, guarded by its mu.
 type counters struct {
-	inflight, waiting, held int
-	acked, nacked, skipped  uint64
+	inflight, waiting, held          int
+	acked, nacked, skipped, sessions uint64
 }
 
 // SubscriberStats is a snapshot of a [Subscriber]'s work.
@@ -23,6 +23,9 @@ type SubscriberStats struct {
 	// Skipped counts the records not handed out because the commit
 	// metadata recorded them done before a restart or rebalance.
 	Skipped uint64
+	// Sessions counts the consumer-group sessions set up (the first join,
+	// then one per rebalance), across every Subscribe call.
+	Sessions uint64
 	// Partitions are the partitions this Subscriber holds now.
 	Partitions []PartitionStats
 }
@@ -44,13 +47,17 @@ type PartitionStats struct {
 	Window int
 }
 
+// ConsumerGroup is the Kafka consumer group of the Subscriber
+// (SubscriberConfig.ConsumerGroup), the label of its exported metrics.
+func (s *Subscriber) ConsumerGroup() string { return s.cfg.ConsumerGroup }
+
 // Stats returns a snapshot.
 func (s *Subscriber) Stats() SubscriberStats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := SubscriberStats{
 		InFlight: s.stats.inflight, KeysWaiting: s.stats.waiting, Held: s.stats.held,
-		Acked: s.stats.acked, Nacked: s.stats.nacked, Skipped: s.stats.skipped,
+		Acked: s.stats.acked, Nacked: s.stats.nacked, Skipped: s.stats.skipped, Sessions: s.stats.sessions,
 	}
 	for st := range s.streams {
 		for _, p := range st.parts {

@@ -19,7 +19,7 @@ func TestBacklog(t *testing.T) {
 
 	b, err := e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Topics: []string{topic}})
 	require.NoError(t, err)
-	require.Equal(t, []outbox.Backlog{{Topic: topic}}, b)
+	require.Equal(t, []outbox.Backlog{{Topic: topic, Forwarder: outbox.DefaultForwarderName}}, b)
 
 	msgs := make([]*message.Message, 0, 25)
 	for i := 0; i < 25; i++ {
@@ -45,7 +45,7 @@ func TestBacklog(t *testing.T) {
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == 25 }, eventuallyTimeout, 5*time.Millisecond)
 	b, err = e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Topics: []string{topic}})
 	require.NoError(t, err)
-	require.Equal(t, []outbox.Backlog{{Topic: topic}}, b)
+	require.Equal(t, []outbox.Backlog{{Topic: topic, Forwarder: outbox.DefaultForwarderName}}, b)
 
 	// A forwarder of another name that never ran sees everything as pending.
 	b, err = e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Forwarder: "other", Topics: []string{topic}})
@@ -81,7 +81,7 @@ func TestBacklogAndDeleteForwarded_Defaults(t *testing.T) {
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == 2 }, eventuallyTimeout, 5*time.Millisecond)
 	b, err = ob.Backlog(ctx, e.db.Pool, nil)
 	require.NoError(t, err)
-	require.Equal(t, []outbox.Backlog{{Topic: topic}}, b)
+	require.Equal(t, []outbox.Backlog{{Topic: topic, Forwarder: outbox.DefaultForwarderName}}, b)
 	n, err = ob.DeleteForwarded(ctx, e.db.Pool, nil)
 	require.NoError(t, err)
 	require.EqualValues(t, 2, n)

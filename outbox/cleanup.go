@@ -72,9 +72,9 @@ func (o *Outbox) DeleteForwarded(ctx context.Context, db migrate.Beginner, opts 
 
 func (o *Outbox) deleteForwarded(ctx context.Context, db migrate.Beginner, topic string, opts DeleteForwardedOpts) (int64, error) {
 	tables := o.tables(topic)
-	var pos outboxsql.Position
+	var positions []outboxsql.Position
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) (err error) {
-		pos, err = tables.Lowest(ctx, tx, opts.Forwarders)
+		positions, err = tables.Positions(ctx, tx, opts.Forwarders)
 		return err
 	})
 	if errors.Is(err, outboxsql.ErrNoPosition) {
@@ -87,7 +87,7 @@ func (o *Outbox) deleteForwarded(ctx context.Context, db migrate.Beginner, topic
 	for {
 		var n int64
 		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) (err error) {
-			n, err = tables.DeleteThrough(ctx, tx, pos, opts.BatchSize)
+			n, err = tables.DeletePassed(ctx, tx, positions, opts.BatchSize)
 			return err
 		})
 		if err != nil {

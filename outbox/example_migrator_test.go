@@ -44,9 +44,11 @@ func ExampleMigrationLine() {
 	}
 	fmt.Println("reverted:", len(res.Versions))
 	// Output:
-	// pending: 2
+	// pending: 4
 	// outbox:outbox_orders: applied 001_topic_tables
+	// outbox:outbox_orders: applied 002_snapshot_position
 	// outbox:outbox_payments: applied 001_topic_tables
+	// outbox:outbox_payments: applied 002_snapshot_position
 	// ok: true
-	// reverted: 2
+	// reverted: 4
 }

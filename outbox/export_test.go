@@ -7,3 +7,10 @@ import wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 func Adapters(o *Outbox) (*wsql.DefaultPostgreSQLSchema, wsql.DefaultPostgreSQLOffsetsAdapter) {
 	return o.schema, o.offsets
 }
+
+// SetHook makes f call hook at each step of its transactions ("locked",
+// "cut", "sent", "commit"); call it before Run.
+func SetHook(f *Forwarder, hook func(step string)) { f.hook = hook }
+
+// Channel is the NOTIFY channel of topic's table.
+func Channel(o *Outbox, topic string) string { return o.channel(topic) }

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -106,7 +107,7 @@ func (e *env) startForwarder(t *testing.T, cfg outbox.ForwarderConfig) *outbox.F
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = 10 * time.Millisecond
 	}
-	f, err := outbox.NewForwarder(cfg, watermill.NopLogger{})
+	f, err := outbox.NewForwarder(cfg, watermill.NewStdLogger(os.Getenv("FWDLOG") != "", false))
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- f.Run(context.Background()) }()

@@ -86,6 +86,10 @@ type templateData struct {
 	// InitLock is watermill-sql's schema initialisation lock of the
 	// Outbox's schema adapter.
 	InitLock int
+	// NotifyFunction and Trigger name the wake-up trigger of the messages
+	// table and its function; ChannelLiteral is the channel it notifies,
+	// as an SQL string literal.
+	NotifyFunction, Trigger, ChannelLiteral string
 }
 
 func (o *Outbox) templateData(topic string) templateData {
@@ -95,6 +99,10 @@ func (o *Outbox) templateData(topic string) templateData {
 		Offsets:     o.cfg.TablePrefix + topic + offsetsSuffix,
 		PayloadType: strings.ToUpper(o.cfg.PayloadType),
 		InitLock:    o.schema.InitializeSchemaLock,
+		// The messages table's name is at most 63-len("__offsets") bytes.
+		NotifyFunction: o.cfg.TablePrefix + topic + "__notify",
+		Trigger:        notifyTrigger,
+		ChannelLiteral: "'" + strings.ReplaceAll(o.channel(topic), "'", "''") + "'",
 	}
 }
 

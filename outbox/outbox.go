@@ -2,6 +2,8 @@ package outbox
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"regexp"
@@ -171,6 +173,23 @@ func (o *Outbox) MessagesTable(topic string) string {
 // forwarders' (and watermill-sql subscribers') positions in topic.
 func (o *Outbox) OffsetsTable(topic string) string {
 	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic+offsetsSuffix)
+}
+
+// notifyTrigger names the trigger of every messages table that notifies
+// the topic's channel (migration 2).
+const notifyTrigger = "idem_outbox_notify"
+
+// channel is the NOTIFY channel of topic's table: the schema-qualified
+// table name, or a digest of it when that is longer than a channel name
+// may be (63 bytes). Two tables sharing a channel would only wake each
+// other's forwarders for nothing.
+func (o *Outbox) channel(topic string) string {
+	ch := o.cfg.Schema + "." + o.cfg.TablePrefix + topic
+	if len(ch) > maxTableName {
+		sum := sha256.Sum256([]byte(ch))
+		ch = "idem_outbox_" + hex.EncodeToString(sum[:16])
+	}
+	return ch
 }
 
 // tables returns topic's tables for the statements of outboxsql.

@@ -9,7 +9,7 @@
 // the seed to reproduce the event plan and fault schedule. The consumers are
 // this same binary, re-executed.
 //
-//	go run ./cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-retry-percent 5] [-keep] [-v]
+//	go run ./cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-parallel] [-retry-percent 5] [-keep] [-v]
 package main
 
 import (
@@ -43,6 +43,7 @@ func main() {
 	verbose := flag.Bool("v", false, "log the components (Watermill, middleware, consumer processes) at info level")
 	direct := flag.Bool("direct", false, "producer publishes directly to Kafka after its commit (no outbox)")
 	groupCommit := flag.Bool("group-commit", false, "consumers in group-commit mode (idem.Config.GroupCommit, defaults)")
+	parallel := flag.Bool("parallel", false, "consumers on idemkafka's parallel subscriber (key order, more messages in flight than partitions) instead of watermill-kafka's")
 	retryPercent := flag.Int("retry-percent", soak.DefaultRetryPercent, "percent of the events that fail transiently 1-3 times and go through the retry topics (negative: none)")
 	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset); "none" starts from an empty mix`)
 	flag.Parse()
@@ -58,6 +59,7 @@ func main() {
 		KeepDatabase:  *keep,
 		DirectPublish: *direct,
 		GroupCommit:   *groupCommit,
+		Parallel:      *parallel,
 		RetryPercent:  *retryPercent,
 		Log:           os.Stderr,
 	}

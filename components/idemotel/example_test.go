@@ -5,6 +5,7 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/idemkit/watermill-idempotency/components/idemotel"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 )
 
@@ -24,4 +25,20 @@ func ExampleNew() {
 	}
 	defer metrics.Close()
 	metrics.AddDedup(dedup)
+}
+
+// The parallel subscriber's stats, with the attribute
+// messaging.consumer.group.name (and per partition
+// messaging.destination.name, messaging.destination.partition.id).
+func ExampleMetrics_AddSubscriber() {
+	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: []string{"kafka:9092"}, ConsumerGroup: "billing"}, nil)
+	if err != nil {
+		panic(err)
+	}
+	metrics, err := idemotel.New(nil) // the global MeterProvider
+	if err != nil {
+		panic(err)
+	}
+	defer metrics.Close()
+	metrics.AddSubscriber(sub)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -38,6 +40,7 @@ type Metrics struct {
 	forwarders map[string]*outbox.Forwarder
 	fwdOrder   []string
 	backlogs   []backlogSource
+	subs       []*idemkafka.Subscriber
 
 	processed, duplicates, failed, claimErrors, rejected, claims metric.Int64ObservableCounter
 	groups, grouped, groupFallbacks, alone                       metric.Int64ObservableCounter
@@ -45,6 +48,8 @@ type Metrics struct {
 	forwarded, commits, polls, fwdErrors                         metric.Int64ObservableCounter
 	pending                                                      metric.Int64ObservableGauge
 	oldest                                                       metric.Float64ObservableGauge
+	kInFlight, kWaiting, kHeld, kMaxInFlight, kDistance, kWindow metric.Int64ObservableGauge
+	kAcked, kNacked, kSkipped, kSessions                         metric.Int64ObservableCounter
 }
 
 // New creates the instruments on the meter [otelx.Meter] of mp (nil: the
@@ -84,6 +89,21 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.commits = counter("idem.outbox.forwarder.commits", "{commit}", "Committed forwarder position updates.")
 	m.polls = counter("idem.outbox.forwarder.polls", "{poll}", "Reads of the outbox by the forwarder.")
 	m.fwdErrors = counter("idem.outbox.forwarder.errors", "{batch}", "Failed forwarder batches (rolled back and retried).")
+	gauge := func(name, unit, desc string) metric.Int64ObservableGauge {
+		g, err := meter.Int64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		errs = append(errs, err)
+		return g
+	}
+	m.kInFlight = gauge("idem.kafka.in_flight", "{message}", "idemkafka.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).")
+	m.kWaiting = gauge("idem.kafka.keys_waiting", "{message}", "idemkafka.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).")
+	m.kHeld = gauge("idem.kafka.held", "{message}", "idemkafka.Subscriber: records waiting for their NotBeforeFunc time (retry topics).")
+	m.kMaxInFlight = gauge("idem.kafka.max_in_flight", "{message}", "idemkafka.Subscriber: MaxInFlight (the bound of idem.kafka.in_flight).")
+	m.kDistance = gauge("idem.kafka.partition.distance", "{message}", "idemkafka.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending).")
+	m.kWindow = gauge("idem.kafka.partition.window", "{message}", "idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).")
+	m.kAcked = counter("idem.kafka.acked", "{message}", "idemkafka.Subscriber: messages acked.")
+	m.kNacked = counter("idem.kafka.nacked", "{message}", "idemkafka.Subscriber: messages nacked (handed out again after NackResendSleep).")
+	m.kSkipped = counter("idem.kafka.skipped", "{message}", "idemkafka.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.")
+	m.kSessions = counter("idem.kafka.sessions", "{session}", "idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).")
 	var err error
 	m.pending, err = meter.Int64ObservableGauge("idem.outbox.pending", metric.WithUnit("{message}"),
 		metric.WithDescription("Committed outbox rows the forwarder has not forwarded yet."))
@@ -97,7 +117,8 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.reg, err = meter.RegisterCallback(m.observe,
 		m.processed, m.duplicates, m.failed, m.claimErrors, m.rejected, m.claims, m.claimTime, m.txTime,
 		m.groups, m.grouped, m.groupFallbacks, m.alone,
-		m.forwarded, m.commits, m.polls, m.fwdErrors, m.pending, m.oldest)
+		m.forwarded, m.commits, m.polls, m.fwdErrors, m.pending, m.oldest,
+		m.kInFlight, m.kWaiting, m.kHeld, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions)
 	if err != nil {
 		return nil, fmt.Errorf("idemotel: register callback: %w", err)
 	}
@@ -142,6 +163,20 @@ func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts 
 	m.backlogs = append(m.backlogs, backlogSource{ob: ob, db: db, opts: o})
 }
 
+// AddSubscriber reports the Stats of idemkafka's parallel subscriber with
+// the attribute messaging.consumer.group.name (its Kafka consumer group):
+// idem.kafka.in_flight, keys_waiting, held, max_in_flight, acked, nacked,
+// skipped and sessions, and per held partition (attributes
+// messaging.destination.name and messaging.destination.partition.id)
+// idem.kafka.partition.distance (between the committed offset and the
+// highest one handed out) and idem.kafka.partition.window. Adding two
+// subscribers of the same group sums them.
+func (m *Metrics) AddSubscriber(sub *idemkafka.Subscriber) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.subs = append(m.subs, sub)
+}
+
 // observe is the callback of every instrument.
 func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 	m.mu.Lock()
@@ -152,7 +187,28 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 	}
 	names := append([]string(nil), m.fwdOrder...)
 	backlogs := append([]backlogSource(nil), m.backlogs...)
+	subs := append([]*idemkafka.Subscriber(nil), m.subs...)
 	m.mu.Unlock()
+
+	for _, gs := range statsx.ByKey(subs, (*idemkafka.Subscriber).ConsumerGroup, subscriberValue, addSubscribers) {
+		group := semconv.MessagingConsumerGroupName(gs.Key)
+		set := metric.WithAttributeSet(attribute.NewSet(group))
+		s := gs.Value.Stats
+		o.ObserveInt64(m.kInFlight, int64(s.InFlight), set)
+		o.ObserveInt64(m.kWaiting, int64(s.KeysWaiting), set)
+		o.ObserveInt64(m.kHeld, int64(s.Held), set)
+		o.ObserveInt64(m.kMaxInFlight, int64(gs.Value.MaxInFlight), set)
+		o.ObserveInt64(m.kAcked, int64(s.Acked), set)
+		o.ObserveInt64(m.kNacked, int64(s.Nacked), set)
+		o.ObserveInt64(m.kSkipped, int64(s.Skipped), set)
+		o.ObserveInt64(m.kSessions, int64(s.Sessions), set)
+		for _, p := range s.Partitions {
+			pset := metric.WithAttributeSet(attribute.NewSet(group, semconv.MessagingDestinationName(p.Topic),
+				semconv.MessagingDestinationPartitionID(strconv.Itoa(int(p.Partition)))))
+			o.ObserveInt64(m.kDistance, p.Distance, pset)
+			o.ObserveInt64(m.kWindow, int64(p.Window), pset)
+		}
+	}
 
 	for _, gs := range statsx.ByKey(dedups, (*idem.Dedup).ConsumerGroup, (*idem.Dedup).Stats, idem.Stats.Add) {
 		g, s := gs.Key, gs.Value

@@ -9,6 +9,7 @@
 //	c.AddOutboxBacklog(ob, pool, nil)                      // outbox lag, queried at scrape
 //	c.AddRetryTopic("billing", rt)                         // *retrytopic.RetryTopic counters
 //	c.AddParked(pool, retrytopic.ParkedKeysTable{}, "billing") // KeyOrder's parked keys, queried at scrape
+//	c.AddSubscriber(sub)                                   // *idemkafka.Subscriber (the parallel subscriber)
 //	prometheus.MustRegister(c)
 //
 // # Metrics
@@ -37,11 +38,22 @@
 //	idem_retry_parked_events{consumer_group}            their events; _max_queue: the longest queue of a key
 //	idem_retry_parked_oldest_seconds{consumer_group}    age of the oldest parked event
 //	idem_retry_parked_head_overdue_seconds{consumer_group}  longest time a first event's copy has been due
+//	idem_kafka_in_flight{consumer_group}                parallel subscriber (AddSubscriber): messages handed out, not acked or nacked
+//	idem_kafka_max_in_flight{consumer_group}            its MaxInFlight (in_flight / max_in_flight: how busy it is)
+//	idem_kafka_keys_waiting{consumer_group}             records waiting behind an earlier message of their key
+//	idem_kafka_held{consumer_group}                     records waiting for their not-before time (retry topics)
+//	idem_kafka_{acked,nacked,skipped,sessions}_total{consumer_group}  acks, nacks, records skipped as done (commit metadata), group sessions (rebalances)
+//	idem_kafka_partition_distance{consumer_group,topic,partition}  highest offset handed out + 1 - committed offset
+//	idem_kafka_partition_window{consumer_group,topic,partition}    records held from the committed offset on
 //
-// The backlog and parked gauges are queried from the database at scrape time; all
-// others are counters, cumulative since the component was created. Alert on
+// The backlog and parked gauges are queried from the database at scrape
+// time, the idem_kafka gauges read from the subscriber; all others are
+// counters, cumulative since the component was created. Alert on
 // a growing rate of rejected or failed messages and, in group-commit mode,
 // of group fallbacks (each one retries a whole group alone), and on a
 // growing idem_outbox_oldest_pending_seconds (a stopped forwarder, or one held back by
-// an old transaction on the server).
+// an old transaction on the server). With the parallel subscriber, a
+// partition distance that keeps growing is a message stuck in flight (its
+// key and everything above the committed offset wait, and a crash would
+// run them again), and keys_waiting near the window is a hot key.
 package idemprom

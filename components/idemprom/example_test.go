@@ -1,6 +1,7 @@
 package idemprom_test
 
 import (
+	"fmt"
 	"net/http"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -8,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/idemkit/watermill-idempotency/components/idemprom"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 )
@@ -35,4 +37,20 @@ func ExampleCollector_AddParked() {
 	c.AddRetryTopic("billing", rt)
 	c.AddParked(pool, retrytopic.ParkedKeysTable{}, "billing")
 	prometheus.MustRegister(c)
+}
+
+// The parallel subscriber's messages in flight, keys waiting, and per
+// partition the distance between the committed offset and the highest one
+// handed out.
+func ExampleCollector_AddSubscriber() {
+	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: []string{"kafka:9092"}, ConsumerGroup: "billing"}, nil)
+	if err != nil {
+		panic(err)
+	}
+	c := idemprom.NewCollector()
+	c.AddSubscriber(sub) // labelled consumer_group="billing" (sub.ConsumerGroup())
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(c)
+	fmt.Println(sub.ConsumerGroup())
+	// Output: billing
 }

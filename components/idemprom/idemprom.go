@@ -2,11 +2,13 @@ package idemprom
 
 import (
 	"context"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -50,6 +52,19 @@ var (
 	descParkedOldest  = prometheus.NewDesc("idem_retry_parked_oldest_seconds", "KeyOrder: age of the oldest parked event.", group, nil)
 	descParkedOverdue = prometheus.NewDesc("idem_retry_parked_head_overdue_seconds", "KeyOrder: longest time a key's first event's copy has been due without coming back.", group, nil)
 
+	part = []string{"consumer_group", "topic", "partition"}
+
+	descKafkaInFlight    = prometheus.NewDesc("idem_kafka_in_flight", "idemkafka.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).", group, nil)
+	descKafkaWaiting     = prometheus.NewDesc("idem_kafka_keys_waiting", "idemkafka.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).", group, nil)
+	descKafkaHeld        = prometheus.NewDesc("idem_kafka_held", "idemkafka.Subscriber: records waiting for their NotBeforeFunc time (retry topics).", group, nil)
+	descKafkaAcked       = prometheus.NewDesc("idem_kafka_acked_total", "idemkafka.Subscriber: messages acked.", group, nil)
+	descKafkaNacked      = prometheus.NewDesc("idem_kafka_nacked_total", "idemkafka.Subscriber: messages nacked (handed out again after NackResendSleep).", group, nil)
+	descKafkaSkipped     = prometheus.NewDesc("idem_kafka_skipped_total", "idemkafka.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.", group, nil)
+	descKafkaSessions    = prometheus.NewDesc("idem_kafka_sessions_total", "idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).", group, nil)
+	descKafkaDistance    = prometheus.NewDesc("idem_kafka_partition_distance", "idemkafka.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending): how far processing runs ahead of the commit, which bounds what a crash makes run again.", part, nil)
+	descKafkaWindow      = prometheus.NewDesc("idem_kafka_partition_window", "idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).", part, nil)
+	descKafkaMaxInFlight = prometheus.NewDesc("idem_kafka_max_in_flight", "idemkafka.Subscriber: MaxInFlight (the bound of idem_kafka_in_flight).", group, nil)
+
 	descPending = prometheus.NewDesc("idem_outbox_pending_rows", "Committed outbox rows the forwarder has not forwarded yet.", []string{"topic", "forwarder"}, nil)
 	descOldest  = prometheus.NewDesc("idem_outbox_oldest_pending_seconds", "Age of the oldest outbox row not forwarded yet (0 when none).", []string{"topic", "forwarder"}, nil)
 )
@@ -84,6 +99,7 @@ type Collector struct {
 	backlogs   []backlogSource
 	retries    []retrySource
 	parked     []parkedSource
+	subs       []*idemkafka.Subscriber
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -144,12 +160,26 @@ func (c *Collector) AddParked(db migrate.DBTX, table retrytopic.ParkedKeysTable,
 	c.parked = append(c.parked, parkedSource{db: db, table: table, group: group})
 }
 
+// AddSubscriber exports the Stats of idemkafka's parallel subscriber with
+// the label consumer_group (its Kafka consumer group): messages in flight,
+// keys waiting, held, acked, nacked, skipped and sessions, and per held
+// partition (labels topic, partition) the distance between the committed
+// offset and the highest one handed out, and the window. Adding two
+// subscribers of the same group sums them.
+func (c *Collector) AddSubscriber(sub *idemkafka.Subscriber) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.subs = append(c.subs, sub)
+}
+
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec,
 		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descForwarded, descCommits, descPolls, descFwdErrors, descPending, descOldest,
 		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff,
-		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue} {
+		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
+		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions,
+		descKafkaDistance, descKafkaWindow, descKafkaMaxInFlight} {
 		ch <- d
 	}
 }
@@ -165,6 +195,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	backlogs := append([]backlogSource(nil), c.backlogs...)
 	retries := append([]retrySource(nil), c.retries...)
 	parked := append([]parkedSource(nil), c.parked...)
+	subs := append([]*idemkafka.Subscriber(nil), c.subs...)
 	c.mu.Unlock()
 
 	counter := func(d *prometheus.Desc, v float64, labels ...string) {
@@ -236,6 +267,22 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			gauge(descParkedQueue, float64(s.MaxQueue), s.ConsumerGroup)
 			gauge(descParkedOldest, s.OldestAge.Seconds(), s.ConsumerGroup)
 			gauge(descParkedOverdue, s.MaxHeadOverdue.Seconds(), s.ConsumerGroup)
+		}
+	}
+	for _, gs := range statsx.ByKey(subs, (*idemkafka.Subscriber).ConsumerGroup, subscriberValue, addSubscribers) {
+		g, s := gs.Key, gs.Value.Stats
+		gauge(descKafkaInFlight, float64(s.InFlight), g)
+		gauge(descKafkaWaiting, float64(s.KeysWaiting), g)
+		gauge(descKafkaHeld, float64(s.Held), g)
+		gauge(descKafkaMaxInFlight, float64(gs.Value.MaxInFlight), g)
+		counter(descKafkaAcked, float64(s.Acked), g)
+		counter(descKafkaNacked, float64(s.Nacked), g)
+		counter(descKafkaSkipped, float64(s.Skipped), g)
+		counter(descKafkaSessions, float64(s.Sessions), g)
+		for _, p := range s.Partitions {
+			id := strconv.Itoa(int(p.Partition))
+			gauge(descKafkaDistance, float64(p.Distance), g, p.Topic, id)
+			gauge(descKafkaWindow, float64(p.Window), g, p.Topic, id)
 		}
 	}
 }

@@ -68,9 +68,7 @@ type demoConfig struct {
 	// orders take: the window in which their copies meet.
 	ConcurrentLatency time.Duration
 	// Timeout bounds the whole run: a deadline for when something is stuck,
-	// not an expected duration. Defaults to 5 minutes (a writing transaction
-	// left open anywhere on the PostgreSQL server holds the outbox forwarder
-	// back until it ends; see the "forwarder waiting" hint).
+	// not an expected duration. Defaults to 5 minutes.
 	Timeout time.Duration
 	// Progress receives progress lines; nil for none.
 	Progress io.Writer
@@ -164,9 +162,6 @@ type demo struct {
 	bgCtx   context.Context // cancelled when a background service fails
 	stopBG  context.Context // bgCtx, also cancelled by stopAll
 	stopAll context.CancelFunc
-
-	lastForwarded uint64    // for the "forwarder waiting" hint
-	lastMoved     time.Time // when lastForwarded last changed
 }
 
 // consumer is one consumer group: its router (one handler per instance), its

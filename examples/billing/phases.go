@@ -192,7 +192,6 @@ func (d *demo) waitFor(ctx context.Context, phase string, cond func() bool) erro
 		}
 		if time.Since(last) >= time.Second {
 			d.status(phase)
-			d.stallHint(ctx)
 			last = time.Now()
 		}
 	}
@@ -203,26 +202,6 @@ func (d *demo) status(phase string) {
 	b, nt, ps := d.billing.stats.report(), d.notification.stats.report(), d.provider.Stats()
 	d.progress("%s: outbox forwarded %d · billing %d processed, %d skipped (%d redelivered by Kafka), %d retried · notification %d processed, %d skipped (%d redelivered by Kafka) · provider %d charges, %d replayed · poisoned %d",
 		phase, d.fwd.Stats().Forwarded, b.Processed, b.Skipped, b.KafkaRedelivered, b.Failed, nt.Processed, nt.Skipped, nt.KafkaRedelivered, ps.Charges, ps.Replayed, d.audit.poisonedTotal())
-}
-
-// stallHint says so when the forwarder is held back: it reads only rows
-// below the oldest running transaction of the whole server (watermill-sql's
-// visibility rule).
-func (d *demo) stallHint(ctx context.Context) {
-	if f := d.fwd.Stats().Forwarded; f != d.lastForwarded || d.lastMoved.IsZero() {
-		d.lastForwarded, d.lastMoved = f, time.Now()
-		return
-	}
-	if time.Since(d.lastMoved) < 3*time.Second {
-		return
-	}
-	var age float64
-	var pid int
-	err := d.pool.QueryRow(ctx, `SELECT extract(epoch FROM now() - xact_start), pid FROM pg_stat_activity
-		WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid() ORDER BY xact_start LIMIT 1`).Scan(&age, &pid)
-	if err == nil && age > 2 {
-		d.progress("  outbox forwarder waiting: transaction of pid %d has been open %.0fs on this server; outbox rows committed after it started become visible to the forwarder only when it ends", pid, age)
-	}
 }
 
 // partitionMarshaler sends a message to the partition named in its

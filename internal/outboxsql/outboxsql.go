@@ -1,29 +1,39 @@
 // Package outboxsql holds every statement the module runs on the outbox
 // tables besides watermill-sql's own (its INSERT of messages and its CREATE
-// TABLEs): the forwarder's registration, position lock, batch read and
+// TABLEs): the forwarder's registration, position lock, batch reads and
 // position update, the backlog, the deletion of forwarded rows and the read
 // of a topic's messages for idemtest. It is the one place that knows the
-// columns of watermill-sql v4's PostgreSQL layout:
+// columns of the tables:
 //
 //	messages: "offset" BIGSERIAL, uuid, created_at, payload, metadata (JSON),
 //	          transaction_id xid8 (the writer's pg_current_xact_id()),
 //	          PRIMARY KEY (transaction_id, "offset")
 //	offsets:  consumer_group PRIMARY KEY, offset_acked BIGINT,
-//	          last_processed_transaction_id xid8
+//	          last_processed_transaction_id xid8 (watermill-sql v4's),
+//	          position_snapshot, cut_snapshot pg_snapshot, cut_offset BIGINT
+//	          (the forwarder's, migration 2)
 //
-// A row of the offsets table is a [Position], keyed by consumer_group: a
-// watermill-sql subscriber's consumer group, or an outbox forwarder's name.
+// A forwarder's row of the offsets table is a [Position]: a snapshot, so
+// that rows are forwarded in batches cut between two snapshots (PgQ's
+// rule): a cut is the rows whose writing transaction is visible in the
+// current snapshot and not in the previous one, in "offset" order. A
+// watermill-sql subscriber's row (consumer_group = its consumer group) has
+// only the watermill-sql columns; [Position] reads them too.
 //
 // Every statement works in all of pgx's query exec modes (the simple
-// protocol included): transaction ids travel as uint64 with an explicit
-// ::xid8 cast.
+// protocol included): snapshots travel as text, transaction ids as
+// integers, each with an explicit cast.
 package outboxsql
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -44,25 +54,143 @@ type Tables struct {
 	Messages, Offsets string
 }
 
-// Position is a place in a topic's messages table, in the order rows are
-// forwarded: (transaction_id, "offset") of the last row passed. The zero
-// Position is before every row (watermill-sql registers consumer groups
-// there).
+// Snapshot is a pg_snapshot: transactions below Xmin have ended, those at
+// or above Xmax had not started, and Xip lists those in between still
+// running. A transaction is visible in it when it committed and is below
+// Xmin, or below Xmax and not in Xip (pg_visible_in_snapshot).
+type Snapshot struct {
+	Xmin, Xmax uint64
+	Xip        []uint64
+}
+
+// Start is the snapshot in which no transaction is visible: a position
+// there forwards every row.
+var Start = Snapshot{Xmin: 1, Xmax: 1}
+
+// ParseSnapshot parses pg_snapshot's text form, xmin:xmax:xip,xip,...
+func ParseSnapshot(s string) (Snapshot, error) {
+	parts := strings.Split(s, ":")
+	if len(parts) != 3 {
+		return Snapshot{}, fmt.Errorf("snapshot %q: not xmin:xmax:xip", s)
+	}
+	var snap Snapshot
+	var err error
+	if snap.Xmin, err = strconv.ParseUint(parts[0], 10, 64); err != nil {
+		return Snapshot{}, fmt.Errorf("snapshot %q: %w", s, err)
+	}
+	if snap.Xmax, err = strconv.ParseUint(parts[1], 10, 64); err != nil {
+		return Snapshot{}, fmt.Errorf("snapshot %q: %w", s, err)
+	}
+	if parts[2] != "" {
+		for _, x := range strings.Split(parts[2], ",") {
+			v, err := strconv.ParseUint(x, 10, 64)
+			if err != nil {
+				return Snapshot{}, fmt.Errorf("snapshot %q: %w", s, err)
+			}
+			snap.Xip = append(snap.Xip, v)
+		}
+	}
+	if snap.Xmin == 0 || snap.Xmin > snap.Xmax {
+		return Snapshot{}, fmt.Errorf("snapshot %q: xmin must be positive and at most xmax", s)
+	}
+	return snap, nil
+}
+
+// String is pg_snapshot's text form.
+func (s Snapshot) String() string {
+	var b strings.Builder
+	b.WriteString(strconv.FormatUint(s.Xmin, 10))
+	b.WriteByte(':')
+	b.WriteString(strconv.FormatUint(s.Xmax, 10))
+	b.WriteByte(':')
+	for i, x := range s.Xip {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(strconv.FormatUint(x, 10))
+	}
+	return b.String()
+}
+
+// Visible reports whether transaction xid, if it committed, is visible in s.
+func (s Snapshot) Visible(xid uint64) bool {
+	return xid < s.Xmin || xid < s.Xmax && !slices.Contains(s.Xip, xid)
+}
+
+// Intersect returns the snapshot in which a transaction is visible exactly
+// when it is visible in every one of snaps (Start when snaps is empty).
+func Intersect(snaps ...Snapshot) Snapshot {
+	if len(snaps) == 0 {
+		return Start
+	}
+	out := Snapshot{Xmax: snaps[0].Xmax}
+	for _, s := range snaps[1:] {
+		out.Xmax = min(out.Xmax, s.Xmax)
+	}
+	for _, s := range snaps {
+		for _, x := range s.Xip {
+			if x < out.Xmax && !slices.Contains(out.Xip, x) {
+				out.Xip = append(out.Xip, x)
+			}
+		}
+	}
+	slices.Sort(out.Xip)
+	// Below the lowest running transaction and the lowest xmax, every
+	// snapshot sees every committed transaction.
+	out.Xmin = out.Xmax
+	if len(out.Xip) > 0 {
+		out.Xmin = out.Xip[0]
+	}
+	return out
+}
+
+// Position is a forwarder's place in a topic: every row whose writing
+// transaction is visible in Snapshot has been forwarded; if Cut is set, so
+// have the rows of the cut (Snapshot, Cut] whose "offset" is at most
+// CutOffset, and the forwarder is part way through that cut.
 type Position struct {
-	// TxID is the transaction_id (xid8) of the last row passed.
-	TxID uint64
-	// Offset is its "offset".
-	Offset int64
+	Snapshot Snapshot
+	// Cut is the snapshot ending the cut in progress, nil when none is.
+	Cut *Snapshot
+	// CutOffset is the "offset" of the last row of the cut forwarded.
+	CutOffset int64
+}
+
+// legacyPosition is the Position of watermill-sql's (transaction_id,
+// offset) position: rows up to (txID, offset) in (transaction_id, offset)
+// order, all of whose transactions had ended (watermill-sql and earlier
+// forwarders read only below the snapshot's xmin). Every transaction below
+// txID is visible in the snapshot txID:txID:, and the cut up to
+// txID+1:txID+1: is txID's rows, forwarded up to offset.
+func legacyPosition(txID uint64, offset int64) Position {
+	if txID < Start.Xmax {
+		return Position{Snapshot: Start}
+	}
+	cut := Snapshot{Xmin: txID + 1, Xmax: txID + 1}
+	return Position{Snapshot: Snapshot{Xmin: txID, Xmax: txID}, Cut: &cut, CutOffset: offset}
+}
+
+// legacyColumns returns watermill-sql's (transaction_id, offset) position
+// that p has certainly passed: every transaction below p.Snapshot's xmin.
+// The forwarder keeps those columns up to date with it, so that a
+// downgrade, or a forwarder of the previous release during a rolling
+// deployment, resends only what is above it.
+func legacyColumns(p Position) (txID uint64, offset int64) {
+	if p.Snapshot.Xmin <= Start.Xmin {
+		return 0, 0
+	}
+	return p.Snapshot.Xmin - 1, math.MaxInt64
 }
 
 // Row is a row of a messages table.
 type Row struct {
-	// Position is the row's own place: its transaction_id and "offset".
-	Position Position
+	// TxID is the writing transaction's id (transaction_id).
+	TxID uint64
+	// Offset is the row's "offset", its place in insertion order.
+	Offset   int64
 	UUID     string
 	Payload  []byte
-	// Metadata is a JSON object, or nil.
-	Metadata []byte
+	Metadata []byte // a JSON object, or nil
 }
 
 // Message returns the row as a Watermill message, its metadata decoded.
@@ -71,7 +199,7 @@ func (r Row) Message() (*message.Message, error) {
 	if r.Metadata != nil {
 		md, err := decodeMetadata(r.Metadata)
 		if err != nil {
-			return nil, fmt.Errorf("outbox row (%d, %d) metadata: %w", r.Position.TxID, r.Position.Offset, err)
+			return nil, fmt.Errorf("outbox row (%d, %d) metadata: %w", r.TxID, r.Offset, err)
 		}
 		msg.Metadata = md
 	}
@@ -79,68 +207,221 @@ func (r Row) Message() (*message.Message, error) {
 }
 
 // Register inserts name's position at the start of the table unless it has
-// one, so that [Tables.Lock] has a row to lock (watermill-sql's
-// before-subscribing query).
+// one, so that [Tables.Lock] has a row to lock.
 func (t Tables) Register(ctx context.Context, db DB, name string) error {
-	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` (consumer_group, offset_acked, last_processed_transaction_id)
-		VALUES ($1, 0, '0') ON CONFLICT (consumer_group) DO NOTHING`, name)
+	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` (consumer_group, offset_acked, last_processed_transaction_id, position_snapshot)
+		VALUES ($1, 0, '0', $2::text::pg_snapshot) ON CONFLICT (consumer_group) DO NOTHING`, name, Start.String())
 	return err
+}
+
+const positionColumns = `position_snapshot::text, cut_snapshot::text, cut_offset, last_processed_transaction_id::text, COALESCE(offset_acked, 0)`
+
+func scanPosition(row pgx.Row, extra ...any) (Position, error) {
+	var (
+		snap, cut *string
+		cutOffset *int64
+		legacyTx  string
+		legacyOff int64
+	)
+	if err := row.Scan(append([]any{&snap, &cut, &cutOffset, &legacyTx, &legacyOff}, extra...)...); err != nil {
+		return Position{}, err
+	}
+	if snap == nil {
+		tx, err := strconv.ParseUint(legacyTx, 10, 64)
+		if err != nil {
+			return Position{}, fmt.Errorf("last_processed_transaction_id %q: %w", legacyTx, err)
+		}
+		return legacyPosition(tx, legacyOff), nil
+	}
+	var p Position
+	var err error
+	if p.Snapshot, err = ParseSnapshot(*snap); err != nil {
+		return Position{}, err
+	}
+	if cut != nil {
+		c, err := ParseSnapshot(*cut)
+		if err != nil {
+			return Position{}, err
+		}
+		p.Cut = &c
+		if cutOffset != nil {
+			p.CutOffset = *cutOffset
+		}
+	}
+	return p, nil
 }
 
 // Lock reads name's position FOR UPDATE, so that one holder of the name
-// works on the table at a time. It returns pgx.ErrNoRows when name has no
+// works on the table at a time, and sets synchronous_commit to off for the
+// rest of the transaction (the position may commit asynchronously: a lost
+// commit resends, it never skips). It returns pgx.ErrNoRows when name has no
 // position ([Tables.Register]).
 func (t Tables) Lock(ctx context.Context, db DB, name string) (Position, error) {
-	var p Position
-	err := db.QueryRow(ctx, `SELECT last_processed_transaction_id, COALESCE(offset_acked, 0) FROM `+t.Offsets+`
-		WHERE consumer_group = $1 FOR UPDATE`, name).Scan(&p.TxID, &p.Offset)
-	return p, err
+	var discard string
+	return scanPosition(db.QueryRow(ctx, `SELECT `+positionColumns+`, set_config('synchronous_commit', 'off', true)
+		FROM `+t.Offsets+` WHERE consumer_group = $1 FOR UPDATE`, name), &discard)
 }
 
-// Ack moves name's position to p (watermill-sql's upsert).
+// Ack moves name's position to p, and watermill-sql's columns to the
+// (transaction_id, offset) position p has certainly passed.
 func (t Tables) Ack(ctx context.Context, db DB, name string, p Position) error {
-	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` (consumer_group, offset_acked, last_processed_transaction_id)
-		VALUES ($1, $2, $3::xid8)
+	var cut *string
+	var cutOffset *int64
+	if p.Cut != nil {
+		s := p.Cut.String()
+		cut, cutOffset = &s, &p.CutOffset
+	}
+	legacyTx, legacyOff := legacyColumns(p)
+	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` AS o (consumer_group, offset_acked, last_processed_transaction_id, position_snapshot, cut_snapshot, cut_offset)
+		VALUES ($1, $2, $3::text::xid8, $4::text::pg_snapshot, $5::text::pg_snapshot, $6)
 		ON CONFLICT (consumer_group) DO UPDATE SET
 			offset_acked = excluded.offset_acked,
-			last_processed_transaction_id = excluded.last_processed_transaction_id`, name, p.Offset, p.TxID)
+			last_processed_transaction_id = excluded.last_processed_transaction_id,
+			position_snapshot = excluded.position_snapshot,
+			cut_snapshot = excluded.cut_snapshot,
+			cut_offset = excluded.cut_offset`,
+		name, legacyOff, strconv.FormatUint(legacyTx, 10), p.Snapshot.String(), cut, cutOffset)
 	return err
 }
 
-// ReadBatchSQL selects, from messages, the rows after the position ($1, $2)
-// written by transactions older than the snapshot's xmin, in
-// (transaction_id, offset) order, at most $3 of them: watermill-sql's
-// visibility rule, so a transaction still running holds the reader back
-// instead of being skipped. Unlike watermill-sql's query, whose OR form is
-// planned as a bitmap scan of every pending row plus a top-N sort (30 ms per
-// batch with 100,000 rows pending, measured), the row comparison walks the
-// primary key in order and stops after LIMIT rows, so a backlog does not
-// slow every batch down.
-func ReadBatchSQL(messages string) string {
-	return `SELECT transaction_id, "offset", uuid, payload, metadata FROM ` + messages + `
-		WHERE (transaction_id, "offset") > ($1::xid8, $2)
-		  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
-		ORDER BY transaction_id, "offset"
-		LIMIT $3`
+// Page is a run of consecutive rows of a cut in "offset" order: exactly the
+// rows of the transactions TxIDs whose "offset" is between First and Last.
+type Page struct {
+	First, Last int64
+	TxIDs       []uint64
+	// Rows counts them.
+	Rows int
 }
 
-// ReadBatch appends to dst the rows after p ([ReadBatchSQL]), at most limit.
-// Run it in a REPEATABLE READ transaction to read several batches below one
-// xmin.
-func (t Tables) ReadBatch(ctx context.Context, db DB, after Position, limit int, dst []Row) ([]Row, error) {
-	rows, err := db.Query(ctx, ReadBatchSQL(t.Messages), after.TxID, after.Offset, limit)
+// Cut is the rows of the transactions visible in To and not in From whose
+// "offset" is above After, split into pages in "offset" order.
+type Cut struct {
+	From, To Snapshot
+	After    int64
+	Pages    []Page
+}
+
+// cutRowsSQL is the FROM and WHERE of the rows of the cut from $1 to $2 (pg_snapshot text;
+// $2 NULL: the statement's own snapshot) after "offset" $3: those whose
+// transaction is at or above $1's xmax and below $2's, or among $1's
+// running ones (the two ways a transaction is not visible in $1), and
+// visible in $2. Each part is an index range of the primary key, so the
+// cost follows the cut, not the table nor transactions held open elsewhere.
+func cutRowsSQL(messages string) string {
+	return `FROM ` + messages + ` m
+		WHERE ((m.transaction_id >= pg_snapshot_xmax($1::text::pg_snapshot)
+		        AND m.transaction_id < pg_snapshot_xmax(COALESCE($2::text::pg_snapshot, pg_current_snapshot())))
+		       OR m.transaction_id = ANY (ARRAY(SELECT pg_snapshot_xip($1::text::pg_snapshot))))
+		  AND pg_visible_in_snapshot(m.transaction_id, COALESCE($2::text::pg_snapshot, pg_current_snapshot()))
+		  AND m."offset" > $3`
+}
+
+// CutSQL is the statement of [Tables.ReadCut]: the keys of the cut's rows
+// in "offset" order, each with the cut's end snapshot.
+func CutSQL(messages string) string {
+	return `SELECT m."offset", m.transaction_id, COALESCE($2::text::pg_snapshot, pg_current_snapshot())::text
+		` + cutRowsSQL(messages) + `
+		ORDER BY m."offset"`
+}
+
+// ReadCut returns the pages (of at most pageSize rows) of the cut that
+// continues p: the rest of p.Cut after p.CutOffset, or, when p has no cut,
+// a new cut from p.Snapshot to the snapshot of this statement (To; a cut
+// without rows has no pages and To is then meaningless). It reads only
+// the keys of the rows, 16 bytes each; [Tables.ReadPage] reads a page's
+// rows.
+func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (Cut, error) {
+	c := Cut{From: p.Snapshot}
+	var to *string
+	if p.Cut != nil {
+		s := p.Cut.String()
+		to, c.To, c.After = &s, *p.Cut, p.CutOffset
+	}
+	rows, err := db.Query(ctx, CutSQL(t.Messages), p.Snapshot.String(), to, c.After)
+	if err != nil {
+		return c, err
+	}
+	defer rows.Close()
+	var (
+		cur    string
+		pg     Page
+		offset int64
+		xid    uint64
+	)
+	seen := make(map[uint64]struct{})
+	for rows.Next() {
+		if err := rows.Scan(&offset, &xid, &cur); err != nil {
+			return c, err
+		}
+		if pg.Rows == 0 {
+			pg.First = offset
+		}
+		pg.Last = offset
+		pg.Rows++
+		if _, ok := seen[xid]; !ok {
+			seen[xid] = struct{}{}
+			pg.TxIDs = append(pg.TxIDs, xid)
+		}
+		if pg.Rows == pageSize {
+			c.Pages = append(c.Pages, pg)
+			pg = Page{}
+			clear(seen)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return c, err
+	}
+	if pg.Rows > 0 {
+		c.Pages = append(c.Pages, pg)
+	}
+	if p.Cut == nil && len(c.Pages) > 0 {
+		if c.To, err = ParseSnapshot(cur); err != nil {
+			return c, err
+		}
+	}
+	return c, nil
+}
+
+// HasRows reports whether the cut from p.Snapshot to the statement's
+// snapshot has a row: one query, index probes only, for a forwarder to ask
+// often at little cost. p must have no cut in progress.
+func (t Tables) HasRows(ctx context.Context, db DB, p Position) (bool, error) {
+	var has bool
+	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 `+cutRowsSQL(t.Messages)+`)`, p.Snapshot.String(), nil, int64(0)).Scan(&has)
+	return has, err
+}
+
+// PageSQL is the statement of [Tables.ReadPage].
+func PageSQL(messages string) string {
+	return `SELECT transaction_id, "offset", uuid, payload, metadata FROM ` + messages + `
+		WHERE transaction_id = ANY ($1::text[]::xid8[]) AND "offset" BETWEEN $2 AND $3`
+}
+
+// ReadPage appends to dst the rows of page, in "offset" order: one index
+// range of the primary key per transaction of the page (sorted here: the
+// index returns them transaction by transaction).
+func (t Tables) ReadPage(ctx context.Context, db DB, page Page, dst []Row) ([]Row, error) {
+	xids := make([]string, len(page.TxIDs))
+	for i, x := range page.TxIDs {
+		xids[i] = strconv.FormatUint(x, 10)
+	}
+	rows, err := db.Query(ctx, PageSQL(t.Messages), xids, page.First, page.Last)
 	if err != nil {
 		return dst, err
 	}
-	return appendRows(rows, dst)
+	n := len(dst)
+	dst, err = appendRows(rows, dst)
+	if len(page.TxIDs) > 1 {
+		slices.SortFunc(dst[n:], func(a, b Row) int { return cmp.Compare(a.Offset, b.Offset) })
+	}
+	return dst, err
 }
 
 // ReadAll returns every row db sees in the messages table (a transaction's
-// own uncommitted rows included, the xmin rule not applied), in
-// (transaction_id, offset) order.
+// own uncommitted rows included), in "offset" (insertion) order.
 func (t Tables) ReadAll(ctx context.Context, db DB) ([]Row, error) {
 	rows, err := db.Query(ctx, `SELECT transaction_id, "offset", uuid, payload, metadata FROM `+t.Messages+`
-		ORDER BY transaction_id, "offset"`)
+		ORDER BY "offset"`)
 	if err != nil {
 		return nil, err
 	}
@@ -151,7 +432,7 @@ func appendRows(rows pgx.Rows, dst []Row) ([]Row, error) {
 	defer rows.Close()
 	for rows.Next() {
 		var r Row
-		if err := rows.Scan(&r.Position.TxID, &r.Position.Offset, &r.UUID, &r.Payload, &r.Metadata); err != nil {
+		if err := rows.Scan(&r.TxID, &r.Offset, &r.UUID, &r.Payload, &r.Metadata); err != nil {
 			return dst, err
 		}
 		dst = append(dst, r)
@@ -159,19 +440,40 @@ func appendRows(rows pgx.Rows, dst []Row) ([]Row, error) {
 	return dst, rows.Err()
 }
 
-// Backlog counts the committed rows after name's position (every row when
+// Position reads name's position without locking it, or returns
+// [ErrNoPosition].
+func (t Tables) Position(ctx context.Context, db DB, name string) (Position, error) {
+	p, err := scanPosition(db.QueryRow(ctx, `SELECT `+positionColumns+` FROM `+t.Offsets+` WHERE consumer_group = $1`, name))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Position{}, ErrNoPosition
+	}
+	return p, err
+}
+
+// Backlog counts the committed rows name has not forwarded (every row when
 // name has no position) and returns how long the oldest of them has been
 // waiting, by its created_at (0 when none).
 func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64, oldest time.Duration, err error) {
+	p, err := t.Position(ctx, db, name)
+	if errors.Is(err, ErrNoPosition) {
+		p, err = Position{Snapshot: Start}, nil
+	}
+	if err != nil {
+		return 0, 0, err
+	}
+	var cut *string
+	if p.Cut != nil {
+		s := p.Cut.String()
+		cut = &s
+	}
 	var ageSec float64
-	err = db.QueryRow(ctx, `
-		WITH pos AS (
-			SELECT last_processed_transaction_id AS tx, COALESCE(offset_acked, 0) AS off
-			FROM `+t.Offsets+` WHERE consumer_group = $1)
-		SELECT count(*), COALESCE(EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(m.created_at)), 0)::float8
+	err = db.QueryRow(ctx, `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(m.created_at)), 0)::float8
 		FROM `+t.Messages+` m
-		WHERE NOT EXISTS (SELECT 1 FROM pos)
-		   OR (m.transaction_id, m."offset") > (SELECT tx, off FROM pos)`, name).Scan(&pending, &ageSec)
+		WHERE (m.transaction_id >= pg_snapshot_xmax($1::text::pg_snapshot)
+		       OR m.transaction_id = ANY (ARRAY(SELECT pg_snapshot_xip($1::text::pg_snapshot))))
+		  AND NOT ($2::text IS NOT NULL AND m."offset" <= $3
+		           AND pg_visible_in_snapshot(m.transaction_id, $2::text::pg_snapshot))`,
+		p.Snapshot.String(), cut, p.CutOffset).Scan(&pending, &ageSec)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -181,32 +483,52 @@ func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64,
 	return pending, oldest, nil
 }
 
-// ErrNoPosition is returned by [Tables.Lowest] when one of the names has
-// no position.
+// ErrNoPosition is returned by [Tables.Position] and [Tables.Positions]
+// when a name has no position.
 var ErrNoPosition = errors.New("no position")
 
-// Lowest returns the lowest of the positions of names (every row at or
-// before it has been passed by all of them), or [ErrNoPosition] if one of
-// them has none.
-func (t Tables) Lowest(ctx context.Context, db DB, names []string) (Position, error) {
+// Positions returns the positions of names (duplicates once), or
+// [ErrNoPosition] if one of them has none.
+func (t Tables) Positions(ctx context.Context, db DB, names []string) ([]Position, error) {
 	names = slices.Compact(slices.Sorted(slices.Values(names)))
-	var (
-		p     Position
-		found int
-	)
-	err := db.QueryRow(ctx, `SELECT last_processed_transaction_id, COALESCE(offset_acked, 0), count(*) OVER ()
-		FROM `+t.Offsets+` WHERE consumer_group = ANY($1)
-		ORDER BY last_processed_transaction_id, COALESCE(offset_acked, 0) LIMIT 1`, names).Scan(&p.TxID, &p.Offset, &found)
-	if errors.Is(err, pgx.ErrNoRows) || err == nil && found < len(names) {
-		return Position{}, ErrNoPosition
+	out := make([]Position, 0, len(names))
+	for _, n := range names {
+		p, err := t.Position(ctx, db, n)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, p)
 	}
-	return p, err
+	return out, nil
 }
 
-// DeleteThrough deletes at most limit rows at or before p and returns how
-// many it deleted.
-func (t Tables) DeleteThrough(ctx context.Context, db DB, p Position, limit int) (int64, error) {
+// DeletePassed deletes at most limit rows that every one of positions has
+// passed, and returns how many it deleted.
+func (t Tables) DeletePassed(ctx context.Context, db DB, positions []Position, limit int) (int64, error) {
+	if len(positions) == 0 {
+		return 0, nil
+	}
+	snaps := make([]string, len(positions))
+	cuts := make([]*string, len(positions))
+	offs := make([]int64, len(positions))
+	bound := uint64(math.MaxUint64)
+	for i, p := range positions {
+		snaps[i], offs[i] = p.Snapshot.String(), p.CutOffset
+		b := p.Snapshot.Xmax
+		if p.Cut != nil {
+			c := p.Cut.String()
+			cuts[i], b = &c, max(b, p.Cut.Xmax)
+		}
+		bound = min(bound, b)
+	}
 	tag, err := db.Exec(ctx, `DELETE FROM `+t.Messages+` WHERE ctid IN (
-		SELECT ctid FROM `+t.Messages+` WHERE (transaction_id, "offset") <= ($1::xid8, $2) LIMIT $3)`, p.TxID, p.Offset, limit)
+		SELECT m.ctid FROM `+t.Messages+` m
+		WHERE m.transaction_id < $4::text::xid8
+		  AND NOT EXISTS (
+			SELECT 1 FROM unnest($1::text[], $2::text[], $3::bigint[]) p(snap, cut, off)
+			WHERE NOT (pg_visible_in_snapshot(m.transaction_id, p.snap::pg_snapshot)
+			           OR p.cut IS NOT NULL AND m."offset" <= p.off
+			              AND pg_visible_in_snapshot(m.transaction_id, p.cut::pg_snapshot)))
+		LIMIT $5)`, snaps, cuts, offs, strconv.FormatUint(bound, 10), limit)
 	return tag.RowsAffected(), err
 }

@@ -156,6 +156,11 @@ type consumer struct {
 	sarama *sarama.Config
 	// observe, when set, goes outside rt.Middleware.
 	observe message.HandlerMiddleware
+	// parallel, when positive, consumes every topic with an
+	// idemkafka.Subscriber of that MaxInFlight (OrderKey; the retry topics'
+	// with NotBeforeFunc retrytopic.RecordNotBefore) instead of
+	// watermill-kafka's.
+	parallel int
 }
 
 // run starts one router with the main handler and a retry handler per retry
@@ -167,20 +172,27 @@ func (f *fixture) run(t *testing.T, c consumer, fail failFunc) *message.Router {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	logger := watermill.NopLogger{}
-	kc := idemkafka.ClientConfig{Brokers: f.broker.Addrs, Sarama: c.sarama}
-	subCfg, err := idemkafka.WatermillSubscriberConfig(kc, f.group)
-	require.NoError(t, err)
-	sub, err := kafka.NewSubscriber(subCfg, logger)
-	require.NoError(t, err)
-	var retryCfg kafka.SubscriberConfig
-	if c.holdInHandler {
-		retryCfg, err = idemkafka.WatermillSubscriberConfig(kc, f.group+"-retry")
+	var sub, retrySub message.Subscriber
+	if c.parallel > 0 {
+		sub, retrySub = f.parallelSubscribers(t, c)
 	} else {
-		retryCfg, err = retrytopic.WatermillSubscriberConfig(kc, f.group+"-retry")
+		kc := idemkafka.ClientConfig{Brokers: f.broker.Addrs, Sarama: c.sarama}
+		subCfg, err := idemkafka.WatermillSubscriberConfig(kc, f.group)
+		require.NoError(t, err)
+		ks, err := kafka.NewSubscriber(subCfg, logger)
+		require.NoError(t, err)
+		sub = ks
+		var retryCfg kafka.SubscriberConfig
+		if c.holdInHandler {
+			retryCfg, err = idemkafka.WatermillSubscriberConfig(kc, f.group+"-retry")
+		} else {
+			retryCfg, err = retrytopic.WatermillSubscriberConfig(kc, f.group+"-retry")
+		}
+		require.NoError(t, err)
+		rs, err := kafka.NewSubscriber(retryCfg, logger)
+		require.NoError(t, err)
+		retrySub = rs
 	}
-	require.NoError(t, err)
-	retrySub, err := kafka.NewSubscriber(retryCfg, logger)
-	require.NoError(t, err)
 
 	retry := wmiddleware.Retry{
 		MaxRetries:      1,
@@ -216,6 +228,31 @@ func (f *fixture) run(t *testing.T, c consumer, fail failFunc) *message.Router {
 	})
 	<-router.Running()
 	return router
+}
+
+// parallelSubscribers are the main and retry subscribers of c as
+// idemkafka.Subscribers: key order, c.parallel messages in flight each; the
+// retry one holds each copy in its partition's window until its not-before
+// time (retrytopic.RecordNotBefore).
+func (f *fixture) parallelSubscribers(t *testing.T, c consumer) (sub, retrySub message.Subscriber) {
+	t.Helper()
+	cfg := idemkafka.SubscriberConfig{
+		Brokers:         f.broker.Addrs,
+		ConsumerGroup:   f.group,
+		Sarama:          c.sarama,
+		MaxInFlight:     c.parallel,
+		NackResendSleep: 10 * time.Millisecond,
+		RevokeTimeout:   5 * time.Second,
+	}
+	s, err := idemkafka.NewSubscriber(cfg, nil)
+	require.NoError(t, err)
+	cfg.ConsumerGroup = f.group + "-retry"
+	if !c.holdInHandler {
+		cfg.NotBeforeFunc = retrytopic.RecordNotBefore
+	}
+	rs, err := idemkafka.NewSubscriber(cfg, nil)
+	require.NoError(t, err)
+	return s, rs
 }
 
 // ledgerHandler writes (event_id, key, n) to the ledger in the message's

@@ -3,11 +3,10 @@
 -- outbox's writers, its Forwarder and watermill-sql subscribers share them.
 --
 -- transaction_id is the writing transaction's id (pg_current_xact_id()).
--- Readers take only rows whose transaction_id is below the snapshot's xmin
--- (pg_snapshot_xmin(pg_current_snapshot())), in (transaction_id, "offset")
--- order: a row becomes readable only once every transaction that could
--- precede it has ended, so a slow transaction holds readers back instead of
--- being skipped. The primary key leads with transaction_id for that scan.
+-- watermill-sql's readers take only rows whose transaction_id is below the
+-- snapshot's xmin, in (transaction_id, "offset") order; the Forwarder reads
+-- by snapshot instead (migration 2). Both find a transaction's rows through
+-- the primary key, which leads with transaction_id.
 --
 -- watermill-sql's advisory lock serialises this with a watermill-sql
 -- subscriber that initialises the same tables (InitializeSchema, with the

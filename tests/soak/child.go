@@ -86,6 +86,7 @@ type childConfig struct {
 	MaxConns    int32    `json:"max_conns"`
 	Verbose     bool     `json:"verbose"`
 	GroupCommit bool     `json:"group_commit"`
+	Parallel    bool     `json:"parallel"` // idemkafka's parallel subscriber on every topic
 }
 
 // The consumer-to-soak protocol: one line on standard output per event.
@@ -105,6 +106,7 @@ const (
 	lineKill          = "k "  // + fault kind: about to SIGKILL itself
 	lineJoined        = "j"   // every consumer group of the process has had its first session
 	lineViolation     = "v "  // + description
+	lineHandlers      = "h "  // + n: a new high of main-topic messages in the handler chain at once
 	cmdKillMid        = "mid" // soak-to-consumer commands, on standard input
 	cmdKillCommit     = "commit"
 )
@@ -160,6 +162,8 @@ type child struct {
 	joined    []bool      // per subscriber: its consumer group has had a session
 	allJoined atomic.Bool // every one has: the armed kills may run
 	outMu     sync.Mutex
+
+	handlers, maxHandlers atomic.Int64 // main-topic messages in the chain now, and the most so far
 }
 
 // emit writes one protocol line, unbuffered: a line written before a
@@ -214,6 +218,11 @@ func runConsumer(cfg childConfig) error {
 	var dedup *idem.Dedup
 	if err := retry(ctx, "dedup middleware", func() error {
 		dcfg := idem.Config{DB: c.pool, ConsumerGroup: cfg.Group, Table: tableConfig(cfg.Schema)}
+		if cfg.Parallel {
+			// Every topic's subscriber hands out up to its MaxInFlight
+			// messages at once.
+			dcfg.Concurrency = ParallelMaxInFlight + len(cfg.RetryTopics)*ParallelRetryMaxInFlight
+		}
 		if cfg.GroupCommit {
 			dcfg.GroupCommit = &idem.GroupCommitConfig{}
 		}
@@ -275,8 +284,29 @@ func runConsumer(cfg childConfig) error {
 	// docs/retry.md's chain, with the soak's reporting middlewares around
 	// the retry-topic middleware and around each in-process attempt.
 	router.AddMiddleware(c.outer(ctx), c.rt.Middleware, inProcess.Middleware, c.attempt, dedup.Middleware, c.rt.ReleaseMiddleware)
-	// The library's default Sarama settings: only the brokers and the group.
 	c.joined = make([]bool, 1+len(cfg.RetryTopics))
+	if cfg.Parallel {
+		if err := c.addParallelHandlers(ctx, router, logger); err != nil {
+			return err
+		}
+	} else if err := c.addHandlers(router, kc, logger); err != nil {
+		return err
+	}
+	go func() {
+		select {
+		case <-router.Running():
+			c.emit(lineReady)
+		case <-ctx.Done():
+		}
+	}()
+	return router.Run(ctx) // until SIGTERM: Close leaves the group, in-flight messages are not acked
+}
+
+// addHandlers consumes the main topic and each retry topic with
+// watermill-kafka's subscriber.
+func (c *child) addHandlers(router *message.Router, kc idemkafka.ClientConfig, logger watermill.LoggerAdapter) error {
+	cfg := c.cfg
+	// The library's default Sarama settings: only the brokers and the group.
 	subCfg, err := idemkafka.WatermillSubscriberConfig(kc, cfg.Group)
 	if err != nil {
 		return err
@@ -301,14 +331,52 @@ func runConsumer(cfg childConfig) error {
 		}
 		router.AddConsumerHandler(fmt.Sprintf("soak-%s-retry%d", cfg.Instance, i+1), topic, rsub, c.handler)
 	}
+	return nil
+}
+
+// addParallelHandlers consumes the main topic and each retry topic with
+// idemkafka's parallel subscriber (key order, the library's default Sarama
+// settings); a retry topic's copies wait in their partition's window until
+// their not-before time (retrytopic.RecordNotBefore). A goroutine reports
+// each subscriber's first consumer-group session.
+func (c *child) addParallelHandlers(ctx context.Context, router *message.Router, logger watermill.LoggerAdapter) error {
+	cfg := c.cfg
+	base := idemkafka.SubscriberConfig{Brokers: cfg.Brokers, ConsumerGroup: cfg.Group, MaxInFlight: ParallelMaxInFlight}
+	sub, err := idemkafka.NewSubscriber(base, logger)
+	if err != nil {
+		return err
+	}
+	subs := []*idemkafka.Subscriber{sub}
+	router.AddConsumerHandler("soak-"+cfg.Instance, cfg.Topic, sub, c.handler)
+	for i, topic := range cfg.RetryTopics {
+		rc := base
+		rc.ConsumerGroup = retryGroup(cfg.Group, i)
+		rc.MaxInFlight = ParallelRetryMaxInFlight
+		rc.NotBeforeFunc = retrytopic.RecordNotBefore
+		rsub, err := idemkafka.NewSubscriber(rc, logger)
+		if err != nil {
+			return err
+		}
+		subs = append(subs, rsub)
+		router.AddConsumerHandler(fmt.Sprintf("soak-%s-retry%d", cfg.Instance, i+1), topic, rsub, c.handler)
+	}
 	go func() {
-		select {
-		case <-router.Running():
-			c.emit(lineReady)
-		case <-ctx.Done():
+		t := time.NewTicker(10 * time.Millisecond)
+		defer t.Stop()
+		for !c.allJoined.Load() {
+			for i, s := range subs {
+				if s.Stats().Sessions > 0 {
+					c.session(i)
+				}
+			}
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				return
+			}
 		}
 	}()
-	return router.Run(ctx) // until SIGTERM: Close leaves the group, in-flight messages are not acked
+	return nil
 }
 
 // handoffOutbox is the outbox of KeyOrder's hand-offs: the table of the
@@ -377,6 +445,11 @@ func (c *child) outer(ctx context.Context) message.HandlerMiddleware {
 				c.emit(lineDeliveryRetry)
 			} else {
 				c.emit(lineDelivery)
+				n := c.handlers.Add(1)
+				defer c.handlers.Add(-1)
+				if m := c.maxHandlers.Load(); n > m && c.maxHandlers.CompareAndSwap(m, n) {
+					c.emit(lineHandlers + strconv.FormatInt(n, 10))
+				}
 			}
 			produced, err := next(msg)
 			switch {

@@ -57,7 +57,8 @@ type group struct {
 	// The retry-topic leg (see [GroupReport]).
 	retryDeliveries, appliedFromRetry, deferred atomic.Int64
 	escalated, poisoned, maxAttempt             atomic.Int64
-	escalatedIDs                                sync.Map // event id → true
+	maxHandlers                                 atomic.Int64 // the most main-topic messages in one process's handlers at once
+	escalatedIDs                                sync.Map     // event id → true
 }
 
 // retryGroup is the Kafka consumer group of a group's consumers of retry
@@ -140,6 +141,12 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		// connection for the unsafe write.
 		maxConns = h.cfg.Partitions*int32(1+len(h.retryTopics(g.idx))) + 2
 	}
+	if h.cfg.Parallel && !h.cfg.GroupCommit {
+		// One transaction per message in flight (idem.Config.Concurrency
+		// declares it; NewDedup refuses a smaller pool). With group
+		// commit the groups' 4 connections suffice.
+		maxConns = int32(ParallelMaxInFlight + len(h.retryTopics(g.idx))*ParallelRetryMaxInFlight)
+	}
 	cc, err := json.Marshal(childConfig{
 		DatabaseURL: h.cfg.DatabaseURL,
 		Database:    h.dbName,
@@ -158,6 +165,7 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		MaxConns:    maxConns,
 		Verbose:     h.cfg.ConsumerLogs,
 		GroupCommit: h.cfg.GroupCommit,
+		Parallel:    h.cfg.Parallel,
 	})
 	if err != nil {
 		return nil, err
@@ -235,6 +243,11 @@ func (inst *instance) readStdout(r io.Reader) {
 					if n <= m || g.maxAttempt.CompareAndSwap(m, n) {
 						break
 					}
+				}
+			}
+		case strings.HasPrefix(line, lineHandlers):
+			if n, err := strconv.ParseInt(strings.TrimPrefix(line, lineHandlers), 10, 64); err == nil {
+				for m := g.maxHandlers.Load(); n > m && !g.maxHandlers.CompareAndSwap(m, n); m = g.maxHandlers.Load() {
 				}
 			}
 		case strings.HasPrefix(line, linePoisoned):

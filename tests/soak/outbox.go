@@ -75,10 +75,10 @@ func (p *outboxProducer) newForwarder() (*outbox.Forwarder, error) {
 	}, p.h.logger)
 }
 
-// startForwarder runs a forwarder until the next restart. A forwarder that
-// stops with an error (it gives up when its start-up queries fail, e.g.
-// while the database refuses connections) is started again, as a
-// supervisor would: counted in the report, not a violation.
+// startForwarder runs a forwarder until the next restart. Run retries its
+// own start-up while the database refuses connections; a forwarder that
+// stops anyway is started again, as a supervisor would: counted in the
+// report, not a violation.
 func (p *outboxProducer) startForwarder() error {
 	fwd, err := p.newForwarder()
 	if err != nil {

@@ -39,6 +39,12 @@ const (
 	DefaultRetryPercent    = 5
 	DefaultTimeout         = 15 * time.Minute
 	DefaultOutage          = 3 * time.Second
+	// ParallelMaxInFlight is the main topic's MaxInFlight of a consumer
+	// process in [Config.Parallel] mode: more handlers at once than the
+	// partitions it holds.
+	ParallelMaxInFlight = 6
+	// ParallelRetryMaxInFlight is each retry topic's.
+	ParallelRetryMaxInFlight = 1
 )
 
 // Config of a soak run.
@@ -92,6 +98,12 @@ type Config struct {
 	// (idem.Config.GroupCommit with its defaults). Defaults to false: one
 	// transaction per message.
 	GroupCommit bool
+	// Parallel makes each consumer process consume with idemkafka's
+	// parallel subscriber (key order; [ParallelMaxInFlight] messages in
+	// flight on the main topic, [ParallelRetryMaxInFlight] on each retry
+	// topic, whose copies wait in their partition's window until their
+	// not-before time) instead of watermill-kafka's. Defaults to false.
+	Parallel bool
 	// Timeout bounds the whole run. Defaults to [DefaultTimeout].
 	Timeout time.Duration
 	// DatabaseURL of the PostgreSQL server. Required. The run creates its
@@ -196,7 +208,8 @@ type Report struct {
 	Elapsed time.Duration
 	// Producer is "outbox+forwarder" or "kafka" (direct publish).
 	Producer string
-	// Consumers is "one transaction per message" or "group commit".
+	// Consumers is "one transaction per message" or "group commit", with
+	// ", parallel subscriber" in [Config.Parallel] mode.
 	Consumers string
 	// Faults counts injected faults by kind; Skipped those that found no
 	// target, or were armed in a consumer but not executed before the run
@@ -284,6 +297,11 @@ type GroupReport struct {
 	// Poisoned counts messages published to the poison topic; any is a
 	// violation.
 	Poisoned int64
+	// MaxHandlers is the most main-topic messages one consumer process of
+	// the group had in its handler chain at once: at most the partitions
+	// it held with watermill-kafka's subscriber, up to
+	// [ParallelMaxInFlight] with the parallel one ([Config.Parallel]).
+	MaxHandlers int64
 }
 
 // OK reports whether the run found no violation.
@@ -316,8 +334,8 @@ func (r *Report) String() string {
 		fmt.Fprintf(&b, "outbox rows written and forwarded: %d\n", r.OutboxRows)
 	}
 	for _, g := range r.Groups {
-		fmt.Fprintf(&b, "group %s: lost=%d double=%d | deliveries=%d applied=%d duplicates absorbed=%d failed+redelivered=%d ledger rows=%d distinct=%d sum=%d\n",
-			g.Name, g.Lost, g.Double, g.Deliveries, g.Applied, g.Duplicates, g.Failed, g.LedgerRows, g.DistinctEvents, g.Sum)
+		fmt.Fprintf(&b, "group %s: lost=%d double=%d | deliveries=%d applied=%d duplicates absorbed=%d failed+redelivered=%d ledger rows=%d distinct=%d sum=%d | main-topic handlers at once in a process: up to %d\n",
+			g.Name, g.Lost, g.Double, g.Deliveries, g.Applied, g.Duplicates, g.Failed, g.LedgerRows, g.DistinctEvents, g.Sum, g.MaxHandlers)
 		perEvent := 0.0
 		if g.AppliedFromRetry > 0 {
 			perEvent = float64(g.RetryDeliveries) / float64(g.AppliedFromRetry)
@@ -640,6 +658,9 @@ func (h *harness) run(ctx context.Context) error {
 	h.report.Consumers = "one transaction per message"
 	if h.cfg.GroupCommit {
 		h.report.Consumers = "group commit"
+	}
+	if h.cfg.Parallel {
+		h.report.Consumers += ", parallel subscriber"
 	}
 	if err := h.startDLQReplayer(ctx); err != nil {
 		return err

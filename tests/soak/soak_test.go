@@ -19,7 +19,10 @@ import (
 // database refuses connections for a while; every fault kind scheduled
 // (those whose target depends on timing may be skipped, and are reported);
 // 5 % of the events fail transiently 1 to 3 times and go through the retry
-// topics; then "every event applied exactly once per group".
+// topics; then "every event applied exactly once per group" and each
+// aggregate's events in order. Three runs: watermill-kafka's subscriber in
+// both commit modes, and idemkafka's parallel subscriber in group commit
+// mode.
 //
 // The soak tests run one at a time, not in parallel: a run holds up to ~40
 // PostgreSQL connections (its producer, forwarder, five or six consumer
@@ -32,7 +35,16 @@ func TestSoakShort(t *testing.T) {
 	for _, mode := range []struct {
 		name        string
 		groupCommit bool
-	}{{"one transaction per message", false}, {"group commit", true}} {
+		parallel    bool
+	}{
+		{"one transaction per message", false, false},
+		{"group commit", true, false},
+		// idemkafka's parallel subscriber, with the per-key order check;
+		// in group commit mode its processes' pools stay at 4 connections
+		// (the suite's budget), one transaction per message would need
+		// one per message in flight.
+		{"parallel subscriber, group commit", true, true},
+	} {
 		t.Run(mode.name, func(t *testing.T) {
 			cfg := soak.Config{
 				Seed:        20261130,
@@ -40,6 +52,7 @@ func TestSoakShort(t *testing.T) {
 				Aggregates:  32,
 				Faults:      soak.ShortFaults,
 				GroupCommit: mode.groupCommit,
+				Parallel:    mode.parallel,
 				Timeout:     8 * time.Minute, // a bound, not a target: under -race a run takes ~1 min on an idle 2-core machine, up to 6 on a crowded one
 				DatabaseURL: pgtest.URL(),
 				Brokers:     kafkatest.External(),

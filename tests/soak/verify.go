@@ -34,6 +34,7 @@ func (h *harness) verify(ctx context.Context) error {
 			InProcessRetries: inProcessRetries[g.idx%len(inProcessRetries)],
 			Escalated:        g.escalated.Load(), MaxAttempt: g.maxAttempt.Load(),
 			RetryDeliveries: g.retryDeliveries.Load(), AppliedFromRetry: g.appliedFromRetry.Load(), Deferred: g.deferred.Load(), Poisoned: g.poisoned.Load(),
+			MaxHandlers: g.maxHandlers.Load(),
 		}
 		g.escalatedIDs.Range(func(any, any) bool { gr.EscalatedEvents++; return true })
 		if err := h.admin.QueryRow(ctx, `SELECT count(*), coalesce(sum(failures), 0) FROM soak_failure WHERE grp = $1`, g.name).

@@ -64,8 +64,8 @@ func New(tb testing.TB, maxConns int32) *DB {
 		tb.Fatalf("pgtest: %v", err)
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	// A transaction a test leaves open holds back the server-wide xmin, which
-	// stalls every outbox forwarder of every parallel test: end it.
+	// A transaction a test leaves open holds back the server-wide xmin (vacuum,
+	// and watermill-sql subscribers, which read below it): end it.
 	cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "120s"
 	if maxConns <= 0 {
 		maxConns = DefaultMaxConns

@@ -1,0 +1,77 @@
+package idemotel_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
+	"github.com/idemkit/watermill-idempotency/components/idemotel"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// The parallel subscriber's stats: one message of key a in flight (not
+// acked), the two after it waiting behind it; the partition's distance
+// between the committed offset (0) and the highest handed out (0) is 1.
+// Then the first is acked and the second handed out.
+func TestMetricsExportSubscriber(t *testing.T) {
+	t.Parallel()
+	b := kafkatest.Start(t)
+	topic := b.Topic(t, "otel-sub", 1)
+	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: b.Addrs})
+	require.NoError(t, err)
+	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	for range 3 {
+		m := message.NewMessage(watermill.NewUUID(), nil)
+		publisher.WithPartitionKey(m, "a")
+		require.NoError(t, pub.Publish(topic, m))
+	}
+	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", MaxInFlight: 8, RevokeTimeout: 5 * time.Second}, nil)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); _ = sub.Close() })
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	metrics, err := idemotel.New(mp)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = metrics.Close() })
+	metrics.AddSubscriber(sub)
+
+	first := <-ch
+	require.Eventually(t, func() bool { return sub.Stats().KeysWaiting == 2 }, time.Minute, 5*time.Millisecond)
+	part := []attribute.KeyValue{group, attribute.String("messaging.destination.name", topic), attribute.String("messaging.destination.partition.id", "0")}
+	got, err := collect(t, reader)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, got.must(t, "idem.kafka.in_flight", group))
+	require.EqualValues(t, 2, got.must(t, "idem.kafka.keys_waiting", group))
+	require.EqualValues(t, 0, got.must(t, "idem.kafka.held", group))
+	require.EqualValues(t, 8, got.must(t, "idem.kafka.max_in_flight", group))
+	require.EqualValues(t, 0, got.must(t, "idem.kafka.acked", group))
+	require.EqualValues(t, 1, got.must(t, "idem.kafka.sessions", group))
+	require.EqualValues(t, 1, got.must(t, "idem.kafka.partition.distance", part...))
+	require.EqualValues(t, 3, got.must(t, "idem.kafka.partition.window", part...))
+
+	first.Ack()
+	second := <-ch
+	t.Cleanup(func() { second.Ack() })
+	require.Eventually(t, func() bool { return sub.Stats().KeysWaiting == 1 }, time.Minute, 5*time.Millisecond)
+	got, err = collect(t, reader)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, got.must(t, "idem.kafka.acked", group))
+	require.EqualValues(t, 1, got.must(t, "idem.kafka.in_flight", group))
+	require.EqualValues(t, 1, got.must(t, "idem.kafka.keys_waiting", group))
+}

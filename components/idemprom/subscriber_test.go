@@ -1,0 +1,109 @@
+package idemprom_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/components/idemprom"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// The parallel subscriber's stats: one message of key a in flight (not
+// acked), the two after it waiting behind it; the partition's distance
+// between the committed offset (0) and the highest handed out (0) is 1.
+// Then the first is acked and the second handed out.
+func TestCollectorExportsSubscriber(t *testing.T) {
+	t.Parallel()
+	b := kafkatest.Start(t)
+	topic := b.Topic(t, "prom-sub", 1)
+	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: b.Addrs})
+	require.NoError(t, err)
+	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	for range 3 {
+		m := message.NewMessage(watermill.NewUUID(), nil)
+		publisher.WithPartitionKey(m, "a")
+		require.NoError(t, pub.Publish(topic, m))
+	}
+	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", MaxInFlight: 8, RevokeTimeout: 5 * time.Second}, nil)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); _ = sub.Close() })
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+
+	c := idemprom.NewCollector()
+	c.AddSubscriber(sub)
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(c))
+
+	first := <-ch
+	require.Eventually(t, func() bool { return sub.Stats().KeysWaiting == 2 }, time.Minute, 5*time.Millisecond)
+	expected := `
+# HELP idem_kafka_in_flight idemkafka.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).
+# TYPE idem_kafka_in_flight gauge
+idem_kafka_in_flight{consumer_group="billing"} 1
+# HELP idem_kafka_keys_waiting idemkafka.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).
+# TYPE idem_kafka_keys_waiting gauge
+idem_kafka_keys_waiting{consumer_group="billing"} 2
+# HELP idem_kafka_max_in_flight idemkafka.Subscriber: MaxInFlight (the bound of idem_kafka_in_flight).
+# TYPE idem_kafka_max_in_flight gauge
+idem_kafka_max_in_flight{consumer_group="billing"} 8
+# HELP idem_kafka_partition_distance idemkafka.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending): how far processing runs ahead of the commit, which bounds what a crash makes run again.
+# TYPE idem_kafka_partition_distance gauge
+idem_kafka_partition_distance{consumer_group="billing",partition="0",topic="TOPIC"} 1
+# HELP idem_kafka_partition_window idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).
+# TYPE idem_kafka_partition_window gauge
+idem_kafka_partition_window{consumer_group="billing",partition="0",topic="TOPIC"} 3
+# HELP idem_kafka_acked_total idemkafka.Subscriber: messages acked.
+# TYPE idem_kafka_acked_total counter
+idem_kafka_acked_total{consumer_group="billing"} 0
+# HELP idem_kafka_sessions_total idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).
+# TYPE idem_kafka_sessions_total counter
+idem_kafka_sessions_total{consumer_group="billing"} 1
+`
+	names := []string{"idem_kafka_in_flight", "idem_kafka_keys_waiting", "idem_kafka_max_in_flight", "idem_kafka_partition_distance",
+		"idem_kafka_partition_window", "idem_kafka_acked_total", "idem_kafka_sessions_total"}
+	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(strings.ReplaceAll(expected, "TOPIC", topic)), names...))
+	n, err := testutil.GatherAndCount(reg)
+	require.NoError(t, err)
+	require.Equal(t, 10, n) // 8 per group, 2 per partition
+
+	first.Ack()
+	second := <-ch
+	t.Cleanup(func() { second.Ack() })
+	require.Eventually(t, func() bool { return sub.Stats().KeysWaiting == 1 }, time.Minute, 5*time.Millisecond)
+	require.Equal(t, 1.0, testutil.ToFloat64(collectorOf(c, "idem_kafka_acked_total")))
+}
+
+// collectorOf narrows c to one metric name, for testutil.ToFloat64.
+func collectorOf(c prometheus.Collector, name string) prometheus.Collector {
+	return filtered{c, name}
+}
+
+type filtered struct {
+	prometheus.Collector
+	name string
+}
+
+func (f filtered) Collect(ch chan<- prometheus.Metric) {
+	all := make(chan prometheus.Metric)
+	go func() { f.Collector.Collect(all); close(all) }()
+	for m := range all {
+		if strings.Contains(m.Desc().String(), `"`+f.name+`"`) {
+			ch <- m
+		}
+	}
+}

@@ -1,0 +1,91 @@
+package retrytopic_test
+
+import (
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+)
+
+// The retry topics with KeyOrder on idemkafka's parallel subscriber (key
+// order, more messages in flight than partitions, the copies held in their
+// partition's window until their not-before time): each key's events are
+// applied exactly once, in strictly increasing order. A fifth of the events
+// fail on the main topic until they are on the retry path (their key's
+// later events follow them there); the copies of half the keys fail once
+// more on the retry topic (watermill's Retry retries them in process).
+func TestKeyOrderOnParallelSubscriber(t *testing.T) {
+	t.Parallel()
+	const keys, perKey = 12, 6
+	f := newFixture(t, 2, 2)
+	rt, err := retrytopic.New(f.retryConfig(func(c *retrytopic.Config) {
+		c.MaxAttempts = 5
+		c.KeyOrder = f.keyOrder(t)
+	}), nil)
+	require.NoError(t, err)
+	var log runLog
+	var inflight, maxInFlight atomic.Int64
+	keyIndex := func(ev event) int {
+		var k int
+		_, _ = fmt.Sscanf(ev.Key, "k%d", &k)
+		return k
+	}
+	failsOnMain := func(ev event) bool { return (keyIndex(ev)*7+ev.N)%5 == 0 }
+	f.run(t, consumer{rt: rt, dedup: f.newDedup(t), parallel: 8}, func(ev event, onRetry bool) error {
+		n := inflight.Add(1)
+		defer inflight.Add(-1)
+		for m := maxInFlight.Load(); n > m && !maxInFlight.CompareAndSwap(m, n); m = maxInFlight.Load() {
+		}
+		time.Sleep(2 * time.Millisecond) // a downstream call: lets the handlers overlap
+		log.add(ev, onRetry)
+		switch {
+		case !onRetry && failsOnMain(ev):
+			return errDownstream
+		case onRetry && failsOnMain(ev) && keyIndex(ev)%2 == 0 && countTrue(log.get(ev)) == 1:
+			return errDownstream // the copy's first run; its in-process retry succeeds
+		}
+		return nil
+	})
+
+	var msgs []*message.Message
+	for n := range perKey {
+		for k := range keys {
+			msgs = append(msgs, f.msg(fmt.Sprintf("k%d", k), n))
+		}
+	}
+	f.publish(t, msgs...)
+
+	eventually(t, func() bool { return f.rows(t, "") == keys*perKey }, "every event applied")
+	want := make([]int, perKey)
+	for n := range want {
+		want[n] = n
+	}
+	for k := range keys {
+		key := fmt.Sprintf("k%d", k)
+		require.Equal(t, want, f.order(t, key), "key %s: each event once, in order", key)
+	}
+	f.eachAppliedOnce(t, keys*perKey)
+	st := rt.Stats()
+	require.Positive(t, st.Retried, "events went through the retry topic")
+	require.Positive(t, st.Followed, "later events followed their key's retried one")
+	require.Zero(t, st.Exhausted)
+	parked, err := retrytopic.ListParked(t.Context(), f.db.Pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, f.group)
+	require.NoError(t, err)
+	require.Empty(t, parked, "every parked key was released")
+	require.Greater(t, maxInFlight.Load(), int64(2), "more handlers at once than the main topic's partitions")
+}
+
+func countTrue(xs []bool) int {
+	n := 0
+	for _, x := range xs {
+		if x {
+			n++
+		}
+	}
+	return n
+}

@@ -1,0 +1,494 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
+	"github.com/idemkit/watermill-idempotency/outbox"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+func init() { Register("parallel", parallelSubscriber) }
+
+// The workload of the parallel-subscriber section (issue 22): 4 partitions,
+// 1,000 keys, a pool of 64 connections, the parallel subscriber at
+// MaxInFlight 64.
+const (
+	parPartitions  = 4
+	parKeys        = 1000
+	parPoolConns   = 64
+	parMaxInFlight = 64
+	parSlowCall    = 50 * time.Millisecond
+)
+
+// parRig is a broker, a schema (processed_event, a business table, an
+// outbox) and a pool of parPoolConns connections.
+type parRig struct {
+	o       Options
+	brokers []string
+	db      *DB
+	table   deduplicator.TableConfig
+	ob      *outbox.Outbox
+	outT    string
+	seq     atomic.Int64
+	close   func()
+}
+
+func newParRig(ctx context.Context, o Options) (*parRig, error) {
+	r := &parRig{o: o, brokers: o.Brokers, close: func() {}}
+	if len(r.brokers) == 0 {
+		c, err := kafkatest.NewFake()
+		if err != nil {
+			return nil, fmt.Errorf("start kfake: %w", err)
+		}
+		r.brokers = c.ListenAddrs()
+		r.close = c.Close
+	}
+	db, err := NewDB(ctx, o, "par", parPoolConns, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["application_name"] = c.ConnConfig.RuntimeParams["search_path"]
+	})
+	if err != nil {
+		r.close()
+		return nil, err
+	}
+	r.db = db
+	prev := r.close
+	r.close = func() { db.Close(); prev() }
+	fail := func(err error) (*parRig, error) { r.close(); return nil, err }
+	r.table = deduplicator.TableConfig{Schema: db.Schema}
+	if err := migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(r.table)); err != nil {
+		return fail(err)
+	}
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE bench_order (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, ref text NOT NULL, amount bigint NOT NULL)"); err != nil {
+		return fail(err)
+	}
+	r.outT = "bench-par-out"
+	if r.ob, err = outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{r.outT}}, nil); err != nil {
+		return fail(err)
+	}
+	if err := migrate.Up(ctx, db.Pool, outbox.MigrationLine(r.ob.Config(), r.outT)); err != nil {
+		return fail(err)
+	}
+	return r, nil
+}
+
+// topic creates a unique topic of parPartitions partitions.
+func (r *parRig) topic(prefix string) (string, error) {
+	name := fmt.Sprintf("%s-%d-%s", prefix, r.seq.Add(1), uuid.NewString()[:8])
+	return name, kafkatest.CreateTopic(r.brokers, name, parPartitions)
+}
+
+// produce publishes n events keyed key-(i mod parKeys), each with its send
+// time in sentAtKey. With rate > 0 they are paced: every millisecond the
+// events due by then are sent in one batch.
+func (r *parRig) produce(topic string, n int, rate float64) error {
+	p, err := sarama.NewSyncProducer(r.brokers, idemkafka.SaramaProducerConfig(nil))
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	m := idemkafka.Marshaler{}
+	start := time.Now()
+	var batch []*sarama.ProducerMessage
+	for i := 0; i < n; {
+		due := n
+		if rate > 0 {
+			due = min(n, int(time.Since(start).Seconds()*rate)+1)
+			if due <= i {
+				time.Sleep(time.Millisecond)
+				continue
+			}
+		}
+		batch = batch[:0]
+		now := strconv.FormatInt(time.Now().UnixNano(), 10)
+		for ; i < due && len(batch) < 500; i++ {
+			id := uuid.Must(uuid.NewV7())
+			msg := message.NewMessage(id.String(), []byte(`{"amount":42}`))
+			msg.Metadata.Set(publisher.MetadataEventID, id.String())
+			msg.Metadata.Set(sentAtKey, now)
+			publisher.WithPartitionKey(msg, "key-"+strconv.Itoa(i%parKeys))
+			pm, err := m.Marshal(topic, msg)
+			if err != nil {
+				return err
+			}
+			batch = append(batch, pm)
+		}
+		if err := p.SendMessages(batch); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// parConsumer is one way of consuming: watermill-kafka's subscriber or
+// the parallel one, the dedup middleware in one mode.
+type parConsumer struct {
+	name        string
+	parallel    bool
+	groupCommit *idem.GroupCommitConfig
+}
+
+// parRun is one consumer over a topic, until count events committed.
+type parRun struct {
+	topic   string
+	count   int
+	handler func(msg *message.Message) error
+	// lat, when set, gets each committed event's time from publish to
+	// commit.
+	lat *durations
+	// raw runs handler without the dedup middleware (and without a
+	// database).
+	raw bool
+}
+
+// parResult is one run.
+type parResult struct {
+	rate  float64 // events per second, first handled to the count-th committed
+	stats idem.Stats
+}
+
+// run consumes run.topic with c in a new consumer group until run.count
+// events are committed.
+func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult, error) {
+	var res parResult
+	group := fmt.Sprintf("bench-par-%d", r.seq.Add(1))
+	logger := watermill.NopLogger{}
+	var sub message.Subscriber
+	concurrency := 0
+	if c.parallel {
+		s, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: parMaxInFlight}, logger)
+		if err != nil {
+			return res, err
+		}
+		sub, concurrency = s, s.MaxInFlight()
+	} else {
+		cfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: r.brokers}, group)
+		if err != nil {
+			return res, err
+		}
+		s, err := kafka.NewSubscriber(cfg, logger)
+		if err != nil {
+			return res, err
+		}
+		sub = s
+	}
+	defer sub.Close()
+	d, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, GroupCommit: c.groupCommit, Concurrency: concurrency}, nil)
+	if err != nil {
+		return res, err
+	}
+	done := newSpan(run.count)
+	mw := d.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, run.handler(msg) })
+	if run.raw {
+		mw = func(msg *message.Message) ([]*message.Message, error) { return nil, run.handler(msg) }
+	}
+	h := func(msg *message.Message) error {
+		done.first.CompareAndSwap(0, time.Now().UnixNano())
+		if _, err := mw(msg); err != nil {
+			return err
+		}
+		if run.lat != nil {
+			if sent, err := strconv.ParseInt(msg.Metadata.Get(sentAtKey), 10, 64); err == nil {
+				run.lat.add(time.Since(time.Unix(0, sent)))
+			}
+		}
+		if done.count.Load() < done.n {
+			done.mark()
+		}
+		return nil
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		return res, err
+	}
+	var handlerErr atomic.Pointer[error]
+	failed := make(chan struct{})
+	var once sync.Once
+	router.AddConsumerHandler(group, run.topic, sub, func(msg *message.Message) error {
+		err := h(msg)
+		select {
+		case <-done.done:
+			return err // stopping: messages cut short by the router's Close
+		default:
+		}
+		if err != nil {
+			handlerErr.CompareAndSwap(nil, &err)
+			once.Do(func() { close(failed) })
+		}
+		return err
+	})
+	runErr := make(chan error, 1)
+	go func() { runErr <- router.Run(ctx) }()
+	var timeout error
+	select {
+	case <-done.done:
+	case <-failed:
+	case err := <-runErr:
+		return res, err
+	case <-time.After(e2eRoundTimeout):
+		timeout = fmt.Errorf("bench: parallel %s: %d of %d events in %s", c.name, done.count.Load(), run.count, e2eRoundTimeout)
+	}
+	_ = router.Close()
+	<-runErr
+	if p := handlerErr.Load(); p != nil {
+		return res, *p
+	}
+	if timeout != nil {
+		return res, timeout
+	}
+	res.rate = done.rate()
+	res.stats = d.Stats()
+	return res, nil
+}
+
+// warm opens every connection of the pool, so that no run pays for
+// connecting.
+func (r *parRig) warm(ctx context.Context) error {
+	var conns []*pgxpool.Conn
+	defer func() {
+		for _, c := range conns {
+			c.Release()
+		}
+	}()
+	for range parPoolConns {
+		c, err := r.db.Pool.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		conns = append(conns, c)
+	}
+	return nil
+}
+
+// plainSlow runs the slow handler's work in plain transactions (BEGIN;
+// business row; the wait; COMMIT: no claim, no Kafka) on parMaxInFlight
+// goroutines for d.
+func (r *parRig) plainSlow(ctx context.Context, d time.Duration) (float64, error) {
+	return Drive(ctx, parMaxInFlight, d, func(ctx context.Context, _ int) error {
+		tx, err := r.db.Pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+		if _, err := tx.Exec(ctx, businessSQL, uuid.NewString(), int64(42)); err != nil {
+			return err
+		}
+		time.Sleep(parSlowCall)
+		return tx.Commit(ctx)
+	})
+}
+
+// sleepHandler is the provider call alone, without a database.
+func sleepHandler(msg *message.Message) error {
+	t := time.NewTimer(parSlowCall)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-msg.Context().Done():
+		return msg.Context().Err()
+	}
+}
+
+// slowHandler is a provider call of parSlowCall inside the dedup
+// transaction, after the business row.
+func slowHandler(msg *message.Message) error {
+	ctx := msg.Context()
+	if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
+		return err
+	}
+	t := time.NewTimer(parSlowCall)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// fastHandler writes one business row and one outbox row.
+func (r *parRig) fastHandler(msg *message.Message) error {
+	ctx := msg.Context()
+	if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
+		return err
+	}
+	p, err := r.ob.PublisherFromContext(ctx)
+	if err != nil {
+		return err
+	}
+	return p.Publish(r.outT, message.NewMessage(watermill.NewUUID(), msg.Payload))
+}
+
+// parWorkload is one comparison: consumers (the first is the baseline)
+// over one backlog, each counting its first counts[i] events.
+type parWorkload struct {
+	name      string
+	target    float64 // the candidate's ratio to the baseline (consumers[1] / consumers[0])
+	handler   func(*message.Message) error
+	raw       bool // without the dedup middleware
+	short     bool // also in a -short run
+	latency   bool // measure the latency at half the rate
+	backlog   int
+	counts    []int
+	consumers []parConsumer
+	// ceiling, when set, is measured in the same rotation and reported
+	// as a row of its own: what the database gives without Kafka and
+	// without the claim.
+	ceiling     func() (float64, error)
+	ceilingName string
+}
+
+func parallelSubscriber(ctx context.Context, o Options) (Section, error) {
+	r, err := newParRig(ctx, o)
+	if err != nil {
+		return Section{}, err
+	}
+	defer r.close()
+	if err := r.warm(ctx); err != nil {
+		return Section{}, err
+	}
+	rounds := o.Rounds
+	slowN, slowBase, fastN, latFor := 4000, 400, 4000, 3*time.Second
+	if o.Short {
+		rounds, slowN, slowBase, fastN, latFor = 2, 600, 60, 800, 500*time.Millisecond
+	}
+	watermillKafka := parConsumer{name: "watermill-kafka subscriber, one transaction per message"}
+	parSingle := parConsumer{name: fmt.Sprintf("parallel subscriber (MaxInFlight %d), one transaction per message", parMaxInFlight), parallel: true}
+	parGroup := parConsumer{name: fmt.Sprintf("parallel subscriber (MaxInFlight %d), group commit (defaults)", parMaxInFlight), parallel: true, groupCommit: &idem.GroupCommitConfig{}}
+	workloads := []parWorkload{
+		{name: fmt.Sprintf("handler waits %s", parSlowCall), target: 15, handler: slowHandler, backlog: slowN, short: true, latency: true,
+			counts: []int{slowBase, slowN}, consumers: []parConsumer{watermillKafka, parSingle},
+			ceilingName: fmt.Sprintf("ceiling: %d plain transactions at once (business row, the wait, COMMIT; no Kafka, no claim)", parMaxInFlight),
+			ceiling:     func() (float64, error) { return r.plainSlow(ctx, measureFor(o, 3*time.Second, 600*time.Millisecond)) }},
+		{name: fmt.Sprintf("handler waits %s, no database (the subscribers alone)", parSlowCall), handler: sleepHandler, raw: true, backlog: slowN,
+			counts: []int{slowBase, slowN}, consumers: []parConsumer{{name: "watermill-kafka subscriber"}, {name: fmt.Sprintf("parallel subscriber (MaxInFlight %d)", parMaxInFlight), parallel: true}}},
+		{name: "fast handler (business row + outbox row)", target: 2.5, handler: r.fastHandler, backlog: fastN, short: true, latency: true,
+			counts: []int{fastN, fastN, fastN}, consumers: []parConsumer{watermillKafka, parGroup, parSingle}},
+	}
+	var rows, latRows [][]string
+	for _, w := range workloads {
+		if o.Short && !w.short {
+			continue
+		}
+		in, err := r.topic("bench-par-in")
+		if err != nil {
+			return Section{}, err
+		}
+		if err := r.produce(in, w.backlog, 0); err != nil {
+			return Section{}, err
+		}
+		sizes := make([][]float64, len(w.consumers))
+		variants := make([]func() (float64, error), len(w.consumers))
+		for i, c := range w.consumers {
+			variants[i] = func() (float64, error) {
+				res, err := r.run(ctx, c, parRun{topic: in, count: w.counts[i], handler: w.handler, raw: w.raw})
+				if err != nil {
+					return 0, fmt.Errorf("%s, %s: %w", w.name, c.name, err)
+				}
+				if c.groupCommit != nil {
+					sizes[i] = append(sizes[i], meanGroup(idem.Stats{}, res.stats))
+				}
+				return res.rate, nil
+			}
+		}
+		if w.ceiling != nil {
+			variants = append(variants, w.ceiling)
+		}
+		rates, err := Rotate(rounds, variants...)
+		if err != nil {
+			return Section{}, err
+		}
+		rows = append(rows, []string{w.name, w.consumers[0].name, fmt.Sprint(w.counts[0]), fmtRate(rates[0]), "1", "–", "–"})
+		for i, c := range w.consumers[1:] {
+			i++
+			st := Summarise(Ratios(rates[0], rates[i]))
+			target := "–"
+			if i == 1 && w.target > 0 {
+				target = fmt.Sprintf("≥ %g×: %s", w.target, pass(st.Median >= w.target))
+			}
+			group := "–"
+			if c.groupCommit != nil {
+				group = median(sizes[i])
+			}
+			o.Logf("  parallel, %s, %s: %s msg/s, baseline %s msg/s, ratio %s (mean group %s)", w.name, c.name, fmtRate(rates[i]), fmtRate(rates[0]), st, group)
+			rows = append(rows, []string{w.name, c.name, fmt.Sprint(w.counts[i]), fmtRate(rates[i]), st.String(), group, target})
+		}
+		if w.ceiling != nil {
+			i := len(w.consumers)
+			st := Summarise(Ratios(rates[0], rates[i]))
+			cand := Summarise(Ratios(rates[i], rates[1]))
+			o.Logf("  parallel, %s, %s: %s msg/s, ratio %s; the candidate reaches %s of it", w.name, w.ceilingName, fmtRate(rates[i]), st, cand)
+			rows = append(rows, []string{w.name, w.ceilingName, "–", fmtRate(rates[i]), st.String(), "–",
+				fmt.Sprintf("the parallel subscriber reaches %s of it", cand)})
+		}
+
+		// Latency: a fresh topic fed at half a consumer's median rate while
+		// it consumes, for the baseline and the candidate.
+		for i, c := range w.consumers[:2] {
+			if !w.latency || o.Short && i == 0 {
+				continue
+			}
+			rate := Summarise(rates[i]).Median / 2
+			n := max(50, int(rate*latFor.Seconds()))
+			live, err := r.topic("bench-par-live")
+			if err != nil {
+				return Section{}, err
+			}
+			var lat durations
+			prodErr := make(chan error, 1)
+			go func() { prodErr <- r.produce(live, n, rate) }()
+			_, runErr := r.run(ctx, c, parRun{topic: live, count: n, handler: w.handler, lat: &lat})
+			if err := <-prodErr; err != nil {
+				return Section{}, err
+			}
+			if runErr != nil {
+				return Section{}, fmt.Errorf("latency, %s, %s: %w", w.name, c.name, runErr)
+			}
+			p50, p99 := percentile(lat.xs, 0.50), percentile(lat.xs, 0.99)
+			o.Logf("  parallel latency, %s, %s at %.0f msg/s: p50 %s, p99 %s", w.name, c.name, rate, p50, p99)
+			latRows = append(latRows, []string{w.name, c.name, fmt.Sprintf("%.0f", rate), fmt.Sprint(n), fmtDur(p50), fmtDur(p99)})
+		}
+	}
+
+	var b strings.Builder
+	b.WriteString(Table([]string{"workload", "consumer", "events counted", "msg/s (median)", "ratio to watermill-kafka", "mean group size", "target"}, rows))
+	fmt.Fprintf(&b, "\nKafka (%s, %d partitions, %d keys: key-(i mod %d)) → watermill Router → dedup middleware → handler; "+
+		"pool of %d connections for every consumer. The handler writes one business row and then either waits %s "+
+		"(a provider call inside the transaction, the billing handler of issue 22) or writes one outbox row "+
+		"(`outbox.PublisherFromContext`; no forwarder runs). Each run consumes a backlog (%d events with the waiting "+
+		"handler, %d with the fast one; the same for every run of a workload) with a new consumer group and a new dedup consumer group; its rate runs from the first "+
+		"event handled to the last one of the count committed. watermill-kafka's subscriber on the waiting handler counts "+
+		"only the first %d events (draining %d at its ~%d msg/s would take %s a round; its rate is flat, partitions / "+
+		"handler time, and stopping early spares it the tail); the parallel subscriber drains the whole backlog, its tail "+
+		"included. The parallel subscriber declares `idem.Config.Concurrency: sub.MaxInFlight()`. Two rows bound the "+
+		"waiting workload: \"no database\" is the same wait without the dedup middleware and without PostgreSQL (the "+
+		"subscribers alone: at most %d against %d messages per wait, %d×), and the ceiling is %d goroutines running the handler's work in plain "+
+		"transactions (BEGIN, business row, the wait, COMMIT) on the same pool, without Kafka and without the claim: "+
+		"what this machine's PostgreSQL gives at that concurrency. %d rounds, the variants' order rotated each round; "+
+		"ratios are of the same round.\n\n",
+		kafkaDesc(o.Brokers), parPartitions, parKeys, parKeys, parPoolConns, parSlowCall, slowN, fastN, slowBase, slowN,
+		int(parPartitions*time.Second/parSlowCall), time.Duration(slowN)*parSlowCall/parPartitions, parMaxInFlight, parPartitions, parMaxInFlight/parPartitions, parMaxInFlight, rounds)
+	fmt.Fprintf(&b, "Latency from publish to commit of each event (its wait behind earlier events of its key, and of its partition "+
+		"with watermill-kafka, included), with events published for %s at half the consumer's median rate above, on a fresh "+
+		"topic while it consumes:\n\n", latFor)
+	b.WriteString(Table([]string{"workload", "consumer", "published (msg/s)", "events", "p50", "p99"}, latRows))
+	return Section{Title: "Parallel subscriber (idemkafka) against watermill-kafka's subscriber", Markdown: b.String()}, nil
+}
