@@ -13,8 +13,9 @@ import (
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 )
 
-// The dedup middleware's consumer span carries the record's partition,
-// offset and key, which the Subscriber puts in the message context.
+// The dedup middleware's consumer span carries the record's partition and
+// offset, which the Subscriber puts in the message context, and its key
+// when Config.TraceMessageKey is set (and not otherwise).
 func TestSubscriberConsumerSpanCarriesKeyPartitionOffset(t *testing.T) {
 	exp := tracetest.NewInMemoryExporter()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
@@ -23,7 +24,7 @@ func TestSubscriberConsumerSpanCarriesKeyPartitionOffset(t *testing.T) {
 	f := newFixture(t, 1, 2)
 	require.NoError(t, f.pub.Publish(f.topic, f.event(t, "a", 1), f.event(t, "b", 1)))
 	sub := f.subscriber(t, f.config("spans"))
-	f.router(t, sub, f.db.Pool, 0, func(c *idem.Config) { c.TracerProvider = tp }, ledgerHandler(nil))
+	f.router(t, sub, f.db.Pool, 0, func(c *idem.Config) { c.TracerProvider = tp; c.TraceMessageKey = true }, ledgerHandler(nil))
 	f.waitApplied(t, 2)
 	waitFor(t, "two consumer spans", func() bool { return len(exp.GetSpans()) >= 2 })
 	got := map[string]int{}

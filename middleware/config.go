@@ -142,6 +142,12 @@ type Config struct {
 	// installed there.
 	TracerProvider trace.TracerProvider
 
+	// TraceMessageKey adds the Kafka record key to the consumer span
+	// (messaging.kafka.message.key), next to the partition and offset that
+	// are always recorded. The key is the aggregate id, which may be
+	// personal data (docs/security.md), so it is opt-in. Defaults to false.
+	TraceMessageKey bool
+
 	// StartupTimeout bounds the start-up work of [NewDedup]: checking the
 	// table and registering the consumer group. Defaults to
 	// [DefaultStartupTimeout] (30 s).

@@ -57,13 +57,13 @@ func (d *Dedup) startSpan(msg *message.Message) (context.Context, *msgSpan) {
 		semconv.MessagingConsumerGroupName(d.cfg.ConsumerGroup),
 		semconv.MessagingMessageID(msg.UUID),
 	}
-	ctx, span := tr.Start(ctx, name, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(append(attrs, kafkaAttributes(msg.Context())...)...))
+	ctx, span := tr.Start(ctx, name, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(append(attrs, kafkaAttributes(msg.Context(), d.cfg.TraceMessageKey)...)...))
 	return ctx, &msgSpan{span: span}
 }
 
-// kafkaAttributes are the record's partition, offset and key, from the
-// context values watermill-kafka's subscriber and idemkafka's set.
-func kafkaAttributes(ctx context.Context) []attribute.KeyValue {
+// kafkaAttributes are the record's partition, offset and (withKey) key,
+// from the context values watermill-kafka's subscriber and idemkafka's set.
+func kafkaAttributes(ctx context.Context, withKey bool) []attribute.KeyValue {
 	var attrs []attribute.KeyValue
 	if p, ok := kafka.MessagePartitionFromCtx(ctx); ok {
 		attrs = append(attrs, semconv.MessagingDestinationPartitionID(strconv.FormatInt(int64(p), 10)))
@@ -71,7 +71,7 @@ func kafkaAttributes(ctx context.Context) []attribute.KeyValue {
 	if off, ok := kafka.MessagePartitionOffsetFromCtx(ctx); ok {
 		attrs = append(attrs, semconv.MessagingKafkaOffset(int(off)))
 	}
-	if key, ok := kafka.MessageKeyFromCtx(ctx); ok && len(key) > 0 {
+	if key, ok := kafka.MessageKeyFromCtx(ctx); withKey && ok && len(key) > 0 {
 		attrs = append(attrs, semconv.MessagingKafkaMessageKey(string(key)))
 	}
 	return attrs
