@@ -256,11 +256,11 @@ func (f *Forwarder) step(name string) {
 // [Outbox.Check] does (within StartupCheckTimeout), and returns a Forwarder;
 // [Forwarder.Run] starts it. A missing table is a [*TableError] wrapping
 // [ErrTopicNotMigrated], a table of another shape or with migrations
-// pending one wrapping [ErrTableShape] or migrate.ErrMigrationsPending: the
-// service fails at start-up, not at its first batch. Create the tables
-// ([MigrationLine]) before the forwarder. Any other failure of the check
-// (the database is unreachable, refuses the connection, ...) is logged and
-// left to Run, which retries until the database answers.
+// pending one wrapping [ErrTableShape] or [migrate.ErrMigrationsPending]:
+// the service fails at start-up, not at its first batch. Create the tables
+// (outbox.MigrationLine) before the forwarder. Any other failure of the
+// check (the database is unreachable, refuses the connection, ...) is logged
+// and left to Run, which retries until the database answers.
 func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forwarder, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
