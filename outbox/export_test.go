@@ -1,6 +1,10 @@
 package outbox
 
-import wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+import (
+	"time"
+
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+)
 
 // Adapters returns the watermill-sql adapters of o's tables, for the tests
 // that read them with a watermill-sql Subscriber.
@@ -14,3 +18,9 @@ func SetHook(f *Forwarder, hook func(step string)) { f.hook = hook }
 
 // Channel is the NOTIFY channel of topic's table.
 func Channel(o *Outbox, topic string) string { return o.channel(topic) }
+
+// StretchWaits makes every wait of f longer than a millisecond last d
+// (unless a wake-up ends it); call it before Run.
+func StretchWaits(f *Forwarder, d time.Duration) {
+	f.stretch = func(time.Duration) time.Duration { return d }
+}

@@ -104,8 +104,11 @@ type ForwarderConfig struct {
 	// PollInterval is the longest wait between two reads. After a read
 	// that found rows the forwarder reads again after 1 ms, and doubles
 	// the wait after each read that found none, up to PollInterval; a
-	// read that finds nothing is one query (index probes). A wake-up (see
-	// Listen) ends a wait. Defaults to [DefaultPollInterval].
+	// read that finds nothing is one query (index probes). A wake-up ends
+	// a longer wait and starts the doubling again at 1 ms: a write to the
+	// topic's table in this process (through this package, whichever
+	// Outbox value it used), or a NOTIFY (see Listen). Defaults to
+	// [DefaultPollInterval].
 	PollInterval time.Duration
 	// Listen turns on the wake-up on commit: the forwarder opens one
 	// connection of its own (outside DB's pool, with its connection
@@ -228,7 +231,8 @@ type ForwarderStats struct {
 // in the transaction that locked it, once the pages were acknowledged. A
 // crash between send and commit resends those pages (at-least-once; the
 // event ids make the copies harmless to a dedup consumer). It polls, faster
-// while rows keep coming, and can wake up on commit (Listen).
+// while rows keep coming; writes in the same process wake it, and it can
+// wake up on commit across processes (Listen).
 type Forwarder struct {
 	cfg    ForwarderConfig
 	logger watermill.LoggerAdapter
@@ -244,6 +248,9 @@ type Forwarder struct {
 	// hook, when set (by tests, before Run), is called at each step of a
 	// forwarder transaction: "locked", "cut", "sent", "commit".
 	hook func(step string)
+	// stretch, when set (by tests, before Run), replaces the length of
+	// every wait longer than minPollInterval.
+	stretch func(time.Duration) time.Duration
 }
 
 func (f *Forwarder) step(name string) {
@@ -348,6 +355,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	wake := make(map[string]chan struct{}, len(f.cfg.Topics))
 	for _, topic := range f.cfg.Topics {
 		wake[topic] = make(chan struct{}, 1)
+		defer wakers.add(f.cfg.Outbox.MessagesTable(topic), wake[topic])()
 	}
 	var wg sync.WaitGroup
 	if f.cfg.Listen {
@@ -507,13 +515,18 @@ type known struct {
 // transactions it first asks, in one query, whether a new cut has any row;
 // after a read that found rows it asks again after minPollInterval, and
 // after each read that found none it waits twice as long, up to
-// PollInterval. A wake-up (NOTIFY) ends a wait.
+// PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
+// wait longer than minPollInterval and starts the doubling again.
 func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct{}) {
 	logger := f.logger.With(watermill.LogFields{"topic": topic})
 	tables := f.cfg.Outbox.tables(topic)
 	var cache cutCache
 	var last known
 	idle := min(minPollInterval, f.cfg.PollInterval)
+	// woken restarts the doubling: a wake-up says rows are on their way
+	// (a NOTIFY: committed; a write in this process: committing), so the
+	// reads after it start again at minPollInterval.
+	woken := func() { idle = min(minPollInterval, f.cfg.PollInterval) / 2 }
 	for {
 		if stopCtx.Err() != nil {
 			return
@@ -521,6 +534,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		// A wake-up that came before this read is answered by it.
 		select {
 		case <-wake:
+			woken()
 		default:
 		}
 		var (
@@ -537,8 +551,10 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 				return
 			}
 			if err == nil && !has {
-				idle = min(2*idle, f.cfg.PollInterval)
-				f.sleep(stopCtx, wake, idle)
+				idle = max(min(2*idle, f.cfg.PollInterval), time.Microsecond)
+				if f.sleep(stopCtx, wake, idle) {
+					woken()
+				}
 				continue
 			}
 			if err != nil {
@@ -548,9 +564,11 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		if err == nil {
 			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, &cache, &last)
 		}
+		retry := false
 		switch {
 		case err != nil:
 			f.errs.Add(1)
+			retry = true
 			cache, last = cutCache{}, known{}
 			if isSerializationFailure(err) {
 				logger.Debug("Outbox batch conflicted with another forwarder, retrying", watermill.LogFields{"err": err.Error()})
@@ -563,29 +581,45 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 			idle = min(minPollInterval, f.cfg.PollInterval)
 			wait = idle
 		default:
-			idle = min(2*idle, f.cfg.PollInterval)
+			idle = max(min(2*idle, f.cfg.PollInterval), time.Microsecond)
 			wait = idle
 		}
-		if !f.sleep(stopCtx, wake, wait) {
+		if retry {
+			// A failed transaction waits its RetryInterval whatever
+			// writers do.
+			f.sleep(stopCtx, nil, wait)
+		} else if f.sleep(stopCtx, wake, wait) {
+			woken()
+		}
+		if stopCtx.Err() != nil {
 			return
 		}
 	}
 }
 
-// sleep waits d, or until a wake-up; it reports false when stopCtx ended.
-func (f *Forwarder) sleep(stopCtx context.Context, wake chan struct{}, d time.Duration) bool {
+// sleep waits d, or until a wake-up on wake (nil: none), and reports
+// whether a wake-up ended it. A wait of minPollInterval or less (the pause
+// after a read that found rows) is not cut short: while rows keep coming,
+// each read takes what arrived during that pause, rather than one read per
+// write.
+func (f *Forwarder) sleep(stopCtx context.Context, wake chan struct{}, d time.Duration) (woke bool) {
 	if d <= 0 {
-		return stopCtx.Err() == nil
+		return false
+	}
+	if d <= minPollInterval {
+		wake = nil
+	} else if f.stretch != nil {
+		d = f.stretch(d)
 	}
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-stopCtx.Done():
-		return false
 	case <-wake:
+		return true
 	case <-t.C:
 	}
-	return true
+	return false
 }
 
 func isSerializationFailure(err error) bool {

@@ -394,3 +394,30 @@ func TestForwarder_Lifecycle(t *testing.T) {
 	_, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: p, Name: strings.Repeat("n", 256)}, nil)
 	require.ErrorContains(t, err, "Name: longer than 255 bytes")
 }
+
+// A write in this process wakes the forwarder of its table: with every
+// idle wait stretched to an hour, each row is forwarded as soon as its
+// writer commits, also when the writer's Outbox is another value.
+func TestForwarder_WakesOnWritesInThisProcess(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	topic := e.topic(t, "wake", 1)
+	f, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: e.producer(t), Topics: []string{topic}}, nil)
+	require.NoError(t, err)
+	outbox.StretchWaits(f, time.Hour)
+	done := make(chan error, 1)
+	go func() { done <- f.Run(context.Background()) }()
+	t.Cleanup(func() {
+		require.NoError(t, f.Close())
+		require.NoError(t, <-done)
+	})
+
+	other, err := outbox.New(e.outbox.Config(), nil)
+	require.NoError(t, err)
+	for i, pub := range []message.Publisher{e.outbox.PoolPublisher(e.db.Pool), e.outbox.PoolPublisher(e.db.Pool), other.PoolPublisher(e.db.Pool)} {
+		require.NoError(t, pub.Publish(topic, event("a", i)))
+		require.Eventually(t, func() bool { return f.Stats().Forwarded == uint64(i+1) }, eventuallyTimeout, 5*time.Millisecond, "row %d", i)
+	}
+	recs := consume(t, e.broker.Addrs, topic, 3)
+	requirePerKeyOrder(t, recs, 3)
+}

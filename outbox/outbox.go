@@ -247,6 +247,9 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 	for _, msg := range msgs {
 		o.logger.Trace("Message written to outbox", watermill.LogFields{"topic": topic, "message_uuid": msg.UUID, "event_id": msg.Metadata.Get(publisher.MetadataEventID)})
 	}
+	// The rows are visible once tx commits, usually within milliseconds:
+	// this process's forwarders of the table start looking now (wakers).
+	wakers.wake(o.MessagesTable(topic))
 	return nil
 }
 
@@ -333,6 +336,7 @@ func (p *poolPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if err := tx.Commit(ctx); err != nil {
 		return fmt.Errorf("outbox: commit: %w", err)
 	}
+	wakers.wake(p.o.MessagesTable(topic))
 	return nil
 }
 

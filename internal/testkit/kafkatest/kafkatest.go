@@ -55,6 +55,11 @@ func NewFake(opts ...kfake.Opt) (*kfake.Cluster, error) {
 		// Sarama's default session timeout is 10s; kfake's minimum is 6s.
 		kfake.GroupMinSessionTimeout(100 * time.Millisecond),
 	}
+	// KFAKE_LOG=debug (or info, warn, error) logs the broker to standard
+	// error: a group that does not settle shows its coordinator's view.
+	if lvl, ok := map[string]kfake.LogLevel{"debug": kfake.LogLevelDebug, "info": kfake.LogLevelInfo, "warn": kfake.LogLevelWarn, "error": kfake.LogLevelError}[os.Getenv("KFAKE_LOG")]; ok {
+		base = append(base, kfake.WithLogger(kfake.BasicLogger(os.Stderr, lvl)))
+	}
 	return kfake.NewCluster(append(base, opts...)...)
 }
 
