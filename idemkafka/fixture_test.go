@@ -65,8 +65,15 @@ func keyName(i int) string { return fmt.Sprintf("k%03d", i) }
 // with its key's sequence number.
 func (f *fixture) produce(t *testing.T, keys, perKey int) {
 	t.Helper()
+	f.produceSeqs(t, keys, 1, perKey)
+}
+
+// produceSeqs publishes the events from..to (sequence numbers) of each of
+// keys keys, interleaved.
+func (f *fixture) produceSeqs(t *testing.T, keys, from, to int) {
+	t.Helper()
 	var msgs []*message.Message
-	for seq := 1; seq <= perKey; seq++ {
+	for seq := from; seq <= to; seq++ {
 		for k := range keys {
 			msgs = append(msgs, f.event(t, keyName(k), seq))
 		}
