@@ -281,7 +281,7 @@ type e2eResult struct {
 	// event handed to the outbox inside the dedup transaction) to the
 	// forwarded record's arrival.
 	toKafka []time.Duration
-	stats        idem.Stats // the middleware's counters at the end
+	stats   idem.Stats // the middleware's counters at the end
 }
 
 // pipelineSpec describes one pipeline round.
