@@ -10,7 +10,7 @@ import (
 
 // Defaults.
 const (
-	DefaultSchema = "public"
+	defaultSchema = "public"
 	DefaultTable  = "processed_event"
 )
 
@@ -41,7 +41,7 @@ type TableConfig struct {
 
 func (c *TableConfig) setDefaults() {
 	if c.Schema == "" {
-		c.Schema = DefaultSchema
+		c.Schema = defaultSchema
 	}
 	if c.Table == "" {
 		c.Table = DefaultTable

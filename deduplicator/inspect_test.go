@@ -115,8 +115,8 @@ func TestCleanerDryRunPartitioned(t *testing.T) {
 	require.Equal(t, rowsBefore, rowsAfter, "a dry run moves and deletes nothing")
 	require.Equal(t, partsBefore, partsAfter, "a dry run creates and drops nothing")
 	require.True(t, cleanedBefore(t, db, tc).IsZero())
-	require.Equal(t, DefaultPartitionsAhead+1, want.PartitionsDropped, "the partitions Migrate made")
-	require.GreaterOrEqual(t, want.PartitionsCreated, DefaultPartitionsAhead+1)
+	require.Equal(t, defaultPartitionsAhead+1, want.PartitionsDropped, "the partitions Migrate made")
+	require.GreaterOrEqual(t, want.PartitionsCreated, defaultPartitionsAhead+1)
 	require.GreaterOrEqual(t, want.RowsMoved, int64(2))
 	require.Positive(t, want.Deleted)
 	require.Len(t, want.CreatedPartitions, want.PartitionsCreated)
@@ -177,8 +177,8 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 
 	parts, err := Partitions(ctx, db.Pool, tc)
 	require.NoError(t, err)
-	require.Len(t, parts, DefaultPartitionsAhead+2)
-	for i := 0; i <= DefaultPartitionsAhead; i++ {
+	require.Len(t, parts, defaultPartitionsAhead+2)
+	for i := 0; i <= defaultPartitionsAhead; i++ {
 		p := parts[i]
 		day := today.AddDate(0, 0, i)
 		require.Equal(t, partition.Name(tc.Table, day), p.Name)

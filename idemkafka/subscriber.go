@@ -42,7 +42,7 @@ var _ message.Subscriber = (*Subscriber)(nil)
 func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("idemkafka: invalid config: %w", err)
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}

@@ -29,8 +29,8 @@ type OutboxWriter interface {
 	PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error
 }
 
-// DefaultStartupTimeout bounds the start-up check of [NewDedup].
-const DefaultStartupTimeout = 30 * time.Second
+// defaultStartupTimeout bounds the start-up check of [NewDedup].
+const defaultStartupTimeout = 30 * time.Second
 
 // Config configures the dedup middleware.
 type Config struct {
@@ -149,8 +149,7 @@ type Config struct {
 	TraceMessageKey bool
 
 	// StartupTimeout bounds the start-up work of [NewDedup]: checking the
-	// table and registering the consumer group. Defaults to
-	// [DefaultStartupTimeout] (30 s).
+	// table and registering the consumer group. Defaults to 30 s.
 	StartupTimeout time.Duration
 
 	// NowFunc returns the current time. Defaults to time.Now.
@@ -162,7 +161,7 @@ func (c *Config) setDefaults() {
 		c.EventIDFunc = publisher.EventIDFromMessage
 	}
 	if c.StartupTimeout == 0 {
-		c.StartupTimeout = DefaultStartupTimeout
+		c.StartupTimeout = defaultStartupTimeout
 	}
 	if c.GroupCommit != nil {
 		gc := *c.GroupCommit // the caller's value stays as it was

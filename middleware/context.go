@@ -48,12 +48,3 @@ func EventIDFromContext(ctx context.Context) (uuid.UUID, bool) {
 	}
 	return v.EventID, true
 }
-
-// ConsumerGroupFromContext returns the consumer group the middleware claims for.
-func ConsumerGroupFromContext(ctx context.Context) (string, bool) {
-	v := idemctx.From(ctx)
-	if v == nil {
-		return "", false
-	}
-	return v.ConsumerGroup, true
-}

@@ -26,13 +26,13 @@ import (
 
 // Defaults.
 const (
-	// DefaultSchema holds the outbox tables.
-	DefaultSchema = "public"
+	// defaultSchema holds the outbox tables.
+	defaultSchema = "public"
 	// DefaultTablePrefix prefixes the topic in the table names: the messages
 	// of topic T live in outbox_T, the forwarders' positions in outbox_T__offsets.
 	DefaultTablePrefix = "outbox_"
-	// DefaultPayloadType is the payload column type: BYTEA stores any payload.
-	DefaultPayloadType = "BYTEA"
+	// defaultPayloadType is the payload column type: BYTEA stores any payload.
+	defaultPayloadType = "BYTEA"
 )
 
 // maxTableName is PostgreSQL's identifier limit; longer names are silently
@@ -56,7 +56,7 @@ var topicRe = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)
 // Config configures an [Outbox].
 type Config struct {
 	// Schema is the PostgreSQL schema of the outbox tables. Defaults to
-	// [DefaultSchema] ("public").
+	// "public".
 	Schema string
 	// TablePrefix is prepended to the topic to name its table (watermill-sql's
 	// one table per topic): prefix+topic holds the messages and
@@ -69,19 +69,19 @@ type Config struct {
 	// unless told otherwise. Defaults to none.
 	Topics []string
 	// PayloadType is the payload column type: BYTEA, JSON or JSONB. JSON
-	// types refuse non-JSON payloads. Defaults to [DefaultPayloadType] (BYTEA).
+	// types refuse non-JSON payloads. Defaults to BYTEA.
 	PayloadType string
 }
 
 func (c *Config) setDefaults() {
 	if c.Schema == "" {
-		c.Schema = DefaultSchema
+		c.Schema = defaultSchema
 	}
 	if c.TablePrefix == "" {
 		c.TablePrefix = DefaultTablePrefix
 	}
 	if c.PayloadType == "" {
-		c.PayloadType = DefaultPayloadType
+		c.PayloadType = defaultPayloadType
 	}
 }
 

@@ -72,7 +72,7 @@ type options struct {
 
 func defaultOptions() options {
 	return options{
-		schema:       deduplicator.DefaultSchema,
+		schema:       "public",
 		table:        deduplicator.DefaultTable,
 		layout:       "auto",
 		outboxPrefix: outbox.DefaultTablePrefix,

@@ -75,20 +75,20 @@ func processed(ctx context.Context, tb testing.TB, db migrate.DBTX, table dedupl
 
 // Default values of [RedeliveryOpts].
 const (
-	DefaultDeliveries  = 4
-	DefaultConcurrency = 2
+	defaultDeliveries  = 4
+	defaultConcurrency = 2
 )
 
 // RedeliveryOpts tunes [RunWithRedelivery]. A nil *RedeliveryOpts uses the
 // defaults.
 type RedeliveryOpts struct {
 	// Deliveries is how many times the message is delivered in total.
-	// Defaults to [DefaultDeliveries].
+	// Defaults to 4.
 	Deliveries int
 
 	// Concurrency is how many deliveries race at the same time; deliveries
 	// run in waves of this size (the last one may be smaller). 1 delivers
-	// sequentially. Defaults to [DefaultConcurrency]. The dedup middleware's
+	// sequentially. Defaults to 2. The dedup middleware's
 	// DB must allow that many connections.
 	Concurrency int
 
@@ -107,10 +107,10 @@ func (o *RedeliveryOpts) withDefaults() RedeliveryOpts {
 		r = *o
 	}
 	if r.Deliveries <= 0 {
-		r.Deliveries = DefaultDeliveries
+		r.Deliveries = defaultDeliveries
 	}
 	if r.Concurrency <= 0 {
-		r.Concurrency = DefaultConcurrency
+		r.Concurrency = defaultConcurrency
 	}
 	return r
 }

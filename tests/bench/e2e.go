@@ -35,6 +35,9 @@ const (
 	// sentAtKey carries the publish time (Unix nanoseconds) from the input
 	// record, through the handler and the outbox, to the forwarded record.
 	sentAtKey = "bench_sent_at"
+	// e2eDefaultPollInterval is outbox.ForwarderConfig.PollInterval's
+	// default.
+	e2eDefaultPollInterval = 100 * time.Millisecond
 )
 
 // e2eRig is the broker, the database and the input topic shared by every
@@ -558,7 +561,7 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 		notify bool
 		hold   bool
 	}{
-		{"defaults (PollInterval " + outbox.DefaultPollInterval.String() + ", 1 ms after a read that found rows)", false, false},
+		{"defaults (PollInterval " + e2eDefaultPollInterval.String() + ", 1 ms after a read that found rows)", false, false},
 		{"defaults, a transaction holding an id open in another database all along", false, true},
 		{"notify trigger enabled, Listen", true, false},
 	} {
@@ -615,7 +618,7 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 	fmt.Fprintf(&b, "Latency from publish to the forwarded record's arrival, %d events published at %.0f msg/s (half the median consuming rate), "+
 		"with the forwarder's defaults (it polls: 1 ms after a read that found rows, doubling after each empty one up to PollInterval %s), "+
 		"the same while a transaction holds an id open in another database of the server for the whole measurement, and with the wake-up on commit:\n\n",
-		liveN, liveRate, outbox.DefaultPollInterval)
+		liveN, liveRate, e2eDefaultPollInterval)
 	b.WriteString(Table([]string{"forwarder", "p50", "p99", ""}, latRows))
 	var seen []string
 	for _, h := range holders {
