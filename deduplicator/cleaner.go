@@ -450,7 +450,7 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 	}
 	young := []string{}
 	for _, g := range gs {
-		if g.Young(now, retention) {
+		if g.young(now, retention) {
 			young = append(young, g.Name)
 		}
 	}

@@ -11,7 +11,7 @@ import (
 // Defaults.
 const (
 	defaultSchema = "public"
-	DefaultTable  = "processed_event"
+	defaultTable  = "processed_event"
 )
 
 // TableConfig describes the processed_event table: its name, layout and
@@ -44,7 +44,7 @@ func (c *TableConfig) setDefaults() {
 		c.Schema = defaultSchema
 	}
 	if c.Table == "" {
-		c.Table = DefaultTable
+		c.Table = defaultTable
 	}
 }
 

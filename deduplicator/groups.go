@@ -60,9 +60,9 @@ type Group struct {
 	StartedAt time.Time
 }
 
-// Young reports whether the group was first seen less than retention before
+// young reports whether the group was first seen less than retention before
 // now: none of its claims can have been cleaned yet.
-func (g Group) Young(now time.Time, retention time.Duration) bool {
+func (g Group) young(now time.Time, retention time.Duration) bool {
 	return g.FirstSeen.After(now.Add(-retention))
 }
 

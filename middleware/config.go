@@ -123,7 +123,7 @@ type Config struct {
 	// at once: idemkafka's parallel Subscriber.MaxInFlight(), or, with
 	// watermill-kafka's subscriber (one message per partition), the
 	// partitions an instance consumes. When it is set and DB is a pool,
-	// NewDedup refuses (*[PoolSizeError]) a pool whose MaxConns cannot give
+	// NewDedup refuses ([ErrPoolTooSmall]) a pool whose MaxConns cannot give
 	// each transaction its connection: Concurrency connections in
 	// one-transaction-per-message mode, min(Concurrency,
 	// GroupCommit.Concurrency) with group commit. A smaller pool makes the
@@ -232,32 +232,10 @@ func (c Config) validate() error {
 	return nil
 }
 
-// ErrPoolTooSmall is wrapped by a *[PoolSizeError].
+// ErrPoolTooSmall is the start-up refusal of a pool whose MaxConns cannot
+// cover [Config.Concurrency]; the error wrapping it gives the pool's size and
+// the connections needed.
 var ErrPoolTooSmall = errors.New("pool too small for the declared concurrency")
-
-// PoolSizeError is the start-up refusal of a pool whose MaxConns cannot
-// cover [Config.Concurrency]; it wraps [ErrPoolTooSmall].
-type PoolSizeError struct {
-	// MaxConns is the pool's size.
-	MaxConns int
-	// Need is the connections the middleware's transactions use at once.
-	Need int
-	// Concurrency is Config.Concurrency.
-	Concurrency int
-	// GroupCommit is true with group commit.
-	GroupCommit bool
-}
-
-func (e *PoolSizeError) Error() string {
-	if e.GroupCommit {
-		return fmt.Sprintf("Concurrency: the pool has MaxConns %d, the %d concurrent group transactions need %d connections (give the pool at least %d)",
-			e.MaxConns, e.Need, e.Need, e.Need)
-	}
-	return fmt.Sprintf("Concurrency: the pool has MaxConns %d, but up to %d messages run at once, each holding a connection for its transaction (give the pool at least %d, or lower the subscriber's MaxInFlight)",
-		e.MaxConns, e.Concurrency, e.Need)
-}
-
-func (e *PoolSizeError) Unwrap() error { return ErrPoolTooSmall }
 
 // checkPool compares a pool's MaxConns with Concurrency.
 func (c Config) checkPool() error {
@@ -269,8 +247,15 @@ func (c Config) checkPool() error {
 	if c.GroupCommit != nil {
 		need = min(need, c.GroupCommit.Concurrency)
 	}
-	if max := int(pool.Stat().MaxConns()); max < need {
-		return &PoolSizeError{MaxConns: max, Need: need, Concurrency: c.Concurrency, GroupCommit: c.GroupCommit != nil}
+	max := int(pool.Stat().MaxConns())
+	switch {
+	case max >= need:
+		return nil
+	case c.GroupCommit != nil:
+		return fmt.Errorf("Concurrency: the pool has MaxConns %d, the %d concurrent group transactions need %d connections (give the pool at least %d): %w",
+			max, need, need, need, ErrPoolTooSmall)
+	default:
+		return fmt.Errorf("Concurrency: the pool has MaxConns %d, but up to %d messages run at once, each holding a connection for its transaction (give the pool at least %d, or lower the subscriber's MaxInFlight): %w",
+			max, c.Concurrency, need, ErrPoolTooSmall)
 	}
-	return nil
 }

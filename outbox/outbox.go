@@ -28,9 +28,9 @@ import (
 const (
 	// defaultSchema holds the outbox tables.
 	defaultSchema = "public"
-	// DefaultTablePrefix prefixes the topic in the table names: the messages
+	// defaultTablePrefix prefixes the topic in the table names: the messages
 	// of topic T live in outbox_T, the forwarders' positions in outbox_T__offsets.
-	DefaultTablePrefix = "outbox_"
+	defaultTablePrefix = "outbox_"
 	// defaultPayloadType is the payload column type: BYTEA stores any payload.
 	defaultPayloadType = "BYTEA"
 )
@@ -61,8 +61,7 @@ type Config struct {
 	// TablePrefix is prepended to the topic to name its table (watermill-sql's
 	// one table per topic): prefix+topic holds the messages and
 	// prefix+topic+"__offsets" the forwarders' positions. The whole name must
-	// fit PostgreSQL's 63-byte limit. Defaults to [DefaultTablePrefix]
-	// ("outbox_").
+	// fit PostgreSQL's 63-byte limit. Defaults to "outbox_".
 	TablePrefix string
 	// Topics are the topics whose tables [MigrationLine]
 	// creates, that [Outbox.Check] verifies, and that a [Forwarder] forwards
@@ -78,7 +77,7 @@ func (c *Config) setDefaults() {
 		c.Schema = defaultSchema
 	}
 	if c.TablePrefix == "" {
-		c.TablePrefix = DefaultTablePrefix
+		c.TablePrefix = defaultTablePrefix
 	}
 	if c.PayloadType == "" {
 		c.PayloadType = defaultPayloadType

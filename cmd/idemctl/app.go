@@ -73,9 +73,9 @@ type options struct {
 func defaultOptions() options {
 	return options{
 		schema:       "public",
-		table:        deduplicator.DefaultTable,
+		table:        "processed_event",
 		layout:       "auto",
-		outboxPrefix: outbox.DefaultTablePrefix,
+		outboxPrefix: "outbox_",
 	}
 }
 

@@ -33,8 +33,8 @@ const (
 	// NoJitter, as [Backoff.Jitter], turns the jitter off (0 means the default).
 	NoJitter      = -1.0
 	defaultSchema = "public"
-	// DefaultTable names the parked-keys table of [KeyOrder].
-	DefaultTable = "retry_parked_key"
+	// defaultTable names the parked-keys table of [KeyOrder].
+	defaultTable = "retry_parked_key"
 )
 
 // Backoff is the delay before each retry-topic attempt: Initial ×
@@ -200,7 +200,7 @@ func (t *ParkedKeysTable) setDefaults() {
 		t.Schema = defaultSchema
 	}
 	if t.Table == "" {
-		t.Table = DefaultTable
+		t.Table = defaultTable
 	}
 }
 

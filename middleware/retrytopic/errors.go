@@ -14,9 +14,6 @@ var (
 	// retry headers or has malformed ones; it is poisoned without running
 	// the handler.
 	ErrInvalidHeaders = errors.New("invalid retry headers")
-	// ErrNotMigrated: [New] found the parked-keys table of [KeyOrder]
-	// missing or with pending migrations; migrate [MigrationLine] up.
-	ErrNotMigrated = errors.New("parked-keys table not migrated")
 )
 
 // ExhaustedError is the reason given to a message poisoned because its

@@ -576,7 +576,7 @@ BEGIN
     INSERT INTO soak_park_log (op, grp, k, event_id, seq, topic) VALUES (TG_OP, r.consumer_group, r.partition_key, r.event_id, r.seq, COALESCE(r.topic, ''));
     RETURN r;
 END $$;
-CREATE TRIGGER soak_park_log AFTER INSERT OR UPDATE OR DELETE ON `+pgx.Identifier{h.parked.Schema, retrytopic.DefaultTable}.Sanitize()+`
+CREATE TRIGGER soak_park_log AFTER INSERT OR UPDATE OR DELETE ON `+pgx.Identifier{h.parked.Schema, "retry_parked_key"}.Sanitize()+`
     FOR EACH ROW EXECUTE FUNCTION soak_park_log();`); err != nil {
 		return fmt.Errorf("create soak_park_log: %w", err)
 	}
