@@ -365,7 +365,7 @@ func ForgetGroup(ctx context.Context, db migrate.Beginner, cfg TableConfig, grou
 }
 
 // notMigrated turns "relation does not exist" (SQLSTATE 42P01) into a
-// [*TableError] wrapping [ErrTableMissing] that names the missing table
+// [*migrate.TableError] wrapping [ErrTableMissing] that names the missing table
 // (the processed_event table or one of its companions): a table the library
 // needs is missing (migrate [MigrationLine] up).
 func notMigrated(err error) error {
@@ -379,7 +379,7 @@ func notMigrated(err error) error {
 				table = name
 			}
 		}
-		return &TableError{Table: table, Problem: "does not exist", Fix: fixMigrate, Err: ErrTableMissing}
+		return &migrate.TableError{Component: "deduplicator", Table: table, Problem: "does not exist", Fix: fixMigrate, Err: ErrTableMissing}
 	}
 	return err
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -254,7 +255,7 @@ func (f *Forwarder) step(name string) {
 
 // NewForwarder validates cfg, verifies the tables of its topics as
 // [Outbox.Check] does (within StartupCheckTimeout), and returns a Forwarder;
-// [Forwarder.Run] starts it. A missing table is a [*TableError] wrapping
+// [Forwarder.Run] starts it. A missing table is a [*migrate.TableError] wrapping
 // [ErrTopicNotMigrated], a table of another shape or with migrations
 // pending one wrapping [ErrTableShape] or [migrate.ErrMigrationsPending]:
 // the service fails at start-up, not at its first batch. Create the tables
@@ -279,7 +280,7 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.StartupCheckTimeout)
 	defer cancel()
 	if err := f.checkTables(ctx); err != nil {
-		var te *TableError
+		var te *migrate.TableError
 		if errors.As(err, &te) || errors.Is(err, puddle.ErrClosedPool) {
 			return nil, err
 		}

@@ -55,7 +55,9 @@ func checkMigrated(ctx context.Context, db migrate.Beginner, t ParkedKeysTable) 
 		for i, p := range res.Pending {
 			versions[i] = p.Version
 		}
-		return fmt.Errorf("retrytopic: parked-keys table %s.%s has pending versions %v (migrate retrytopic.MigrationLine up): %w", t.Schema, t.Table, versions, migrate.ErrMigrationsPending)
+		return &migrate.TableError{Component: "retrytopic", Table: t.Schema + "." + t.Table, Err: migrate.ErrMigrationsPending,
+			Problem: fmt.Sprintf("the parked-keys table has pending versions %v", versions),
+			Fix:     "migrate retrytopic.MigrationLine(table) up at start-up (a migrate.Migrator, or its rendered Migrations in your migration tool)"}
 	}
 	return nil
 }
