@@ -171,7 +171,7 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 	start := time.Now()
 	today := partition.UTCDay(start)
 
-	layout, err := TableLayout(ctx, db.Pool, TableConfig{Schema: tc.Schema})
+	layout, err := tableLayout(ctx, db.Pool, TableConfig{Schema: tc.Schema})
 	require.NoError(t, err)
 	require.Equal(t, LayoutPartitioned, layout)
 
@@ -245,7 +245,7 @@ func TestPartitionsAndStatsPlain(t *testing.T) {
 	t.Parallel()
 	db, tc := retentionDB(t, LayoutPlain)
 	ctx := context.Background()
-	layout, err := TableLayout(ctx, db.Pool, tc)
+	layout, err := tableLayout(ctx, db.Pool, tc)
 	require.NoError(t, err)
 	require.Equal(t, LayoutPlain, layout)
 	parts, err := Partitions(ctx, db.Pool, tc)
@@ -271,7 +271,7 @@ func TestPartitionsAndStatsPlain(t *testing.T) {
 	require.Equal(t, []GroupStats{{Group: "g", Rows: 2, Oldest: st.Oldest, Newest: st.Newest}}, st.Groups)
 
 	missing := TableConfig{Schema: tc.Schema, Table: "nope"}
-	_, err = TableLayout(ctx, db.Pool, missing)
+	_, err = tableLayout(ctx, db.Pool, missing)
 	require.ErrorIs(t, err, ErrTableMissing)
 	_, err = Partitions(ctx, db.Pool, missing)
 	require.ErrorIs(t, err, ErrTableMissing)
