@@ -49,10 +49,6 @@ const (
 // minBatchSize is the floor the batch size is halved down to after timeouts.
 const minBatchSize = 100
 
-// ErrCleanerTimeout is returned (wrapped, with the server's error) when
-// MaxTimeouts consecutive batches hit the statement timeout.
-var ErrCleanerTimeout = errors.New("deduplicator: cleaner batches keep hitting statement_timeout")
-
 // CleanerConfig configures a [Cleaner].
 type CleanerConfig struct {
 	TableConfig

@@ -22,27 +22,6 @@ const (
 	groupSuffix   = "_group"
 )
 
-// ErrRetentionMismatch is returned when a configured [TableConfig.Retention]
-// differs from the one recorded with the table. Every component reads the
-// recorded retention, so the stale rule and the Cleaner cannot disagree;
-// change it with [SetRetention].
-var ErrRetentionMismatch = errors.New("deduplicator: retention does not match the table's recorded retention")
-
-// The errors of the consumer-group registry.
-var (
-	// ErrNamespaceMismatch is returned by [Deduplicator.Register] when the
-	// configured Idempotency-Key namespace differs from the one recorded
-	// for the group: the downstream keys of every event would change, and
-	// a provider would apply a call a second time.
-	ErrNamespaceMismatch = errors.New("deduplicator: idempotency namespace does not match the one recorded for the consumer group")
-	// ErrGroupExists is returned by [RenameGroup] when the new name is
-	// already registered or holds claims.
-	ErrGroupExists = errors.New("deduplicator: consumer group already exists")
-	// ErrGroupNotFound is returned by [RenameGroup] and [ForgetGroup] for a
-	// group that is not registered.
-	ErrGroupNotFound = errors.New("deduplicator: consumer group not registered")
-)
-
 // Group is a consumer group registered with a table, as recorded.
 type Group struct {
 	// Name is the consumer group (the second half of the dedup key).

@@ -13,26 +13,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// The reasons [Check] refuses a table, wrapped in a [*migrate.TableError]; match them
-// with errors.Is. A layout that differs from TableConfig.Layout is
-// [ErrLayoutMismatch].
-var (
-	// ErrTableMissing: the table does not exist (or is not a table).
-	ErrTableMissing = errors.New("deduplicator: processed_event table does not exist")
-	// ErrTableKey: the rows are not keyed by (event_id, consumer_group)
-	// alone: another primary key, another unique key or exclusion
-	// constraint claims would also conflict on, or partitions not keyed on
-	// event_id. Claims then skip events never processed, or process events
-	// twice.
-	ErrTableKey = errors.New("deduplicator: processed_event is not keyed by (event_id, consumer_group)")
-	// ErrTableColumns: a column is missing, has another type, is nullable,
-	// or would make a claim's INSERT fail.
-	ErrTableColumns = errors.New("deduplicator: processed_event columns are not the expected ones")
-	// ErrLayoutMismatch: the table's layout in the database is not
-	// TableConfig.Layout (migrate with the same TableConfig).
-	ErrLayoutMismatch = errors.New("deduplicator: table layout in the database does not match TableConfig.Layout")
-)
-
 // Check verifies the live table described by cfg before claims rely on it:
 //
 //   - it exists;

@@ -232,11 +232,6 @@ func (c Config) validate() error {
 	return nil
 }
 
-// ErrPoolTooSmall is the start-up refusal of a pool whose MaxConns cannot
-// cover [Config.Concurrency]; the error wrapping it gives the pool's size and
-// the connections needed.
-var ErrPoolTooSmall = errors.New("pool too small for the declared concurrency")
-
 // checkPool compares a pool's MaxConns with Concurrency.
 func (c Config) checkPool() error {
 	pool, ok := c.DB.(interface{ Stat() *pgxpool.Stat })

@@ -13,13 +13,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// ErrTableShape is the reason of a [*migrate.TableError] for a table that exists
-// but is not what watermill-sql v4 creates: a missing column, a
-// transaction_id that is not xid8, a payload column of another type than
-// Config.PayloadType, or an offsets table without a unique key on
-// consumer_group alone.
-var ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 creates it")
-
 // Check verifies, for each topic (default: Config.Topics), that its
 // messages table and its offsets table exist with the columns this package
 // and the [Forwarder] use, and that every migration of the topic is

@@ -42,6 +42,7 @@ const maxTableName = 63
 // offsetsSuffix names a topic's offsets table.
 const offsetsSuffix = "__offsets"
 
+// The errors of this package; match them with errors.Is.
 var (
 	// ErrTopicNotMigrated is returned when a topic's table does not exist:
 	// add the topic to Config.Topics and migrate it at start-up
@@ -49,6 +50,12 @@ var (
 	ErrTopicNotMigrated = errors.New("outbox: topic table does not exist; create it with its MigrationLine at start-up")
 	// ErrInvalidTopic is returned for a topic that cannot name a table.
 	ErrInvalidTopic = errors.New("invalid topic")
+	// ErrTableShape is the reason of a [*migrate.TableError] for a table
+	// that exists but is not what watermill-sql v4 creates: a missing
+	// column, a transaction_id that is not xid8, a payload column of another
+	// type than Config.PayloadType, or an offsets table without a unique key
+	// on consumer_group alone.
+	ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 creates it")
 )
 
 var topicRe = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)

@@ -146,15 +146,6 @@ GROUP BY k.consumer_group ORDER BY k.consumer_group`, consumerGroup)
 	return out, nil
 }
 
-var (
-	// ErrKeyNotParked: [Unblock] found no parked event of the key.
-	ErrKeyNotParked = errors.New("key not parked")
-	// ErrNoStoredMessage: [Unblock] cannot send the key's first event
-	// again, its row keeps no message (it was parked before the table kept
-	// messages); use UnblockOpts.Skip.
-	ErrNoStoredMessage = errors.New("parked event has no stored message")
-)
-
 // UnblockOpts tells [Unblock] what to do with a key's first event.
 type UnblockOpts struct {
 	// Skip removes the first event instead of sending it again: the next
