@@ -22,36 +22,32 @@ import (
 
 // Cleaner defaults.
 const (
-	// DefaultCleanerBatchSize is the number of rows deleted per transaction.
-	DefaultCleanerBatchSize = 10_000
-	// DefaultCleanerInterval is the pause between two passes of [Cleaner.Run].
-	DefaultCleanerInterval = 10 * time.Minute
-	// DefaultCleanerStatementTimeout bounds each batch (statement_timeout).
-	DefaultCleanerStatementTimeout = 10 * time.Second
-	// DefaultCleanerBackoff is the first pause after a batch hit the
+	// defaultCleanerBatchSize is the number of rows deleted per transaction.
+	defaultCleanerBatchSize = 10_000
+	// defaultCleanerInterval is the pause between two passes of [Cleaner.Run].
+	defaultCleanerInterval = 10 * time.Minute
+	// defaultCleanerStatementTimeout bounds each batch (statement_timeout).
+	defaultCleanerStatementTimeout = 10 * time.Second
+	// defaultCleanerBackoff is the first pause after a batch hit the
 	// statement timeout; it doubles with each consecutive timeout.
-	DefaultCleanerBackoff = time.Second
-	// DefaultCleanerMaxTimeouts is how many consecutive timed-out batches end
+	defaultCleanerBackoff = time.Second
+	// defaultCleanerMaxTimeouts is how many consecutive timed-out batches end
 	// a pass with an error.
-	DefaultCleanerMaxTimeouts = 5
-	// DefaultPartitionsAhead is how many days of partitions after today's
+	defaultCleanerMaxTimeouts = 5
+	// defaultPartitionsAhead is how many days of partitions after today's
 	// exist at all times in the partitioned layout.
-	DefaultPartitionsAhead = 3
-	// DefaultPartitionLockTimeout bounds how long partition DDL waits for
+	defaultPartitionsAhead = 3
+	// defaultPartitionLockTimeout bounds how long partition DDL waits for
 	// its lock (lock_timeout). Claims queue behind a waiting ACCESS
 	// EXCLUSIVE request, so this is also about the longest a claim waits.
-	DefaultPartitionLockTimeout = 500 * time.Millisecond
-	// DefaultPartitionLockRetries is how many times partition DDL is retried
+	defaultPartitionLockTimeout = 500 * time.Millisecond
+	// defaultPartitionLockRetries is how many times partition DDL is retried
 	// after a lock timeout before the pass gives up (the next pass retries).
-	DefaultPartitionLockRetries = 5
+	defaultPartitionLockRetries = 5
 )
 
 // minBatchSize is the floor the batch size is halved down to after timeouts.
 const minBatchSize = 100
-
-// ErrCleanerTimeout is returned (wrapped, with the server's error) when
-// MaxTimeouts consecutive batches hit the statement timeout.
-var ErrCleanerTimeout = errors.New("deduplicator: cleaner batches keep hitting statement_timeout")
 
 // CleanerConfig configures a [Cleaner].
 type CleanerConfig struct {
@@ -63,24 +59,24 @@ type CleanerConfig struct {
 	DB *pgxpool.Pool
 
 	// BatchSize is the number of rows deleted per transaction. Defaults to
-	// [DefaultCleanerBatchSize] (10,000).
+	// 10,000.
 	BatchSize int
 
 	// Interval is the pause between passes of [Cleaner.Run]. Defaults to
-	// [DefaultCleanerInterval] (10 minutes).
+	// 10 minutes.
 	Interval time.Duration
 
 	// StatementTimeout bounds each batch (SET LOCAL statement_timeout).
-	// Defaults to [DefaultCleanerStatementTimeout] (10 s).
+	// Defaults to 10 s.
 	StatementTimeout time.Duration
 
 	// Backoff is the pause after a batch hit StatementTimeout (SQLSTATE
 	// 57014); it doubles per consecutive timeout and the batch size halves
-	// (down to 100). Defaults to [DefaultCleanerBackoff] (1 s).
+	// (down to 100). Defaults to 1 s.
 	Backoff time.Duration
 
 	// MaxTimeouts consecutive timed-out batches end the pass with
-	// [ErrCleanerTimeout]. Defaults to [DefaultCleanerMaxTimeouts] (5).
+	// [ErrCleanerTimeout]. Defaults to 5.
 	MaxTimeouts int
 
 	// DeleteNonV7 also deletes rows whose event id is not a UUIDv7 (they
@@ -90,17 +86,17 @@ type CleanerConfig struct {
 	DeleteNonV7 bool
 
 	// PartitionsAhead is how many daily partitions after today's the
-	// partitioned layout keeps ready. Defaults to [DefaultPartitionsAhead] (3).
+	// partitioned layout keeps ready. Defaults to 3.
 	PartitionsAhead int
 
 	// LockTimeout bounds the wait for the locks of partition DDL (create,
 	// detach, drop), so concurrent claims are never queued behind it for
-	// longer. Defaults to [DefaultPartitionLockTimeout] (500 ms).
+	// longer. Defaults to 500 ms.
 	LockTimeout time.Duration
 
 	// LockRetries is how many times partition DDL is retried after a lock
 	// timeout, with a jittered pause. Defaults to
-	// [DefaultPartitionLockRetries] (5).
+	// 5.
 	LockRetries int
 
 	// NowFunc, when set, stands in for the database's clock: tests and
@@ -124,28 +120,28 @@ type CleanerConfig struct {
 func (c *CleanerConfig) setDefaults() {
 	c.TableConfig.setDefaults()
 	if c.BatchSize == 0 {
-		c.BatchSize = DefaultCleanerBatchSize
+		c.BatchSize = defaultCleanerBatchSize
 	}
 	if c.Interval == 0 {
-		c.Interval = DefaultCleanerInterval
+		c.Interval = defaultCleanerInterval
 	}
 	if c.StatementTimeout == 0 {
-		c.StatementTimeout = DefaultCleanerStatementTimeout
+		c.StatementTimeout = defaultCleanerStatementTimeout
 	}
 	if c.Backoff == 0 {
-		c.Backoff = DefaultCleanerBackoff
+		c.Backoff = defaultCleanerBackoff
 	}
 	if c.MaxTimeouts == 0 {
-		c.MaxTimeouts = DefaultCleanerMaxTimeouts
+		c.MaxTimeouts = defaultCleanerMaxTimeouts
 	}
 	if c.PartitionsAhead == 0 {
-		c.PartitionsAhead = DefaultPartitionsAhead
+		c.PartitionsAhead = defaultPartitionsAhead
 	}
 	if c.LockTimeout == 0 {
-		c.LockTimeout = DefaultPartitionLockTimeout
+		c.LockTimeout = defaultPartitionLockTimeout
 	}
 	if c.LockRetries == 0 {
-		c.LockRetries = DefaultPartitionLockRetries
+		c.LockRetries = defaultPartitionLockRetries
 	}
 }
 
@@ -450,7 +446,7 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 	}
 	young := []string{}
 	for _, g := range gs {
-		if g.Young(now, retention) {
+		if g.young(now, retention) {
 			young = append(young, g.Name)
 		}
 	}

@@ -10,8 +10,8 @@ import (
 
 // Defaults.
 const (
-	DefaultSchema = "public"
-	DefaultTable  = "processed_event"
+	defaultSchema = "public"
+	defaultTable  = "processed_event"
 )
 
 // TableConfig describes the processed_event table: its name, layout and
@@ -41,10 +41,10 @@ type TableConfig struct {
 
 func (c *TableConfig) setDefaults() {
 	if c.Schema == "" {
-		c.Schema = DefaultSchema
+		c.Schema = defaultSchema
 	}
 	if c.Table == "" {
-		c.Table = DefaultTable
+		c.Table = defaultTable
 	}
 }
 

@@ -42,7 +42,7 @@ type ConvertResult struct {
 	// ([ConvertOptions.DryRun]).
 	DryRun bool
 	// Was describes what was wrong with the old table (the Problem of the
-	// [*TableError] that [Check] would have returned).
+	// [*migrate.TableError] that [Check] would have returned).
 	Was string
 	// Rows counts the rows of the old table; Kept those of the new one.
 	Rows, Kept int64
@@ -130,7 +130,7 @@ func ConvertTable(ctx context.Context, db migrate.Beginner, cfg TableConfig, opt
 	}
 	if terr == nil {
 		if opts.ConsumerGroup != "" {
-			return res, &TableError{Table: cfg.Schema + "." + cfg.Table, Problem: "ConvertOptions.ConsumerGroup is set but the table's consumer_group column is NOT NULL", Fix: "leave ConvertOptions.ConsumerGroup empty: the rows keep their own groups", Err: ErrTableColumns}
+			return res, &migrate.TableError{Component: "deduplicator", Table: cfg.Schema + "." + cfg.Table, Problem: "ConvertOptions.ConsumerGroup is set but the table's consumer_group column is NOT NULL", Fix: "leave ConvertOptions.ConsumerGroup empty: the rows keep their own groups", Err: ErrTableColumns}
 		}
 	} else {
 		res.Was = terr.Problem
@@ -166,7 +166,7 @@ const convertedSuffix = "_unconverted"
 func rebuild(ctx context.Context, tx pgx.Tx, cfg TableConfig, shape tableShape, opts ConvertOptions, migs []migtable.Version, res *ConvertResult) error {
 	name := cfg.Schema + "." + cfg.Table
 	refuse := func(fix, format string, args ...any) error {
-		return &TableError{Table: name, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: ErrTableColumns}
+		return &migrate.TableError{Component: "deduplicator", Table: name, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: ErrTableColumns}
 	}
 	// Only columns whose values survive the copy.
 	for _, c := range shape.columns {

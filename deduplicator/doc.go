@@ -30,7 +30,7 @@
 // (minus [Config.StaleMargin]) in a group old enough to have lost claims,
 // with a [*StaleEventError] wrapping [ErrStaleEvent].
 //
-// [Check] verifies a live table (a [*TableError] names the problem and the
+// [Check] verifies a live table (a [*migrate.TableError] names the problem and the
 // fix); [ConvertTable] converts a table keyed otherwise. A [Cleaner] keeps
 // the table bounded; the retention is recorded with the table
 // ([SetRetention], [RecordedRetention]). [Groups], [RenameGroup],

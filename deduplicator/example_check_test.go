@@ -7,6 +7,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // Check verifies the live table before claims rely on it. A table made with
@@ -29,7 +30,7 @@ func ExampleCheck() {
 		panic(err)
 	}
 	err = deduplicator.Check(ctx, pool, table)
-	var terr *deduplicator.TableError
+	var terr *migrate.TableError
 	if errors.As(err, &terr) {
 		fmt.Println("wrong key:", errors.Is(err, deduplicator.ErrTableKey))
 		fmt.Println(terr.Problem)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // ConvertTable adopts a table whose rows do not all name their consumer
@@ -25,7 +26,7 @@ func ExampleConvertTable() {
 	}
 
 	_, err := deduplicator.ConvertTable(ctx, pool, table, deduplicator.ConvertOptions{})
-	var terr *deduplicator.TableError
+	var terr *migrate.TableError
 	if errors.As(err, &terr) {
 		fmt.Println(errors.Is(err, deduplicator.ErrTableColumns), terr.Problem)
 	}

@@ -130,7 +130,8 @@ func ExampleRenameGroup() {
 		panic(err)
 	}
 	for _, g := range groups {
-		fmt.Println(g.Name, g.IdempotencyNamespace, "young:", g.Young(time.Now(), deduplicator.DefaultRetention))
+		// First seen less than a retention ago: the Cleaner keeps every claim.
+		fmt.Println(g.Name, g.IdempotencyNamespace, "young:", g.FirstSeen.After(time.Now().Add(-deduplicator.DefaultRetention)))
 	}
 
 	// Nothing consumes as billing-v1 any more: remove its claims and registration.

@@ -10,12 +10,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// ErrInvalidGroupName is the sentinel of a consumer group name that
-// PostgreSQL cannot store in a text column: a NUL byte, bytes that are not
-// valid UTF-8, or (found by the server) a character the database's encoding
-// cannot represent. It is inside a *[GroupNameError].
-var ErrInvalidGroupName = errors.New("deduplicator: invalid consumer group name")
-
 // GroupNameError says why a consumer group name is refused. It wraps
 // [ErrInvalidGroupName].
 type GroupNameError struct {

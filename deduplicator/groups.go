@@ -22,27 +22,6 @@ const (
 	groupSuffix   = "_group"
 )
 
-// ErrRetentionMismatch is returned when a configured [TableConfig.Retention]
-// differs from the one recorded with the table. Every component reads the
-// recorded retention, so the stale rule and the Cleaner cannot disagree;
-// change it with [SetRetention].
-var ErrRetentionMismatch = errors.New("deduplicator: retention does not match the table's recorded retention")
-
-// The errors of the consumer-group registry.
-var (
-	// ErrNamespaceMismatch is returned by [Deduplicator.Register] when the
-	// configured Idempotency-Key namespace differs from the one recorded
-	// for the group: the downstream keys of every event would change, and
-	// a provider would apply a call a second time.
-	ErrNamespaceMismatch = errors.New("deduplicator: idempotency namespace does not match the one recorded for the consumer group")
-	// ErrGroupExists is returned by [RenameGroup] when the new name is
-	// already registered or holds claims.
-	ErrGroupExists = errors.New("deduplicator: consumer group already exists")
-	// ErrGroupNotFound is returned by [RenameGroup] and [ForgetGroup] for a
-	// group that is not registered.
-	ErrGroupNotFound = errors.New("deduplicator: consumer group not registered")
-)
-
 // Group is a consumer group registered with a table, as recorded.
 type Group struct {
 	// Name is the consumer group (the second half of the dedup key).
@@ -60,9 +39,9 @@ type Group struct {
 	StartedAt time.Time
 }
 
-// Young reports whether the group was first seen less than retention before
+// young reports whether the group was first seen less than retention before
 // now: none of its claims can have been cleaned yet.
-func (g Group) Young(now time.Time, retention time.Duration) bool {
+func (g Group) young(now time.Time, retention time.Duration) bool {
 	return g.FirstSeen.After(now.Add(-retention))
 }
 
@@ -365,7 +344,7 @@ func ForgetGroup(ctx context.Context, db migrate.Beginner, cfg TableConfig, grou
 }
 
 // notMigrated turns "relation does not exist" (SQLSTATE 42P01) into a
-// [*TableError] wrapping [ErrTableMissing] that names the missing table
+// [*migrate.TableError] wrapping [ErrTableMissing] that names the missing table
 // (the processed_event table or one of its companions): a table the library
 // needs is missing (migrate [MigrationLine] up).
 func notMigrated(err error) error {
@@ -379,7 +358,7 @@ func notMigrated(err error) error {
 				table = name
 			}
 		}
-		return &TableError{Table: table, Problem: "does not exist", Fix: fixMigrate, Err: ErrTableMissing}
+		return &migrate.TableError{Component: "deduplicator", Table: table, Problem: "does not exist", Fix: fixMigrate, Err: ErrTableMissing}
 	}
 	return err
 }

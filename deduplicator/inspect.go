@@ -31,25 +31,21 @@ func (d *Deduplicator) ProcessedAt(ctx context.Context, db migrate.DBTX, eventID
 	return at, true, nil
 }
 
-// TableLayout returns the layout of the live table named by cfg (its
-// Layout field is ignored): [LayoutPartitioned] when it is partitioned,
-// else [LayoutPlain]. A missing table is [ErrTableMissing]. Tools that act on
-// a table whose configuration they do not know (idemctl) use it to build
-// the TableConfig of the Cleaner or the Migrator; a service names its
-// layout in its TableConfig, and [Check] refuses a mismatch.
-func TableLayout(ctx context.Context, db migrate.DBTX, cfg TableConfig) (Layout, error) {
+// tableLayout returns the layout of the live table named by cfg (its Layout
+// field is ignored): [LayoutPartitioned] when it is partitioned, else
+// [LayoutPlain]. A missing table is [ErrTableMissing].
+func tableLayout(ctx context.Context, db migrate.DBTX, cfg TableConfig) (Layout, error) {
 	cfg, err := withDefaults(cfg)
 	if err != nil {
 		return 0, err
 	}
-	var kind *string
-	err = db.QueryRow(ctx, "SELECT (SELECT relkind::text FROM pg_catalog.pg_class WHERE oid = to_regclass($1))", ident.Quote(cfg.Schema, cfg.Table)).Scan(&kind)
+	exists, partitioned, err := partition.Partitioned(ctx, db, ident.Quote(cfg.Schema, cfg.Table))
 	switch {
 	case err != nil:
 		return 0, fmt.Errorf("layout of %s.%s: %w", cfg.Schema, cfg.Table, err)
-	case kind == nil:
+	case !exists:
 		return 0, fmt.Errorf("layout of %s.%s: %w", cfg.Schema, cfg.Table, ErrTableMissing)
-	case *kind == "p":
+	case partitioned:
 		return LayoutPartitioned, nil
 	default:
 		return LayoutPlain, nil
@@ -92,7 +88,7 @@ func Partitions(ctx context.Context, db migrate.DBTX, cfg TableConfig) ([]Partit
 	if err != nil {
 		return nil, err
 	}
-	if _, err := TableLayout(ctx, db, cfg); err != nil {
+	if _, err := tableLayout(ctx, db, cfg); err != nil {
 		return nil, fmt.Errorf("partitions: %w", err)
 	}
 	parts, err := listPartitions(ctx, db, ident.Quote(cfg.Schema, cfg.Table))
@@ -246,7 +242,7 @@ func Stats(ctx context.Context, db migrate.Beginner, cfg TableConfig) (*TableSta
 
 func stats(ctx context.Context, tx pgx.Tx, cfg TableConfig, st *TableStats) error {
 	var err error
-	if st.Layout, err = TableLayout(ctx, tx, cfg); err != nil {
+	if st.Layout, err = tableLayout(ctx, tx, cfg); err != nil {
 		return err
 	}
 	s, err := readSetting(ctx, tx, cfg)

@@ -115,8 +115,8 @@ func TestCleanerDryRunPartitioned(t *testing.T) {
 	require.Equal(t, rowsBefore, rowsAfter, "a dry run moves and deletes nothing")
 	require.Equal(t, partsBefore, partsAfter, "a dry run creates and drops nothing")
 	require.True(t, cleanedBefore(t, db, tc).IsZero())
-	require.Equal(t, DefaultPartitionsAhead+1, want.PartitionsDropped, "the partitions Migrate made")
-	require.GreaterOrEqual(t, want.PartitionsCreated, DefaultPartitionsAhead+1)
+	require.Equal(t, defaultPartitionsAhead+1, want.PartitionsDropped, "the partitions Migrate made")
+	require.GreaterOrEqual(t, want.PartitionsCreated, defaultPartitionsAhead+1)
 	require.GreaterOrEqual(t, want.RowsMoved, int64(2))
 	require.Positive(t, want.Deleted)
 	require.Len(t, want.CreatedPartitions, want.PartitionsCreated)
@@ -171,14 +171,14 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 	start := time.Now()
 	today := partition.UTCDay(start)
 
-	layout, err := TableLayout(ctx, db.Pool, TableConfig{Schema: tc.Schema})
+	layout, err := tableLayout(ctx, db.Pool, TableConfig{Schema: tc.Schema})
 	require.NoError(t, err)
 	require.Equal(t, LayoutPartitioned, layout)
 
 	parts, err := Partitions(ctx, db.Pool, tc)
 	require.NoError(t, err)
-	require.Len(t, parts, DefaultPartitionsAhead+2)
-	for i := 0; i <= DefaultPartitionsAhead; i++ {
+	require.Len(t, parts, defaultPartitionsAhead+2)
+	for i := 0; i <= defaultPartitionsAhead; i++ {
 		p := parts[i]
 		day := today.AddDate(0, 0, i)
 		require.Equal(t, partition.Name(tc.Table, day), p.Name)
@@ -245,7 +245,7 @@ func TestPartitionsAndStatsPlain(t *testing.T) {
 	t.Parallel()
 	db, tc := retentionDB(t, LayoutPlain)
 	ctx := context.Background()
-	layout, err := TableLayout(ctx, db.Pool, tc)
+	layout, err := tableLayout(ctx, db.Pool, tc)
 	require.NoError(t, err)
 	require.Equal(t, LayoutPlain, layout)
 	parts, err := Partitions(ctx, db.Pool, tc)
@@ -271,7 +271,7 @@ func TestPartitionsAndStatsPlain(t *testing.T) {
 	require.Equal(t, []GroupStats{{Group: "g", Rows: 2, Oldest: st.Oldest, Newest: st.Newest}}, st.Groups)
 
 	missing := TableConfig{Schema: tc.Schema, Table: "nope"}
-	_, err = TableLayout(ctx, db.Pool, missing)
+	_, err = tableLayout(ctx, db.Pool, missing)
 	require.ErrorIs(t, err, ErrTableMissing)
 	_, err = Partitions(ctx, db.Pool, missing)
 	require.ErrorIs(t, err, ErrTableMissing)

@@ -38,7 +38,7 @@ func componentKey(cfg TableConfig) string { return component + ":" + cfg.Table }
 //
 // Going up, an existing table whose key, partitioning or columns claims
 // cannot rely on (the reference recipe's PRIMARY KEY (event_id), or
-// partitions on processed_at) is refused with a [*TableError] before
+// partitions on processed_at) is refused with a [*migrate.TableError] before
 // anything changes; [ConvertTable] converts such a table. At the newest
 // version the line runs [Check] and refuses a configured retention that
 // differs from the recorded one ([ErrRetentionMismatch]). An invalid cfg is

@@ -70,7 +70,7 @@ func TestPartitionedMigrateCreatesDaysAheadAndDefault(t *testing.T) {
 	db, tc := retentionDB(t, LayoutPartitioned)
 	today := partition.UTCDay(time.Now())
 	want := []string{tc.Table + "_default"}
-	for i := 0; i <= DefaultPartitionsAhead; i++ {
+	for i := 0; i <= defaultPartitionsAhead; i++ {
 		want = append(want, partition.Name(tc.Table, today.AddDate(0, 0, i)))
 	}
 	require.ElementsMatch(t, want, partitionNames(t, db, tc))
@@ -99,7 +99,7 @@ func TestCleanerPartitionedCreatesAheadAndDropsOld(t *testing.T) {
 	boundary := partition.Floor(now.Add(-DefaultRetention))
 	want := []string{tc.Table + "_default"}
 	dropped := 0
-	for i := 0; i <= DefaultPartitionsAhead; i++ {
+	for i := 0; i <= defaultPartitionsAhead; i++ {
 		d := today.AddDate(0, 0, i)
 		if _, to := partition.Bounds(d); bytes.Compare(to[:], boundary[:]) > 0 {
 			want = append(want, partition.Name(tc.Table, d))

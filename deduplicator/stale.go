@@ -2,7 +2,6 @@ package deduplicator
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -14,12 +13,6 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
-
-// ErrStaleEvent is the reason of a [*StaleEventError]: the event's UUIDv7
-// time is older than the dedup retention (or the Cleaner's cutoff), so its
-// claim may be gone and [Deduplicator.CheckStale] cannot vouch that it was
-// not applied before. It is permanent: route it to a poison queue.
-var ErrStaleEvent = errors.New("event is older than the dedup retention")
 
 // StaleEventError refuses an event whose claim the Cleaner may have
 // deleted. Unwrap returns [ErrStaleEvent].

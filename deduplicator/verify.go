@@ -13,48 +13,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// The reasons [Check] refuses a table, wrapped in a [*TableError]; match them
-// with errors.Is. A layout that differs from TableConfig.Layout is
-// [ErrLayoutMismatch].
-var (
-	// ErrTableMissing: the table does not exist (or is not a table).
-	ErrTableMissing = errors.New("deduplicator: processed_event table does not exist")
-	// ErrTableKey: the rows are not keyed by (event_id, consumer_group)
-	// alone: another primary key, another unique key or exclusion
-	// constraint claims would also conflict on, or partitions not keyed on
-	// event_id. Claims then skip events never processed, or process events
-	// twice.
-	ErrTableKey = errors.New("deduplicator: processed_event is not keyed by (event_id, consumer_group)")
-	// ErrTableColumns: a column is missing, has another type, is nullable,
-	// or would make a claim's INSERT fail.
-	ErrTableColumns = errors.New("deduplicator: processed_event columns are not the expected ones")
-	// ErrLayoutMismatch: the table's layout in the database is not
-	// TableConfig.Layout (migrate with the same TableConfig).
-	ErrLayoutMismatch = errors.New("deduplicator: table layout in the database does not match TableConfig.Layout")
-)
-
-// TableError is a processed_event table that claims cannot rely on. Its
-// message names the table, the problem and the fix in one line; Unwrap
-// returns the reason: [ErrTableMissing], [ErrTableKey], [ErrTableColumns],
-// migrate.ErrMigrationsPending or [ErrLayoutMismatch].
-type TableError struct {
-	// Table is schema.table.
-	Table string
-	// Problem says what is wrong and what it would do to claims.
-	Problem string
-	// Fix says what to do about it.
-	Fix string
-	// Err is the reason, one of the sentinel errors above.
-	Err error
-}
-
-func (e *TableError) Error() string {
-	return "deduplicator: table " + e.Table + ": " + e.Problem + "; fix: " + e.Fix
-}
-
-// Unwrap returns the reason.
-func (e *TableError) Unwrap() error { return e.Err }
-
 // Check verifies the live table described by cfg before claims rely on it:
 //
 //   - it exists;
@@ -71,7 +29,7 @@ func (e *TableError) Unwrap() error { return e.Err }
 //
 // It only reads the catalogs, so it may run at every start-up; db is a
 // *pgxpool.Pool, a *pgx.Conn or a pgx.Tx. A table that fails returns a
-// [*TableError]; a failing query returns its error, wrapped.
+// [*migrate.TableError]; a failing query returns its error, wrapped.
 func Check(ctx context.Context, db migrate.DBTX, cfg TableConfig) error {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -97,7 +55,7 @@ func check(ctx context.Context, db migrate.DBTX, cfg TableConfig, migs []migtabl
 		return err
 	}
 	if len(pending) > 0 {
-		return &TableError{
+		return &migrate.TableError{Component: "deduplicator",
 			Table:   cfg.Schema + "." + cfg.Table,
 			Problem: fmt.Sprintf("migration versions %s of layout %s are not recorded in %s.%s", joinVersions(pending), cfg.Layout, cfg.Schema, migtable.Table),
 			Fix:     "migrate deduplicator.MigrationLine(cfg) up at start-up (a migrate.Migrator, or its rendered Migrations in your migration tool)",
@@ -105,7 +63,7 @@ func check(ctx context.Context, db migrate.DBTX, cfg TableConfig, migs []migtabl
 		}
 	}
 	if shape.partitioned != (cfg.Layout == LayoutPartitioned) {
-		terr := &TableError{Table: cfg.Schema + "." + cfg.Table, Err: ErrLayoutMismatch}
+		terr := &migrate.TableError{Component: "deduplicator", Table: cfg.Schema + "." + cfg.Table, Err: ErrLayoutMismatch}
 		if shape.partitioned {
 			terr.Problem = "the table is partitioned on event_id but TableConfig.Layout is LayoutPlain"
 			terr.Fix = "set TableConfig.Layout to LayoutPartitioned in every component that names this table"
@@ -259,10 +217,10 @@ const (
 
 // problem returns what makes the table unusable for claims, whatever the
 // migration records say, or nil: existence, columns, partition key, keys.
-func (s tableShape) problem(cfg TableConfig) *TableError {
+func (s tableShape) problem(cfg TableConfig) *migrate.TableError {
 	name := cfg.Schema + "." + cfg.Table
-	fail := func(reason error, fix, format string, args ...any) *TableError {
-		return &TableError{Table: name, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: reason}
+	fail := func(reason error, fix, format string, args ...any) *migrate.TableError {
+		return &migrate.TableError{Component: "deduplicator", Table: name, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: reason}
 	}
 	if !s.exists {
 		return fail(ErrTableMissing, fixMigrate, "does not exist")
@@ -293,7 +251,7 @@ func (s tableShape) problem(cfg TableConfig) *TableError {
 const fixNullGroup = "convert it with deduplicator.ConvertTable and ConvertOptions.ConsumerGroup set to the group that processed the rows whose consumer_group is NULL (idemctl dedup convert --group G); it also sets the column NOT NULL and the key (event_id, consumer_group)"
 
 // columnProblem is problem for the columns.
-func (s tableShape) columnProblem(name string, fail func(reason error, fix, format string, args ...any) *TableError) *TableError {
+func (s tableShape) columnProblem(name string, fail func(reason error, fix, format string, args ...any) *migrate.TableError) *migrate.TableError {
 	for _, want := range wantColumns {
 		got, ok := s.column(want.name)
 		switch {
@@ -327,7 +285,7 @@ func (s tableShape) columnProblem(name string, fail func(reason error, fix, form
 }
 
 // keyProblem is problem for the partitioning and the keys.
-func (s tableShape) keyProblem(cfg TableConfig, name string, fail func(reason error, fix, format string, args ...any) *TableError) *TableError {
+func (s tableShape) keyProblem(cfg TableConfig, name string, fail func(reason error, fix, format string, args ...any) *migrate.TableError) *migrate.TableError {
 	if s.partitioned && !s.partOnID {
 		return fail(ErrTableKey, fixConvert,
 			"is partitioned by %s, want RANGE (event_id) or no partitioning: a redelivery gets a new partition key, hence a new primary key, and its handler runs again", s.partKey)

@@ -41,10 +41,10 @@ CREATE TABLE processed_event_default PARTITION OF processed_event DEFAULT;`
 
 // requireTableError asserts err is a *TableError for schema.table with the
 // reason, and that its one-line message names the problem and a fix.
-func requireTableError(t *testing.T, err error, reason error, table string) *deduplicator.TableError {
+func requireTableError(t *testing.T, err error, reason error, table string) *migrate.TableError {
 	t.Helper()
 	require.ErrorIs(t, err, reason)
-	var terr *deduplicator.TableError
+	var terr *migrate.TableError
 	require.ErrorAs(t, err, &terr)
 	require.Equal(t, table, terr.Table)
 	require.NotEmpty(t, terr.Problem)
@@ -254,7 +254,7 @@ func claimNoMatchingKey(t *testing.T, db *pgtest.DB, tc deduplicator.TableConfig
 
 func TestTableErrorMessage(t *testing.T) {
 	t.Parallel()
-	err := error(&deduplicator.TableError{Table: "public.processed_event", Problem: "primary key is (event_id)", Fix: "convert it", Err: deduplicator.ErrTableKey})
+	err := error(&migrate.TableError{Component: "deduplicator", Table: "public.processed_event", Problem: "primary key is (event_id)", Fix: "convert it", Err: deduplicator.ErrTableKey})
 	require.Equal(t, "deduplicator: table public.processed_event: primary key is (event_id); fix: convert it", err.Error())
 	require.True(t, errors.Is(err, deduplicator.ErrTableKey))
 	require.True(t, strings.HasPrefix(deduplicator.ErrTableKey.Error(), "deduplicator: "))

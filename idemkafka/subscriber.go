@@ -42,7 +42,7 @@ var _ message.Subscriber = (*Subscriber)(nil)
 func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("idemkafka: invalid config: %w", err)
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -66,8 +66,8 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 // the groups use GroupCommit.Concurrency connections instead.
 func (s *Subscriber) MaxInFlight() int { return s.cfg.MaxInFlight }
 
-// ErrClosed is returned by Subscribe on a closed Subscriber.
-var ErrClosed = errors.New("idemkafka: subscriber closed")
+// errClosed is returned by Subscribe on a closed Subscriber.
+var errClosed = errors.New("idemkafka: subscriber closed")
 
 // Subscribe joins the consumer group on topic and returns the channel of
 // its messages. The channel closes when ctx ends or the Subscriber
@@ -77,7 +77,7 @@ var ErrClosed = errors.New("idemkafka: subscriber closed")
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	select {
 	case <-s.closing:
-		return nil, ErrClosed
+		return nil, errClosed
 	default:
 	}
 	client, err := sarama.NewClient(s.cfg.Brokers, s.sarama)
@@ -109,7 +109,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		cancel()
 		_ = group.Close()
 		_ = client.Close()
-		return nil, ErrClosed
+		return nil, errClosed
 	default:
 	}
 	s.streams[st] = struct{}{}

@@ -41,24 +41,24 @@ func (o Ordering) String() string {
 
 // Defaults of [SubscriberConfig].
 const (
-	// DefaultMaxInFlight is how many messages an instance hands out at once.
-	DefaultMaxInFlight = 64
-	// DefaultPartitionWindow is how many records a partition holds from
+	// defaultMaxInFlight is how many messages an instance hands out at once.
+	defaultMaxInFlight = 64
+	// defaultPartitionWindow is how many records a partition holds from
 	// its committed offset on.
-	DefaultPartitionWindow = 1024
-	// DefaultNackResendSleep is the wait before a nacked message is handed
+	defaultPartitionWindow = 1024
+	// defaultNackResendSleep is the wait before a nacked message is handed
 	// out again (watermill-kafka's default).
-	DefaultNackResendSleep = 100 * time.Millisecond
-	// DefaultRevokeTimeout is how long the messages in flight of a revoked
+	defaultNackResendSleep = 100 * time.Millisecond
+	// defaultRevokeTimeout is how long the messages in flight of a revoked
 	// partition get to finish.
-	DefaultRevokeTimeout = 10 * time.Second
-	// DefaultReconnectRetrySleep is the wait before joining the group again
+	defaultRevokeTimeout = 10 * time.Second
+	// defaultReconnectRetrySleep is the wait before joining the group again
 	// after an error.
-	DefaultReconnectRetrySleep = time.Second
-	// DefaultCommitMetadataMaxBytes bounds the commit metadata that records
+	defaultReconnectRetrySleep = time.Second
+	// defaultCommitMetadataMaxBytes bounds the commit metadata that records
 	// the done offsets above the committed one (Kafka's
 	// offset.metadata.max.bytes defaults to 4096).
-	DefaultCommitMetadataMaxBytes = 2048
+	defaultCommitMetadataMaxBytes = 2048
 )
 
 // SubscriberConfig configures a [Subscriber].
@@ -87,7 +87,7 @@ type SubscriberConfig struct {
 	// revoked, so it also bounds the handlers running at once: with the
 	// dedup middleware in one-transaction-per-message mode each holds a
 	// database connection (see [Subscriber.MaxInFlight]). Defaults to
-	// [DefaultMaxInFlight] (64).
+	// 64.
 	MaxInFlight int
 	// PartitionWindow is how many records a partition holds, counted from
 	// its committed offset: in flight, waiting for an earlier message of
@@ -95,24 +95,24 @@ type SubscriberConfig struct {
 	// window is full the Subscriber stops reading it, so Sarama stops
 	// fetching it and memory stays bounded (about partitions ×
 	// PartitionWindow records, plus Sarama's Consumer.ChannelBufferSize per
-	// partition). Defaults to [DefaultPartitionWindow] (1024).
+	// partition). Defaults to 1024.
 	PartitionWindow int
 	// NackResendSleep is how long a nacked message waits before it is
 	// handed out again; the later messages of its key wait behind it,
 	// other keys keep flowing. Set kafka.NoSleep (-1) for none. Defaults
-	// to [DefaultNackResendSleep] (100 ms).
+	// to 100 ms.
 	NackResendSleep time.Duration
 	// RevokeTimeout is how long the messages in flight of a partition that
 	// is revoked (rebalance, Close) get to be acked before its offset is
 	// committed and they are abandoned: their message contexts are
 	// cancelled, and the partition's next owner gets them again (their
 	// claims make that harmless). It must be shorter than
-	// Consumer.Group.Rebalance.Timeout. Defaults to [DefaultRevokeTimeout]
-	// (10 s).
+	// Consumer.Group.Rebalance.Timeout. Defaults to
+	// 10 s.
 	RevokeTimeout time.Duration
 	// ReconnectRetrySleep is the wait before joining the group again after
-	// the consumer group failed. Defaults to [DefaultReconnectRetrySleep]
-	// (1 s).
+	// the consumer group failed. Defaults to
+	// 1 s.
 	ReconnectRetrySleep time.Duration
 	// NotBeforeFunc, when set, returns the time before which a record must
 	// not be handed out (zero for none): the record waits in its
@@ -126,7 +126,7 @@ type SubscriberConfig struct {
 	// that after a restart or rebalance they are not handed out again (a
 	// run-length list; what does not fit runs again, and the claims absorb
 	// it). Set -1 to write none. Defaults to
-	// [DefaultCommitMetadataMaxBytes] (2048).
+	// 2048.
 	CommitMetadataMaxBytes int
 }
 
@@ -135,46 +135,30 @@ func (c *SubscriberConfig) setDefaults() {
 		c.Unmarshaler = Marshaler{}
 	}
 	if c.MaxInFlight == 0 {
-		c.MaxInFlight = DefaultMaxInFlight
+		c.MaxInFlight = defaultMaxInFlight
 	}
 	if c.PartitionWindow == 0 {
-		c.PartitionWindow = DefaultPartitionWindow
+		c.PartitionWindow = defaultPartitionWindow
 	}
 	if c.NackResendSleep == 0 {
-		c.NackResendSleep = DefaultNackResendSleep
+		c.NackResendSleep = defaultNackResendSleep
 	}
 	if c.RevokeTimeout == 0 {
-		c.RevokeTimeout = DefaultRevokeTimeout
+		c.RevokeTimeout = defaultRevokeTimeout
 	}
 	if c.ReconnectRetrySleep == 0 {
-		c.ReconnectRetrySleep = DefaultReconnectRetrySleep
+		c.ReconnectRetrySleep = defaultReconnectRetrySleep
 	}
 	if c.CommitMetadataMaxBytes == 0 {
-		c.CommitMetadataMaxBytes = DefaultCommitMetadataMaxBytes
+		c.CommitMetadataMaxBytes = defaultCommitMetadataMaxBytes
 	}
 }
 
-// ErrInvalidConfig is wrapped by every error NewSubscriber returns for a
-// bad config.
-var ErrInvalidConfig = errors.New("invalid config")
-
-// ConfigError names the field of a bad [SubscriberConfig]; it wraps
-// [ErrInvalidConfig].
-type ConfigError struct {
-	Field   string
-	Problem string
-}
-
-func (e *ConfigError) Error() string {
-	return "idemkafka: invalid config: " + e.Field + ": " + e.Problem
-}
-
-func (e *ConfigError) Unwrap() error { return ErrInvalidConfig }
-
-// Validate reports the first bad field as a *[ConfigError]. It checks the
-// Sarama config after the safe consumer settings are applied.
+// Validate reports the first bad field: its error starts with the field's
+// name. It checks the Sarama config after the safe consumer settings are
+// applied.
 func (c SubscriberConfig) Validate() error {
-	bad := func(field, problem string) error { return &ConfigError{Field: field, Problem: problem} }
+	bad := func(field, problem string) error { return errors.New(field + ": " + problem) }
 	switch {
 	case len(c.Brokers) == 0:
 		return bad("Brokers", "required")

@@ -343,10 +343,7 @@ func TestSubscriberConfigErrors(t *testing.T) {
 			cfg := idemkafka.SubscriberConfig{Brokers: []string{"127.0.0.1:1"}, ConsumerGroup: "g"}
 			tc.mod(&cfg)
 			_, err := idemkafka.NewSubscriber(cfg, nil)
-			require.ErrorIs(t, err, idemkafka.ErrInvalidConfig)
-			var ce *idemkafka.ConfigError
-			require.ErrorAs(t, err, &ce)
-			require.Equal(t, tc.field, ce.Field)
+			require.ErrorContains(t, err, "idemkafka: invalid config: "+tc.field+": ")
 		})
 	}
 }

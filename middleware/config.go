@@ -29,8 +29,8 @@ type OutboxWriter interface {
 	PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error
 }
 
-// DefaultStartupTimeout bounds the start-up check of [NewDedup].
-const DefaultStartupTimeout = 30 * time.Second
+// defaultStartupTimeout bounds the start-up check of [NewDedup].
+const defaultStartupTimeout = 30 * time.Second
 
 // Config configures the dedup middleware.
 type Config struct {
@@ -123,7 +123,7 @@ type Config struct {
 	// at once: idemkafka's parallel Subscriber.MaxInFlight(), or, with
 	// watermill-kafka's subscriber (one message per partition), the
 	// partitions an instance consumes. When it is set and DB is a pool,
-	// NewDedup refuses (*[PoolSizeError]) a pool whose MaxConns cannot give
+	// NewDedup refuses ([ErrPoolTooSmall]) a pool whose MaxConns cannot give
 	// each transaction its connection: Concurrency connections in
 	// one-transaction-per-message mode, min(Concurrency,
 	// GroupCommit.Concurrency) with group commit. A smaller pool makes the
@@ -149,8 +149,7 @@ type Config struct {
 	TraceMessageKey bool
 
 	// StartupTimeout bounds the start-up work of [NewDedup]: checking the
-	// table and registering the consumer group. Defaults to
-	// [DefaultStartupTimeout] (30 s).
+	// table and registering the consumer group. Defaults to 30 s.
 	StartupTimeout time.Duration
 
 	// NowFunc returns the current time. Defaults to time.Now.
@@ -162,7 +161,7 @@ func (c *Config) setDefaults() {
 		c.EventIDFunc = publisher.EventIDFromMessage
 	}
 	if c.StartupTimeout == 0 {
-		c.StartupTimeout = DefaultStartupTimeout
+		c.StartupTimeout = defaultStartupTimeout
 	}
 	if c.GroupCommit != nil {
 		gc := *c.GroupCommit // the caller's value stays as it was
@@ -233,33 +232,6 @@ func (c Config) validate() error {
 	return nil
 }
 
-// ErrPoolTooSmall is wrapped by a *[PoolSizeError].
-var ErrPoolTooSmall = errors.New("pool too small for the declared concurrency")
-
-// PoolSizeError is the start-up refusal of a pool whose MaxConns cannot
-// cover [Config.Concurrency]; it wraps [ErrPoolTooSmall].
-type PoolSizeError struct {
-	// MaxConns is the pool's size.
-	MaxConns int
-	// Need is the connections the middleware's transactions use at once.
-	Need int
-	// Concurrency is Config.Concurrency.
-	Concurrency int
-	// GroupCommit is true with group commit.
-	GroupCommit bool
-}
-
-func (e *PoolSizeError) Error() string {
-	if e.GroupCommit {
-		return fmt.Sprintf("Concurrency: the pool has MaxConns %d, the %d concurrent group transactions need %d connections (give the pool at least %d)",
-			e.MaxConns, e.Need, e.Need, e.Need)
-	}
-	return fmt.Sprintf("Concurrency: the pool has MaxConns %d, but up to %d messages run at once, each holding a connection for its transaction (give the pool at least %d, or lower the subscriber's MaxInFlight)",
-		e.MaxConns, e.Concurrency, e.Need)
-}
-
-func (e *PoolSizeError) Unwrap() error { return ErrPoolTooSmall }
-
 // checkPool compares a pool's MaxConns with Concurrency.
 func (c Config) checkPool() error {
 	pool, ok := c.DB.(interface{ Stat() *pgxpool.Stat })
@@ -270,8 +242,15 @@ func (c Config) checkPool() error {
 	if c.GroupCommit != nil {
 		need = min(need, c.GroupCommit.Concurrency)
 	}
-	if max := int(pool.Stat().MaxConns()); max < need {
-		return &PoolSizeError{MaxConns: max, Need: need, Concurrency: c.Concurrency, GroupCommit: c.GroupCommit != nil}
+	max := int(pool.Stat().MaxConns())
+	switch {
+	case max >= need:
+		return nil
+	case c.GroupCommit != nil:
+		return fmt.Errorf("Concurrency: the pool has MaxConns %d, the %d concurrent group transactions need %d connections (give the pool at least %d): %w",
+			max, need, need, need, ErrPoolTooSmall)
+	default:
+		return fmt.Errorf("Concurrency: the pool has MaxConns %d, but up to %d messages run at once, each holding a connection for its transaction (give the pool at least %d, or lower the subscriber's MaxInFlight): %w",
+			max, c.Concurrency, need, ErrPoolTooSmall)
 	}
-	return nil
 }

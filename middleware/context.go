@@ -9,15 +9,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 )
 
-// ErrNotInHandler is returned when the context does not come from a handler
-// wrapped by the dedup middleware, so there is no message transaction and no
-// event: by [IdempotencyKey] and the [IdempotencyKeyTransport] (no key to
-// derive; the request is not sent), by outbox.PublisherFromContext (no
-// transaction to write in), and it is the value [MustTxFromContext] panics
-// with. Use msg.Context() of the handled message, or a context derived from
-// it.
-var ErrNotInHandler = idemctx.ErrNotInHandler
-
 // TxFromContext returns the transaction the dedup middleware opened for the
 // message being handled. Run every business write of the handler on it: it
 // commits together with the event's claim.
@@ -47,13 +38,4 @@ func EventIDFromContext(ctx context.Context) (uuid.UUID, bool) {
 		return uuid.Nil, false
 	}
 	return v.EventID, true
-}
-
-// ConsumerGroupFromContext returns the consumer group the middleware claims for.
-func ConsumerGroupFromContext(ctx context.Context) (string, bool) {
-	v := idemctx.From(ctx)
-	if v == nil {
-		return "", false
-	}
-	return v.ConsumerGroup, true
 }

@@ -78,8 +78,10 @@ func TestEdgeGroupNameUnstorableRefused(t *testing.T) {
 		rcfg := retrytopic.Config{Publisher: pub, Topics: []string{"orders-retry"}, PoisonTopic: "orders-poison",
 			KeyOrder: &retrytopic.KeyOrder{DB: f.pool, Outbox: handoff, ConsumerGroup: bad}}
 		requireGroupNameError(t, rcfg.Validate(), "KeyOrder.ConsumerGroup", "retrytopic KeyOrder")
-		_, err = retrytopic.ListParked(ctx, f.pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, bad)
-		requireGroupNameError(t, err, "consumerGroup", "ListParked")
+		_, err = retrytopic.ParkedKeys(ctx, f.pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, bad, 0)
+		requireGroupNameError(t, err, "consumerGroup", "ParkedKeys")
+		_, err = retrytopic.SummarizeParked(ctx, f.pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, bad)
+		requireGroupNameError(t, err, "consumerGroup", "SummarizeParked")
 	}
 	groups, err := deduplicator.Groups(ctx, f.pool, table)
 	require.NoError(t, err)

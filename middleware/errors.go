@@ -4,32 +4,48 @@ import (
 	"errors"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// Errors of the consumer side. The event-id rules (a missing, malformed, nil,
-// non-v7 or mismatched id) are publisher's: [publisher.ErrMissingEventID],
+// The errors of the middleware. The event-id rules (a missing, malformed,
+// nil, non-v7 or mismatched id) are publisher's: [publisher.ErrMissingEventID],
 // [publisher.ErrInvalidEventID], [publisher.ErrNilEventID],
 // [publisher.ErrNotUUIDv7], [publisher.ErrEventIDMismatch], each inside a
-// *[publisher.EventIDError]. All of these are permanent ([IsPermanent]
-// reports true): redelivery cannot fix the message, so route it to a poison
-// topic with watermill's middleware.PoisonQueueWithFilter.
+// *[publisher.EventIDError]; the stale rule's is deduplicator.ErrStaleEvent.
+// These and [ErrMalformedPayload] are permanent ([IsPermanent] reports true):
+// redelivery cannot fix the message, so route it to a poison topic with
+// watermill's middleware.PoisonQueueWithFilter.
 var (
 	// ErrMalformedPayload is for handlers: wrap payload decoding failures with
 	// it (or with [Permanent]) so they go to the poison queue.
 	ErrMalformedPayload = errors.New("malformed payload")
-)
 
-// ErrTxAborted: the handler returned nil but left the message's
-// transaction unable to commit: one of its statements failed and it
-// swallowed the error (PostgreSQL then refuses every statement until
-// ROLLBACK, SQLSTATE 25P02), or it ended the transaction itself. The
-// middleware rolls back and returns it: the message is retried (it is
-// not permanent: the swallowed error may be transient). Handle a failing
-// statement you mean to survive in a savepoint (tx.Begin). In group
-// commit, only that message goes alone; the rest of its group commits as
-// a group.
-var ErrTxAborted = errors.New("the handler left its transaction aborted")
+	// ErrTxAborted: the handler returned nil but left the message's
+	// transaction unable to commit: one of its statements failed and it
+	// swallowed the error (PostgreSQL then refuses every statement until
+	// ROLLBACK, SQLSTATE 25P02), or it ended the transaction itself. The
+	// middleware rolls back and returns it: the message is retried (it is
+	// not permanent: the swallowed error may be transient). Handle a failing
+	// statement you mean to survive in a savepoint (tx.Begin). In group
+	// commit, only that message goes alone; the rest of its group commits as
+	// a group.
+	ErrTxAborted = errors.New("the handler left its transaction aborted")
+
+	// ErrNotInHandler is returned when the context does not come from a
+	// handler wrapped by the dedup middleware, so there is no message
+	// transaction and no event: by [IdempotencyKey] and the
+	// [IdempotencyKeyTransport] (no key to derive; the request is not sent),
+	// by outbox.PublisherFromContext (no transaction to write in), and it is
+	// the value [MustTxFromContext] panics with. Use msg.Context() of the
+	// handled message, or a context derived from it.
+	ErrNotInHandler = idemctx.ErrNotInHandler
+
+	// ErrPoolTooSmall is the start-up refusal of a pool whose MaxConns
+	// cannot cover [Config.Concurrency]; the error wrapping it gives the
+	// pool's size and the connections needed.
+	ErrPoolTooSmall = errors.New("pool too small for the declared concurrency")
+)
 
 // permanentError marks an error that redelivery cannot fix.
 type permanentError struct{ err error }

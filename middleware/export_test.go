@@ -1,5 +1,21 @@
 package middleware
 
+import (
+	"context"
+
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+)
+
+// ConsumerGroupFromContext returns the consumer group the middleware claims
+// for, for tests that check which group a handler ran under.
+func ConsumerGroupFromContext(ctx context.Context) (string, bool) {
+	v := idemctx.From(ctx)
+	if v == nil {
+		return "", false
+	}
+	return v.ConsumerGroup, true
+}
+
 // OpenGroupSize returns how many messages the open (gathering) group holds,
 // for tests that arrange a group's members deterministically.
 func OpenGroupSize(d *Dedup) int {

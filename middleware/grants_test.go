@@ -261,7 +261,7 @@ func TestGrantsCleanerPartitioned(t *testing.T) {
 
 	cleanerPool := e.pool(t, "idem_cleaner", 2)
 	c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: table, DB: cleanerPool,
-		PartitionsAhead: deduplicator.DefaultPartitionsAhead + 2}, nil)
+		PartitionsAhead: 3 + 2 /* two more than the default, 3 */}, nil)
 	require.NoError(t, err)
 	res, err := c.RunOnce(ctx)
 	require.NoError(t, err)

@@ -22,12 +22,12 @@ import (
 
 // Defaults of [GroupCommitConfig].
 const (
-	// DefaultGroupMaxMessages is the largest group.
-	DefaultGroupMaxMessages = 64
-	// DefaultGroupMaxWait is how long a group gathers at most.
-	DefaultGroupMaxWait = 5 * time.Millisecond
-	// DefaultGroupConcurrency is how many groups run at once.
-	DefaultGroupConcurrency = 4
+	// defaultGroupMaxMessages is the largest group.
+	defaultGroupMaxMessages = 64
+	// defaultGroupMaxWait is how long a group gathers at most.
+	defaultGroupMaxWait = 5 * time.Millisecond
+	// defaultGroupConcurrency is how many groups run at once.
+	defaultGroupConcurrency = 4
 )
 
 // GroupCommitConfig turns on group commit: the messages that reach the
@@ -61,29 +61,29 @@ type GroupCommitConfig struct {
 	// its share of the messages in flight, ceil(in flight / Concurrency),
 	// at most MaxMessages: n partitions fill Concurrency groups of about
 	// n/Concurrency, and a lone message runs at once. Defaults to
-	// [DefaultGroupMaxMessages] (64).
+	// 64.
 	MaxMessages int
 	// MaxWait is the longest a group gathers before it runs, for a share
 	// that does not come (messages in flight elsewhere); it also runs when
 	// no message joined it for a fifth of MaxWait. Defaults to
-	// [DefaultGroupMaxWait] (5 ms).
+	// 5 ms.
 	MaxWait time.Duration
 	// Concurrency is how many groups run at once, each on its own
 	// connection, so handler CPU is not serialized through one goroutine.
 	// While all are busy, arriving messages gather into the next group.
-	// Defaults to [DefaultGroupConcurrency] (4).
+	// Defaults to 4.
 	Concurrency int
 }
 
 func (c *GroupCommitConfig) setDefaults() {
 	if c.MaxMessages == 0 {
-		c.MaxMessages = DefaultGroupMaxMessages
+		c.MaxMessages = defaultGroupMaxMessages
 	}
 	if c.MaxWait == 0 {
-		c.MaxWait = DefaultGroupMaxWait
+		c.MaxWait = defaultGroupMaxWait
 	}
 	if c.Concurrency == 0 {
-		c.Concurrency = DefaultGroupConcurrency
+		c.Concurrency = defaultGroupConcurrency
 	}
 }
 

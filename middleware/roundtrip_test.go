@@ -52,7 +52,7 @@ func newRTFixture(t *testing.T, mode pgx.QueryExecMode) *rtFixture {
 
 	d, err := NewDedup(Config{DB: pool, ConsumerGroup: "g", Table: table}, nil)
 	require.NoError(t, err)
-	table.Table = deduplicator.DefaultTable
+	table.Table = "processed_event" // the default
 	return &rtFixture{pool: pool, rt: rt, dedup: d, table: table}
 }
 

@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"errors"
+	"iter"
 	"sync/atomic"
 	"time"
 
@@ -49,7 +50,7 @@ type RejectedStats struct {
 	MissingEventID, InvalidEventID, NilEventID, NotUUIDv7, EventIDMismatch, Stale uint64
 }
 
-// Reasons a message is refused: the values of [ReasonCount.Reason], of the
+// Reasons a message is refused: the keys of [RejectedStats.ByReason], of the
 // span attribute idem.reject_reason and of the exporters' reason label.
 const (
 	reasonMissing  = "missing_event_id"
@@ -60,21 +61,17 @@ const (
 	reasonStale    = "stale"
 )
 
-// ReasonCount is the number of messages refused for one reason.
-type ReasonCount struct {
-	Reason string
-	Count  uint64
-}
-
-// ByReason returns the counts of every reason, in a fixed order.
-func (r RejectedStats) ByReason() []ReasonCount {
-	return []ReasonCount{
-		{reasonMissing, r.MissingEventID},
-		{reasonInvalid, r.InvalidEventID},
-		{reasonNil, r.NilEventID},
-		{reasonNotV7, r.NotUUIDv7},
-		{reasonMismatch, r.EventIDMismatch},
-		{reasonStale, r.Stale},
+// ByReason yields each reason with its count, every reason in a fixed
+// order (zero counts included): missing_event_id, invalid_event_id,
+// nil_event_id, not_uuidv7, event_id_mismatch, stale.
+func (r RejectedStats) ByReason() iter.Seq2[string, uint64] {
+	return func(yield func(string, uint64) bool) {
+		_ = yield(reasonMissing, r.MissingEventID) &&
+			yield(reasonInvalid, r.InvalidEventID) &&
+			yield(reasonNil, r.NilEventID) &&
+			yield(reasonNotV7, r.NotUUIDv7) &&
+			yield(reasonMismatch, r.EventIDMismatch) &&
+			yield(reasonStale, r.Stale)
 	}
 }
 

@@ -66,8 +66,8 @@ func TestStatsCountEveryOutcome(t *testing.T) {
 
 func rejectedTotal(r idem.RejectedStats) uint64 {
 	var n uint64
-	for _, rc := range r.ByReason() {
-		n += rc.Count
+	for _, c := range r.ByReason() {
+		n += c
 	}
 	return n
 }

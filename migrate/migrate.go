@@ -46,12 +46,38 @@ var (
 	// around it could drop what it relies on. Migrate down with the config
 	// or the release that applied it.
 	ErrUnknownVersion = errors.New("migrate: idem_schema_migration records a version the migrator does not know")
-	// ErrMigrationsPending is the reason of the table errors of the
-	// components (deduplicator.TableError, outbox.TableError, retrytopic's
-	// ErrNotMigrated) when tables exist but versions of their line are not
-	// recorded as applied.
+	// ErrMigrationsPending is the reason of a [*TableError] when a table
+	// exists but versions of its line are not recorded as applied.
 	ErrMigrationsPending = errors.New("migrate: migrations are pending")
 )
+
+// TableError is a component's table that cannot be relied on: missing,
+// shaped otherwise than its line's migrations make it, or with versions
+// pending. deduplicator.Check, (*outbox.Outbox).Check and the components'
+// start-up checks return it. Its message names the table, the problem and
+// the fix in one line; Unwrap returns the reason: [ErrMigrationsPending] or
+// a sentinel of the component (deduplicator.ErrTableMissing, ErrTableKey,
+// ErrTableColumns, ErrLayoutMismatch; outbox.ErrTopicNotMigrated,
+// ErrTableShape).
+type TableError struct {
+	// Component names what checked the table: "deduplicator",
+	// "outbox: topic <topic>" or "retrytopic".
+	Component string
+	// Table is the schema-qualified table.
+	Table string
+	// Problem says what is wrong and what it would do; Fix what to do
+	// about it.
+	Problem, Fix string
+	// Err is the reason.
+	Err error
+}
+
+func (e *TableError) Error() string {
+	return e.Component + ": table " + e.Table + ": " + e.Problem + "; fix: " + e.Fix
+}
+
+// Unwrap returns the reason.
+func (e *TableError) Unwrap() error { return e.Err }
 
 // Line is the chain of versioned migrations that one component contributes
 // to a [Migrator]: deduplicator.MigrationLine (a processed_event table and

@@ -13,42 +13,13 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// ErrTableShape is the reason of a [*TableError] for a table that exists
-// but is not what watermill-sql v4 creates: a missing column, a
-// transaction_id that is not xid8, a payload column of another type than
-// Config.PayloadType, or an offsets table without a unique key on
-// consumer_group alone.
-var ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 creates it")
-
-// TableError is an outbox table that writers or the forwarder cannot use.
-// Its message names the topic, the table, the problem and the fix in one
-// line; Unwrap returns the reason: [ErrTopicNotMigrated] (the table does not
-// exist), [ErrTableShape] or migrate.ErrMigrationsPending.
-type TableError struct {
-	// Topic whose table it is.
-	Topic string
-	// Table is the quoted, schema-qualified name.
-	Table string
-	// Problem says what is wrong; Fix what to do about it.
-	Problem, Fix string
-	// Err is the reason.
-	Err error
-}
-
-func (e *TableError) Error() string {
-	return "outbox: topic " + e.Topic + ": table " + e.Table + ": " + e.Problem + "; fix: " + e.Fix
-}
-
-// Unwrap returns the reason.
-func (e *TableError) Unwrap() error { return e.Err }
-
 // Check verifies, for each topic (default: Config.Topics), that its
 // messages table and its offsets table exist with the columns this package
 // and the [Forwarder] use, and that every migration of the topic is
 // recorded as applied. It only reads; run it at start-up when another
 // process owns the migrations ([MigrationLine] and [NewForwarder] run it
 // themselves). A table that fails returns a
-// [*TableError]; a failing query returns its error, wrapped.
+// [*migrate.TableError]; a failing query returns its error, wrapped.
 func (o *Outbox) Check(ctx context.Context, db migrate.Beginner, topics ...string) error {
 	tx, err := db.Begin(ctx)
 	if err != nil {
@@ -81,8 +52,8 @@ func (o *Outbox) checkTopics(ctx context.Context, q querier, topics []string) er
 			for i, v := range pending {
 				versions[i] = fmt.Sprint(v)
 			}
-			return &TableError{
-				Topic: topic, Table: o.MessagesTable(topic), Err: migrate.ErrMigrationsPending,
+			return &migrate.TableError{
+				Component: "outbox: topic " + topic, Table: o.MessagesTable(topic), Err: migrate.ErrMigrationsPending,
 				Problem: fmt.Sprintf("migration versions %s of component %s are not recorded in %s.%s", strings.Join(versions, ", "), o.componentKey(topic), o.cfg.Schema, migtable.Table),
 				Fix:     "migrate outbox.MigrationLine(cfg, topic) up at start-up, which records tables of the right shape without changing them (a migrate.Migrator, or its rendered Migrations in your migration tool)",
 			}
@@ -111,7 +82,7 @@ func (o *Outbox) checkTable(ctx context.Context, q querier, topic string, offset
 		name, quoted = name+offsetsSuffix, o.OffsetsTable(topic)
 	}
 	fail := func(reason error, fix, format string, args ...any) error {
-		return &TableError{Topic: topic, Table: quoted, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: reason}
+		return &migrate.TableError{Component: "outbox: topic " + topic, Table: quoted, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: reason}
 	}
 	var (
 		columns   map[string]string

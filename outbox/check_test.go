@@ -14,12 +14,12 @@ import (
 
 // requireOutboxTableError asserts err is a *TableError of topic and table
 // with the reason, whose one-line message names problem and fix.
-func requireOutboxTableError(t *testing.T, err error, reason error, topic, table string) *outbox.TableError {
+func requireOutboxTableError(t *testing.T, err error, reason error, topic, table string) *migrate.TableError {
 	t.Helper()
 	require.ErrorIs(t, err, reason)
-	var terr *outbox.TableError
+	var terr *migrate.TableError
 	require.ErrorAs(t, err, &terr)
-	require.Equal(t, topic, terr.Topic)
+	require.Equal(t, "outbox: topic "+topic, terr.Component)
 	require.Equal(t, table, terr.Table)
 	require.NotEmpty(t, terr.Problem)
 	require.NotEmpty(t, terr.Fix)

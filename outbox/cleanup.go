@@ -11,8 +11,8 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// DefaultDeleteBatch is how many rows one DeleteForwarded statement removes.
-const DefaultDeleteBatch = 5000
+// defaultDeleteBatch is how many rows one DeleteForwarded statement removes.
+const defaultDeleteBatch = 5000
 
 // DeleteForwardedOpts selects what [Outbox.DeleteForwarded] deletes. A nil
 // *DeleteForwardedOpts takes every default.
@@ -28,7 +28,7 @@ type DeleteForwardedOpts struct {
 	// Outbox's Config.Topics.
 	Topics []string
 	// BatchSize is the most rows one DELETE statement removes; each runs in
-	// its own short transaction. Defaults to [DefaultDeleteBatch].
+	// its own short transaction. Defaults to 5000.
 	BatchSize int
 }
 
@@ -46,7 +46,7 @@ func (o *Outbox) DeleteForwarded(ctx context.Context, db migrate.Beginner, opts 
 		return 0, errors.New("outbox: DeleteForwardedOpts.BatchSize: must not be negative")
 	}
 	if opt.BatchSize == 0 {
-		opt.BatchSize = DefaultDeleteBatch
+		opt.BatchSize = defaultDeleteBatch
 	}
 	if len(opt.Forwarders) == 0 {
 		opt.Forwarders = []string{DefaultForwarderName}

@@ -26,6 +26,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -34,21 +35,21 @@ const (
 	// DefaultForwarderName is the forwarder's name: the key of its position
 	// row in each topic's offsets table.
 	DefaultForwarderName = "outbox_forwarder"
-	// DefaultBatchSize is how many rows one forwarder transaction reads and
+	// defaultBatchSize is how many rows one forwarder transaction reads and
 	// sends.
-	DefaultBatchSize = 1000
-	// DefaultBatchesPerTransaction is how many batches one forwarder
+	defaultBatchSize = 1000
+	// defaultBatchesPerTransaction is how many batches one forwarder
 	// transaction sends before it commits its position.
-	DefaultBatchesPerTransaction = 4
-	// DefaultPollInterval is the longest wait between two reads.
-	DefaultPollInterval = 100 * time.Millisecond
-	// DefaultRetryInterval is the wait after a failed batch.
-	DefaultRetryInterval = time.Second
-	// DefaultShutdownTimeout bounds how long an in-flight batch may take to
+	defaultBatchesPerTransaction = 4
+	// defaultPollInterval is the longest wait between two reads.
+	defaultPollInterval = 100 * time.Millisecond
+	// defaultRetryInterval is the wait after a failed batch.
+	defaultRetryInterval = time.Second
+	// defaultShutdownTimeout bounds how long an in-flight batch may take to
 	// finish after Close or context cancellation.
-	DefaultShutdownTimeout = 30 * time.Second
-	// DefaultStartupCheckTimeout bounds the table check of [NewForwarder].
-	DefaultStartupCheckTimeout = 10 * time.Second
+	defaultShutdownTimeout = 30 * time.Second
+	// defaultStartupCheckTimeout bounds the table check of [NewForwarder].
+	defaultStartupCheckTimeout = 10 * time.Second
 )
 
 // maxNameLen is the width of the offsets table's consumer_group column,
@@ -93,13 +94,13 @@ type ForwarderConfig struct {
 	Name string
 	// BatchSize is the most rows of one page: read with one query and sent
 	// with one SendMessages (or Publish) call. Defaults to
-	// [DefaultBatchSize].
+	// 1000.
 	BatchSize int
 	// BatchesPerTransaction is how many pages one transaction may send
 	// before it commits the position; the next page is read while the
 	// previous one is being sent. A crash resends at most
 	// BatchSize*BatchesPerTransaction rows. Defaults to
-	// [DefaultBatchesPerTransaction].
+	// 4.
 	BatchesPerTransaction int
 	// PollInterval is the longest wait between two reads. After a read
 	// that found rows the forwarder reads again after 1 ms, and doubles
@@ -108,7 +109,7 @@ type ForwarderConfig struct {
 	// a longer wait and starts the doubling again at 1 ms: a write to the
 	// topic's table in this process (through this package, whichever
 	// Outbox value it used), or a NOTIFY (see Listen). Defaults to
-	// [DefaultPollInterval].
+	// 100 ms.
 	PollInterval time.Duration
 	// Listen turns on the wake-up on commit: the forwarder opens one
 	// connection of its own (outside DB's pool, with its connection
@@ -128,15 +129,15 @@ type ForwarderConfig struct {
 	// back and the same rows are read again), the first wait between two
 	// start-up attempts of Run (then doubled up to 30 s), and the wait
 	// before the LISTEN connection is opened again. Defaults to
-	// [DefaultRetryInterval].
+	// 1 s.
 	RetryInterval time.Duration
 	// ShutdownTimeout is how long the in-flight batch may still take after
 	// Close or cancellation before it is aborted (and later resent).
-	// Defaults to [DefaultShutdownTimeout].
+	// Defaults to 30 s.
 	ShutdownTimeout time.Duration
 	// StartupCheckTimeout bounds the check of the topics' tables that
 	// [NewForwarder] runs (a few catalog queries), and each start-up
-	// attempt of Run. Defaults to [DefaultStartupCheckTimeout] (10 s).
+	// attempt of Run. Defaults to 10 s.
 	StartupCheckTimeout time.Duration
 	// TracerProvider makes one producer span per batch sent to the broker,
 	// linked to the trace contexts stored with its rows (each record
@@ -158,22 +159,22 @@ func (c *ForwarderConfig) setDefaults() {
 		c.Name = DefaultForwarderName
 	}
 	if c.BatchSize == 0 {
-		c.BatchSize = DefaultBatchSize
+		c.BatchSize = defaultBatchSize
 	}
 	if c.BatchesPerTransaction == 0 {
-		c.BatchesPerTransaction = DefaultBatchesPerTransaction
+		c.BatchesPerTransaction = defaultBatchesPerTransaction
 	}
 	if c.PollInterval == 0 {
-		c.PollInterval = DefaultPollInterval
+		c.PollInterval = defaultPollInterval
 	}
 	if c.RetryInterval == 0 {
-		c.RetryInterval = DefaultRetryInterval
+		c.RetryInterval = defaultRetryInterval
 	}
 	if c.ShutdownTimeout == 0 {
-		c.ShutdownTimeout = DefaultShutdownTimeout
+		c.ShutdownTimeout = defaultShutdownTimeout
 	}
 	if c.StartupCheckTimeout == 0 {
-		c.StartupCheckTimeout = DefaultStartupCheckTimeout
+		c.StartupCheckTimeout = defaultStartupCheckTimeout
 	}
 }
 
@@ -261,7 +262,7 @@ func (f *Forwarder) step(name string) {
 
 // NewForwarder validates cfg, verifies the tables of its topics as
 // [Outbox.Check] does (within StartupCheckTimeout), and returns a Forwarder;
-// [Forwarder.Run] starts it. A missing table is a [*TableError] wrapping
+// [Forwarder.Run] starts it. A missing table is a [*migrate.TableError] wrapping
 // [ErrTopicNotMigrated], a table of another shape or with migrations
 // pending one wrapping [ErrTableShape] or [migrate.ErrMigrationsPending]:
 // the service fails at start-up, not at its first batch. Create the tables
@@ -286,7 +287,7 @@ func NewForwarder(cfg ForwarderConfig, logger watermill.LoggerAdapter) (*Forward
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.StartupCheckTimeout)
 	defer cancel()
 	if err := f.checkTables(ctx); err != nil {
-		var te *TableError
+		var te *migrate.TableError
 		if errors.As(err, &te) || errors.Is(err, puddle.ErrClosedPool) {
 			return nil, err
 		}

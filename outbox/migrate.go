@@ -31,7 +31,7 @@ const component = "outbox"
 // outbox:<prefix><topic>. Give one line per topic.
 //
 // Going up, existing tables of another shape than watermill-sql v4's are
-// refused before anything changes, with a [*TableError] wrapping
+// refused before anything changes, with a [*migrate.TableError] wrapping
 // [ErrTableShape]. Tables that an unversioned CREATE TABLE IF NOT EXISTS
 // made earlier are adopted: version 1 leaves them as they are and is
 // recorded only if they have watermill-sql v4's shape. At the newest

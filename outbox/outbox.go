@@ -26,13 +26,13 @@ import (
 
 // Defaults.
 const (
-	// DefaultSchema holds the outbox tables.
-	DefaultSchema = "public"
-	// DefaultTablePrefix prefixes the topic in the table names: the messages
+	// defaultSchema holds the outbox tables.
+	defaultSchema = "public"
+	// defaultTablePrefix prefixes the topic in the table names: the messages
 	// of topic T live in outbox_T, the forwarders' positions in outbox_T__offsets.
-	DefaultTablePrefix = "outbox_"
-	// DefaultPayloadType is the payload column type: BYTEA stores any payload.
-	DefaultPayloadType = "BYTEA"
+	defaultTablePrefix = "outbox_"
+	// defaultPayloadType is the payload column type: BYTEA stores any payload.
+	defaultPayloadType = "BYTEA"
 )
 
 // maxTableName is PostgreSQL's identifier limit; longer names are silently
@@ -42,6 +42,7 @@ const maxTableName = 63
 // offsetsSuffix names a topic's offsets table.
 const offsetsSuffix = "__offsets"
 
+// The errors of this package; match them with errors.Is.
 var (
 	// ErrTopicNotMigrated is returned when a topic's table does not exist:
 	// add the topic to Config.Topics and migrate it at start-up
@@ -49,6 +50,12 @@ var (
 	ErrTopicNotMigrated = errors.New("outbox: topic table does not exist; create it with its MigrationLine at start-up")
 	// ErrInvalidTopic is returned for a topic that cannot name a table.
 	ErrInvalidTopic = errors.New("invalid topic")
+	// ErrTableShape is the reason of a [*migrate.TableError] for a table
+	// that exists but is not what watermill-sql v4 creates: a missing
+	// column, a transaction_id that is not xid8, a payload column of another
+	// type than Config.PayloadType, or an offsets table without a unique key
+	// on consumer_group alone.
+	ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 creates it")
 )
 
 var topicRe = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)
@@ -56,32 +63,31 @@ var topicRe = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)
 // Config configures an [Outbox].
 type Config struct {
 	// Schema is the PostgreSQL schema of the outbox tables. Defaults to
-	// [DefaultSchema] ("public").
+	// "public".
 	Schema string
 	// TablePrefix is prepended to the topic to name its table (watermill-sql's
 	// one table per topic): prefix+topic holds the messages and
 	// prefix+topic+"__offsets" the forwarders' positions. The whole name must
-	// fit PostgreSQL's 63-byte limit. Defaults to [DefaultTablePrefix]
-	// ("outbox_").
+	// fit PostgreSQL's 63-byte limit. Defaults to "outbox_".
 	TablePrefix string
 	// Topics are the topics whose tables [MigrationLine]
 	// creates, that [Outbox.Check] verifies, and that a [Forwarder] forwards
 	// unless told otherwise. Defaults to none.
 	Topics []string
 	// PayloadType is the payload column type: BYTEA, JSON or JSONB. JSON
-	// types refuse non-JSON payloads. Defaults to [DefaultPayloadType] (BYTEA).
+	// types refuse non-JSON payloads. Defaults to BYTEA.
 	PayloadType string
 }
 
 func (c *Config) setDefaults() {
 	if c.Schema == "" {
-		c.Schema = DefaultSchema
+		c.Schema = defaultSchema
 	}
 	if c.TablePrefix == "" {
-		c.TablePrefix = DefaultTablePrefix
+		c.TablePrefix = defaultTablePrefix
 	}
 	if c.PayloadType == "" {
-		c.PayloadType = DefaultPayloadType
+		c.PayloadType = defaultPayloadType
 	}
 }
 

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -18,6 +17,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -72,10 +73,10 @@ type options struct {
 
 func defaultOptions() options {
 	return options{
-		schema:       deduplicator.DefaultSchema,
-		table:        deduplicator.DefaultTable,
+		schema:       "public",
+		table:        "processed_event",
 		layout:       "auto",
-		outboxPrefix: outbox.DefaultTablePrefix,
+		outboxPrefix: "outbox_",
 	}
 }
 
@@ -277,16 +278,18 @@ func (a *app) tableConfig(ctx context.Context, missingOK bool) (deduplicator.Tab
 	case "partitioned":
 		tc.Layout = deduplicator.LayoutPartitioned
 	case "auto", "":
-		l, err := deduplicator.TableLayout(ctx, pool, tc)
+		exists, partitioned, err := partition.Partitioned(ctx, pool, ident.Quote(tc.Schema, tc.Table))
 		switch {
-		case errors.Is(err, deduplicator.ErrTableMissing) && missingOK:
-			tc.Layout = deduplicator.LayoutPlain
-		case errors.Is(err, deduplicator.ErrTableMissing):
-			return tc, fmt.Errorf("table %s.%s does not exist (run idemctl migrate up, or check --schema/--table)", tc.Schema, tc.Table)
 		case err != nil:
-			return tc, err
+			return tc, fmt.Errorf("layout of %s.%s: %w", tc.Schema, tc.Table, err)
+		case !exists && missingOK:
+			tc.Layout = deduplicator.LayoutPlain
+		case !exists:
+			return tc, fmt.Errorf("table %s.%s does not exist (run idemctl migrate up, or check --schema/--table)", tc.Schema, tc.Table)
+		case partitioned:
+			tc.Layout = deduplicator.LayoutPartitioned
 		default:
-			tc.Layout = l
+			tc.Layout = deduplicator.LayoutPlain
 		}
 	default:
 		return tc, usageError("--layout %q: want auto, plain or partitioned", a.opts.layout)

@@ -26,9 +26,9 @@ func addCleanerFlags(fs interface {
 }, withNonV7 bool) cleanerFlags {
 	f := cleanerFlags{
 		dryRun:           fs.Bool("dry-run", false, "report what the pass would delete, move, create and drop; change nothing"),
-		batchSize:        fs.Int("batch-size", 0, fmt.Sprintf("rows deleted per transaction (default %d)", deduplicator.DefaultCleanerBatchSize)),
-		statementTimeout: fs.Duration("statement-timeout", 0, fmt.Sprintf("bound on each batch (default %s)", deduplicator.DefaultCleanerStatementTimeout)),
-		ahead:            fs.Int("ahead", 0, fmt.Sprintf("daily partitions kept ready after today's, partitioned layout (default %d)", deduplicator.DefaultPartitionsAhead)),
+		batchSize:        fs.Int("batch-size", 0, "rows deleted per transaction (default 10000)"),
+		statementTimeout: fs.Duration("statement-timeout", 0, "bound on each batch (default 10s)"),
+		ahead:            fs.Int("ahead", 0, "daily partitions kept ready after today's, partitioned layout (default 3)"),
 	}
 	if withNonV7 {
 		f.deleteNonV7 = fs.Bool("delete-non-v7", false, "also delete rows whose event id is not a UUIDv7, by processed_at (plain layout; for consumers with AllowNonV7)")

@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // stringsFlag is a repeatable flag that also takes comma-separated values.
@@ -264,7 +265,7 @@ func dedupConvert(ctx context.Context, a *app, args []string) error {
 	}
 	res, err := deduplicator.ConvertTable(ctx, a.pool, tc, deduplicator.ConvertOptions{ConsumerGroup: *group, DryRun: *dryRun})
 	if err != nil {
-		var terr *deduplicator.TableError
+		var terr *migrate.TableError
 		if errors.As(err, &terr) && !errors.Is(err, deduplicator.ErrTableMissing) {
 			// What the table holds, or an option to set: nothing changed.
 			return &exitError{code: exitUsage, err: fmt.Errorf("%s: %s; fix: %s", terr.Table, convertFix(terr.Problem), convertFix(terr.Fix))}

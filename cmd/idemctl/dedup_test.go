@@ -8,7 +8,6 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 )
 
@@ -23,6 +22,10 @@ type checkJSON struct {
 		ProcessedAt *time.Time `json:"processed_at"`
 	} `json:"groups"`
 }
+
+// partitionsAhead is deduplicator.CleanerConfig.PartitionsAhead's default:
+// the days of partitions after today's that a migration creates.
+const partitionsAhead = 3
 
 func TestDedupCheck(t *testing.T) {
 	t.Parallel()
@@ -113,7 +116,7 @@ func TestDedupStats(t *testing.T) {
 	require.Positive(t, st.Bytes)
 	require.NotNil(t, st.Oldest)
 	require.Len(t, st.Groups, 2)
-	require.Len(t, st.Partitions, deduplicator.DefaultPartitionsAhead+2)
+	require.Len(t, st.Partitions, partitionsAhead+2)
 	require.Equal(t, today, st.Partitions[0].Name)
 	require.EqualValues(t, 2, st.Partitions[0].Rows)
 	require.True(t, st.Partitions[len(st.Partitions)-1].Default)
@@ -190,12 +193,12 @@ func TestPartitions(t *testing.T) {
 		Default bool   `json:"default"`
 	}
 	before := decode[[]part](t, ok(t, db, "partitions", "list", "--json"))
-	require.Len(t, before, deduplicator.DefaultPartitionsAhead+2)
+	require.Len(t, before, partitionsAhead+2)
 
 	c := decode[cleanJSON](t, ok(t, db, "partitions", "maintain", "--ahead", "6", "--dry-run", "--json"))
 	require.True(t, c.DryRun)
 	want := []string{}
-	for i := deduplicator.DefaultPartitionsAhead + 1; i <= 6; i++ {
+	for i := partitionsAhead + 1; i <= 6; i++ {
 		want = append(want, partition.Name("processed_event", now.AddDate(0, 0, i)))
 	}
 	require.ElementsMatch(t, want, c.PartitionsCreated)

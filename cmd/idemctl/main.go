@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -127,7 +128,7 @@ func jsonRequested(args []string) bool {
 // missingTable words a missing table for idemctl's user: which table, and
 // the command that creates it.
 func missingTable(err error) error {
-	var terr *deduplicator.TableError
+	var terr *migrate.TableError
 	if errors.As(err, &terr) && errors.Is(terr, deduplicator.ErrTableMissing) && terr.Problem == "does not exist" {
 		return fmt.Errorf("table %s does not exist (run idemctl migrate up, or check --schema/--table)", terr.Table)
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 )
@@ -141,9 +142,11 @@ func claim(t *testing.T, db *pgtest.DB, group string, register bool, ids ...uuid
 	t.Helper()
 	ctx := context.Background()
 	tc := deduplicator.TableConfig{Schema: db.Schema}
-	layout, err := deduplicator.TableLayout(ctx, db.Pool, tc)
+	_, partitioned, err := partition.Partitioned(ctx, db.Pool, ident.Quote(tc.Schema, "processed_event"))
 	require.NoError(t, err)
-	tc.Layout = layout
+	if partitioned {
+		tc.Layout = deduplicator.LayoutPartitioned
+	}
 	d, err := deduplicator.New(deduplicator.Config{TableConfig: tc, ConsumerGroup: group}, nil)
 	require.NoError(t, err)
 	if register {

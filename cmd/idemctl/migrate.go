@@ -149,12 +149,14 @@ type jsonCheck struct {
 const (
 	onlyUsage   = "`tables` to act on, comma-separated: dedup, outbox, retry (default all)"
 	parkedUsage = "parked-keys `table` of retry topics' KeyOrder, in --schema"
+	// parkedTableDefault is retrytopic.ParkedKeysTable.Table's default.
+	parkedTableDefault = "retry_parked_key"
 )
 
 func migrateStatus(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
 	onlyFlag := fs.String("only", "", onlyUsage)
-	parked := fs.String("parked-table", retrytopic.DefaultTable, parkedUsage)
+	parked := fs.String("parked-table", parkedTableDefault, parkedUsage)
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}
@@ -271,7 +273,7 @@ func (a *app) printSteps(direction migrate.Direction, dryRun bool, steps []migra
 func migrateUp(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
 	onlyFlag := fs.String("only", "", onlyUsage)
-	parked := fs.String("parked-table", retrytopic.DefaultTable, parkedUsage)
+	parked := fs.String("parked-table", parkedTableDefault, parkedUsage)
 	target := fs.Int("target", 0, "apply the versions up to this `version` only (needs --only naming one kind)")
 	retention := fs.String("retention", "", "retention a new processed_event table records (7d, 720h...; default 7d); an existing table's must match")
 	payload := fs.String("payload-type", "", "payload column type of new outbox tables: BYTEA, JSON or JSONB (default BYTEA)")
@@ -365,7 +367,7 @@ func downPlan(st []migrate.MigrationStatus, target int) (plan []migrate.MigrateV
 func migrateDown(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
 	onlyFlag := fs.String("only", "", onlyUsage)
-	parked := fs.String("parked-table", retrytopic.DefaultTable, parkedUsage)
+	parked := fs.String("parked-table", parkedTableDefault, parkedUsage)
 	target := fs.Int("target", 0, "revert the versions above this `version` (default: only the newest of each component)")
 	all := fs.Bool("all", false, "revert every version: drop the tables and their rows")
 	dryRun := fs.Bool("dry-run", false, "list the versions it would revert, change nothing")
@@ -426,7 +428,7 @@ func migrateDown(ctx context.Context, a *app, args []string) error {
 func migrateSQL(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
 	onlyFlag := fs.String("only", "", onlyUsage)
-	parked := fs.String("parked-table", retrytopic.DefaultTable, parkedUsage)
+	parked := fs.String("parked-table", parkedTableDefault, parkedUsage)
 	down := fs.Bool("down", false, "print the down migrations (newest first) instead of the up ones")
 	pending := fs.Bool("pending", false, "only the versions the database has not recorded (connects; without it nothing connects and --layout auto means plain)")
 	payload := fs.String("payload-type", "", "payload column type of the outbox tables: BYTEA, JSON or JSONB (default BYTEA)")

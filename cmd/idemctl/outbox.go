@@ -83,7 +83,7 @@ func outboxPrune(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
 	var forwarders stringsFlag
 	fs.Var(&forwarders, "forwarders", "`names` of every forwarder and watermill-sql subscriber reading the tables: a row is deleted once all of them passed it (default "+outbox.DefaultForwarderName+")")
-	batch := fs.Int("batch-size", 0, fmt.Sprintf("rows per DELETE, each in its own transaction (default %d)", outbox.DefaultDeleteBatch))
+	batch := fs.Int("batch-size", 0, "rows per DELETE, each in its own transaction (default 5000)")
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}

@@ -56,7 +56,7 @@ func poisonFlags(fs *flag.FlagSet, replay bool) (*poisonOptions, func() error) {
 	fs.IntVar(&o.limit, "limit", 0, "stop after this many matching messages (default: no limit)")
 	if replay {
 		fs.BoolVar(&o.dryRun, "dry-run", false, "list what would be replayed, publish nothing")
-		fs.Float64Var(&o.rate, "rate", poison.DefaultRate, "publish at most `N` messages per second; 0 for no limit")
+		fs.Float64Var(&o.rate, "rate", 50, "publish at most `N` messages per second; 0 for no limit")
 	}
 	check := func() error {
 		now := time.Now()

@@ -13,7 +13,7 @@ import (
 // parkedTableFlag adds --parked-table to fs; the returned function gives
 // the table (schema from --schema) after parsing.
 func (a *app) parkedTableFlag(fs *flag.FlagSet) func() (retrytopic.ParkedKeysTable, error) {
-	name := fs.String("parked-table", retrytopic.DefaultTable, "the parked-keys `table` of retrytopic.KeyOrder (in --schema)")
+	name := fs.String("parked-table", parkedTableDefault, "the parked-keys `table` of retrytopic.KeyOrder (in --schema)")
 	return func() (retrytopic.ParkedKeysTable, error) {
 		t := retrytopic.ParkedKeysTable{Schema: a.opts.schema, Table: *name}
 		if _, err := migrate.New(nil, retrytopic.MigrationLine(t)); err != nil {

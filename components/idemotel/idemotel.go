@@ -218,8 +218,8 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.duplicates, int64(s.Duplicates), set)
 		o.ObserveInt64(m.failed, int64(s.Failed), set)
 		o.ObserveInt64(m.claimErrors, int64(s.ClaimErrors), set)
-		for _, r := range s.Rejected.ByReason() {
-			o.ObserveInt64(m.rejected, int64(r.Count), metric.WithAttributeSet(attribute.NewSet(group, otelx.AttrRejectReason.String(r.Reason))))
+		for reason, n := range s.Rejected.ByReason() {
+			o.ObserveInt64(m.rejected, int64(n), metric.WithAttributeSet(attribute.NewSet(group, otelx.AttrRejectReason.String(reason))))
 		}
 		o.ObserveInt64(m.claims, int64(s.ClaimCount), set)
 		o.ObserveFloat64(m.claimTime, s.ClaimDuration.Seconds(), set)

@@ -207,8 +207,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descDuplicates, float64(s.Duplicates), g)
 		counter(descFailed, float64(s.Failed), g)
 		counter(descClaimErrors, float64(s.ClaimErrors), g)
-		for _, r := range s.Rejected.ByReason() {
-			counter(descRejected, float64(r.Count), g, r.Reason)
+		for reason, n := range s.Rejected.ByReason() {
+			counter(descRejected, float64(n), g, reason)
 		}
 		counter(descClaimSec, s.ClaimDuration.Seconds(), g)
 		counter(descClaims, float64(s.ClaimCount), g)

@@ -25,11 +25,11 @@ const MetadataReasonHistory = "reason_poisoned_history"
 
 // Defaults.
 const (
-	// DefaultRate is how many messages per second [Replay] publishes.
-	DefaultRate = 50.0
-	// DefaultIdleTimeout bounds the wait for the next record of a partition
+	// defaultRate is how many messages per second [Replay] publishes.
+	defaultRate = 50.0
+	// defaultIdleTimeout bounds the wait for the next record of a partition
 	// that has not reached the end it had when the read started.
-	DefaultIdleTimeout = 30 * time.Second
+	defaultIdleTimeout = 30 * time.Second
 )
 
 var (

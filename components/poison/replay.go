@@ -35,11 +35,11 @@ type Config struct {
 	// Limit stops after this many matching messages. Defaults to 0: no limit.
 	Limit int
 	// Rate is the most messages published per second. Defaults to
-	// [DefaultRate] (50); negative means no limit.
+	// 50; negative means no limit.
 	Rate float64
 	// IdleTimeout is how long a partition may deliver nothing before it
 	// reached the end it had when the read started ([ErrIncompleteRead]).
-	// Defaults to [DefaultIdleTimeout] (30 s).
+	// Defaults to 30 s.
 	IdleTimeout time.Duration
 	// OnMessageFunc, when set, is called for each matching message, in
 	// order, once it has been replayed (or, in a dry run, listed): a CLI
@@ -52,10 +52,10 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.Rate == 0 {
-		c.Rate = DefaultRate
+		c.Rate = defaultRate
 	}
 	if c.IdleTimeout == 0 {
-		c.IdleTimeout = DefaultIdleTimeout
+		c.IdleTimeout = defaultIdleTimeout
 	}
 	if c.NowFunc == nil {
 		c.NowFunc = time.Now

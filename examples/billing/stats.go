@@ -212,8 +212,8 @@ func (a *auditor) reasons() []string {
 // rejected is the number of messages refused for any reason.
 func rejected(r idem.RejectedStats) uint64 {
 	var n uint64
-	for _, rc := range r.ByReason() {
-		n += rc.Count
+	for _, c := range r.ByReason() {
+		n += c
 	}
 	return n
 }

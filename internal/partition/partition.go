@@ -1,6 +1,6 @@
 // Package partition is the arithmetic of the processed_event table's daily
 // partitions: RANGE bounds on event_id computed from UUIDv7 times, and the
-// partitions' names.
+// partitions' names, and whether a table is partitioned.
 package partition
 
 import (

@@ -8,9 +8,9 @@
 //   - [RequireOutboxMessage] and [RequireNoOutboxMessage] assert that the
 //     outbox holds (or does not hold) a message for a topic, optionally with
 //     a given event id, causation id, metadata and exact count;
-//   - each has a Tx twin, as rivertest's helpers do ([RequireProcessedTx],
-//     [RequireOutboxMessageTx], ...), that asks inside the code under test's
-//     transaction and sees its uncommitted writes;
+//   - each takes a pool (what committed) or, where rivertest has a Tx twin,
+//     the code under test's pgx.Tx (what it sees, its uncommitted writes
+//     included);
 //   - [RunWithRedelivery] delivers one message several times, sequentially and
 //     concurrently, through the dedup middleware (Watermill's Duplicator idea,
 //     but transactional), optionally rolling back the first run after the

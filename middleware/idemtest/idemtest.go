@@ -9,51 +9,28 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// RequireProcessed fails tb unless eventID has a committed claim for group in
-// the processed_event table described by table (zero value:
+// RequireProcessed fails tb unless eventID has a claim for group in the
+// processed_event table described by table (zero value:
 // public.processed_event), i.e. the event was applied by that group. The
 // primary key makes "once" implicit: there can be at most one row per
-// (event, group). [RequireProcessedTx] asks inside a transaction.
-func RequireProcessed(ctx context.Context, tb testing.TB, pool *pgxpool.Pool, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
-	tb.Helper()
-	requireProcessed(ctx, tb, pool, table, group, eventID)
-}
-
-// RequireProcessedTx is [RequireProcessed] inside tx: the claims tx sees,
-// its own uncommitted ones included.
-func RequireProcessedTx(ctx context.Context, tb testing.TB, tx pgx.Tx, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
-	tb.Helper()
-	requireProcessed(ctx, tb, tx, table, group, eventID)
-}
-
-// RequireNotProcessed fails tb if eventID has a committed claim for group.
-func RequireNotProcessed(ctx context.Context, tb testing.TB, pool *pgxpool.Pool, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
-	tb.Helper()
-	requireNotProcessed(ctx, tb, pool, table, group, eventID)
-}
-
-// RequireNotProcessedTx is [RequireNotProcessed] inside tx.
-func RequireNotProcessedTx(ctx context.Context, tb testing.TB, tx pgx.Tx, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
-	tb.Helper()
-	requireNotProcessed(ctx, tb, tx, table, group, eventID)
-}
-
-func requireProcessed(ctx context.Context, tb testing.TB, db migrate.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+// (event, group). db is a pool (committed claims) or the code under test's
+// pgx.Tx (the claims it sees, its own uncommitted ones included).
+func RequireProcessed(ctx context.Context, tb testing.TB, db migrate.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
 	tb.Helper()
 	if !processed(ctx, tb, db, table, group, eventID) {
-		tb.Fatalf("idemtest: event %s was not processed by consumer group %q (no committed row in the processed_event table)", eventID, group)
+		tb.Fatalf("idemtest: event %s was not processed by consumer group %q (no row in the processed_event table)", eventID, group)
 	}
 }
 
-func requireNotProcessed(ctx context.Context, tb testing.TB, db migrate.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
+// RequireNotProcessed fails tb if eventID has a claim for group, as
+// [RequireProcessed] sees them.
+func RequireNotProcessed(ctx context.Context, tb testing.TB, db migrate.DBTX, table deduplicator.TableConfig, group string, eventID uuid.UUID) {
 	tb.Helper()
 	if processed(ctx, tb, db, table, group, eventID) {
 		tb.Fatalf("idemtest: event %s was processed by consumer group %q, expected it not to be", eventID, group)
@@ -75,20 +52,20 @@ func processed(ctx context.Context, tb testing.TB, db migrate.DBTX, table dedupl
 
 // Default values of [RedeliveryOpts].
 const (
-	DefaultDeliveries  = 4
-	DefaultConcurrency = 2
+	defaultDeliveries  = 4
+	defaultConcurrency = 2
 )
 
 // RedeliveryOpts tunes [RunWithRedelivery]. A nil *RedeliveryOpts uses the
 // defaults.
 type RedeliveryOpts struct {
 	// Deliveries is how many times the message is delivered in total.
-	// Defaults to [DefaultDeliveries].
+	// Defaults to 4.
 	Deliveries int
 
 	// Concurrency is how many deliveries race at the same time; deliveries
 	// run in waves of this size (the last one may be smaller). 1 delivers
-	// sequentially. Defaults to [DefaultConcurrency]. The dedup middleware's
+	// sequentially. Defaults to 2. The dedup middleware's
 	// DB must allow that many connections.
 	Concurrency int
 
@@ -107,10 +84,10 @@ func (o *RedeliveryOpts) withDefaults() RedeliveryOpts {
 		r = *o
 	}
 	if r.Deliveries <= 0 {
-		r.Deliveries = DefaultDeliveries
+		r.Deliveries = defaultDeliveries
 	}
 	if r.Concurrency <= 0 {
-		r.Concurrency = DefaultConcurrency
+		r.Concurrency = defaultConcurrency
 	}
 	return r
 }
@@ -134,9 +111,9 @@ type RedeliveryResult struct {
 	InjectedRollbacks int
 }
 
-// ErrInjectedRollback is the error [RunWithRedelivery] returns from the first
+// errInjectedRollback is the error [RunWithRedelivery] returns from the first
 // handler run when RedeliveryOpts.RollbackFirst is set.
-var ErrInjectedRollback = errors.New("idemtest: injected failure after the handler returned (transaction rolled back)")
+var errInjectedRollback = errors.New("idemtest: injected failure after the handler returned (transaction rolled back)")
 
 // RunWithRedelivery delivers copies of msg to h wrapped by dedup's middleware
 // opts.Deliveries times, in concurrent waves, each copy with ctx as its
@@ -168,7 +145,7 @@ func RunWithRedelivery(ctx context.Context, tb testing.TB, dedup *idem.Dedup, h 
 		}
 		if injectOnce.CompareAndSwap(true, false) {
 			injected.Add(1)
-			return nil, ErrInjectedRollback
+			return nil, errInjectedRollback
 		}
 		// Counted before COMMIT; a failed COMMIT returns an error below and
 		// fails the test anyway.
@@ -198,7 +175,7 @@ func RunWithRedelivery(ctx context.Context, tb testing.TB, dedup *idem.Dedup, h 
 				m.SetContext(ctx)
 				<-start
 				_, err := wrapped(m)
-				if err != nil && !errors.Is(err, ErrInjectedRollback) {
+				if err != nil && !errors.Is(err, errInjectedRollback) {
 					mu.Lock()
 					errs = append(errs, err)
 					mu.Unlock()

@@ -161,9 +161,9 @@ func TestRequireProcessedFails(t *testing.T) {
 	require.Contains(t, msg, "not a plain identifier")
 }
 
-// The Tx twins see the transaction's own uncommitted claim; the pool
-// versions see only committed ones.
-func TestRequireProcessedTx(t *testing.T) {
+// Given the transaction, the helpers see its own uncommitted claim; given
+// the pool, only committed ones.
+func TestRequireProcessedInTx(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db, table, dedup := setup(t, "billing")
@@ -174,9 +174,9 @@ func TestRequireProcessedTx(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, first)
 	defer func() { _ = tx.Rollback(ctx) }()
-	idemtest.RequireProcessedTx(ctx, t, tx, table, "billing", id)
-	idemtest.RequireNotProcessedTx(ctx, t, tx, table, "shipping", id)
+	idemtest.RequireProcessed(ctx, t, tx, table, "billing", id)
+	idemtest.RequireNotProcessed(ctx, t, tx, table, "shipping", id)
 	idemtest.RequireNotProcessed(ctx, t, db.Pool, table, "billing", id)
-	msg := expectFatal(t, func(tb testing.TB) { idemtest.RequireNotProcessedTx(ctx, tb, tx, table, "billing", id) })
+	msg := expectFatal(t, func(tb testing.TB) { idemtest.RequireNotProcessed(ctx, tb, tx, table, "billing", id) })
 	require.Contains(t, msg, "expected it not to be")
 }

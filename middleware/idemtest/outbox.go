@@ -9,9 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -52,37 +50,12 @@ func (o *RequireOutboxOpts) matches(m *message.Message) bool {
 	return true
 }
 
-// RequireOutboxMessage fails tb unless ob's table for topic holds a committed
-// message matching opts (exactly opts.Count of them when set), and returns
-// the matching messages in outbox order. [RequireOutboxMessageTx] looks
-// inside the code under test's transaction, uncommitted writes included.
-// Forwarded rows stay in the table, so this also works after the forwarder
-// ran.
-func RequireOutboxMessage(ctx context.Context, tb testing.TB, pool *pgxpool.Pool, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
-	tb.Helper()
-	return requireOutboxMessage(ctx, tb, pool, ob, topic, opts)
-}
-
-// RequireOutboxMessageTx is [RequireOutboxMessage] inside tx.
-func RequireOutboxMessageTx(ctx context.Context, tb testing.TB, tx pgx.Tx, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
-	tb.Helper()
-	return requireOutboxMessage(ctx, tb, tx, ob, topic, opts)
-}
-
-// RequireNoOutboxMessage fails tb if ob's table for topic holds a committed
-// message matching opts.
-func RequireNoOutboxMessage(ctx context.Context, tb testing.TB, pool *pgxpool.Pool, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
-	tb.Helper()
-	requireNoOutboxMessage(ctx, tb, pool, ob, topic, opts)
-}
-
-// RequireNoOutboxMessageTx is [RequireNoOutboxMessage] inside tx.
-func RequireNoOutboxMessageTx(ctx context.Context, tb testing.TB, tx pgx.Tx, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
-	tb.Helper()
-	requireNoOutboxMessage(ctx, tb, tx, ob, topic, opts)
-}
-
-func requireOutboxMessage(ctx context.Context, tb testing.TB, db migrate.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
+// RequireOutboxMessage fails tb unless ob's table for topic holds a message
+// matching opts (exactly opts.Count of them when set), and returns the
+// matching messages in outbox order. db is a pool (committed messages) or
+// the code under test's pgx.Tx (its uncommitted writes included). Forwarded
+// rows stay in the table, so this also works after the forwarder ran.
+func RequireOutboxMessage(ctx context.Context, tb testing.TB, db migrate.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) []*message.Message {
 	tb.Helper()
 	all := outboxMessages(ctx, tb, db, ob, topic)
 	var match []*message.Message
@@ -104,7 +77,9 @@ func requireOutboxMessage(ctx context.Context, tb testing.TB, db migrate.DBTX, o
 	return match
 }
 
-func requireNoOutboxMessage(ctx context.Context, tb testing.TB, db migrate.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
+// RequireNoOutboxMessage fails tb if ob's table for topic holds a message
+// matching opts, as [RequireOutboxMessage] sees them.
+func RequireNoOutboxMessage(ctx context.Context, tb testing.TB, db migrate.DBTX, ob *outbox.Outbox, topic string, opts *RequireOutboxOpts) {
 	tb.Helper()
 	n := 0
 	for _, m := range outboxMessages(ctx, tb, db, ob, topic) {

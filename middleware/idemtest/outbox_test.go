@@ -77,12 +77,12 @@ func TestRequireOutboxMessageFails(t *testing.T) {
 	m := message.NewMessage(uuid.NewString(), []byte(`{}`))
 	m.Metadata.Set(publisher.MetadataEventID, id.String())
 	require.NoError(t, ob.PublishInTx(ctx, tx, "invoices", m, m.Copy()))
-	idemtest.RequireOutboxMessageTx(ctx, t, tx, ob, "invoices", &idemtest.RequireOutboxOpts{EventID: id, Count: 2})
+	idemtest.RequireOutboxMessage(ctx, t, tx, ob, "invoices", &idemtest.RequireOutboxOpts{EventID: id, Count: 2})
 	idemtest.RequireNoOutboxMessage(ctx, t, db.Pool, ob, "invoices", nil)
 	msg = expectFatal(t, func(tb testing.TB) {
-		idemtest.RequireOutboxMessageTx(ctx, tb, tx, ob, "invoices", &idemtest.RequireOutboxOpts{EventID: id, Count: 1})
+		idemtest.RequireOutboxMessage(ctx, tb, tx, ob, "invoices", &idemtest.RequireOutboxOpts{EventID: id, Count: 1})
 	})
 	require.Contains(t, msg, "want 1")
-	msg = expectFatal(t, func(tb testing.TB) { idemtest.RequireNoOutboxMessageTx(ctx, tb, tx, ob, "invoices", nil) })
+	msg = expectFatal(t, func(tb testing.TB) { idemtest.RequireNoOutboxMessage(ctx, tb, tx, ob, "invoices", nil) })
 	require.Contains(t, msg, "want none")
 }

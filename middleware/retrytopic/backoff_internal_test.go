@@ -22,7 +22,7 @@ func TestBackoffDelay(t *testing.T) {
 
 	var d Backoff
 	d.setDefaults()
-	require.Equal(t, Backoff{Initial: DefaultInitialDelay, Multiplier: DefaultMultiplier, Max: DefaultMaxDelay, Jitter: DefaultJitter}, d)
+	require.Equal(t, Backoff{Initial: defaultInitialDelay, Multiplier: defaultMultiplier, Max: defaultMaxDelay, Jitter: defaultJitter}, d)
 	for range 1000 {
 		got := d.Delay(2)
 		require.GreaterOrEqual(t, got, 1600*time.Millisecond)

@@ -19,22 +19,22 @@ import (
 
 // Defaults.
 const (
-	// DefaultMaxAttempts is how many times a transient failure is tried
+	// defaultMaxAttempts is how many times a transient failure is tried
 	// again from a retry topic before it is poisoned.
-	DefaultMaxAttempts = 3
-	// DefaultInitialDelay is the backoff before the first retry-topic attempt.
-	DefaultInitialDelay = time.Second
-	// DefaultMultiplier multiplies the delay from one attempt to the next.
-	DefaultMultiplier = 2.0
-	// DefaultMaxDelay caps a delay (before jitter).
-	DefaultMaxDelay = 5 * time.Minute
-	// DefaultJitter spreads each delay by ±20 %.
-	DefaultJitter = 0.2
+	defaultMaxAttempts = 3
+	// defaultInitialDelay is the backoff before the first retry-topic attempt.
+	defaultInitialDelay = time.Second
+	// defaultMultiplier multiplies the delay from one attempt to the next.
+	defaultMultiplier = 2.0
+	// defaultMaxDelay caps a delay (before jitter).
+	defaultMaxDelay = 5 * time.Minute
+	// defaultJitter spreads each delay by ±20 %.
+	defaultJitter = 0.2
 	// NoJitter, as [Backoff.Jitter], turns the jitter off (0 means the default).
-	NoJitter = -1.0
-	// DefaultSchema and DefaultTable name the parked-keys table of [KeyOrder].
-	DefaultSchema = "public"
-	DefaultTable  = "retry_parked_key"
+	NoJitter      = -1.0
+	defaultSchema = "public"
+	// defaultTable names the parked-keys table of [KeyOrder].
+	defaultTable = "retry_parked_key"
 )
 
 // Backoff is the delay before each retry-topic attempt: Initial ×
@@ -43,30 +43,30 @@ const (
 // outage) does not come back all at once. The zero value is the default:
 // 1 s, 2 s, 4 s … up to 5 min, ±20 %.
 type Backoff struct {
-	// Initial is the delay before attempt 1. Defaults to [DefaultInitialDelay] (1 s).
+	// Initial is the delay before attempt 1. Defaults to 1 s.
 	Initial time.Duration
 	// Multiplier is applied from one attempt to the next; at least 1.
-	// Defaults to [DefaultMultiplier] (2).
+	// Defaults to 2.
 	Multiplier float64
-	// Max caps the delay before jitter. Defaults to [DefaultMaxDelay] (5 min).
+	// Max caps the delay before jitter. Defaults to 5 min.
 	Max time.Duration
 	// Jitter is the relative spread, between 0 and 1, or [NoJitter].
-	// Defaults to [DefaultJitter] (0.2).
+	// Defaults to 0.2.
 	Jitter float64
 }
 
 func (b *Backoff) setDefaults() {
 	if b.Initial == 0 {
-		b.Initial = DefaultInitialDelay
+		b.Initial = defaultInitialDelay
 	}
 	if b.Multiplier == 0 {
-		b.Multiplier = DefaultMultiplier
+		b.Multiplier = defaultMultiplier
 	}
 	if b.Max == 0 {
-		b.Max = DefaultMaxDelay
+		b.Max = defaultMaxDelay
 	}
 	if b.Jitter == 0 {
-		b.Jitter = DefaultJitter
+		b.Jitter = defaultJitter
 	}
 }
 
@@ -135,7 +135,7 @@ type Config struct {
 
 	// MaxAttempts is how many retry-topic attempts follow the first
 	// processing (after the in-process Retry of each). Defaults to
-	// [DefaultMaxAttempts] (3).
+	// 3.
 	MaxAttempts int
 
 	// Backoff sets the delay before each attempt. Defaults to the zero
@@ -197,10 +197,10 @@ type ParkedKeysTable struct {
 
 func (t *ParkedKeysTable) setDefaults() {
 	if t.Schema == "" {
-		t.Schema = DefaultSchema
+		t.Schema = defaultSchema
 	}
 	if t.Table == "" {
-		t.Table = DefaultTable
+		t.Table = defaultTable
 	}
 }
 
@@ -219,7 +219,7 @@ func (t ParkedKeysTable) validate() error {
 
 func (c *Config) setDefaults() {
 	if c.MaxAttempts == 0 {
-		c.MaxAttempts = DefaultMaxAttempts
+		c.MaxAttempts = defaultMaxAttempts
 	}
 	c.Backoff.setDefaults()
 	if c.IsPermanentFunc == nil {

@@ -65,7 +65,7 @@ func TestNewRefusesUnmigratedParkedKeysTable(t *testing.T) {
 	cfg := retrytopic.Config{Publisher: pub, Topics: []string{"r"}, PoisonTopic: "p",
 		KeyOrder: &retrytopic.KeyOrder{DB: db.Pool, Outbox: outboxDummy{}, ConsumerGroup: "g", Table: retrytopic.ParkedKeysTable{Schema: db.Schema}}}
 	_, err := retrytopic.New(cfg, nil)
-	require.ErrorIs(t, err, retrytopic.ErrNotMigrated)
+	require.ErrorIs(t, err, migrate.ErrMigrationsPending)
 
 	tbl := retrytopic.ParkedKeysTable{Schema: db.Schema}
 	require.NoError(t, migrate.Up(context.Background(), db.Pool, retrytopic.MigrationLine(tbl)))

@@ -5,6 +5,7 @@ import (
 	"fmt"
 )
 
+// The errors of this package; match them with errors.Is.
 var (
 	// ErrAttemptsExhausted: a transient failure outlasted the last
 	// retry-topic attempt; the message was poisoned. [ExhaustedError]
@@ -14,9 +15,12 @@ var (
 	// retry headers or has malformed ones; it is poisoned without running
 	// the handler.
 	ErrInvalidHeaders = errors.New("invalid retry headers")
-	// ErrNotMigrated: [New] found the parked-keys table of [KeyOrder]
-	// missing or with pending migrations; migrate [MigrationLine] up.
-	ErrNotMigrated = errors.New("parked-keys table not migrated")
+	// ErrKeyNotParked: [Unblock] found no parked event of the key.
+	ErrKeyNotParked = errors.New("key not parked")
+	// ErrNoStoredMessage: [Unblock] cannot send the key's first event
+	// again, its row keeps no message (it was parked before the table kept
+	// messages); use UnblockOpts.Skip.
+	ErrNoStoredMessage = errors.New("parked event has no stored message")
 )
 
 // ExhaustedError is the reason given to a message poisoned because its

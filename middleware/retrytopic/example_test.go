@@ -158,7 +158,7 @@ func ExampleMigrationLine() {
 	if err := migrate.Up(ctx, pool, retrytopic.MigrationLine(table)); err != nil {
 		panic(err)
 	}
-	parked, err := retrytopic.ListParked(ctx, pool, table, "billing")
+	parked, err := retrytopic.ParkedKeys(ctx, pool, table, "billing", 0)
 	fmt.Println(len(parked), err)
 	render, _ := migrate.New(nil, retrytopic.MigrationLine(table))
 	migs, _ := render.Migrations()

@@ -21,7 +21,7 @@ func componentKey(t ParkedKeysTable) string { return component + ":" + t.Table }
 // MigrationLine returns the migration line of the parked-keys table t of
 // [KeyOrder], for a migrate.Migrator: its versions are recorded under the
 // component retry_parked_key:<table>. [New] refuses a table whose versions
-// are not all recorded ([ErrNotMigrated]). An invalid t is returned by
+// are not all recorded (migrate.ErrMigrationsPending). An invalid t is returned by
 // migrate.New.
 func MigrationLine(t ParkedKeysTable) migrate.Line {
 	t.setDefaults()
@@ -55,7 +55,9 @@ func checkMigrated(ctx context.Context, db migrate.Beginner, t ParkedKeysTable) 
 		for i, p := range res.Pending {
 			versions[i] = p.Version
 		}
-		return fmt.Errorf("retrytopic: %w: %s.%s has pending versions %v (migrate retrytopic.MigrationLine up): %w", ErrNotMigrated, t.Schema, t.Table, versions, migrate.ErrMigrationsPending)
+		return &migrate.TableError{Component: "retrytopic", Table: t.Schema + "." + t.Table, Err: migrate.ErrMigrationsPending,
+			Problem: fmt.Sprintf("the parked-keys table has pending versions %v", versions),
+			Fix:     "migrate retrytopic.MigrationLine(table) up at start-up (a migrate.Migrator, or its rendered Migrations in your migration tool)"}
 	}
 	return nil
 }

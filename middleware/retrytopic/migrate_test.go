@@ -45,13 +45,13 @@ func TestMigrator(t *testing.T) {
 
 	// Version 2 refuses to go down while an event waits in the table with
 	// its message only (version 1 would lose it).
-	db.Exec(t, `INSERT INTO `+pgx.Identifier{db.Schema, retrytopic.DefaultTable}.Sanitize()+
+	db.Exec(t, `INSERT INTO `+pgx.Identifier{db.Schema, "retry_parked_key"}.Sanitize()+
 		` (consumer_group, partition_key, event_id, payload, metadata) VALUES ('g', 'k', gen_random_uuid(), '', '{}')`)
 	_, err = m.Migrate(ctx, migrate.DirectionDown, nil)
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr)
 	require.Equal(t, pgerrcode.ObjectInUse, pgErr.Code)
-	db.Exec(t, `DELETE FROM `+pgx.Identifier{db.Schema, retrytopic.DefaultTable}.Sanitize())
+	db.Exec(t, `DELETE FROM `+pgx.Identifier{db.Schema, "retry_parked_key"}.Sanitize())
 
 	res, err = m.Migrate(ctx, migrate.DirectionDown, &migrate.MigrateOpts{TargetVersion: -1})
 	require.NoError(t, err)

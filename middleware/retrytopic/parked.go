@@ -15,51 +15,17 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// ParkedEvent is one row of the parked-keys table.
-type ParkedEvent struct {
-	ConsumerGroup string    `json:"consumer_group"`
-	Key           string    `json:"key"`
-	EventID       uuid.UUID `json:"event_id"`
-	// Seq orders the events of a key: the lowest is the one the others
-	// wait for.
-	Seq int64 `json:"seq"`
-	// Topic and NotBefore tell where the event's copy waits on the retry
-	// path. Topic is "" while the event waits in the table, behind the
-	// first event of its key.
-	Topic     string    `json:"topic"`
-	NotBefore time.Time `json:"not_before"`
-	ParkedAt  time.Time `json:"parked_at"`
-}
-
-// ListParked returns the parked events of consumerGroup (of every group
-// when ""), by key and in order.
-func ListParked(ctx context.Context, db migrate.DBTX, t ParkedKeysTable, consumerGroup string) ([]ParkedEvent, error) {
+// checkParkedArgs validates the table and the consumer group the parked-keys
+// functions take.
+func checkParkedArgs(t *ParkedKeysTable, consumerGroup string) error {
 	t.setDefaults()
 	if err := t.validate(); err != nil {
-		return nil, fmt.Errorf("retrytopic: %w", err)
+		return fmt.Errorf("retrytopic: %w", err)
 	}
 	if err := deduplicator.ValidateGroupName("consumerGroup", consumerGroup); err != nil {
-		return nil, fmt.Errorf("retrytopic: %w", err)
+		return fmt.Errorf("retrytopic: %w", err)
 	}
-	rows, err := db.Query(ctx, `SELECT consumer_group, partition_key, event_id, seq, COALESCE(topic, ''), not_before, parked_at
-FROM `+ident.Quote(t.Schema, t.Table)+` WHERE $1 = '' OR consumer_group = $1
-ORDER BY consumer_group, partition_key, seq`, consumerGroup)
-	if err != nil {
-		return nil, fmt.Errorf("retrytopic: list parked keys: %w", err)
-	}
-	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (ParkedEvent, error) {
-		var p ParkedEvent
-		var nb *time.Time
-		err := row.Scan(&p.ConsumerGroup, &p.Key, &p.EventID, &p.Seq, &p.Topic, &nb, &p.ParkedAt)
-		if nb != nil {
-			p.NotBefore = *nb
-		}
-		return p, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("retrytopic: list parked keys: %w", err)
-	}
-	return out, nil
+	return nil
 }
 
 // ParkedKey is one parked key: its first event, on the retry path, and the
@@ -120,9 +86,8 @@ func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Se
 // ParkedKeys returns the parked keys of consumerGroup (of every group when
 // ""), the longest queues first, at most limit (0: all).
 func ParkedKeys(ctx context.Context, db migrate.DBTX, t ParkedKeysTable, consumerGroup string, limit int) ([]ParkedKey, error) {
-	t.setDefaults()
-	if err := t.validate(); err != nil {
-		return nil, fmt.Errorf("retrytopic: %w", err)
+	if err := checkParkedArgs(&t, consumerGroup); err != nil {
+		return nil, err
 	}
 	q := parkedCTE(ident.Quote(t.Schema, t.Table)) + `SELECT k.consumer_group, k.partition_key, k.n, h.event_id, COALESCE(h.topic, ''), h.not_before,
 	` + overdueSQL + `, extract(epoch FROM now() - k.oldest)::float8
@@ -158,9 +123,8 @@ ORDER BY k.n DESC, k.oldest, k.consumer_group, k.partition_key`
 // parked keys (of consumerGroup only, unless ""), by group, in one query.
 // The exporters report it as gauges.
 func SummarizeParked(ctx context.Context, db migrate.DBTX, t ParkedKeysTable, consumerGroup string) ([]ParkedSummary, error) {
-	t.setDefaults()
-	if err := t.validate(); err != nil {
-		return nil, fmt.Errorf("retrytopic: %w", err)
+	if err := checkParkedArgs(&t, consumerGroup); err != nil {
+		return nil, err
 	}
 	rows, err := db.Query(ctx, parkedCTE(ident.Quote(t.Schema, t.Table))+`SELECT k.consumer_group, count(*), sum(k.n)::bigint, max(k.n),
 	extract(epoch FROM now() - min(k.oldest))::float8, max(`+overdueSQL+`)
@@ -181,15 +145,6 @@ GROUP BY k.consumer_group ORDER BY k.consumer_group`, consumerGroup)
 	}
 	return out, nil
 }
-
-var (
-	// ErrKeyNotParked: [Unblock] found no parked event of the key.
-	ErrKeyNotParked = errors.New("key not parked")
-	// ErrNoStoredMessage: [Unblock] cannot send the key's first event
-	// again, its row keeps no message (it was parked before the table kept
-	// messages); use UnblockOpts.Skip.
-	ErrNoStoredMessage = errors.New("parked event has no stored message")
-)
 
 // UnblockOpts tells [Unblock] what to do with a key's first event.
 type UnblockOpts struct {
@@ -240,8 +195,8 @@ func Unblock(ctx context.Context, db migrate.Beginner, ob idem.OutboxWriter, t P
 	case consumerGroup == "" || key == "":
 		return nil, errors.New("retrytopic: Unblock: consumerGroup and key are required")
 	}
-	if err := t.validate(); err != nil {
-		return nil, fmt.Errorf("retrytopic: %w", err)
+	if err := checkParkedArgs(&t, consumerGroup); err != nil {
+		return nil, err
 	}
 	o := &keyOrder{cfg: KeyOrder{DB: db, ConsumerGroup: consumerGroup, Table: t, Outbox: ob}, now: time.Now}
 	res := &UnblockResult{}

@@ -28,7 +28,8 @@ type RetryTopic struct {
 }
 
 // New validates cfg and returns the middleware. With [Config.KeyOrder] it
-// checks that the parked-keys table is migrated ([ErrNotMigrated] if not).
+// checks that the parked-keys table is migrated (a *migrate.TableError
+// wrapping migrate.ErrMigrationsPending if not).
 func New(cfg Config, logger watermill.LoggerAdapter) (*RetryTopic, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {

@@ -82,7 +82,7 @@ func TestKeyOrderCopyConsumedBeforeItsParkCommits(t *testing.T) {
 	tx, err := db.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = tx.Exec(ctx, `INSERT INTO `+pgx.Identifier{db.Schema, retrytopic.DefaultTable}.Sanitize()+
+	_, err = tx.Exec(ctx, `INSERT INTO `+pgx.Identifier{db.Schema, "retry_parked_key"}.Sanitize()+
 		` (consumer_group, partition_key, event_id, topic, not_before) VALUES ($1, $2, $3, $4, now())`, group, key, id, retryTopic)
 	require.NoError(t, err)
 	cp := message.NewMessage(uuid.NewString(), []byte(`{}`))

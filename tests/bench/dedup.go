@@ -77,7 +77,7 @@ func newDedupRig(ctx context.Context, o Options, prefix string, maxConns int32, 
 		_, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload)))
 		return nil, err
 	}
-	table.Table = deduplicator.DefaultTable
+	table.Table = "processed_event" // TableConfig.Table's default
 	return &dedupRig{db: db, table: table, dedup: d, handler: handler, plain: plainTx(db.Pool)(handler), deduped: d.Middleware(handler)}, nil
 }
 

@@ -41,6 +41,9 @@ const (
 	// publishedAtKey carries the time the handler published the event to
 	// the outbox (inside the dedup transaction, before its COMMIT).
 	publishedAtKey = "bench_published_at"
+	// e2eDefaultPollInterval is outbox.ForwarderConfig.PollInterval's
+	// default.
+	e2eDefaultPollInterval = 100 * time.Millisecond
 )
 
 // e2eRig is the broker, the database and the input topic shared by every
@@ -677,7 +680,7 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 		"publish to the input topic to the same arrival. With the forwarder's defaults (it polls: 1 ms after a read that found rows, doubling "+
 		"after each empty one up to PollInterval %s, and writes in the same process wake it), the same while a transaction holds an id open in "+
 		"another database of the server for the whole measurement, and with the NOTIFY wake-up on commit:\n\n",
-		liveN, liveRate, warmupEvents, outbox.DefaultPollInterval)
+		liveN, liveRate, warmupEvents, e2eDefaultPollInterval)
 	b.WriteString(Table([]string{"forwarder", "publish→Kafka p50", "publish→Kafka p99", "end to end p50", "end to end p99", ""}, latRows))
 	var seen []string
 	for _, h := range holders {

@@ -27,7 +27,9 @@ func init() { Register("forwarder", forwarderThroughput) }
 const (
 	fwdPartitions = 4
 	fwdAggregates = 50
-	fwdBatch      = outbox.DefaultBatchSize
+	fwdBatch      = 1000 // outbox.ForwarderConfig.BatchSize's default
+	// fwdBatchesPerTx is outbox.ForwarderConfig.BatchesPerTransaction's default.
+	fwdBatchesPerTx = 4
 )
 
 // fwdRig holds the broker, the database and the producers shared by the
@@ -250,7 +252,7 @@ func forwarderThroughput(ctx context.Context, o Options) (Section, error) {
 		run  func(context.Context) (float64, error)
 	}{
 		{"raw idempotent Sarama SyncProducer, one SendMessages call (baseline)", func(ctx context.Context) (float64, error) { return r.raw(ctx, n) }},
-		{fmt.Sprintf("raw idempotent Sarama SyncProducer, SendMessages per %d (the relay's batch)", outbox.DefaultBatchSize), func(ctx context.Context) (float64, error) { return r.raw(ctx, outbox.DefaultBatchSize) }},
+		{fmt.Sprintf("raw idempotent Sarama SyncProducer, SendMessages per %d (the relay's batch)", fwdBatch), func(ctx context.Context) (float64, error) { return r.raw(ctx, fwdBatch) }},
 		{"watermill-sql Subscriber → watermill-kafka Publisher, one message at a time", r.watermill},
 		{"outbox.Forwarder, Publisher = watermill-kafka (batched reads, one send per message)", func(ctx context.Context) (float64, error) { return r.relay(ctx, r.wmPub) }},
 		{"outbox.Forwarder, Producer = SyncProducer (batching relay, SendMessages per batch)", func(ctx context.Context) (float64, error) { return r.relay(ctx, nil) }},
@@ -286,7 +288,7 @@ func forwarderThroughput(ctx context.Context, o Options) (Section, error) {
 		"marshalled beforehand, straight from memory. The Forwarder runs with its defaults (BatchSize %d, BatchesPerTransaction %d); the watermill-sql "+
 		"subscriber reads %d rows per query. %d rounds, order rotated each round; ratio = subject / baseline of the same round. "+
 		"The one-call baseline is the producer's ceiling; the batched one is what any relay sending batches of that size synchronously could reach.\n\n",
-		n, fwdAggregates, fwdPartitions, kafkaDesc(o.Brokers), outbox.DefaultBatchSize, outbox.DefaultBatchesPerTransaction, fwdBatch, rounds)
+		n, fwdAggregates, fwdPartitions, kafkaDesc(o.Brokers), fwdBatch, fwdBatchesPerTx, fwdBatch, rounds)
 	b.WriteString(Table([]string{"path", "msg/s median (min–max)", "ratio to raw producer (one call)", "ratio to raw producer (batched)"}, rows))
 	return Section{Title: "Outbox forwarder vs raw idempotent producer", Markdown: b.String()}, nil
 }

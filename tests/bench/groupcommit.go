@@ -37,6 +37,14 @@ var gcPartitions = []int32{8, 32}
 const gcPoolConns = 40
 
 // gcMode is one way of running the middleware: cfg nil is single mode.
+// The defaults of idem.GroupCommitConfig (its field docs), for the
+// arithmetic and the description of the modes.
+const (
+	gcDefaultMaxMessages = 64
+	gcDefaultMaxWait     = 5 * time.Millisecond
+	gcDefaultConcurrency = 4
+)
+
 type gcMode struct {
 	name string
 	cfg  *idem.GroupCommitConfig
@@ -47,7 +55,7 @@ type gcMode struct {
 // Concurrency, so that the partitions' messages in flight fill Concurrency
 // groups at once.
 func gcModes(parts int32) []gcMode {
-	c := idem.DefaultGroupConcurrency
+	c := gcDefaultConcurrency
 	m := max(1, int(parts)/c)
 	return []gcMode{
 		{"single", nil},
@@ -203,8 +211,8 @@ func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 			// the handlers before it in its group, then the COMMIT).
 			// A shorter MaxWait shortens the wait for a group that does
 			// not fill (MaxWait/5 without a newcomer).
-			latModes := append(slices.Clone(modes), gcMode{fmt.Sprintf("group, MaxMessages %d, MaxWait 1ms", parts/int32(idem.DefaultGroupConcurrency)),
-				&idem.GroupCommitConfig{MaxMessages: int(parts) / idem.DefaultGroupConcurrency, MaxWait: time.Millisecond}})
+			latModes := append(slices.Clone(modes), gcMode{fmt.Sprintf("group, MaxMessages %d, MaxWait 1ms", parts/int32(gcDefaultConcurrency)),
+				&idem.GroupCommitConfig{MaxMessages: int(parts) / gcDefaultConcurrency, MaxWait: time.Millisecond}})
 			loads := []float64{200, Summarise(rates[0]).Median / 2}
 			if o.Short {
 				loads = loads[:1]
@@ -256,7 +264,7 @@ func groupCommitE2E(ctx context.Context, o Options) (Section, error) {
 		"Concurrency. Pool of %d connections in every mode. Each round drains a backlog of %d events with a new consumer group; %d rounds, "+
 		"the modes' order rotated each round; ratio = group / single of the same round; rates from the first handled event to the last "+
 		"committed one, or to the last forwarded record read back. Mean group size = GroupedMessages / Groups of the middleware's Stats.\n\n",
-		gcPartitions[0], gcPartitions[1], idem.DefaultGroupMaxMessages, idem.DefaultGroupMaxWait, idem.DefaultGroupConcurrency, gcPoolConns, n, rounds)
+		gcPartitions[0], gcPartitions[1], gcDefaultMaxMessages, gcDefaultMaxWait, gcDefaultConcurrency, gcPoolConns, n, rounds)
 	fmt.Fprintf(&b, "Where the time goes at 32 partitions (totals over the same rounds). Each partition has one message in flight, so "+
 		"msg/s = 32 / (time in the middleware + time outside it per message: the ack, the offset, the next message through Sarama and the "+
 		"router, with the broker in the same process). CPU per message is the pipeline's whole share: server = the PostgreSQL backends of "+
@@ -491,7 +499,7 @@ func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {
 		plainWorkers := func(v *variant, size float64) int {
 			c := v.cfg.Concurrency
 			if c == 0 {
-				c = idem.DefaultGroupConcurrency
+				c = gcDefaultConcurrency
 			}
 			return min(c, max(1, int(float64(w)/size+0.5)))
 		}

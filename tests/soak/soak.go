@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -576,7 +577,7 @@ BEGIN
     INSERT INTO soak_park_log (op, grp, k, event_id, seq, topic) VALUES (TG_OP, r.consumer_group, r.partition_key, r.event_id, r.seq, COALESCE(r.topic, ''));
     RETURN r;
 END $$;
-CREATE TRIGGER soak_park_log AFTER INSERT OR UPDATE OR DELETE ON `+pgx.Identifier{h.parked.Schema, retrytopic.DefaultTable}.Sanitize()+`
+CREATE TRIGGER soak_park_log AFTER INSERT OR UPDATE OR DELETE ON `+pgx.Identifier{h.parked.Schema, "retry_parked_key"}.Sanitize()+`
     FOR EACH ROW EXECUTE FUNCTION soak_park_log();`); err != nil {
 		return fmt.Errorf("create soak_park_log: %w", err)
 	}
@@ -824,15 +825,25 @@ func (h *harness) logStuck(ctx context.Context) {
 			n, _ := h.records(t)
 			h.logf("stuck: %s lag %d on %s of %d records (%v)", retryGroup(g.name, i), lag, t, n, err)
 		}
-		parked, err := retrytopic.ListParked(ctx, h.admin, h.parked, g.name)
-		h.logf("stuck: %s: %d parked events (%v)", g.name, len(parked), err)
-		for i, p := range parked {
-			if i == 20 {
-				break
-			}
-			var seq, fail int
-			_ = h.admin.QueryRow(ctx, `SELECT seq, fail FROM soak_event WHERE event_id = $1`, p.EventID).Scan(&seq, &fail)
-			h.logf("stuck:   %s key=%s seq=%d fail=%d event=%s topic=%s not_before=%s parked_at=%s", g.name, p.Key, seq, fail, p.EventID, p.Topic, p.NotBefore.Format(time.RFC3339Nano), p.ParkedAt.Format(time.RFC3339Nano))
+		n, err := h.parkedEvents(ctx, g.name)
+		h.logf("stuck: %s: %d parked events (%v)", g.name, n, err)
+		rows, err := h.admin.Query(ctx, `SELECT p.partition_key, p.event_id, COALESCE(p.topic, ''), p.not_before, p.parked_at, e.seq, e.fail
+FROM `+pgx.Identifier{h.parked.Schema, "retry_parked_key"}.Sanitize()+` p LEFT JOIN soak_event e USING (event_id)
+WHERE p.consumer_group = $1 ORDER BY p.partition_key, p.seq LIMIT 20`, g.name)
+		if err == nil {
+			var (
+				key, topic          string
+				id                  uuid.UUID
+				notBefore, parkedAt *time.Time
+				seq, fail           *int
+			)
+			_, err = pgx.ForEachRow(rows, []any{&key, &id, &topic, &notBefore, &parkedAt, &seq, &fail}, func() error {
+				h.logf("stuck:   %s key=%s seq=%v fail=%v event=%s topic=%s not_before=%v parked_at=%v", g.name, key, deref(seq), deref(fail), id, topic, deref(notBefore), deref(parkedAt))
+				return nil
+			})
+		}
+		if err != nil {
+			h.logf("stuck: %s: parked events: %v", g.name, err)
 		}
 	}
 }
@@ -852,9 +863,17 @@ func (h *harness) dlqMissing() (missing []string, sent int) {
 
 // parkedEvents counts group's rows in the parked-keys table: events on the
 // retry path, and the later events of their keys that follow them.
-func (h *harness) parkedEvents(ctx context.Context, group string) (int, error) {
-	p, err := retrytopic.ListParked(ctx, h.admin, h.parked, group)
-	return len(p), err
+func (h *harness) parkedEvents(ctx context.Context, group string) (n int, err error) {
+	err = h.admin.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{h.parked.Schema, "retry_parked_key"}.Sanitize()+` WHERE consumer_group = $1`, group).Scan(&n)
+	return n, err
+}
+
+// deref shows a nullable column: its value, or NULL.
+func deref[T any](p *T) any {
+	if p == nil {
+		return "NULL"
+	}
+	return *p
 }
 
 func (h *harness) newProducer(ctx context.Context) (producer, error) {

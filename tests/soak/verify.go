@@ -5,8 +5,6 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 )
 
 // verify checks the invariants and fills the report.
@@ -69,7 +67,7 @@ func (h *harness) verify(ctx context.Context) error {
 			{"per-aggregate order breaks (seq not previous+1 in apply order)", `SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY aggregate ORDER BY applied) AS prev FROM soak_ledger WHERE grp = $1) x WHERE seq <> coalesce(prev, 0) + 1`},
 			{"events without a processed_event row", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND p.event_id = e.event_id)`},
 			{"events that did not fail as often as planned", `SELECT count(*) FROM soak_event e LEFT JOIN soak_failure f ON f.grp = $1 AND f.event_id = e.event_id WHERE coalesce(f.failures, 0) <> e.fail`},
-			{"events left parked on the retry path (retry_parked_key rows)", `SELECT count(*) FROM ` + pgx.Identifier{h.parked.Schema, retrytopic.DefaultTable}.Sanitize() + ` WHERE consumer_group = $1`},
+			{"events left parked on the retry path (retry_parked_key rows)", `SELECT count(*) FROM ` + pgx.Identifier{h.parked.Schema, "retry_parked_key"}.Sanitize() + ` WHERE consumer_group = $1`},
 			{"processed_event rows without a ledger row", `SELECT count(*) FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = p.event_id)`},
 		}
 		for _, c := range checks {
