@@ -540,10 +540,11 @@ func percentile(xs []time.Duration, p float64) time.Duration {
 }
 
 func endToEnd(ctx context.Context, o Options) (Section, error) {
-	n, rounds, liveN, fwdWait := 6000, 3, 2000, 10*time.Second
+	n, rounds, liveN, slowN, fwdWait := 6000, 3, 2000, 200, 10*time.Second
 	if o.Short {
-		n, rounds, liveN, fwdWait = 1500, 2, 500, 5*time.Second
+		n, rounds, liveN, slowN, fwdWait = 1500, 2, 500, 60, 5*time.Second
 	}
+	const slowRate = 20
 	r, err := newE2ERig(ctx, o, n)
 	if err != nil {
 		return Section{}, err
@@ -616,10 +617,12 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 		name   string
 		notify bool
 		hold   bool
+		slow   bool
 	}{
-		{"defaults", false, false},
-		{"defaults, a transaction holding an id open in another database all along", false, true},
-		{"notify trigger enabled, Listen", true, false},
+		{"defaults", false, false, false},
+		{"defaults, a transaction holding an id open in another database all along", false, true, false},
+		{"notify trigger enabled, Listen", true, false, false},
+		{fmt.Sprintf("defaults, at %d msg/s (the forwarder idles between events)", slowRate), false, false, true},
 	} {
 		live, err := r.topic("bench-live")
 		if err != nil {
@@ -630,7 +633,11 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 				return Section{}, err
 			}
 		}
-		res, err := r.pipelineWith(ctx, pipelineSpec{in: live, n: liveN, produceRate: liveRate, fwdWait: fwdWait, notify: v.notify})
+		n, rate := liveN, liveRate
+		if v.slow {
+			n, rate = slowN, slowRate
+		}
+		res, err := r.pipelineWith(ctx, pipelineSpec{in: live, n: n, produceRate: rate, fwdWait: fwdWait, notify: v.notify})
 		held := ""
 		if v.hold {
 			held, err = foreign.release(ctx, err)
@@ -639,22 +646,25 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 			return Section{}, err
 		}
 		if !res.complete {
-			o.Logf("  end-to-end latency, %s: only %d of %d forwarded within %s", v.name, res.forwardedNum, liveN, fwdWait)
-			latRows = append(latRows, []string{v.name, "not measured", "", "", "", fmt.Sprintf("%d of %d forwarded within %s", res.forwardedNum, liveN, fwdWait)})
+			o.Logf("  end-to-end latency, %s: only %d of %d forwarded within %s", v.name, res.forwardedNum, n, fwdWait)
+			latRows = append(latRows, []string{v.name, "not measured", "", "", "", fmt.Sprintf("%d of %d forwarded within %s", res.forwardedNum, n, fwdWait)})
 			continue
 		}
 		p50, p99 := percentile(res.latencies, 0.50), percentile(res.latencies, 0.99)
 		k50, k99 := percentile(res.toKafka, 0.50), percentile(res.toKafka, 0.99)
 		rel := ""
-		if quietP99 == 0 {
+		switch {
+		case v.slow:
+			rel = fmt.Sprintf("%d events", n)
+		case quietP99 == 0:
 			quietP99 = k99
-		} else {
+		default:
 			rel = fmt.Sprintf("%.2f× the first row's publish→Kafka p99", float64(k99)/float64(quietP99))
 			if held != "" {
 				rel += "; " + held
 			}
 		}
-		o.Logf("  end-to-end latency at %.0f msg/s, %s: p50 %s, p99 %s (outbox publish→Kafka p50 %s p99 %s)", liveRate, v.name, p50, p99,
+		o.Logf("  end-to-end latency at %.0f msg/s, %s: p50 %s, p99 %s (outbox publish→Kafka p50 %s p99 %s)", rate, v.name, p50, p99,
 			percentile(res.toKafka, 0.5), percentile(res.toKafka, 0.99))
 		r := func(d time.Duration) string { return d.Round(100 * time.Microsecond).String() }
 		latRows = append(latRows, []string{v.name, r(k50), r(k99), r(p50), r(p99), rel})
@@ -679,7 +689,8 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 		"transaction, before its COMMIT) to the forwarded record's arrival at a consumer, the outbox's own latency; **end to end** from the "+
 		"publish to the input topic to the same arrival. With the forwarder's defaults (it polls: 1 ms after a read that found rows, doubling "+
 		"after each empty one up to PollInterval %s, and writes in the same process wake it), the same while a transaction holds an id open in "+
-		"another database of the server for the whole measurement, and with the NOTIFY wake-up on commit:\n\n",
+		"another database of the server for the whole measurement, with the NOTIFY wake-up on commit, and with the defaults at a low rate, "+
+		"where the forwarder idles between two events (its waits have grown toward PollInterval, and the write's wake-up ends them):\n\n",
 		liveN, liveRate, warmupEvents, e2eDefaultPollInterval)
 	b.WriteString(Table([]string{"forwarder", "publish→Kafka p50", "publish→Kafka p99", "end to end p50", "end to end p99", ""}, latRows))
 	var seen []string
