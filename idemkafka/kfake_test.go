@@ -19,8 +19,9 @@ import (
 // while Kafka schedules every member's session expiry when a rebalance
 // completes. The ghost then holds its partitions for as long as the group
 // stays stable, which is why TestSubscriberSurvivesSIGKILL kills only
-// members of a stable group. If this test fails, kfake expires such a
-// member now, and that restriction can go.
+// members of a stable group (docs/soak.md, "The consumer-group livelock",
+// item 1, describes the same for the soak). If this test fails, kfake
+// expires such a member now, and that restriction can go.
 func TestKfakeKeepsAMemberThatDiedInJoin(t *testing.T) {
 	t.Parallel()
 	broker := kafkatest.Start(t)
