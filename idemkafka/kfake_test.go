@@ -1,6 +1,7 @@
 package idemkafka_test
 
 import (
+	"fmt"
 	"io"
 	"net"
 	"sync"
@@ -29,8 +30,25 @@ func TestKfakeKeepsAMemberThatDiedInJoin(t *testing.T) {
 		t.Skip("about kfake; KAFKA_BROKERS points at another broker")
 	}
 	topic := broker.Topic(t, "ghost", 2)
-	const group = "ghost"
-	const session = 2 * time.Second
+	// The ghost appears only if kfake has seen the member's connection
+	// close before it answers; on a loaded machine it may not have, and
+	// then it expires the member as Kafka would. So: up to three attempts,
+	// one of which must leave the ghost.
+	for attempt := 1; attempt <= 3; attempt++ {
+		if kept := ghostStays(t, broker.Addrs[0], topic, fmt.Sprintf("ghost-%d", attempt)); kept {
+			return
+		}
+		t.Logf("attempt %d: the member that died in JoinGroup was expired", attempt)
+	}
+	t.Fatal("kfake expired the member that died in JoinGroup in 3 attempts out of 3: it expires such members now")
+}
+
+// ghostStays builds the case in group and reports whether the member that
+// died in JoinGroup is still in the stable group three session timeouts
+// later.
+func ghostStays(t *testing.T, addr, topic, group string) bool {
+	t.Helper()
+	const session = time.Second
 	cfg := sarama.NewConfig()
 	cfg.Version = sarama.V2_3_0_0
 	dialAt := func(addr string) *sarama.Broker {
@@ -40,7 +58,7 @@ func TestKfakeKeepsAMemberThatDiedInJoin(t *testing.T) {
 		require.NoError(t, err)
 		return b
 	}
-	dial := func() *sarama.Broker { return dialAt(broker.Addrs[0]) }
+	dial := func() *sarama.Broker { return dialAt(addr) }
 	join := func(b *sarama.Broker, memberID string) (*sarama.JoinGroupResponse, error) {
 		req := &sarama.JoinGroupRequest{Version: 5, GroupId: group, SessionTimeout: int32(session / time.Millisecond),
 			RebalanceTimeout: 10_000, MemberId: memberID, ProtocolType: "consumer"}
@@ -54,14 +72,6 @@ func TestKfakeKeepsAMemberThatDiedInJoin(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, sarama.ErrMemberIdRequired, resp.Err)
 		return resp.MemberId
-	}
-	describe := func() *sarama.GroupDescription {
-		a := dial()
-		defer a.Close()
-		resp, err := a.DescribeGroups(&sarama.DescribeGroupsRequest{Groups: []string{group}})
-		require.NoError(t, err)
-		require.Len(t, resp.Groups, 1)
-		return resp.Groups[0]
 	}
 
 	// x leads a stable group of one and keeps heartbeating.
@@ -89,7 +99,7 @@ func TestKfakeKeepsAMemberThatDiedInJoin(t *testing.T) {
 
 	// y joins under a new id, through a proxy that can cut its connection
 	// as a process death does; its JoinGroup waits for x to join again.
-	proxy, cut := cuttableProxy(t, broker.Addrs[0])
+	proxy, cut := cuttableProxy(t, addr)
 	by := dialAt(proxy)
 	defer by.Close()
 	y := joinNew(by)
@@ -97,7 +107,7 @@ func TestKfakeKeepsAMemberThatDiedInJoin(t *testing.T) {
 	require.Eventually(t, func() bool { return heartbeat(jr.GenerationId) == sarama.ErrRebalanceInProgress }, 10*time.Second, 10*time.Millisecond)
 	// y's process dies before the answer.
 	cut()
-	time.Sleep(200 * time.Millisecond)
+	time.Sleep(300 * time.Millisecond)
 
 	// x joins again: the rebalance completes with y in it (y had joined),
 	// the answer to y cannot be delivered, and x assigns y a partition.
@@ -109,11 +119,23 @@ func TestKfakeKeepsAMemberThatDiedInJoin(t *testing.T) {
 	// Kafka would remove y one session timeout later and rebalance; kfake
 	// keeps it, stable, however long x heartbeats.
 	for deadline := time.Now().Add(3 * session); time.Now().Before(deadline); time.Sleep(session / 10) {
-		require.Equal(t, sarama.ErrNoError, heartbeat(jr.GenerationId), "kfake removed the member that died in JoinGroup: it expires such members now")
+		switch e := heartbeat(jr.GenerationId); e {
+		case sarama.ErrNoError:
+		case sarama.ErrRebalanceInProgress:
+			return false
+		default:
+			t.Fatalf("heartbeat: %v", e)
+		}
 	}
-	g := describe()
+	a := dial()
+	defer a.Close()
+	resp, err := a.DescribeGroups(&sarama.DescribeGroupsRequest{Groups: []string{group}})
+	require.NoError(t, err)
+	require.Len(t, resp.Groups, 1)
+	g := resp.Groups[0]
 	require.Equal(t, "Stable", g.State)
 	require.Contains(t, g.Members, y)
+	return true
 }
 
 // cuttableProxy forwards TCP connections to addr; cut closes every one of
