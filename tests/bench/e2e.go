@@ -351,6 +351,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	})
 	defer stopRead()
 
+	var publishedAt sync.Map // input message UUID → the handler's publish time
 	inner := func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
@@ -362,7 +363,11 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 			fwdMsg.Metadata.Set(warmupKey, "1")
 		}
 		publisher.WithPartitionKey(fwdMsg, msg.Metadata.Get(publisher.MetadataPartitionKey))
-		fwdMsg.Metadata.Set(publishedAtKey, strconv.FormatInt(time.Now().UnixNano(), 10))
+		now := time.Now()
+		fwdMsg.Metadata.Set(publishedAtKey, strconv.FormatInt(now.UnixNano(), 10))
+		if produceRate > 0 {
+			publishedAt.Store(msg.UUID, now)
+		}
 		return []*message.Message{fwdMsg}, nil
 	}
 	mw := dedup.Middleware(inner)
@@ -387,15 +392,10 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 				s.inMiddleware(time.Since(start))
 			}
 			consumed.mark() // after COMMIT
-			if produceRate > 0 {
-				now := time.Now()
-				for _, m := range out {
-					if at, err := strconv.ParseInt(m.Metadata.Get(publishedAtKey), 10, 64); err == nil {
-						toCommitMu.Lock()
-						res.toCommit = append(res.toCommit, now.Sub(time.Unix(0, at)))
-						toCommitMu.Unlock()
-					}
-				}
+			if at, ok := publishedAt.LoadAndDelete(msg.UUID); ok {
+				toCommitMu.Lock()
+				res.toCommit = append(res.toCommit, time.Since(at.(time.Time)))
+				toCommitMu.Unlock()
 			}
 		}
 		return out, err
