@@ -287,7 +287,7 @@ type e2eResult struct {
 	// toCommit is the part of toKafka before the dedup transaction's
 	// COMMIT returned to the handler's middleware.
 	toCommit []time.Duration
-	stats   idem.Stats // the middleware's counters at the end
+	stats    idem.Stats // the middleware's counters at the end
 }
 
 // pipelineSpec describes one pipeline round.
