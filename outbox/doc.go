@@ -24,10 +24,11 @@
 // handler returns are written in that transaction. [Outbox.PoolPublisher]
 // opens its own transaction per Publish.
 //
-// The [Forwarder] reads each topic's committed rows in commit order (a
-// transaction still open holds its position back instead of being
-// skipped), sends a batch with one SendMessages call and advances its
-// position in the same PostgreSQL transaction; a crash in between resends
+// The [Forwarder] reads each topic's committed rows in commit order, in
+// cuts between two snapshots: a transaction still open delays only its own
+// rows, which go out in the first cut after its commit, never skipped. It
+// sends a batch with one SendMessages call and advances its position in
+// the same PostgreSQL transaction; a crash in between resends
 // the batch, and consumers dedup by event_id. [Outbox.DeleteForwarded]
 // removes forwarded rows, [Outbox.Backlog] reports the lag, [Outbox.Check]
 // verifies the tables. docs/outbox.md explains the visibility rule,
