@@ -172,7 +172,7 @@ func TestSubscriberSurvivesSIGKILL(t *testing.T) {
 			a := f.startChild(t, "kill", groupCommit, "a")
 			b := f.startChild(t, "kill", groupCommit, "b")
 			waitFor(t, "some events applied", func() bool { return f.db.Count(t, "SELECT 1 FROM ledger") >= 150 })
-			f.waitOwners(t, "kill", "a")
+			f.waitOwners(t, "kill", "a", "b")
 			require.NoError(t, a.Process.Signal(syscall.SIGKILL))
 			_ = a.Wait()
 			waitFor(t, "more events applied", func() bool { return f.db.Count(t, "SELECT 1 FROM ledger") >= 300 })
@@ -260,15 +260,17 @@ func (f *fixture) watchGroup(t *testing.T, group string) (stop func()) {
 	return func() { close(done); wg.Wait() }
 }
 
-// waitOwners waits until group is stable and each client id of names holds
-// at least one partition.
+// waitOwners waits until group is stable with exactly the members whose
+// client ids are names, each holding at least one partition: no member
+// that is still to be expired (a process killed earlier) is left to start
+// another rebalance while the test kills the next process.
 func (f *fixture) waitOwners(t *testing.T, group string, names ...string) {
 	t.Helper()
 	a := f.admin(t)
 	defer a.Close()
-	waitFor(t, fmt.Sprintf("group %s stable, with partitions for %v", group, names), func() bool {
+	waitFor(t, fmt.Sprintf("group %s stable with exactly %v, each holding partitions", group, names), func() bool {
 		gs, err := a.DescribeConsumerGroups([]string{group})
-		if err != nil || len(gs) != 1 || gs[0].State != "Stable" {
+		if err != nil || len(gs) != 1 || gs[0].State != "Stable" || len(gs[0].Members) != len(names) {
 			return false
 		}
 		owns := map[string]bool{}

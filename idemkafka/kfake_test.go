@@ -124,12 +124,12 @@ func ghostStays(t *testing.T, addr, topic, group string) bool {
 	// Kafka would remove y one session timeout later and rebalance; kfake
 	// keeps it, stable, however long x heartbeats.
 	for deadline := time.Now().Add(3 * session); time.Now().Before(deadline); time.Sleep(session / 10) {
-		switch e := heartbeat(jr.GenerationId); e {
-		case sarama.ErrNoError:
-		case sarama.ErrRebalanceInProgress:
+		// A rebalance: y was expired. Anything else (x itself expired on
+		// a machine too loaded to heartbeat in time) leaves the attempt
+		// without an answer; the next one starts afresh.
+		if e := heartbeat(jr.GenerationId); e != sarama.ErrNoError {
+			t.Logf("heartbeat: %v", e)
 			return false
-		default:
-			t.Fatalf("heartbeat: %v", e)
 		}
 	}
 	a := dial()
