@@ -629,21 +629,25 @@ func isSerializationFailure(err error) bool {
 }
 
 // cutCache keeps the pages of a cut that did not fit in one transaction, so
-// that the next transaction continues it without reading its keys again.
+// that the next transaction continues it without reading its keys again,
+// and the first of those pages already read (ahead), so that the next
+// transaction starts sending at once.
 type cutCache struct {
-	cut  outboxsql.Cut
-	next int // index of the first page not yet forwarded
+	cut   outboxsql.Cut
+	next  int    // index of the first page not yet forwarded
+	ahead *batch // cut.Pages[next], read by the previous transaction, or nil
 }
 
-// pagesAfter returns the cached pages that continue p, or false when the
-// cache does not fit p (another instance moved the position, or none).
-func (c *cutCache) pagesAfter(p outboxsql.Position) ([]outboxsql.Page, bool) {
+// pagesAfter returns the cached pages that continue p, and the first one
+// already read if it was, or false when the cache does not fit p (another
+// instance moved the position, or none).
+func (c *cutCache) pagesAfter(p outboxsql.Position) ([]outboxsql.Page, *batch, bool) {
 	if p.Cut == nil || c.next == 0 || c.next >= len(c.cut.Pages) ||
 		c.cut.From.String() != p.Snapshot.String() || c.cut.To.String() != p.Cut.String() ||
 		c.cut.Pages[c.next-1].Last != p.CutOffset {
-		return nil, false
+		return nil, nil, false
 	}
-	return c.cut.Pages[c.next:], true
+	return c.cut.Pages[c.next:], c.ahead, true
 }
 
 // forwardTx forwards up to BatchesPerTransaction pages of topic in one
@@ -678,15 +682,16 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	*last = known{pos: pos, ok: true}
 	f.polls.Add(1)
 	f.step("locked")
-	pages, ok := cache.pagesAfter(pos)
+	pages, ahead, ok := cache.pagesAfter(pos)
 	if !ok {
 		cut, err := tables.ReadCut(ctx, tx, pos, f.cfg.BatchSize)
 		if err != nil {
 			return 0, false, fmt.Errorf("read cut: %w", err)
 		}
 		*cache = cutCache{cut: cut}
-		pages = cut.Pages
+		pages, ahead = cut.Pages, nil
 	}
+	cache.ahead = nil
 	cut := cache.cut
 	f.step("cut")
 	if len(pages) == 0 {
@@ -706,48 +711,53 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		return 0, false, nil
 	}
 
-	msgs, err := f.readPage(ctx, tx, tables, pages[0])
-	if err != nil {
-		return 0, false, err
+	b := ahead
+	if b == nil {
+		if b, err = f.readPage(ctx, tx, tables, topic, pages[0]); err != nil {
+			return 0, false, err
+		}
 	}
 	for i := 0; ; i++ {
 		sent := make(chan error, 1)
-		if len(msgs) == 0 { // the page's rows were deleted meanwhile
+		if len(b.msgs) == 0 { // the page's rows were deleted meanwhile
 			sent <- nil
 		} else {
-			go func(msgs []*message.Message) { sent <- f.send(topic, msgs) }(msgs)
+			go func(b *batch) { sent <- f.send(topic, b) }(b)
 		}
 
-		// While the broker works: move the position past this page and,
-		// unless this is the transaction's last page, read the next one.
+		// While the broker works: move the position past this page and
+		// read the next one, even when this transaction ends with this
+		// page (the next transaction then starts by sending it).
 		if i == len(pages)-1 {
 			pos = outboxsql.Position{Snapshot: cut.To}
 		} else {
 			pos = outboxsql.Position{Snapshot: cut.From, Cut: &cut.To, CutOffset: pages[i].Last}
 		}
-		var next []*message.Message
+		var next *batch
 		last := i == len(pages)-1 || i+1 == f.cfg.BatchesPerTransaction || stopCtx.Err() != nil
 		err := tables.Ack(ctx, tx, f.cfg.Name, pos)
 		if err != nil {
 			err = fmt.Errorf("advance position: %w", err)
-		} else if !last {
-			next, err = f.readPage(ctx, tx, tables, pages[i+1])
+		} else if i < len(pages)-1 && stopCtx.Err() == nil {
+			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1])
 		}
 		if sendErr := <-sent; sendErr != nil {
-			return 0, false, fmt.Errorf("send %d messages: %w", len(msgs), sendErr)
+			return 0, false, fmt.Errorf("send %d messages: %w", len(b.msgs), sendErr)
 		}
 		f.step("sent")
 		if err != nil {
 			return 0, false, err
 		}
-		n += len(msgs)
+		n += len(b.msgs)
 		if last {
 			cache.next = len(cut.Pages) - len(pages) + i + 1
+			cache.ahead = next
 			break
 		}
-		msgs = next
+		b = next
 	}
 	if err := f.commit(ctx, tx, n); err != nil {
+		cache.ahead = nil
 		return 0, false, err
 	}
 	*last = known{pos: pos, ok: true}
@@ -765,24 +775,40 @@ func (f *Forwarder) commit(ctx context.Context, tx pgx.Tx, n int) error {
 	return nil
 }
 
-// readPage returns the messages of page, in order.
-func (f *Forwarder) readPage(ctx context.Context, tx pgx.Tx, tables outboxsql.Tables, page outboxsql.Page) ([]*message.Message, error) {
+// batch is one page ready to send: its messages in order, and with a
+// Producer their Kafka records.
+type batch struct {
+	msgs    []*message.Message
+	records []*sarama.ProducerMessage
+}
+
+// readPage reads the rows of page, in order, and with a Producer marshals
+// them: this runs while the previous page is being sent.
+func (f *Forwarder) readPage(ctx context.Context, tx pgx.Tx, tables outboxsql.Tables, topic string, page outboxsql.Page) (*batch, error) {
 	rows, err := tables.ReadPage(ctx, tx, page, make([]outboxsql.Row, 0, page.Rows))
 	if err != nil {
 		return nil, fmt.Errorf("read page: %w", err)
 	}
-	msgs := make([]*message.Message, len(rows))
+	b := &batch{msgs: make([]*message.Message, len(rows))}
 	for i, r := range rows {
-		if msgs[i], err = r.Message(); err != nil {
+		if b.msgs[i], err = r.Message(); err != nil {
 			return nil, err
 		}
 	}
-	return msgs, nil
+	if f.cfg.Producer != nil {
+		b.records = make([]*sarama.ProducerMessage, len(b.msgs))
+		for i, msg := range b.msgs {
+			if b.records[i], err = f.cfg.Marshaler.Marshal(topic, msg); err != nil {
+				return nil, fmt.Errorf("marshal message %s: %w", msg.UUID, err)
+			}
+		}
+	}
+	return b, nil
 }
 
-func (f *Forwarder) send(topic string, msgs []*message.Message) (err error) {
+func (f *Forwarder) send(topic string, b *batch) (err error) {
 	if tr := f.tracing.Tracer(); tr != nil {
-		span := startBatchSpan(tr, topic, msgs)
+		span := startBatchSpan(tr, topic, b.msgs)
 		defer func() {
 			if err != nil {
 				span.RecordError(err)
@@ -792,17 +818,9 @@ func (f *Forwarder) send(topic string, msgs []*message.Message) (err error) {
 		}()
 	}
 	if f.cfg.Publisher != nil {
-		return f.cfg.Publisher.Publish(topic, msgs...)
+		return f.cfg.Publisher.Publish(topic, b.msgs...)
 	}
-	pms := make([]*sarama.ProducerMessage, len(msgs))
-	for i, msg := range msgs {
-		pm, err := f.cfg.Marshaler.Marshal(topic, msg)
-		if err != nil {
-			return fmt.Errorf("marshal message %s: %w", msg.UUID, err)
-		}
-		pms[i] = pm
-	}
-	return f.cfg.Producer.SendMessages(pms)
+	return f.cfg.Producer.SendMessages(b.records)
 }
 
 // startBatchSpan begins the span of one batch sent to the broker. A batch

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -23,7 +24,20 @@ func main() {
 	rounds := flag.Int("rounds", 5, "baseline/subject alternations per measurement")
 	out := flag.String("out", "", "also write the report to this file")
 	only := flag.String("only", "", "run only sections whose name contains this")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run (broker included) to this file")
 	flag.Parse()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		defer pprof.StopCPUProfile()
+	}
 	if *short && *rounds > 3 {
 		*rounds = 3
 	}

@@ -262,8 +262,10 @@ func (t Tables) Lock(ctx context.Context, db DB, name string) (Position, error) 
 		FROM `+t.Offsets+` WHERE consumer_group = $1 FOR UPDATE`, name), &discard)
 }
 
-// Ack moves name's position to p, and watermill-sql's columns to the
-// (transaction_id, offset) position p has certainly passed.
+// Ack moves name's position, locked by [Tables.Lock] in this transaction,
+// to p, and watermill-sql's columns to the (transaction_id, offset)
+// position p has certainly passed. It returns [ErrNoPosition] when name has
+// no position.
 func (t Tables) Ack(ctx context.Context, db DB, name string, p Position) error {
 	var cut *string
 	var cutOffset *int64
@@ -272,15 +274,17 @@ func (t Tables) Ack(ctx context.Context, db DB, name string, p Position) error {
 		cut, cutOffset = &s, &p.CutOffset
 	}
 	legacyTx, legacyOff := legacyColumns(p)
-	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` AS o (consumer_group, offset_acked, last_processed_transaction_id, position_snapshot, cut_snapshot, cut_offset)
-		VALUES ($1, $2, $3::text::xid8, $4::text::pg_snapshot, $5::text::pg_snapshot, $6)
-		ON CONFLICT (consumer_group) DO UPDATE SET
-			offset_acked = excluded.offset_acked,
-			last_processed_transaction_id = excluded.last_processed_transaction_id,
-			position_snapshot = excluded.position_snapshot,
-			cut_snapshot = excluded.cut_snapshot,
-			cut_offset = excluded.cut_offset`,
+	tag, err := db.Exec(ctx, `UPDATE `+t.Offsets+` SET
+			offset_acked = $2,
+			last_processed_transaction_id = $3::text::xid8,
+			position_snapshot = $4::text::pg_snapshot,
+			cut_snapshot = $5::text::pg_snapshot,
+			cut_offset = $6
+		WHERE consumer_group = $1`,
 		name, legacyOff, strconv.FormatUint(legacyTx, 10), p.Snapshot.String(), cut, cutOffset)
+	if err == nil && tag.RowsAffected() == 0 {
+		err = ErrNoPosition
+	}
 	return err
 }
 
@@ -301,27 +305,37 @@ type Cut struct {
 	Pages    []Page
 }
 
-// cutRowsSQL is the FROM and WHERE of the rows of the cut from $1 to $2 (pg_snapshot text;
-// $2 NULL: the statement's own snapshot) after "offset" $3: those whose
-// transaction is at or above $1's xmax and below $2's, or among $1's
-// running ones (the two ways a transaction is not visible in $1), and
-// visible in $2. Each part is an index range of the primary key, so the
-// cost follows the cut, not the table nor transactions held open elsewhere.
-func cutRowsSQL(messages string) string {
-	return `FROM ` + messages + ` m
-		WHERE ((m.transaction_id >= pg_snapshot_xmax($1::text::pg_snapshot)
-		        AND m.transaction_id < pg_snapshot_xmax(COALESCE($2::text::pg_snapshot, pg_current_snapshot())))
-		       OR m.transaction_id = ANY (ARRAY(SELECT pg_snapshot_xip($1::text::pg_snapshot))))
-		  AND pg_visible_in_snapshot(m.transaction_id, COALESCE($2::text::pg_snapshot, pg_current_snapshot()))
-		  AND m."offset" > $3`
+// cutSQL is a statement over the rows of the cut from $1 to its end
+// snapshot e.snap ($2, or when $2 is NULL the statement's own snapshot)
+// after "offset" $3: the rows whose transaction is visible in the end and
+// not in $1, which is either at or above $1's xmax, or among $1's running
+// ones. Each of the two is an index-only range of the primary key, so the
+// cost follows the cut, not the table nor transactions held open
+// elsewhere; the end snapshot is computed once per statement, not per row.
+// The statement is "WITH e ..., c AS (the cut's keys) " + query, where
+// query reads c (transaction_id, "offset") and e (snap).
+func cutSQL(messages, query string) string {
+	return `WITH e AS MATERIALIZED (SELECT COALESCE($2::text::pg_snapshot, pg_current_snapshot()) AS snap),
+		c AS (
+			SELECT m.transaction_id, m."offset" FROM ` + messages + ` m
+			WHERE m.transaction_id >= pg_snapshot_xmax($1::text::pg_snapshot)
+			  AND m.transaction_id < pg_snapshot_xmax((SELECT snap FROM e))
+			  AND pg_visible_in_snapshot(m.transaction_id, (SELECT snap FROM e))
+			  AND m."offset" > $3
+			UNION ALL
+			SELECT m.transaction_id, m."offset" FROM ` + messages + ` m
+			WHERE m.transaction_id = ANY (ARRAY(SELECT pg_snapshot_xip($1::text::pg_snapshot)))
+			  AND pg_visible_in_snapshot(m.transaction_id, (SELECT snap FROM e))
+			  AND m."offset" > $3)
+		` + query
 }
 
-// CutSQL is the statement of [Tables.ReadCut]: the keys of the cut's rows
-// in "offset" order, each with the cut's end snapshot.
+// CutSQL is the statement of [Tables.ReadCut]: the keys of the cut's rows,
+// one row per transaction with its rows' "offset"s (in no particular
+// order: sorting them costs less in the client than in the server), each
+// with the cut's end snapshot.
 func CutSQL(messages string) string {
-	return `SELECT m."offset", m.transaction_id, COALESCE($2::text::pg_snapshot, pg_current_snapshot())::text
-		` + cutRowsSQL(messages) + `
-		ORDER BY m."offset"`
+	return cutSQL(messages, `SELECT c.transaction_id::text, array_agg(c."offset"), (SELECT snap::text FROM e) FROM c GROUP BY c.transaction_id`)
 }
 
 // ReadCut returns the pages (of at most pageSize rows) of the cut that
@@ -342,34 +356,49 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 		return c, err
 	}
 	defer rows.Close()
-	var (
-		cur    string
-		pg     Page
+	type key struct {
 		offset int64
 		xid    uint64
+	}
+	var (
+		cur     string
+		keys    []key
+		xidText string
+		offsets []int64
 	)
-	seen := make(map[uint64]struct{})
 	for rows.Next() {
-		if err := rows.Scan(&offset, &xid, &cur); err != nil {
+		if err := rows.Scan(&xidText, &offsets, &cur); err != nil {
 			return c, err
 		}
-		if pg.Rows == 0 {
-			pg.First = offset
+		xid, err := strconv.ParseUint(xidText, 10, 64)
+		if err != nil {
+			return c, fmt.Errorf("transaction_id %q: %w", xidText, err)
 		}
-		pg.Last = offset
+		for _, o := range offsets {
+			keys = append(keys, key{offset: o, xid: xid})
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return c, err
+	}
+	slices.SortFunc(keys, func(a, b key) int { return cmp.Compare(a.offset, b.offset) })
+	var pg Page
+	seen := make(map[uint64]struct{})
+	for _, k := range keys {
+		if pg.Rows == 0 {
+			pg.First = k.offset
+		}
+		pg.Last = k.offset
 		pg.Rows++
-		if _, ok := seen[xid]; !ok {
-			seen[xid] = struct{}{}
-			pg.TxIDs = append(pg.TxIDs, xid)
+		if _, ok := seen[k.xid]; !ok {
+			seen[k.xid] = struct{}{}
+			pg.TxIDs = append(pg.TxIDs, k.xid)
 		}
 		if pg.Rows == pageSize {
 			c.Pages = append(c.Pages, pg)
 			pg = Page{}
 			clear(seen)
 		}
-	}
-	if err := rows.Err(); err != nil {
-		return c, err
 	}
 	if pg.Rows > 0 {
 		c.Pages = append(c.Pages, pg)
@@ -387,7 +416,7 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 // often at little cost. p must have no cut in progress.
 func (t Tables) HasRows(ctx context.Context, db DB, p Position) (bool, error) {
 	var has bool
-	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 `+cutRowsSQL(t.Messages)+`)`, p.Snapshot.String(), nil, int64(0)).Scan(&has)
+	err := db.QueryRow(ctx, cutSQL(t.Messages, `SELECT EXISTS (SELECT 1 FROM c)`), p.Snapshot.String(), nil, int64(0)).Scan(&has)
 	return has, err
 }
 

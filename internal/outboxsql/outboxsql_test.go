@@ -79,6 +79,7 @@ func TestPositionRoundTrip(t *testing.T) {
 
 			far := outboxsql.Snapshot{Xmin: 1<<40 + 7, Xmax: 1<<40 + 20, Xip: []uint64{1<<40 + 7, 1<<40 + 9}}
 			require.NoError(t, tables.Ack(ctx, conn, name, outboxsql.Position{Snapshot: far}))
+			require.ErrorIs(t, tables.Ack(ctx, conn, "never-registered", outboxsql.Position{Snapshot: far}), outboxsql.ErrNoPosition)
 			got, err = tables.Lock(ctx, conn, name)
 			require.NoError(t, err)
 			require.Equal(t, far, got.Snapshot)
