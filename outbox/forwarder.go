@@ -512,9 +512,10 @@ type known struct {
 }
 
 // loop forwards topic until stopCtx is done. A failed transaction is rolled
-// back and retried: its pages are read and sent again. Between
-// transactions it first asks, in one query, whether a new cut has any row;
-// after a read that found rows it asks again after minPollInterval, and
+// back and retried: its pages are read and sent again. Unless the last
+// transaction forwarded rows, it first asks, in one query and without a
+// lock, whether a new cut has any row; after a read that found rows it
+// starts the next transaction after minPollInterval, and
 // after each read that found none it waits twice as long, up to
 // PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
 // wait longer than minPollInterval and starts the doubling again.
@@ -528,6 +529,10 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 	// (a NOTIFY: committed; a write in this process: committing), so the
 	// reads after it start again at minPollInterval.
 	woken := func() { idle = min(minPollInterval, f.cfg.PollInterval) / 2 }
+	// busy is whether the last transaction forwarded rows: the next one
+	// then starts without asking first (while rows keep coming, the
+	// question costs a round trip and nearly always says yes).
+	busy := false
 	for {
 		if stopCtx.Err() != nil {
 			return
@@ -544,7 +549,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 			err  error
 			wait time.Duration
 		)
-		if last.ok && last.pos.Cut == nil {
+		if last.ok && last.pos.Cut == nil && !busy {
 			f.polls.Add(1)
 			var has bool
 			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos)
@@ -566,6 +571,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, &cache, &last)
 		}
 		retry := false
+		busy = err == nil && n > 0
 		switch {
 		case err != nil:
 			f.errs.Add(1)
@@ -669,16 +675,17 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	stopWatch := context.AfterFunc(stopCtx, func() { time.AfterFunc(f.cfg.ShutdownTimeout, cancel) })
 	defer stopWatch()
 
-	tx, err := f.cfg.DB.Begin(ctx)
+	conn, err := f.cfg.DB.Acquire(ctx)
 	if err != nil {
-		return 0, false, fmt.Errorf("begin: %w", err)
+		return 0, false, fmt.Errorf("acquire a connection: %w", err)
 	}
-	defer rollback(ctx, tx)
+	defer conn.Release()
+	tx, pos, err := tables.BeginLock(ctx, conn.Conn(), f.cfg.Name)
+	if err != nil {
+		return 0, false, fmt.Errorf("begin and lock position: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
 
-	pos, err := tables.Lock(ctx, tx, f.cfg.Name)
-	if err != nil {
-		return 0, false, fmt.Errorf("lock position: %w", err)
-	}
 	*last = known{pos: pos, ok: true}
 	f.polls.Add(1)
 	f.step("locked")
@@ -765,7 +772,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	return n, pos.Cut != nil, nil
 }
 
-func (f *Forwarder) commit(ctx context.Context, tx pgx.Tx, n int) error {
+func (f *Forwarder) commit(ctx context.Context, tx *outboxsql.Tx, n int) error {
 	f.step("commit")
 	if err := tx.Commit(ctx); err != nil {
 		return fmt.Errorf("commit position: %w", err)
@@ -784,7 +791,7 @@ type batch struct {
 
 // readPage reads the rows of page, in order, and with a Producer marshals
 // them: this runs while the previous page is being sent.
-func (f *Forwarder) readPage(ctx context.Context, tx pgx.Tx, tables outboxsql.Tables, topic string, page outboxsql.Page) (*batch, error) {
+func (f *Forwarder) readPage(ctx context.Context, tx outboxsql.DB, tables outboxsql.Tables, topic string, page outboxsql.Page) (*batch, error) {
 	rows, err := tables.ReadPage(ctx, tx, page, make([]outboxsql.Row, 0, page.Rows))
 	if err != nil {
 		return nil, fmt.Errorf("read page: %w", err)

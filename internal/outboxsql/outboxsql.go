@@ -251,6 +251,11 @@ func scanPosition(row pgx.Row, extra ...any) (Position, error) {
 	return p, nil
 }
 
+// lockSQL reads name's position FOR UPDATE and sets synchronous_commit
+// to off for the rest of the transaction.
+const lockSQL = `SELECT ` + positionColumns + `, set_config('synchronous_commit', 'off', true)
+		FROM %s WHERE consumer_group = $1 FOR UPDATE`
+
 // Lock reads name's position FOR UPDATE, so that one holder of the name
 // works on the table at a time, and sets synchronous_commit to off for the
 // rest of the transaction (the position may commit asynchronously: a lost
@@ -258,8 +263,87 @@ func scanPosition(row pgx.Row, extra ...any) (Position, error) {
 // position ([Tables.Register]).
 func (t Tables) Lock(ctx context.Context, db DB, name string) (Position, error) {
 	var discard string
-	return scanPosition(db.QueryRow(ctx, `SELECT `+positionColumns+`, set_config('synchronous_commit', 'off', true)
-		FROM `+t.Offsets+` WHERE consumer_group = $1 FOR UPDATE`, name), &discard)
+	return scanPosition(db.QueryRow(ctx, fmt.Sprintf(lockSQL, t.Offsets), name), &discard)
+}
+
+// Tx is a transaction on one connection, begun by [Tables.BeginLock]. It
+// is a [DB]; end it with Commit or Rollback.
+type Tx struct {
+	conn *pgx.Conn
+	done bool
+}
+
+// Exec runs sql in the transaction.
+func (tx *Tx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return tx.conn.Exec(ctx, sql, args...)
+}
+
+// Query runs sql in the transaction.
+func (tx *Tx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return tx.conn.Query(ctx, sql, args...)
+}
+
+// QueryRow runs sql in the transaction.
+func (tx *Tx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return tx.conn.QueryRow(ctx, sql, args...)
+}
+
+// ErrCommitRolledBack is returned by [Tx.Commit] when the server rolled
+// the transaction back instead (an earlier statement had failed).
+var ErrCommitRolledBack = errors.New("commit unexpectedly resulted in rollback")
+
+// Commit commits the transaction. As pgx.Tx does, it closes the connection
+// when it cannot tell that the transaction ended.
+func (tx *Tx) Commit(ctx context.Context) error {
+	tx.done = true
+	tag, err := tx.conn.Exec(ctx, "COMMIT")
+	if err != nil {
+		if tx.conn.PgConn().TxStatus() != 'I' {
+			_ = tx.conn.Close(ctx)
+		}
+		return err
+	}
+	if tag.String() == "ROLLBACK" {
+		return ErrCommitRolledBack
+	}
+	return nil
+}
+
+// Rollback rolls the transaction back unless it was committed; when that
+// fails, it closes the connection (the pool then discards it).
+func (tx *Tx) Rollback(ctx context.Context) {
+	if tx.done {
+		return
+	}
+	tx.done = true
+	if _, err := tx.conn.Exec(ctx, "ROLLBACK"); err != nil {
+		_ = tx.conn.Close(ctx)
+	}
+}
+
+// BeginLock begins a transaction on conn and locks name's position in it
+// as [Tables.Lock] does, in one round trip (BEGIN and the lock are sent as
+// one batch). On error the transaction is rolled back.
+func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string) (*Tx, Position, error) {
+	tx := &Tx{conn: conn}
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	b.Queue(fmt.Sprintf(lockSQL, t.Offsets), name)
+	br := conn.SendBatch(ctx, b)
+	_, err := br.Exec()
+	var p Position
+	if err == nil {
+		var discard string
+		p, err = scanPosition(br.QueryRow(), &discard)
+	}
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	if err != nil {
+		tx.Rollback(context.WithoutCancel(ctx))
+		return nil, Position{}, err
+	}
+	return tx, p, nil
 }
 
 // Ack moves name's position, locked by [Tables.Lock] in this transaction,

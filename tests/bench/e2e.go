@@ -282,7 +282,7 @@ type e2eResult struct {
 	latencies    []time.Duration
 	// toKafka is the outbox's own share: from the handler's publish (the
 	// event handed to the outbox inside the dedup transaction) to the
-	// forwarded record's arrival.
+	// broker's acknowledgement of the forwarded record (ackTimer).
 	toKafka []time.Duration
 	// toCommit is the part of toKafka before the dedup transaction's
 	// COMMIT returned to the handler's middleware.
@@ -333,7 +333,13 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 		return res, err
 	}
 	defer producer.Close()
-	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: r.db.Pool, Outbox: r.outbox, Producer: producer, Topics: []string{out}, PollInterval: poll, Listen: s.notify}, nil)
+	var toKafkaMu sync.Mutex
+	acked := ackTimer{SyncProducer: producer, acked: func(publishedAt int64, at time.Time) {
+		toKafkaMu.Lock()
+		res.toKafka = append(res.toKafka, at.Sub(time.Unix(0, publishedAt)))
+		toKafkaMu.Unlock()
+	}}
+	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: r.db.Pool, Outbox: r.outbox, Producer: acked, Topics: []string{out}, PollInterval: poll, Listen: s.notify}, nil)
 	if err != nil {
 		return res, err
 	}
@@ -346,7 +352,6 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	res.latencies = make([]time.Duration, 0, n)
 	stopRead, readErr := r.readAll(out, n, func(sentAt, publishedAt int64, now time.Time) {
 		res.latencies = append(res.latencies, now.Sub(time.Unix(0, sentAt)))
-		res.toKafka = append(res.toKafka, now.Sub(time.Unix(0, publishedAt)))
 		forwarded.mark()
 	})
 	defer stopRead()
@@ -441,6 +446,11 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	if err := readErr(); err != nil {
 		return res, err
 	}
+	// Stop the forwarder before reading toKafka (deferred too: twice is
+	// harmless).
+	stopFwd()
+	<-fwdErr
+	fwdErr <- nil
 	if consumed.count.Load() < int64(n) {
 		return res, fmt.Errorf("bench: end-to-end round stopped after %d of %d events", consumed.count.Load(), n)
 	}
@@ -541,6 +551,43 @@ func (r *e2eRig) readAll(topic string, n int, got func(sentAt, publishedAt int64
 			defer mu.Unlock()
 			return rerr
 		}
+}
+
+// ackTimer is the forwarder's producer, timing each measured record's
+// acknowledgement: the moment SendMessages returned for its batch, i.e. the
+// broker had the record (acks=all). acked gets the record's publishedAtKey
+// value and that moment; warm-up records are not timed.
+type ackTimer struct {
+	sarama.SyncProducer
+	acked func(publishedAt int64, at time.Time)
+}
+
+func (a ackTimer) SendMessages(msgs []*sarama.ProducerMessage) error {
+	if err := a.SyncProducer.SendMessages(msgs); err != nil {
+		return err
+	}
+	now := time.Now()
+	for _, m := range msgs {
+		var publishedAt int64
+		warmup := false
+		for _, h := range m.Headers {
+			switch string(h.Key) {
+			case publishedAtKey:
+				publishedAt, _ = strconv.ParseInt(string(h.Value), 10, 64)
+			case warmupKey:
+				warmup = true
+			}
+		}
+		if !warmup && publishedAt != 0 {
+			a.acked(publishedAt, now)
+		}
+	}
+	return nil
+}
+
+func (a ackTimer) SendMessage(m *sarama.ProducerMessage) (int32, int64, error) {
+	err := a.SendMessages([]*sarama.ProducerMessage{m})
+	return m.Partition, m.Offset, err
 }
 
 func percentile(xs []time.Duration, p float64) time.Duration {
@@ -700,8 +747,9 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 		Summarise(notifyRatios))
 	fmt.Fprintf(&b, "Latency of %d events published to the input topic at %.0f msg/s (half the median consuming rate), after %d warm-up events "+
 		"(the consumer group joined, connections open): **publish→Kafka** runs from the handler's publish to the outbox (inside the dedup "+
-		"transaction, before its COMMIT) to the forwarded record's arrival at a consumer, the outbox's own latency; **end to end** from the "+
-		"publish to the input topic to the same arrival. With the forwarder's defaults (it polls: 1 ms after a read that found rows, doubling "+
+		"transaction, before its COMMIT) to the broker's acknowledgement of the forwarded record (the forwarder's SendMessages call for "+
+		"its batch returned, acks=all): the outbox's own latency; **end to end** from the publish to the input topic to the forwarded "+
+		"record's arrival at a consumer of the output topic (so it also holds that consumer's fetch). With the forwarder's defaults (it polls: 1 ms after a read that found rows, doubling "+
 		"after each empty one up to PollInterval %s, and writes in the same process wake it), the same while a transaction holds an id open in "+
 		"another database of the server for the whole measurement, with the NOTIFY wake-up on commit, and with the defaults at a low rate, "+
 		"where the forwarder idles between two events (its waits have grown toward PollInterval, and the write's wake-up ends them):\n\n",
