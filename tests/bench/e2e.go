@@ -601,7 +601,7 @@ func percentile(xs []time.Duration, p float64) time.Duration {
 }
 
 func endToEnd(ctx context.Context, o Options) (Section, error) {
-	n, rounds, liveN, slowN, fwdWait := 6000, 3, 2000, 200, 10*time.Second
+	n, rounds, liveN, slowN, fwdWait := 6000, 3, 4000, 200, 10*time.Second
 	if o.Short {
 		n, rounds, liveN, slowN, fwdWait = 1500, 2, 500, 60, 5*time.Second
 	}
