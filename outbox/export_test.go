@@ -12,8 +12,8 @@ func Adapters(o *Outbox) (*wsql.DefaultPostgreSQLSchema, wsql.DefaultPostgreSQLO
 	return o.schema, o.offsets
 }
 
-// SetHook makes f call hook at each step of its transactions ("locked",
-// "cut", "sent", "commit"); call it before Run.
+// SetHook makes f call hook at each step of its transactions ("begin",
+// "locked", "cut", "sent", "commit"); call it before Run.
 func SetHook(f *Forwarder, hook func(step string)) { f.hook = hook }
 
 // Channel is the NOTIFY channel of topic's table.

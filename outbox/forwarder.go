@@ -247,7 +247,7 @@ type Forwarder struct {
 	tracing                         otelx.Tracers
 
 	// hook, when set (by tests, before Run), is called at each step of a
-	// forwarder transaction: "locked", "cut", "sent", "commit".
+	// forwarder transaction: "begin", "locked", "cut", "sent", "commit".
 	hook func(step string)
 	// stretch, when set (by tests, before Run), replaces the length of
 	// every wait longer than minPollInterval.
@@ -674,6 +674,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	defer cancel()
 	stopWatch := context.AfterFunc(stopCtx, func() { time.AfterFunc(f.cfg.ShutdownTimeout, cancel) })
 	defer stopWatch()
+	f.step("begin")
 
 	conn, err := f.cfg.DB.Acquire(ctx)
 	if err != nil {
