@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -287,8 +288,9 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 	}
 
 	out := &groupOutbox{}
+	hooks := &idemctx.Hooks{Tx: tx}
 	for _, r := range runs {
-		if err := gc.handle(tx, r, out); err != nil {
+		if err := gc.handle(tx, hooks, r, out); err != nil {
 			// r is the culprit: it goes alone (and stays alone on its later
 			// attempts); the others, whose work is rolled back with it,
 			// run again as a group.
@@ -310,7 +312,7 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 		}
 	}
 	// The messages handlers returned, one multi-row INSERT per topic.
-	if err := out.write(ctx, d, tx); err != nil {
+	if err := out.write(idemctx.WithHooks(ctx, hooks), d, tx); err != nil {
 		d.rollback(ctx, tx, nil)
 		d.stats.groupFallbacks.Add(1)
 		gspan.RecordError(err)
@@ -329,6 +331,7 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 		gc.answer(copies, result{outcome: outcomeFailed, err: err})
 		return nil
 	}
+	hooks.Committed()
 	d.stats.processed.Add(uint64(len(runs)))
 	d.stats.duplicates.Add(uint64(len(copies)))
 	d.stats.txNanos.Add(uint64(time.Since(start)) * uint64(len(runs)))
@@ -373,7 +376,7 @@ func (gc *groupCommit) answer(reqs []*request, res result) {
 // unusable (it swallowed an SQL error, so PostgreSQL refuses every later
 // statement) fails with ErrTxAborted: it is the culprit, not the next
 // handler, whose statements would fail.
-func (gc *groupCommit) handle(tx pgx.Tx, r *request, out *groupOutbox) (err error) {
+func (gc *groupCommit) handle(tx pgx.Tx, hooks *idemctx.Hooks, r *request, out *groupOutbox) (err error) {
 	d := gc.d
 	origCtx := r.msg.Context()
 	defer r.msg.SetContext(origCtx)
@@ -382,7 +385,7 @@ func (gc *groupCommit) handle(tx pgx.Tx, r *request, out *groupOutbox) (err erro
 			err = fmt.Errorf("dedup: handler panicked in a group: %v", p)
 		}
 	}()
-	r.msg.SetContext(d.handlerContext(origCtx, tx, r.msg, r.id))
+	r.msg.SetContext(d.handlerContext(origCtx, tx, hooks, r.msg, r.id))
 	produced, err := r.h(r.msg)
 	if err != nil {
 		return err

@@ -204,7 +204,8 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 		}
 	}()
 
-	msg.SetContext(d.handlerContext(origCtx, tx, msg, id))
+	hooks := &idemctx.Hooks{Tx: tx}
+	msg.SetContext(d.handlerContext(origCtx, tx, hooks, msg, id))
 	handlerFailed = true // until h returns: an error or a panic
 	produced, err = h(msg)
 	if err != nil {
@@ -225,6 +226,7 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 		return nil, outcomeFailed, fmt.Errorf("dedup: commit: %w", err)
 	}
 	done = true
+	hooks.Committed()
 	d.stats.processed.Add(1)
 	d.stats.txNanos.Add(uint64(time.Since(start)))
 	d.logger.Trace("Event processed", fields.Add(watermill.LogFields{"tx_duration": time.Since(start).String()}))
@@ -232,9 +234,9 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 }
 
 // handlerContext is the context a handler sees: origCtx with the
-// transaction and the event.
-func (d *Dedup) handlerContext(origCtx context.Context, tx pgx.Tx, msg *message.Message, id uuid.UUID) context.Context {
-	return idemctx.With(origCtx, &idemctx.Value{
+// transaction and the event, and the hooks to run once tx has committed.
+func (d *Dedup) handlerContext(origCtx context.Context, tx pgx.Tx, hooks *idemctx.Hooks, msg *message.Message, id uuid.UUID) context.Context {
+	return idemctx.With(idemctx.WithHooks(origCtx, hooks), &idemctx.Value{
 		Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
 		CorrelationID: msg.Metadata.Get(publisher.MetadataCorrelationID),
 	})

@@ -421,3 +421,53 @@ func TestForwarder_WakesOnWritesInThisProcess(t *testing.T) {
 	recs := consume(t, e.broker.Addrs, topic, 3)
 	requirePerKeyOrder(t, recs, 3)
 }
+
+// In a dedup handler the middleware wakes the forwarders after its COMMIT,
+// when the handler's rows have become visible: with every idle wait
+// stretched to an hour, a row written well before the handler returns is
+// still forwarded (a wake-up at the write would find nothing yet and leave
+// the forwarder asleep), one message at a time and with group commit.
+func TestForwarder_WokenAfterTheDedupCommit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, 8)
+	table := deduplicator.TableConfig{Schema: e.db.Schema}
+	require.NoError(t, migrate.Up(ctx, e.db.Pool, deduplicator.MigrationLine(table)))
+	e.kafka(t) // one broker for both modes
+	for _, mode := range []struct {
+		name string
+		gc   *idem.GroupCommitConfig
+	}{{"single", nil}, {"group commit", &idem.GroupCommitConfig{MaxMessages: 2, MaxWait: time.Millisecond, Concurrency: 1}}} {
+		t.Run(mode.name, func(t *testing.T) {
+			topic := e.topic(t, "woken", 1)
+			f, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: e.producer(t), Topics: []string{topic}}, nil)
+			require.NoError(t, err)
+			outbox.StretchWaits(f, time.Hour)
+			done := make(chan error, 1)
+			go func() { done <- f.Run(ctx) }()
+			defer func() {
+				require.NoError(t, f.Close())
+				require.NoError(t, <-done)
+			}()
+			dedup, err := idem.NewDedup(idem.Config{DB: e.db.Pool, ConsumerGroup: "woken-" + topic, Table: table, Outbox: e.outbox, GroupCommit: mode.gc}, nil)
+			require.NoError(t, err)
+			handler := dedup.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				pub, err := e.outbox.PublisherFromContext(msg.Context())
+				if err != nil {
+					return nil, err
+				}
+				if err := pub.Publish(topic, event("a", 0)); err != nil {
+					return nil, err
+				}
+				time.Sleep(100 * time.Millisecond) // the COMMIT comes well after the write
+				return nil, nil
+			})
+			in := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+			_, err = publisher.Stamp(ctx, in)
+			require.NoError(t, err)
+			_, err = handler(in)
+			require.NoError(t, err)
+			require.Eventually(t, func() bool { return f.Stats().Forwarded == 1 }, eventuallyTimeout, 5*time.Millisecond)
+		})
+	}
+}

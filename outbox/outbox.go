@@ -253,9 +253,14 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 	for _, msg := range msgs {
 		o.logger.Trace("Message written to outbox", watermill.LogFields{"topic": topic, "message_uuid": msg.UUID, "event_id": msg.Metadata.Get(publisher.MetadataEventID)})
 	}
-	// The rows are visible once tx commits, usually within milliseconds:
-	// this process's forwarders of the table start looking now (wakers).
-	wakers.wake(o.MessagesTable(topic))
+	// The rows are visible once tx commits. In a dedup handler the
+	// middleware commits tx and then wakes this process's forwarders of the
+	// table (wakers); on any other transaction they start looking now, the
+	// COMMIT usually following within milliseconds.
+	table := o.MessagesTable(topic)
+	if !idemctx.HooksFrom(ctx).OnCommit(tx, table, func() { wakers.wake(table) }) {
+		wakers.wake(table)
+	}
 	return nil
 }
 

@@ -6,6 +6,7 @@ package idemctx
 import (
 	"context"
 	"errors"
+	"sync"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -41,4 +42,63 @@ func From(ctx context.Context) *Value {
 	}
 	v, _ := ctx.Value(key{}).(*Value)
 	return v
+}
+
+// Hooks run functions once the dedup middleware has committed Tx: the
+// outbox uses it to wake this process's forwarders when the rows it wrote
+// become visible, not before.
+type Hooks struct {
+	// Tx is the transaction the hooks wait for.
+	Tx pgx.Tx
+
+	mu   sync.Mutex
+	keys map[string]func()
+	done bool
+}
+
+type hooksKey struct{}
+
+// WithHooks returns ctx carrying h.
+func WithHooks(ctx context.Context, h *Hooks) context.Context {
+	return context.WithValue(ctx, hooksKey{}, h)
+}
+
+// HooksFrom returns the hooks stored by WithHooks, or nil.
+func HooksFrom(ctx context.Context) *Hooks {
+	if ctx == nil {
+		return nil
+	}
+	h, _ := ctx.Value(hooksKey{}).(*Hooks)
+	return h
+}
+
+// OnCommit registers f, once per key, to run after h.Tx commits, and
+// reports true; it reports false, registering nothing, when h is nil, tx is
+// not h.Tx or h has run already (the caller then acts at once).
+func (h *Hooks) OnCommit(tx pgx.Tx, key string, f func()) bool {
+	if h == nil || tx != h.Tx {
+		return false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.done {
+		return false
+	}
+	if h.keys == nil {
+		h.keys = map[string]func(){}
+	}
+	h.keys[key] = f
+	return true
+}
+
+// Committed runs the registered functions; the middleware calls it after
+// the COMMIT of Tx succeeded.
+func (h *Hooks) Committed() {
+	h.mu.Lock()
+	fs := h.keys
+	h.keys, h.done = nil, true
+	h.mu.Unlock()
+	for _, f := range fs {
+		f()
+	}
 }
