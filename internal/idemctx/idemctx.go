@@ -6,6 +6,7 @@ package idemctx
 import (
 	"context"
 	"errors"
+	"reflect"
 	"sync"
 
 	"github.com/google/uuid"
@@ -76,7 +77,7 @@ func HooksFrom(ctx context.Context) *Hooks {
 // reports true; it reports false, registering nothing, when h is nil, tx is
 // not h.Tx or h has run already (the caller then acts at once).
 func (h *Hooks) OnCommit(tx pgx.Tx, key string, f func()) bool {
-	if h == nil || tx != h.Tx {
+	if h == nil || !sameTx(tx, h.Tx) {
 		return false
 	}
 	h.mu.Lock()
@@ -89,6 +90,19 @@ func (h *Hooks) OnCommit(tx pgx.Tx, key string, f func()) bool {
 	}
 	h.keys[key] = f
 	return true
+}
+
+// sameTx reports whether a and b are the same transaction value, without
+// the panic of == on a pgx.Tx implementation of an uncomparable type.
+func sameTx(a, b pgx.Tx) bool {
+	if a == nil || b == nil {
+		return false
+	}
+	ta := reflect.TypeOf(a)
+	if ta != reflect.TypeOf(b) || !ta.Comparable() {
+		return false
+	}
+	return a == b
 }
 
 // Committed runs the registered functions; the middleware calls it after

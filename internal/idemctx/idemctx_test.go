@@ -1,0 +1,48 @@
+package idemctx
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// uncomparableTx is a pgx.Tx of a type == panics on.
+type uncomparableTx struct {
+	pgx.Tx
+	notes []string
+}
+
+type pointerTx struct{ pgx.Tx }
+
+func TestHooks(t *testing.T) {
+	tx, other := &pointerTx{}, &pointerTx{}
+	h := &Hooks{Tx: tx}
+	ran := 0
+	if !h.OnCommit(tx, "t", func() { ran++ }) || !h.OnCommit(tx, "t", func() { ran++ }) {
+		t.Fatal("OnCommit on h.Tx must register")
+	}
+	if h.OnCommit(other, "t", func() { ran++ }) {
+		t.Fatal("OnCommit on another transaction must not register")
+	}
+	if h.OnCommit(uncomparableTx{}, "t", func() {}) {
+		t.Fatal("an uncomparable transaction is another transaction (and no panic)")
+	}
+	if (&Hooks{Tx: uncomparableTx{}}).OnCommit(uncomparableTx{}, "t", func() {}) {
+		t.Fatal("an uncomparable transaction cannot be told to be the same")
+	}
+	var none *Hooks
+	if none.OnCommit(tx, "t", func() {}) || HooksFrom(context.Background()) != nil {
+		t.Fatal("no hooks: the caller acts at once")
+	}
+	if HooksFrom(WithHooks(context.Background(), h)) != h {
+		t.Fatal("WithHooks/HooksFrom")
+	}
+	h.Committed()
+	if ran != 1 {
+		t.Fatalf("one function per key, run once: ran %d", ran)
+	}
+	if h.OnCommit(tx, "late", func() {}) {
+		t.Fatal("after Committed, OnCommit must not register")
+	}
+}
