@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -727,7 +728,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	}
 	for i := 0; ; i++ {
 		sent := make(chan error, 1)
-		if len(b.msgs) == 0 { // the page's rows were deleted meanwhile
+		if b.size() == 0 { // the page's rows were deleted meanwhile
 			sent <- nil
 		} else {
 			go func(b *batch) { sent <- f.send(topic, b) }(b)
@@ -750,13 +751,13 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1])
 		}
 		if sendErr := <-sent; sendErr != nil {
-			return 0, false, fmt.Errorf("send %d messages: %w", len(b.msgs), sendErr)
+			return 0, false, fmt.Errorf("send %d messages: %w", b.size(), sendErr)
 		}
 		f.step("sent")
 		if err != nil {
 			return 0, false, err
 		}
-		n += len(b.msgs)
+		n += b.size()
 		if last {
 			cache.next = len(cut.Pages) - len(pages) + i + 1
 			cache.ahead = next
@@ -784,20 +785,45 @@ func (f *Forwarder) commit(ctx context.Context, tx *outboxsql.Tx, n int) error {
 }
 
 // batch is one page ready to send: its messages in order, and with a
-// Producer their Kafka records.
+// Producer their Kafka records (then msgs may be nil: see readPage).
 type batch struct {
 	msgs    []*message.Message
 	records []*sarama.ProducerMessage
 }
 
+// size is the number of messages of b.
+func (b *batch) size() int { return max(len(b.msgs), len(b.records)) }
+
 // readPage reads the rows of page, in order, and with a Producer marshals
-// them: this runs while the previous page is being sent.
+// them: this runs while the previous page is being sent. With the default
+// Marshaler and no tracing, a row whose metadata is the compact JSON
+// watermill-sql writes becomes its record directly (fastRecord), without a
+// Watermill message in between.
 func (f *Forwarder) readPage(ctx context.Context, tx outboxsql.DB, tables outboxsql.Tables, topic string, page outboxsql.Page) (*batch, error) {
 	rows, err := tables.ReadPage(ctx, tx, page, make([]outboxsql.Row, 0, page.Rows))
 	if err != nil {
 		return nil, fmt.Errorf("read page: %w", err)
 	}
-	b := &batch{msgs: make([]*message.Message, len(rows))}
+	b := &batch{}
+	_, defaultMarshaler := f.cfg.Marshaler.(idemkafka.Marshaler)
+	if f.cfg.Producer != nil && defaultMarshaler && f.tracing.Tracer() == nil {
+		b.records = make([]*sarama.ProducerMessage, len(rows))
+		for i, r := range rows {
+			pm, ok := fastRecord(topic, r)
+			if !ok {
+				msg, err := r.Message()
+				if err != nil {
+					return nil, err
+				}
+				if pm, err = f.cfg.Marshaler.Marshal(topic, msg); err != nil {
+					return nil, fmt.Errorf("marshal message %s: %w", msg.UUID, err)
+				}
+			}
+			b.records[i] = pm
+		}
+		return b, nil
+	}
+	b.msgs = make([]*message.Message, len(rows))
 	for i, r := range rows {
 		if b.msgs[i], err = r.Message(); err != nil {
 			return nil, err
@@ -812,6 +838,47 @@ func (f *Forwarder) readPage(ctx context.Context, tx outboxsql.DB, tables outbox
 		}
 	}
 	return b, nil
+}
+
+// uuidHeaderKey is watermill-kafka's header of the message UUID.
+var uuidHeaderKey = []byte(kafka.UUIDHeaderKey)
+
+// fastRecord returns the record idemkafka.Marshaler makes of row's message
+// (the UUID header, one header per metadata entry, key = partition_key),
+// built from the row's bytes, or false when row's metadata is not the
+// compact, escape-free JSON object of distinct keys FlatPairs reads, or
+// holds watermill-kafka's reserved UUID key: the caller then goes the
+// long way, which decodes anything and reports the reserved key.
+func fastRecord(topic string, row outboxsql.Row) (*sarama.ProducerMessage, bool) {
+	headers := make([]sarama.RecordHeader, 1, 10)
+	headers[0] = sarama.RecordHeader{Key: uuidHeaderKey, Value: []byte(row.UUID)}
+	var key []byte
+	if row.Metadata != nil {
+		ok := outboxsql.FlatPairs(row.Metadata, func(k, v []byte) {
+			headers = append(headers, sarama.RecordHeader{Key: k, Value: v})
+			if string(k) == publisher.MetadataPartitionKey {
+				key = v
+			}
+		})
+		if !ok {
+			return nil, false
+		}
+		for i := 1; i < len(headers); i++ {
+			if bytes.Equal(headers[i].Key, uuidHeaderKey) {
+				return nil, false
+			}
+			for j := 1; j < i; j++ {
+				if bytes.Equal(headers[i].Key, headers[j].Key) {
+					return nil, false
+				}
+			}
+		}
+	}
+	pm := &sarama.ProducerMessage{Topic: topic, Value: sarama.ByteEncoder(row.Payload), Headers: headers}
+	if len(key) > 0 {
+		pm.Key = sarama.StringEncoder(key)
+	}
+	return pm, true
 }
 
 func (f *Forwarder) send(topic string, b *batch) (err error) {

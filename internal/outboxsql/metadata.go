@@ -30,53 +30,66 @@ func decodeMetadata(b []byte) (message.Metadata, error) {
 // It reports false for anything else, including valid JSON it does not
 // handle, so the caller falls back to encoding/json.
 func decodeFlat(b []byte) (message.Metadata, bool) {
-	if len(b) < 2 || b[0] != '{' || b[len(b)-1] != '}' || bytes.IndexByte(b, '\\') >= 0 {
+	md := make(message.Metadata, 8)
+	if !FlatPairs(b, func(k, v []byte) { md[string(k)] = string(v) }) {
 		return nil, false
 	}
-	md := make(message.Metadata, 8)
+	return md, true
+}
+
+// FlatPairs calls yield with each key and value of b, a JSON object of
+// strings in the compact form json.Marshal gives a map[string]string
+// without escapes ({"k":"v",...}: no whitespace, no backslash, no control
+// character, valid UTF-8), as sub-slices of b. For anything else it
+// reports false, possibly after yielding some pairs: the caller then
+// decodes b another way.
+func FlatPairs(b []byte, yield func(k, v []byte)) bool {
+	if len(b) < 2 || b[0] != '{' || b[len(b)-1] != '}' || bytes.IndexByte(b, '\\') >= 0 {
+		return false
+	}
 	if len(b) == 2 {
-		return md, true
+		return true
 	}
 	i := 1
 	for {
 		k, n, ok := flatString(b, i)
 		if !ok || n >= len(b) || b[n] != ':' {
-			return nil, false
+			return false
 		}
 		v, n, ok := flatString(b, n+1)
 		if !ok || n >= len(b) {
-			return nil, false
+			return false
 		}
-		md[k] = v
+		yield(k, v)
 		switch {
 		case b[n] == ',':
 			i = n + 1
 		case b[n] == '}' && n == len(b)-1:
-			return md, true
+			return true
 		default:
-			return nil, false
+			return false
 		}
 	}
 }
 
 // flatString reads the string starting at b[i] == '"' (no escapes) and
 // returns it with the index after its closing quote.
-func flatString(b []byte, i int) (string, int, bool) {
+func flatString(b []byte, i int) ([]byte, int, bool) {
 	if i >= len(b) || b[i] != '"' {
-		return "", 0, false
+		return nil, 0, false
 	}
 	j := bytes.IndexByte(b[i+1:], '"')
 	if j < 0 {
-		return "", 0, false
+		return nil, 0, false
 	}
 	s := b[i+1 : i+1+j]
 	for _, c := range s {
 		if c < 0x20 {
-			return "", 0, false
+			return nil, 0, false
 		}
 	}
 	if !utf8.Valid(s) {
-		return "", 0, false
+		return nil, 0, false
 	}
-	return string(s), i + 2 + j, true
+	return s, i + 2 + j, true
 }
