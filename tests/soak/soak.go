@@ -755,10 +755,15 @@ func (h *harness) progressLog(ctx context.Context, faultsDone <-chan struct{}) {
 // is left to forward; or until ctx ends (then the verification reports what
 // is missing).
 func (h *harness) waitConverged(ctx context.Context) {
+	lastLog := time.Now()
 	for {
 		ok, why := h.converged(ctx)
 		if ok {
 			return
+		}
+		if time.Since(lastLog) > 10*time.Second {
+			h.logf("not converged yet: %s", why)
+			lastLog = time.Now()
 		}
 		select {
 		case <-ctx.Done():
