@@ -207,7 +207,7 @@ func (r Row) Message() (*message.Message, error) {
 }
 
 // Register inserts name's position at the start of the table unless it has
-// one, so that [Tables.Lock] has a row to lock.
+// one, so that [Tables.BeginLock] has a row to lock.
 func (t Tables) Register(ctx context.Context, db DB, name string) error {
 	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` (consumer_group, offset_acked, last_processed_transaction_id, position_snapshot)
 		VALUES ($1, 0, '0', $2::text::pg_snapshot) ON CONFLICT (consumer_group) DO NOTHING`, name, Start.String())
@@ -251,20 +251,12 @@ func scanPosition(row pgx.Row, extra ...any) (Position, error) {
 	return p, nil
 }
 
-// lockSQL reads name's position FOR UPDATE and sets synchronous_commit
-// to off for the rest of the transaction.
+// lockSQL reads name's position FOR UPDATE, so that one holder of the
+// name works on the table at a time, and sets synchronous_commit to off for
+// the rest of the transaction (the position may commit asynchronously: a
+// lost commit resends, it never skips).
 const lockSQL = `SELECT ` + positionColumns + `, set_config('synchronous_commit', 'off', true)
 		FROM %s WHERE consumer_group = $1 FOR UPDATE`
-
-// Lock reads name's position FOR UPDATE, so that one holder of the name
-// works on the table at a time, and sets synchronous_commit to off for the
-// rest of the transaction (the position may commit asynchronously: a lost
-// commit resends, it never skips). It returns pgx.ErrNoRows when name has no
-// position ([Tables.Register]).
-func (t Tables) Lock(ctx context.Context, db DB, name string) (Position, error) {
-	var discard string
-	return scanPosition(db.QueryRow(ctx, fmt.Sprintf(lockSQL, t.Offsets), name), &discard)
-}
 
 // Tx is a transaction on one connection, begun by [Tables.BeginLock]. It
 // is a [DB]; end it with Commit or Rollback.
@@ -322,7 +314,8 @@ func (tx *Tx) Rollback(ctx context.Context) {
 }
 
 // BeginLock begins a transaction on conn and locks name's position in it
-// as [Tables.Lock] does, in one round trip (BEGIN and the lock are sent as
+// (lockSQL; pgx.ErrNoRows when name has no position, see
+// [Tables.Register]), in one round trip (BEGIN and the lock are sent as
 // one batch). On error the transaction is rolled back.
 func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string) (*Tx, Position, error) {
 	tx := &Tx{conn: conn}
@@ -346,7 +339,7 @@ func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string) (*Tx
 	return tx, p, nil
 }
 
-// Ack moves name's position, locked by [Tables.Lock] in this transaction,
+// Ack moves name's position, locked by [Tables.BeginLock] in this transaction,
 // to p, and watermill-sql's columns to the (transaction_id, offset)
 // position p has certainly passed. It returns [ErrNoPosition] when name has
 // no position.

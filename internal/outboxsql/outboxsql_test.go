@@ -40,10 +40,10 @@ func TestPositionRoundTrip(t *testing.T) {
 			defer conn.Close(ctx)
 			name := "fwd-" + mode.String()
 
-			_, err = tables.Lock(ctx, conn, name)
-			require.ErrorIs(t, err, pgx.ErrNoRows)
+			_, err = tables.Position(ctx, conn, name)
+			require.ErrorIs(t, err, outboxsql.ErrNoPosition)
 			require.NoError(t, tables.Register(ctx, conn, name))
-			p, err := tables.Lock(ctx, conn, name)
+			p, err := tables.Position(ctx, conn, name)
 			require.NoError(t, err)
 			require.Equal(t, outboxsql.Position{Snapshot: outboxsql.Start}, p)
 			tx, p2, err := tables.BeginLock(ctx, conn, name)
@@ -73,7 +73,7 @@ func TestPositionRoundTrip(t *testing.T) {
 			// Part way through the cut: the rest of it is one page.
 			mid := outboxsql.Position{Snapshot: p.Snapshot, Cut: &cut.To, CutOffset: cut.Pages[0].Last}
 			require.NoError(t, tables.Ack(ctx, conn, name, mid))
-			got, err := tables.Lock(ctx, conn, name)
+			got, err := tables.Position(ctx, conn, name)
 			require.NoError(t, err)
 			require.Equal(t, mid.Snapshot.String(), got.Snapshot.String())
 			require.Equal(t, cut.To.String(), got.Cut.String())
@@ -89,7 +89,7 @@ func TestPositionRoundTrip(t *testing.T) {
 			far := outboxsql.Snapshot{Xmin: 1<<40 + 7, Xmax: 1<<40 + 20, Xip: []uint64{1<<40 + 7, 1<<40 + 9}}
 			require.NoError(t, tables.Ack(ctx, conn, name, outboxsql.Position{Snapshot: far}))
 			require.ErrorIs(t, tables.Ack(ctx, conn, "never-registered", outboxsql.Position{Snapshot: far}), outboxsql.ErrNoPosition)
-			got, err = tables.Lock(ctx, conn, name)
+			got, err = tables.Position(ctx, conn, name)
 			require.NoError(t, err)
 			require.Equal(t, far, got.Snapshot)
 			require.Nil(t, got.Cut)
