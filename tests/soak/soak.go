@@ -737,8 +737,11 @@ func (h *harness) progressLog(ctx context.Context, faultsDone <-chan struct{}) {
 			return
 		case <-t.C:
 		}
-		pend, _ := h.prod.pending(ctx)
+		pend, err := h.prod.pending(ctx)
 		line := fmt.Sprintf("produced=%d outbox pending=%d", h.produced.Load(), pend)
+		if err != nil {
+			line += fmt.Sprintf(" (%v)", err)
+		}
 		for _, g := range h.groups {
 			line += fmt.Sprintf(" %s: applied=%d dup=%d failed=%d escalated=%d", g.name, g.applied.Load(), g.duplicates.Load(), g.failed.Load(), g.escalated.Load())
 		}
@@ -819,6 +822,16 @@ func (h *harness) converged(ctx context.Context) (bool, string) {
 // logStuck logs, after a run that did not converge, every consumer
 // group's lag and the events left parked on the retry path.
 func (h *harness) logStuck(ctx context.Context) {
+	pend, err := h.prod.pending(ctx)
+	h.logf("stuck: outbox rows not forwarded: %d (%v)", pend, err)
+	for _, g := range h.groups {
+		g.mu.Lock()
+		live := len(g.live)
+		g.mu.Unlock()
+		var n int
+		err := h.admin.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM soak_ledger WHERE grp = $1`, g.name).Scan(&n)
+		h.logf("stuck: %s: %d live instances, applied %d of %d events (%v)", g.name, live, n, h.cfg.Events, err)
+	}
 	missing, sent := h.dlqMissing()
 	lag, err := h.lag("soak-dlq-replay-"+h.runID, h.dlq)
 	h.logf("stuck: dlq: %d of %d events not replayed %v, replayer lag %d (%v)", len(missing), sent, missing[:min(len(missing), 10)], lag, err)
