@@ -245,17 +245,30 @@ func (h *harness) terminate(ctx context.Context, kind func(target string) string
 // allowed again.
 func (h *harness) disrupt(ctx context.Context) error {
 	db := pgx.Identifier{h.dbName}.Sanitize()
-	if _, err := h.maint.Exec(ctx, "ALTER DATABASE "+db+" WITH ALLOW_CONNECTIONS false"); err != nil {
+	// ALTER DATABASE is retried for a while: it fails with "tuple
+	// concurrently updated" (XX000) when autovacuum updates the database's
+	// pg_database row at the same moment (seen after a server restart),
+	// and the maintenance pool's connections die with a restart.
+	alter := func(ctx context.Context, allow bool) error {
+		ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		return retry(ctx, "alter database", func() error {
+			_, err := h.maint.Exec(ctx, fmt.Sprintf("ALTER DATABASE %s WITH ALLOW_CONNECTIONS %t", db, allow))
+			return err
+		})
+	}
+	if err := alter(ctx, false); err != nil {
 		return err
 	}
 	start := time.Now()
 	var terminated int64
-	var err error
 	for {
 		var n int64
-		if err = h.maint.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend'`,
-			h.dbName).Scan(&n); err != nil {
-			break
+		// An error here (the maintenance connection died with a server
+		// restart) only skips one round of terminations.
+		if err := h.maint.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend'`,
+			h.dbName).Scan(&n); err != nil && ctx.Err() == nil {
+			h.logf("disruption: terminate backends: %v", err)
 		}
 		terminated += n
 		if time.Since(start) >= h.cfg.Outage {
@@ -270,14 +283,11 @@ func (h *harness) disrupt(ctx context.Context) error {
 		}
 	}
 	// Always allow connections again, even when the run is being cancelled.
-	_, aerr := h.maint.Exec(context.WithoutCancel(ctx), "ALTER DATABASE "+db+" WITH ALLOW_CONNECTIONS true")
+	aerr := alter(context.WithoutCancel(ctx), true)
 	h.terminated.Add(terminated)
 	h.disruptions.Add(1)
 	h.logf("disruption: database %s refused connections for %s, %d backends terminated", h.dbName, time.Since(start).Round(time.Millisecond), terminated)
-	if err == nil {
-		err = aerr
-	}
-	return err
+	return aerr
 }
 
 // resetOffsets stops every instance of g (Kafka only lets an empty group's
