@@ -783,14 +783,11 @@ func (h *harness) converged(ctx context.Context) (bool, string) {
 		return false, fmt.Sprintf("outbox rows not forwarded: %d (%v)", n, err)
 	}
 	for _, g := range h.groups {
-		g.mu.Lock()
-		live := len(g.live)
-		g.mu.Unlock()
-		if live == 0 {
+		if g.liveCount() == 0 {
 			return false, g.name + ": no live instance"
 		}
-		var n int
-		if err := h.admin.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM soak_ledger WHERE grp = $1`, g.name).Scan(&n); err != nil {
+		n, err := h.appliedEvents(ctx, g)
+		if err != nil {
 			return false, err.Error()
 		}
 		if n < h.cfg.Events {
@@ -819,18 +816,29 @@ func (h *harness) converged(ctx context.Context) (bool, string) {
 	return true, ""
 }
 
-// logStuck logs, after a run that did not converge, every consumer
-// group's lag and the events left parked on the retry path.
+// appliedEvents counts the distinct events group g has applied (its
+// ledger).
+func (h *harness) appliedEvents(ctx context.Context, g *group) (n int, err error) {
+	err = h.admin.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM soak_ledger WHERE grp = $1`, g.name).Scan(&n)
+	return n, err
+}
+
+// liveCount is the number of g's running consumer processes.
+func (g *group) liveCount() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return len(g.live)
+}
+
+// logStuck logs, after a run that did not converge, each condition of
+// converged: the outbox backlog, every consumer group's live processes,
+// applied events and lags, and the events left parked on the retry path.
 func (h *harness) logStuck(ctx context.Context) {
 	pend, err := h.prod.pending(ctx)
 	h.logf("stuck: outbox rows not forwarded: %d (%v)", pend, err)
 	for _, g := range h.groups {
-		g.mu.Lock()
-		live := len(g.live)
-		g.mu.Unlock()
-		var n int
-		err := h.admin.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM soak_ledger WHERE grp = $1`, g.name).Scan(&n)
-		h.logf("stuck: %s: %d live instances, applied %d of %d events (%v)", g.name, live, n, h.cfg.Events, err)
+		n, err := h.appliedEvents(ctx, g)
+		h.logf("stuck: %s: %d live instances, applied %d of %d events (%v)", g.name, g.liveCount(), n, h.cfg.Events, err)
 	}
 	missing, sent := h.dlqMissing()
 	lag, err := h.lag("soak-dlq-replay-"+h.runID, h.dlq)
