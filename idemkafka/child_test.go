@@ -147,14 +147,10 @@ func (f *fixture) startChild(t *testing.T, group string, groupCommit bool, name 
 // Consumer processes killed with SIGKILL mid-stream, and others joining:
 // each key's events are still applied once each, in order.
 //
-// Each kill lands on a member that holds partitions in a stable group.
-// Killing a process between its JoinGroup and the coordinator's answer is
-// a real case, which Kafka handles (it schedules every member's session
-// expiry when a rebalance completes), but kfake, the in-process test
-// broker, arms a member's session timer only once an answer reached it:
-// a member that joined under a new member id and died before its answer
-// stays in the group, holding its partitions, for as long as the group
-// stays stable (TestKfakeKeepsAMemberThatDiedInJoin shows it).
+// Each kill lands on a member that holds partitions in a stable group; the
+// soak kills members anywhere, including between JoinGroup and its answer,
+// which the broker handles as Kafka does
+// (TestBrokerExpiresAMemberThatDiedInJoin).
 func TestSubscriberSurvivesSIGKILL(t *testing.T) {
 	if testing.Short() {
 		t.Skip("kills processes and waits for the group's session timeout")

@@ -9,6 +9,8 @@ import (
 	"log"
 	"os"
 	"os/signal"
+	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -184,6 +186,7 @@ func (c *child) die(kind string) {
 func runConsumer(cfg childConfig) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
+	dumpGoroutinesOnSIGUSR1(cfg.Instance)
 	c := &child{cfg: cfg}
 	go func() {
 		in := bufio.NewScanner(os.Stdin)
@@ -660,3 +663,25 @@ func (l errorLogger) With(f watermill.LogFields) watermill.LoggerAdapter {
 
 // isRetryTopic reports whether topic is one of the consumer's retry topics.
 func (c *child) isRetryTopic(topic string) bool { return slices.Contains(c.cfg.RetryTopics, topic) }
+
+// dumpGoroutinesOnSIGUSR1 writes every goroutine's stack to
+// $TMPDIR/soak-goroutines-<instance>-<pid>.txt each time the process gets
+// SIGUSR1, and goes on: how the soak's stuck log (and an operator, with
+// kill -USR1) sees what a live consumer waits for.
+func dumpGoroutinesOnSIGUSR1(instance string) {
+	ch := make(chan os.Signal, 1)
+	signal.Notify(ch, syscall.SIGUSR1)
+	go func() {
+		for range ch {
+			path := filepath.Join(os.TempDir(), fmt.Sprintf("soak-goroutines-%s-%d.txt", instance, os.Getpid()))
+			f, err := os.Create(path)
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "soak consumer %s: goroutine dump: %v\n", instance, err)
+				continue
+			}
+			_ = pprof.Lookup("goroutine").WriteTo(f, 2)
+			_ = f.Close()
+			fmt.Fprintf(os.Stderr, "soak consumer %s: goroutines written to %s\n", instance, path)
+		}
+	}()
+}

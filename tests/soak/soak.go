@@ -9,10 +9,12 @@ import (
 	"io"
 	"maps"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -370,6 +372,7 @@ type harness struct {
 	dlq     string
 	parked  retrytopic.ParkedKeysTable
 	brokers []string
+	trace   *groupTrace   // the in-process broker's group requests; nil on a real cluster
 	admin   *pgxpool.Pool // on the run's database
 	maint   *pgxpool.Pool // on DatabaseURL's database: creates, disrupts and drops the run's
 	logger  watermill.LoggerAdapter
@@ -485,6 +488,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		}
 		defer fake.Close()
 		h.brokers = fake.ListenAddrs()
+		h.trace = newGroupTrace(fake)
 	}
 	topics := []string{h.topic, h.dlq}
 	for g := range groups {
@@ -759,19 +763,33 @@ func (h *harness) progressLog(ctx context.Context, faultsDone <-chan struct{}) {
 // is missing).
 func (h *harness) waitConverged(ctx context.Context) {
 	lastLog := time.Now()
+	var lastWhy string
+	since, dumped := time.Now(), time.Time{}
 	for {
 		ok, why := h.converged(ctx)
 		if ok {
 			return
 		}
+		if why != lastWhy {
+			lastWhy, since = why, time.Now()
+		}
 		if time.Since(lastLog) > 10*time.Second {
 			h.logf("not converged yet: %s", why)
 			lastLog = time.Now()
+		}
+		// The same reason for a minute: no progress. Show what the
+		// consumer groups and the processes wait for (once, then every
+		// five minutes).
+		if time.Since(since) > time.Minute && time.Since(dumped) > 5*time.Minute {
+			h.logf("no progress for %s: %s", time.Since(since).Truncate(time.Second), why)
+			h.dumpStall()
+			dumped = time.Now()
 		}
 		select {
 		case <-ctx.Done():
 			h.violation("did not converge before the timeout: %s", why)
 			h.logStuck(context.WithoutCancel(ctx))
+			h.dumpStall()
 			return
 		case <-time.After(250 * time.Millisecond):
 		}
@@ -828,6 +846,36 @@ func (g *group) liveCount() int {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return len(g.live)
+}
+
+// dumpStall logs every consumer group's state and members as the
+// coordinator reports them, the group requests the in-process broker saw,
+// and asks every live consumer process for a goroutine dump (SIGUSR1: see
+// dumpGoroutinesOnSIGUSR1), which it writes to a file and names in its log.
+func (h *harness) dumpStall() {
+	var names []string
+	for _, g := range h.groups {
+		names = append(names, g.name)
+		for i := range h.retryTopics(g.idx) {
+			names = append(names, retryGroup(g.name, i))
+		}
+	}
+	h.logf("stall: consumer groups:%s", describeGroups(h.brokers, names))
+	if h.trace != nil {
+		for _, n := range names {
+			h.logf("stall: %s: group requests the broker received (last %d):%s", n, maxTraceEvents, h.trace.dump(n))
+		}
+	}
+	for _, g := range h.groups {
+		g.mu.Lock()
+		live := slices.Clone(g.live)
+		g.mu.Unlock()
+		for _, inst := range live {
+			h.logf("stall: %s (pid %d): goroutine dump requested, to %s; its last log lines: %s", inst.name, inst.cmd.Process.Pid,
+				filepath.Join(os.TempDir(), fmt.Sprintf("soak-goroutines-%s-%d.txt", inst.name, inst.cmd.Process.Pid)), inst.stderr)
+			_ = inst.cmd.Process.Signal(syscall.SIGUSR1)
+		}
+	}
 }
 
 // logStuck logs, after a run that did not converge, each condition of
