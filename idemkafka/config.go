@@ -141,8 +141,21 @@ type ClientConfig struct {
 	Sarama *sarama.Config
 	// Logger receives, at info level, the corrections
 	// WatermillSubscriberConfig makes to a value the Sarama base set itself
-	// (see [SaramaConsumerConfig]). Defaults to sarama.Logger.
+	// (see [SaramaConsumerConfig]), and the partitions a subscriber gave up
+	// after RevokeTimeout. Defaults to sarama.Logger for the corrections,
+	// none for the rest.
 	Logger watermill.LoggerAdapter
+	// RevokeTimeout bounds, for the subscribers of
+	// [WatermillSubscriberConfig], how long a member keeps a partition
+	// after its group session ended (a rebalance, a Close) while the
+	// partition's message in flight still runs. The member then rejoins
+	// without it; its offset is not committed, so the partition's next
+	// owner receives it again (and the dedup claim absorbs it). Without a
+	// bound a slow handler, or a message nacked again and again, keeps the
+	// whole group rebalancing, with no partition consumed, until the
+	// coordinator's rebalance deadline. Must be shorter than the Sarama
+	// base's Consumer.Group.Rebalance.Timeout. Defaults to 10 s.
+	RevokeTimeout time.Duration
 }
 
 // WatermillSubscriberConfig returns a watermill-kafka SubscriberConfig for a
@@ -166,11 +179,27 @@ func WatermillSubscriberConfig(cfg ClientConfig, consumerGroup string) (kafka.Su
 	if err := sc.Validate(); err != nil {
 		return kafka.SubscriberConfig{}, fmt.Errorf("invalid config: Sarama: %w", err)
 	}
+	revoke := cfg.RevokeTimeout
+	if revoke == 0 {
+		revoke = defaultRevokeTimeout
+	}
+	switch {
+	case revoke < 0:
+		return kafka.SubscriberConfig{}, errors.New("invalid config: RevokeTimeout: must not be negative")
+	case revoke >= sc.Consumer.Group.Rebalance.Timeout:
+		return kafka.SubscriberConfig{}, fmt.Errorf("invalid config: RevokeTimeout: %s must be shorter than Consumer.Group.Rebalance.Timeout (%s)",
+			revoke, sc.Consumer.Group.Rebalance.Timeout)
+	}
 	return kafka.SubscriberConfig{
 		Brokers:               cfg.Brokers,
 		Unmarshaler:           Marshaler{},
 		OverwriteSaramaConfig: sc,
 		ConsumerGroup:         consumerGroup,
+		// Bounds how long a member keeps a revoked partition (see
+		// ClientConfig.RevokeTimeout). Wrap it, do not replace it, to add
+		// a tracer of your own; watermill-kafka's OTELEnabled does not
+		// apply over it (the library's own spans: docs/observability.md).
+		Tracer: revokeBound(nil, revoke, cfg.Logger),
 	}, nil
 }
 

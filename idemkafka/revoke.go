@@ -1,0 +1,101 @@
+package idemkafka
+
+import (
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+
+	"github.com/idemkit/watermill-idempotency/internal/handlertracer"
+)
+
+// revokeBound returns a tracer (wrapping next, nil for none) whose
+// consumer-group handler bounds how long a watermill-kafka subscriber keeps
+// a partition after its group session ended (a rebalance, a Close).
+//
+// watermill-kafka's ConsumeClaim hands out one message at a time and then
+// waits for its ack or nack, or for the subscriber to close: it does not
+// watch the session. A handler that runs long (a slow downstream, a lock
+// wait), or a message nacked again and again, keeps the member in
+// ConsumeClaim after the coordinator asked it to rejoin, so the whole group
+// waits, with no partition consumed, until the message ends or the
+// coordinator removes the member at the rebalance deadline
+// (Consumer.Group.Rebalance.Timeout, 60 s by default).
+//
+// The wrapped handler feeds the claim's records to watermill-kafka's
+// ConsumeClaim itself and stops at the session's end, so no record read
+// after it reaches the handler; it then waits up to timeout for the message
+// in flight and returns, and the member rejoins. A message still in flight
+// then is not marked (watermill-kafka marks only while the session lives):
+// the partition's next owner receives it again and the dedup claim absorbs
+// it, or waits for it (a claim waits on the unique index until the first
+// transaction ends), so the two can never both apply it.
+func revokeBound(next kafka.SaramaTracer, timeout time.Duration, logger watermill.LoggerAdapter) kafka.SaramaTracer {
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	return handlertracer.New(next, func(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
+		return revokeBoundHandler{ConsumerGroupHandler: h, timeout: timeout, logger: logger}
+	})
+}
+
+type revokeBoundHandler struct {
+	sarama.ConsumerGroupHandler
+	timeout time.Duration
+	logger  watermill.LoggerAdapter
+}
+
+// fedClaim is a claim whose records come from the wrapper.
+type fedClaim struct {
+	sarama.ConsumerGroupClaim
+	msgs chan *sarama.ConsumerMessage
+}
+
+func (c fedClaim) Messages() <-chan *sarama.ConsumerMessage { return c.msgs }
+
+func (h revokeBoundHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	fed := fedClaim{ConsumerGroupClaim: claim, msgs: make(chan *sarama.ConsumerMessage)}
+	done := make(chan error, 1)
+	go func() { done <- h.ConsumerGroupHandler.ConsumeClaim(sess, fed) }()
+
+	var last *sarama.ConsumerMessage // the record handed out last
+	ended := sess.Context().Done()
+feed:
+	for {
+		select {
+		case m, ok := <-claim.Messages():
+			if !ok {
+				break feed
+			}
+			select {
+			case fed.msgs <- m:
+				last = m
+			case <-ended:
+				break feed // m was not handed out: the next owner reads it
+			case err := <-done:
+				return err
+			}
+		case <-ended:
+			break feed
+		case err := <-done:
+			return err
+		}
+	}
+	close(fed.msgs)
+
+	t := time.NewTimer(h.timeout)
+	defer t.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-t.C:
+	}
+	fields := watermill.LogFields{"topic": claim.Topic(), "kafka_partition": claim.Partition(), "revoke_timeout": h.timeout.String()}
+	if last != nil {
+		fields["kafka_partition_offset"] = last.Offset
+	}
+	h.logger.Info("Partition revoked with a message still in flight after RevokeTimeout: rejoining without it; "+
+		"its offset is not committed, so the partition's next owner receives it again", fields)
+	return nil
+}
