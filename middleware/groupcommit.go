@@ -129,8 +129,16 @@ type request struct {
 	h    message.HandlerFunc
 	id   uuid.UUID
 	span *msgSpan
-	done chan result // buffered 1
+	done chan result // buffered 1: send through reply
 	out  []*message.Message
+	// answered is set by reply; only the group's leader touches it.
+	answered bool
+}
+
+// reply hands r its result (once).
+func (r *request) reply(res result) {
+	r.answered = true
+	r.done <- res
 }
 
 // result is a message's outcome; alone means: process it in its own
@@ -221,6 +229,22 @@ gather:
 	}
 	reqs := g.reqs // sealed: nobody appends any more
 	gc.mu.Unlock()
+	// A panic outside the handlers (handle recovers theirs) must not leave
+	// the group's other messages waiting for an answer for good, in
+	// goroutines that hold no transaction: each unanswered one fails (it
+	// is nacked and redelivered), and the panic goes on in the leader's
+	// goroutine, as it would without a group.
+	defer func() {
+		if p := recover(); p != nil {
+			err := fmt.Errorf("dedup: group commit panicked: %v", p)
+			for _, r := range reqs {
+				if !r.answered {
+					r.reply(result{outcome: outcomeFailed, err: err})
+				}
+			}
+			panic(p)
+		}
+	}()
 	gc.run(reqs)
 }
 
@@ -250,6 +274,15 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 	gspan := gc.startSpan(reqs)
 	defer gspan.End()
 	start := time.Now()
+	var tx pgx.Tx
+	defer func() {
+		if p := recover(); p != nil {
+			if tx != nil {
+				d.rollback(ctx, tx, nil) // closed already: ignored
+			}
+			panic(p)
+		}
+	}()
 	tx, first, err := d.dedup.BeginClaimBatch(ctx, d.cfg.DB, d.cfg.TxOptions, ids)
 	d.stats.claimed(time.Since(start))
 	if err != nil {
@@ -279,7 +312,7 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 		switch {
 		case !firstOf[r.id]:
 			d.stats.duplicates.Add(1)
-			r.done <- result{outcome: outcomeDuplicate}
+			r.reply(result{outcome: outcomeDuplicate})
 		case slices.ContainsFunc(runs, func(o *request) bool { return o.id == r.id }):
 			copies = append(copies, r)
 		default:
@@ -303,7 +336,7 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 			})
 			for _, o := range append(runs, copies...) {
 				if o.id == r.id {
-					o.done <- result{alone: true}
+					o.reply(result{alone: true})
 				} else {
 					again = append(again, o)
 				}
@@ -336,7 +369,7 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 	d.stats.duplicates.Add(uint64(len(copies)))
 	d.stats.txNanos.Add(uint64(time.Since(start)) * uint64(len(runs)))
 	for _, r := range runs {
-		r.done <- result{produced: r.out, outcome: outcomeProcessed}
+		r.reply(result{produced: r.out, outcome: outcomeProcessed})
 	}
 	gc.answer(copies, result{outcome: outcomeDuplicate})
 	return nil
@@ -363,7 +396,7 @@ func (gc *groupCommit) startSpan(reqs []*request) trace.Span {
 
 func (gc *groupCommit) answer(reqs []*request, res result) {
 	for _, r := range reqs {
-		r.done <- res
+		r.reply(res)
 	}
 }
 

@@ -409,3 +409,56 @@ func TestGroupCommitConfigValidated(t *testing.T) {
 	defer func() { _ = tx.Rollback(context.Background()) }()
 	require.ErrorContains(t, idem.Config{DB: tx, ConsumerGroup: "g", GroupCommit: &idem.GroupCommitConfig{}}.Validate(), "GroupCommit: DB is a pgx.Tx")
 }
+
+// panickingBeginner is a pool whose Begin panics once armed: a bug below the
+// handlers (a driver, a wrapper) in the group's leader.
+type panickingBeginner struct {
+	pool  interface {
+		Begin(context.Context) (pgx.Tx, error)
+	}
+	armed atomic.Bool
+}
+
+func (b *panickingBeginner) Begin(ctx context.Context) (pgx.Tx, error) {
+	if b.armed.Load() {
+		panic("driver bug")
+	}
+	return b.pool.Begin(ctx)
+}
+
+// A panic in a group's leader outside the handlers (here in BEGIN) answers
+// every message of the group with an error; before, the leader's panic left
+// the others waiting for good, holding no transaction, and their
+// partitions stopped.
+func TestGroupCommit_LeaderPanicAnswersTheWholeGroup(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	db := &panickingBeginner{pool: f.pool}
+	d := f.dedup(t, "billing", func(c *idem.Config) {
+		c.DB = db
+		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 16, MaxWait: 100 * time.Millisecond, Concurrency: 1}
+	})
+	db.armed.Store(true)
+	var calls atomic.Int32
+	h := d.Middleware(f.insertHandler(1, &calls))
+	errs := deliverAll(h, f.msgs(newIDs(6)))
+	panics := 0
+	for _, err := range errs {
+		require.Error(t, err)
+		var rp wmiddleware.RecoveredPanicError
+		if errors.As(err, &rp) {
+			panics++
+			continue
+		}
+		require.ErrorContains(t, err, "group commit panicked: driver bug")
+	}
+	require.GreaterOrEqual(t, panics, 1, "the leader's own panic goes on")
+	require.Zero(t, calls.Load())
+
+	// Disarmed, the redeliveries apply.
+	db.armed.Store(false)
+	for _, err := range deliverAll(h, f.msgs(newIDs(6))) {
+		require.NoError(t, err)
+	}
+	require.Equal(t, 6, f.ledgerRows(t))
+}
