@@ -413,7 +413,7 @@ func TestGroupCommitConfigValidated(t *testing.T) {
 // panickingBeginner is a pool whose Begin panics once armed: a bug below the
 // handlers (a driver, a wrapper) in the group's leader.
 type panickingBeginner struct {
-	pool  interface {
+	pool interface {
 		Begin(context.Context) (pgx.Tx, error)
 	}
 	armed atomic.Bool
