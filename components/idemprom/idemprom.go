@@ -45,6 +45,7 @@ var (
 	descFollowed  = prometheus.NewDesc("idem_retry_followed_total", "KeyOrder: events parked behind an earlier event of their key.", group, nil)
 	descReleased  = prometheus.NewDesc("idem_retry_released_total", "KeyOrder: parked events released (applied or poisoned).", group, nil)
 	descHandedOff = prometheus.NewDesc("idem_retry_handed_off_total", "KeyOrder: releases that handed their key to the next parked event.", group, nil)
+	descOverdue   = prometheus.NewDesc("idem_retry_overdue_keys", "KeyOrder: parked keys whose first event's copy was overdue by more than KeyOrder.OverdueAfter at the middleware's last check (retrytopic.Stats.OverdueKeys): a stalled retry path.", group, nil)
 
 	descParkedKeys    = prometheus.NewDesc("idem_retry_parked_keys", "KeyOrder: keys with parked events.", group, nil)
 	descParkedEvents  = prometheus.NewDesc("idem_retry_parked_events", "KeyOrder: parked events (each key's first and those waiting behind it).", group, nil)
@@ -176,7 +177,7 @@ func (c *Collector) AddSubscriber(sub *idemkafka.Subscriber) {
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec,
 		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descForwarded, descCommits, descPolls, descFwdErrors, descPending, descOldest,
-		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff,
+		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff, descOverdue,
 		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
 		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions,
 		descKafkaDistance, descKafkaWindow, descKafkaMaxInFlight} {
@@ -246,6 +247,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descFollowed, float64(s.Followed), g)
 		counter(descReleased, float64(s.Released), g)
 		counter(descHandedOff, float64(s.HandedOff), g)
+		ch <- prometheus.MustNewConstMetric(descOverdue, prometheus.GaugeValue, float64(s.OverdueKeys), g)
 	}
 	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
@@ -306,5 +308,6 @@ func addRetryStats(a, b retrytopic.Stats) retrytopic.Stats {
 	a.Followed += b.Followed
 	a.Released += b.Released
 	a.HandedOff += b.HandedOff
+	a.OverdueKeys = max(a.OverdueKeys, b.OverdueKeys) // a reading of one table: every instance sees the same keys
 	return a
 }

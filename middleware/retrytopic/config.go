@@ -35,6 +35,8 @@ const (
 	defaultSchema = "public"
 	// defaultTable names the parked-keys table of [KeyOrder].
 	defaultTable = "retry_parked_key"
+	// defaultOverdueAfter is [KeyOrder.OverdueAfter].
+	defaultOverdueAfter = 2 * time.Minute
 )
 
 // Backoff is the delay before each retry-topic attempt: Initial ×
@@ -184,6 +186,16 @@ type KeyOrder struct {
 	// EventIDFunc reads the event id. Defaults to publisher.EventIDFromMessage;
 	// use the same as idem.Config.EventIDFunc.
 	EventIDFunc func(msg *message.Message) (uuid.UUID, error)
+	// OverdueAfter is how long past its not-before time a key's first
+	// event's copy may stay away before the key counts as stalled: the
+	// copy is not coming back (no retry consumer runs, its consumer group
+	// cannot rebalance, the topic's retention dropped it), and the key's
+	// later events wait behind it. [RetryTopic.Middleware] checks at most
+	// every OverdueAfter/4 (at least 5 s apart, on a message's way
+	// through), reports the count in Stats.OverdueKeys and logs one line
+	// naming the most overdue key and the recovery (`idemctl retry
+	// unblock`, [Unblock]). -1 turns the check off. Defaults to 2 minutes.
+	OverdueAfter time.Duration
 }
 
 // ParkedKeysTable names the parked-keys table. The zero value is
@@ -237,6 +249,9 @@ func (c *Config) setDefaults() {
 		if ko.EventIDFunc == nil {
 			ko.EventIDFunc = publisher.EventIDFromMessage
 		}
+		if ko.OverdueAfter == 0 {
+			ko.OverdueAfter = defaultOverdueAfter
+		}
 		c.KeyOrder = &ko
 	}
 }
@@ -287,6 +302,9 @@ func (c Config) validate() error {
 		}
 		if err := ko.Table.validate(); err != nil {
 			return fmt.Errorf("KeyOrder.Table.%w", err)
+		}
+		if ko.OverdueAfter < -1 {
+			return errors.New("KeyOrder.OverdueAfter: must be positive, or -1 for no check")
 		}
 	}
 	return nil

@@ -24,6 +24,7 @@ type RetryTopic struct {
 	logger watermill.LoggerAdapter
 	retry  map[string]bool // the retry topics
 	order  *keyOrder       // nil without Config.KeyOrder
+	late   *overdueCheck   // nil without Config.KeyOrder, or with its OverdueAfter -1
 	stats  counters
 }
 
@@ -47,6 +48,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*RetryTopic, error) {
 		if err := r.order.check(context.Background()); err != nil {
 			return nil, err
 		}
+		r.late = newOverdueCheck(r.order, logger)
 	}
 	return r, nil
 }
@@ -92,6 +94,7 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		var pk *parking
 		if r.order != nil {
+			r.late.maybe(ctx, &r.stats)
 			var act action
 			for looks := 0; ; looks++ {
 				if pk, act, err = r.order.look(ctx, msg, onRetry); err != nil {

@@ -30,10 +30,15 @@ type Stats struct {
 	// is no longer parked while its key waits for another event (a second
 	// copy of a released event).
 	Stale uint64
+	// OverdueKeys, unlike the counters above, is a reading: the parked
+	// keys whose first event's copy was overdue by more than
+	// [KeyOrder.OverdueAfter] at the last check (a stalled retry path).
+	OverdueKeys uint64
 }
 
 type counters struct {
 	retried, held, recovered, poisoned, exhausted, followed, released, handedOff, stale atomic.Uint64
+	overdueKeys                                                                         atomic.Uint64
 }
 
 func (c *counters) snapshot() Stats {
@@ -41,5 +46,6 @@ func (c *counters) snapshot() Stats {
 		Retried: c.retried.Load(), Held: c.held.Load(), Recovered: c.recovered.Load(),
 		Poisoned: c.poisoned.Load(), Exhausted: c.exhausted.Load(),
 		Followed: c.followed.Load(), Released: c.released.Load(), HandedOff: c.handedOff.Load(), Stale: c.stale.Load(),
+		OverdueKeys: c.overdueKeys.Load(),
 	}
 }
