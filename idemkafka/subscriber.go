@@ -80,7 +80,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, errClosed
 	default:
 	}
-	client, err := sarama.NewClient(s.cfg.Brokers, s.sarama)
+	sc := *s.sarama
+	tracked := trackConns(&sc)
+	client, err := sarama.NewClient(s.cfg.Brokers, &sc)
 	if err != nil {
 		return nil, fmt.Errorf("idemkafka: new Kafka client: %w", err)
 	}
@@ -96,6 +98,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		ctx:    sctx,
 		cancel: cancel,
 		client: client,
+		conns:  tracked,
 		group:  group,
 		out:    make(chan *message.Message),
 		wake:   make(chan struct{}, 1),
@@ -144,6 +147,7 @@ type stream struct {
 	ctx    context.Context // ends on Close or when Subscribe's ctx ends
 	cancel context.CancelFunc
 	client sarama.Client
+	conns  *conns // the client's broker connections
 	group  sarama.ConsumerGroup
 	out    chan *message.Message
 	logger watermill.LoggerAdapter
@@ -169,6 +173,9 @@ func (st *stream) run() {
 		st.dispatch()
 	}()
 	h := &groupHandler{st: st}
+	finished := make(chan struct{})
+	defer close(finished)
+	go st.boundClose(finished)
 	for {
 		err := st.group.Consume(st.ctx, []string{st.topic}, h)
 		if st.ctx.Err() != nil {
@@ -200,6 +207,36 @@ func (st *stream) run() {
 	st.s.mu.Unlock()
 	close(st.out)
 }
+
+// boundClose cuts the stream's broker connections when the stream has not
+// finished RevokeTimeout + closeGrace after it ended (Close, or Subscribe's
+// context): Sarama's Consume does not watch its context while a JoinGroup
+// is pending, and a coordinator holds a JoinGroup for up to the rebalance
+// timeout (60 s by default) while another member does not rejoin; the
+// consumer group's Close waits behind it, and Sarama closes a broker only
+// once its pending response is in. Cutting the connections fails the
+// request, so a stop takes RevokeTimeout + closeGrace at most; the member
+// then leaves by its session timeout instead of a LeaveGroup.
+func (st *stream) boundClose(finished <-chan struct{}) {
+	select {
+	case <-finished:
+		return
+	case <-st.ctx.Done():
+	}
+	t := time.NewTimer(st.s.cfg.RevokeTimeout + closeGrace)
+	defer t.Stop()
+	select {
+	case <-finished:
+	case <-t.C:
+		st.logger.Info("The consumer group did not stop in time (a JoinGroup the coordinator holds, or an offset commit): cutting its broker connections",
+			watermill.LogFields{"waited": (st.s.cfg.RevokeTimeout + closeGrace).String()})
+		st.conns.cutAll()
+	}
+}
+
+// closeGrace is what a stop gives the final offset commit and the
+// LeaveGroup after RevokeTimeout.
+const closeGrace = 5 * time.Second
 
 // dispatch hands out the ready entries, one MaxInFlight slot each, until
 // the stream ends.

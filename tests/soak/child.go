@@ -101,7 +101,7 @@ const (
 	lineDuplicate     = "u"   // acked without running the handler
 	lineFailed        = "f"   // error returned: nacked, redelivered
 	lineTransient     = "t"   // the handler returned a planned transient failure
-	lineEscalated     = "r "  // + attempt + " " + event id: moved to a retry topic after a failure
+	lineEscalated     = "r "  // + attempt + " " + event id + " " + cause: moved to a retry topic after a failure
 	lineDeferred      = "s"   // acked to the retry path without running: follows its key's parked event, or is already there
 	linePoisoned      = "p "  // + event id + reason: published to the poison topic
 	lineDLQ           = "q "  // + event id: a copy was published to the dead-letter topic
@@ -474,7 +474,8 @@ func (c *child) outer(ctx context.Context) message.HandlerMiddleware {
 					if !onRetry {
 						attempt = 0
 					}
-					c.emit(lineEscalated + strconv.Itoa(attempt+1) + " " + msg.Metadata.Get(publisher.MetadataEventID))
+					topic := message.SubscribeTopicFromCtx(msg.Context())
+					c.emit(lineEscalated + strconv.Itoa(attempt+1) + " " + msg.Metadata.Get(publisher.MetadataEventID) + " " + topic + ": " + oneLine(d.err.Error()))
 				}
 				return produced, nil
 			case d.ran && onRetry:

@@ -59,6 +59,7 @@ type group struct {
 	escalated, poisoned, maxAttempt             atomic.Int64
 	maxHandlers                                 atomic.Int64 // the most main-topic messages in one process's handlers at once
 	escalatedIDs                                sync.Map     // event id → true
+	escalations                                 sync.Map     // event id → *tailBuffer: its escalations and their causes
 }
 
 // retryGroup is the Kafka consumer group of a group's consumers of retry
@@ -234,9 +235,11 @@ func (inst *instance) readStdout(r io.Reader) {
 		case line == lineDeferred:
 			g.deferred.Add(1)
 		case strings.HasPrefix(line, lineEscalated):
-			attempt, id, _ := strings.Cut(strings.TrimPrefix(line, lineEscalated), " ")
+			attempt, rest, _ := strings.Cut(strings.TrimPrefix(line, lineEscalated), " ")
+			id, cause, _ := strings.Cut(rest, " ")
 			g.escalated.Add(1)
 			g.escalatedIDs.Store(id, true)
+			g.noteEscalation(id, fmt.Sprintf("%s attempt %s from %s: %s", inst.name, attempt, cause, time.Now().Format("15:04:05.000")))
 			if n, err := strconv.ParseInt(attempt, 10, 64); err == nil {
 				for {
 					m := g.maxAttempt.Load()
@@ -252,7 +255,9 @@ func (inst *instance) readStdout(r io.Reader) {
 			}
 		case strings.HasPrefix(line, linePoisoned):
 			g.poisoned.Add(1)
-			h.violation("%s: poisoned (the retry path gave up): %s", inst.name, strings.TrimPrefix(line, linePoisoned))
+			p := strings.TrimPrefix(line, linePoisoned)
+			id, _, _ := strings.Cut(p, " ")
+			h.violation("%s: poisoned (the retry path gave up): %s; its escalations: %s", inst.name, p, g.escalationsOf(id))
 		case line == lineDuplicate:
 			g.duplicates.Add(1)
 		case line == lineFailed:
@@ -359,16 +364,31 @@ func (inst *instance) kill(why string) {
 // stop ends the process gracefully (SIGTERM: the router closes, the consumer
 // leaves its group, in-flight messages are not acked) and waits for it.
 func (inst *instance) stop() {
+	h := inst.g.h
 	inst.expected.Store("stop")
+	start := time.Now()
 	_ = inst.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-inst.exited:
-	case <-time.After(60 * time.Second):
-		inst.g.h.logf("%s: no exit 60s after SIGTERM, killing it", inst.name)
+	case <-time.After(MaxStopWait):
+		h.violation("%s: no exit %s after SIGTERM (a consumer stops within its RevokeTimeout and the router's CloseTimeout); its last log lines: %s",
+			inst.name, MaxStopWait, inst.stderr)
+		h.dumpStall()
+		time.Sleep(time.Second) // the goroutine dump is written before the kill
 		_ = inst.cmd.Process.Kill()
 		<-inst.exited
 	}
+	took := time.Since(start)
+	h.stops.Add(1)
+	for m := h.maxStop.Load(); int64(took) > m && !h.maxStop.CompareAndSwap(m, int64(took)); m = h.maxStop.Load() {
+	}
 }
+
+// MaxStopWait bounds a consumer's exit after SIGTERM: idemkafka's
+// RevokeTimeout (10 s: the partitions' messages in flight) and the router's
+// CloseTimeout (20 s: its handlers), with room for a rebalance the member
+// leaves in the middle of. A consumer that takes longer is a violation.
+const MaxStopWait = 45 * time.Second
 
 // rearm hands a fault that an ending instance did not execute to another
 // live instance or, when none can take it, to the next instance started
@@ -537,4 +557,18 @@ func (b *tailBuffer) String() string {
 		return "(no output)"
 	}
 	return strings.Join(b.lines, " | ")
+}
+
+// noteEscalation records one escalation of event id (the last 12 are kept).
+func (g *group) noteEscalation(id, what string) {
+	b, _ := g.escalations.LoadOrStore(id, &tailBuffer{max: 12})
+	b.(*tailBuffer).add(what)
+}
+
+// escalationsOf returns event id's recorded escalations.
+func (g *group) escalationsOf(id string) string {
+	if b, ok := g.escalations.Load(id); ok {
+		return b.(*tailBuffer).String()
+	}
+	return "(none recorded)"
 }

@@ -235,6 +235,12 @@ type Report struct {
 	// consumer group that cannot re-form logs one per member per
 	// Net.ReadTimeout.
 	IOTimeouts int
+	// Stops counts consumer processes ended with SIGTERM, MaxStop the
+	// longest of them from the signal to the process's exit: bounded by
+	// the consumers' timeouts (idemkafka's RevokeTimeout, the router's
+	// CloseTimeout), or a violation (see [MaxStopWait]).
+	Stops   int
+	MaxStop time.Duration
 	// ForwarderExits counts forwarders that stopped on an error (and were
 	// started again).
 	ForwarderExits int
@@ -330,6 +336,7 @@ func (r *Report) String() string {
 	fmt.Fprintf(&b, "  %-22s %d\n", "published twice", r.DoublePublished)
 	fmt.Fprintf(&b, "  %-22s %d events, %d failures in each group\n", "planned to fail", r.RetryEvents, r.RetryFailures)
 	fmt.Fprintf(&b, "consumer log lines with \"i/o timeout\": %d\n", r.IOTimeouts)
+	fmt.Fprintf(&b, "consumers stopped with SIGTERM: %d, the longest exit %s\n", r.Stops, r.MaxStop.Truncate(time.Millisecond))
 	if r.ForwarderExits > 0 {
 		fmt.Fprintf(&b, "forwarders stopped on an error and started again: %d\n", r.ForwarderExits)
 	}
@@ -396,6 +403,7 @@ type harness struct {
 	forwarderExits  atomic.Int64
 	disruptions     atomic.Int64
 	ioTimeouts      atomic.Int64
+	stops, maxStop  atomic.Int64 // SIGTERMs, and the longest exit (ns)
 
 	closing atomic.Bool    // the run is over: no consumer restarts
 	bg      sync.WaitGroup // consumer process waiters and restarts

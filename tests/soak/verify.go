@@ -3,6 +3,7 @@ package soak
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -16,6 +17,7 @@ func (h *harness) verify(ctx context.Context) error {
 	r.Kills = int(h.kills.Load())
 	r.Disruptions = int(h.disruptions.Load())
 	r.IOTimeouts = int(h.ioTimeouts.Load())
+	r.Stops, r.MaxStop = int(h.stops.Load()), time.Duration(h.maxStop.Load())
 	r.ForwarderExits = int(h.forwarderExits.Load())
 
 	var events int
