@@ -120,11 +120,11 @@ type ForwarderConfig struct {
 	// disabled: enable it (ALTER TABLE <table> ENABLE TRIGGER
 	// idem_outbox_notify) on the topics that want it. NOTIFY takes a
 	// server-wide lock at commit, which serialises the commits of the
-	// notifying transactions (measured in make bench: a third of the
-	// end-to-end rate with 8 concurrent writers), so it suits topics with
-	// few commits per second. LISTEN does not work through a pooler in
-	// transaction mode. Defaults to false: the forwarder polls (see
-	// PollInterval).
+	// notifying transactions (make bench measures the cost, in
+	// docs/benchmarks.md#end-to-end-kafka--dedup--postgres--outbox--forwarder--kafka),
+	// so it suits topics with few commits per second. LISTEN does not
+	// work through a pooler in transaction mode. Defaults to false: the
+	// forwarder polls (see PollInterval).
 	Listen bool
 	// RetryInterval is the wait after a failed transaction (it is rolled
 	// back and the same rows are read again), the first wait between two
