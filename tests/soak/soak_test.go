@@ -80,6 +80,12 @@ func TestSoakShort(t *testing.T) {
 			}
 			require.Positive(t, rep.RetryEvents, "no event planned to fail")
 			requireFaults(t, cfg.Faults, rep)
+			// The leave and the offset resets end consumer processes with
+			// SIGTERM, mid-stream (keys parked on the retry path, groups in
+			// flight): each exited within soak.MaxStopWait, or the run has
+			// a violation.
+			require.Positive(t, rep.Stops, "no consumer was stopped with SIGTERM")
+			require.Less(t, rep.MaxStop, soak.MaxStopWait)
 			require.Positive(t, rep.DLQReplayed)
 			require.Positive(t, rep.DoublePublished)
 			require.GreaterOrEqual(t, rep.OutboxRows, cfg.Events+rep.DoublePublished)
