@@ -153,8 +153,11 @@ type ClientConfig struct {
 	// owner receives it again (and the dedup claim absorbs it). Without a
 	// bound a slow handler, or a message nacked again and again, keeps the
 	// whole group rebalancing, with no partition consumed, until the
-	// coordinator's rebalance deadline. Must be shorter than the Sarama
-	// base's Consumer.Group.Rebalance.Timeout. Defaults to 10 s.
+	// coordinator's rebalance deadline. A member rejoins at most
+	// 2 × RevokeTimeout after its session ended (once more for a message
+	// left running by an earlier rebalance), so it must be shorter than
+	// half the Sarama base's Consumer.Group.Rebalance.Timeout. Defaults to
+	// 10 s, or a quarter of that rebalance timeout when it is below 40 s.
 	RevokeTimeout time.Duration
 }
 
@@ -181,13 +184,13 @@ func WatermillSubscriberConfig(cfg ClientConfig, consumerGroup string) (kafka.Su
 	}
 	revoke := cfg.RevokeTimeout
 	if revoke == 0 {
-		revoke = defaultRevokeTimeout
+		revoke = min(defaultRevokeTimeout, sc.Consumer.Group.Rebalance.Timeout/4)
 	}
 	switch {
 	case revoke < 0:
 		return kafka.SubscriberConfig{}, errors.New("invalid config: RevokeTimeout: must not be negative")
-	case revoke >= sc.Consumer.Group.Rebalance.Timeout:
-		return kafka.SubscriberConfig{}, fmt.Errorf("invalid config: RevokeTimeout: %s must be shorter than Consumer.Group.Rebalance.Timeout (%s)",
+	case 2*revoke >= sc.Consumer.Group.Rebalance.Timeout:
+		return kafka.SubscriberConfig{}, fmt.Errorf("invalid config: RevokeTimeout: %s must be shorter than half Consumer.Group.Rebalance.Timeout (%s)",
 			revoke, sc.Consumer.Group.Rebalance.Timeout)
 	}
 	return kafka.SubscriberConfig{

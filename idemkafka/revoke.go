@@ -1,6 +1,7 @@
 package idemkafka
 
 import (
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -26,7 +27,9 @@ import (
 // The wrapped handler feeds the claim's records to watermill-kafka's
 // ConsumeClaim itself and stops at the session's end, so no record read
 // after it reaches the handler; it then waits up to timeout for the message
-// in flight and returns, and the member rejoins. A message still in flight
+// in flight and returns, and the member rejoins. The ConsumeClaim it left
+// running ends with its message (or with the subscriber), and the next
+// session's Cleanup waits for it, at most timeout again. A message still in flight
 // then is not marked (watermill-kafka marks only while the session lives):
 // the partition's next owner receives it again and the dedup claim absorbs
 // it, or waits for it (a claim waits on the unique index until the first
@@ -36,7 +39,7 @@ func revokeBound(next kafka.SaramaTracer, timeout time.Duration, logger watermil
 		logger = watermill.NopLogger{}
 	}
 	return handlertracer.New(next, func(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
-		return revokeBoundHandler{ConsumerGroupHandler: h, timeout: timeout, logger: logger}
+		return &revokeBoundHandler{ConsumerGroupHandler: h, timeout: timeout, logger: logger}
 	})
 }
 
@@ -44,6 +47,28 @@ type revokeBoundHandler struct {
 	sarama.ConsumerGroupHandler
 	timeout time.Duration
 	logger  watermill.LoggerAdapter
+	// detached counts watermill-kafka's ConsumeClaim calls still running
+	// after the wrapper returned for them (their message outlived
+	// RevokeTimeout).
+	detached sync.WaitGroup
+}
+
+// Cleanup waits, at most timeout, for the ConsumeClaim calls left running
+// after an earlier revocation, then calls the wrapped Cleanup. When the
+// subscriber closes they end at once (watermill-kafka's ConsumeClaim
+// watches the subscriber's closing), and the wait orders their last send on
+// the subscriber's output channel before watermill-kafka closes it; on a
+// rebalance it costs at most timeout more before the member rejoins.
+func (h *revokeBoundHandler) Cleanup(sess sarama.ConsumerGroupSession) error {
+	done := make(chan struct{})
+	go func() { h.detached.Wait(); close(done) }()
+	t := time.NewTimer(h.timeout)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+	}
+	return h.ConsumerGroupHandler.Cleanup(sess)
 }
 
 // fedClaim is a claim whose records come from the wrapper.
@@ -54,10 +79,14 @@ type fedClaim struct {
 
 func (c fedClaim) Messages() <-chan *sarama.ConsumerMessage { return c.msgs }
 
-func (h revokeBoundHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+func (h *revokeBoundHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
 	fed := fedClaim{ConsumerGroupClaim: claim, msgs: make(chan *sarama.ConsumerMessage)}
 	done := make(chan error, 1)
-	go func() { done <- h.ConsumerGroupHandler.ConsumeClaim(sess, fed) }()
+	finished := make(chan struct{})
+	go func() {
+		done <- h.ConsumerGroupHandler.ConsumeClaim(sess, fed)
+		close(finished)
+	}()
 
 	var last *sarama.ConsumerMessage // the record handed out last
 	ended := sess.Context().Done()
@@ -95,6 +124,8 @@ feed:
 	if last != nil {
 		fields["kafka_partition_offset"] = last.Offset
 	}
+	h.detached.Add(1) // before this call returns, so before the session's Cleanup waits
+	go func() { <-finished; h.detached.Done() }()
 	h.logger.Info("Partition revoked with a message still in flight after RevokeTimeout: rejoining without it; "+
 		"its offset is not committed, so the partition's next owner receives it again", fields)
 	return nil
