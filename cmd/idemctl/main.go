@@ -52,7 +52,7 @@ var commands = []command{
 	{"retention", "show", "", "the retention recorded with the table", retentionShow},
 	{"retention", "set", "DURATION [--yes]", "change the recorded retention (7d, 720h...); shortening needs --yes", retentionSet},
 	{"retry", "parked", "[--group G] [--limit N] [--parked-table T]", "parked keys of retry topics' KeyOrder: queue per key, age of the oldest, how overdue the first event's copy is", retryParked},
-	{"retry", "unblock", "--group G --key K [--skip] [--topic T] --yes", "send a parked key's first event to the retry path again (or --skip it) when its copy is not coming back", retryUnblock},
+	{"retry", "unblock", "--group G (--key K [--skip] | --overdue D) [--topic T] --yes", "send a parked key's first event to the retry path again (or --skip it) when its copy is not coming back; --overdue: every key whose copy is overdue by more than D", retryUnblock},
 	{"poison", "list", "--topic T [filters]", "the poison topic's messages matching the filters", poisonList},
 	{"poison", "replay", "--topic T [filters] [--dry-run] [--rate N]", "publish matching poison messages back to their original topic", poisonReplay},
 }

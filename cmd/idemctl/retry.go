@@ -4,6 +4,9 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -108,7 +111,8 @@ func retryParked(ctx context.Context, a *app, args []string) error {
 func retryUnblock(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
 	group := fs.String("group", "", "the dedup consumer `group` (required)")
-	key := fs.String("key", "", "the parked `key` (required)")
+	key := fs.String("key", "", "the parked `key` (this or --overdue)")
+	overdue := fs.Duration("overdue", 0, "every key of the group whose first event's copy is overdue by more than `D` (a stalled retry path), instead of --key")
 	skip := fs.Bool("skip", false, "remove the key's first event instead of sending it again (it is then neither applied nor poisoned: replay it)")
 	topic := fs.String("topic", "", "the retry `topic` to send to, with an outbox table (default: the topic of the first event's lost copy)")
 	yes := fs.Bool("yes", false, "really do it")
@@ -121,8 +125,10 @@ func retryUnblock(ctx context.Context, a *app, args []string) error {
 		return err
 	}
 	switch {
-	case *group == "" || *key == "":
-		return usageError("usage: --group and --key are required")
+	case *group == "" || (*key == "") == (*overdue <= 0):
+		return usageError("usage: --group and one of --key or --overdue are required")
+	case *overdue > 0 && *skip:
+		return usageError("--skip removes events unapplied: name each key with --key")
 	case !*yes:
 		return usageError("retry unblock writes the key's first event (or, with --skip, its next event) to the outbox of the retry topic; a copy still on its way would then run as a duplicate, which the claim absorbs; pass --yes to do it")
 	}
@@ -138,6 +144,9 @@ func retryUnblock(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return usageError("%v", err)
 	}
+	if *overdue > 0 {
+		return a.unblockOverdue(ctx, pool, ob, t, *group, *overdue, *topic)
+	}
 	res, err := retrytopic.Unblock(ctx, pool, ob, t, *group, *key, &retrytopic.UnblockOpts{Skip: *skip, Topic: *topic})
 	if err != nil {
 		return err
@@ -145,6 +154,40 @@ func retryUnblock(ctx context.Context, a *app, args []string) error {
 	if a.opts.json {
 		return a.printJSON(res)
 	}
+	a.printUnblocked(res)
+	return nil
+}
+
+// unblockOverdue sends again the first event of every key of group whose
+// copy is overdue by more than after: the recovery of a stalled retry path
+// (retrytopic.ErrHeadOverdue), one key after the other.
+func (a *app) unblockOverdue(ctx context.Context, pool *pgxpool.Pool, ob *outbox.Outbox, t retrytopic.ParkedKeysTable, group string, after time.Duration, topic string) error {
+	keys, err := retrytopic.ParkedKeys(ctx, pool, t, group, 0)
+	if err != nil {
+		return err
+	}
+	var done []*retrytopic.UnblockResult
+	for _, k := range keys {
+		if k.HeadTopic == "" || k.HeadOverdue <= after {
+			continue
+		}
+		res, err := retrytopic.Unblock(ctx, pool, ob, t, group, k.Key, &retrytopic.UnblockOpts{Topic: topic})
+		if err != nil {
+			return fmt.Errorf("key %q (%d unblocked before it): %w", k.Key, len(done), err)
+		}
+		done = append(done, res)
+		if !a.opts.json {
+			a.printUnblocked(res)
+		}
+	}
+	if a.opts.json {
+		return a.printJSON(map[string]any{"unblocked": done})
+	}
+	fmt.Fprintf(a.stdout, "%d keys unblocked (first event's copy overdue by more than %s)\n", len(done), after)
+	return nil
+}
+
+func (a *app) printUnblocked(res *retrytopic.UnblockResult) {
 	switch {
 	case res.Resent:
 		fmt.Fprintf(a.stdout, "event %s sent to %s again through the outbox (due now)\n", res.Head, res.Topic)
@@ -153,5 +196,4 @@ func retryUnblock(ctx context.Context, a *app, args []string) error {
 	default:
 		fmt.Fprintf(a.stdout, "event %s removed (neither applied nor poisoned: replay it); nothing else waits: the key is free\n", res.Head)
 	}
-	return nil
 }

@@ -68,3 +68,31 @@ VALUES ('billing', 'acct-42', $1::uuid, 'm1', '{}', jsonb_build_object('event_id
 	require.Equal(t, next.String(), p.Keys[0].Head)
 	require.Equal(t, "orders.retry", p.Keys[0].HeadTopic)
 }
+
+// retry unblock --overdue is the recovery of a stalled retry path
+// (retrytopic.ErrHeadOverdue): it sends again the first event of every key
+// whose copy is overdue by more than the given time, and leaves the others.
+func TestRetryUnblockOverdue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := migrated(t, "plain", "orders.retry")
+	require.NoError(t, migrate.Up(ctx, db.Pool, retrytopic.MigrationLine(retrytopic.ParkedKeysTable{Schema: db.Schema})))
+	stalled1, stalled2, recent := publisher.NewEventID(), publisher.NewEventID(), publisher.NewEventID()
+	for _, r := range []struct {
+		key, ago string
+		id       string
+	}{{"acct-1", "1 hour", stalled1.String()}, {"acct-2", "20 minutes", stalled2.String()}, {"acct-3", "30 seconds", recent.String()}} {
+		db.Exec(t, `INSERT INTO retry_parked_key (consumer_group, partition_key, event_id, topic, not_before, message_uuid, payload, metadata)
+VALUES ('billing', $1, $2::uuid, 'orders.retry', now() - $3::interval, 'm', '{}', jsonb_build_object('event_id', $2::text, 'retry_attempt', '1'))`, r.key, r.id, r.ago)
+	}
+
+	fails(t, db, 2, "one of --key or --overdue", "retry", "unblock", "--group", "billing", "--yes")
+	fails(t, db, 2, "one of --key or --overdue", "retry", "unblock", "--group", "billing", "--key", "acct-1", "--overdue", "5m", "--yes")
+	fails(t, db, 2, "--skip", "retry", "unblock", "--group", "billing", "--overdue", "5m", "--skip", "--yes")
+	r := ok(t, db, "retry", "unblock", "--group", "billing", "--overdue", "5m", "--yes")
+	require.Contains(t, r.stdout, "2 keys unblocked")
+	for _, id := range []string{stalled1.String(), stalled2.String()} {
+		require.Equal(t, 1, db.Count(t, `SELECT 1 FROM "outbox_orders.retry" WHERE metadata->>'event_id' = $1`, id), id)
+	}
+	require.Zero(t, db.Count(t, `SELECT 1 FROM "outbox_orders.retry" WHERE metadata->>'event_id' = $1`, recent.String()))
+}

@@ -86,7 +86,7 @@ func (c *overdueCheck) maybe(ctx context.Context, stats *counters) {
 	if log {
 		c.logger.Error("Parked keys stalled: their first event's copy has not come back from the retry path, and their later events wait behind it. "+
 			"Check that the retry topic's consumers run and their consumer group is stable; to send the copy again, "+
-			"run `idemctl retry unblock --group G --key K` (retrytopic.Unblock)", ErrHeadOverdue, watermill.LogFields{
+			"run `idemctl retry unblock --group G --overdue D --yes` (retrytopic.Unblock, key by key)", ErrHeadOverdue, watermill.LogFields{
 			"consumer_group": c.o.cfg.ConsumerGroup, "overdue_keys": n, "key": worst.key, "head_event_id": worst.head,
 			"retry_topic": worst.topic, "overdue": worst.overdue.Truncate(time.Second).String(), "overdue_after": c.after.String(),
 		})

@@ -62,5 +62,5 @@ func TestKeyOrderReportsAStalledRetryPath(t *testing.T) {
 	require.Equal(t, "acct-42", line["key"])
 	require.Equal(t, stuck.Metadata.Get("event_id"), line["head_event_id"])
 	require.Equal(t, f.retry, line["retry_topic"])
-	require.Contains(t, line["msg"], "idemctl retry unblock")
+	require.Contains(t, line["msg"], "idemctl retry unblock --group G --overdue")
 }
