@@ -66,6 +66,7 @@ func TestRetentionHasOneSourceOfTruth(t *testing.T) {
 	// with 7 days until they re-read it, so for two refresh intervals the
 	// Cleaner keeps applying 7 days and deletes nothing.
 	require.NoError(t, deduplicator.SetRetention(ctx, f.pool, table, 24*time.Hour))
+	setAt := time.Now() // after the change's updated_at (the database's now() of its committed transaction)
 	c, err = deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: table, DB: f.pool, NowFunc: clock}, nil)
 	require.NoError(t, err)
 	res, err := c.RunOnce(ctx)
@@ -79,7 +80,9 @@ func TestRetentionHasOneSourceOfTruth(t *testing.T) {
 	// Once every consumer has re-read it (here: restarted), the Cleaner
 	// deletes the claim at 24 hours, and the redelivery is refused as stale,
 	// never applied again.
-	later := func() time.Time { return now.Add(2*deduplicator.RetentionRefreshInterval + time.Second) }
+	// Measured from the change, not from now: on a loaded machine the steps
+	// above can take longer than the second of margin.
+	later := func() time.Time { return setAt.Add(2*deduplicator.RetentionRefreshInterval + time.Second) }
 	h = f.dedup(t, group, func(c *idem.Config) { c.NowFunc = later }).Middleware(f.insertHandler(1, &calls))
 	c, err = deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: table, DB: f.pool, NowFunc: later}, nil)
 	require.NoError(t, err)
