@@ -242,13 +242,15 @@ type Forwarder struct {
 	closing   chan struct{}
 	closeOnce sync.Once
 	mu        sync.Mutex
-	done      chan struct{} // closed when Run returns; nil before Run
+	done      chan struct{}   // closed when Run returns; nil before Run
+	stopped   <-chan struct{} // closed when Run stops (ctx done or Close); nil before Run
 
 	forwarded, commits, polls, errs atomic.Uint64
 	tracing                         otelx.Tracers
 
 	// hook, when set (by tests, before Run), is called at each step of a
-	// forwarder transaction: "begin", "locked", "cut", "sent", "commit".
+	// forwarder transaction: "begin", "locked", "cut", then for each page
+	// "acked" (the position moved past it) and "sent", and "commit".
 	hook func(step string)
 	// stretch, when set (by tests, before Run), replaces the length of
 	// every wait longer than minPollInterval.
@@ -342,6 +344,9 @@ func (f *Forwarder) Run(ctx context.Context) error {
 
 	stopCtx, stop := context.WithCancel(ctx)
 	defer stop()
+	f.mu.Lock()
+	f.stopped = stopCtx.Done()
+	f.mu.Unlock()
 	go func() {
 		select {
 		case <-f.closing:
@@ -727,6 +732,10 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		}
 	}
 	for i := 0; ; i++ {
+		// Stop is read once per page: whether this page ends the
+		// transaction and whether the next one is read ahead must agree,
+		// or a stop between the two would leave no page to send next.
+		stopping := stopCtx.Err() != nil
 		sent := make(chan error, 1)
 		if b.size() == 0 { // the page's rows were deleted meanwhile
 			sent <- nil
@@ -743,11 +752,12 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 			pos = outboxsql.Position{Snapshot: cut.From, Cut: &cut.To, CutOffset: pages[i].Last}
 		}
 		var next *batch
-		last := i == len(pages)-1 || i+1 == f.cfg.BatchesPerTransaction || stopCtx.Err() != nil
+		last := i == len(pages)-1 || i+1 == f.cfg.BatchesPerTransaction || stopping
 		err := tables.Ack(ctx, tx, f.cfg.Name, pos)
+		f.step("acked")
 		if err != nil {
 			err = fmt.Errorf("advance position: %w", err)
-		} else if i < len(pages)-1 && stopCtx.Err() == nil {
+		} else if i < len(pages)-1 && !stopping {
 			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1])
 		}
 		if sendErr := <-sent; sendErr != nil {
