@@ -558,7 +558,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		if last.ok && last.pos.Cut == nil && !busy {
 			f.polls.Add(1)
 			var has bool
-			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos)
+			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos, f.cfg.Name)
 			if stopCtx.Err() != nil {
 				return
 			}
@@ -575,6 +575,12 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		}
 		if err == nil {
 			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, &cache, &last)
+		}
+		if errors.Is(err, outboxsql.ErrNoPosition) {
+			cache, last = cutCache{}, known{}
+			if err = f.recreatePosition(stopCtx, topic, logger); err == nil {
+				continue
+			}
 		}
 		retry := false
 		busy = err == nil && n > 0

@@ -314,7 +314,7 @@ func (tx *Tx) Rollback(ctx context.Context) {
 }
 
 // BeginLock begins a transaction on conn and locks name's position in it
-// (lockSQL; pgx.ErrNoRows when name has no position, see
+// (lockSQL; [ErrNoPosition] when name has no position, see
 // [Tables.Register]), in one round trip (BEGIN and the lock are sent as
 // one batch). On error the transaction is rolled back.
 func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string) (*Tx, Position, error) {
@@ -334,6 +334,9 @@ func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string) (*Tx
 	}
 	if err != nil {
 		tx.Rollback(context.WithoutCancel(ctx))
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = ErrNoPosition
+		}
 		return nil, Position{}, err
 	}
 	return tx, p, nil
@@ -489,11 +492,16 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 }
 
 // HasRows reports whether the cut from p.Snapshot to the statement's
-// snapshot has a row: one query, index probes only, for a forwarder to ask
-// often at little cost. p must have no cut in progress.
-func (t Tables) HasRows(ctx context.Context, db DB, p Position) (bool, error) {
+// snapshot has a row, or name's position is no longer p (deleted, or
+// moved by another instance or an operator): one query, index probes
+// only, for a forwarder to ask often at little cost. p must have no cut in
+// progress.
+func (t Tables) HasRows(ctx context.Context, db DB, p Position, name string) (bool, error) {
 	var has bool
-	err := db.QueryRow(ctx, cutSQL(t.Messages, `SELECT EXISTS (SELECT 1 FROM c)`), p.Snapshot.String(), nil, int64(0)).Scan(&has)
+	err := db.QueryRow(ctx, cutSQL(t.Messages, `SELECT EXISTS (SELECT 1 FROM c) OR NOT EXISTS (
+			SELECT 1 FROM `+t.Offsets+` o WHERE o.consumer_group = $4 AND o.cut_snapshot IS NULL
+			  AND o.position_snapshot::text = $1::text::pg_snapshot::text)`),
+		p.Snapshot.String(), nil, int64(0), name).Scan(&has)
 	return has, err
 }
 
@@ -589,8 +597,8 @@ func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64,
 	return pending, oldest, nil
 }
 
-// ErrNoPosition is returned by [Tables.Position] and [Tables.Positions]
-// when a name has no position.
+// ErrNoPosition is returned by [Tables.Position], [Tables.Positions],
+// [Tables.BeginLock] and [Tables.Ack] when a name has no position.
 var ErrNoPosition = errors.New("no position")
 
 // Positions returns the positions of names (duplicates once), or
