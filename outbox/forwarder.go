@@ -320,6 +320,11 @@ const maxStartupBackoff = 30 * time.Second
 // Run forwards until ctx is done or Close is called, then lets the in-flight
 // batches finish (within ShutdownTimeout) and returns nil.
 //
+// A topic whose position was not written on the running cluster (restored
+// from a dump, or moved to a logically replicated copy) stops every topic:
+// Run returns its [*PositionError], at start-up or while it runs, and
+// forwards nothing until [Outbox.Reposition] has reset the position.
+//
 // It starts by checking the topics' tables and registering the forwarder's
 // position in each; while that fails (the database is down or refuses the
 // connection, a table is missing, ...) it logs the failure and tries again,
@@ -347,6 +352,14 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	f.mu.Lock()
 	f.stopped = stopCtx.Done()
 	f.mu.Unlock()
+	var (
+		failOnce sync.Once
+		failed   error
+	)
+	fail := func(err error) {
+		failOnce.Do(func() { failed = err })
+		stop()
+	}
 	go func() {
 		select {
 		case <-f.closing:
@@ -376,10 +389,14 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			f.loop(stopCtx, topic, wake[topic])
+			f.loop(stopCtx, topic, wake[topic], fail)
 		}()
 	}
 	wg.Wait()
+	if failed != nil {
+		f.logger.Error("Outbox forwarder stopped", failed, nil)
+		return failed
+	}
 	f.logger.Info("Outbox forwarder stopped", nil)
 	return nil
 }
@@ -395,6 +412,9 @@ func (f *Forwarder) start(stopCtx context.Context) error {
 		}
 		if stopCtx.Err() != nil || errors.Is(err, puddle.ErrClosedPool) {
 			return fmt.Errorf("outbox forwarder: stopped before it could start: %w", err)
+		}
+		if errors.Is(err, ErrPositionFromOtherCluster) {
+			return err
 		}
 		f.logger.Error("Outbox forwarder cannot start, retrying", err, watermill.LogFields{"attempt": attempt, "retry_in": backoff.String()})
 		t := time.NewTimer(backoff)
@@ -416,6 +436,9 @@ func (f *Forwarder) startOnce(ctx context.Context) error {
 	}
 	for _, topic := range f.cfg.Topics {
 		if err := f.register(ctx, topic); err != nil {
+			return err
+		}
+		if err := f.checkPosition(ctx, topic); err != nil {
 			return err
 		}
 	}
@@ -525,7 +548,9 @@ type known struct {
 // after each read that found none it waits twice as long, up to
 // PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
 // wait longer than minPollInterval and starts the doubling again.
-func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct{}) {
+//
+// A position from another cluster is given to fail, and the loop returns.
+func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct{}, fail func(error)) {
 	logger := f.logger.With(watermill.LogFields{"topic": topic})
 	tables := f.cfg.Outbox.tables(topic)
 	var cache cutCache
@@ -575,6 +600,11 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		}
 		if err == nil {
 			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, &cache, &last)
+		}
+		if errors.Is(err, ErrPositionFromOtherCluster) {
+			f.errs.Add(1)
+			fail(err)
+			return
 		}
 		if errors.Is(err, outboxsql.ErrNoPosition) {
 			cache, last = cutCache{}, known{}
@@ -695,6 +725,9 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	defer conn.Release()
 	tx, pos, err := tables.BeginLock(ctx, conn.Conn(), f.cfg.Name)
 	if err != nil {
+		if pe := positionError(err, topic); pe != err {
+			return 0, false, pe
+		}
 		return 0, false, fmt.Errorf("begin and lock position: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
