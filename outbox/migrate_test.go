@@ -48,7 +48,7 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	m, err := newMigrator(db.Pool, cfg)
 	require.NoError(t, err)
 
-	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders 2", "outbox:outbox_orders.v2 1", "outbox:outbox_orders.v2 2"}, pendingOf(t, m))
+	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders 2", "outbox:outbox_orders 3", "outbox:outbox_orders.v2 1", "outbox:outbox_orders.v2 2", "outbox:outbox_orders.v2 3"}, pendingOf(t, m))
 	migs, err := rendered(lines(cfg)...)
 	require.NoError(t, err)
 	v, err := m.Validate(ctx)
@@ -165,13 +165,13 @@ func TestMigrator_MigrateTx(t *testing.T) {
 	require.NoError(t, err)
 	res, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Len(t, res.Versions, 2)
+	require.Len(t, res.Versions, 3)
 	v, err := m.ValidateTx(ctx, tx)
 	require.NoError(t, err)
 	require.True(t, v.OK)
 	require.NoError(t, ob.Check(ctx, tx))
 	require.NoError(t, tx.Rollback(ctx))
-	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders 2"}, pendingOf(t, m))
+	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders 2", "outbox:outbox_orders 3"}, pendingOf(t, m))
 
 	require.NoError(t, pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
 		_, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
