@@ -511,14 +511,17 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 
 // HasRows reports whether the cut from p.Snapshot to the statement's
 // snapshot has a row, or name's position is no longer p (deleted, or
-// moved by another instance or an operator): one query, index probes
-// only, for a forwarder to ask often at little cost. p must have no cut in
-// progress.
+// moved by another instance or an operator) or no longer fits the running
+// cluster (see [Origin]; the forwarder's transaction then refuses it): one
+// query, index probes only, for a forwarder to ask often at little cost.
+// p must have no cut in progress.
 func (t Tables) HasRows(ctx context.Context, db DB, p Position, name string) (bool, error) {
 	var has bool
 	err := db.QueryRow(ctx, cutSQL(t.Messages, `SELECT EXISTS (SELECT 1 FROM c) OR NOT EXISTS (
-			SELECT 1 FROM `+t.Offsets+` o WHERE o.consumer_group = $4 AND o.cut_snapshot IS NULL
-			  AND o.position_snapshot::text = $1::text::pg_snapshot::text)`),
+			SELECT 1 FROM `+t.Offsets+` o, pg_control_system() s WHERE o.consumer_group = $4 AND o.cut_snapshot IS NULL
+			  AND o.position_snapshot::text = $1::text::pg_snapshot::text
+			  AND COALESCE(o.position_system_identifier, s.system_identifier) = s.system_identifier
+			  AND COALESCE(o.position_xmax, '0') <= pg_snapshot_xmax(pg_current_snapshot()))`),
 		p.Snapshot.String(), nil, int64(0), name).Scan(&has)
 	return has, err
 }
