@@ -42,6 +42,7 @@ func ExampleNew() {
 	// processed_event:processed_event    002_retention_and_groups applied: false
 	// outbox:outbox_orders               001_topic_tables         applied: true
 	// outbox:outbox_orders               002_snapshot_position    applied: false
+	// outbox:outbox_orders               003_position_cluster     applied: false
 	// retry_parked_key:retry_parked_key  001_parked_key           applied: true
 	// retry_parked_key:retry_parked_key  002_parked_message       applied: false
 }
@@ -87,4 +88,5 @@ func ExampleMigrator_Migrations() {
 	// processed_event:processed_event 002_retention_and_groups
 	// outbox:outbox_billing.charged 001_topic_tables
 	// outbox:outbox_billing.charged 002_snapshot_position
+	// outbox:outbox_billing.charged 003_position_cluster
 }

@@ -40,7 +40,9 @@ type BacklogOpts struct {
 // yet: the outbox lag to alert on. A growing OldestAge with a steady Pending
 // means the forwarder is stuck (down, or held back by an old transaction on
 // the server: see docs/operations.md). It reads every topic in one
-// transaction on db.
+// transaction on db. A position from another cluster (see [PositionError])
+// is refused with a *PositionError: the rows it would call forwarded are
+// not.
 func (o *Outbox) Backlog(ctx context.Context, db migrate.Beginner, opts *BacklogOpts) ([]Backlog, error) {
 	var forwarder string
 	topics := o.cfg.Topics
@@ -64,6 +66,9 @@ func (o *Outbox) Backlog(ctx context.Context, db migrate.Beginner, opts *Backlog
 			b := Backlog{Topic: topic, Forwarder: forwarder}
 			var err error
 			if b.Pending, b.OldestAge, err = o.tables(topic).Backlog(ctx, tx, forwarder); err != nil {
+				if pe := positionError(err, topic); pe != err {
+					return pe
+				}
 				return fmt.Errorf("outbox: backlog of %s: %w", topic, err)
 			}
 			out = append(out, b)

@@ -36,7 +36,9 @@ type DeleteForwardedOpts struct {
 // forwarders has already passed, and returns how many it deleted. Run it
 // periodically: the forwarder never deletes, since another forwarder or
 // subscriber may still need the rows. When ctx is done between two
-// statements, it returns what it deleted so far with ctx's error.
+// statements, it returns what it deleted so far with ctx's error. When one
+// of the positions is from another cluster (see [PositionError]), it
+// deletes nothing from that topic and returns a *PositionError.
 func (o *Outbox) DeleteForwarded(ctx context.Context, db migrate.Beginner, opts *DeleteForwardedOpts) (int64, error) {
 	var opt DeleteForwardedOpts
 	if opts != nil {
@@ -81,6 +83,9 @@ func (o *Outbox) deleteForwarded(ctx context.Context, db migrate.Beginner, topic
 		return 0, nil
 	}
 	if err != nil {
+		if pe := positionError(err, topic); pe != err {
+			return 0, pe
+		}
 		return 0, fmt.Errorf("outbox: read positions of %s: %w", topic, err)
 	}
 	var total int64

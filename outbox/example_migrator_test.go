@@ -44,11 +44,13 @@ func ExampleMigrationLine() {
 	}
 	fmt.Println("reverted:", len(res.Versions))
 	// Output:
-	// pending: 4
+	// pending: 6
 	// outbox:outbox_orders: applied 001_topic_tables
 	// outbox:outbox_orders: applied 002_snapshot_position
+	// outbox:outbox_orders: applied 003_position_cluster
 	// outbox:outbox_payments: applied 001_topic_tables
 	// outbox:outbox_payments: applied 002_snapshot_position
+	// outbox:outbox_payments: applied 003_position_cluster
 	// ok: true
-	// reverted: 4
+	// reverted: 6
 }

@@ -13,7 +13,8 @@ func Adapters(o *Outbox) (*wsql.DefaultPostgreSQLSchema, wsql.DefaultPostgreSQLO
 }
 
 // SetHook makes f call hook at each step of its transactions ("begin",
-// "locked", "cut", "sent", "commit"); call it before Run.
+// "locked", "cut", then per page "acked" and "sent", "commit"); call it
+// before Run.
 func SetHook(f *Forwarder, hook func(step string)) { f.hook = hook }
 
 // Channel is the NOTIFY channel of topic's table.
@@ -23,4 +24,12 @@ func Channel(o *Outbox, topic string) string { return o.channel(topic) }
 // (unless a wake-up ends it); call it before Run.
 func StretchWaits(f *Forwarder, d time.Duration) {
 	f.stretch = func(time.Duration) time.Duration { return d }
+}
+
+// Stopping returns a channel closed once Run has seen its context end or
+// Close; call it while Run runs (from a hook).
+func Stopping(f *Forwarder) <-chan struct{} {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.stopped
 }

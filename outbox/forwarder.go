@@ -242,13 +242,15 @@ type Forwarder struct {
 	closing   chan struct{}
 	closeOnce sync.Once
 	mu        sync.Mutex
-	done      chan struct{} // closed when Run returns; nil before Run
+	done      chan struct{}   // closed when Run returns; nil before Run
+	stopped   <-chan struct{} // closed when Run stops (ctx done or Close); nil before Run
 
 	forwarded, commits, polls, errs atomic.Uint64
 	tracing                         otelx.Tracers
 
 	// hook, when set (by tests, before Run), is called at each step of a
-	// forwarder transaction: "begin", "locked", "cut", "sent", "commit".
+	// forwarder transaction: "begin", "locked", "cut", then for each page
+	// "acked" (the position moved past it) and "sent", and "commit".
 	hook func(step string)
 	// stretch, when set (by tests, before Run), replaces the length of
 	// every wait longer than minPollInterval.
@@ -318,6 +320,11 @@ const maxStartupBackoff = 30 * time.Second
 // Run forwards until ctx is done or Close is called, then lets the in-flight
 // batches finish (within ShutdownTimeout) and returns nil.
 //
+// A topic whose position was not written on the running cluster (restored
+// from a dump, or moved to a logically replicated copy) stops every topic:
+// Run returns its [*PositionError], at start-up or while it runs, and
+// forwards nothing until [Outbox.Reposition] has reset the position.
+//
 // It starts by checking the topics' tables and registering the forwarder's
 // position in each; while that fails (the database is down or refuses the
 // connection, a table is missing, ...) it logs the failure and tries again,
@@ -342,6 +349,17 @@ func (f *Forwarder) Run(ctx context.Context) error {
 
 	stopCtx, stop := context.WithCancel(ctx)
 	defer stop()
+	f.mu.Lock()
+	f.stopped = stopCtx.Done()
+	f.mu.Unlock()
+	var (
+		failOnce sync.Once
+		failed   error
+	)
+	fail := func(err error) {
+		failOnce.Do(func() { failed = err })
+		stop()
+	}
 	go func() {
 		select {
 		case <-f.closing:
@@ -371,10 +389,14 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			f.loop(stopCtx, topic, wake[topic])
+			f.loop(stopCtx, topic, wake[topic], fail)
 		}()
 	}
 	wg.Wait()
+	if failed != nil {
+		f.logger.Error("Outbox forwarder stopped", failed, nil)
+		return failed
+	}
 	f.logger.Info("Outbox forwarder stopped", nil)
 	return nil
 }
@@ -390,6 +412,9 @@ func (f *Forwarder) start(stopCtx context.Context) error {
 		}
 		if stopCtx.Err() != nil || errors.Is(err, puddle.ErrClosedPool) {
 			return fmt.Errorf("outbox forwarder: stopped before it could start: %w", err)
+		}
+		if errors.Is(err, ErrPositionFromOtherCluster) {
+			return err
 		}
 		f.logger.Error("Outbox forwarder cannot start, retrying", err, watermill.LogFields{"attempt": attempt, "retry_in": backoff.String()})
 		t := time.NewTimer(backoff)
@@ -411,6 +436,9 @@ func (f *Forwarder) startOnce(ctx context.Context) error {
 	}
 	for _, topic := range f.cfg.Topics {
 		if err := f.register(ctx, topic); err != nil {
+			return err
+		}
+		if err := f.checkPosition(ctx, topic); err != nil {
 			return err
 		}
 	}
@@ -520,7 +548,9 @@ type known struct {
 // after each read that found none it waits twice as long, up to
 // PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
 // wait longer than minPollInterval and starts the doubling again.
-func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct{}) {
+//
+// A position from another cluster is given to fail, and the loop returns.
+func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct{}, fail func(error)) {
 	logger := f.logger.With(watermill.LogFields{"topic": topic})
 	tables := f.cfg.Outbox.tables(topic)
 	var cache cutCache
@@ -553,7 +583,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		if last.ok && last.pos.Cut == nil && !busy {
 			f.polls.Add(1)
 			var has bool
-			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos)
+			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos, f.cfg.Name)
 			if stopCtx.Err() != nil {
 				return
 			}
@@ -570,6 +600,17 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		}
 		if err == nil {
 			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, &cache, &last)
+		}
+		if errors.Is(err, ErrPositionFromOtherCluster) {
+			f.errs.Add(1)
+			fail(err)
+			return
+		}
+		if errors.Is(err, outboxsql.ErrNoPosition) {
+			cache, last = cutCache{}, known{}
+			if err = f.recreatePosition(stopCtx, topic, logger); err == nil {
+				continue
+			}
 		}
 		retry := false
 		busy = err == nil && n > 0
@@ -684,6 +725,9 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	defer conn.Release()
 	tx, pos, err := tables.BeginLock(ctx, conn.Conn(), f.cfg.Name)
 	if err != nil {
+		if pe := positionError(err, topic); pe != err {
+			return 0, false, pe
+		}
 		return 0, false, fmt.Errorf("begin and lock position: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
@@ -727,6 +771,10 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		}
 	}
 	for i := 0; ; i++ {
+		// Stop is read once per page: whether this page ends the
+		// transaction and whether the next one is read ahead must agree,
+		// or a stop between the two would leave no page to send next.
+		stopping := stopCtx.Err() != nil
 		sent := make(chan error, 1)
 		if b.size() == 0 { // the page's rows were deleted meanwhile
 			sent <- nil
@@ -743,11 +791,12 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 			pos = outboxsql.Position{Snapshot: cut.From, Cut: &cut.To, CutOffset: pages[i].Last}
 		}
 		var next *batch
-		last := i == len(pages)-1 || i+1 == f.cfg.BatchesPerTransaction || stopCtx.Err() != nil
+		last := i == len(pages)-1 || i+1 == f.cfg.BatchesPerTransaction || stopping
 		err := tables.Ack(ctx, tx, f.cfg.Name, pos)
+		f.step("acked")
 		if err != nil {
 			err = fmt.Errorf("advance position: %w", err)
-		} else if i < len(pages)-1 && stopCtx.Err() == nil {
+		} else if i < len(pages)-1 && !stopping {
 			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1])
 		}
 		if sendErr := <-sent; sendErr != nil {

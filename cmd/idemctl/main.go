@@ -46,6 +46,7 @@ var commands = []command{
 	{"partitions", "maintain", "[--dry-run] [--ahead N]", "create the days ahead, move rows out of DEFAULT, drop expired partitions", partitionsMaintain},
 	{"outbox", "backlog", "[--forwarder NAME]", "rows not yet forwarded and the age of the oldest, per topic", outboxBacklog},
 	{"outbox", "prune", "[--forwarders A,B] [--batch-size N]", "delete the rows every forwarder has passed", outboxPrune},
+	{"outbox", "reposition", "[--forwarder NAME] [--dry-run]", "reset the forwarder's position so every row still in the table is forwarded again (the recovery from a position of another cluster, after a restore)", outboxReposition},
 	{"groups", "list", "", "the registered consumer groups", groupsList},
 	{"groups", "rename", "FROM TO", "give FROM's claims and registration to TO (FROM's are kept)", groupsRename},
 	{"groups", "forget", "GROUP --yes", "delete a group's claims and registration", groupsForget},

@@ -11,7 +11,8 @@
 //	offsets:  consumer_group PRIMARY KEY, offset_acked BIGINT,
 //	          last_processed_transaction_id xid8 (watermill-sql v4's),
 //	          position_snapshot, cut_snapshot pg_snapshot, cut_offset BIGINT
-//	          (the forwarder's, migration 2)
+//	          (the forwarder's, migration 2), position_system_identifier
+//	          BIGINT, position_xmax xid8 (the position's [Origin], migration 3)
 //
 // A forwarder's row of the offsets table is a [Position]: a snapshot, so
 // that rows are forwarded in batches cut between two snapshots (PgQ's
@@ -209,8 +210,8 @@ func (r Row) Message() (*message.Message, error) {
 // Register inserts name's position at the start of the table unless it has
 // one, so that [Tables.BeginLock] has a row to lock.
 func (t Tables) Register(ctx context.Context, db DB, name string) error {
-	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` (consumer_group, offset_acked, last_processed_transaction_id, position_snapshot)
-		VALUES ($1, 0, '0', $2::text::pg_snapshot) ON CONFLICT (consumer_group) DO NOTHING`, name, Start.String())
+	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` (consumer_group, offset_acked, last_processed_transaction_id, position_snapshot, `+originSet+`)
+		VALUES ($1, 0, '0', $2::text::pg_snapshot, `+originValues+`) ON CONFLICT (consumer_group) DO NOTHING`, name, Start.String())
 	return err
 }
 
@@ -251,11 +252,11 @@ func scanPosition(row pgx.Row, extra ...any) (Position, error) {
 	return p, nil
 }
 
-// lockSQL reads name's position FOR UPDATE, so that one holder of the
+// lockSQL reads name's position and its [Origin] FOR UPDATE, so that one holder of the
 // name works on the table at a time, and sets synchronous_commit to off for
 // the rest of the transaction (the position may commit asynchronously: a
 // lost commit resends, it never skips).
-const lockSQL = `SELECT ` + positionColumns + `, set_config('synchronous_commit', 'off', true)
+const lockSQL = `SELECT ` + positionColumns + `, ` + originColumns + `, set_config('synchronous_commit', 'off', true)
 		FROM %s WHERE consumer_group = $1 FOR UPDATE`
 
 // Tx is a transaction on one connection, begun by [Tables.BeginLock]. It
@@ -314,26 +315,45 @@ func (tx *Tx) Rollback(ctx context.Context) {
 }
 
 // BeginLock begins a transaction on conn and locks name's position in it
-// (lockSQL; pgx.ErrNoRows when name has no position, see
-// [Tables.Register]), in one round trip (BEGIN and the lock are sent as
-// one batch). On error the transaction is rolled back.
+// (lockSQL; [ErrNoPosition] when name has no position, see
+// [Tables.Register]), and checks that the position is from the running
+// cluster ([*ForeignError] when not), in one round trip (BEGIN, the lock
+// and the check are sent as one batch). On error the transaction is rolled
+// back.
 func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string) (*Tx, Position, error) {
 	tx := &Tx{conn: conn}
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
 	b.Queue(fmt.Sprintf(lockSQL, t.Offsets), name)
+	// The running cluster's origin, in a statement of its own: its
+	// snapshot is taken once the lock is held, so it sees the version of
+	// the row the lock returned (which may have committed after the lock
+	// statement's snapshot).
+	b.Queue(`SELECT ` + originHere)
 	br := conn.SendBatch(ctx, b)
 	_, err := br.Exec()
-	var p Position
+	var (
+		p               Position
+		stored, current originScan
+	)
 	if err == nil {
 		var discard string
-		p, err = scanPosition(br.QueryRow(), &discard)
+		p, err = scanPosition(br.QueryRow(), &stored.system, &stored.xmax, &discard)
+	}
+	if err == nil {
+		err = br.QueryRow().Scan(&current.system, &current.xmax)
 	}
 	if closeErr := br.Close(); err == nil {
 		err = closeErr
 	}
+	if err == nil {
+		err = checkOrigin(name, stored, current)
+	}
 	if err != nil {
 		tx.Rollback(context.WithoutCancel(ctx))
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = ErrNoPosition
+		}
 		return nil, Position{}, err
 	}
 	return tx, p, nil
@@ -356,7 +376,8 @@ func (t Tables) Ack(ctx context.Context, db DB, name string, p Position) error {
 			last_processed_transaction_id = $3::text::xid8,
 			position_snapshot = $4::text::pg_snapshot,
 			cut_snapshot = $5::text::pg_snapshot,
-			cut_offset = $6
+			cut_offset = $6,
+			(`+originSet+`) = (SELECT `+originValues+`)
 		WHERE consumer_group = $1`,
 		name, legacyOff, strconv.FormatUint(legacyTx, 10), p.Snapshot.String(), cut, cutOffset)
 	if err == nil && tag.RowsAffected() == 0 {
@@ -489,11 +510,19 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 }
 
 // HasRows reports whether the cut from p.Snapshot to the statement's
-// snapshot has a row: one query, index probes only, for a forwarder to ask
-// often at little cost. p must have no cut in progress.
-func (t Tables) HasRows(ctx context.Context, db DB, p Position) (bool, error) {
+// snapshot has a row, or name's position is no longer p (deleted, or
+// moved by another instance or an operator) or no longer fits the running
+// cluster (see [Origin]; the forwarder's transaction then refuses it): one
+// query, index probes only, for a forwarder to ask often at little cost.
+// p must have no cut in progress.
+func (t Tables) HasRows(ctx context.Context, db DB, p Position, name string) (bool, error) {
 	var has bool
-	err := db.QueryRow(ctx, cutSQL(t.Messages, `SELECT EXISTS (SELECT 1 FROM c)`), p.Snapshot.String(), nil, int64(0)).Scan(&has)
+	err := db.QueryRow(ctx, cutSQL(t.Messages, `SELECT EXISTS (SELECT 1 FROM c) OR NOT EXISTS (
+			SELECT 1 FROM `+t.Offsets+` o, pg_control_system() s WHERE o.consumer_group = $4 AND o.cut_snapshot IS NULL
+			  AND o.position_snapshot::text = $1::text::pg_snapshot::text
+			  AND COALESCE(o.position_system_identifier, s.system_identifier) = s.system_identifier
+			  AND COALESCE(o.position_xmax, '0') <= pg_snapshot_xmax(pg_current_snapshot()))`),
+		p.Snapshot.String(), nil, int64(0), name).Scan(&has)
 	return has, err
 }
 
@@ -547,13 +576,22 @@ func appendRows(rows pgx.Rows, dst []Row) ([]Row, error) {
 }
 
 // Position reads name's position without locking it, or returns
-// [ErrNoPosition].
+// [ErrNoPosition], or a [*ForeignError] when the position is not from the
+// running cluster.
 func (t Tables) Position(ctx context.Context, db DB, name string) (Position, error) {
-	p, err := scanPosition(db.QueryRow(ctx, `SELECT `+positionColumns+` FROM `+t.Offsets+` WHERE consumer_group = $1`, name))
+	var stored, current originScan
+	p, err := scanPosition(db.QueryRow(ctx, `SELECT `+positionColumns+`, `+originColumns+`, `+originHere+` FROM `+t.Offsets+` WHERE consumer_group = $1`, name),
+		&stored.system, &stored.xmax, &current.system, &current.xmax)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Position{}, ErrNoPosition
 	}
-	return p, err
+	if err == nil {
+		err = checkOrigin(name, stored, current)
+	}
+	if err != nil {
+		return Position{}, err
+	}
+	return p, nil
 }
 
 // Backlog counts the committed rows name has not forwarded (every row when
@@ -589,8 +627,8 @@ func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64,
 	return pending, oldest, nil
 }
 
-// ErrNoPosition is returned by [Tables.Position] and [Tables.Positions]
-// when a name has no position.
+// ErrNoPosition is returned by [Tables.Position], [Tables.Positions],
+// [Tables.BeginLock] and [Tables.Ack] when a name has no position.
 var ErrNoPosition = errors.New("no position")
 
 // Positions returns the positions of names (duplicates once), or

@@ -1,0 +1,3 @@
+ALTER TABLE {{ident .Schema .Offsets}}
+    DROP COLUMN IF EXISTS position_system_identifier,
+    DROP COLUMN IF EXISTS position_xmax;
