@@ -298,13 +298,18 @@ func parseType(typ string) (name string, version int, ok bool) {
 }
 
 // fieldPath turns validator's "OrderConfirmed.items[2].sku" into
-// "items[2].sku".
+// "items[2].sku", without the names of embedded structs.
 func fieldPath(namespace string) string {
 	_, rest, ok := strings.Cut(namespace, ".")
 	if !ok {
 		return namespace
 	}
-	return rest
+	if !strings.Contains(rest, embeddedMark) {
+		return rest
+	}
+	parts := strings.Split(rest, ".")
+	parts = slices.DeleteFunc(parts, func(p string) bool { return p == embeddedMark })
+	return strings.Join(parts, ".")
 }
 
 // topLevelFields lists the JSON names of struct t's fields.

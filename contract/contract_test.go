@@ -243,3 +243,19 @@ func TestMessage(t *testing.T) {
 	_, err = c.Message(ctx, bad)
 	require.True(t, errors.Is(err, publisher.ErrNotUUIDv7), "%v", err)
 }
+
+// The fields of an embedded struct are named as JSON names them: flat.
+func TestErrorFieldOfAnEmbeddedStruct(t *testing.T) {
+	t.Parallel()
+	type withDiscount struct {
+		OrderConfirmed
+		Discount string `json:"discount" validate:"required,decimal=2"`
+	}
+	c, err := contract.New[withDiscount](contract.Config{Type: "order.confirmed.v1"})
+	require.NoError(t, err)
+	_, err = c.Decode(msgOf(edit(t, `"currency":"EUR"`, `"currency":"EURO"`)))
+	var ce *contract.Error
+	require.ErrorAs(t, err, &ce)
+	require.Equal(t, "currency", ce.Field)
+	require.Equal(t, "and 1 more", ce.Detail, "discount is missing too")
+}

@@ -14,12 +14,22 @@ import (
 var validate = sync.OnceValue(func() *validator.Validate {
 	v := validator.New(validator.WithRequiredStructEnabled())
 	// Errors name fields by their JSON names, the names producers see.
-	v.RegisterTagNameFunc(func(f reflect.StructField) string { return jsonName(f) })
+	// An embedded struct's fields are the outer object's in JSON: its
+	// name is marked, and fieldPath drops it.
+	v.RegisterTagNameFunc(func(f reflect.StructField) string {
+		if f.Anonymous && f.Tag.Get("json") == "" {
+			return embeddedMark
+		}
+		return jsonName(f)
+	})
 	if err := v.RegisterValidation("decimal", isDecimal); err != nil {
 		panic(err) // a constant tag name: cannot happen
 	}
 	return v
 })
+
+// embeddedMark names an embedded struct in validator's namespaces.
+const embeddedMark = "\x00embedded"
 
 // decimalRe is a decimal string: an optional minus, an integer part without
 // leading zeros, an optional fraction. No exponent, no '+', no bare ".5".
