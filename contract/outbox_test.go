@@ -71,7 +71,7 @@ func TestTypedEventThroughTheOutbox(t *testing.T) {
 
 	got := idemtest.RequireOutboxMessage(ctx, t, db.Pool, ob, "billing.charged", &idemtest.RequireOutboxOpts{
 		CausationID: res.EventID, Count: 1,
-		Metadata:    map[string]string{"event_type": "billing.charged.v1", publisher.MetadataPartitionKey: "o-9"}})
+		Metadata: map[string]string{"event_type": "billing.charged.v1", publisher.MetadataPartitionKey: "o-9"}})
 	ev, err := billingCharged.Decode(got[0])
 	require.NoError(t, err)
 	require.Equal(t, BillingCharged{EventID: got[0].Metadata.Get(publisher.MetadataEventID), OrderID: "o-9", Amount: "12.30", Currency: "EUR"}, ev)
