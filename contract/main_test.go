@@ -6,4 +6,11 @@ import (
 	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// Routers, subscribers and the in-process broker must all be gone when the
+// tests end.
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// go-metrics (used by Sarama) runs one global ticker for the process.
+		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
+	)
+}

@@ -43,7 +43,7 @@ func (m contractMarshaler[T]) Unmarshal(msg *message.Message, v any) error {
 	return nil
 }
 
-func (m contractMarshaler[T]) Name(any) string                     { return m.c.Type() }
+func (m contractMarshaler[T]) Name(any) string                         { return m.c.Type() }
 func (m contractMarshaler[T]) NameFromMessage(*message.Message) string { return m.c.Type() }
 
 // A typed CQRS handler behind the dedup middleware, over the real broker
