@@ -59,8 +59,9 @@ type Contract[T any] struct {
 // fields are checked with go-playground/validator struct tags (`validate:"..."`),
 // named by their `json` names in errors. Besides validator's own tags,
 // "decimal" accepts a decimal string ("129.90", "-3", not "1e3" or ".5"),
-// and "decimal=N" one with at most N fraction digits: declare money as a
-// decimal string with it, or as an integer of minor units, never as a float.
+// "decimal=N" one with at most N fraction digits, and "positive" a decimal
+// string above zero: declare money as a decimal string with them, or as an
+// integer of minor units, never as a float.
 //
 // New refuses a malformed cfg, a T that is not a struct, an
 // AggregateIDField that is not one of T's top-level JSON fields, and

@@ -22,7 +22,7 @@ type OrderConfirmed struct {
 	OccurredAt  time.Time `json:"occurredAt" validate:"required"`
 	OrderID     string    `json:"orderId" validate:"required"`
 	CustomerID  string    `json:"customerId" validate:"required"`
-	TotalAmount string    `json:"totalAmount" validate:"required,decimal=2"`
+	TotalAmount string    `json:"totalAmount" validate:"required,decimal=2,positive"`
 	Currency    string    `json:"currency" validate:"required,iso4217"`
 	Items       []Item    `json:"items" validate:"required,min=1,dive"`
 }
@@ -114,6 +114,8 @@ func TestDecodeRefusesBadInput(t *testing.T) {
 		{"float where money is a decimal", edit(t, `"totalAmount":"129.90"`, `"totalAmount":129.90`), nil, "totalAmount", "type"},
 		{"decimal with too many places", edit(t, `"totalAmount":"129.90"`, `"totalAmount":"129.901"`), nil, "totalAmount", "decimal"},
 		{"decimal with an exponent", edit(t, `"totalAmount":"129.90"`, `"totalAmount":"1e3"`), nil, "totalAmount", "decimal"},
+		{"zero amount", edit(t, `"totalAmount":"129.90"`, `"totalAmount":"0.00"`), nil, "totalAmount", "positive"},
+		{"negative amount", edit(t, `"totalAmount":"129.90"`, `"totalAmount":"-1"`), nil, "totalAmount", "positive"},
 		{"currency not 3 letters", edit(t, `"currency":"EUR"`, `"currency":"EURO"`), nil, "currency", "iso4217"},
 		{"currency not ISO 4217", edit(t, `"currency":"EUR"`, `"currency":"eur"`), nil, "currency", "iso4217"},
 		{"empty array", edit(t, `[{"sku":"A-1","quantity":2,"priceMinor":6495}]`, `[]`), nil, "items", "min"},

@@ -22,8 +22,10 @@ var validate = sync.OnceValue(func() *validator.Validate {
 		}
 		return jsonName(f)
 	})
-	if err := v.RegisterValidation("decimal", isDecimal); err != nil {
-		panic(err) // a constant tag name: cannot happen
+	for tag, fn := range map[string]validator.Func{"decimal": isDecimal, "positive": isPositiveDecimal} {
+		if err := v.RegisterValidation(tag, fn); err != nil {
+			panic(err) // a constant tag name: cannot happen
+		}
 	}
 	return v
 })
@@ -51,4 +53,23 @@ func isDecimal(fl validator.FieldLevel) bool {
 		return err == nil && len(m[3]) <= n
 	}
 	return true
+}
+
+// isPositiveDecimal is the "positive" tag: a decimal string above zero
+// ("0.01", not "0.00" or "-1").
+func isPositiveDecimal(fl validator.FieldLevel) bool {
+	f := fl.Field()
+	if f.Kind() != reflect.String {
+		return false
+	}
+	s := f.String()
+	if !decimalRe.MatchString(s) || s[0] == '-' {
+		return false
+	}
+	for _, r := range s {
+		if r >= '1' && r <= '9' {
+			return true
+		}
+	}
+	return false
 }
