@@ -59,7 +59,7 @@ func NewBillingService(providerURL string) *BillingService {
 // Handle is the Watermill handler.
 func (s *BillingService) Handle(msg *message.Message) ([]*message.Message, error) {
 	ctx := msg.Context()
-	ev, err := decodeOrderConfirmed(ctx, msg.Payload)
+	ev, err := decodeOrderConfirmed(msg)
 	if err != nil {
 		return nil, err
 	}
@@ -138,7 +138,7 @@ type NotificationService struct{}
 // Handle is the Watermill handler.
 func (NotificationService) Handle(msg *message.Message) error {
 	ctx := msg.Context()
-	ev, err := decodeOrderConfirmed(ctx, msg.Payload)
+	ev, err := decodeOrderConfirmed(msg)
 	if err != nil {
 		return err
 	}

@@ -338,7 +338,7 @@ func TestDecodeOrderConfirmed(t *testing.T) {
 		require.NoError(t, err)
 		return b
 	}
-	got, err := decodeOrderConfirmed(ctx, enc(nil))
+	got, err := decodeOrderConfirmed(payloadMessage(ctx, enc(nil)))
 	require.NoError(t, err)
 	require.Equal(t, "129.90", got.TotalAmount)
 
@@ -354,12 +354,20 @@ func TestDecodeOrderConfirmed(t *testing.T) {
 		"currency":        enc(func(o *OrderConfirmed) { o.Currency = "eur" }),
 		"no occurredAt":   enc(func(o *OrderConfirmed) { o.OccurredAt = time.Time{} }),
 		"eventId differs": enc(func(o *OrderConfirmed) { o.EventID = uuid.Must(uuid.NewV7()).String() }),
+		"float amount":    []byte(strings.Replace(string(enc(nil)), `"129.90"`, `129.90`, 1)),
+		"duplicate key":   []byte(strings.Replace(string(enc(nil)), `"currency":"EUR"`, `"currency":"EUR","currency":"USD"`, 1)),
 	} {
-		_, err := decodeOrderConfirmed(ctx, payload)
+		_, err := decodeOrderConfirmed(payloadMessage(ctx, payload))
 		require.Error(t, err, name)
 		require.True(t, errors.Is(err, idem.ErrMalformedPayload), name)
 		require.True(t, idem.IsPermanent(err), "%s: must go to the poison topic", name)
 	}
+}
+
+func payloadMessage(ctx context.Context, payload []byte) *message.Message {
+	m := message.NewMessage(uuid.NewString(), payload)
+	m.SetContext(ctx)
+	return m
 }
 
 func newTestMessage(ctx context.Context) *message.Message {

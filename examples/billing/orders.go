@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"time"
 
@@ -94,9 +93,11 @@ func (s *OrderService) Confirm(ctx context.Context, o Order) (_ *message.Message
 
 	eventID := publisher.NewEventID()
 	now := time.Now().UTC()
-	payload, err := json.Marshal(OrderConfirmed{
+	// The contract checks the event, puts the event id and type in payload
+	// and metadata, and the order id in partition_key (the Kafka key: one
+	// partition per order, in order).
+	msg, err := orderConfirmedV1.Message(ctx, OrderConfirmed{
 		EventID:       eventID.String(),
-		EventType:     EventOrderConfirmed,
 		OccurredAt:    now,
 		AggregateType: "Order",
 		OrderID:       o.ID,
@@ -105,13 +106,9 @@ func (s *OrderService) Confirm(ctx context.Context, o Order) (_ *message.Message
 		Currency:      o.Currency,
 	})
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("confirm order %s: %w", o.ID, err)
 	}
-	msg := message.NewMessage(eventID.String(), payload)
-	msg.Metadata.Set(publisher.MetadataEventID, eventID.String())
 	msg.Metadata.Set(publisher.MetadataOccurredAt, now.Format(time.RFC3339Nano))
-	msg.Metadata.Set("event_type", EventOrderConfirmed)
-	publisher.WithPartitionKey(msg, o.ID) // Kafka key = order id: one partition per order, in order
 
 	tx, err := s.DB.Begin(ctx)
 	if err != nil {

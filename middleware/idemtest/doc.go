@@ -18,6 +18,10 @@
 //     Assert your own business rows afterwards: a handler that writes outside
 //     the middleware's transaction (the pool instead of
 //     middleware.MustTxFromContext) shows up as a second effect.
+//   - [RequireCompatible] checks an event contract (package contract) against
+//     golden payloads of its published versions: BACKWARD (the new reader
+//     reads every published payload) and FORWARD (the previous reader reads
+//     the new struct's payloads), naming the field and the rule that broke.
 //
 // Every helper takes a testing.TB and fails it with Fatalf, like testify's
 // require.

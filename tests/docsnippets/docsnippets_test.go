@@ -39,6 +39,7 @@ var knownImports = map[string]string{
 	"otel":         "go.opentelemetry.io/otel",
 	"propagation":  "go.opentelemetry.io/otel/propagation",
 	"sdktrace":     "go.opentelemetry.io/otel/sdk/trace",
+	"contract":     module + "/contract",
 	"idem":         module + "/middleware",
 	"idemtest":     module + "/middleware/idemtest",
 	"retrytopic":   module + "/middleware/retrytopic",
