@@ -40,7 +40,7 @@ lint: ## gofmt, go vet, staticcheck
 
 .PHONY: bench
 bench: ## Benchmarks as ratios against same-run baselines; writes docs/benchmarks.md
-	$(GO) run ./cmd/bench -out docs/benchmarks.md
+	$(GO) run ./cmd/bench -out docs/benchmarks.md -json docs/benchmarks.json
 
 .PHONY: bench/short
 bench/short: ## A quick benchmark pass (CI smoke), prints the table only

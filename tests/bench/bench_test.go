@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"errors"
+	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -59,4 +60,42 @@ func TestRotateRunsEveryVariantEachRound(t *testing.T) {
 	boom := errors.New("boom")
 	_, err = Rotate(2, variant(0), func() (float64, error) { return 0, boom })
 	require.ErrorIs(t, err, boom)
+}
+
+func TestParseReport(t *testing.T) {
+	t.Parallel()
+	md := "# Benchmarks\n\n- date: 2026-12-01T23:49:25Z\n- CPUs: 2 (linux/amd64), load average at start: 9.19 12.58 11.62\n- mode: full, 5 rounds\n\n" +
+		"## Dedup overhead\n\n| workers | plain | ratio |\n|---|---|---|\n| 1 | 2254 | 0.92 (0.87–0.97) |\n\ntext\n\n" +
+		"| mode | p99 added |\n|---|---|\n| group, defaults | −67µs |\n"
+	r := ParseReport(md)
+	require.Equal(t, "2026-12-01T23:49:25Z", r.Generated)
+	require.Equal(t, "full", r.Mode)
+	require.Equal(t, "9.19 12.58 11.62", r.Load)
+	require.Len(t, r.Cells, 5)
+	ratio := r.Cells[2]
+	require.Equal(t, "Dedup overhead", ratio.Section)
+	require.Equal(t, "1", ratio.Row)
+	require.Equal(t, "ratio", ratio.Column)
+	require.Equal(t, 0.92, *ratio.Median)
+	require.Equal(t, 0.87, *ratio.Min)
+	require.Equal(t, 0.97, *ratio.Max)
+	added := r.Cells[4]
+	require.Equal(t, 1, added.Table)
+	require.Equal(t, "group, defaults", added.Row)
+	require.Equal(t, -67.0, *added.Median)
+	require.Equal(t, "µs", added.Unit)
+	require.Nil(t, r.Cells[3].Median, "a label is not a figure")
+}
+
+// TestBenchmarksJSONMatchesTheReport keeps docs/benchmarks.json in step with
+// docs/benchmarks.md: make bench writes both; a hand edit of one fails here.
+func TestBenchmarksJSONMatchesTheReport(t *testing.T) {
+	t.Parallel()
+	md, err := os.ReadFile("../../docs/benchmarks.md")
+	require.NoError(t, err)
+	want, err := ParseReport(string(md)).JSON()
+	require.NoError(t, err)
+	got, err := os.ReadFile("../../docs/benchmarks.json")
+	require.NoError(t, err)
+	require.Equal(t, string(want), string(got), "docs/benchmarks.json is stale: run make bench, or go run ./cmd/bench -json-from docs/benchmarks.md -json docs/benchmarks.json")
 }
