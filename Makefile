@@ -50,6 +50,10 @@ bench/short: ## A quick benchmark pass (CI smoke), prints the table only
 bench/go: ## Go benchmarks (testing.B) of the per-message hot path: ns/op, allocs, round trips (BENCHTIME=500ms)
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
 
+.PHONY: schemas
+schemas: ## Rewrite docs/schemas (JSON Schema of the example's event contracts) from the Go structs; make test checks they are current
+	$(GO) test ./examples/billing -run '^TestSchemasAreCurrent$$' -count=1 -args -update-schemas
+
 .PHONY: demo
 demo: ## Run the billing example end to end (orders, billing with Idempotency-Key, notifications) with injected faults
 	$(GO) run ./examples/billing

@@ -41,8 +41,15 @@
 // message: a missing or null required field, a JSON value of the wrong type
 // (a JSON number where money is a decimal string), a number out of range, a
 // currency that is not an ISO 4217 code, another event type or an unknown
-// version, duplicate JSON keys, a payload over [Config.MaxSize]. A UTF-8 byte
-// order mark is accepted. Decode never panics on input.
+// version, duplicate JSON keys (or two that differ only in case), JSON that
+// is not RFC 8259 (invalid UTF-8 included), a payload over [Config.MaxSize].
+// A UTF-8 byte order mark is accepted. Decode never panics on input.
+//
+// # Other languages
+//
+// [Contract.JSONSchema] writes the contract as a JSON Schema document, from
+// the struct and its validate tags, for services in other languages;
+// docs/contracts.md shows how a test keeps a checked-in copy current.
 //
 // # Versions
 //

@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	idem "github.com/idemkit/watermill-idempotency/middleware"
-	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // Errors of the charge call. ErrProviderBusy and ErrChargeOutcomeUnknown are
@@ -76,18 +75,13 @@ func (s *BillingService) Handle(msg *message.Message) ([]*message.Message, error
 		return nil, fmt.Errorf("ledger: %w", err)
 	}
 
-	outID := publisher.NewEventID()
-	now := time.Now().UTC()
-	payload, err := json.Marshal(BillingCharged{
-		EventID: outID.String(), EventType: EventBillingCharged, OccurredAt: now, AggregateType: "Order",
+	out, err := billingChargedV1.Message(ctx, BillingCharged{
+		OccurredAt: time.Now().UTC(), AggregateType: "Order",
 		OrderID: ev.OrderID, ChargeID: charge.ChargeID, Amount: charge.Amount, Currency: charge.Currency,
 	})
 	if err != nil {
 		return nil, err
 	}
-	out := message.NewMessage(outID.String(), payload)
-	out.Metadata.Set("event_type", EventBillingCharged)
-	publisher.WithPartitionKey(out, ev.OrderID)
 	return []*message.Message{out}, nil // to the outbox, in this transaction
 }
 

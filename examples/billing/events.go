@@ -40,14 +40,14 @@ type OrderConfirmed struct {
 
 // BillingCharged is the payload of billing.charged.v1.
 type BillingCharged struct {
-	EventID       string    `json:"eventId"`
+	EventID       string    `json:"eventId" validate:"required,uuid"`
 	EventType     string    `json:"eventType"`
-	OccurredAt    time.Time `json:"occurredAt"`
-	AggregateType string    `json:"aggregateType"`
-	OrderID       string    `json:"orderId"`
-	ChargeID      string    `json:"chargeId"`
-	Amount        string    `json:"amount"`
-	Currency      string    `json:"currency"`
+	OccurredAt    time.Time `json:"occurredAt" validate:"required"`
+	AggregateType string    `json:"aggregateType" validate:"eq=Order"`
+	OrderID       string    `json:"orderId" validate:"required"`
+	ChargeID      string    `json:"chargeId" validate:"required"`
+	Amount        string    `json:"amount" validate:"required,decimal=2,positive"`
+	Currency      string    `json:"currency" validate:"required,iso4217"`
 }
 
 // orderConfirmedV1 is the contract of order.confirmed.v1: the checks are
@@ -56,6 +56,16 @@ var orderConfirmedV1 = func() *contract.Contract[OrderConfirmed] {
 	c, err := contract.New[OrderConfirmed](contract.Config{Type: EventOrderConfirmed, AggregateIDField: "orderId"})
 	if err != nil {
 		panic(err) // a declaration error, caught by any test
+	}
+	return c
+}()
+
+// billingChargedV1 is the contract of billing.charged.v1, which billing
+// publishes through the outbox; its partition key is the order id too.
+var billingChargedV1 = func() *contract.Contract[BillingCharged] {
+	c, err := contract.New[BillingCharged](contract.Config{Type: EventBillingCharged, AggregateIDField: "orderId"})
+	if err != nil {
+		panic(err)
 	}
 	return c
 }()

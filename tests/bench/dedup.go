@@ -32,6 +32,7 @@ func init() {
 	Register("dedup-tracing", dedupTracing)
 	Register("duplicate-path", duplicatePath)
 	Register("round-trips", roundTrips)
+	Register("contract-decode", contractDecode) // contract.go
 }
 
 // businessSQL is the one business write of the benchmark handler.
