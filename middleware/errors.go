@@ -67,8 +67,10 @@ func Permanent(err error) error {
 // and belongs in a poison queue rather than being retried: publisher's
 // event-id sentinels (ErrMissingEventID, ErrInvalidEventID, ErrNilEventID,
 // ErrNotUUIDv7, ErrEventIDMismatch, whether the middleware or
-// publisher.Stamp returned them), deduplicator.ErrStaleEvent (the stale rule), [ErrMalformedPayload]
-// and anything wrapped by [Permanent]. Use it as the filter of watermill's
+// publisher.Stamp returned them), publisher's ErrMessageTooLarge and
+// ErrReservedMetadata (an outbox write the broker would refuse),
+// deduplicator.ErrStaleEvent (the stale rule), [ErrMalformedPayload] and
+// anything wrapped by [Permanent]. Use it as the filter of watermill's
 // PoisonQueueWithFilter and to stop Retry.
 func IsPermanent(err error) bool {
 	if err == nil {
@@ -89,5 +91,6 @@ func IsPermanent(err error) bool {
 var permanentSentinels = []error{
 	publisher.ErrMissingEventID, publisher.ErrInvalidEventID, publisher.ErrNilEventID,
 	publisher.ErrNotUUIDv7, publisher.ErrEventIDMismatch,
+	publisher.ErrMessageTooLarge, publisher.ErrReservedMetadata,
 	deduplicator.ErrStaleEvent, ErrMalformedPayload,
 }

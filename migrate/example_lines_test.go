@@ -43,6 +43,7 @@ func ExampleNew() {
 	// outbox:outbox_orders               001_topic_tables         applied: true
 	// outbox:outbox_orders               002_snapshot_position    applied: false
 	// outbox:outbox_orders               003_position_cluster     applied: false
+	// outbox:outbox_orders               004_dead_rows            applied: false
 	// retry_parked_key:retry_parked_key  001_parked_key           applied: true
 	// retry_parked_key:retry_parked_key  002_parked_message       applied: false
 }
@@ -89,4 +90,5 @@ func ExampleMigrator_Migrations() {
 	// outbox:outbox_billing.charged 001_topic_tables
 	// outbox:outbox_billing.charged 002_snapshot_position
 	// outbox:outbox_billing.charged 003_position_cluster
+	// outbox:outbox_billing.charged 004_dead_rows
 }

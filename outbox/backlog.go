@@ -23,6 +23,10 @@ type Backlog struct {
 	// OldestAge is how long the oldest pending row has been waiting, by its
 	// created_at; 0 when nothing is pending.
 	OldestAge time.Duration
+	// Dead counts the rows in the topic's dead table: rows no forwarder
+	// could send and the rows held behind them ([Outbox.DeadRows]). Above
+	// zero, an operator has something to do.
+	Dead int64
 }
 
 // BacklogOpts selects what [Outbox.Backlog] reports. A nil *BacklogOpts
@@ -70,6 +74,9 @@ func (o *Outbox) Backlog(ctx context.Context, db migrate.Beginner, opts *Backlog
 					return pe
 				}
 				return fmt.Errorf("outbox: backlog of %s: %w", topic, err)
+			}
+			if b.Dead, err = o.tables(topic).DeadCount(ctx, tx); err != nil {
+				return fmt.Errorf("outbox: dead rows of %s: %w", topic, err)
 			}
 			out = append(out, b)
 		}

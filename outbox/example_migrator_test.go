@@ -44,13 +44,15 @@ func ExampleMigrationLine() {
 	}
 	fmt.Println("reverted:", len(res.Versions))
 	// Output:
-	// pending: 6
+	// pending: 8
 	// outbox:outbox_orders: applied 001_topic_tables
 	// outbox:outbox_orders: applied 002_snapshot_position
 	// outbox:outbox_orders: applied 003_position_cluster
+	// outbox:outbox_orders: applied 004_dead_rows
 	// outbox:outbox_payments: applied 001_topic_tables
 	// outbox:outbox_payments: applied 002_snapshot_position
 	// outbox:outbox_payments: applied 003_position_cluster
+	// outbox:outbox_payments: applied 004_dead_rows
 	// ok: true
-	// reverted: 6
+	// reverted: 8
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -82,6 +83,15 @@ type ForwarderConfig struct {
 	// Defaults to idemkafka.Marshaler (metadata as headers, key =
 	// partition_key).
 	Marshaler kafka.Marshaler
+	// MaxMessageBytes is the largest record, as Sarama counts it against
+	// Producer.MaxMessageBytes (ProducerMessage.ByteSize), that a row may
+	// make; set it to the producer's. A larger row, and a row whose metadata
+	// is unreadable or holds watermill-kafka's reserved UUID key, is never
+	// sent: it moves to the topic's dead table with its cause, the later
+	// rows of its partition key wait there behind it, and the topic goes on
+	// (see [Outbox.DeadRows]). Negative: no size check. Defaults to the
+	// Outbox's Config.MaxMessageBytes (1 MiB).
+	MaxMessageBytes int
 	// Topics to forward; each is published to the broker topic of the same
 	// name. Defaults to the Outbox's Config.Topics.
 	Topics []string
@@ -156,6 +166,9 @@ func (c *ForwarderConfig) setDefaults() {
 	if len(c.Topics) == 0 && c.Outbox != nil {
 		c.Topics = c.Outbox.cfg.Topics
 	}
+	if c.MaxMessageBytes == 0 && c.Outbox != nil {
+		c.MaxMessageBytes = c.Outbox.cfg.MaxMessageBytes
+	}
 	if c.Name == "" {
 		c.Name = DefaultForwarderName
 	}
@@ -223,6 +236,9 @@ type ForwarderStats struct {
 	Commits, Polls uint64
 	// Errors counts failed batches (rolled back, retried).
 	Errors uint64
+	// Quarantined counts rows moved to the dead tables: rows that cannot
+	// be sent, and the later rows of their keys (see [Outbox.DeadRows]).
+	Quarantined uint64
 }
 
 // Forwarder relays committed outbox rows to the broker. Per topic it
@@ -245,8 +261,8 @@ type Forwarder struct {
 	done      chan struct{}   // closed when Run returns; nil before Run
 	stopped   <-chan struct{} // closed when Run stops (ctx done or Close); nil before Run
 
-	forwarded, commits, polls, errs atomic.Uint64
-	tracing                         otelx.Tracers
+	forwarded, commits, polls, errs, quarantined atomic.Uint64
+	tracing                                      otelx.Tracers
 
 	// hook, when set (by tests, before Run), is called at each step of a
 	// forwarder transaction: "begin", "locked", "cut", then for each page
@@ -311,7 +327,7 @@ func (f *Forwarder) checkTables(ctx context.Context) error {
 
 // Stats returns the counters.
 func (f *Forwarder) Stats() ForwarderStats {
-	return ForwarderStats{Forwarded: f.forwarded.Load(), Commits: f.commits.Load(), Polls: f.polls.Load(), Errors: f.errs.Load()}
+	return ForwarderStats{Forwarded: f.forwarded.Load(), Commits: f.commits.Load(), Polls: f.polls.Load(), Errors: f.errs.Load(), Quarantined: f.quarantined.Load()}
 }
 
 // maxStartupBackoff caps the wait between two start-up attempts of Run.
@@ -764,9 +780,16 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		return 0, false, nil
 	}
 
+	// The keys with dead rows, read after the cut: a key an operator
+	// retried (its rows moved back in one commit) is no longer among them
+	// whenever its moved rows are in the cut.
+	dead, err := tables.DeadKeys(ctx, tx)
+	if err != nil {
+		return 0, false, fmt.Errorf("read dead keys: %w", err)
+	}
 	b := ahead
 	if b == nil {
-		if b, err = f.readPage(ctx, tx, tables, topic, pages[0]); err != nil {
+		if b, err = f.readPage(ctx, tx, tables, topic, pages[0], dead, logger); err != nil {
 			return 0, false, err
 		}
 	}
@@ -797,7 +820,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		if err != nil {
 			err = fmt.Errorf("advance position: %w", err)
 		} else if i < len(pages)-1 && !stopping {
-			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1])
+			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
 		}
 		if sendErr := <-sent; sendErr != nil {
 			return 0, false, fmt.Errorf("send %d messages: %w", b.size(), sendErr)
@@ -848,45 +871,114 @@ func (b *batch) size() int { return max(len(b.msgs), len(b.records)) }
 // Marshaler and no tracing, a row whose metadata is the compact JSON
 // watermill-sql writes becomes its record directly (fastRecord), without a
 // Watermill message in between.
-func (f *Forwarder) readPage(ctx context.Context, tx outboxsql.DB, tables outboxsql.Tables, topic string, page outboxsql.Page) (*batch, error) {
+//
+// A row that cannot be sent (its record is over MaxMessageBytes, its
+// metadata is unreadable or holds a reserved key) is quarantined: moved, on
+// tx, to the topic's dead table with its cause, and its key joins dead. A
+// row whose key is in dead (a poison row of the key came before it) is
+// moved there too, held behind it, so that the key's order is kept when an
+// operator retries the key. Neither is sent.
+func (f *Forwarder) readPage(ctx context.Context, tx outboxsql.DB, tables outboxsql.Tables, topic string, page outboxsql.Page, dead map[string]int64, logger watermill.LoggerAdapter) (*batch, error) {
 	rows, err := tables.ReadPage(ctx, tx, page, make([]outboxsql.Row, 0, page.Rows))
 	if err != nil {
 		return nil, fmt.Errorf("read page: %w", err)
 	}
 	b := &batch{}
 	_, defaultMarshaler := f.cfg.Marshaler.(idemkafka.Marshaler)
-	if f.cfg.Producer != nil && defaultMarshaler && f.tracing.Tracer() == nil {
-		b.records = make([]*sarama.ProducerMessage, len(rows))
-		for i, r := range rows {
-			pm, ok := fastRecord(topic, r)
-			if !ok {
-				msg, err := r.Message()
-				if err != nil {
-					return nil, err
-				}
-				if pm, err = f.cfg.Marshaler.Marshal(topic, msg); err != nil {
-					return nil, fmt.Errorf("marshal message %s: %w", msg.UUID, err)
+	fast := f.cfg.Producer != nil && defaultMarshaler && f.tracing.Tracer() == nil
+	if fast {
+		b.records = make([]*sarama.ProducerMessage, 0, len(rows))
+	} else {
+		b.msgs = make([]*message.Message, 0, len(rows))
+		if f.cfg.Producer != nil {
+			b.records = make([]*sarama.ProducerMessage, 0, len(rows))
+		}
+	}
+	for _, r := range rows {
+		var (
+			pm    *sarama.ProducerMessage
+			msg   *message.Message
+			key   string
+			size  int
+			cause error
+		)
+		if fast {
+			if rec, ok := fastRecord(topic, r); ok {
+				pm = rec
+				if rec.Key != nil {
+					key = string(rec.Key.(sarama.StringEncoder))
 				}
 			}
-			b.records[i] = pm
 		}
-		return b, nil
-	}
-	b.msgs = make([]*message.Message, len(rows))
-	for i, r := range rows {
-		if b.msgs[i], err = r.Message(); err != nil {
+		if pm == nil {
+			if msg, cause = r.Message(); cause == nil {
+				key = msg.Metadata.Get(publisher.MetadataPartitionKey)
+				if cause = idemkafka.CheckRecord(msg, 0); cause == nil && f.cfg.Producer != nil {
+					if pm, cause = f.cfg.Marshaler.Marshal(topic, msg); cause != nil {
+						cause = fmt.Errorf("marshal: %w", cause)
+					}
+				}
+				if pm == nil && cause == nil {
+					size = idemkafka.RecordBytes(msg)
+				}
+			}
+		}
+		if pm != nil {
+			size = pm.ByteSize(2)
+		}
+		if cause == nil && f.cfg.MaxMessageBytes > 0 && size > f.cfg.MaxMessageBytes {
+			cause = fmt.Errorf("%w: %d bytes > MaxMessageBytes %d", publisher.ErrMessageTooLarge, size, f.cfg.MaxMessageBytes)
+		}
+		held, isHeld := dead[key]
+		isHeld = isHeld && key != ""
+		if cause == nil && !isHeld {
+			if fast {
+				b.records = append(b.records, pm)
+			} else {
+				b.msgs = append(b.msgs, msg)
+				if f.cfg.Producer != nil {
+					b.records = append(b.records, pm)
+				}
+			}
+			continue
+		}
+		if err := f.quarantine(ctx, tx, tables, topic, r, key, size, cause, held, dead, logger); err != nil {
 			return nil, err
 		}
 	}
-	if f.cfg.Producer != nil {
-		b.records = make([]*sarama.ProducerMessage, len(b.msgs))
-		for i, msg := range b.msgs {
-			if b.records[i], err = f.cfg.Marshaler.Marshal(topic, msg); err != nil {
-				return nil, fmt.Errorf("marshal message %s: %w", msg.UUID, err)
-			}
-		}
-	}
 	return b, nil
+}
+
+// quarantine moves row r to the dead table: as a poison row (cause) whose
+// key then holds its later rows, or as a row held behind the dead row held.
+func (f *Forwarder) quarantine(ctx context.Context, tx outboxsql.DB, tables outboxsql.Tables, topic string, r outboxsql.Row,
+	key string, size int, cause error, held int64, dead map[string]int64, logger watermill.LoggerAdapter) error {
+	text := ""
+	if cause != nil {
+		text, held = cause.Error(), 0
+	} else {
+		text = "held behind dead row " + strconv.FormatInt(held, 10) + " of its partition key"
+	}
+	id, err := tables.Quarantine(ctx, tx, r, key, text, held, size)
+	if err != nil {
+		return fmt.Errorf("quarantine row %d: %w", r.Offset, err)
+	}
+	if id == 0 {
+		return nil // deleted meanwhile
+	}
+	f.quarantined.Add(1)
+	fields := watermill.LogFields{"topic": topic, "offset": r.Offset, "message_uuid": r.UUID, "partition_key": key, "size": size, "dead_id": id}
+	if cause != nil {
+		if key != "" {
+			dead[key] = id
+		}
+		fields["max_message_bytes"] = f.cfg.MaxMessageBytes
+		logger.Error("Outbox row cannot be sent: moved to the dead table, its key's later rows wait behind it (idemctl outbox dead)", &RowError{Topic: topic, Offset: r.Offset, UUID: r.UUID, Key: key, Size: size, Err: cause}, fields)
+	} else {
+		fields["held_behind"] = held
+		logger.Info("Outbox row held behind a dead row of its key: moved to the dead table", fields)
+	}
+	return nil
 }
 
 // uuidHeaderKey is watermill-kafka's header of the message UUID.

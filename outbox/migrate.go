@@ -81,6 +81,9 @@ func templates() fs.FS {
 // templateData is what the migration templates see.
 type templateData struct {
 	Schema, Messages, Offsets string
+	// Dead holds the topic's poison rows (migration 4); DeadKeyIndex is
+	// its index by partition key.
+	Dead, DeadKeyIndex string
 	// PayloadType is validated: BYTEA, JSON or JSONB.
 	PayloadType string
 	// InitLock is watermill-sql's schema initialisation lock of the
@@ -94,11 +97,14 @@ type templateData struct {
 
 func (o *Outbox) templateData(topic string) templateData {
 	return templateData{
-		Schema:      o.cfg.Schema,
-		Messages:    o.cfg.TablePrefix + topic,
-		Offsets:     o.cfg.TablePrefix + topic + offsetsSuffix,
-		PayloadType: strings.ToUpper(o.cfg.PayloadType),
-		InitLock:    o.schema.InitializeSchemaLock,
+		Schema:   o.cfg.Schema,
+		Messages: o.cfg.TablePrefix + topic,
+		Offsets:  o.cfg.TablePrefix + topic + offsetsSuffix,
+		// Both fit: the offsets table's suffix is longer.
+		Dead:         o.cfg.TablePrefix + topic + deadSuffix,
+		DeadKeyIndex: o.cfg.TablePrefix + topic + "__dkey",
+		PayloadType:  strings.ToUpper(o.cfg.PayloadType),
+		InitLock:     o.schema.InitializeSchemaLock,
 		// The messages table's name is at most 63-len("__offsets") bytes.
 		NotifyFunction: o.cfg.TablePrefix + topic + "__notify",
 		Trigger:        notifyTrigger,

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
@@ -39,8 +40,12 @@ const (
 // truncated by the server, so two long topics could share a table.
 const maxTableName = 63
 
-// offsetsSuffix names a topic's offsets table.
-const offsetsSuffix = "__offsets"
+// offsetsSuffix names a topic's offsets table, deadSuffix its table of
+// poison rows (shorter: whatever fits the first fits the second).
+const (
+	offsetsSuffix = "__offsets"
+	deadSuffix    = "__dead"
+)
 
 // The errors of this package; match them with errors.Is.
 var (
@@ -77,6 +82,16 @@ type Config struct {
 	// PayloadType is the payload column type: BYTEA, JSON or JSONB. JSON
 	// types refuse non-JSON payloads. Defaults to BYTEA.
 	PayloadType string
+	// MaxMessageBytes is the largest Kafka record, as Sarama counts it
+	// against Producer.MaxMessageBytes, that a message may make: a write
+	// of a larger one, or of one whose metadata holds watermill-kafka's
+	// reserved UUID key, fails with a *[RowError] (permanent for the dedup
+	// middleware: see publisher.ErrMessageTooLarge) and writes nothing.
+	// The forwarder checks rows again with its own limit
+	// (ForwarderConfig.MaxMessageBytes, this one by default). Set it to the
+	// producer's. Negative: no size check. Defaults to 1 MiB, Sarama's
+	// default.
+	MaxMessageBytes int
 }
 
 func (c *Config) setDefaults() {
@@ -88,6 +103,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.PayloadType == "" {
 		c.PayloadType = defaultPayloadType
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = idemkafka.DefaultMaxMessageBytes
 	}
 }
 
@@ -175,6 +193,13 @@ func (o *Outbox) MessagesTable(topic string) string {
 	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic)
 }
 
+// DeadTable returns the quoted, schema-qualified table of topic's poison
+// rows: the rows the forwarder could not send, and the later rows of their
+// partition keys (see [Outbox.DeadRows]).
+func (o *Outbox) DeadTable(topic string) string {
+	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic+deadSuffix)
+}
+
 // OffsetsTable returns the quoted, schema-qualified table holding the
 // forwarders' (and watermill-sql subscribers') positions in topic.
 func (o *Outbox) OffsetsTable(topic string) string {
@@ -200,7 +225,7 @@ func (o *Outbox) channel(topic string) string {
 
 // tables returns topic's tables for the statements of outboxsql.
 func (o *Outbox) tables(topic string) outboxsql.Tables {
-	return outboxsql.Tables{Messages: o.MessagesTable(topic), Offsets: o.OffsetsTable(topic)}
+	return outboxsql.Tables{Messages: o.MessagesTable(topic), Offsets: o.OffsetsTable(topic), Dead: o.DeadTable(topic)}
 }
 
 func rollback(ctx context.Context, tx pgx.Tx) {
@@ -238,6 +263,9 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 		// Stamp put sctx's trace in the metadata; a message without a
 		// context of its own takes the write's (PublishInTx's ctx).
 		otelx.Inject(ctx, msg)
+		if err := idemkafka.CheckRecord(msg, o.cfg.MaxMessageBytes); err != nil {
+			return &RowError{Topic: topic, UUID: msg.UUID, Key: msg.Metadata.Get(publisher.MetadataPartitionKey), Size: idemkafka.RecordBytes(msg), Err: err}
+		}
 	}
 	p, err := wsql.NewPublisher(ctxExecutor{Tx: wsql.TxFromPgx(tx), ctx: ctx}, wsql.PublisherConfig{SchemaAdapter: o.schema}, o.logger)
 	if err != nil {

@@ -47,6 +47,7 @@ var commands = []command{
 	{"outbox", "backlog", "[--forwarder NAME]", "rows not yet forwarded and the age of the oldest, per topic", outboxBacklog},
 	{"outbox", "prune", "[--forwarders A,B] [--batch-size N]", "delete the rows every forwarder has passed", outboxPrune},
 	{"outbox", "reposition", "[--forwarder NAME] [--dry-run]", "reset the forwarder's position so every row still in the table is forwarded again (the recovery from a position of another cluster, after a restore)", outboxReposition},
+	{"outbox", "dead", "list | retry --topics T --key K --yes | drop --topics T --id N --yes", "rows the forwarder could not send (over the producer's limit, unreadable metadata) and the later rows of their keys, held behind them: list them, send a key's rows again, or delete a poison row", outboxDead},
 	{"groups", "list", "", "the registered consumer groups", groupsList},
 	{"groups", "rename", "FROM TO", "give FROM's claims and registration to TO (FROM's are kept)", groupsRename},
 	{"groups", "forget", "GROUP --yes", "delete a group's claims and registration", groupsForget},

@@ -45,7 +45,7 @@ type Metrics struct {
 	processed, duplicates, failed, claimErrors, rejected, claims metric.Int64ObservableCounter
 	groups, grouped, groupFallbacks, alone                       metric.Int64ObservableCounter
 	claimTime, txTime                                            metric.Float64ObservableCounter
-	forwarded, commits, polls, fwdErrors                         metric.Int64ObservableCounter
+	forwarded, commits, polls, fwdErrors, quarantined            metric.Int64ObservableCounter
 	pending                                                      metric.Int64ObservableGauge
 	oldest                                                       metric.Float64ObservableGauge
 	kInFlight, kWaiting, kHeld, kMaxInFlight, kDistance, kWindow metric.Int64ObservableGauge
@@ -89,6 +89,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.commits = counter("idem.outbox.forwarder.commits", "{commit}", "Committed forwarder position updates.")
 	m.polls = counter("idem.outbox.forwarder.polls", "{poll}", "Reads of the outbox by the forwarder.")
 	m.fwdErrors = counter("idem.outbox.forwarder.errors", "{batch}", "Failed forwarder batches (rolled back and retried).")
+	m.quarantined = counter("idem.outbox.forwarder.quarantined", "{row}", "Outbox rows moved to a dead table: rows that cannot be sent, and the later rows of their keys.")
 	gauge := func(name, unit, desc string) metric.Int64ObservableGauge {
 		g, err := meter.Int64ObservableGauge(name, metric.WithUnit(unit), metric.WithDescription(desc))
 		errs = append(errs, err)
@@ -117,7 +118,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.reg, err = meter.RegisterCallback(m.observe,
 		m.processed, m.duplicates, m.failed, m.claimErrors, m.rejected, m.claims, m.claimTime, m.txTime,
 		m.groups, m.grouped, m.groupFallbacks, m.alone,
-		m.forwarded, m.commits, m.polls, m.fwdErrors, m.pending, m.oldest,
+		m.forwarded, m.commits, m.polls, m.fwdErrors, m.quarantined, m.pending, m.oldest,
 		m.kInFlight, m.kWaiting, m.kHeld, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions)
 	if err != nil {
 		return nil, fmt.Errorf("idemotel: register callback: %w", err)
@@ -236,6 +237,7 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.commits, int64(s.Commits), set)
 		o.ObserveInt64(m.polls, int64(s.Polls), set)
 		o.ObserveInt64(m.fwdErrors, int64(s.Errors), set)
+		o.ObserveInt64(m.quarantined, int64(s.Quarantined), set)
 	}
 	var errs []error
 	for _, b := range backlogs {

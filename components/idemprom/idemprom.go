@@ -34,10 +34,11 @@ var (
 	descGroupFallbacks = prometheus.NewDesc("idem_dedup_group_fallbacks_total", "Groups rolled back by a handler error or panic, their messages then processed alone.", group, nil)
 	descAlone          = prometheus.NewDesc("idem_dedup_alone_total", "Messages processed in a transaction of their own in group-commit mode: after a group fallback, a failed group claim, or an earlier failure of their handler.", group, nil)
 
-	descForwarded = prometheus.NewDesc("idem_outbox_forwarded_total", "Outbox rows sent to Kafka and acknowledged in the database.", fwd, nil)
-	descCommits   = prometheus.NewDesc("idem_outbox_forwarder_commits_total", "Committed forwarder position updates.", fwd, nil)
-	descPolls     = prometheus.NewDesc("idem_outbox_forwarder_polls_total", "Reads of the outbox by the forwarder.", fwd, nil)
-	descFwdErrors = prometheus.NewDesc("idem_outbox_forwarder_errors_total", "Failed forwarder batches (rolled back and retried).", fwd, nil)
+	descForwarded   = prometheus.NewDesc("idem_outbox_forwarded_total", "Outbox rows sent to Kafka and acknowledged in the database.", fwd, nil)
+	descCommits     = prometheus.NewDesc("idem_outbox_forwarder_commits_total", "Committed forwarder position updates.", fwd, nil)
+	descPolls       = prometheus.NewDesc("idem_outbox_forwarder_polls_total", "Reads of the outbox by the forwarder.", fwd, nil)
+	descFwdErrors   = prometheus.NewDesc("idem_outbox_forwarder_errors_total", "Failed forwarder batches (rolled back and retried).", fwd, nil)
+	descQuarantined = prometheus.NewDesc("idem_outbox_forwarder_quarantined_total", "Outbox rows moved to a dead table: rows that cannot be sent, and the later rows of their keys.", fwd, nil)
 
 	descRetried   = prometheus.NewDesc("idem_retry_retried_total", "Copies published to a retry topic after a transient failure (retrytopic.Stats.Retried).", group, nil)
 	descRecovered = prometheus.NewDesc("idem_retry_recovered_total", "Retry-topic copies that then succeeded.", group, nil)
@@ -68,6 +69,7 @@ var (
 
 	descPending = prometheus.NewDesc("idem_outbox_pending_rows", "Committed outbox rows the forwarder has not forwarded yet.", []string{"topic", "forwarder"}, nil)
 	descOldest  = prometheus.NewDesc("idem_outbox_oldest_pending_seconds", "Age of the oldest outbox row not forwarded yet (0 when none).", []string{"topic", "forwarder"}, nil)
+	descDead    = prometheus.NewDesc("idem_outbox_dead_rows", "Rows in the topic's dead table (idemctl outbox dead list): rows that cannot be sent and the rows held behind them.", []string{"topic", "forwarder"}, nil)
 )
 
 // backlogTimeout bounds the backlog query of one scrape.
@@ -176,7 +178,7 @@ func (c *Collector) AddSubscriber(sub *idemkafka.Subscriber) {
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec,
-		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descForwarded, descCommits, descPolls, descFwdErrors, descPending, descOldest,
+		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descForwarded, descCommits, descPolls, descFwdErrors, descQuarantined, descPending, descOldest, descDead,
 		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff, descOverdue,
 		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
 		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions,
@@ -225,6 +227,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descCommits, float64(s.Commits), name)
 		counter(descPolls, float64(s.Polls), name)
 		counter(descFwdErrors, float64(s.Errors), name)
+		counter(descQuarantined, float64(s.Quarantined), name)
 	}
 	for _, b := range backlogs {
 		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
@@ -237,6 +240,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		for _, r := range rows {
 			ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(r.Pending), r.Topic, r.Forwarder)
 			ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, r.OldestAge.Seconds(), r.Topic, r.Forwarder)
+			ch <- prometheus.MustNewConstMetric(descDead, prometheus.GaugeValue, float64(r.Dead), r.Topic, r.Forwarder)
 		}
 	}
 	for _, gs := range statsx.ByKey(retries, func(r retrySource) string { return r.group }, func(r retrySource) retrytopic.Stats { return r.rt.Stats() }, addRetryStats) {

@@ -13,6 +13,8 @@
 //	          position_snapshot, cut_snapshot pg_snapshot, cut_offset BIGINT
 //	          (the forwarder's, migration 2), position_system_identifier
 //	          BIGINT, position_xmax xid8 (the position's [Origin], migration 3)
+//	dead:     id BIGSERIAL, the messages columns, partition_key, cause,
+//	          held_behind, size, quarantined_at (migration 4, see dead.go)
 //
 // A forwarder's row of the offsets table is a [Position]: a snapshot, so
 // that rows are forwarded in batches cut between two snapshots (PgQ's
@@ -53,6 +55,8 @@ type DB interface {
 // schema-qualified.
 type Tables struct {
 	Messages, Offsets string
+	// Dead holds the topic's poison rows (see dead.go).
+	Dead string
 }
 
 // Snapshot is a pg_snapshot: transactions below Xmin have ended, those at

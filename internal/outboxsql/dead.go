@@ -1,0 +1,148 @@
+package outboxsql
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// DeadRow is a row of the dead table: a row the forwarder could not send,
+// or a later row of its partition key, moved there with its cause.
+type DeadRow struct {
+	// ID orders the dead rows; a key's rows are retried in it.
+	ID int64
+	// Row is the row as it stood in the messages table.
+	Row
+	CreatedAt time.Time
+	// Key is the row's partition_key metadata, "" when none.
+	Key string
+	// Cause says why it was not sent.
+	Cause string
+	// HeldBehind is the ID of the dead row it waits behind, 0 for a row
+	// that is poison itself.
+	HeldBehind int64
+	// Size is the size of the Kafka record it makes, 0 when none was built.
+	Size          int
+	QuarantinedAt time.Time
+}
+
+// Quarantine moves the row (txID, offset) from the messages table to the
+// dead table with its key, cause, the dead row it waits behind (0: none)
+// and its record size, and returns its dead id. It reports 0 when the row
+// is no longer there (deleted meanwhile).
+func (t Tables) Quarantine(ctx context.Context, db DB, r Row, key, cause string, heldBehind int64, size int) (int64, error) {
+	var held *int64
+	if heldBehind > 0 {
+		held = &heldBehind
+	}
+	var id int64
+	err := db.QueryRow(ctx, `WITH moved AS (
+			DELETE FROM `+t.Messages+` WHERE transaction_id = $1::text::xid8 AND "offset" = $2
+			RETURNING "offset", transaction_id, uuid, created_at, payload, metadata)
+		INSERT INTO `+t.Dead+` ("offset", transaction_id, uuid, created_at, payload, metadata, partition_key, cause, held_behind, size)
+		SELECT "offset", transaction_id, uuid, created_at, payload, metadata, $3, $4, $5, $6 FROM moved
+		RETURNING id`, fmt.Sprint(r.TxID), r.Offset, key, cause, held, size).Scan(&id)
+	if err != nil {
+		if errors.Is(err, pgx.ErrNoRows) {
+			return 0, nil
+		}
+		return 0, err
+	}
+	return id, nil
+}
+
+// DeadKeys returns the partition keys that have dead rows, each with the
+// id of its first one: the forwarder holds the later rows of those keys.
+// Rows without a key hold nothing back.
+func (t Tables) DeadKeys(ctx context.Context, db DB) (map[string]int64, error) {
+	rows, err := db.Query(ctx, `SELECT partition_key, min(id) FROM `+t.Dead+` WHERE partition_key <> '' GROUP BY partition_key`)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	keys := map[string]int64{}
+	for rows.Next() {
+		var k string
+		var id int64
+		if err := rows.Scan(&k, &id); err != nil {
+			return nil, err
+		}
+		keys[k] = id
+	}
+	return keys, rows.Err()
+}
+
+// DeadRows lists the dead rows in id order, at most limit (≤ 0: all), with
+// a key of key when key is not nil.
+func (t Tables) DeadRows(ctx context.Context, db DB, key *string, limit int) ([]DeadRow, error) {
+	q := `SELECT id, transaction_id, "offset", uuid, payload, metadata, created_at, partition_key, cause,
+		coalesce(held_behind, 0), size, quarantined_at FROM ` + t.Dead + ` WHERE ($1::text IS NULL OR partition_key = $1) ORDER BY id`
+	args := []any{key}
+	if limit > 0 {
+		q += ` LIMIT $2`
+		args = append(args, limit)
+	}
+	rows, err := db.Query(ctx, q, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []DeadRow
+	for rows.Next() {
+		var d DeadRow
+		if err := rows.Scan(&d.ID, &d.TxID, &d.Offset, &d.UUID, &d.Payload, &d.Metadata, &d.CreatedAt, &d.Key, &d.Cause,
+			&d.HeldBehind, &d.Size, &d.QuarantinedAt); err != nil {
+			return nil, err
+		}
+		out = append(out, d)
+	}
+	return out, rows.Err()
+}
+
+// RetryDead moves the dead rows of key back into the messages table, in
+// their order, as rows written by the calling transaction (new offsets,
+// the same uuid, payload and metadata), and returns how many. The
+// forwarder sends them as any new rows; one that still cannot be sent comes
+// back, with the rest of the key behind it.
+func (t Tables) RetryDead(ctx context.Context, db DB, key string) (int64, error) {
+	rows, err := db.Query(ctx, `SELECT id FROM `+t.Dead+` WHERE partition_key = $1 ORDER BY id FOR UPDATE`, key)
+	if err != nil {
+		return 0, err
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return 0, err
+	}
+	// One INSERT per row, in id order: each takes the next "offset", so
+	// the key's order is kept whatever order a set INSERT would use.
+	for _, id := range ids {
+		if _, err := db.Exec(ctx, `INSERT INTO `+t.Messages+` (uuid, created_at, payload, metadata, transaction_id)
+			SELECT uuid, created_at, payload, metadata, pg_current_xact_id() FROM `+t.Dead+` WHERE id = $1`, id); err != nil {
+			return 0, err
+		}
+	}
+	if _, err := db.Exec(ctx, `DELETE FROM `+t.Dead+` WHERE id = ANY ($1)`, ids); err != nil {
+		return 0, err
+	}
+	return int64(len(ids)), nil
+}
+
+// DeadCount counts the dead rows.
+func (t Tables) DeadCount(ctx context.Context, db DB) (int64, error) {
+	var n int64
+	err := db.QueryRow(ctx, `SELECT count(*) FROM `+t.Dead).Scan(&n)
+	return n, err
+}
+
+// DropDead deletes the dead row id and reports whether it was there. The
+// rows held behind it stay: retry their key to send them.
+func (t Tables) DropDead(ctx context.Context, db DB, id int64) (bool, error) {
+	tag, err := db.Exec(ctx, `DELETE FROM `+t.Dead+` WHERE id = $1`, id)
+	if err != nil {
+		return false, err
+	}
+	return tag.RowsAffected() == 1, nil
+}
