@@ -52,6 +52,15 @@ const (
 	defaultShutdownTimeout = 30 * time.Second
 	// defaultStartupCheckTimeout bounds the table check of [NewForwarder].
 	defaultStartupCheckTimeout = 10 * time.Second
+	// defaultSendTimeout is the longest a send is expected to take.
+	defaultSendTimeout = 30 * time.Second
+	// idleMargin is how much longer than SendTimeout the server lets a
+	// forwarder transaction sit idle.
+	idleMargin = 5 * time.Second
+	// lockWait is the lock_timeout of a forwarder transaction: how long an
+	// instance waits for another's lock on the position before it logs the
+	// holder and waits again.
+	lockWait = 10 * time.Second
 )
 
 // maxNameLen is the width of the offsets table's consumer_group column,
@@ -146,6 +155,22 @@ type ForwarderConfig struct {
 	// Close or cancellation before it is aborted (and later resent).
 	// Defaults to 30 s.
 	ShutdownTimeout time.Duration
+	// SendTimeout is the longest one page's send to the broker may take
+	// (the producer's own retries and timeouts decide; the forwarder does
+	// not cut a send short). It sizes the server-side limits that free the
+	// position's lock when a forwarder's host vanishes without a TCP
+	// reset: each forwarder transaction sets, with SET LOCAL,
+	// idle_in_transaction_session_timeout and tcp_user_timeout to
+	// SendTimeout + 5 s, so the server ends a transaction whose client has
+	// been silent that long and another instance takes the topic over.
+	// A send slower than that ends its own transaction: it is rolled back
+	// and its pages are sent again (copies, never a gap). Instances that
+	// wait for the lock give up every 10 s (lock_timeout), log the holder
+	// (its pid, address, state and age) and wait again. Negative: none of
+	// these are set (the session's settings apply; with none, a vanished
+	// holder keeps the lock until the kernel gives up on its connection,
+	// about 2 h 11 min with Linux's default keepalives). Defaults to 30 s.
+	SendTimeout time.Duration
 	// StartupCheckTimeout bounds the check of the topics' tables that
 	// [NewForwarder] runs (a few catalog queries), and each start-up
 	// attempt of Run. Defaults to 10 s.
@@ -190,6 +215,17 @@ func (c *ForwarderConfig) setDefaults() {
 	if c.StartupCheckTimeout == 0 {
 		c.StartupCheckTimeout = defaultStartupCheckTimeout
 	}
+	if c.SendTimeout == 0 {
+		c.SendTimeout = defaultSendTimeout
+	}
+}
+
+// limits are the server-side limits of the forwarder's transactions.
+func (c ForwarderConfig) limits() outboxsql.Limits {
+	if c.SendTimeout < 0 {
+		return outboxsql.Limits{}
+	}
+	return outboxsql.Limits{Idle: c.SendTimeout + idleMargin, Lock: lockWait}
 }
 
 // Validate reports the first invalid field, after applying the defaults to
@@ -450,6 +486,9 @@ func (f *Forwarder) startOnce(ctx context.Context) error {
 	if err := f.checkTables(ctx); err != nil {
 		return err
 	}
+	if err := f.checkServerTimeouts(ctx); err != nil {
+		return err
+	}
 	for _, topic := range f.cfg.Topics {
 		if err := f.register(ctx, topic); err != nil {
 			return err
@@ -580,6 +619,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 	// then starts without asking first (while rows keep coming, the
 	// question costs a round trip and nearly always says yes).
 	busy := false
+	var holder int32 // the pid of the last holder of the position's lock logged
 	for {
 		if stopCtx.Err() != nil {
 			return
@@ -621,6 +661,11 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 			f.errs.Add(1)
 			fail(err)
 			return
+		}
+		if errors.Is(err, errLockBusy) {
+			cache, last = cutCache{}, known{}
+			f.logHolder(stopCtx, tables, logger, &holder)
+			continue
 		}
 		if errors.Is(err, outboxsql.ErrNoPosition) {
 			cache, last = cutCache{}, known{}
@@ -739,8 +784,19 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		return 0, false, fmt.Errorf("acquire a connection: %w", err)
 	}
 	defer conn.Release()
-	tx, pos, err := tables.BeginLock(ctx, conn.Conn(), f.cfg.Name)
+	// The wait for the lock ends at once on a stop: nothing was sent yet.
+	lockCtx, stopLock := context.WithCancel(ctx)
+	defer stopLock()
+	unwatch := context.AfterFunc(stopCtx, stopLock)
+	tx, pos, err := tables.BeginLock(lockCtx, conn.Conn(), f.cfg.Name, f.cfg.limits())
+	unwatch()
 	if err != nil {
+		if stopCtx.Err() != nil && lockCtx.Err() != nil {
+			return 0, false, nil
+		}
+		if outboxsql.IsLockTimeout(err) {
+			return 0, false, errLockBusy
+		}
 		if pe := positionError(err, topic); pe != err {
 			return 0, false, pe
 		}

@@ -286,8 +286,9 @@ func (tx *Tx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 }
 
 // ErrCommitRolledBack is returned by [Tx.Commit] when the server rolled
-// the transaction back instead (an earlier statement had failed).
-var ErrCommitRolledBack = errors.New("commit unexpectedly resulted in rollback")
+// the transaction back instead (an earlier statement had failed): pgx's
+// own error, so errors.Is(err, pgx.ErrTxCommitRollback) holds.
+var ErrCommitRolledBack = pgx.ErrTxCommitRollback
 
 // Commit commits the transaction. As pgx.Tx does, it closes the connection
 // when it cannot tell that the transaction ended.
@@ -324,10 +325,13 @@ func (tx *Tx) Rollback(ctx context.Context) {
 // cluster ([*ForeignError] when not), in one round trip (BEGIN, the lock
 // and the check are sent as one batch). On error the transaction is rolled
 // back.
-func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string) (*Tx, Position, error) {
+func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string, limits Limits) (*Tx, Position, error) {
 	tx := &Tx{conn: conn}
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
+	if limits.Idle > 0 || limits.Lock > 0 {
+		b.Queue(limitsSQL, ms(limits.Idle), ms(limits.Lock))
+	}
 	b.Queue(fmt.Sprintf(lockSQL, t.Offsets), name)
 	// The running cluster's origin, in a statement of its own: its
 	// snapshot is taken once the lock is held, so it sees the version of
@@ -336,6 +340,9 @@ func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string) (*Tx
 	b.Queue(`SELECT ` + originHere)
 	br := conn.SendBatch(ctx, b)
 	_, err := br.Exec()
+	if err == nil && (limits.Idle > 0 || limits.Lock > 0) {
+		_, err = br.Exec()
+	}
 	var (
 		p               Position
 		stored, current originScan
