@@ -86,7 +86,13 @@ func minConsumerReadTimeout(cfg *sarama.Config) time.Duration {
 //     a shorter one can leave the group rejoining forever after a member
 //     crashes (see [joinGroupTimeoutMargin]). A base that set either value
 //     itself and broke this rule gets the correction logged on sarama.Logger;
-//   - Consumer.Return.Errors = true; Version at least 2.1.0.
+//   - Consumer.Return.Errors = true; Version at least 2.1.0;
+//   - Consumer.IsolationLevel = ReadCommitted: records of an aborted Kafka
+//     transaction (a page the outbox forwarder's transactional producer
+//     could not send whole, see [ClientConfig.TransactionalID]) are never
+//     delivered, so a partial send failure cannot put a key's later record
+//     before the first copy of an earlier one. On topics without
+//     transactions it reads what read_uncommitted reads.
 func SaramaConsumerConfig(base *sarama.Config) *sarama.Config {
 	cfg, note := consumerConfig(base)
 	if note != "" {
@@ -102,6 +108,7 @@ func consumerConfig(base *sarama.Config) (*sarama.Config, string) {
 	cfg.Consumer.Offsets.Initial = sarama.OffsetOldest
 	cfg.Consumer.Offsets.AutoCommit.Enable = true
 	cfg.Consumer.Return.Errors = true
+	cfg.Consumer.IsolationLevel = sarama.ReadCommitted
 	var note string
 	if minRead := minConsumerReadTimeout(cfg); cfg.Net.ReadTimeout < minRead {
 		def := sarama.NewConfig()
@@ -159,6 +166,20 @@ type ClientConfig struct {
 	// half the Sarama base's Consumer.Group.Rebalance.Timeout. Defaults to
 	// 10 s, or a quarter of that rebalance timeout when it is below 40 s.
 	RevokeTimeout time.Duration
+	// TransactionalID makes [NewSyncProducer]'s producer transactional,
+	// with this transactional.id (Sarama's Producer.Transaction.ID, which
+	// it overrides when set). The outbox forwarder then sends each page as
+	// one Kafka transaction and aborts it when any record fails, so a
+	// partial failure (record A of a key refused while B of the same key
+	// is written) leaves nothing a read_committed consumer sees, and the
+	// page is sent again whole: A's first copy stays before B's. The
+	// consumer configs of this package read committed records only. Give
+	// every running producer its own id (instances with one id fence each
+	// other: the older one's sends fail); for example the forwarder's Name
+	// and the host's name. Defaults to "": the producer is idempotent but
+	// not transactional, and a partial failure can put B's first copy
+	// before A's (see docs/outbox.md).
+	TransactionalID string
 }
 
 // WatermillSubscriberConfig returns a watermill-kafka SubscriberConfig for a
@@ -250,5 +271,9 @@ func NewSyncProducer(cfg ClientConfig) (sarama.SyncProducer, error) {
 	if len(cfg.Brokers) == 0 {
 		return nil, errors.New("invalid config: Brokers: required")
 	}
-	return sarama.NewSyncProducer(cfg.Brokers, SaramaProducerConfig(cfg.Sarama))
+	sc := SaramaProducerConfig(cfg.Sarama)
+	if cfg.TransactionalID != "" {
+		sc.Producer.Transaction.ID = cfg.TransactionalID
+	}
+	return sarama.NewSyncProducer(cfg.Brokers, sc)
 }

@@ -94,6 +94,7 @@ func TestSaramaConsumerConfigEnforcesSafeSettings(t *testing.T) {
 	require.Equal(t, sarama.OffsetOldest, got.Consumer.Offsets.Initial)
 	require.True(t, got.Consumer.Offsets.AutoCommit.Enable)
 	require.True(t, got.Consumer.Return.Errors)
+	require.Equal(t, sarama.ReadCommitted, got.Consumer.IsolationLevel, "aborted transactions are never delivered")
 	require.True(t, got.Version.IsAtLeast(sarama.V2_1_0_0))
 	requireSecurityPreserved(t, got, base)
 	require.NoError(t, got.Validate())

@@ -44,6 +44,7 @@ func ExampleNew() {
 	// outbox:outbox_orders               002_snapshot_position    applied: false
 	// outbox:outbox_orders               003_position_cluster     applied: false
 	// outbox:outbox_orders               004_dead_rows            applied: false
+	// outbox:outbox_orders               005_created_at_utc       applied: false
 	// retry_parked_key:retry_parked_key  001_parked_key           applied: true
 	// retry_parked_key:retry_parked_key  002_parked_message       applied: false
 }
@@ -91,4 +92,5 @@ func ExampleMigrator_Migrations() {
 	// outbox:outbox_billing.charged 002_snapshot_position
 	// outbox:outbox_billing.charged 003_position_cluster
 	// outbox:outbox_billing.charged 004_dead_rows
+	// outbox:outbox_billing.charged 005_created_at_utc
 }

@@ -21,7 +21,11 @@ type Backlog struct {
 	// are not counted: they are not visible yet.
 	Pending int64
 	// OldestAge is how long the oldest pending row has been waiting, by its
-	// created_at; 0 when nothing is pending.
+	// created_at against the database's clock, both in UTC (outbox
+	// migration 5), whatever the writers' and the reader's time zones; 0
+	// when nothing is pending. It is never clamped: a row written before
+	// migration 5 by a session in a zone ahead of UTC can show a negative
+	// age rather than hide as 0.
 	OldestAge time.Duration
 	// Dead counts the rows in the topic's dead table: rows no forwarder
 	// could send and the rows held behind them ([Outbox.DeadRows]). Above

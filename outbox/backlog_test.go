@@ -26,7 +26,7 @@ func TestBacklog(t *testing.T) {
 		msgs = append(msgs, event("a", i))
 	}
 	e.publishTx(t, topic, msgs...)
-	e.db.Exec(t, `UPDATE `+e.outbox.MessagesTable(topic)+` SET created_at = LOCALTIMESTAMP - interval '1 hour' WHERE "offset" = (SELECT min("offset") FROM `+e.outbox.MessagesTable(topic)+`)`)
+	e.db.Exec(t, `UPDATE `+e.outbox.MessagesTable(topic)+` SET created_at = (now() AT TIME ZONE 'UTC') - interval '1 hour' WHERE "offset" = (SELECT min("offset") FROM `+e.outbox.MessagesTable(topic)+`)`)
 
 	// No forwarder position yet: every committed row is pending.
 	b, err = e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Topics: []string{topic}})
@@ -86,4 +86,25 @@ func TestBacklogAndDeleteForwarded_Defaults(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 2, n)
 	require.Zero(t, e.db.Count(t, `SELECT 1 FROM `+ob.MessagesTable(topic)))
+}
+
+// Writers and readers in different time zones agree on a row's age: rows
+// get created_at in UTC and Backlog compares with UTC. Before, the
+// writer's zone (here UTC+9) against the reader's (UTC-8, and -7 in
+// summer) gave an age 16 or 17 hours off, clamped to 0.
+func TestBacklog_OldestAgeAcrossTimeZones(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, 0)
+	topic := e.topic(t, "backlog-tz", 1)
+	writer := e.pool(t, map[string]string{"timezone": "Asia/Tokyo"}, nil)
+	reader := e.pool(t, map[string]string{"timezone": "America/Los_Angeles"}, nil)
+
+	require.NoError(t, e.outbox.PoolPublisher(writer).Publish(topic, event("a", 0)))
+	b, err := e.outbox.Backlog(ctx, reader, &outbox.BacklogOpts{Topics: []string{topic}})
+	require.NoError(t, err)
+	require.Len(t, b, 1)
+	require.EqualValues(t, 1, b[0].Pending)
+	require.Positive(t, b[0].OldestAge, "a pending row has waited some time")
+	require.Less(t, b[0].OldestAge, time.Hour, "not hours off")
 }

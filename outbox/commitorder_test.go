@@ -377,7 +377,7 @@ func TestForwarder_UpgradeFromTransactionIDPosition(t *testing.T) {
 
 	res, err := m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Len(t, res.Versions, 3)
+	require.Len(t, res.Versions, 4)
 	f := e.startForwarder(t, outbox.ForwarderConfig{Topics: []string{topic}})
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == 3 }, eventuallyTimeout, 5*time.Millisecond)
 	e.publishTx(t, topic, event("b", 2))

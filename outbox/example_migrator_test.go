@@ -44,15 +44,17 @@ func ExampleMigrationLine() {
 	}
 	fmt.Println("reverted:", len(res.Versions))
 	// Output:
-	// pending: 8
+	// pending: 10
 	// outbox:outbox_orders: applied 001_topic_tables
 	// outbox:outbox_orders: applied 002_snapshot_position
 	// outbox:outbox_orders: applied 003_position_cluster
 	// outbox:outbox_orders: applied 004_dead_rows
+	// outbox:outbox_orders: applied 005_created_at_utc
 	// outbox:outbox_payments: applied 001_topic_tables
 	// outbox:outbox_payments: applied 002_snapshot_position
 	// outbox:outbox_payments: applied 003_position_cluster
 	// outbox:outbox_payments: applied 004_dead_rows
+	// outbox:outbox_payments: applied 005_created_at_utc
 	// ok: true
-	// reverted: 8
+	// reverted: 10
 }

@@ -298,6 +298,7 @@ type Forwarder struct {
 	stopped   <-chan struct{} // closed when Run stops (ctx done or Close); nil before Run
 
 	forwarded, commits, polls, errs, quarantined atomic.Uint64
+	txnMu                                        sync.Mutex // one Kafka transaction at a time (sendTxn)
 	tracing                                      otelx.Tracers
 
 	// hook, when set (by tests, before Run), is called at each step of a
@@ -1092,7 +1093,39 @@ func (f *Forwarder) send(topic string, b *batch) (err error) {
 	if f.cfg.Publisher != nil {
 		return f.cfg.Publisher.Publish(topic, b.msgs...)
 	}
+	if f.cfg.Producer.IsTransactional() {
+		return f.sendTxn(b.records)
+	}
 	return f.cfg.Producer.SendMessages(b.records)
+}
+
+// sendTxn sends records as one Kafka transaction: all of them become
+// visible to read_committed consumers, or none (the transaction is aborted
+// when any record fails, and the caller sends the page again). The topics'
+// loops share the producer, and a producer runs one transaction at a time.
+func (f *Forwarder) sendTxn(records []*sarama.ProducerMessage) error {
+	f.txnMu.Lock()
+	defer f.txnMu.Unlock()
+	p := f.cfg.Producer
+	if err := p.BeginTxn(); err != nil {
+		return fmt.Errorf("begin Kafka transaction: %w", err)
+	}
+	err := p.SendMessages(records)
+	if err == nil {
+		if err = p.CommitTxn(); err == nil {
+			return nil
+		}
+		err = fmt.Errorf("commit Kafka transaction: %w", err)
+	}
+	// A fatal error (fenced by another producer of the same id, say) leaves
+	// nothing to abort: every later send fails until the producer is
+	// replaced, and the error says why.
+	if st := p.TxnStatus(); st&(sarama.ProducerTxnFlagInTransaction|sarama.ProducerTxnFlagAbortableError) != 0 && st&sarama.ProducerTxnFlagFatalError == 0 {
+		if abortErr := p.AbortTxn(); abortErr != nil {
+			return errors.Join(err, fmt.Errorf("abort Kafka transaction: %w", abortErr))
+		}
+	}
+	return err
 }
 
 // startBatchSpan begins the span of one batch sent to the broker. A batch

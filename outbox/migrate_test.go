@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 
@@ -48,7 +49,7 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	m, err := newMigrator(db.Pool, cfg)
 	require.NoError(t, err)
 
-	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders 2", "outbox:outbox_orders 3", "outbox:outbox_orders 4", "outbox:outbox_orders.v2 1", "outbox:outbox_orders.v2 2", "outbox:outbox_orders.v2 3", "outbox:outbox_orders.v2 4"}, pendingOf(t, m))
+	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders 2", "outbox:outbox_orders 3", "outbox:outbox_orders 4", "outbox:outbox_orders 5", "outbox:outbox_orders.v2 1", "outbox:outbox_orders.v2 2", "outbox:outbox_orders.v2 3", "outbox:outbox_orders.v2 4", "outbox:outbox_orders.v2 5"}, pendingOf(t, m))
 	migs, err := rendered(lines(cfg)...)
 	require.NoError(t, err)
 	v, err := m.Validate(ctx)
@@ -59,8 +60,8 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	res, err := m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Equal(t, migrate.DirectionUp, res.Direction)
-	require.Equal(t, []string{"outbox:outbox_orders 1_topic_tables", "outbox:outbox_orders 2_snapshot_position", "outbox:outbox_orders 3_position_cluster", "outbox:outbox_orders 4_dead_rows",
-		"outbox:outbox_orders.v2 1_topic_tables", "outbox:outbox_orders.v2 2_snapshot_position", "outbox:outbox_orders.v2 3_position_cluster", "outbox:outbox_orders.v2 4_dead_rows"}, versionsOf(res))
+	require.Equal(t, []string{"outbox:outbox_orders 1_topic_tables", "outbox:outbox_orders 2_snapshot_position", "outbox:outbox_orders 3_position_cluster", "outbox:outbox_orders 4_dead_rows", "outbox:outbox_orders 5_created_at_utc",
+		"outbox:outbox_orders.v2 1_topic_tables", "outbox:outbox_orders.v2 2_snapshot_position", "outbox:outbox_orders.v2 3_position_cluster", "outbox:outbox_orders.v2 4_dead_rows", "outbox:outbox_orders.v2 5_created_at_utc"}, versionsOf(res))
 	res, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, res.Versions)
@@ -75,11 +76,15 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	requireOutboxTableError(t, err, migrate.ErrMigrationsPending, "orders.v2", ob.MessagesTable("orders.v2"))
 	res, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Equal(t, []string{"outbox:outbox_orders.v2 1_topic_tables", "outbox:outbox_orders.v2 2_snapshot_position", "outbox:outbox_orders.v2 3_position_cluster", "outbox:outbox_orders.v2 4_dead_rows"}, versionsOf(res), "existing tables of the right shape are recorded")
+	require.Equal(t, []string{"outbox:outbox_orders.v2 1_topic_tables", "outbox:outbox_orders.v2 2_snapshot_position", "outbox:outbox_orders.v2 3_position_cluster", "outbox:outbox_orders.v2 4_dead_rows", "outbox:outbox_orders.v2 5_created_at_utc"}, versionsOf(res), "existing tables of the right shape are recorded")
 
 	res, err = m.Migrate(ctx, migrate.DirectionDown, nil)
 	require.NoError(t, err)
-	require.Equal(t, []string{"outbox:outbox_orders.v2 4_dead_rows", "outbox:outbox_orders 4_dead_rows"}, versionsOf(res), "backwards, one version per topic")
+	require.Equal(t, []string{"outbox:outbox_orders.v2 5_created_at_utc", "outbox:outbox_orders 5_created_at_utc"}, versionsOf(res), "backwards, one version per topic")
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM information_schema.columns WHERE table_schema = $1 AND column_name = 'created_at' AND column_default = 'CURRENT_TIMESTAMP'", db.Schema), "version 5 reverted")
+	res, err = m.Migrate(ctx, migrate.DirectionDown, nil)
+	require.NoError(t, err)
+	require.Equal(t, []string{"outbox:outbox_orders.v2 4_dead_rows", "outbox:outbox_orders 4_dead_rows"}, versionsOf(res))
 	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name LIKE '%\\_\\_dead'", db.Schema), "version 4 reverted")
 	res, err = m.Migrate(ctx, migrate.DirectionDown, nil)
 	require.NoError(t, err)
@@ -101,8 +106,8 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, res.Versions)
 
-	_, err = m.Migrate(ctx, migrate.DirectionUp, &migrate.MigrateOpts{TargetVersion: 5})
-	require.ErrorContains(t, err, "target version 5 is not a version of outbox:outbox_orders")
+	_, err = m.Migrate(ctx, migrate.DirectionUp, &migrate.MigrateOpts{TargetVersion: 6})
+	require.ErrorContains(t, err, "target version 6 is not a version of outbox:outbox_orders")
 	_, err = newMigrator(db.Pool, outbox.Config{Topics: []string{"bad;topic"}})
 	require.ErrorIs(t, err, outbox.ErrInvalidTopic)
 }
@@ -148,7 +153,10 @@ func TestMigrator_AdoptsUnversionedTables(t *testing.T) {
 		require.NoError(t, errs[i])
 		applied = append(applied, versionsOf(results[i])...)
 	}
-	require.Equal(t, []string{"outbox:outbox_orders 1_topic_tables", "outbox:outbox_orders 2_snapshot_position", "outbox:outbox_orders 3_position_cluster", "outbox:outbox_orders 4_dead_rows"}, applied, "adopted once")
+	// Each version runs in its own transaction: concurrent callers may
+	// share the work, but none applies a version twice.
+	slices.Sort(applied)
+	require.Equal(t, []string{"outbox:outbox_orders 1_topic_tables", "outbox:outbox_orders 2_snapshot_position", "outbox:outbox_orders 3_position_cluster", "outbox:outbox_orders 4_dead_rows", "outbox:outbox_orders 5_created_at_utc"}, applied, "adopted once")
 	require.NoError(t, ob.Check(ctx, db.Pool))
 	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM "+ob.MessagesTable("orders")), "rows kept")
 }
@@ -169,13 +177,13 @@ func TestMigrator_MigrateTx(t *testing.T) {
 	require.NoError(t, err)
 	res, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Len(t, res.Versions, 4)
+	require.Len(t, res.Versions, 5)
 	v, err := m.ValidateTx(ctx, tx)
 	require.NoError(t, err)
 	require.True(t, v.OK)
 	require.NoError(t, ob.Check(ctx, tx))
 	require.NoError(t, tx.Rollback(ctx))
-	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders 2", "outbox:outbox_orders 3", "outbox:outbox_orders 4"}, pendingOf(t, m))
+	require.Equal(t, []string{"outbox:outbox_orders 1", "outbox:outbox_orders 2", "outbox:outbox_orders 3", "outbox:outbox_orders 4", "outbox:outbox_orders 5"}, pendingOf(t, m))
 
 	require.NoError(t, pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
 		_, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)

@@ -65,7 +65,7 @@ func TestMigrationsAppliedWithPsql(t *testing.T) {
 	require.NoError(t, err)
 	outboxMigs, err := rendered(lines(cfg)...)
 	require.NoError(t, err)
-	require.Len(t, outboxMigs, 4)
+	require.Len(t, outboxMigs, 5)
 	require.Equal(t, "outbox:outbox_"+topic, outboxMigs[0].Component)
 
 	// One file per version, numbered for the tool, as docs/operations.md

@@ -34,10 +34,12 @@ func TestMigrator_StatusAndRecordedTopics(t *testing.T) {
 		{Component: "outbox:outbox_orders", Version: 2, Name: "snapshot_position"},
 		{Component: "outbox:outbox_orders", Version: 3, Name: "position_cluster"},
 		{Component: "outbox:outbox_orders", Version: 4, Name: "dead_rows"},
+		{Component: "outbox:outbox_orders", Version: 5, Name: "created_at_utc"},
 		{Component: "outbox:outbox_orders.v2", Version: 1, Name: "topic_tables"},
 		{Component: "outbox:outbox_orders.v2", Version: 2, Name: "snapshot_position"},
 		{Component: "outbox:outbox_orders.v2", Version: 3, Name: "position_cluster"},
 		{Component: "outbox:outbox_orders.v2", Version: 4, Name: "dead_rows"},
+		{Component: "outbox:outbox_orders.v2", Version: 5, Name: "created_at_utc"},
 	}, st)
 
 	one, err := newMigrator(db.Pool, outbox.Config{Schema: db.Schema, Topics: []string{"orders"}})
@@ -52,13 +54,14 @@ func TestMigrator_StatusAndRecordedTopics(t *testing.T) {
 
 	st, err = m.Status(ctx)
 	require.NoError(t, err)
-	require.Len(t, st, 8)
+	require.Len(t, st, 10)
 	require.True(t, st[0].Applied)
 	require.True(t, st[1].Applied)
 	require.True(t, st[2].Applied)
 	require.True(t, st[3].Applied)
+	require.True(t, st[4].Applied)
 	require.WithinDuration(t, time.Now(), st[0].AppliedAt, time.Hour)
-	require.False(t, st[4].Applied)
+	require.False(t, st[5].Applied)
 
 	topics, err = outbox.RecordedTopics(ctx, db.Pool, cfg)
 	require.NoError(t, err)

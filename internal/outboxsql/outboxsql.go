@@ -607,7 +607,10 @@ func (t Tables) Position(ctx context.Context, db DB, name string) (Position, err
 
 // Backlog counts the committed rows name has not forwarded (every row when
 // name has no position) and returns how long the oldest of them has been
-// waiting, by its created_at (0 when none).
+// waiting, by its created_at (UTC since outbox migration 5) against the
+// database's clock in UTC; 0 when none. It is not clamped: a negative age
+// (a row written before migration 5 by a session in a zone ahead of UTC)
+// is reported as it is.
 func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64, oldest time.Duration, err error) {
 	p, err := t.Position(ctx, db, name)
 	if errors.Is(err, ErrNoPosition) {
@@ -622,7 +625,7 @@ func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64,
 		cut = &s
 	}
 	var ageSec float64
-	err = db.QueryRow(ctx, `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(m.created_at)), 0)::float8
+	err = db.QueryRow(ctx, `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM (now() AT TIME ZONE 'UTC') - min(m.created_at)), 0)::float8
 		FROM `+t.Messages+` m
 		WHERE (m.transaction_id >= pg_snapshot_xmax($1::text::pg_snapshot)
 		       OR m.transaction_id = ANY (ARRAY(SELECT pg_snapshot_xip($1::text::pg_snapshot))))
@@ -632,10 +635,7 @@ func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64,
 	if err != nil {
 		return 0, 0, err
 	}
-	if ageSec > 0 {
-		oldest = time.Duration(ageSec * float64(time.Second))
-	}
-	return pending, oldest, nil
+	return pending, time.Duration(ageSec * float64(time.Second)), nil
 }
 
 // ErrNoPosition is returned by [Tables.Position], [Tables.Positions],
