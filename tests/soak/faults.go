@@ -134,6 +134,27 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 			return
 		}
 		h.fault(f.kind, false)
+	case faultLeader:
+		// Every partition's leader moves at once, as after a broker
+		// restart: producers and consumers get NOT_LEADER answers and
+		// look the leaders up again mid-flight.
+		if h.fake == nil {
+			h.fault(f.kind, true)
+			return
+		}
+		h.fake.ShufflePartitionLeaders()
+		h.fault(f.kind, false)
+	case faultOversize:
+		op, ok := h.prod.(*outboxProducer)
+		if !ok {
+			h.fault(f.kind, true)
+			return
+		}
+		if err := op.writeOversize(ctx); err != nil {
+			h.violation("oversize row: %v", err)
+			return
+		}
+		h.fault(f.kind, false)
 	case faultOffsetReset:
 		if err := h.resetOffsets(ctx, g); err != nil {
 			h.violation("%s: offset reset: %v", g.name, err)

@@ -62,6 +62,8 @@ const (
 	faultTermProducer = "pg-terminate-producer"
 	faultRestartFwd   = "restart-forwarder"
 	faultOffsetReset  = "offset-reset"
+	faultLeader       = "leader-election"
+	faultOversize     = "oversize-row"
 )
 
 // What a fault's progress mark counts.
@@ -117,6 +119,8 @@ func makeSchedule(cfg Config) []scheduled {
 	add(fc.TerminateConsumer, faultTermConsumer, byGroup, 0.03, 0.9)
 	add(fc.TerminateProducer, faultTermProducer, byProduced, 0.05, 0.9)
 	add(fc.RestartForwarder, faultRestartFwd, byProduced, 0.05, 0.9)
+	add(fc.LeaderElection, faultLeader, byProduced, 0.05, 0.9)
+	add(fc.OversizeRow, faultOversize, byProduced, 0.05, 0.9)
 	for g := range 2 {
 		for range fc.OffsetResetPerGrp {
 			s = append(s, scheduled{at: at(byGroup, 0.3, 0.7), by: byGroup, kind: faultOffsetReset, group: g, pick: r.Uint64()})
@@ -140,11 +144,14 @@ var faultFlags = []struct {
 	{"pg-producer", func(f *FaultCounts) *int { return &f.TerminateProducer }},
 	{"restart-forwarder", func(f *FaultCounts) *int { return &f.RestartForwarder }},
 	{"offset-reset", func(f *FaultCounts) *int { return &f.OffsetResetPerGrp }},
+	{"leader-election", func(f *FaultCounts) *int { return &f.LeaderElection }},
+	{"oversize-row", func(f *FaultCounts) *int { return &f.OversizeRow }},
 }
 
 // ParseFaults reads a fault mix such as "kill=3,crash-loop=1" on top of
 // base; kinds: mid-handler, after-commit, kill, crash-loop, disrupt, join,
-// pg-consumer, pg-producer, restart-forwarder, offset-reset (per group).
+// pg-consumer, pg-producer, restart-forwarder, offset-reset (per group),
+// leader-election, oversize-row.
 func ParseFaults(base FaultCounts, spec string) (FaultCounts, error) {
 	for _, kv := range strings.Split(spec, ",") {
 		kv = strings.TrimSpace(kv)

@@ -21,6 +21,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
@@ -148,13 +149,15 @@ type FaultCounts struct {
 	TerminateProducer int // pg_terminate_backend on the producer's/forwarder's connections
 	RestartForwarder  int // forwarder (or producer publisher) closed and restarted
 	OffsetResetPerGrp int // a group's committed offsets reset to the beginning (full replay)
+	LeaderElection    int // every partition's leader moves to another broker (in-process broker only: it runs 3 brokers then)
+	OversizeRow       int // a row larger than the producer's limit written to the outbox table by another writer (outbox producer only)
 }
 
 // FullFaults is the default fault mix of `make soak`.
-var FullFaults = FaultCounts{KillMidHandler: 4, KillAfterCommit: 4, Kill: 4, DisruptDB: 2, Join: 4, TerminateConsumer: 8, TerminateProducer: 4, RestartForwarder: 4, OffsetResetPerGrp: 1}
+var FullFaults = FaultCounts{KillMidHandler: 4, KillAfterCommit: 4, Kill: 4, DisruptDB: 2, Join: 4, TerminateConsumer: 8, TerminateProducer: 4, RestartForwarder: 4, OffsetResetPerGrp: 1, LeaderElection: 3, OversizeRow: 2}
 
 // ShortFaults is the mix of the short run in `make test`.
-var ShortFaults = FaultCounts{KillMidHandler: 1, KillAfterCommit: 1, Kill: 1, DisruptDB: 1, Join: 1, TerminateConsumer: 2, TerminateProducer: 1, RestartForwarder: 1, OffsetResetPerGrp: 1}
+var ShortFaults = FaultCounts{KillMidHandler: 1, KillAfterCommit: 1, Kill: 1, DisruptDB: 1, Join: 1, TerminateConsumer: 2, TerminateProducer: 1, RestartForwarder: 1, OffsetResetPerGrp: 1, LeaderElection: 1, OversizeRow: 1}
 
 func (c *Config) setDefaults() {
 	def := func(v *int, d int) {
@@ -380,6 +383,7 @@ type harness struct {
 	parked  retrytopic.ParkedKeysTable
 	brokers []string
 	trace   *groupTrace   // the in-process broker's group requests; nil on a real cluster
+	fake    *kfake.Cluster // the in-process broker; nil on a real cluster
 	admin   *pgxpool.Pool // on the run's database
 	maint   *pgxpool.Pool // on DatabaseURL's database: creates, disrupts and drops the run's
 	logger  watermill.LoggerAdapter
@@ -490,13 +494,19 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 
 	h.brokers = cfg.Brokers
 	if len(h.brokers) == 0 {
-		fake, err := kafkatest.NewFake()
+		var opts []kfake.Opt
+		if cfg.Faults.LeaderElection > 0 {
+			// Leaders to move between: three brokers.
+			opts = append(opts, kfake.NumBrokers(3))
+		}
+		fake, err := kafkatest.NewFake(opts...)
 		if err != nil {
 			return nil, fmt.Errorf("start kfake: %w", err)
 		}
 		defer fake.Close()
 		h.brokers = fake.ListenAddrs()
 		h.trace = newGroupTrace(fake)
+		h.fake = fake
 	}
 	topics := []string{h.topic, h.dlq}
 	for g := range groups {

@@ -96,6 +96,25 @@ func (h *harness) verify(ctx context.Context) error {
 		h.violation("outbox: %d rows not forwarded (%v)", n, err)
 	}
 	if op, ok := h.prod.(*outboxProducer); ok {
+		// Exactly the oversize rows are dead, nothing else: no planned
+		// event waits behind them.
+		keys, err := op.deadKeys(ctx)
+		if err != nil {
+			return fmt.Errorf("verify outbox dead rows: %w", err)
+		}
+		want := map[string]bool{}
+		for i := range int(op.oversize.Load()) {
+			want[oversizeKey(i)] = true
+		}
+		for _, k := range keys {
+			if !want[k] {
+				h.violation("outbox: a row of key %s is in the dead table", k)
+			}
+			delete(want, k)
+		}
+		for k := range want {
+			h.violation("outbox: the oversize row of key %s is not in the dead table", k)
+		}
 		var rows int
 		if err := h.admin.QueryRow(ctx, `SELECT count(*) FROM `+op.ob.MessagesTable(h.topic)).Scan(&rows); err != nil {
 			return fmt.Errorf("verify outbox: %w", err)
