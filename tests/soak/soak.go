@@ -382,10 +382,10 @@ type harness struct {
 	dlq     string
 	parked  retrytopic.ParkedKeysTable
 	brokers []string
-	trace   *groupTrace   // the in-process broker's group requests; nil on a real cluster
+	trace   *groupTrace    // the in-process broker's group requests; nil on a real cluster
 	fake    *kfake.Cluster // the in-process broker; nil on a real cluster
-	admin   *pgxpool.Pool // on the run's database
-	maint   *pgxpool.Pool // on DatabaseURL's database: creates, disrupts and drops the run's
+	admin   *pgxpool.Pool  // on the run's database
+	maint   *pgxpool.Pool  // on DatabaseURL's database: creates, disrupts and drops the run's
 	logger  watermill.LoggerAdapter
 
 	plan     []event
