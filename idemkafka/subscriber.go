@@ -181,9 +181,10 @@ func (st *stream) run() {
 		if st.ctx.Err() != nil {
 			break
 		}
-		if err != nil {
-			st.logger.Error("Consume failed, joining again", err, watermill.LogFields{"retry_in": st.s.cfg.ReconnectRetrySleep.String()})
+		if err == nil {
+			continue // the session ended in a rebalance: rejoin at once
 		}
+		st.logger.Error("Consume failed, joining again", err, watermill.LogFields{"retry_in": st.s.cfg.ReconnectRetrySleep.String()})
 		t := time.NewTimer(st.s.cfg.ReconnectRetrySleep)
 		select {
 		case <-t.C:
