@@ -2,6 +2,7 @@ package idemkafka_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -116,4 +117,83 @@ func TestSubscriberRejoinsAtOnceAfterARebalance(t *testing.T) {
 	waitFor(t, "a session for both members", func() bool {
 		return a.Stats().Sessions == 2 && b.Stats().Sessions == 1 && len(a.Stats().Partitions) == 1 && len(b.Stats().Partitions) == 1
 	})
+}
+
+// committed reads group's committed offset and metadata of partition 0.
+func (f *fixture) committed(t *testing.T, group string) (int64, string) {
+	t.Helper()
+	admin := f.admin(t)
+	defer admin.Close()
+	resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{f.topic: {0}})
+	require.NoError(t, err)
+	b := resp.GetBlock(f.topic, 0)
+	return b.Offset, b.Metadata
+}
+
+// The next owner starts at a record already done: the committed one was
+// removed (DeleteRecords here; retention and compaction do the same), and
+// the commit metadata lists the records after it as done. They are
+// trimmed as they are read, so the committed offset moves past them, and a
+// PartitionWindow smaller than the previous owner's (3 here, against 5
+// done records) does not fill up with them and stall the partition (issue
+// 30, item 2).
+func TestSubscriberTrimsRecordsDoneAtTheWindowStart(t *testing.T) {
+	f := newFixture(t, 1, 4)
+	msgs := []*message.Message{f.event(t, "a", 1)}
+	for i := range 5 {
+		msgs = append(msgs, f.event(t, keyName(i), 1))
+	}
+	require.NoError(t, f.pub.Publish(f.topic, msgs...))
+	a1 := event{"a", 1}
+	g := newGate()
+	g.block(a1)
+	cfg := f.config("trim")
+	cfg.RevokeTimeout = 100 * time.Millisecond
+	sub := f.subscriber(t, cfg)
+	stop := f.router(t, sub, f.db.Pool, 0, nil, ledgerHandler(func(ev event) error {
+		if ev == a1 {
+			<-g.ch(a1)
+			return errors.New("abandoned")
+		}
+		return nil
+	}))
+	f.waitApplied(t, 5)
+	waitFor(t, "the done offsets in the commit metadata", func() bool {
+		off, meta := f.committed(t, "trim")
+		return off == 0 && meta != ""
+	})
+	go func() {
+		time.Sleep(200 * time.Millisecond) // past RevokeTimeout: a1 is abandoned
+		g.release(a1)
+	}()
+	stop()
+
+	// The committed record goes; five more events come.
+	admin := f.admin(t)
+	require.NoError(t, admin.DeleteRecords(f.topic, map[int32]int64{0: 1}))
+	require.NoError(t, admin.Close())
+	var more []*message.Message
+	for i := 5; i < 11; i++ {
+		more = append(more, f.event(t, keyName(i), 1))
+	}
+	require.NoError(t, f.pub.Publish(f.topic, more...))
+
+	cfg2 := f.config("trim")
+	cfg2.PartitionWindow = 3
+	sub2 := f.subscriber(t, cfg2)
+	f.router(t, sub2, f.db.Pool, 0, nil, ledgerHandler(nil))
+	f.waitApplied(t, 11)
+	waitFor(t, "the committed offset past every record", func() bool {
+		off, meta := f.committed(t, "trim")
+		return off == 12 && meta == ""
+	})
+	// The metadata is read up to the window (3 of the 5 done records); the
+	// other two run again, and their claims absorb them.
+	require.Equal(t, uint64(3), sub2.Stats().Skipped)
+	require.Equal(t, uint64(2+6), sub2.Stats().Acked)
+	want := map[string]int{}
+	for i := range 11 {
+		want[keyName(i)] = 1
+	}
+	f.verifyLedgerKeys(t, want)
 }

@@ -93,6 +93,10 @@ func (p *partState) add(m *sarama.ConsumerMessage) {
 		e.state = stateDone
 		s.stats.skipped++
 		p.changed = true
+		// Done at the window's start (the committed record itself was
+		// removed by retention, DeleteRecords or compaction): the committed
+		// offset moves past it now, since no ack will.
+		p.trim()
 		return
 	}
 	switch s.cfg.Ordering {
@@ -421,7 +425,7 @@ func (st *stream) fetchDone(parts []int32) (map[int32]map[int64]bool, error) {
 		if blk == nil || blk.Err != sarama.ErrNoError || blk.Offset < 0 {
 			continue
 		}
-		if done := decodeDone(blk.Offset, blk.Metadata); len(done) > 0 {
+		if done := decodeDone(blk.Offset, blk.Metadata, cfg.cfg.PartitionWindow); len(done) > 0 {
 			out[part] = done
 		}
 	}
