@@ -2,8 +2,8 @@ package idemkafka
 
 import (
 	"encoding/base64"
-	"math"
 	"encoding/binary"
+	"math"
 	"strconv"
 	"strings"
 )
