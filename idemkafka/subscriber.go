@@ -93,17 +93,18 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	st := &stream{
-		s:      s,
-		topic:  topic,
-		ctx:    sctx,
-		cancel: cancel,
-		client: client,
-		conns:  tracked,
-		group:  group,
-		out:    make(chan *message.Message),
-		wake:   make(chan struct{}, 1),
-		parts:  map[int32]*partState{},
-		logger: s.logger.With(watermill.LogFields{"topic": topic}),
+		s:       s,
+		topic:   topic,
+		ctx:     sctx,
+		cancel:  cancel,
+		client:  client,
+		conns:   tracked,
+		group:   group,
+		out:     make(chan *message.Message),
+		wake:    make(chan struct{}, 1),
+		parts:   map[int32]*partState{},
+		metaMax: s.cfg.CommitMetadataMaxBytes,
+		logger:  s.logger.With(watermill.LogFields{"topic": topic}),
 	}
 	s.mu.Lock()
 	select {
@@ -153,9 +154,10 @@ type stream struct {
 	logger watermill.LoggerAdapter
 
 	// guarded by s.mu
-	ready []*entry
-	wake  chan struct{} // an entry became ready (buffered 1)
-	parts map[int32]*partState
+	metaMax int // the commit metadata bound: CommitMetadataMaxBytes, halved on each OffsetMetadataTooLarge
+	ready   []*entry
+	wake    chan struct{} // an entry became ready (buffered 1)
+	parts   map[int32]*partState
 }
 
 // run consumes the group until the stream ends, then closes out.
@@ -164,6 +166,9 @@ func (st *stream) run() {
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		for err := range st.group.Errors() {
+			if st.commitRefused(err) {
+				continue
+			}
 			st.logger.Error("Consumer group error", err, nil)
 		}
 	})
@@ -207,6 +212,41 @@ func (st *stream) run() {
 	delete(st.s.streams, st)
 	st.s.mu.Unlock()
 	close(st.out)
+}
+
+// commitRefused counts and logs an offset commit the broker refused, and
+// reports whether err was one. On OffsetMetadataTooLarge (the brokers'
+// offset.metadata.max.bytes is below CommitMetadataMaxBytes) the stream
+// halves the metadata it writes and marks its partitions again, so that
+// the next commit can pass: Sarama retries a refused commit with whatever
+// was marked last.
+func (st *stream) commitRefused(err error) bool {
+	var cerr *sarama.ConsumerError
+	if !errors.As(err, &cerr) || (!errors.Is(cerr.Err, sarama.ErrOffsetMetadataTooLarge) && !errors.Is(cerr.Err, sarama.ErrInvalidCommitOffsetSize)) {
+		return false
+	}
+	s := st.s
+	s.mu.Lock()
+	s.stats.commitsRefused++
+	s.stats.lastCommitRefusal = err
+	tooLarge := errors.Is(cerr.Err, sarama.ErrOffsetMetadataTooLarge)
+	if tooLarge && st.metaMax > 0 {
+		st.metaMax /= 2
+		for _, p := range st.parts {
+			p.changed = true
+		}
+	}
+	metaMax := st.metaMax
+	s.mu.Unlock()
+	fields := watermill.LogFields{"kafka_partition": cerr.Partition}
+	if tooLarge {
+		fields["commit_metadata_max_bytes"] = metaMax
+		st.logger.Error("Offset commit refused by the broker: the committed offset does not move until a commit passes; "+
+			"the commit metadata is halved (set CommitMetadataMaxBytes within the brokers' offset.metadata.max.bytes, BrokerMetadataMaxBytes)", err, fields)
+	} else {
+		st.logger.Error("Offset commit refused by the broker: the committed offset does not move until a commit passes", err, fields)
+	}
+	return true
 }
 
 // boundClose cuts the stream's broker connections when the stream has not

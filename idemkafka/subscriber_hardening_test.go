@@ -3,12 +3,16 @@ package idemkafka_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 )
@@ -196,4 +200,134 @@ func TestSubscriberTrimsRecordsDoneAtTheWindowStart(t *testing.T) {
 		want[keyName(i)] = 1
 	}
 	f.verifyLedgerKeys(t, want)
+}
+
+// brokerMetadataLimit is Kafka's default offset.metadata.max.bytes, which
+// kfake does not enforce: refuseLongMetadata makes it.
+const brokerMetadataLimit = 4096
+
+// commitLog is what the in-process broker saw of the offset commits.
+type commitLog struct {
+	mu sync.Mutex
+	// refused counts the commits refused; passedAfter holds the metadata
+	// lengths of the commits that passed after the first refusal.
+	refused     int
+	passedAfter []int
+}
+
+func (l *commitLog) passedAfterRefusal() []int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]int(nil), l.passedAfter...)
+}
+
+// refuseLongMetadata makes the in-process broker refuse, as Kafka does, an
+// offset commit whose metadata is longer than brokerMetadataLimit, and
+// returns its log of the commits. A real cluster (KAFKA_BROKERS) refuses
+// such a commit by itself; the log is nil then.
+func refuseLongMetadata(f *fixture) *commitLog {
+	c := f.broker.Fake
+	if c == nil {
+		return nil
+	}
+	l := &commitLog{}
+	c.ControlKey(int16(kmsg.OffsetCommit), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
+		req := kreq.(*kmsg.OffsetCommitRequest)
+		longest := 0
+		for _, rt := range req.Topics {
+			for _, rp := range rt.Partitions {
+				if rp.Metadata != nil {
+					longest = max(longest, len(*rp.Metadata))
+				}
+			}
+		}
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if longest <= brokerMetadataLimit {
+			if l.refused > 0 {
+				l.passedAfter = append(l.passedAfter, longest)
+			}
+			return nil, nil, false // committed as usual
+		}
+		l.refused++
+		c.KeepControl()
+		resp := req.ResponseKind().(*kmsg.OffsetCommitResponse)
+		for _, rt := range req.Topics {
+			st := kmsg.NewOffsetCommitResponseTopic()
+			st.Topic = rt.Topic
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewOffsetCommitResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.ErrorCode = kerr.OffsetMetadataTooLarge.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+	return l
+}
+
+// A commit the broker refuses (its offset.metadata.max.bytes is below the
+// commit metadata, because BrokerMetadataMaxBytes was stated wrong) is not
+// silent: it is counted in Stats with the error, logged, and the
+// Subscriber halves the metadata it writes until commits pass again
+// (issue 30, item 4).
+func TestSubscriberSurfacesARefusedCommit(t *testing.T) {
+	f := newFixture(t, 1, 1)
+	log := refuseLongMetadata(f)
+	// a1 first, held in flight; then b0, a2, b1, a3...: the b records are
+	// done, the a records wait behind a1, so the done offsets form 1,600
+	// runs, over 4 KB of metadata.
+	const pairs = 1600
+	msgs := []*sarama.ProducerMessage{{Topic: f.topic, Key: sarama.StringEncoder("a"), Value: sarama.StringEncoder("a1")}}
+	for i := range pairs {
+		msgs = append(msgs,
+			&sarama.ProducerMessage{Topic: f.topic, Key: sarama.StringEncoder(keyName(i)), Value: sarama.StringEncoder("b")},
+			&sarama.ProducerMessage{Topic: f.topic, Key: sarama.StringEncoder("a"), Value: sarama.StringEncoder("a")})
+	}
+	prod, err := idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: f.broker.Addrs})
+	require.NoError(t, err)
+	require.NoError(t, prod.SendMessages(msgs))
+	require.NoError(t, prod.Close())
+
+	cfg := f.config("refused")
+	cfg.PartitionWindow = 2*pairs + 1
+	cfg.CommitMetadataMaxBytes = 8000
+	cfg.BrokerMetadataMaxBytes = 8192 // wrong: the broker's is 4096
+	sub := f.subscriber(t, cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })
+	ch, err := sub.Subscribe(ctx, f.topic)
+	require.NoError(t, err)
+	var held *message.Message
+	for range pairs + 1 {
+		m := <-ch
+		if key, _ := kafka.MessageKeyFromCtx(m.Context()); string(key) == "a" {
+			held = m // a1: never acked, so offset 0 stays the committed one
+			continue
+		}
+		m.Ack()
+	}
+	require.NotNil(t, held)
+	t.Cleanup(func() { held.Ack() })
+
+	waitFor(t, "a refused commit in Stats", func() bool { return sub.Stats().CommitsRefused > 0 })
+	require.ErrorIs(t, sub.Stats().LastCommitRefusal, sarama.ErrOffsetMetadataTooLarge)
+	if log == nil {
+		return // a real cluster: what passed after the refusal is not seen
+	}
+	// Every commit has the same done set from here on (a1 is held), so
+	// only a halved metadata can pass.
+	waitFor(t, "a commit with metadata to pass after the refusal", func() bool {
+		for _, n := range log.passedAfterRefusal() {
+			if n > 0 {
+				return true
+			}
+		}
+		return false
+	})
+	_, meta := f.committed(t, "refused")
+	require.NotEmpty(t, meta)
+	require.LessOrEqual(t, len(meta), brokerMetadataLimit)
 }

@@ -256,7 +256,7 @@ func (p *partState) mark() {
 		return
 	}
 	meta := ""
-	if max := p.st.s.cfg.CommitMetadataMaxBytes; max > 0 {
+	if max := p.st.metaMax; max > 0 {
 		var done []int64
 		for _, e := range p.window {
 			if e.state == stateDone {
