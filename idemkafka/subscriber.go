@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -391,6 +392,13 @@ func (st *stream) await(e *entry, msg *message.Message) {
 	case <-s.closed:
 	}
 	<-s.slots
+}
+
+// unready drops p's entries from the ready queue, so that a revoked
+// partition's records are not kept until the dispatcher next runs. Called
+// with s.mu held.
+func (st *stream) unready(p *partState) {
+	st.ready = slices.DeleteFunc(st.ready, func(e *entry) bool { return e.p == p })
 }
 
 // push queues e as ready. Called with s.mu held.

@@ -3,9 +3,11 @@ package idemkafka_test
 import (
 	"context"
 	"errors"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
+	"weak"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
@@ -330,4 +332,61 @@ func TestSubscriberSurfacesARefusedCommit(t *testing.T) {
 	_, meta := f.committed(t, "refused")
 	require.NotEmpty(t, meta)
 	require.LessOrEqual(t, len(meta), brokerMetadataLimit)
+}
+
+// A revoked partition's window is released at once: the timers of its held
+// (NotBeforeFunc) and backing-off records are stopped, so they no longer
+// keep the records, payloads included, until they fire, an hour later here
+// (issue 30, item 6). The first member's records become unreachable after
+// a second member joins and the group rebalances.
+func TestSubscriberReleasesARevokedWindow(t *testing.T) {
+	f := newFixture(t, 2, 1)
+	const n = 20
+	var msgs []*message.Message
+	for i := range n {
+		msgs = append(msgs, f.event(t, keyName(i), 1))
+	}
+	require.NoError(t, f.pub.Publish(f.topic, msgs...))
+
+	var mu sync.Mutex
+	tracking := true
+	var first []weak.Pointer[sarama.ConsumerMessage] // the records of the first session
+	cfg := f.config("release")
+	cfg.NotBeforeFunc = func(m *sarama.ConsumerMessage) time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		if tracking {
+			first = append(first, weak.Make(m))
+		}
+		return time.Now().Add(time.Hour)
+	}
+	subscribe := func() *idemkafka.Subscriber {
+		sub := f.subscriber(t, cfg)
+		ctx, cancel := context.WithCancel(context.Background())
+		t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })
+		_, err := sub.Subscribe(ctx, f.topic)
+		require.NoError(t, err)
+		return sub
+	}
+	a := subscribe()
+	waitFor(t, "every record held", func() bool { return a.Stats().Held == n })
+	mu.Lock()
+	tracking = false
+	require.Len(t, first, n)
+	mu.Unlock()
+
+	b := subscribe()
+	waitFor(t, "the rebalance, and every record held again", func() bool {
+		sa, sb := a.Stats(), b.Stats()
+		return sa.Sessions == 2 && sb.Sessions == 1 && sa.Held+sb.Held == n
+	})
+	waitFor(t, "the first session's records to be collected", func() bool {
+		runtime.GC()
+		for _, w := range first {
+			if w.Value() != nil {
+				return false
+			}
+		}
+		return true
+	})
 }
