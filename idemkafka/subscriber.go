@@ -371,7 +371,7 @@ func (st *stream) handOut(e *entry) (*message.Message, error) {
 	if e.m.Offset > p.highest {
 		p.highest = e.m.Offset
 	}
-	msg.SetContext(messageContext(p.ctx, e.m))
+	msg.SetContext(messageContext(p.ctx, e.m, s.cfg.Ordering))
 	return msg, nil
 }
 
