@@ -335,58 +335,86 @@ func TestSubscriberSurfacesARefusedCommit(t *testing.T) {
 }
 
 // A revoked partition's window is released at once: the timers of its held
-// (NotBeforeFunc) and backing-off records are stopped, so they no longer
-// keep the records, payloads included, until they fire, an hour later here
-// (issue 30, item 6). The first member's records become unreachable after
-// a second member joins and the group rebalances.
+// (NotBeforeFunc) and backing-off (nacked) records are stopped, so they no
+// longer keep the records, payloads included, until they fire, an hour
+// later here (issue 30, item 6). The first member's records become
+// unreachable after a second member joins and the group rebalances.
 func TestSubscriberReleasesARevokedWindow(t *testing.T) {
-	f := newFixture(t, 2, 1)
 	const n = 20
-	var msgs []*message.Message
-	for i := range n {
-		msgs = append(msgs, f.event(t, keyName(i), 1))
-	}
-	require.NoError(t, f.pub.Publish(f.topic, msgs...))
-
-	var mu sync.Mutex
-	tracking := true
-	var first []weak.Pointer[sarama.ConsumerMessage] // the records of the first session
-	cfg := f.config("release")
-	cfg.NotBeforeFunc = func(m *sarama.ConsumerMessage) time.Time {
-		mu.Lock()
-		defer mu.Unlock()
-		if tracking {
-			first = append(first, weak.Make(m))
-		}
-		return time.Now().Add(time.Hour)
-	}
-	subscribe := func() *idemkafka.Subscriber {
-		sub := f.subscriber(t, cfg)
-		ctx, cancel := context.WithCancel(context.Background())
-		t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })
-		_, err := sub.Subscribe(ctx, f.topic)
-		require.NoError(t, err)
-		return sub
-	}
-	a := subscribe()
-	waitFor(t, "every record held", func() bool { return a.Stats().Held == n })
-	mu.Lock()
-	tracking = false
-	require.Len(t, first, n)
-	mu.Unlock()
-
-	b := subscribe()
-	waitFor(t, "the rebalance, and every record held again", func() bool {
-		sa, sb := a.Stats(), b.Stats()
-		return sa.Sessions == 2 && sb.Sessions == 1 && sa.Held+sb.Held == n
-	})
-	waitFor(t, "the first session's records to be collected", func() bool {
-		runtime.GC()
-		for _, w := range first {
-			if w.Value() != nil {
-				return false
+	for _, tc := range []struct {
+		name string
+		// waiting is whether the first session's n records wait on their
+		// timers.
+		waiting func(idemkafka.SubscriberStats) bool
+		// settled is whether the n records wait again after the rebalance,
+		// across both members.
+		settled  func(a, b idemkafka.SubscriberStats) bool
+		notUntil time.Duration // what NotBeforeFunc holds a record for
+		nackFor  time.Duration // NackResendSleep
+	}{
+		{"held", func(s idemkafka.SubscriberStats) bool { return s.Held == n },
+			func(a, b idemkafka.SubscriberStats) bool { return a.Held+b.Held == n }, time.Hour, 10 * time.Millisecond},
+		{"backing off", func(s idemkafka.SubscriberStats) bool { return s.Nacked == n },
+			func(a, b idemkafka.SubscriberStats) bool { return a.Nacked+b.Nacked == 2*n }, 0, time.Hour},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, 2, 1)
+			var msgs []*message.Message
+			for i := range n {
+				msgs = append(msgs, f.event(t, keyName(i), 1))
 			}
-		}
-		return true
-	})
+			require.NoError(t, f.pub.Publish(f.topic, msgs...))
+
+			var mu sync.Mutex
+			tracking := true
+			var first []weak.Pointer[sarama.ConsumerMessage] // the records of the first session
+			cfg := f.config("release")
+			cfg.NackResendSleep = tc.nackFor
+			cfg.NotBeforeFunc = func(m *sarama.ConsumerMessage) time.Time {
+				mu.Lock()
+				defer mu.Unlock()
+				if tracking {
+					first = append(first, weak.Make(m))
+				}
+				if tc.notUntil == 0 {
+					return time.Time{}
+				}
+				return time.Now().Add(tc.notUntil)
+			}
+			subscribe := func() *idemkafka.Subscriber {
+				sub := f.subscriber(t, cfg)
+				ctx, cancel := context.WithCancel(context.Background())
+				t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })
+				ch, err := sub.Subscribe(ctx, f.topic)
+				require.NoError(t, err)
+				go func() {
+					for m := range ch {
+						m.Nack() // to back off
+					}
+				}()
+				return sub
+			}
+			a := subscribe()
+			waitFor(t, "every record waiting on its timer", func() bool { return tc.waiting(a.Stats()) })
+			mu.Lock()
+			tracking = false
+			require.Len(t, first, n)
+			mu.Unlock()
+
+			b := subscribe()
+			waitFor(t, "the rebalance, and every record waiting again", func() bool {
+				sa, sb := a.Stats(), b.Stats()
+				return sa.Sessions == 2 && sb.Sessions == 1 && tc.settled(sa, sb)
+			})
+			waitFor(t, "the first session's records to be collected", func() bool {
+				runtime.GC()
+				for _, w := range first {
+					if w.Value() != nil {
+						return false
+					}
+				}
+				return true
+			})
+		})
+	}
 }
