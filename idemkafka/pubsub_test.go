@@ -95,6 +95,9 @@ func TestPubSub(t *testing.T) {
 				sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
 					Brokers: broker.Addrs, ConsumerGroup: group, Sarama: sc,
 					RevokeTimeout: time.Second, NackResendSleep: 10 * time.Millisecond,
+					// Heartbeat + RevokeTimeout + 1 s for the commit + this
+					// stay below the 3 s rebalance timeout.
+					ReconnectRetrySleep: 100 * time.Millisecond,
 				}, watermill.NopLogger{})
 				require.NoError(t, err)
 				// Some of the suite's tests never close what they subscribed.

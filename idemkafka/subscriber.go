@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -93,17 +94,18 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	st := &stream{
-		s:      s,
-		topic:  topic,
-		ctx:    sctx,
-		cancel: cancel,
-		client: client,
-		conns:  tracked,
-		group:  group,
-		out:    make(chan *message.Message),
-		wake:   make(chan struct{}, 1),
-		parts:  map[int32]*partState{},
-		logger: s.logger.With(watermill.LogFields{"topic": topic}),
+		s:       s,
+		topic:   topic,
+		ctx:     sctx,
+		cancel:  cancel,
+		client:  client,
+		conns:   tracked,
+		group:   group,
+		out:     make(chan *message.Message),
+		wake:    make(chan struct{}, 1),
+		parts:   map[int32]*partState{},
+		metaMax: s.cfg.CommitMetadataMaxBytes,
+		logger:  s.logger.With(watermill.LogFields{"topic": topic}),
 	}
 	s.mu.Lock()
 	select {
@@ -153,9 +155,10 @@ type stream struct {
 	logger watermill.LoggerAdapter
 
 	// guarded by s.mu
-	ready []*entry
-	wake  chan struct{} // an entry became ready (buffered 1)
-	parts map[int32]*partState
+	metaMax int // the commit metadata bound: CommitMetadataMaxBytes, halved on each OffsetMetadataTooLarge
+	ready   []*entry
+	wake    chan struct{} // an entry became ready (buffered 1)
+	parts   map[int32]*partState
 }
 
 // run consumes the group until the stream ends, then closes out.
@@ -164,6 +167,9 @@ func (st *stream) run() {
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		for err := range st.group.Errors() {
+			if st.commitRefused(err) {
+				continue
+			}
 			st.logger.Error("Consumer group error", err, nil)
 		}
 	})
@@ -181,9 +187,10 @@ func (st *stream) run() {
 		if st.ctx.Err() != nil {
 			break
 		}
-		if err != nil {
-			st.logger.Error("Consume failed, joining again", err, watermill.LogFields{"retry_in": st.s.cfg.ReconnectRetrySleep.String()})
+		if err == nil {
+			continue // the session ended in a rebalance: rejoin at once
 		}
+		st.logger.Error("Consume failed, joining again", err, watermill.LogFields{"retry_in": st.s.cfg.ReconnectRetrySleep.String()})
 		t := time.NewTimer(st.s.cfg.ReconnectRetrySleep)
 		select {
 		case <-t.C:
@@ -206,6 +213,41 @@ func (st *stream) run() {
 	delete(st.s.streams, st)
 	st.s.mu.Unlock()
 	close(st.out)
+}
+
+// commitRefused counts and logs an offset commit the broker refused, and
+// reports whether err was one. On OffsetMetadataTooLarge (the brokers'
+// offset.metadata.max.bytes is below CommitMetadataMaxBytes) the stream
+// halves the metadata it writes and marks its partitions again, so that
+// the next commit can pass: Sarama retries a refused commit with whatever
+// was marked last.
+func (st *stream) commitRefused(err error) bool {
+	var cerr *sarama.ConsumerError
+	if !errors.As(err, &cerr) || (!errors.Is(cerr.Err, sarama.ErrOffsetMetadataTooLarge) && !errors.Is(cerr.Err, sarama.ErrInvalidCommitOffsetSize)) {
+		return false
+	}
+	s := st.s
+	s.mu.Lock()
+	s.stats.commitsRefused++
+	s.stats.lastCommitRefusal = err
+	tooLarge := errors.Is(cerr.Err, sarama.ErrOffsetMetadataTooLarge)
+	if tooLarge && st.metaMax > 0 {
+		st.metaMax /= 2
+		for _, p := range st.parts {
+			p.changed = true
+		}
+	}
+	metaMax := st.metaMax
+	s.mu.Unlock()
+	fields := watermill.LogFields{"kafka_partition": cerr.Partition}
+	if tooLarge {
+		fields["commit_metadata_max_bytes"] = metaMax
+		st.logger.Error("Offset commit refused by the broker: the committed offset does not move until a commit passes; "+
+			"the commit metadata is halved (set CommitMetadataMaxBytes within the brokers' offset.metadata.max.bytes, BrokerMetadataMaxBytes)", err, fields)
+	} else {
+		st.logger.Error("Offset commit refused by the broker: the committed offset does not move until a commit passes", err, fields)
+	}
+	return true
 }
 
 // boundClose cuts the stream's broker connections when the stream has not
@@ -329,7 +371,7 @@ func (st *stream) handOut(e *entry) (*message.Message, error) {
 	if e.m.Offset > p.highest {
 		p.highest = e.m.Offset
 	}
-	msg.SetContext(messageContext(p.ctx, e.m))
+	msg.SetContext(messageContext(p.ctx, e.m, s.cfg.Ordering))
 	return msg, nil
 }
 
@@ -350,6 +392,13 @@ func (st *stream) await(e *entry, msg *message.Message) {
 	case <-s.closed:
 	}
 	<-s.slots
+}
+
+// unready drops p's entries from the ready queue, so that a revoked
+// partition's records are not kept until the dispatcher next runs. Called
+// with s.mu held.
+func (st *stream) unready(p *partState) {
+	st.ready = slices.DeleteFunc(st.ready, func(e *entry) bool { return e.p == p })
 }
 
 // push queues e as ready. Called with s.mu held.

@@ -59,6 +59,13 @@ const (
 	// the done offsets above the committed one (Kafka's
 	// offset.metadata.max.bytes defaults to 4096).
 	defaultCommitMetadataMaxBytes = 2048
+	// defaultBrokerMetadataMaxBytes is Kafka's default
+	// offset.metadata.max.bytes: a commit with longer metadata is refused.
+	defaultBrokerMetadataMaxBytes = 4096
+	// revokeCommitAllowance is what the RevokeTimeout check gives the final
+	// offset commit of a revoked partition (one round trip to the
+	// coordinator) before the member rejoins.
+	revokeCommitAllowance = time.Second
 )
 
 // SubscriberConfig configures a [Subscriber].
@@ -72,7 +79,10 @@ type SubscriberConfig struct {
 	// idemkafka.SaramaConsumerConfig to a copy (OffsetOldest, auto-commit of
 	// marked offsets, Net.ReadTimeout above the rebalance timeout), so the
 	// timeout rule of consumer groups holds here too. Only eager rebalance
-	// strategies (range, round-robin, sticky) are supported.
+	// strategies (range, round-robin, sticky) are supported: a strategy that
+	// can take part in cooperative rebalancing is refused, in
+	// Consumer.Group.Rebalance.GroupStrategies and in the deprecated
+	// Consumer.Group.Rebalance.Strategy (which Sarama reads first).
 	Sarama *sarama.Config
 	// Unmarshaler turns records into messages. Defaults to
 	// Marshaler{} (watermill-kafka's DefaultMarshaler: headers
@@ -106,12 +116,18 @@ type SubscriberConfig struct {
 	// is revoked (rebalance, Close) get to be acked before its offset is
 	// committed and they are abandoned: their message contexts are
 	// cancelled, and the partition's next owner gets them again (their
-	// claims make that harmless). It must be shorter than
-	// Consumer.Group.Rebalance.Timeout. Defaults to
+	// claims make that harmless). A member learns of a rebalance at its
+	// next heartbeat, then waits RevokeTimeout, commits, and (after an
+	// error) sleeps ReconnectRetrySleep before it rejoins, so
+	// Consumer.Group.Heartbeat.Interval + RevokeTimeout + 1 s (the final
+	// commit) + ReconnectRetrySleep must be shorter than
+	// Consumer.Group.Rebalance.Timeout, or the coordinator expels the
+	// member and its rejoin starts another rebalance. Defaults to
 	// 10 s.
 	RevokeTimeout time.Duration
 	// ReconnectRetrySleep is the wait before joining the group again after
-	// the consumer group failed. Defaults to
+	// the consumer group failed (not after a rebalance, which rejoins at
+	// once). Defaults to
 	// 1 s.
 	ReconnectRetrySleep time.Duration
 	// NotBeforeFunc, when set, returns the time before which a record must
@@ -125,9 +141,19 @@ type SubscriberConfig struct {
 	// the Subscriber records the done offsets above the committed one, so
 	// that after a restart or rebalance they are not handed out again (a
 	// run-length list; what does not fit runs again, and the claims absorb
-	// it). Set -1 to write none. Defaults to
+	// it). Set -1 to write none. It must not exceed
+	// BrokerMetadataMaxBytes: the broker refuses a commit with longer
+	// metadata, and the committed offset would stop moving. Defaults to
 	// 2048.
 	CommitMetadataMaxBytes int
+	// BrokerMetadataMaxBytes is the brokers' offset.metadata.max.bytes,
+	// the bound of CommitMetadataMaxBytes: state it only when the brokers
+	// run with a larger value than Kafka's default. A commit the broker
+	// refuses anyway is counted in [SubscriberStats].CommitErrors and
+	// logged, and the Subscriber halves the metadata it writes for the
+	// topic until commits pass. Defaults to
+	// 4096.
+	BrokerMetadataMaxBytes int
 }
 
 func (c *SubscriberConfig) setDefaults() {
@@ -151,6 +177,9 @@ func (c *SubscriberConfig) setDefaults() {
 	}
 	if c.CommitMetadataMaxBytes == 0 {
 		c.CommitMetadataMaxBytes = defaultCommitMetadataMaxBytes
+	}
+	if c.BrokerMetadataMaxBytes == 0 {
+		c.BrokerMetadataMaxBytes = defaultBrokerMetadataMaxBytes
 	}
 }
 
@@ -178,18 +207,69 @@ func (c SubscriberConfig) Validate() error {
 		return bad("ReconnectRetrySleep", "must not be negative")
 	case c.CommitMetadataMaxBytes < -1:
 		return bad("CommitMetadataMaxBytes", "must be positive, or -1 for none")
+	case c.BrokerMetadataMaxBytes < 0:
+		return bad("BrokerMetadataMaxBytes", "must be positive")
+	case c.CommitMetadataMaxBytes > c.brokerMetadataMaxBytes():
+		return bad("CommitMetadataMaxBytes", fmt.Sprintf("%d is above the brokers' offset.metadata.max.bytes (BrokerMetadataMaxBytes: %d): the broker would refuse every commit and the committed offset would freeze",
+			c.CommitMetadataMaxBytes, c.brokerMetadataMaxBytes()))
+	}
+	if err := refuseCooperative(c.Sarama); err != nil {
+		return bad("Sarama", err.Error())
 	}
 	sc := c.saramaConfig()
 	if err := sc.Validate(); err != nil {
 		return bad("Sarama", err.Error())
 	}
-	if c.RevokeTimeout >= sc.Consumer.Group.Rebalance.Timeout {
-		return bad("RevokeTimeout", fmt.Sprintf("%s must be shorter than Consumer.Group.Rebalance.Timeout (%s): the group waits for a revoked partition's handlers no longer than that",
-			c.RevokeTimeout, sc.Consumer.Group.Rebalance.Timeout))
+	reconnect := max(c.ReconnectRetrySleep, 0)
+	if reconnect == 0 {
+		reconnect = defaultReconnectRetrySleep
+	}
+	if need := sc.Consumer.Group.Heartbeat.Interval + c.RevokeTimeout + revokeCommitAllowance + reconnect; need >= sc.Consumer.Group.Rebalance.Timeout {
+		return bad("RevokeTimeout", fmt.Sprintf("%s + Consumer.Group.Heartbeat.Interval (%s) + %s for the final commit + ReconnectRetrySleep (%s) must be shorter than Consumer.Group.Rebalance.Timeout (%s): "+
+			"a member learns of a rebalance at its next heartbeat and must rejoin before that deadline, or the coordinator expels it and its rejoin starts another rebalance",
+			c.RevokeTimeout, sc.Consumer.Group.Heartbeat.Interval, revokeCommitAllowance, reconnect, sc.Consumer.Group.Rebalance.Timeout))
+	}
+	return nil
+}
+
+// brokerMetadataMaxBytes is BrokerMetadataMaxBytes or its default.
+func (c SubscriberConfig) brokerMetadataMaxBytes() int {
+	if c.BrokerMetadataMaxBytes == 0 {
+		return defaultBrokerMetadataMaxBytes
+	}
+	return c.BrokerMetadataMaxBytes
+}
+
+// refuseCooperative returns an error when a balance strategy Sarama would
+// read (the deprecated Consumer.Group.Rebalance.Strategy first, then
+// Consumer.Group.Rebalance.GroupStrategies) can take part in cooperative
+// rebalancing: under it, a partition kept across a rebalance would get no
+// skip set and a revoked one with a full window would never be released.
+func refuseCooperative(sc *sarama.Config) error {
+	if sc == nil {
+		return nil
+	}
+	check := func(field string, s sarama.BalanceStrategy) error {
+		if s == nil {
+			return nil
+		}
+		coop := s.Name() == sarama.CooperativeStickyBalanceStrategyName
+		if p, ok := s.(sarama.RebalanceProtocolBalanceStrategy); ok {
+			for _, proto := range p.SupportedProtocols() {
+				coop = coop || proto == sarama.RebalanceProtocolCooperative
+			}
+		}
+		if coop {
+			return fmt.Errorf("%s: %q supports cooperative rebalancing, which the Subscriber does not (use range, round-robin or sticky)", field, s.Name())
+		}
+		return nil
+	}
+	if err := check("Consumer.Group.Rebalance.Strategy", sc.Consumer.Group.Rebalance.Strategy); err != nil {
+		return err
 	}
 	for _, s := range sc.Consumer.Group.Rebalance.GroupStrategies {
-		if s != nil && s.Name() == sarama.CooperativeStickyBalanceStrategyName {
-			return bad("Sarama", "Consumer.Group.Rebalance.GroupStrategies: cooperative rebalancing is not supported (use range, round-robin or sticky)")
+		if err := check("Consumer.Group.Rebalance.GroupStrategies", s); err != nil {
+			return err
 		}
 	}
 	return nil

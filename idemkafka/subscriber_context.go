@@ -38,10 +38,23 @@ func keyOf(accessor func(context.Context)) any {
 	return p.key
 }
 
+// orderingKey is the context key of the Subscriber's [Ordering].
+type orderingKey struct{}
+
+// OrderingFromContext returns the [Ordering] of the [Subscriber] that
+// handed out the message whose context ctx is; false for a message of
+// another subscriber. Middleware that relies on the order of a key's
+// messages (retrytopic's KeyOrder) reads it to refuse OrderNone.
+func OrderingFromContext(ctx context.Context) (Ordering, bool) {
+	o, ok := ctx.Value(orderingKey{}).(Ordering)
+	return o, ok
+}
+
 // messageContext is parent with the record's partition, offset, timestamp
-// and key, as watermill-kafka sets them.
-func messageContext(parent context.Context, m *sarama.ConsumerMessage) context.Context {
-	ctx := context.WithValue(parent, ctxKeyPartition, m.Partition)
+// and key, as watermill-kafka sets them, and the Subscriber's ordering.
+func messageContext(parent context.Context, m *sarama.ConsumerMessage, ordering Ordering) context.Context {
+	ctx := context.WithValue(parent, orderingKey{}, ordering)
+	ctx = context.WithValue(ctx, ctxKeyPartition, m.Partition)
 	ctx = context.WithValue(ctx, ctxKeyOffset, m.Offset)
 	ctx = context.WithValue(ctx, ctxKeyTimestamp, m.Timestamp)
 	return context.WithValue(ctx, ctxKeyKey, m.Key)

@@ -3,6 +3,7 @@ package idemkafka
 import (
 	"encoding/base64"
 	"encoding/binary"
+	"math"
 	"strconv"
 	"strings"
 )
@@ -32,6 +33,9 @@ func encodeDone(mark int64, done []int64, maxLen int) string {
 	var buf []byte
 	var tmp [2 * binary.MaxVarintLen64]byte
 	prevEnd := mark + 1 // first offset after the previous run (mark itself is never done)
+	for len(done) > 0 && done[0] < prevEnd {
+		done = done[1:] // not above mark: a gap would underflow
+	}
 	for i := 0; i < len(done); {
 		start := done[i]
 		j := i + 1
@@ -54,10 +58,16 @@ func encodeDone(mark int64, done []int64, maxLen int) string {
 }
 
 // decodeDone reads commit metadata written by encodeDone for committed
-// offset mark: the set of done offsets above it. Metadata of another
+// offset mark: the set of done offsets above it, at most limit of them
+// (the lowest; a window of limit records from mark on cannot hold more, and
+// what is left out runs again), so that crafted metadata cannot make a
+// member allocate more than its PartitionWindow. Metadata of another
 // offset, of another writer, or malformed gives nil: the records run again
 // and their claims settle them.
-func decodeDone(mark int64, meta string) map[int64]bool {
+func decodeDone(mark int64, meta string, limit int) map[int64]bool {
+	if limit <= 0 || mark < 0 {
+		return nil
+	}
 	rest, ok := strings.CutPrefix(meta, commitMetadataPrefix)
 	if !ok {
 		return nil
@@ -72,22 +82,26 @@ func decodeDone(mark int64, meta string) map[int64]bool {
 	}
 	done := map[int64]bool{}
 	prevEnd := mark + 1
-	for len(buf) > 0 {
+	for len(buf) > 0 && len(done) < limit {
 		gap, n := binary.Uvarint(buf)
 		if n <= 0 {
 			return nil
 		}
 		buf = buf[n:]
 		length, n := binary.Uvarint(buf)
-		if n <= 0 || length == 0 || length > 1<<20 || gap > 1<<40 {
+		if n <= 0 || length == 0 || gap > math.MaxInt64-uint64(prevEnd) {
 			return nil
 		}
 		buf = buf[n:]
 		start := prevEnd + int64(gap)
-		for o := start; o < start+int64(length); o++ {
+		if length > math.MaxInt64-uint64(start) {
+			return nil
+		}
+		end := start + int64(length)
+		for o := start; o < end && len(done) < limit; o++ {
 			done[o] = true
 		}
-		prevEnd = start + int64(length)
+		prevEnd = end
 	}
 	return done
 }

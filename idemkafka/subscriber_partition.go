@@ -27,7 +27,8 @@ type entry struct {
 	p     *partState
 	key   string
 	state entryState
-	next  *entry // the next record of its key (OrderKey, OrderPartition)
+	next  *entry      // the next record of its key (OrderKey, OrderPartition)
+	timer *time.Timer // while held or backing off; stopped on revoke
 }
 
 // chain is the records of one key in a partition's window that are not done
@@ -53,6 +54,7 @@ type partState struct {
 	inflight int
 	waiting  int
 	stopping bool          // revoked: nothing more is handed out
+	gone     bool          // revoked and marked: the window is released
 	space    chan struct{} // the window shrank (buffered 1)
 	drained  chan struct{} // stopping and nothing in flight (buffered 1)
 
@@ -93,6 +95,10 @@ func (p *partState) add(m *sarama.ConsumerMessage) {
 		e.state = stateDone
 		s.stats.skipped++
 		p.changed = true
+		// Done at the window's start (the committed record itself was
+		// removed by retention, DeleteRecords or compaction): the committed
+		// offset moves past it now, since no ack will.
+		p.trim()
 		return
 	}
 	switch s.cfg.Ordering {
@@ -123,9 +129,10 @@ func (p *partState) release(e *entry) {
 		if d := time.Until(f(e.m)); d > 0 {
 			e.state = stateHeld
 			s.stats.held++
-			time.AfterFunc(d, func() {
+			e.timer = time.AfterFunc(d, func() {
 				s.mu.Lock()
 				defer s.mu.Unlock()
+				e.timer = nil
 				if e.state == stateHeld {
 					s.stats.held--
 					if !p.stopping {
@@ -148,8 +155,12 @@ func (p *partState) acked(e *entry) {
 		return
 	}
 	p.settled(e)
-	e.state = stateDone
 	s.stats.acked++
+	if p.gone {
+		e.state = stateDropped // too late for the final commit
+		return
+	}
+	e.state = stateDone
 	p.changed = true
 	if s.cfg.Ordering != OrderNone {
 		c := p.chains[e.key]
@@ -175,7 +186,7 @@ func (p *partState) nacked(e *entry) {
 	}
 	p.settled(e)
 	s.stats.nacked++
-	if p.stopping {
+	if p.stopping || p.gone {
 		e.state = stateDropped // the next owner gets it again
 		return
 	}
@@ -185,9 +196,10 @@ func (p *partState) nacked(e *entry) {
 		return
 	}
 	e.state = stateBackoff
-	time.AfterFunc(sleep, func() {
+	e.timer = time.AfterFunc(sleep, func() {
 		s.mu.Lock()
 		defer s.mu.Unlock()
+		e.timer = nil
 		if e.state == stateBackoff && !p.stopping {
 			p.st.push(e)
 		}
@@ -252,7 +264,7 @@ func (p *partState) mark() {
 		return
 	}
 	meta := ""
-	if max := p.st.s.cfg.CommitMetadataMaxBytes; max > 0 {
+	if max := p.st.metaMax; max > 0 {
 		var done []int64
 		for _, e := range p.window {
 			if e.state == stateDone {
@@ -377,8 +389,16 @@ func (p *partState) revoke() {
 			continue
 		}
 		e.state = stateDropped
+		if e.timer != nil {
+			// A held or backing-off record's timer would keep the
+			// window, payloads included, until it fires (hours, with long
+			// back-offs).
+			e.timer.Stop()
+			e.timer = nil
+		}
 	}
 	p.waiting = 0
+	p.st.unready(p)
 	s.mu.Unlock()
 	if inflight > 0 {
 		t := time.NewTimer(s.cfg.RevokeTimeout)
@@ -398,6 +418,11 @@ func (p *partState) revoke() {
 	if p.st.parts[p.partition] == p {
 		delete(p.st.parts, p.partition)
 	}
+	// Only the messages still in flight stay referenced (by their
+	// awaiting goroutines, up to MaxInFlight): the rest of the window goes.
+	p.gone = true
+	clear(p.window)
+	p.window, p.chains, p.skip = nil, nil, nil
 	s.mu.Unlock()
 	p.cancel()
 }
@@ -421,7 +446,7 @@ func (st *stream) fetchDone(parts []int32) (map[int32]map[int64]bool, error) {
 		if blk == nil || blk.Err != sarama.ErrNoError || blk.Offset < 0 {
 			continue
 		}
-		if done := decodeDone(blk.Offset, blk.Metadata); len(done) > 0 {
+		if done := decodeDone(blk.Offset, blk.Metadata, cfg.cfg.PartitionWindow); len(done) > 0 {
 			out[part] = done
 		}
 	}

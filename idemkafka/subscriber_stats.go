@@ -6,6 +6,8 @@ import "sort"
 type counters struct {
 	inflight, waiting, held          int
 	acked, nacked, skipped, sessions uint64
+	commitsRefused                   uint64
+	lastCommitRefusal                error
 }
 
 // SubscriberStats is a snapshot of a [Subscriber]'s work.
@@ -28,6 +30,16 @@ type SubscriberStats struct {
 	// Sessions counts the consumer-group sessions set up (the first join,
 	// then one per rebalance), across every Subscribe call.
 	Sessions uint64
+	// CommitsRefused counts the offset commits the broker refused for a
+	// partition (OffsetMetadataTooLarge, InvalidCommitOffsetSize): while
+	// they are refused the committed offset does not move. Each is logged;
+	// on OffsetMetadataTooLarge the Subscriber halves the commit metadata
+	// it writes for the topic (see
+	// [SubscriberConfig].BrokerMetadataMaxBytes).
+	CommitsRefused uint64
+	// LastCommitRefusal is the last of them (a *sarama.ConsumerError
+	// naming the partition), nil for none.
+	LastCommitRefusal error
 	// Partitions are the partitions this Subscriber holds now.
 	Partitions []PartitionStats
 }
@@ -60,6 +72,7 @@ func (s *Subscriber) Stats() SubscriberStats {
 	out := SubscriberStats{
 		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.waiting, Held: s.stats.held,
 		Acked: s.stats.acked, Nacked: s.stats.nacked, Skipped: s.stats.skipped, Sessions: s.stats.sessions,
+		CommitsRefused: s.stats.commitsRefused, LastCommitRefusal: s.stats.lastCommitRefusal,
 	}
 	for st := range s.streams {
 		for _, p := range st.parts {
@@ -97,6 +110,10 @@ func (s SubscriberStats) Add(o SubscriberStats) SubscriberStats {
 	s.Nacked += o.Nacked
 	s.Skipped += o.Skipped
 	s.Sessions += o.Sessions
+	s.CommitsRefused += o.CommitsRefused
+	if o.LastCommitRefusal != nil {
+		s.LastCommitRefusal = o.LastCommitRefusal
+	}
 	parts := append([]PartitionStats(nil), s.Partitions...)
 	for _, p := range o.Partitions {
 		merged := false

@@ -49,7 +49,7 @@ type Metrics struct {
 	pending                                                      metric.Int64ObservableGauge
 	oldest                                                       metric.Float64ObservableGauge
 	kInFlight, kWaiting, kHeld, kMaxInFlight, kDistance, kWindow metric.Int64ObservableGauge
-	kAcked, kNacked, kSkipped, kSessions                         metric.Int64ObservableCounter
+	kAcked, kNacked, kSkipped, kSessions, kRefused               metric.Int64ObservableCounter
 }
 
 // New creates the instruments on the meter [otelx.Meter] of mp (nil: the
@@ -105,6 +105,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.kNacked = counter("idem.kafka.nacked", "{message}", "idemkafka.Subscriber: messages nacked (handed out again after NackResendSleep).")
 	m.kSkipped = counter("idem.kafka.skipped", "{message}", "idemkafka.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.")
 	m.kSessions = counter("idem.kafka.sessions", "{session}", "idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).")
+	m.kRefused = counter("idem.kafka.commits_refused", "{commit}", "idemkafka.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.")
 	var err error
 	m.pending, err = meter.Int64ObservableGauge("idem.outbox.pending", metric.WithUnit("{message}"),
 		metric.WithDescription("Committed outbox rows the forwarder has not forwarded yet."))
@@ -119,7 +120,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 		m.processed, m.duplicates, m.failed, m.claimErrors, m.rejected, m.claims, m.claimTime, m.txTime,
 		m.groups, m.grouped, m.groupFallbacks, m.alone,
 		m.forwarded, m.commits, m.polls, m.fwdErrors, m.quarantined, m.pending, m.oldest,
-		m.kInFlight, m.kWaiting, m.kHeld, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions)
+		m.kInFlight, m.kWaiting, m.kHeld, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions, m.kRefused)
 	if err != nil {
 		return nil, fmt.Errorf("idemotel: register callback: %w", err)
 	}
@@ -167,7 +168,7 @@ func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts 
 // AddSubscriber reports the Stats of idemkafka's parallel subscriber with
 // the attribute messaging.consumer.group.name (its Kafka consumer group):
 // idem.kafka.in_flight, keys_waiting, held, max_in_flight, acked, nacked,
-// skipped and sessions, and per held partition (attributes
+// skipped, sessions and commits_refused, and per held partition (attributes
 // messaging.destination.name and messaging.destination.partition.id)
 // idem.kafka.partition.distance (between the committed offset and the
 // highest one handed out) and idem.kafka.partition.window. Adding two
@@ -203,6 +204,7 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.kNacked, int64(s.Nacked), set)
 		o.ObserveInt64(m.kSkipped, int64(s.Skipped), set)
 		o.ObserveInt64(m.kSessions, int64(s.Sessions), set)
+		o.ObserveInt64(m.kRefused, int64(s.CommitsRefused), set)
 		for _, p := range s.Partitions {
 			pset := metric.WithAttributeSet(attribute.NewSet(group, semconv.MessagingDestinationName(p.Topic),
 				semconv.MessagingDestinationPartitionID(strconv.Itoa(int(p.Partition)))))

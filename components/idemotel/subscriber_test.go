@@ -62,6 +62,7 @@ func TestMetricsExportSubscriber(t *testing.T) {
 	require.EqualValues(t, 8, got.must(t, "idem.kafka.max_in_flight", group))
 	require.EqualValues(t, 0, got.must(t, "idem.kafka.acked", group))
 	require.EqualValues(t, 1, got.must(t, "idem.kafka.sessions", group))
+	require.EqualValues(t, 0, got.must(t, "idem.kafka.commits_refused", group))
 	require.EqualValues(t, 1, got.must(t, "idem.kafka.partition.distance", part...))
 	require.EqualValues(t, 3, got.must(t, "idem.kafka.partition.window", part...))
 

@@ -63,6 +63,7 @@ var (
 	descKafkaNacked      = prometheus.NewDesc("idem_kafka_nacked_total", "idemkafka.Subscriber: messages nacked (handed out again after NackResendSleep).", group, nil)
 	descKafkaSkipped     = prometheus.NewDesc("idem_kafka_skipped_total", "idemkafka.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.", group, nil)
 	descKafkaSessions    = prometheus.NewDesc("idem_kafka_sessions_total", "idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).", group, nil)
+	descKafkaRefused     = prometheus.NewDesc("idem_kafka_commits_refused_total", "idemkafka.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.", group, nil)
 	descKafkaDistance    = prometheus.NewDesc("idem_kafka_partition_distance", "idemkafka.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending): how far processing runs ahead of the commit, which bounds what a crash makes run again.", part, nil)
 	descKafkaWindow      = prometheus.NewDesc("idem_kafka_partition_window", "idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).", part, nil)
 	descKafkaMaxInFlight = prometheus.NewDesc("idem_kafka_max_in_flight", "idemkafka.Subscriber: MaxInFlight (the bound of idem_kafka_in_flight).", group, nil)
@@ -165,7 +166,8 @@ func (c *Collector) AddParked(db migrate.DBTX, table retrytopic.ParkedKeysTable,
 
 // AddSubscriber exports the Stats of idemkafka's parallel subscriber with
 // the label consumer_group (its Kafka consumer group): messages in flight,
-// keys waiting, held, acked, nacked, skipped and sessions, and per held
+// keys waiting, held, acked, nacked, skipped, sessions and refused
+// commits, and per held
 // partition (labels topic, partition) the distance between the committed
 // offset and the highest one handed out, and the window. Adding two
 // subscribers of the same group sums them.
@@ -181,7 +183,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descForwarded, descCommits, descPolls, descFwdErrors, descQuarantined, descPending, descOldest, descDead,
 		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff, descOverdue,
 		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
-		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions,
+		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions, descKafkaRefused,
 		descKafkaDistance, descKafkaWindow, descKafkaMaxInFlight} {
 		ch <- d
 	}
@@ -285,6 +287,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descKafkaNacked, float64(s.Nacked), g)
 		counter(descKafkaSkipped, float64(s.Skipped), g)
 		counter(descKafkaSessions, float64(s.Sessions), g)
+		counter(descKafkaRefused, float64(s.CommitsRefused), g)
 		for _, p := range s.Partitions {
 			id := strconv.Itoa(int(p.Partition))
 			gauge(descKafkaDistance, float64(p.Distance), g, p.Topic, id)

@@ -73,13 +73,16 @@ idem_kafka_acked_total{consumer_group="billing"} 0
 # HELP idem_kafka_sessions_total idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).
 # TYPE idem_kafka_sessions_total counter
 idem_kafka_sessions_total{consumer_group="billing"} 1
+# HELP idem_kafka_commits_refused_total idemkafka.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.
+# TYPE idem_kafka_commits_refused_total counter
+idem_kafka_commits_refused_total{consumer_group="billing"} 0
 `
 	names := []string{"idem_kafka_in_flight", "idem_kafka_keys_waiting", "idem_kafka_max_in_flight", "idem_kafka_partition_distance",
-		"idem_kafka_partition_window", "idem_kafka_acked_total", "idem_kafka_sessions_total"}
+		"idem_kafka_partition_window", "idem_kafka_acked_total", "idem_kafka_sessions_total", "idem_kafka_commits_refused_total"}
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(strings.ReplaceAll(expected, "TOPIC", topic)), names...))
 	n, err := testutil.GatherAndCount(reg)
 	require.NoError(t, err)
-	require.Equal(t, 10, n) // 8 per group, 2 per partition
+	require.Equal(t, 11, n) // 9 per group, 2 per partition
 
 	first.Ack()
 	second := <-ch

@@ -151,7 +151,9 @@ type Config struct {
 	// KeyOrder, when set, keeps the order of the events of a key: while a
 	// key has an event on the retry path, its later events wait for it in
 	// PostgreSQL instead of overtaking it. Defaults to nil: a retried event is
-	// overtaken by the later events of its key, which keep flowing.
+	// overtaken by the later events of its key, which keep flowing. It
+	// needs the key's events in order: a message of an idemkafka.Subscriber
+	// with OrderNone is refused ([ErrKeyOrderUnordered], nacked).
 	KeyOrder *KeyOrder
 
 	// NowFunc returns the current time. Defaults to time.Now.

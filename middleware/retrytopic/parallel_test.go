@@ -1,6 +1,7 @@
 package retrytopic_test
 
 import (
+	"context"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -9,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 )
 
@@ -88,4 +90,49 @@ func countTrue(xs []bool) int {
 		}
 	}
 	return n
+}
+
+// KeyOrder refuses the messages of an idemkafka.Subscriber with OrderNone,
+// which hands out a key's events in any order: the message is nacked with
+// ErrKeyOrderUnordered, its handler never runs, nothing is parked, moved
+// or poisoned. With OrderKey the same message reaches the handler.
+func TestKeyOrderRefusesOrderNone(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1, 1)
+	rt, err := retrytopic.New(f.retryConfig(func(c *retrytopic.Config) { c.KeyOrder = f.keyOrder(t) }), nil)
+	require.NoError(t, err)
+	f.publish(t, f.msg("a", 1))
+	for _, tc := range []struct {
+		ordering idemkafka.Ordering
+		refused  bool
+	}{
+		{idemkafka.OrderNone, true},
+		{idemkafka.OrderKey, false},
+	} {
+		sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
+			Brokers: f.broker.Addrs, ConsumerGroup: f.group + "-" + tc.ordering.String(), Ordering: tc.ordering, RevokeTimeout: 5 * time.Second,
+		}, nil)
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		ch, err := sub.Subscribe(ctx, f.main)
+		require.NoError(t, err)
+		msg := <-ch
+		var called bool
+		_, err = rt.Middleware(func(*message.Message) ([]*message.Message, error) {
+			called = true
+			return nil, nil
+		})(msg)
+		if tc.refused {
+			require.ErrorIs(t, err, retrytopic.ErrKeyOrderUnordered)
+			require.False(t, called)
+			msg.Nack()
+		} else {
+			require.NoError(t, err)
+			require.True(t, called)
+			msg.Ack()
+		}
+		cancel()
+		require.NoError(t, sub.Close())
+	}
+	require.Zero(t, f.db.Count(t, "SELECT 1 FROM retry_parked_key"), "nothing parked")
 }
