@@ -1,0 +1,349 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+)
+
+// minPollInterval is the first wait after a read that found rows; each
+// read that finds none doubles it, up to PollInterval.
+const minPollInterval = time.Millisecond
+
+// known is the last position a loop saw: its own, or older than the
+// truth when another instance moved it since (its cut then holds more
+// rows, never fewer).
+type known struct {
+	pos outboxsql.Position
+	ok  bool
+}
+
+// loop forwards topic until stopCtx is done. A failed transaction is rolled
+// back and retried: its pages are read and sent again. Unless the last
+// transaction forwarded rows, it first asks, in one query and without a
+// lock, whether a new cut has any row; after a read that found rows it
+// starts the next transaction after minPollInterval, and
+// after each read that found none it waits twice as long, up to
+// PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
+// wait longer than minPollInterval and starts the doubling again.
+//
+// A position from another cluster is given to fail, and the loop returns.
+func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct{}, fail func(error)) {
+	logger := f.logger.With(watermill.LogFields{"topic": topic})
+	tables := f.cfg.Outbox.tables(topic)
+	var cache cutCache
+	var last known
+	idle := min(minPollInterval, f.cfg.PollInterval)
+	// woken restarts the doubling: a wake-up says rows are on their way
+	// (a NOTIFY: committed; a write in this process: committing), so the
+	// reads after it start again at minPollInterval.
+	woken := func() { idle = min(minPollInterval, f.cfg.PollInterval) / 2 }
+	// busy is whether the last transaction forwarded rows: the next one
+	// then starts without asking first (while rows keep coming, the
+	// question costs a round trip and nearly always says yes).
+	busy := false
+	var holder int32 // the pid of the last holder of the position's lock logged
+	for {
+		if stopCtx.Err() != nil {
+			return
+		}
+		// A wake-up that came before this read is answered by it.
+		select {
+		case <-wake:
+			woken()
+		default:
+		}
+		var (
+			n    int
+			more bool
+			err  error
+			wait time.Duration
+		)
+		if last.ok && last.pos.Cut == nil && !busy {
+			f.polls.Add(1)
+			var has bool
+			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos, f.cfg.Name)
+			if stopCtx.Err() != nil {
+				return
+			}
+			if err == nil && !has {
+				idle = f.backoff(idle)
+				if f.sleep(stopCtx, wake, idle) {
+					woken()
+				}
+				continue
+			}
+			if err != nil {
+				err = fmt.Errorf("look for a cut: %w", err)
+			}
+		}
+		if err == nil {
+			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, &cache, &last)
+		}
+		if errors.Is(err, ErrPositionFromOtherCluster) {
+			f.errs.Add(1)
+			fail(err)
+			return
+		}
+		if errors.Is(err, errLockBusy) {
+			cache, last = cutCache{}, known{}
+			f.logHolder(stopCtx, tables, logger, &holder)
+			continue
+		}
+		if errors.Is(err, outboxsql.ErrNoPosition) {
+			cache, last = cutCache{}, known{}
+			if err = f.recreatePosition(stopCtx, topic, logger); err == nil {
+				continue
+			}
+		}
+		retry := false
+		busy = err == nil && n > 0
+		switch {
+		case err != nil:
+			f.errs.Add(1)
+			retry = true
+			cache, last = cutCache{}, known{}
+			if isSerializationFailure(err) {
+				logger.Debug("Outbox batch conflicted with another forwarder, retrying", watermill.LogFields{"err": err.Error()})
+			} else {
+				logger.Error("Outbox batch failed, retrying", err, watermill.LogFields{"retry_in": f.cfg.RetryInterval.String()})
+				wait = f.cfg.RetryInterval
+			}
+		case more:
+		case n > 0:
+			idle = min(minPollInterval, f.cfg.PollInterval)
+			wait = idle
+		default:
+			idle = f.backoff(idle)
+			wait = idle
+		}
+		if retry {
+			// A failed transaction waits its RetryInterval whatever
+			// writers do.
+			f.sleep(stopCtx, nil, wait)
+		} else if f.sleep(stopCtx, wake, wait) {
+			woken()
+		}
+		if stopCtx.Err() != nil {
+			return
+		}
+	}
+}
+
+// backoff is the wait after a read that found nothing: twice the last
+// one, up to PollInterval.
+func (f *Forwarder) backoff(idle time.Duration) time.Duration {
+	return max(min(2*idle, f.cfg.PollInterval), time.Microsecond)
+}
+
+// sleep waits d, or until a wake-up on wake (nil: none), and reports
+// whether a wake-up ended it. A wait of minPollInterval or less (the pause
+// after a read that found rows) is not cut short: while rows keep coming,
+// each read takes what arrived during that pause, rather than one read per
+// write.
+func (f *Forwarder) sleep(stopCtx context.Context, wake chan struct{}, d time.Duration) (woke bool) {
+	if d <= 0 {
+		return false
+	}
+	if d <= minPollInterval {
+		wake = nil
+	} else if f.stretch != nil {
+		d = f.stretch(d)
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-stopCtx.Done():
+	case <-wake:
+		return true
+	case <-t.C:
+	}
+	return false
+}
+
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.SerializationFailure || pgErr.Code == pgerrcode.DeadlockDetected)
+}
+
+// cutCache keeps the pages of a cut that did not fit in one transaction, so
+// that the next transaction continues it without reading its keys again,
+// and the first of those pages already read (ahead), so that the next
+// transaction starts sending at once.
+type cutCache struct {
+	cut   outboxsql.Cut
+	next  int    // index of the first page not yet forwarded
+	ahead *batch // cut.Pages[next], read by the previous transaction, or nil
+}
+
+// pagesAfter returns the cached pages that continue p, and the first one
+// already read if it was, or false when the cache does not fit p (another
+// instance moved the position, or none).
+func (c *cutCache) pagesAfter(p outboxsql.Position) ([]outboxsql.Page, *batch, bool) {
+	if p.Cut == nil || c.next == 0 || c.next >= len(c.cut.Pages) ||
+		c.cut.From.String() != p.Snapshot.String() || c.cut.To.String() != p.Cut.String() ||
+		c.cut.Pages[c.next-1].Last != p.CutOffset {
+		return nil, nil, false
+	}
+	return c.cut.Pages[c.next:], c.ahead, true
+}
+
+// forwardTx forwards up to BatchesPerTransaction pages of topic in one
+// transaction and reports whether the cut it worked on has pages left.
+//
+// The transaction locks the forwarder's position row (READ COMMITTED: every
+// statement after the lock sees at least what the previous holder
+// committed), reads the pages of the cut that continues the position, or of
+// a new cut ending at the read's own snapshot, then sends page k while it
+// moves the position past it and reads page k+1. Page k+1 is sent only once
+// page k was acknowledged, which keeps the order. The position commits when
+// every page of the transaction was sent; if any send fails, the
+// transaction rolls back and all of them are sent again later.
+func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter, cache *cutCache, last *known) (n int, more bool, err error) {
+	// The transaction itself is not cancelled by a stop: it gets
+	// ShutdownTimeout to finish, so a graceful stop does not resend.
+	ctx, cancel := context.WithCancel(context.WithoutCancel(stopCtx))
+	defer cancel()
+	stopWatch := context.AfterFunc(stopCtx, func() { time.AfterFunc(f.cfg.ShutdownTimeout, cancel) })
+	defer stopWatch()
+	f.step("begin")
+
+	conn, err := f.cfg.DB.Acquire(ctx)
+	if err != nil {
+		return 0, false, fmt.Errorf("acquire a connection: %w", err)
+	}
+	defer conn.Release()
+	// The wait for the lock ends at once on a stop: nothing was sent yet.
+	lockCtx, stopLock := context.WithCancel(ctx)
+	defer stopLock()
+	unwatch := context.AfterFunc(stopCtx, stopLock)
+	tx, pos, err := tables.BeginLock(lockCtx, conn.Conn(), f.cfg.Name, f.cfg.limits())
+	unwatch()
+	if err != nil {
+		if stopCtx.Err() != nil && lockCtx.Err() != nil {
+			return 0, false, nil
+		}
+		if outboxsql.IsLockTimeout(err) {
+			return 0, false, errLockBusy
+		}
+		if pe := positionError(err, topic); pe != err {
+			return 0, false, pe
+		}
+		return 0, false, fmt.Errorf("begin and lock position: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+
+	*last = known{pos: pos, ok: true}
+	f.polls.Add(1)
+	f.step("locked")
+	pages, ahead, ok := cache.pagesAfter(pos)
+	if !ok {
+		cut, err := tables.ReadCut(ctx, tx, pos, f.cfg.BatchSize)
+		if err != nil {
+			return 0, false, fmt.Errorf("read cut: %w", err)
+		}
+		*cache = cutCache{cut: cut}
+		pages, ahead = cut.Pages, nil
+	}
+	cache.ahead = nil
+	cut := cache.cut
+	f.step("cut")
+	if len(pages) == 0 {
+		if pos.Cut == nil {
+			return 0, false, nil
+		}
+		// A cut with nothing left to send (a position of watermill-sql's
+		// kind that had passed its transaction's last row): close it.
+		closed := outboxsql.Position{Snapshot: *pos.Cut}
+		if err := tables.Ack(ctx, tx, f.cfg.Name, closed); err != nil {
+			return 0, false, fmt.Errorf("advance position: %w", err)
+		}
+		if err := f.commit(ctx, tx, 0); err != nil {
+			return 0, false, err
+		}
+		*last = known{pos: closed, ok: true}
+		return 0, false, nil
+	}
+
+	// The keys with dead rows, read after the cut: a key an operator
+	// retried (its rows moved back in one commit) is no longer among them
+	// whenever its moved rows are in the cut.
+	dead, err := tables.DeadKeys(ctx, tx)
+	if err != nil {
+		return 0, false, fmt.Errorf("read dead keys: %w", err)
+	}
+	b := ahead
+	if b == nil {
+		if b, err = f.readPage(ctx, tx, tables, topic, pages[0], dead, logger); err != nil {
+			return 0, false, err
+		}
+	}
+	for i := 0; ; i++ {
+		// Stop is read once per page: whether this page ends the
+		// transaction and whether the next one is read ahead must agree,
+		// or a stop between the two would leave no page to send next.
+		stopping := stopCtx.Err() != nil
+		sent := make(chan error, 1)
+		if b.size() == 0 { // the page's rows were deleted meanwhile
+			sent <- nil
+		} else {
+			go func(b *batch) { sent <- f.send(topic, b) }(b)
+		}
+
+		// While the broker works: move the position past this page and
+		// read the next one, even when this transaction ends with this
+		// page (the next transaction then starts by sending it).
+		if i == len(pages)-1 {
+			pos = outboxsql.Position{Snapshot: cut.To}
+		} else {
+			pos = outboxsql.Position{Snapshot: cut.From, Cut: &cut.To, CutOffset: pages[i].Last}
+		}
+		var next *batch
+		final := i == len(pages)-1 || i+1 == f.cfg.BatchesPerTransaction || stopping
+		err := tables.Ack(ctx, tx, f.cfg.Name, pos)
+		f.step("acked")
+		if err != nil {
+			err = fmt.Errorf("advance position: %w", err)
+		} else if i < len(pages)-1 && !stopping {
+			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
+		}
+		if sendErr := <-sent; sendErr != nil {
+			return 0, false, fmt.Errorf("send %d messages: %w", b.size(), sendErr)
+		}
+		f.step("sent")
+		if err != nil {
+			return 0, false, err
+		}
+		n += b.size()
+		if final {
+			cache.next = len(cut.Pages) - len(pages) + i + 1
+			cache.ahead = next
+			break
+		}
+		b = next
+	}
+	if err := f.commit(ctx, tx, n); err != nil {
+		cache.ahead = nil
+		return 0, false, err
+	}
+	*last = known{pos: pos, ok: true}
+	logger.Debug("Outbox messages forwarded", watermill.LogFields{"messages": n, "position": pos.Snapshot.String(), "cut_offset": pos.CutOffset})
+	return n, pos.Cut != nil, nil
+}
+
+func (f *Forwarder) commit(ctx context.Context, tx *outboxsql.Tx, n int) error {
+	f.step("commit")
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("commit position: %w", err)
+	}
+	f.forwarded.Add(uint64(n))
+	f.commits.Add(1)
+	return nil
+}
