@@ -160,3 +160,57 @@ func TestPublishRefusesWhatCannotBeSent(t *testing.T) {
 	}
 	require.True(t, errors.Is(idemkafka.CheckRecord(message.NewMessage("u", make([]byte, 4096)), 2048), publisher.ErrMessageTooLarge))
 }
+
+// A key's rows written after its poison row, and not yet read by the
+// forwarder, would be sent before the dead rows if the key were retried
+// then: RetryDead refuses (a *KeyPendingError) until the forwarder has
+// held them behind the poison row, and the retry then sends the key in
+// order.
+func TestRetryDeadWaitsForTheKeysUnreadRows(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, 4)
+	topic := e.topic(t, "dead-pending", 1)
+	const limit = 4096
+	run := func(maxBytes int) (*outbox.Forwarder, func()) {
+		f, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: e.producer(t),
+			Topics: []string{topic}, PollInterval: 10 * time.Millisecond, MaxMessageBytes: maxBytes}, watermill.NopLogger{})
+		require.NoError(t, err)
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		return f, func() { require.NoError(t, f.Close()); require.NoError(t, <-done) }
+	}
+
+	big := publisher.WithPartitionKey(message.NewMessage(watermill.NewUUID(), []byte(`{"aggregate":"b","seq":2,"pad":"`+strings.Repeat("x", 2*limit)+`"}`)), "b")
+	e.publishTx(t, topic, event("b", 1), big)
+	f, stop := run(limit)
+	require.Eventually(t, func() bool { return f.Stats().Quarantined == 1 }, eventuallyTimeout, 10*time.Millisecond)
+	stop()
+
+	// b's next row, written while no forwarder runs: unread.
+	e.publishTx(t, topic, event("b", 3))
+	_, err := e.outbox.RetryDead(ctx, e.db.Pool, topic, "b")
+	var pe *outbox.KeyPendingError
+	require.ErrorAs(t, err, &pe)
+	require.Equal(t, outbox.DefaultForwarderName, pe.Forwarder)
+	require.EqualValues(t, 1, pe.Rows)
+	dead, err := e.outbox.DeadRows(ctx, e.db.Pool, topic, 0)
+	require.NoError(t, err)
+	require.Len(t, dead, 1, "nothing moved")
+
+	// The forwarder holds the row behind the poison row; the retry then
+	// moves both, in order, and a forwarder with a larger limit sends them.
+	f, stop = run(limit)
+	require.Eventually(t, func() bool { return f.Stats().Quarantined == 1 }, eventuallyTimeout, 10*time.Millisecond)
+	stop()
+	n, err := e.outbox.RetryDead(ctx, e.db.Pool, topic, "b")
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n)
+	_, stop = run(64 * 1024)
+	defer stop()
+	var seqs []int
+	for _, r := range consume(t, e.broker.Addrs, topic, 3) {
+		seqs = append(seqs, decode(t, r.Value).Seq)
+	}
+	require.Equal(t, []int{1, 2, 3}, seqs, "b in order")
+}

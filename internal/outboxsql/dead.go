@@ -108,6 +108,9 @@ func (t Tables) DeadRows(ctx context.Context, db DB, key *string, limit int) ([]
 // forwarder sends them as any new rows; one that still cannot be sent comes
 // back, with the rest of the key behind it.
 func (t Tables) RetryDead(ctx context.Context, db DB, key string) (int64, error) {
+	if err := t.checkKeyForwarded(ctx, db, key); err != nil {
+		return 0, err
+	}
 	rows, err := db.Query(ctx, `SELECT id FROM `+t.Dead+` WHERE partition_key = $1 ORDER BY id FOR UPDATE`, key)
 	if err != nil {
 		return 0, err
@@ -145,4 +148,52 @@ func (t Tables) DropDead(ctx context.Context, db DB, id int64) (bool, error) {
 		return false, err
 	}
 	return tag.RowsAffected() == 1, nil
+}
+
+// KeyPendingError is returned by [Tables.RetryDead] when rows of the key
+// are still in the messages table, not yet read by a forwarder: moved
+// back now, the dead rows would be sent after them, out of the key's
+// order. Once the forwarder has read them (they join the dead table,
+// held behind the key's dead row), the retry moves them all, in order.
+type KeyPendingError struct {
+	Key, Forwarder string
+	Rows           int64
+}
+
+func (e *KeyPendingError) Error() string {
+	return fmt.Sprintf("key %q has %d rows not yet forwarded by %s, which would be sent before its dead rows: "+
+		"retry once the forwarder has read them (they join the dead table behind the key's dead row)", e.Key, e.Rows, e.Forwarder)
+}
+
+// checkKeyForwarded returns a *KeyPendingError when a forwarder of the
+// topic (any name with a position) has not yet passed a row of key.
+func (t Tables) checkKeyForwarded(ctx context.Context, db DB, key string) error {
+	rows, err := db.Query(ctx, `SELECT consumer_group FROM `+t.Offsets+` ORDER BY consumer_group`)
+	if err != nil {
+		return err
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return err
+	}
+	for _, name := range names {
+		p, err := t.Position(ctx, db, name)
+		if err != nil {
+			return fmt.Errorf("position of %s: %w", name, err)
+		}
+		var cut *string
+		if p.Cut != nil {
+			s := p.Cut.String()
+			cut = &s
+		}
+		var n int64
+		if err := db.QueryRow(ctx, `SELECT count(*) FROM `+t.Messages+` m WHERE `+pendingWhere+`
+			AND COALESCE(m.metadata->>'partition_key', '') = $4`, p.Snapshot.String(), cut, p.CutOffset, key).Scan(&n); err != nil {
+			return err
+		}
+		if n > 0 {
+			return &KeyPendingError{Key: key, Forwarder: name, Rows: n}
+		}
+	}
+	return nil
 }

@@ -605,6 +605,14 @@ func (t Tables) Position(ctx context.Context, db DB, name string) (Position, err
 	return p, nil
 }
 
+// pendingWhere selects the rows of messages m that position ($1: its
+// snapshot, $2: its cut's end or NULL, $3: the offset reached in the cut)
+// has not passed.
+const pendingWhere = `(m.transaction_id >= pg_snapshot_xmax($1::text::pg_snapshot)
+		       OR m.transaction_id = ANY (ARRAY(SELECT pg_snapshot_xip($1::text::pg_snapshot))))
+		  AND NOT ($2::text IS NOT NULL AND m."offset" <= $3
+		           AND pg_visible_in_snapshot(m.transaction_id, $2::text::pg_snapshot))`
+
 // Backlog counts the committed rows name has not forwarded (every row when
 // name has no position) and returns how long the oldest of them has been
 // waiting, by its created_at (UTC since outbox migration 5) against the
@@ -626,12 +634,7 @@ func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64,
 	}
 	var ageSec float64
 	err = db.QueryRow(ctx, `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM (now() AT TIME ZONE 'UTC') - min(m.created_at)), 0)::float8
-		FROM `+t.Messages+` m
-		WHERE (m.transaction_id >= pg_snapshot_xmax($1::text::pg_snapshot)
-		       OR m.transaction_id = ANY (ARRAY(SELECT pg_snapshot_xip($1::text::pg_snapshot))))
-		  AND NOT ($2::text IS NOT NULL AND m."offset" <= $3
-		           AND pg_visible_in_snapshot(m.transaction_id, $2::text::pg_snapshot))`,
-		p.Snapshot.String(), cut, p.CutOffset).Scan(&pending, &ageSec)
+		FROM `+t.Messages+` m WHERE `+pendingWhere, p.Snapshot.String(), cut, p.CutOffset).Scan(&pending, &ageSec)
 	if err != nil {
 		return 0, 0, err
 	}
