@@ -72,5 +72,5 @@ db/reset: ## Drop the test schemas left behind by interrupted test runs
 	  | psql "$${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}" -v ON_ERROR_STOP=1 -q
 
 .PHONY: api
-api: ## Count the exported API surface (issue 19 targets: ≤160 top-level, ≤280 with methods)
+api: ## Count the exported API surface
 	@$(GO) run ./internal/testkit/cmd/apisurface -check

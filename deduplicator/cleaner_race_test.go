@@ -109,7 +109,7 @@ const (
 	pauseBeforeDrop  racePause = "before a partition DROP"
 )
 
-// Issue 18 §1: a consumer group that registers at any moment of a pass, and
+// A consumer group that registers at any moment of a pass, and
 // a young group registered before it, keep every claim they make during the
 // pass. The pass is paused at each of its steps; there a brand-new group
 // registers and applies old events (allowed: it is young), a young group
@@ -244,7 +244,7 @@ func raceNewGroup(t *testing.T, layout Layout, pause racePause) {
 	}
 }
 
-// Issue 18 §2: a shortening (30 → 7 days) while a consumer still runs with
+// A shortening (30 → 7 days) while a consumer still runs with
 // 30 days, with the Cleaner's host clock from 10 minutes behind to 10
 // minutes ahead of the database's. The Cleaner keeps 30 days until twice
 // RetentionRefreshInterval has passed on the database's clock, whatever its

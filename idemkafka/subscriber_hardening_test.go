@@ -21,7 +21,7 @@ import (
 
 // Cooperative rebalancing is refused on every path Sarama reads: the
 // GroupStrategies list, and the deprecated Strategy field, which Sarama
-// reads first (issue 30, item 3).
+// reads first.
 func TestSubscriberRefusesCooperativeOnEveryPath(t *testing.T) {
 	for name, mod := range map[string]func(*sarama.Config){
 		"GroupStrategies": func(c *sarama.Config) {
@@ -50,9 +50,9 @@ func TestSubscriberRefusesCooperativeOnEveryPath(t *testing.T) {
 }
 
 // RevokeTimeout leaves room, before the rebalance deadline, for the
-// heartbeat that brings the news, the final commit and ReconnectRetrySleep
-// (issue 30, item 7); CommitMetadataMaxBytes stays within the brokers'
-// offset.metadata.max.bytes, 4096 unless stated (item 4).
+// heartbeat that brings the news, the final commit and ReconnectRetrySleep;
+// CommitMetadataMaxBytes stays within the brokers'
+// offset.metadata.max.bytes, 4096 unless stated.
 func TestSubscriberConfigMargins(t *testing.T) {
 	base := func() idemkafka.SubscriberConfig {
 		return idemkafka.SubscriberConfig{Brokers: []string{"127.0.0.1:1"}, ConsumerGroup: "g"}
@@ -94,7 +94,7 @@ func TestSubscriberConfigMargins(t *testing.T) {
 }
 
 // A session that ends in a rebalance is followed by a join at once:
-// ReconnectRetrySleep is for errors only (issue 30, item 7). The first
+// ReconnectRetrySleep is for errors only. The first
 // member's ReconnectRetrySleep is longer than the test's deadline.
 func TestSubscriberRejoinsAtOnceAfterARebalance(t *testing.T) {
 	f := newFixture(t, 2, 2)
@@ -273,8 +273,7 @@ func refuseLongMetadata(f *fixture) *commitLog {
 // A commit the broker refuses (its offset.metadata.max.bytes is below the
 // commit metadata, because BrokerMetadataMaxBytes was stated wrong) is not
 // silent: it is counted in Stats with the error, logged, and the
-// Subscriber halves the metadata it writes until commits pass again
-// (issue 30, item 4).
+// Subscriber halves the metadata it writes until commits pass again.
 func TestSubscriberSurfacesARefusedCommit(t *testing.T) {
 	f := newFixture(t, 1, 1)
 	log := refuseLongMetadata(f)
@@ -337,7 +336,7 @@ func TestSubscriberSurfacesARefusedCommit(t *testing.T) {
 // A revoked partition's window is released at once: the timers of its held
 // (NotBeforeFunc) and backing-off (nacked) records are stopped, so they no
 // longer keep the records, payloads included, until they fire, an hour
-// later here (issue 30, item 6). The first member's records become
+// later here. The first member's records become
 // unreachable after a second member joins and the group rebalances.
 func TestSubscriberReleasesARevokedWindow(t *testing.T) {
 	const n = 20

@@ -46,7 +46,7 @@ func TestEncodeDoneTruncates(t *testing.T) {
 
 // Offsets at or below the committed one are never encoded: a gap below
 // zero would be written as uint64(-1), and the next owner would reject the
-// whole metadata (issue 30, item 2).
+// whole metadata.
 func TestEncodeDoneNeverUnderflows(t *testing.T) {
 	meta := encodeDone(5, []int64{4, 5, 6, 7, 9}, 2048)
 	require.Equal(t, map[int64]bool{6: true, 7: true, 9: true}, decodeDone(5, meta, 1024))
@@ -67,7 +67,7 @@ func craftedRuns(mark int64, n int, length uint64) string {
 
 // Decoding is bounded by the window: crafted metadata of about 4 KB that
 // names 10^8 done offsets yields at most PartitionWindow of them, the
-// lowest (issue 30, item 5).
+// lowest.
 func TestDecodeDoneBoundedByWindow(t *testing.T) {
 	meta := craftedRuns(0, 600, 1<<20-1) // 600 runs of 2^20-1 offsets: ~6.3e8
 	require.LessOrEqual(t, len(meta), 4096)

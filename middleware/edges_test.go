@@ -1,6 +1,6 @@
 package middleware_test
 
-// Edges of issue 18: names PostgreSQL cannot store, payloads with a UTF-8
+// Edges: names PostgreSQL cannot store, payloads with a UTF-8
 // byte order mark, against the real PostgreSQL.
 
 import (

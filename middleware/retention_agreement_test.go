@@ -1,6 +1,6 @@
 package middleware_test
 
-// Settings that must agree across components (issue 10 §2, §8, §9): the
+// Settings that must agree across components: the
 // retention has one source of truth (the table), a new consumer group drains
 // an old backlog, and a renamed group keeps its Idempotency-Keys.
 

@@ -1,6 +1,6 @@
 package middleware_test
 
-// Fail fast (issue 10 §4): NewDedup refuses, at start-up rather than at the
+// Fail fast: NewDedup refuses, at start-up rather than at the
 // first message, a missing table, a table keyed the reference document's
 // way, and pending migrations, each with a typed error.
 

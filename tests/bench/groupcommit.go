@@ -451,7 +451,7 @@ func (r *gcDBRig) plainGroups(ctx context.Context, workers int, size float64, du
 
 // gcDBPartitions are the partition counts of the database-only section:
 // those of the end-to-end one, and 128 (a group of 32 in each of 4
-// connections, the shape of the pgbench figures in issue 12).
+// connections, the shape of pgbench figures).
 var gcDBPartitions = []int32{8, 32, 128}
 
 func groupCommitCeiling(ctx context.Context, o Options) (Section, error) {

@@ -27,7 +27,7 @@ import (
 
 func init() { Register("parallel", parallelSubscriber) }
 
-// The workload of the parallel-subscriber section (issue 22): 4 partitions,
+// The workload of the parallel-subscriber section: 4 partitions,
 // 1,000 keys, a pool of 64 connections, the parallel subscriber at
 // MaxInFlight 64.
 const (
@@ -472,7 +472,7 @@ func parallelSubscriber(ctx context.Context, o Options) (Section, error) {
 	b.WriteString(Table([]string{"workload", "consumer", "events counted", "msg/s (median)", "ratio to watermill-kafka", "mean group size", "target"}, rows))
 	fmt.Fprintf(&b, "\nKafka (%s, %d partitions, %d keys: key-(i mod %d)) → watermill Router → dedup middleware → handler; "+
 		"pool of %d connections for every consumer. The handler writes one business row and then either waits %s "+
-		"(a provider call inside the transaction, the billing handler of issue 22) or writes one outbox row "+
+		"(a provider call inside the transaction, as a billing handler does) or writes one outbox row "+
 		"(`outbox.PublisherFromContext`; no forwarder runs). Each run consumes a backlog (%d events with the waiting "+
 		"handler, %d with the fast one; the same for every run of a workload) with a new consumer group and a new dedup consumer group; its rate runs from the first "+
 		"event handled to the last one of the count committed. watermill-kafka's subscriber on the waiting handler counts "+

@@ -493,7 +493,7 @@ const crashLoopBackoff = 10 * time.Second
 // [crashLoopBackoff] and joins while the dead member is still in the group,
 // so the coordinator holds every member's JoinGroup until the rebalance
 // timeout removes the dead one. That is the wait a consumer must sit
-// through (issue 10 §5): with a Net.ReadTimeout shorter than
+// through: with a Net.ReadTimeout shorter than
 // Consumer.Group.Rebalance.Timeout the joins time out, the members leave
 // and join again, and the group does not re-form.
 //

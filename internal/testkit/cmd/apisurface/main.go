@@ -1,6 +1,5 @@
 // Command apisurface counts the exported API of the module's public packages
-// (every package outside internal/, cmd/, tests/ and examples/), as issue 19
-// measures it:
+// (every package outside internal/, cmd/, tests/ and examples/):
 //   - top-level: the lines `go doc -short` prints (each exported func and
 //     type, each const/var declaration group with an exported name, and the
 //     constructors and typed constants go doc files under their type);
@@ -98,7 +97,7 @@ func main() {
 	}
 	fmt.Fprintf(w, "%d\t%d\t%d\t%d\t\t%s\n", total.topLevel, total.names, total.methods, total.ids(), "total")
 	w.Flush()
-	fmt.Printf("targets (issue 19): top-level ≤ 160 (%d), identifiers ≤ 280 (%d)\n", total.topLevel, total.ids())
+	fmt.Printf("targets: top-level ≤ 160 (%d), identifiers ≤ 280 (%d)\n", total.topLevel, total.ids())
 	if *verbose {
 		for _, c := range counts {
 			fmt.Println("==", c.path)
