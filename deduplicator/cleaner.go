@@ -13,11 +13,11 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 )
 
 // Cleaner defaults.
@@ -631,13 +631,11 @@ func cleanerRollback(ctx context.Context, tx pgx.Tx) {
 }
 
 func isStatementTimeout(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.QueryCanceled
+	return pgerr.Has(err, pgerrcode.QueryCanceled)
 }
 
 func isLockTimeout(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.LockNotAvailable || pgErr.Code == pgerrcode.DeadlockDetected)
+	return pgerr.Has(err, pgerrcode.LockNotAvailable, pgerrcode.DeadlockDetected)
 }
 
 func cleanerSleep(ctx context.Context, d time.Duration) error {

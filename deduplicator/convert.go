@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -249,8 +250,7 @@ WHERE i.indrelid = $1::oid AND ic.relname = ANY($2)`, shape.oid, []string{cfg.Ta
 		}
 	}
 	if _, err := exec("rename to "+oldName, "ALTER TABLE "+table+" RENAME TO "+ident.Quote(oldName)); err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DuplicateTable {
+		if pgerr.Has(err, pgerrcode.DuplicateTable) {
 			return fmt.Errorf("%w (a table %s.%s exists: drop or rename it)", err, cfg.Schema, oldName)
 		}
 		return err

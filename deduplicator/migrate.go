@@ -3,15 +3,14 @@ package deduplicator
 import (
 	"context"
 	"embed"
-	"errors"
 	"fmt"
 	"io/fs"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -115,8 +114,7 @@ func loadMigrations(cfg TableConfig) ([]migtable.Version, error) {
 func pendingVersions(ctx context.Context, db migrate.DBTX, cfg TableConfig, migs []migtable.Version) ([]int, error) {
 	versions, err := migtable.Pending(ctx, db, cfg.Schema, componentKey(cfg), migs)
 	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
+		if pgerr.Has(err, pgerrcode.InsufficientPrivilege) {
 			return nil, fmt.Errorf("deduplicator: table %s.%s: cannot read %s.%s (GRANT SELECT on it to this role): %w", cfg.Schema, cfg.Table, cfg.Schema, migtable.Table, err)
 		}
 		return nil, fmt.Errorf("deduplicator: table %s.%s: %w", cfg.Schema, cfg.Table, err)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 )
 
 // Beginner begins a transaction: *pgxpool.Pool, *pgx.Conn and pgx.Tx (then
@@ -406,8 +407,7 @@ func render(c chain, v migtable.Version) (Migration, error) {
 // readError names the line and, for a role that may not read the migration
 // table, the grant it needs.
 func readError(c chain, err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
+	if pgerr.Has(err, pgerrcode.InsufficientPrivilege) {
 		return fmt.Errorf("migrate: %s: cannot read %s.%s (GRANT SELECT on it to this role): %w", c.Component, c.Schema, migtable.Table, err)
 	}
 	return fmt.Errorf("migrate: %s: %w", c.Component, err)

@@ -12,10 +12,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/puddle/v2"
 
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -259,8 +259,7 @@ func (f *Forwarder) Close() error {
 // has one, so that the row lock serialises instances.
 func (f *Forwarder) register(ctx context.Context, topic string) error {
 	if err := f.cfg.Outbox.tables(topic).Register(ctx, f.cfg.DB, f.cfg.Name); err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
+		if pgerr.Has(err, pgerrcode.UndefinedTable) {
 			return fmt.Errorf("%w: topic %q: %w", ErrTopicNotMigrated, topic, err)
 		}
 		return fmt.Errorf("outbox forwarder: register topic %q: %w", topic, err)

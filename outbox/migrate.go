@@ -10,9 +10,9 @@ import (
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -126,8 +126,7 @@ func (o *Outbox) pendingVersions(ctx context.Context, q querier, topic string) (
 	}
 	versions, err := migtable.Pending(ctx, q, o.cfg.Schema, o.componentKey(topic), vs)
 	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InsufficientPrivilege {
+		if pgerr.Has(err, pgerrcode.InsufficientPrivilege) {
 			return nil, fmt.Errorf("outbox: topic %s: cannot read %s.%s (GRANT SELECT on it to this role): %w", topic, o.cfg.Schema, migtable.Table, err)
 		}
 		return nil, fmt.Errorf("outbox: topic %s: %w", topic, err)

@@ -14,13 +14,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -272,8 +272,7 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 		return fmt.Errorf("outbox: %w", err)
 	}
 	if err := p.Publish(topic, msgs...); err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
+		if pgerr.Has(err, pgerrcode.UndefinedTable) {
 			return fmt.Errorf("%w: topic %q (table %s): %w", ErrTopicNotMigrated, topic, o.MessagesTable(topic), err)
 		}
 		return fmt.Errorf("outbox: insert into %s: %w", o.MessagesTable(topic), err)

@@ -8,9 +8,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgerrcode"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 )
 
 // minPollInterval is the first wait after a read that found rows; each
@@ -169,8 +169,7 @@ func (f *Forwarder) sleep(stopCtx context.Context, wake chan struct{}, d time.Du
 }
 
 func isSerializationFailure(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.SerializationFailure || pgErr.Code == pgerrcode.DeadlockDetected)
+	return pgerr.Has(err, pgerrcode.SerializationFailure, pgerrcode.DeadlockDetected)
 }
 
 // cutCache keeps the pages of a cut that did not fit in one transaction, so

@@ -9,7 +9,8 @@ import (
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 )
 
 // Limits are the server-side limits of one forwarder transaction, set
@@ -44,8 +45,7 @@ func ms(d time.Duration) string {
 // IsLockTimeout reports whether err is a lock wait that ran out of
 // lock_timeout (SQLSTATE 55P03).
 func IsLockTimeout(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.LockNotAvailable
+	return pgerr.Has(err, pgerrcode.LockNotAvailable)
 }
 
 // Holder is the session that holds a forwarder's position lock, as

@@ -2,16 +2,15 @@ package idemtest
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -109,8 +108,7 @@ func outboxMessages(ctx context.Context, tb testing.TB, db migrate.DBTX, ob *out
 	}
 	rows, err := outboxsql.Tables{Messages: ob.MessagesTable(topic), Offsets: ob.OffsetsTable(topic)}.ReadAll(ctx, db)
 	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UndefinedTable {
+		if pgerr.Has(err, pgerrcode.UndefinedTable) {
 			tb.Fatalf("idemtest: the outbox has no table for topic %q (%s): migrate it first", topic, ob.MessagesTable(topic))
 		}
 		tb.Fatalf("idemtest: read outbox %s: %v", ob.MessagesTable(topic), err)
