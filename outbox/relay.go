@@ -242,14 +242,19 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	*last = known{pos: pos, ok: true}
 	f.polls.Add(1)
 	f.step("locked")
+	// The keys with dead rows are read after the cut: a key an operator
+	// retried (its rows moved back in one commit) is no longer among them
+	// whenever its moved rows are in the cut. A new cut and the keys go
+	// in one round trip.
+	var dead map[string]int64
 	pages, ahead, ok := cache.pagesAfter(pos)
 	if !ok {
-		cut, err := tables.ReadCut(ctx, tx, pos, f.cfg.BatchSize)
+		cut, keys, err := tables.ReadCutAndDeadKeys(ctx, tx, pos, f.cfg.BatchSize)
 		if err != nil {
 			return 0, false, fmt.Errorf("read cut: %w", err)
 		}
 		*cache = cutCache{cut: cut}
-		pages, ahead = cut.Pages, nil
+		pages, ahead, dead = cut.Pages, nil, keys
 	}
 	cache.ahead = nil
 	cut := cache.cut
@@ -271,12 +276,11 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		return 0, false, nil
 	}
 
-	// The keys with dead rows, read after the cut: a key an operator
-	// retried (its rows moved back in one commit) is no longer among them
-	// whenever its moved rows are in the cut.
-	dead, err := tables.DeadKeys(ctx, tx)
-	if err != nil {
-		return 0, false, fmt.Errorf("read dead keys: %w", err)
+	if dead == nil {
+		var err error
+		if dead, err = tables.DeadKeys(ctx, tx); err != nil {
+			return 0, false, fmt.Errorf("read dead keys: %w", err)
+		}
 	}
 	b := ahead
 	if b == nil {

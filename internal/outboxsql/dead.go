@@ -58,10 +58,19 @@ func (t Tables) Quarantine(ctx context.Context, db DB, r Row, key, cause string,
 // id of its first one: the forwarder holds the later rows of those keys.
 // Rows without a key hold nothing back.
 func (t Tables) DeadKeys(ctx context.Context, db DB) (map[string]int64, error) {
-	rows, err := db.Query(ctx, `SELECT partition_key, min(id) FROM `+t.Dead+` WHERE partition_key <> '' GROUP BY partition_key`)
+	rows, err := db.Query(ctx, deadKeysSQL(t.Dead))
 	if err != nil {
 		return nil, err
 	}
+	return scanDeadKeys(rows)
+}
+
+// deadKeysSQL reads each key of dead with its first row's id.
+func deadKeysSQL(dead string) string {
+	return `SELECT partition_key, min(id) FROM ` + dead + ` WHERE partition_key <> '' GROUP BY partition_key`
+}
+
+func scanDeadKeys(rows pgx.Rows) (map[string]int64, error) {
 	defer rows.Close()
 	keys := map[string]int64{}
 	for rows.Next() {

@@ -464,6 +464,41 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 	if err != nil {
 		return c, err
 	}
+	return t.scanCut(c, p, rows, pageSize)
+}
+
+// ReadCutAndDeadKeys is [Tables.ReadCut] and then [Tables.DeadKeys], sent
+// together in one round trip on tx. DeadKeys's statement takes its
+// snapshot after the cut's, as the forwarder needs (see its use).
+func (t Tables) ReadCutAndDeadKeys(ctx context.Context, tx *Tx, p Position, pageSize int) (Cut, map[string]int64, error) {
+	c := Cut{From: p.Snapshot}
+	var to *string
+	if p.Cut != nil {
+		s := p.Cut.String()
+		to, c.To, c.After = &s, *p.Cut, p.CutOffset
+	}
+	b := &pgx.Batch{}
+	b.Queue(CutSQL(t.Messages), p.Snapshot.String(), to, c.After)
+	b.Queue(deadKeysSQL(t.Dead))
+	br := tx.conn.SendBatch(ctx, b)
+	rows, err := br.Query()
+	if err == nil {
+		c, err = t.scanCut(c, p, rows, pageSize)
+	}
+	var dead map[string]int64
+	if err == nil {
+		if rows, err = br.Query(); err == nil {
+			dead, err = scanDeadKeys(rows)
+		}
+	}
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	return c, dead, err
+}
+
+// scanCut reads the cut statement's rows into c, in pages of pageSize.
+func (t Tables) scanCut(c Cut, p Position, rows pgx.Rows, pageSize int) (Cut, error) {
 	defer rows.Close()
 	type key struct {
 		offset int64
@@ -513,9 +548,11 @@ func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (C
 		c.Pages = append(c.Pages, pg)
 	}
 	if p.Cut == nil && len(c.Pages) > 0 {
-		if c.To, err = ParseSnapshot(cur); err != nil {
+		to, err := ParseSnapshot(cur)
+		if err != nil {
 			return c, err
 		}
+		c.To = to
 	}
 	return c, nil
 }
