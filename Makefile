@@ -28,6 +28,10 @@ test: test/pg ## Run every test (real Postgres + in-process Kafka broker), with 
 test/short: test/pg ## Run the fast tests only (-short), without -race
 	$(GO) test -short -count=1 -p $(TEST_P) -parallel $(TEST_PARALLEL) $(PKGS)
 
+.PHONY: test/unit
+test/unit: ## Only the tests that need neither PostgreSQL nor a Kafka broker (the others skip): seconds, on a bare machine
+	IDEM_UNIT=1 $(GO) test -count=1 -run '^(Test|Fuzz)' $(PKGS)
+
 .PHONY: test/pg
 test/pg: ## Check that PostgreSQL (DATABASE_URL) is reachable and accepts the suite's TEST_CONNS connections
 	@$(GO) run ./internal/testkit/cmd/pgbudget -budget $(TEST_CONNS)

@@ -26,6 +26,7 @@ import (
 // TestDemo runs the demo's whole scenario, small: real PostgreSQL, the
 // Kafka-protocol broker, every injected fault, and all invariants.
 func TestDemo(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
 	t.Parallel()
 	var progress bytes.Buffer
 	rep, err := runDemo(context.Background(), demoConfig{
@@ -186,6 +187,7 @@ func TestGroupViolations(t *testing.T) {
 // lost response turns into a second charge, and the demo must report it (the
 // dedup table alone cannot prevent it: the first transaction rolled back).
 func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
 	t.Parallel()
 	var progress bytes.Buffer
 	rep, err := runDemo(context.Background(), demoConfig{

@@ -29,6 +29,7 @@ import (
 // processes), two side by side would take the whole suite past its
 // connection budget (README, "Testing").
 func TestSoakShort(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
 	if testing.Short() {
 		t.Skip("soak: skipped in -short mode")
 	}
@@ -139,6 +140,7 @@ func requireFaults(t *testing.T, fc soak.FaultCounts, rep *soak.Report) {
 // mid-handler, or when it fails after the write and the event is retried
 // (in process and from a retry topic), and the soak must report it.
 func TestSoakDetectsNonTransactionalHandler(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
 	if testing.Short() {
 		t.Skip("soak: skipped in -short mode")
 	}

@@ -42,10 +42,25 @@ type DB struct {
 // connection budget must not (README, "Testing").
 const DefaultMaxConns = 4
 
+// UnitEnv, when set in the environment (make test/unit), skips every test
+// that needs PostgreSQL or a Kafka broker: the run is the tests that need
+// neither, on a bare machine.
+const UnitEnv = "IDEM_UNIT"
+
+// SkipInUnitRun skips tb in a unit run (see [UnitEnv]); tests that reach
+// PostgreSQL or a broker without [New] or kafkatest.Start call it first.
+func SkipInUnitRun(tb testing.TB) {
+	tb.Helper()
+	if os.Getenv(UnitEnv) != "" {
+		tb.Skip("needs PostgreSQL or a Kafka broker: skipped in make test/unit")
+	}
+}
+
 // New creates a fresh schema named after the test, and a pool bound to it.
 // Both are removed when the test ends. maxConns 0 means [DefaultMaxConns].
 func New(tb testing.TB, maxConns int32) *DB {
 	tb.Helper()
+	SkipInUnitRun(tb)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 

@@ -12,6 +12,7 @@ import (
 )
 
 func TestCounter(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
 	t.Parallel()
 	ctx := context.Background()
 	c := &rtcount.Counter{}

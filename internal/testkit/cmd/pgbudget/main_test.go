@@ -11,6 +11,7 @@ import (
 )
 
 func TestCheckAgainstTheServer(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
 	ctx := context.Background()
 	_, err := check(ctx, pgtest.URL(), 1)
 	require.NoError(t, err)
