@@ -217,6 +217,9 @@ func (f *Forwarder) sendTxn(records []*sarama.ProducerMessage) error {
 	f.txnMu.Lock()
 	defer f.txnMu.Unlock()
 	p := f.cfg.Producer
+	if err := readyTxn(p); err != nil {
+		return err
+	}
 	if err := p.BeginTxn(); err != nil {
 		return fmt.Errorf("begin Kafka transaction: %w", err)
 	}
@@ -267,4 +270,33 @@ func startBatchSpan(tr trace.Tracer, topic string, msgs []*message.Message) trac
 	}
 	_, span := tr.Start(context.Background(), "send "+topic, trace.WithSpanKind(trace.SpanKindProducer), trace.WithLinks(links...), trace.WithAttributes(attrs...))
 	return span
+}
+
+// readyTxn brings p back to a state where a transaction can begin after
+// an earlier one did not end: a commit whose EndTxn failed (a network
+// error, the coordinator moving, past its retries) is committed again
+// (its records were all written; copies at most, in order), an abort or
+// an epoch bump that did not finish is aborted again, a transaction left
+// open by a failed send is aborted. Without this a shared producer would
+// refuse every later BeginTxn ("invalid transition"), and every topic
+// would stop until the process restarts. A fatal state (fenced by another
+// producer of the same transactional id, say) cannot be left: the error
+// says the producer must be replaced.
+func readyTxn(p sarama.SyncProducer) error {
+	st := p.TxnStatus()
+	switch {
+	case st&sarama.ProducerTxnFlagReady != 0:
+		return nil
+	case st&sarama.ProducerTxnFlagFatalError != 0:
+		return fmt.Errorf("Kafka producer in a fatal transaction state (%s): it must be replaced (fenced by another producer of its transactional id?)", st)
+	case st&sarama.ProducerTxnFlagCommittingTransaction != 0:
+		if err := p.CommitTxn(); err != nil {
+			return fmt.Errorf("finish an earlier Kafka transaction's commit (%s): %w", st, err)
+		}
+	case st&(sarama.ProducerTxnFlagInTransaction|sarama.ProducerTxnFlagAbortableError|sarama.ProducerTxnFlagAbortingTransaction|sarama.ProducerTxnFlagInitializing) != 0:
+		if err := p.AbortTxn(); err != nil {
+			return fmt.Errorf("abort an earlier Kafka transaction (%s): %w", st, err)
+		}
+	}
+	return nil
 }

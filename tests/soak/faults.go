@@ -142,7 +142,10 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 			h.fault(f.kind, true)
 			return
 		}
-		h.fake.ShufflePartitionLeaders()
+		if err := h.moveLeaders(); err != nil {
+			h.violation("leader election: %v", err)
+			return
+		}
 		h.fault(f.kind, false)
 	case faultOversize:
 		op, ok := h.prod.(*outboxProducer)
@@ -466,4 +469,18 @@ func (h *harness) records(topic string) (int64, error) {
 		n += hw
 	}
 	return n, nil
+}
+
+// moveLeaders moves the leader of every partition of the run's topics to
+// the next of the in-process cluster's three brokers: each one changes.
+func (h *harness) moveLeaders() error {
+	for _, t := range h.topics {
+		for p := range int32(h.cfg.Partitions) {
+			next := (h.fake.LeaderFor(t, p) + 1) % leaderBrokers
+			if err := h.fake.MoveTopicPartition(t, p, next); err != nil {
+				return fmt.Errorf("%s/%d to broker %d: %w", t, p, next, err)
+			}
+		}
+	}
+	return nil
 }

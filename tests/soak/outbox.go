@@ -189,11 +189,24 @@ func (p *outboxProducer) writeOversize(ctx context.Context) error {
 	n := int(p.oversize.Add(1) - 1)
 	payload := fmt.Sprintf(`{"pad":"%s"}`, strings.Repeat("x", idemkafka.DefaultMaxMessageBytes))
 	// []byte: the payload column's bytea (or JSON), and raw JSON for the
-	// metadata column.
-	_, err := p.pool.Exec(ctx, `INSERT INTO `+p.ob.MessagesTable(p.h.topic)+` (uuid, payload, metadata, transaction_id)
-		VALUES ($1, $2, $3, pg_current_xact_id())`, uuid.NewString(), []byte(payload),
-		[]byte(fmt.Sprintf(`{"partition_key":%q}`, oversizeKey(n))))
-	return err
+	// metadata column. Retried as a writer would while the database drops
+	// its connections (the disruption and pg-terminate faults); a commit
+	// whose answer was lost can leave a second row of the key, which then
+	// waits behind the first (verify allows that).
+	for {
+		_, err := p.pool.Exec(ctx, `INSERT INTO `+p.ob.MessagesTable(p.h.topic)+` (uuid, payload, metadata, transaction_id)
+			VALUES ($1, $2, $3, pg_current_xact_id())`, uuid.NewString(), []byte(payload),
+			[]byte(fmt.Sprintf(`{"partition_key":%q}`, oversizeKey(n))))
+		if err == nil || ctx.Err() != nil {
+			return err
+		}
+		p.h.logf("oversize row: %v, retrying", err)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
 }
 
 // deadRows returns the keys of the rows in the topic's dead table.

@@ -66,6 +66,10 @@ const (
 	faultOversize     = "oversize-row"
 )
 
+// leaderBrokers is how many brokers the in-process cluster runs when the
+// fault mix has leader elections (node ids 0 to leaderBrokers-1).
+const leaderBrokers = 3
+
 // What a fault's progress mark counts.
 const (
 	byApplied  = iota // events applied by both groups (out of 2 x Events)

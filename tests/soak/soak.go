@@ -384,6 +384,7 @@ type harness struct {
 	brokers []string
 	trace   *groupTrace    // the in-process broker's group requests; nil on a real cluster
 	fake    *kfake.Cluster // the in-process broker; nil on a real cluster
+	topics  []string       // every topic of the run
 	admin   *pgxpool.Pool  // on the run's database
 	maint   *pgxpool.Pool  // on DatabaseURL's database: creates, disrupts and drops the run's
 	logger  watermill.LoggerAdapter
@@ -497,7 +498,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		var opts []kfake.Opt
 		if cfg.Faults.LeaderElection > 0 {
 			// Leaders to move between: three brokers.
-			opts = append(opts, kfake.NumBrokers(3))
+			opts = append(opts, kfake.NumBrokers(leaderBrokers))
 		}
 		fake, err := kafkatest.NewFake(opts...)
 		if err != nil {
@@ -517,6 +518,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			return nil, fmt.Errorf("create topic %s: %w", t, err)
 		}
 	}
+	h.topics = topics
 
 	defer h.dropDB()
 	if err := h.setupDB(ctx); err != nil {
