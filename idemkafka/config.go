@@ -175,8 +175,14 @@ type ClientConfig struct {
 	// page is sent again whole: A's first copy stays before B's. The
 	// consumer configs of this package read committed records only. Give
 	// every running producer its own id (instances with one id fence each
-	// other: the older one's sends fail); for example the forwarder's Name
-	// and the host's name. Defaults to "": the producer is idempotent but
+	// other: the older one's sends fail), and keep it across restarts of
+	// the same instance (a StatefulSet pod's name, say): a restarted
+	// producer with the id aborts the transaction its predecessor left
+	// open, while a new id leaves it open, and read_committed consumers of
+	// its partitions wait behind it, until Sarama's
+	// Producer.Transaction.Timeout (1 min by default; lower it towards the
+	// forwarder's SendTimeout) lets the coordinator abort it. Defaults to
+	// "": the producer is idempotent but
 	// not transactional, and a partial failure can put B's first copy
 	// before A's (see docs/outbox.md).
 	TransactionalID string

@@ -24,8 +24,9 @@ type Backlog struct {
 	// created_at against the database's clock, both in UTC (outbox
 	// migration 5), whatever the writers' and the reader's time zones; 0
 	// when nothing is pending. It is never clamped: a row written before
-	// migration 5 by a session in a zone ahead of UTC can show a negative
-	// age rather than hide as 0.
+	// migration 5 by a session in another zone is off by that zone's
+	// offset (negative ahead of UTC, hours too old behind it), shown as it
+	// is rather than hidden as 0.
 	OldestAge time.Duration
 	// Dead counts the rows in the topic's dead table: rows no forwarder
 	// could send and the rows held behind them ([Outbox.DeadRows]). Above

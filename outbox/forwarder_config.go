@@ -140,7 +140,9 @@ type ForwarderConfig struct {
 	// position's lock when a forwarder's host vanishes without a TCP
 	// reset: each forwarder transaction sets, with SET LOCAL,
 	// idle_in_transaction_session_timeout and tcp_user_timeout to
-	// SendTimeout + 5 s, so the server ends a transaction whose client has
+	// SendTimeout + 5 s (with a transactional producer, which the topics
+	// share one Kafka transaction at a time, SendTimeout × the number of
+	// Topics + 5 s), so the server ends a transaction whose client has
 	// been silent that long and another instance takes the topic over.
 	// A send slower than that ends its own transaction: it is rolled back
 	// and its pages are sent again (copies, never a gap). Instances that
@@ -199,12 +201,20 @@ func (c *ForwarderConfig) setDefaults() {
 	}
 }
 
-// limits are the server-side limits of the forwarder's transactions.
+// limits are the server-side limits of the forwarder's transactions. With
+// a transactional producer the topics' loops take turns on it (one Kafka
+// transaction at a time), so a loop's database transaction may also sit
+// idle while the other topics send: the idle limit covers one send per
+// topic.
 func (c ForwarderConfig) limits() outboxsql.Limits {
 	if c.SendTimeout < 0 {
 		return outboxsql.Limits{}
 	}
-	return outboxsql.Limits{Idle: c.SendTimeout + idleMargin, Lock: lockWait}
+	idle := c.SendTimeout
+	if c.Producer != nil && c.Producer.IsTransactional() {
+		idle *= time.Duration(max(len(c.Topics), 1))
+	}
+	return outboxsql.Limits{Idle: idle + idleMargin, Lock: lockWait}
 }
 
 // Validate reports the first invalid field, after applying the defaults to

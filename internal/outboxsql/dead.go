@@ -117,6 +117,14 @@ func (t Tables) DeadRows(ctx context.Context, db DB, key *string, limit int) ([]
 // forwarder sends them as any new rows; one that still cannot be sent comes
 // back, with the rest of the key behind it.
 func (t Tables) RetryDead(ctx context.Context, db DB, key string) (int64, error) {
+	// Writers wait until the retry commits, and the retry waits for those
+	// in flight: no row of the key can commit between the check below and
+	// the moved rows (it would go out before them, or be held behind the
+	// key's dead rows after they left). Writes only pause for the retry's
+	// few statements. A forwarder's quarantine (a DELETE) waits too.
+	if _, err := db.Exec(ctx, `LOCK TABLE `+t.Messages+` IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+		return 0, err
+	}
 	if err := t.checkKeyForwarded(ctx, db, key); err != nil {
 		return 0, err
 	}
@@ -175,9 +183,14 @@ func (e *KeyPendingError) Error() string {
 }
 
 // checkKeyForwarded returns a *KeyPendingError when a forwarder of the
-// topic (any name with a position) has not yet passed a row of key.
+// topic (any name with a snapshot position: watermill-sql subscribers'
+// rows have none) has not yet passed a row of key. The key "" holds
+// nothing back (rows without a key are never held), so it is not checked.
 func (t Tables) checkKeyForwarded(ctx context.Context, db DB, key string) error {
-	rows, err := db.Query(ctx, `SELECT consumer_group FROM `+t.Offsets+` ORDER BY consumer_group`)
+	if key == "" {
+		return nil
+	}
+	rows, err := db.Query(ctx, `SELECT consumer_group FROM `+t.Offsets+` WHERE position_snapshot IS NOT NULL ORDER BY consumer_group`)
 	if err != nil {
 		return err
 	}
