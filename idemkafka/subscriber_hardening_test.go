@@ -141,18 +141,10 @@ func (f *fixture) committed(t *testing.T, group string) (int64, string) {
 // the commit metadata lists the records after it as done. They are
 // trimmed as they are read, so the committed offset moves past them, and a
 // PartitionWindow smaller than the previous owner's (3 here, against 5
-// done records) does not fill up with them and stall the partition (issue
-// 30, item 2).
+// done records) does not fill up with them and stall the partition.
 func TestSubscriberTrimsRecordsDoneAtTheWindowStart(t *testing.T) {
 	f := newFixture(t, 1, 4)
-	msgs := []*message.Message{f.event(t, "a", 1)}
-	for i := range 5 {
-		msgs = append(msgs, f.event(t, keyName(i), 1))
-	}
-	require.NoError(t, f.pub.Publish(f.topic, msgs...))
-	a1 := event{"a", 1}
-	g := newGate()
-	g.block(a1)
+	a1, g := f.blockedHeadAndFive(t)
 	cfg := f.config("trim")
 	cfg.RevokeTimeout = 100 * time.Millisecond
 	sub := f.subscriber(t, cfg)

@@ -64,6 +64,22 @@ type gate struct {
 	started chan event
 }
 
+// blockedHeadAndFive publishes a's first event, then one event of each of
+// five other keys, and returns a's event with a gate that holds its
+// handler.
+func (f *fixture) blockedHeadAndFive(t *testing.T) (event, *gate) {
+	t.Helper()
+	msgs := []*message.Message{f.event(t, "a", 1)}
+	for i := range 5 {
+		msgs = append(msgs, f.event(t, keyName(i), 1))
+	}
+	require.NoError(t, f.pub.Publish(f.topic, msgs...))
+	a1 := event{"a", 1}
+	g := newGate()
+	g.block(a1)
+	return a1, g
+}
+
 func newGate() *gate {
 	return &gate{open: map[event]chan struct{}{}, started: make(chan event, 100)}
 }
@@ -227,14 +243,7 @@ func TestSubscriberWindowBoundsFetching(t *testing.T) {
 // skips them and gets only the unacked one again.
 func TestSubscriberCommitsBelowLowestUnacked(t *testing.T) {
 	f := newFixture(t, 1, 4)
-	msgs := []*message.Message{f.event(t, "a", 1)}
-	for i := range 5 {
-		msgs = append(msgs, f.event(t, keyName(i), 1))
-	}
-	require.NoError(t, f.pub.Publish(f.topic, msgs...))
-	a1 := event{"a", 1}
-	g := newGate()
-	g.block(a1)
+	a1, g := f.blockedHeadAndFive(t)
 	cfg := f.config("commit")
 	cfg.RevokeTimeout = 100 * time.Millisecond
 	sub := f.subscriber(t, cfg)
