@@ -446,7 +446,7 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 	}
 	young := []string{}
 	for _, g := range gs {
-		if g.young(now, retention) {
+		if g.Young(now, retention) {
 			young = append(young, g.Name)
 		}
 	}

@@ -39,9 +39,10 @@ type Group struct {
 	StartedAt time.Time
 }
 
-// young reports whether the group was first seen less than retention before
-// now: none of its claims can have been cleaned yet.
-func (g Group) young(now time.Time, retention time.Duration) bool {
+// Young reports whether the group was first seen less than retention
+// before now: none of its claims can have been cleaned yet, and the
+// Cleaner keeps all of them.
+func (g Group) Young(now time.Time, retention time.Duration) bool {
 	return g.FirstSeen.After(now.Add(-retention))
 }
 

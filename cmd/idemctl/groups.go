@@ -8,12 +8,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 )
 
-// young reports whether g was first seen less than retention before now, so
-// the Cleaner keeps all of its claims (deduplicator.Group.FirstSeen).
-func young(g deduplicator.Group, now time.Time, retention time.Duration) bool {
-	return g.FirstSeen.After(now.Add(-retention))
-}
-
 func groupsList(ctx context.Context, a *app, args []string) error {
 	tc, err := a.tableOnly(ctx, args)
 	if err != nil {
@@ -38,7 +32,7 @@ func groupsList(ctx context.Context, a *app, args []string) error {
 		}
 		out := []group{}
 		for _, g := range gs {
-			out = append(out, group{g.Name, jsonTime(g.FirstSeen), g.IdempotencyNamespace, jsonTime(g.StartedAt), young(g, now, retention)})
+			out = append(out, group{g.Name, jsonTime(g.FirstSeen), g.IdempotencyNamespace, jsonTime(g.StartedAt), g.Young(now, retention)})
 		}
 		return a.printJSON(out)
 	}
@@ -53,7 +47,7 @@ func groupsList(ctx context.Context, a *app, args []string) error {
 		if g.FirstSeen.IsZero() {
 			first = "before the registry"
 		}
-		row(tw, g.Name, first, g.IdempotencyNamespace, humanTime(g.StartedAt), map[bool]string{true: "yes", false: "no"}[young(g, now, retention)])
+		row(tw, g.Name, first, g.IdempotencyNamespace, humanTime(g.StartedAt), map[bool]string{true: "yes", false: "no"}[g.Young(now, retention)])
 	}
 	if err := tw.Flush(); err != nil {
 		return err
