@@ -18,6 +18,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
+	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
 
 // Cleaner defaults.
@@ -294,12 +295,8 @@ func (c *Cleaner) Run(ctx context.Context) error {
 		case !res.Skipped:
 			c.logger.Debug("Retention pass done, nothing to do", res.logFields())
 		}
-		t := time.NewTimer(c.cfg.Interval)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if wait.Sleep(ctx, c.cfg.Interval) != nil {
 			return nil
-		case <-t.C:
 		}
 	}
 }
@@ -589,7 +586,7 @@ func (c *Cleaner) batches(ctx context.Context, conn *pgx.Conn, res *Result, batc
 			c.logger.Info("Retention batch hit statement_timeout, backing off", watermill.LogFields{
 				"batch_size": limit, "pause": pause.String(), "consecutive": consecutive,
 			})
-			if err := cleanerSleep(ctx, pause); err != nil {
+			if err := wait.Sleep(ctx, pause); err != nil {
 				return err
 			}
 			continue
@@ -636,17 +633,6 @@ func isStatementTimeout(err error) bool {
 
 func isLockTimeout(err error) bool {
 	return pgerr.Has(err, pgerrcode.LockNotAvailable, pgerrcode.DeadlockDetected)
-}
-
-func cleanerSleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
 }
 
 // jitter returns d scaled by a random factor in [0.5, 1.5).

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
+	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
 
 var boundRe = regexp.MustCompile(`^FOR VALUES FROM \('([0-9a-f-]{36})'\) TO \('([0-9a-f-]{36})'\)$`)
@@ -282,7 +283,7 @@ func (c *Cleaner) ddl(ctx context.Context, conn *pgx.Conn, what string, fn func(
 		}
 		pause := cleanerJitter(c.cfg.LockTimeout * time.Duration(attempt))
 		c.logger.Info("Partition DDL hit lock_timeout, retrying", watermill.LogFields{"op": what, "attempt": attempt, "pause": pause.String()})
-		if err := cleanerSleep(ctx, pause); err != nil {
+		if err := wait.Sleep(ctx, pause); err != nil {
 			return err
 		}
 	}

@@ -11,6 +11,8 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
 
 // Subscriber is a Watermill message.Subscriber on a Kafka consumer group
@@ -191,13 +193,7 @@ func (st *stream) run() {
 			continue // the session ended in a rebalance: rejoin at once
 		}
 		st.logger.Error("Consume failed, joining again", err, watermill.LogFields{"retry_in": st.s.cfg.ReconnectRetrySleep.String()})
-		t := time.NewTimer(st.s.cfg.ReconnectRetrySleep)
-		select {
-		case <-t.C:
-		case <-st.ctx.Done():
-		}
-		t.Stop()
-		if st.ctx.Err() != nil {
+		if wait.Sleep(st.ctx, st.s.cfg.ReconnectRetrySleep) != nil {
 			break
 		}
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
+	"github.com/idemkit/watermill-idempotency/internal/wait"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -212,12 +213,8 @@ func (f *Forwarder) start(stopCtx context.Context) error {
 			return err
 		}
 		f.logger.Error("Outbox forwarder cannot start, retrying", err, watermill.LogFields{"attempt": attempt, "retry_in": backoff.String()})
-		t := time.NewTimer(backoff)
-		select {
-		case <-stopCtx.Done():
-			t.Stop()
+		if wait.Sleep(stopCtx, backoff) != nil {
 			return fmt.Errorf("outbox forwarder: stopped before it could start: %w", err)
-		case <-t.C:
 		}
 		backoff = min(2*backoff, maxStartupBackoff)
 	}

@@ -3,10 +3,11 @@ package outbox
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
 
 // listen wakes the topics' loops when a transaction that wrote to their
@@ -31,12 +32,8 @@ func (f *Forwarder) listen(ctx context.Context, wake map[string]chan struct{}) {
 			return
 		}
 		f.logger.Error("Outbox forwarder's LISTEN connection failed, polling until it is back", err, watermill.LogFields{"retry_in": f.cfg.RetryInterval.String()})
-		t := time.NewTimer(f.cfg.RetryInterval)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if wait.Sleep(ctx, f.cfg.RetryInterval) != nil {
 			return
-		case <-t.C:
 		}
 	}
 }

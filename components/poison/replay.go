@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
 
 // Config configures [List] and [Replay].
@@ -262,14 +263,8 @@ func (r *replayer) record(ctx context.Context, rec *sarama.ConsumerMessage) erro
 
 // publish waits for the rate limit, then publishes msg back.
 func (r *replayer) publish(ctx context.Context, msg *message.Message, m Message, key []byte) error {
-	if wait := time.Until(r.next); wait > 0 {
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return fmt.Errorf("poison: replay: %w", ctx.Err())
-		}
+	if err := wait.Sleep(ctx, time.Until(r.next)); err != nil {
+		return fmt.Errorf("poison: replay: %w", err)
 	}
 	out, err := restore(msg, m, key, r.cfg.NowFunc())
 	if err != nil {

@@ -13,6 +13,7 @@ import (
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/wait"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -224,14 +225,10 @@ func (r *RetryTopic) hold(ctx context.Context, notBefore time.Time) error {
 		return nil
 	}
 	r.stats.held.Add(1)
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("retrytopic: waiting for not-before %s: %w", notBefore.UTC().Format(time.RFC3339Nano), ctx.Err())
+	if err := wait.Sleep(ctx, d); err != nil {
+		return fmt.Errorf("retrytopic: waiting for not-before %s: %w", notBefore.UTC().Format(time.RFC3339Nano), err)
 	}
+	return nil
 }
 
 // copyFor returns the copy of msg that travels on: same UUID, payload and
