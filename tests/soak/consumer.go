@@ -41,6 +41,9 @@ type group struct {
 	live      []*instance
 	next      int
 	resetting bool
+	// replacing counts crashed instances whose replacement is still to
+	// start (after crashDelay); an offset reset takes them over.
+	replacing int
 	// orphans are armed faults (pendingKillMid, pendingKillCommit) whose
 	// instance ended before it executed them while no other live instance
 	// could take them: the next instance started executes one.
@@ -341,12 +344,25 @@ func (g *group) exited(ctx context.Context, inst *instance, err error) {
 	if expected == faultCrashLoop {
 		delay = crashLoopBackoff
 	}
+	g.mu.Lock()
+	g.replacing++
+	g.mu.Unlock()
 	select {
 	case <-time.After(delay):
 	case <-ctx.Done():
 		return
 	}
-	next, err := g.start(ctx)
+	g.mu.Lock()
+	if g.replacing == 0 || g.resetting || h.closing.Load() {
+		// An offset reset took the replacement over (it starts as many
+		// instances as were live plus those being replaced), or the run
+		// is over.
+		g.mu.Unlock()
+		return
+	}
+	g.replacing--
+	next, err := g.startLocked(ctx)
+	g.mu.Unlock()
 	switch {
 	case err != nil && !h.closing.Load() && ctx.Err() == nil:
 		h.violation("%s: restart after crash: %v", g.name, err)

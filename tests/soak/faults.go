@@ -324,8 +324,16 @@ func (h *harness) resetOffsets(ctx context.Context, g *group) error {
 	g.mu.Lock()
 	g.resetting = true
 	live := append([]*instance(nil), g.live...)
-	n := max(len(live), g.base)
+	// Crashed instances whose replacement has not started yet are started
+	// by the reset: their replacements would find it under way and start
+	// none, and the group would shrink for good.
+	replaced := g.replacing
+	g.replacing = 0
+	n := max(len(live)+replaced, g.base)
 	g.mu.Unlock()
+	for range replaced {
+		h.fault(faultRestart, false)
+	}
 	defer func() {
 		g.mu.Lock()
 		g.resetting = false
