@@ -99,7 +99,16 @@ func (e *env) producer(t *testing.T) sarama.SyncProducer {
 // startForwarder runs a forwarder until the test ends.
 func (e *env) startForwarder(t *testing.T, cfg outbox.ForwarderConfig) *outbox.Forwarder {
 	t.Helper()
-	cfg.DB = e.db.Pool
+	return e.startForwarderLogged(t, cfg, watermill.NewStdLogger(os.Getenv("FWDLOG") != "", false))
+}
+
+// startForwarderLogged runs a forwarder logging to logger until the test
+// ends; cfg.DB defaults to the test's pool.
+func (e *env) startForwarderLogged(t *testing.T, cfg outbox.ForwarderConfig, logger watermill.LoggerAdapter) *outbox.Forwarder {
+	t.Helper()
+	if cfg.DB == nil {
+		cfg.DB = e.db.Pool
+	}
 	cfg.Outbox = e.outbox
 	if cfg.Producer == nil && cfg.Publisher == nil {
 		cfg.Producer = e.producer(t)
@@ -107,7 +116,7 @@ func (e *env) startForwarder(t *testing.T, cfg outbox.ForwarderConfig) *outbox.F
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = 10 * time.Millisecond
 	}
-	f, err := outbox.NewForwarder(cfg, watermill.NewStdLogger(os.Getenv("FWDLOG") != "", false))
+	f, err := outbox.NewForwarder(cfg, logger)
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- f.Run(context.Background()) }()
@@ -116,6 +125,16 @@ func (e *env) startForwarder(t *testing.T, cfg outbox.ForwarderConfig) *outbox.F
 		require.NoError(t, <-done)
 	})
 	return f
+}
+
+// events builds n messages over keys aggregates: agg-0, agg-1, ... in
+// turn, each key's sequence from 0.
+func events(n, keys int) []*message.Message {
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = event(fmt.Sprintf("agg-%d", i%keys), i/keys)
+	}
+	return msgs
 }
 
 // event builds a message for aggregate key with sequence seq in its payload.

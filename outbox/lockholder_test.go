@@ -2,7 +2,6 @@ package outbox_test
 
 import (
 	"context"
-	"fmt"
 	"net"
 	"strings"
 	"sync/atomic"
@@ -11,7 +10,6 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -93,11 +91,7 @@ func TestForwarder_VanishedHolderReleasesThePositionLock(t *testing.T) {
 	e := newEnv(t, 4)
 	topic := e.topic(t, "vanish", 1)
 	const rows = 20
-	msgs := make([]*message.Message, rows)
-	for i := range msgs {
-		msgs[i] = event(fmt.Sprintf("agg-%d", i%4), i/4)
-	}
-	e.publishTx(t, topic, msgs...)
+	e.publishTx(t, topic, events(rows, 4)...)
 
 	// A: behind a connection that is cut once A holds the lock. Its
 	// SendTimeout (8 s: released after 13 s) is longer than B's lock wait
@@ -128,15 +122,7 @@ func TestForwarder_VanishedHolderReleasesThePositionLock(t *testing.T) {
 
 	logs := watermill.NewCaptureLogger()
 	start := time.Now()
-	b, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: e.producer(t),
-		Topics: []string{topic}, PollInterval: 10 * time.Millisecond}, logs)
-	require.NoError(t, err)
-	doneB := make(chan error, 1)
-	go func() { doneB <- b.Run(context.Background()) }()
-	defer func() {
-		require.NoError(t, b.Close())
-		require.NoError(t, <-doneB)
-	}()
+	b := e.startForwarderLogged(t, outbox.ForwarderConfig{Topics: []string{topic}}, logs)
 
 	require.Eventually(t, func() bool { return b.Stats().Forwarded == rows }, time.Minute, 20*time.Millisecond,
 		"the other instance forwards within a minute of the holder's host vanishing")
@@ -179,24 +165,13 @@ func TestForwarder_ServerIdleTimeoutShorterThanASend(t *testing.T) {
 	e := newEnv(t, 4)
 	topic := e.topic(t, "idle", 1)
 	const rows = 30
-	msgs := make([]*message.Message, rows)
-	for i := range msgs {
-		msgs[i] = event(fmt.Sprintf("agg-%d", i%3), i/3)
-	}
-	e.publishTx(t, topic, msgs...)
+	e.publishTx(t, topic, events(rows, 3)...)
 
 	pool := e.pool(t, map[string]string{"idle_in_transaction_session_timeout": "200ms"}, nil)
 	logs := watermill.NewCaptureLogger()
-	f, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: pool, Outbox: e.outbox,
+	f := e.startForwarderLogged(t, outbox.ForwarderConfig{DB: pool,
 		Producer: slowProducer{SyncProducer: e.producer(t), d: 600 * time.Millisecond},
-		Topics:   []string{topic}, PollInterval: 10 * time.Millisecond, BatchSize: 10, SendTimeout: 5 * time.Second}, logs)
-	require.NoError(t, err)
-	done := make(chan error, 1)
-	go func() { done <- f.Run(context.Background()) }()
-	defer func() {
-		require.NoError(t, f.Close())
-		require.NoError(t, <-done)
-	}()
+		Topics:   []string{topic}, BatchSize: 10, SendTimeout: 5 * time.Second}, logs)
 
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == rows }, eventuallyTimeout, 20*time.Millisecond)
 	require.Zero(t, f.Stats().Errors, "no transaction ended during its send")
