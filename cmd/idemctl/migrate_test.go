@@ -58,7 +58,7 @@ func TestMigrate(t *testing.T) {
 
 	requireRow(t, r.stdout, "applied retry_parked_key:retry_parked_key 001_parked_key")
 	st = decode[statusJSON](t, ok(t, db, "migrate", "status", "--json"))
-	require.Equal(t, 9, st.Applied)
+	require.Equal(t, 10, st.Applied)
 	require.Zero(t, st.Pending)
 	require.NotNil(t, st.Versions[0].AppliedAt)
 	require.Len(t, st.Checks, 2)
@@ -73,12 +73,12 @@ func TestMigrate(t *testing.T) {
 	// A table migrated to the partitioned layout: auto-detected.
 	ok(t, db, "migrate", "up", "--only", "dedup", "--layout", "partitioned")
 	st = decode[statusJSON](t, ok(t, db, "migrate", "status", "--json"))
-	require.Equal(t, 10, st.Applied)
-	require.Equal(t, "partition_by_event_id", st.Versions[2].Name)
+	require.Equal(t, 11, st.Applied)
+	require.Equal(t, "partition_by_event_id", st.Versions[3].Name)
 	// Under the plain layout, version 100 is recorded but unknown.
 	st = decode[statusJSON](t, ok(t, db, "migrate", "status", "--only", "dedup", "--layout", "plain", "--json"))
 	require.Equal(t, 1, st.Unknown)
-	require.Equal(t, "unknown", st.Versions[2].Status)
+	require.Equal(t, "unknown", st.Versions[3].Status)
 
 	// sql: the pending ones, and every one without connecting.
 	require.Equal(t, "-- nothing pending\n", ok(t, db, "migrate", "sql", "--pending").stdout)
