@@ -188,11 +188,11 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 	owned := map[uuid.UUID]took{}
 	rows, _ := br.Query()
 	var (
-		id       uuid.UUID
-		t        took
-		done     bool
-		tok      *uuid.UUID
-		remain   *int64
+		id     uuid.UUID
+		t      took
+		done   bool
+		tok    *uuid.UUID
+		remain *int64
 	)
 	if _, err := pgx.ForEachRow(rows, []any{&id, &t.over, &t.attempts}, func() error {
 		owned[id] = t
