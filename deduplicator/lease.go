@@ -148,7 +148,7 @@ func newLeaseSQL(schema, table string) leaseSQL {
 			"FROM " + l + " WHERE ($1 = '' OR consumer_group = $1) AND ($2 = 'all' OR ($2 = 'live') = (expires_at > now())) " +
 			"ORDER BY taken_at LIMIT $3",
 		forceRelease: "DELETE FROM " + l + " WHERE event_id = $1 AND consumer_group = $2",
-		sweep:        "DELETE FROM " + l + " WHERE expires_at < now() - $1 * interval '1 microsecond'",
+		sweep:        "DELETE FROM " + l + " WHERE expires_at < $1",
 	}
 }
 

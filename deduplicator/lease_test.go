@@ -251,3 +251,21 @@ func TestLease_MigrationBelowAnAppliedPartitionedVersion(t *testing.T) {
 	require.Equal(t, deduplicator.LeaseOwned, take(t, db, d, time.Minute, r)[0].State)
 	require.Equal(t, []deduplicator.CompleteResult{deduplicator.Completed}, complete(t, db, d, r))
 }
+
+// The Cleaner deletes leases that expired more than a retention ago; a
+// live lease, or one expired less long ago, stays.
+func TestLease_CleanerSweepsOnlyLongExpiredLeases(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, d := claimDB(t, "billing")
+	live, recent, ancient := req(publisher.NewEventID()), req(publisher.NewEventID()), req(publisher.NewEventID())
+	take(t, db, d, time.Hour, live, recent, ancient)
+	db.Exec(t, "UPDATE processed_event_lease SET expires_at = now() - interval '1 hour' WHERE event_id = $1", recent.EventID)
+	db.Exec(t, "UPDATE processed_event_lease SET expires_at = now() - interval '400 days' WHERE event_id = $1", ancient.EventID)
+	c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: deduplicator.TableConfig{Schema: db.Schema}, DB: db.Pool}, nil)
+	require.NoError(t, err)
+	res, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, res.LeasesDeleted)
+	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM processed_event_lease WHERE event_id = ANY($1)", []uuid.UUID{live.EventID, recent.EventID}))
+}
