@@ -175,11 +175,20 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 	}
 	g := d.cfg.ConsumerGroup
 	b := &pgx.Batch{}
+	// The take commits without waiting for its WAL flush: a server crash
+	// may forget the last leases taken, and their owners then find their
+	// tokens gone at renewal or completion (nothing written) or a new
+	// delivery takes a fresh lease. Only the completion, a synchronous
+	// commit, decides anything durable. This spares each batch an fsync.
+	b.Queue("SELECT set_config('synchronous_commit', 'off', true)")
 	b.Queue(d.lease.take, ids, toks, g, d0.Microseconds(), owner)
 	b.Queue(d.lease.doneAfterTake, toks, g)
 	b.Queue(d.lease.state, ids, g)
 	br := db.SendBatch(ctx, b)
 	defer br.Close()
+	if _, err := br.Exec(); err != nil {
+		return nil, fmt.Errorf("take leases: %w", err)
+	}
 
 	type took struct {
 		over     bool
@@ -267,6 +276,12 @@ func (d *Deduplicator) CompleteLeases(ctx context.Context, tx migrate.DBTX, even
 	if err != nil {
 		return nil, fmt.Errorf("complete leases: %w", err)
 	}
+	return d.readComplete(rows, tokens)
+}
+
+// readComplete reads the complete statement's rows into one result per
+// token.
+func (d *Deduplicator) readComplete(rows pgx.Rows, tokens []uuid.UUID) ([]CompleteResult, error) {
 	got := map[uuid.UUID]bool{}
 	var (
 		tok     uuid.UUID
@@ -290,6 +305,33 @@ func (d *Deduplicator) CompleteLeases(ctx context.Context, tx migrate.DBTX, even
 		}
 	}
 	return out, nil
+}
+
+// BeginCompleteLeases begins a transaction on db and runs
+// [Deduplicator.CompleteLeases] in it: with a pool or a conn, BEGIN and the
+// statement travel as one pipelined round trip. A non-nil tx must be
+// committed or rolled back by the caller, also with an error.
+func (d *Deduplicator) BeginCompleteLeases(ctx context.Context, db migrate.Beginner, eventIDs, tokens []uuid.UUID) (tx pgx.Tx, res []CompleteResult, err error) {
+	if len(eventIDs) != len(tokens) {
+		return nil, nil, errors.New("complete leases: one token per event id")
+	}
+	tx, err = beginPipelined(ctx, db, pgx.TxOptions{}, func(b *pgx.Batch) {
+		b.Queue(d.lease.complete, eventIDs, d.cfg.ConsumerGroup, tokens)
+	}, func(br pgx.BatchResults) error {
+		rows, err := br.Query()
+		if err != nil {
+			return err
+		}
+		res, err = d.readComplete(rows, tokens)
+		return err
+	}, func(tx pgx.Tx) (err error) {
+		res, err = d.CompleteLeases(ctx, tx, eventIDs, tokens)
+		return err
+	})
+	if err != nil {
+		return tx, nil, fmt.Errorf("complete leases: %w", err)
+	}
+	return tx, res, nil
 }
 
 // RenewLease extends the lease of eventID held by token to d0 from now on

@@ -295,22 +295,18 @@ func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 		}
 		return err
 	}
-	tx, err := l.db.Begin(ctx)
-	if err != nil {
-		return fail(fmt.Errorf("dedup: complete: begin: %w", err))
-	}
-	committed := false
-	defer func() {
-		if !committed {
-			_ = tx.Rollback(ctx)
-		}
-	}()
 	ids := make([]uuid.UUID, len(batch))
 	toks := make([]uuid.UUID, len(batch))
 	for i, c := range batch {
 		ids[i], toks[i] = c.id, c.token
 	}
-	res, err := d.dedup.CompleteLeases(ctx, tx, ids, toks)
+	tx, res, err := d.dedup.BeginCompleteLeases(ctx, l.db, ids, toks)
+	committed := false
+	defer func() {
+		if !committed && tx != nil {
+			_ = tx.Rollback(ctx)
+		}
+	}()
 	if err != nil {
 		return fail(fmt.Errorf("dedup: %w", err))
 	}
