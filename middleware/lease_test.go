@@ -449,3 +449,25 @@ func TestLease_ConfigRefusals(t *testing.T) {
 type fakeTxBeginner struct{}
 
 func (fakeTxBeginner) Begin(context.Context) (pgx.Tx, error) { return nil, errors.New("no") }
+
+// Lease mode's phases are spans of their own under the message's consumer
+// span; the outcome of a lost lease is recorded on it.
+func TestLease_SpanPerPhase(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	tr := newTraced(t)
+	d := f.dedup(t, "billing", func(c *idem.Config) { c.Lease = &idem.LeaseConfig{}; c.TracerProvider = tr.tp })
+	provider := newKeyServer(t)
+	var calls atomic.Int32
+	_, err := d.Middleware(chargeHandler(t, provider, &calls, nil))(f.msg(publisher.NewEventID()))
+	require.NoError(t, err)
+	proc := tr.spans("process")
+	require.Len(t, proc, 1)
+	require.Equal(t, "processed", attr(proc[0], "idem.outcome").AsString())
+	for _, name := range []string{"lease", "complete"} {
+		s := tr.spans(name)
+		require.Len(t, s, 1, name)
+		require.Equal(t, proc[0].SpanContext.SpanID(), s[0].Parent.SpanID(), "%s is a child of the message's span", name)
+	}
+	require.Equal(t, "owned", attr(tr.spans("lease")[0], "idem.lease").AsString())
+}
