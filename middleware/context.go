@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"fmt"
 	"sync"
 
 	"github.com/google/uuid"
@@ -22,10 +23,14 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 }
 
 // MustTxFromContext is [TxFromContext] for handlers that cannot work without
-// the transaction. It panics with [ErrNotInHandler] when ctx has none.
+// the transaction. It panics with [ErrNotInHandler] when ctx has none (in
+// lease mode, wrapped with a hint: register the writes with [Complete]).
 func MustTxFromContext(ctx context.Context) pgx.Tx {
 	tx, ok := TxFromContext(ctx)
 	if !ok {
+		if leaseStateFrom(ctx) != nil {
+			panic(fmt.Errorf("%w: lease mode (Config.Lease) runs the handler without a transaction; register its writes with idem.Complete", ErrNotInHandler))
+		}
 		panic(ErrNotInHandler)
 	}
 	return tx

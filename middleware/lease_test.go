@@ -471,3 +471,25 @@ func TestLease_SpanPerPhase(t *testing.T) {
 	}
 	require.Equal(t, "owned", attr(tr.spans("lease")[0], "idem.lease").AsString())
 }
+
+// A transaction-mode handler put in lease mode fails loudly, with a hint.
+func TestLease_MustTxFromContextSaysWhy(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	d := f.leaseDedup(t, idem.LeaseConfig{})
+	var got any
+	_, err := d.Middleware(func(m *message.Message) (_ []*message.Message, err error) {
+		defer func() {
+			got = recover()
+			err = errors.New("handler panicked")
+		}()
+		idem.MustTxFromContext(m.Context())
+		return nil, nil
+	})(f.msg(publisher.NewEventID()))
+	require.Error(t, err)
+	perr, ok := got.(error)
+	require.True(t, ok)
+	require.ErrorIs(t, perr, idem.ErrNotInHandler)
+	require.ErrorContains(t, perr, "register its writes with idem.Complete")
+	require.Zero(t, f.leases(t), "the failed delivery released its lease")
+}
