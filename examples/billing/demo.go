@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"strconv"
 	"time"
 
@@ -67,6 +68,25 @@ type demoConfig struct {
 	// ConcurrentLatency is how long the charges of the ConcurrentDuplicates
 	// orders take: the window in which their copies meet.
 	ConcurrentLatency time.Duration
+	// LeaseDuration is billing's idem.LeaseConfig.Duration (renewed every
+	// third of it): how long a crashed billing process's event waits before
+	// another instance takes it over. Defaults to 3 s.
+	LeaseDuration time.Duration
+	// SlowOrders: orders confirmed during the provider slowdown (phase 2),
+	// each charge taking SlowLatency to SlowLatency + 1 s. 0 skips the
+	// phase.
+	SlowOrders int
+	// SlowLatency is the shortest charge of the slowdown. Defaults to 1 s.
+	SlowLatency time.Duration
+	// IdleInTxLimit: a demo session idle in a transaction for longer than
+	// this at any sample of the slowdown is a violation; 0 reports the
+	// longest without checking it.
+	IdleInTxLimit time.Duration
+	// CrashAndTakeover runs phase 3: a billing process SIGKILLed between
+	// its call and its completion, and a lease taken over while its first
+	// owner is frozen in its call. It needs Partitions >= BillingInstances
+	// + 2.
+	CrashAndTakeover bool
 	// Timeout bounds the whole run: a deadline for when something is stuck,
 	// not an expected duration. Defaults to 5 minutes.
 	Timeout time.Duration
@@ -75,6 +95,8 @@ type demoConfig struct {
 	// Logger for the library and Watermill; nil for none.
 	Logger watermill.LoggerAdapter
 
+	// childVerbose makes the child processes log to their standard error.
+	childVerbose bool
 	// providerIgnoresKeys makes the payment provider charge every request,
 	// whatever its Idempotency-Key (tests: the invariants must catch it).
 	providerIgnoresKeys bool
@@ -96,6 +118,12 @@ func (c *demoConfig) setDefaults() {
 	if c.ConcurrentLatency == 0 {
 		c.ConcurrentLatency = 100 * time.Millisecond
 	}
+	if c.LeaseDuration == 0 {
+		c.LeaseDuration = 3 * time.Second
+	}
+	if c.SlowLatency == 0 {
+		c.SlowLatency = time.Second
+	}
 	if c.Timeout == 0 {
 		c.Timeout = 5 * time.Minute
 	}
@@ -106,6 +134,9 @@ func (c *demoConfig) setDefaults() {
 		c.Logger = watermill.NopLogger{}
 	}
 }
+
+// leaseRenew is billing's Lease.RenewInterval.
+func (c demoConfig) leaseRenew() time.Duration { return c.LeaseDuration / 3 }
 
 // names are the topics and groups of one run.
 type names struct {
@@ -201,8 +232,14 @@ func runDemo(ctx context.Context, cfg demoConfig) (rep *report, err error) {
 	if err := d.phase1(ctx); err != nil {
 		return nil, fmt.Errorf("phase 1: %w", err)
 	}
-	if err := d.phase2(ctx); err != nil {
+	if err := d.phaseSlowdown(ctx); err != nil {
 		return nil, fmt.Errorf("phase 2: %w", err)
+	}
+	if err := d.phaseCrash(ctx); err != nil {
+		return nil, fmt.Errorf("phase 3: %w", err)
+	}
+	if err := d.phase4(ctx); err != nil {
+		return nil, fmt.Errorf("phase 4: %w", err)
 	}
 	if err := d.stopServices(ctx); err != nil {
 		return nil, err
@@ -242,7 +279,7 @@ func (d *demo) openPostgres(ctx context.Context) error {
 	_, _ = rand.Read(rnd[:])
 	runID := hex.EncodeToString(rnd[:])
 	schema := "billing_demo_" + runID
-	pool, err := openSchema(ctx, d.cfg.DatabaseURL, schema, int32(d.cfg.BillingInstances*d.cfg.BillingInFlight+8))
+	pool, err := openSchema(ctx, d.cfg.DatabaseURL, schema, int32(2*billingLeaseConcurrency+1+int(d.cfg.Partitions)+12))
 	if err != nil {
 		return err
 	}
@@ -390,9 +427,14 @@ func (d *demo) startServices(ctx context.Context) error {
 		return err
 	}
 	billingSvc := NewBillingService(p.URL())
+	// Billing runs in lease mode: its provider call holds no transaction
+	// and no connection, so its pool does not grow with the charges in
+	// flight (2 × Lease.Concurrency + 1 connections).
 	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, d.newParallelSubscriber, poison,
 		idem.Config{DB: d.pool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling],
-			Concurrency: d.cfg.BillingInstances * d.cfg.BillingInFlight},
+			Concurrency: d.cfg.BillingInstances * d.cfg.BillingInFlight,
+			Lease: &idem.LeaseConfig{Duration: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(), Concurrency: billingLeaseConcurrency,
+				Owner: fmt.Sprintf("billing (demo, pid %d)", os.Getpid())}},
 		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
 			// The router closes each handler's publisher on shutdown; the
 			// handlers share kafkaPub (closed at the end), so each gets a view
@@ -429,6 +471,10 @@ func (d *demo) startServices(ctx context.Context) error {
 	d.progress("billing (%d instances, group %s) and notification (group %s) running", d.cfg.BillingInstances, d.n.billing, d.n.notification)
 	return nil
 }
+
+// billingLeaseConcurrency is billing's Lease.Concurrency: the lease and
+// completion transactions each phase runs at once.
+const billingLeaseConcurrency = 4
 
 // newConsumer builds one consumer group: a router with one handler per
 // instance (each with its own subscriber in the group), every handler behind
@@ -612,9 +658,12 @@ func openSchema(ctx context.Context, url, schema string, maxConns int32) (*pgxpo
 		return nil, err
 	}
 	pcfg.ConnConfig.RuntimeParams["search_path"] = schema
-	// Billing's charges in flight each hold one, plus notification, the
-	// forwarder and the demo's own queries. A winner never needs a second
-	// connection, so waiting claims cannot starve it.
+	// The idle-in-transaction sampler finds the demo's sessions by it.
+	pcfg.ConnConfig.RuntimeParams["application_name"] = schema
+	// Billing's lease-mode transactions, notification's (one per partition
+	// in flight), the order service's, the forwarder and the demo's own
+	// queries. A winner never needs a second connection, so waiting claims
+	// cannot starve it.
 	pcfg.MaxConns = maxConns
 	return pgxpool.NewWithConfig(ctx, pcfg)
 }
