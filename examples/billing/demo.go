@@ -68,6 +68,9 @@ type demoConfig struct {
 	// ConcurrentLatency is how long the charges of the ConcurrentDuplicates
 	// orders take: the window in which their copies meet.
 	ConcurrentLatency time.Duration
+	// LeaseConcurrency is billing's idem.LeaseConfig.Concurrency: its pool
+	// holds 2 × LeaseConcurrency + 1 connections. Defaults to 4.
+	LeaseConcurrency int
 	// LeaseDuration is billing's idem.LeaseConfig.Duration (renewed every
 	// third of it): how long a crashed billing process's event waits before
 	// another instance takes it over. Defaults to 3 s.
@@ -118,6 +121,9 @@ func (c *demoConfig) setDefaults() {
 	if c.ConcurrentLatency == 0 {
 		c.ConcurrentLatency = 100 * time.Millisecond
 	}
+	if c.LeaseConcurrency == 0 {
+		c.LeaseConcurrency = 4
+	}
 	if c.LeaseDuration == 0 {
 		c.LeaseDuration = 3 * time.Second
 	}
@@ -163,7 +169,9 @@ type demo struct {
 
 	n      names
 	suffix string // of topic and group names: a per-run one on a real cluster
-	pool   *pgxpool.Pool
+	// pool serves notification, the order service and the demo's queries;
+	// billingPool billing's dedup middleware; fwdPool the forwarder.
+	pool, billingPool, fwdPool *pgxpool.Pool
 	table  deduplicator.TableConfig
 	ob     *outbox.Outbox
 	orders []Order
@@ -279,15 +287,35 @@ func (d *demo) openPostgres(ctx context.Context) error {
 	_, _ = rand.Read(rnd[:])
 	runID := hex.EncodeToString(rnd[:])
 	schema := "billing_demo_" + runID
-	pool, err := openSchema(ctx, d.cfg.DatabaseURL, schema, int32(2*billingLeaseConcurrency+1+int(d.cfg.Partitions)+12))
-	if err != nil {
+	if err := createSchema(ctx, d.cfg.DatabaseURL, schema); err != nil {
 		return err
 	}
-	d.pool, d.table = pool, deduplicator.TableConfig{Schema: schema}
-	d.onClose(func() error {
-		pool.Close()
-		return dropSchema(d.cfg.DatabaseURL, schema)
-	})
+	d.onClose(func() error { return dropSchema(d.cfg.DatabaseURL, schema) })
+	d.table = deduplicator.TableConfig{Schema: schema}
+	// A pool per service that holds transactions, as in processes of their
+	// own; application_name tells their sessions apart (the slowdown's
+	// idle-in-transaction sampler reports by it). The main pool serves
+	// notification (a transaction per partition in flight), the order
+	// service (4 at once) and the demo's own queries; billing's lease mode
+	// needs 2 × Lease.Concurrency + 1, whatever its charges in flight; the
+	// forwarder one per topic.
+	pools := []struct {
+		p    **pgxpool.Pool
+		app  string
+		size int
+	}{
+		{&d.pool, schema, int(d.cfg.Partitions) + 5},
+		{&d.billingPool, schema + "/" + serviceBilling, 2*d.cfg.LeaseConcurrency + 1},
+		{&d.fwdPool, schema + "/" + serviceForwarder, 3},
+	}
+	for _, p := range pools {
+		pool, err := openPool(ctx, d.cfg.DatabaseURL, schema, p.app, int32(p.size))
+		if err != nil {
+			return err
+		}
+		*p.p = pool
+		d.onClose(func() error { pool.Close(); return nil })
+	}
 	d.progress("PostgreSQL: schema %s", schema)
 
 	// Names: with a real cluster, topics and groups are per run too.
@@ -415,7 +443,7 @@ func (d *demo) startServices(ctx context.Context) error {
 	d.bg, d.bgCtx = errgroup.WithContext(ctx)
 	d.stopBG, d.stopAll = context.WithCancel(d.bgCtx)
 
-	d.fwd, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: d.pool, Outbox: d.ob, Producer: d.producer, PollInterval: 20 * time.Millisecond,
+	d.fwd, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: d.fwdPool, Outbox: d.ob, Producer: d.producer, PollInterval: 20 * time.Millisecond,
 		TracerProvider: d.providers[serviceForwarder]}, d.cfg.Logger)
 	if err != nil {
 		return err
@@ -429,11 +457,11 @@ func (d *demo) startServices(ctx context.Context) error {
 	billingSvc := NewBillingService(p.URL())
 	// Billing runs in lease mode: its provider call holds no transaction
 	// and no connection, so its pool does not grow with the charges in
-	// flight (2 × Lease.Concurrency + 1 connections).
+	// flight (2 × Lease.Concurrency + 1 connections for any MaxInFlight).
 	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, d.newParallelSubscriber, poison,
-		idem.Config{DB: d.pool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling],
+		idem.Config{DB: d.billingPool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling],
 			Concurrency: d.cfg.BillingInstances * d.cfg.BillingInFlight,
-			Lease: &idem.LeaseConfig{Duration: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(), Concurrency: billingLeaseConcurrency,
+			Lease: &idem.LeaseConfig{Duration: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(), Concurrency: d.cfg.LeaseConcurrency,
 				Owner: fmt.Sprintf("billing (demo, pid %d)", os.Getpid())}},
 		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
 			// The router closes each handler's publisher on shutdown; the
@@ -471,10 +499,6 @@ func (d *demo) startServices(ctx context.Context) error {
 	d.progress("billing (%d instances, group %s) and notification (group %s) running", d.cfg.BillingInstances, d.n.billing, d.n.notification)
 	return nil
 }
-
-// billingLeaseConcurrency is billing's Lease.Concurrency: the lease and
-// completion transactions each phase runs at once.
-const billingLeaseConcurrency = 4
 
 // newConsumer builds one consumer group: a router with one handler per
 // instance (each with its own subscriber in the group), every handler behind
@@ -644,26 +668,28 @@ func topicRecords(client sarama.Client, topic string) (int, error) {
 	return int(n), nil
 }
 
-func openSchema(ctx context.Context, url, schema string, maxConns int32) (*pgxpool.Pool, error) {
+func createSchema(ctx context.Context, url, schema string) error {
 	admin, err := pgx.Connect(ctx, url)
 	if err != nil {
-		return nil, fmt.Errorf("connect to PostgreSQL at %s: %w (set DATABASE_URL)", url, err)
+		return fmt.Errorf("connect to PostgreSQL at %s: %w (set DATABASE_URL)", url, err)
 	}
 	defer admin.Close(context.WithoutCancel(ctx))
 	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
-		return nil, fmt.Errorf("create schema: %w", err)
+		return fmt.Errorf("create schema: %w", err)
 	}
+	return nil
+}
+
+// openPool opens a pool on schema whose sessions are named app
+// (application_name). A claim's winner never needs a second connection,
+// so claims waiting on it cannot starve it.
+func openPool(ctx context.Context, url, schema, app string, maxConns int32) (*pgxpool.Pool, error) {
 	pcfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, err
 	}
 	pcfg.ConnConfig.RuntimeParams["search_path"] = schema
-	// The idle-in-transaction sampler finds the demo's sessions by it.
-	pcfg.ConnConfig.RuntimeParams["application_name"] = schema
-	// Billing's lease-mode transactions, notification's (one per partition
-	// in flight), the order service's, the forwarder and the demo's own
-	// queries. A winner never needs a second connection, so waiting claims
-	// cannot starve it.
+	pcfg.ConnConfig.RuntimeParams["application_name"] = app
 	pcfg.MaxConns = maxConns
 	return pgxpool.NewWithConfig(ctx, pcfg)
 }

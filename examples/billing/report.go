@@ -315,6 +315,8 @@ func printLeaseFaults(w io.Writer, r *report) {
 			r.SlowOrders, r.SlowSeconds, r.SlowRenewals)
 		fmt.Fprintf(w, "idle in transaction during the slowdown: max %s over %d samples every %s (%s); %s\n",
 			r.Idle.Max.Round(time.Millisecond), r.Idle.Samples, idleSampleEvery, limit, r.Idle.worstOrNone())
+		fmt.Fprintf(w, "  the outbox forwarder's sessions, apart: max %s idle in its position's transaction while Kafka acknowledged a batch (not bounded: its send is inside that transaction by design)\n",
+			r.Idle.Forwarder.Round(time.Millisecond))
 	}
 	if r.Crash != "" {
 		fmt.Fprintf(w, "crash: %s; its expired lease was taken over and the event completed once\n", r.Crash)
