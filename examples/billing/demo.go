@@ -169,12 +169,13 @@ type demo struct {
 
 	n      names
 	suffix string // of topic and group names: a per-run one on a real cluster
-	// pool serves notification, the order service and the demo's queries;
-	// billingPool billing's dedup middleware; fwdPool the forwarder.
-	pool, billingPool, fwdPool *pgxpool.Pool
 	table  deduplicator.TableConfig
 	ob     *outbox.Outbox
 	orders []Order
+
+	// pool serves notification, the order service and the demo's queries;
+	// billingPool billing's dedup middleware; fwdPool the forwarder.
+	pool, billingPool, fwdPool *pgxpool.Pool
 
 	brokers  []string
 	kafkaPub message.Publisher // poison queue and injected copies
