@@ -237,6 +237,35 @@ func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
 	require.Contains(t, out.String(), "executed 2 times", "the provider's own key table shows it too")
 }
 
+// A negative control of the idle-in-transaction check: billing in
+// transaction mode keeps its transaction open across each 1-2 s charge of
+// the slowdown, and the demo must report it (a bound of 100 ms against
+// calls of at least 1 s).
+func TestDemo_DetectsIdleTransactionsInTransactionMode(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
+	t.Parallel()
+	var progress bytes.Buffer
+	rep, err := runDemo(context.Background(), demoConfig{
+		DatabaseURL:      pgtest.URL(),
+		Brokers:          kafkatest.External(),
+		Orders:           4,
+		Partitions:       2,
+		BillingInstances: 1,
+		BillingInFlight:  2,
+		SlowOrders:       2,
+		IdleInTxLimit:    100 * time.Millisecond,
+		Progress:         &progress,
+		billingTxMode:    true,
+	})
+	require.NoError(t, err, progress.String())
+	require.Equal(t, 6, rep.LedgerRows, "still exactly once")
+	var out bytes.Buffer
+	printReport(&out, rep)
+	require.Contains(t, out.String(), "FAILED", progress.String())
+	require.Contains(t, out.String(), "idle in a transaction for", "billing's own transaction, open across the call")
+	require.Contains(t, out.String(), "/billing: ")
+}
+
 func TestProvider_IdempotencyKeySemantics(t *testing.T) {
 	t.Parallel()
 	p, err := newPaymentProvider(0)

@@ -98,6 +98,10 @@ type demoConfig struct {
 	// Logger for the library and Watermill; nil for none.
 	Logger watermill.LoggerAdapter
 
+	// billingTxMode runs billing in transaction mode (no Lease): its
+	// transaction stays open across the provider call (tests: the
+	// idle-in-transaction check must catch it).
+	billingTxMode bool
 	// childVerbose makes the child processes log to their standard error.
 	childVerbose bool
 	// providerIgnoresKeys makes the payment provider charge every request,
@@ -139,6 +143,15 @@ func (c *demoConfig) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
+}
+
+// billingConns is the size of billing's pool: 2 × Lease.Concurrency + 1 in
+// lease mode, one per charge in flight in transaction mode.
+func (d *demo) billingConns() int {
+	if d.cfg.billingTxMode {
+		return d.cfg.BillingInstances * d.cfg.BillingInFlight
+	}
+	return 2*d.cfg.LeaseConcurrency + 1
 }
 
 // leaseRenew is billing's Lease.RenewInterval.
@@ -306,7 +319,7 @@ func (d *demo) openPostgres(ctx context.Context) error {
 		size int
 	}{
 		{&d.pool, schema, int(d.cfg.Partitions) + 5},
-		{&d.billingPool, schema + "/" + serviceBilling, 2*d.cfg.LeaseConcurrency + 1},
+		{&d.billingPool, schema + "/" + serviceBilling, d.billingConns()},
 		{&d.fwdPool, schema + "/" + serviceForwarder, 3},
 	}
 	for _, p := range pools {
@@ -455,15 +468,18 @@ func (d *demo) startServices(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	billingCfg := idem.Config{DB: d.billingPool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling],
+		Concurrency: d.cfg.BillingInstances * d.cfg.BillingInFlight,
+		Lease: &idem.LeaseConfig{Duration: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(), Concurrency: d.cfg.LeaseConcurrency,
+			Owner: fmt.Sprintf("billing (demo, pid %d)", os.Getpid())}}
+	if d.cfg.billingTxMode {
+		billingCfg.Lease = nil
+	}
 	billingSvc := NewBillingService(p.URL())
 	// Billing runs in lease mode: its provider call holds no transaction
 	// and no connection, so its pool does not grow with the charges in
 	// flight (2 × Lease.Concurrency + 1 connections for any MaxInFlight).
-	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, d.newParallelSubscriber, poison,
-		idem.Config{DB: d.billingPool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling],
-			Concurrency: d.cfg.BillingInstances * d.cfg.BillingInFlight,
-			Lease: &idem.LeaseConfig{Duration: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(), Concurrency: d.cfg.LeaseConcurrency,
-				Owner: fmt.Sprintf("billing (demo, pid %d)", os.Getpid())}},
+	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, d.newParallelSubscriber, poison, billingCfg,
 		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
 			// The router closes each handler's publisher on shutdown; the
 			// handlers share kafkaPub (closed at the end), so each gets a view
