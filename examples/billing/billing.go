@@ -17,9 +17,9 @@ import (
 )
 
 // Errors of the charge call. ErrProviderBusy and ErrChargeOutcomeUnknown are
-// transient: the handler fails, its transaction (and dedup claim) rolls back,
-// the message is redelivered and the call is repeated with the same
-// Idempotency-Key.
+// transient: the handler fails, nothing is written (its lease is released;
+// in transaction mode its transaction and claim roll back), the message is
+// redelivered and the call is repeated with the same Idempotency-Key.
 var (
 	ErrProviderBusy         = errors.New("payment provider: a request with this key is still in progress (409)")
 	ErrChargeOutcomeUnknown = errors.New("payment provider: charge outcome unknown (response lost)")
