@@ -117,14 +117,14 @@ func (s *BillingService) charge(msg *message.Message, ev OrderConfirmed) (charge
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := s.Client.Do(req)
 	if err != nil {
-		return chargeResponse{}, fmt.Errorf("%w: %w", ErrChargeOutcomeUnknown, err)
+		return chargeResponse{}, withCause(req.Context(), fmt.Errorf("%w: %w", ErrChargeOutcomeUnknown, err))
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(resp.Body)
 	switch {
 	case err != nil:
 		// Status line received, body cut: the charge may have happened.
-		return chargeResponse{}, fmt.Errorf("%w: reading the response: %w", ErrChargeOutcomeUnknown, err)
+		return chargeResponse{}, withCause(req.Context(), fmt.Errorf("%w: reading the response: %w", ErrChargeOutcomeUnknown, err))
 	case resp.StatusCode == http.StatusConflict:
 		return chargeResponse{}, ErrProviderBusy
 	case resp.StatusCode >= 500:
@@ -139,6 +139,16 @@ func (s *BillingService) charge(msg *message.Message, ev OrderConfirmed) (charge
 		return chargeResponse{}, fmt.Errorf("%w: undecodable %d response", ErrChargeOutcomeUnknown, resp.StatusCode)
 	}
 	return cr, nil
+}
+
+// withCause adds to err why ctx was cancelled, when its cause says more
+// than context.Canceled: in lease mode, idem.ErrLeaseLost (a renewal found
+// the lease taken over, and cancelled the call).
+func withCause(ctx context.Context, err error) error {
+	if c := context.Cause(ctx); c != nil && !errors.Is(c, context.Canceled) && !errors.Is(err, c) {
+		return fmt.Errorf("%w (call cancelled: %w)", err, c)
+	}
+	return err
 }
 
 // NotificationService sends an "order confirmed" notification once per

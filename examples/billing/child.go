@@ -196,7 +196,7 @@ func (cfg childConfig) gate(h message.HandlerFunc) message.HandlerFunc {
 		if !isTarget(msg) {
 			return nil, errNotMine
 		}
-		out, err := h(msg)
+		_, err := h(msg)
 		switch {
 		case errors.Is(err, idem.ErrLeaseLost):
 			emit(lineEnded + "lost " + oneLine(err))
@@ -205,8 +205,8 @@ func (cfg childConfig) gate(h message.HandlerFunc) message.HandlerFunc {
 		default:
 			emit(lineEnded + "ok")
 		}
-		die()
-		return out, err
+		die() // never returns: nothing of the delivery is acked or nacked
+		return nil, err
 	}
 }
 

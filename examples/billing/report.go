@@ -263,7 +263,7 @@ func printReport(w io.Writer, r *report) {
 	row("of which redelivered by Kafka: skipped - injected", kafkaSkipped(r, b), kafkaSkipped(r, nt))
 	row("of which met the first copy in flight", b.InFlightSkipped, nt.InFlightSkipped)
 	row("rejected (permanent error, to the poison topic)", b.Rejected, nt.Rejected)
-	row("failed (rolled back, nacked, delivered again)", b.Failed, nt.Failed)
+	row("failed (nothing written, nacked, delivered again)", b.Failed, nt.Failed)
 	row("deliveries = processed + skipped + rejected + failed", sums(b), sums(nt))
 	row("processed_event rows", b.Claims, nt.Claims)
 	row("poisoned records / distinct messages", fmt.Sprintf("%d / %d", b.Poisoned, b.PoisonedEvents), fmt.Sprintf("%d / %d", nt.Poisoned, nt.PoisonedEvents))
