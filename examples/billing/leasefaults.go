@@ -86,7 +86,10 @@ type idleStats struct {
 	// Max is the longest time a session of the demo (application_name
 	// starting with its schema: its pools' and its child processes'),
 	// the forwarder's aside, had been idle in a transaction at a sample;
-	// Worst names that session (application_name: its last statement).
+	// Worst names that session: its application_name, the age of its
+	// transaction (a transaction held across a provider call is 1-2 s old;
+	// a short one whose client waited for a CPU is about as old as its
+	// idle time) and its last statement.
 	Max   time.Duration
 	Worst string
 	// Forwarder is the same for the outbox forwarder's sessions, reported
@@ -132,22 +135,24 @@ func (d *demo) startIdleSampler(ctx context.Context) (*idleSampler, error) {
 		defer t.Stop()
 		for {
 			rows, err := conn.Query(ctx, `
-				SELECT application_name, extract(epoch FROM clock_timestamp() - state_change)::float8, left(regexp_replace(query, '\s+', ' ', 'g'), 100)
+				SELECT application_name, extract(epoch FROM clock_timestamp() - state_change)::float8,
+				       extract(epoch FROM clock_timestamp() - xact_start)::float8, left(regexp_replace(query, '\s+', ' ', 'g'), 100)
 				FROM pg_stat_activity
 				WHERE state = 'idle in transaction' AND datname = current_database() AND starts_with(application_name, $1)`,
 				d.table.Schema)
 			if err == nil {
 				var (
 					app, query string
-					secs       float64
+					secs, age  float64
 				)
-				_, err = pgx.ForEachRow(rows, []any{&app, &secs, &query}, func() error {
+				_, err = pgx.ForEachRow(rows, []any{&app, &secs, &age, &query}, func() error {
 					dur := time.Duration(secs * float64(time.Second))
 					switch {
 					case app == forwarder:
 						s.res.Forwarder = max(s.res.Forwarder, dur)
 					case dur > s.res.Max:
-						s.res.Max, s.res.Worst = dur, app+": "+query
+						s.res.Max = dur
+						s.res.Worst = fmt.Sprintf("%s, in a transaction %s old, after: %s", app, time.Duration(age*float64(time.Second)).Round(time.Millisecond), query)
 					}
 					return nil
 				})
