@@ -34,7 +34,7 @@ func main() {
 	cfg := demoConfig{DatabaseURL: databaseURL(), Brokers: kafkatest.External(), Progress: os.Stdout, CrashAndTakeover: true}
 	flag.IntVar(&cfg.Orders, "orders", 1000, "orders to confirm (phase 1)")
 	flag.IntVar(&cfg.RedeliverEvery, "redeliver-every", 5, "publish every n-th order's event twice (0: never)")
-	flag.IntVar(&cfg.ConcurrentDuplicates, "concurrent", 10, "phase 2 orders whose event is also published on every partition at once")
+	flag.IntVar(&cfg.ConcurrentDuplicates, "concurrent", 10, "phase 4: orders whose event is also published on every partition at once")
 	flag.IntVar(&cfg.LostResponses, "lost", 3, "orders whose provider response is lost after the charge")
 	flag.DurationVar(&cfg.ProviderLatency, "provider-latency", 20*time.Millisecond, "time a charge takes at the provider")
 	flag.IntVar(&cfg.BillingInFlight, "billing-in-flight", 16, "charges in flight per billing instance (the parallel subscriber's MaxInFlight)")
