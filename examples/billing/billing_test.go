@@ -263,7 +263,8 @@ func TestDemo_DetectsIdleTransactionsInTransactionMode(t *testing.T) {
 	printReport(&out, rep)
 	require.Contains(t, out.String(), "FAILED", progress.String())
 	require.Contains(t, out.String(), "idle in a transaction for", "billing's own transaction, open across the call")
-	require.Contains(t, out.String(), "/billing: ")
+	require.Contains(t, out.String(), "/billing, in a transaction 1.")
+	require.Contains(t, out.String(), "billing in transaction mode")
 }
 
 func TestProvider_IdempotencyKeySemantics(t *testing.T) {

@@ -98,11 +98,12 @@ type report struct {
 	// SlowSeconds, while the leases were renewed SlowRenewals times; Idle is
 	// what the idle-in-transaction sampler saw meanwhile, IdleLimit the
 	// bound checked (0: reported only).
-	SlowOrders   int
-	SlowSeconds  float64
-	SlowRenewals uint64
-	Idle         idleStats
-	IdleLimit    time.Duration
+	SlowOrders    int
+	SlowSeconds   float64
+	BillingTxMode bool // billing ran in transaction mode (a negative control)
+	SlowRenewals  uint64
+	Idle          idleStats
+	IdleLimit     time.Duration
 	// Crash and Takeover describe phase 3's faults ("" when not run);
 	// TakenOverInPhase is the expired leases billing took over in it.
 	Crash, Takeover  string
@@ -184,6 +185,7 @@ func (d *demo) collect(ctx context.Context) {
 		}
 	}
 	r.IdleLimit = d.cfg.IdleInTxLimit
+	r.BillingTxMode = d.cfg.billingTxMode
 	if d.tracedTrace.IsValid() {
 		r.TracedOrder = d.orders[d.traced].ID
 		r.TracedLost = r.LostResponses > 0
@@ -311,8 +313,12 @@ func printLeaseFaults(w io.Writer, r *report) {
 		if r.IdleLimit > 0 {
 			limit = "limit " + r.IdleLimit.String()
 		}
-		fmt.Fprintf(w, "provider slowdown: %d charges of 1-2 s in %.1fs (billing in lease mode: no transaction during the call), leases renewed %d times\n",
-			r.SlowOrders, r.SlowSeconds, r.SlowRenewals)
+		mode := "billing in lease mode: no transaction during the call"
+		if r.BillingTxMode {
+			mode = "billing in transaction mode: its transaction open across the call"
+		}
+		fmt.Fprintf(w, "provider slowdown: %d charges of 1-2 s in %.1fs (%s), leases renewed %d times\n",
+			r.SlowOrders, r.SlowSeconds, mode, r.SlowRenewals)
 		fmt.Fprintf(w, "idle in transaction during the slowdown: max %s over %d samples every %s (%s); %s\n",
 			r.Idle.Max.Round(time.Millisecond), r.Idle.Samples, idleSampleEvery, limit, r.Idle.worstOrNone())
 		fmt.Fprintf(w, "  the outbox forwarder's sessions, apart: max %s idle in its position's transaction while Kafka acknowledged a batch (not bounded: its send is inside that transaction by design)\n",
