@@ -1,0 +1,284 @@
+package main_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/cookiejar"
+	"net/url"
+	"os"
+	"os/exec"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
+	"github.com/idemkit/watermill-idempotency/migrate"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// testToken is the actions' token of the tests.
+const testToken = "s3cret-token-for-tests-0123456789"
+
+// startServe runs idemctl serve on db's schema on a free loopback port and
+// returns its base URL; the process is stopped at the end of the test.
+func startServe(t *testing.T, db *pgtest.DB, env []string, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(ctx, bin, append([]string{"serve", "--listen", "127.0.0.1:0", "--schema", db.Schema, "--refresh", "1s"}, args...)...)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "DATABASE_URL=") && !strings.HasPrefix(kv, "KAFKA_BROKERS=") && !strings.HasPrefix(kv, "PG") && !strings.HasPrefix(kv, "IDEMCTL_TOKEN=") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	cmd.Env = append(cmd.Env, "DATABASE_URL="+db.URL)
+	cmd.Env = append(cmd.Env, env...)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second): // a hang guard, not a threshold
+			cancel()
+			<-done
+		}
+		cancel()
+	})
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	require.NoError(t, err, "idemctl serve did not start: %s", stderr.String())
+	m := regexp.MustCompile(`listening on (http://\S+),`).FindStringSubmatch(line)
+	require.NotNil(t, m, line)
+	go func() { _, _ = io.Copy(io.Discard, stdout) }()
+	return m[1]
+}
+
+func getJSON[T any](t *testing.T, u string) (T, int) {
+	t.Helper()
+	resp, err := http.Get(u)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	var v T
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&v))
+	return v, resp.StatusCode
+}
+
+type overviewAPI struct {
+	Groups []struct {
+		Group string `json:"group"`
+		Young bool   `json:"young"`
+	} `json:"groups"`
+	Dedup struct {
+		Layout           string  `json:"layout"`
+		RowsEstimate     int64   `json:"rows_estimate"`
+		Bytes            int64   `json:"bytes"`
+		RetentionSeconds float64 `json:"retention_seconds"`
+		Partitions       []struct {
+			Name string `json:"name"`
+		} `json:"partitions"`
+		NextDrop          *string `json:"next_drop"`
+		NextDropPartition string  `json:"next_drop_partition"`
+	} `json:"dedup"`
+	Outbox struct {
+		Forwarder string `json:"forwarder"`
+		Topics    []struct {
+			Topic   string `json:"topic"`
+			Pending int64  `json:"pending"`
+		} `json:"topics"`
+	} `json:"outbox"`
+	Parked parkedJSON        `json:"parked"`
+	Errors map[string]string `json:"errors"`
+}
+
+// parkKey parks key in group with a first event whose copy on
+// orders.retry is overdue, and returns that event.
+func parkKey(t *testing.T, db *pgtest.DB, group, key, reason string) string {
+	t.Helper()
+	id := publisher.NewEventID().String()
+	db.Exec(t, `INSERT INTO retry_parked_key (consumer_group, partition_key, event_id, topic, not_before, message_uuid, payload, metadata)
+VALUES ($1, $2, $3::uuid, 'orders.retry', now() - interval '10 minutes', 'm0', '{}', jsonb_build_object('event_id', $3::text, 'retry_attempt', '2', 'retry_error', $4::text))`, group, key, id, reason)
+	return id
+}
+
+// consoleDB is a schema with the dedup table, the outbox topics orders
+// and orders.retry, the parked-keys table, a registered group and claims.
+func consoleDB(t *testing.T, layout string) *pgtest.DB {
+	t.Helper()
+	db := migrated(t, layout, "orders", "orders.retry")
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, retrytopic.MigrationLine(retrytopic.ParkedKeysTable{Schema: db.Schema})))
+	claim(t, db, "billing", true, publisher.NewEventID(), publisher.NewEventID(), publisher.NewEventID())
+	db.Exec(t, `ANALYZE processed_event`)
+	return db
+}
+
+// The JSON twins have idemctl --json's shapes, read-only refuses every
+// action, and every page carries the strict CSP.
+func TestServeReadOnly(t *testing.T) {
+	t.Parallel()
+	db := consoleDB(t, "plain")
+	parkKey(t, db, "billing", "acct-1", "boom")
+	base := startServe(t, db, nil)
+
+	ov, code := getJSON[overviewAPI](t, base+"/api/overview")
+	require.Equal(t, http.StatusOK, code)
+	require.Empty(t, ov.Errors)
+	require.Len(t, ov.Groups, 1)
+	require.Equal(t, "billing", ov.Groups[0].Group)
+	require.True(t, ov.Groups[0].Young)
+	require.Equal(t, "plain", ov.Dedup.Layout)
+	require.EqualValues(t, db.Count(t, `SELECT 1 FROM processed_event`), ov.Dedup.RowsEstimate)
+	require.Positive(t, ov.Dedup.Bytes)
+	require.Nil(t, ov.Dedup.NextDrop)
+	require.Len(t, ov.Outbox.Topics, 2)
+	require.Len(t, ov.Parked.Groups, 1)
+	require.EqualValues(t, 1, ov.Parked.Groups[0].Keys)
+
+	// /api/parked is retry parked --json, field for field.
+	resp, err := http.Get(base + "/api/parked")
+	require.NoError(t, err)
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	var fromAPI, fromCLI map[string][]map[string]any
+	require.NoError(t, json.Unmarshal(body, &fromAPI))
+	require.NoError(t, json.Unmarshal([]byte(ok(t, db, "retry", "parked", "--json").stdout), &fromCLI))
+	for _, part := range []string{"groups", "keys"} {
+		require.Len(t, fromAPI[part], 1)
+		require.Len(t, fromCLI[part], 1)
+		for k := range fromCLI[part][0] {
+			require.Contains(t, fromAPI[part][0], k, part)
+		}
+		require.Len(t, fromAPI[part][0], len(fromCLI[part][0]), part)
+	}
+	require.Equal(t, "boom", fromAPI["keys"][0]["head_error"])
+
+	for _, path := range []string{"/", "/parked", "/outbox/orders", "/groups/billing", "/api/overview"} {
+		resp, err := http.Get(base + path)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode, path)
+		require.Contains(t, resp.Header.Get("Content-Security-Policy"), "script-src 'self'", path)
+		require.NotContains(t, resp.Header.Get("Content-Security-Policy"), "unsafe-inline", path)
+	}
+	for _, path := range []string{"/outbox/nope", "/groups/nope", "/api/groups/nope"} {
+		resp, err := http.Get(base + path)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusNotFound, resp.StatusCode, path)
+	}
+
+	req, _ := http.NewRequest(http.MethodPost, base+"/actions/unblock", strings.NewReader(url.Values{"group": {"billing"}, "key": {"acct-1"}, "confirm": {"yes"}, "token": {testToken}}.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Origin", base)
+	resp, err = http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	body, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Equal(t, http.StatusForbidden, resp.StatusCode)
+	require.Contains(t, string(body), "read-only")
+	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM retry_parked_key`))
+
+	resp, err = http.Get(base + "/actions/unblock")
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusMethodNotAllowed, resp.StatusCode)
+}
+
+// --allow-actions without a token of 16 characters or more does not start.
+func TestServeActionsNeedAToken(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t, 1)
+	r := ctl(t, db, "serve", "--allow-actions", "--listen", "127.0.0.1:0")
+	require.Equal(t, 2, r.code, r)
+	require.Contains(t, r.stderr, "IDEMCTL_TOKEN")
+	r = run(t, []string{"DATABASE_URL=" + db.URL, "IDEMCTL_TOKEN=short"}, "serve", "--allow-actions", "--listen", "127.0.0.1:0")
+	require.Equal(t, 2, r.code, r)
+}
+
+var csrfRe = regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`)
+
+// An action is a POST from the console's own origin, with the session's
+// CSRF token, confirmed, with the token; anything less is refused and
+// changes nothing.
+func TestServeActionChecks(t *testing.T) {
+	t.Parallel()
+	db := consoleDB(t, "plain")
+	head := parkKey(t, db, "billing", "acct-1", "boom")
+	base := startServe(t, db, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
+
+	jar, _ := cookiejar.New(nil)
+	client := &http.Client{Jar: jar}
+	resp, err := client.Get(base + "/parked")
+	require.NoError(t, err)
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	m := csrfRe.FindStringSubmatch(string(page))
+	require.NotNil(t, m, string(page))
+	csrf := m[1]
+
+	post := func(origin string, form url.Values) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodPost, base+"/actions/unblock", strings.NewReader(form.Encode()))
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		if origin != "" {
+			req.Header.Set("Origin", origin)
+		}
+		resp, err := client.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	full := url.Values{"csrf": {csrf}, "group": {"billing"}, "key": {"acct-1"}, "confirm": {"yes"}, "token": {testToken}}
+	with := func(k, v string) url.Values {
+		f := url.Values{}
+		for kk, vv := range full {
+			f[kk] = vv
+		}
+		f.Set(k, v)
+		return f
+	}
+	for _, c := range []struct {
+		name, origin string
+		form         url.Values
+		want         string
+	}{
+		{"no Origin", "", full, "no Origin header"},
+		{"another origin", "http://evil.example", full, "another origin"},
+		{"no CSRF token", base, with("csrf", ""), "CSRF"},
+		{"wrong CSRF token", base, with("csrf", strings.Repeat("0", 64)), "CSRF"},
+		{"no token", base, with("token", ""), "wrong token"},
+		{"wrong token", base, with("token", testToken+"x"), "wrong token"},
+	} {
+		code, body := post(c.origin, c.form)
+		require.Equal(t, http.StatusForbidden, code, c.name)
+		require.Contains(t, body, c.want, c.name)
+		require.Zero(t, db.Count(t, `SELECT 1 FROM "outbox_orders.retry"`), c.name)
+	}
+
+	// Without confirm=yes: the confirm page, nothing done yet.
+	code, body := post(base, with("confirm", ""))
+	require.Equal(t, http.StatusOK, code)
+	require.Contains(t, body, `id="confirm-form"`)
+	require.Zero(t, db.Count(t, `SELECT 1 FROM "outbox_orders.retry"`))
+
+	code, body = post(base, full)
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "event "+head+" sent to orders.retry again")
+	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM "outbox_orders.retry" WHERE metadata->>'event_id' = $1`, head))
+
+	code, body = post(base, with("key", "acct-404"))
+	require.Equal(t, http.StatusNotFound, code, body)
+	require.Contains(t, body, "not parked")
+}
