@@ -58,6 +58,10 @@ bench/go: ## Go benchmarks (testing.B) of the per-message hot path: ns/op, alloc
 schemas: ## Rewrite docs/schemas (JSON Schema of the example's event contracts) from the Go structs; make test checks they are current
 	$(GO) test ./examples/billing -run '^TestSchemasAreCurrent$$' -count=1 -args -update-schemas
 
+.PHONY: screenshots
+screenshots: ## Rewrite docs/console-*.png (the idemctl serve pages, in headless chromium) from the browser tests
+	$(GO) test ./cmd/idemctl -run '^TestBrowserOverviewMatchesTheDatabase$$' -count=1 -args -update-screenshots
+
 .PHONY: demo
 demo: ## Run the billing example end to end (orders, billing with Idempotency-Key, notifications) with injected faults
 	$(GO) run ./examples/billing

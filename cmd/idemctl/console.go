@@ -118,8 +118,9 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 func (c *console) dedup(ctx context.Context, tc deduplicator.TableConfig, retention time.Duration) (*dedupOverview, error) {
 	d := &dedupOverview{Schema: tc.Schema, Table: tc.Table, Layout: tc.Layout.String(), RetentionSeconds: retention.Seconds(), Partitions: []jsonPartition{}}
 	// The table and its partitions: reltuples is -1 before the first
-	// ANALYZE, and 0 for a partitioned parent (its partitions hold the rows).
-	err := c.pool.QueryRow(ctx, `SELECT COALESCE(sum(GREATEST(c.reltuples, 0)), 0)::bigint, COALESCE(sum(pg_total_relation_size(c.oid)), 0)::bigint
+	// ANALYZE; a partitioned parent's (relkind p) counts its partitions'
+	// rows again.
+	err := c.pool.QueryRow(ctx, `SELECT COALESCE(sum(GREATEST(c.reltuples, 0)) FILTER (WHERE c.relkind <> 'p'), 0)::bigint, COALESCE(sum(pg_total_relation_size(c.oid)), 0)::bigint
 FROM pg_catalog.pg_class c
 WHERE c.oid = to_regclass($1) OR c.oid IN (SELECT i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhparent = to_regclass($1))`,
 		ident.Quote(tc.Schema, tc.Table)).Scan(&d.RowsEstimate, &d.Bytes)
