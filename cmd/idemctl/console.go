@@ -10,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -62,6 +61,9 @@ type dedupOverview struct {
 	// longer.
 	NextDrop          jsonTime `json:"next_drop"`
 	NextDropPartition string   `json:"next_drop_partition"`
+	// LastCleaned is when the Cleaner's last pass ran (null: never), from
+	// the cutoff it recorded.
+	LastCleaned jsonTime `json:"last_cleaned"`
 }
 
 func (c *console) tableConfig(ctx context.Context) (deduplicator.TableConfig, error) {
@@ -83,20 +85,15 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 		Parked: jsonParked{[]jsonParkedGroup{}, []jsonParkedKey{}}, Errors: map[string]string{}}
 	fail := func(part string, err error) { out.Errors[part] = consoleError(err) }
 
-	retention := time.Duration(0)
-	if tc, err := c.tableConfig(ctx); err != nil {
-		fail("dedup", err)
-	} else if retention, err = deduplicator.RecordedRetention(ctx, c.pool, tc); err != nil {
+	if info, err := deduplicator.Inspect(ctx, c.pool, c.table); err != nil {
 		fail("dedup", err)
 	} else {
-		if out.Dedup, err = c.dedup(ctx, tc, retention); err != nil {
-			fail("dedup", err)
-		}
-		if gs, err := deduplicator.Groups(ctx, c.pool, tc); err != nil {
+		out.Dedup = toDedupOverview(info)
+		if gs, err := deduplicator.Groups(ctx, c.pool, c.table); err != nil {
 			fail("groups", err)
 		} else {
 			for _, g := range gs {
-				out.Groups = append(out.Groups, toJSONGroup(g, now, retention))
+				out.Groups = append(out.Groups, toJSONGroup(g, now, info.Retention))
 			}
 		}
 	}
@@ -113,37 +110,23 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 	return out
 }
 
-// dedup reads the table's size, estimated rows and partitions from the
-// catalog: two queries and the layout's, whatever the table holds.
-func (c *console) dedup(ctx context.Context, tc deduplicator.TableConfig, retention time.Duration) (*dedupOverview, error) {
-	d := &dedupOverview{Schema: tc.Schema, Table: tc.Table, Layout: tc.Layout.String(), RetentionSeconds: retention.Seconds(), Partitions: []jsonPartition{}}
-	// The table and its partitions: reltuples is -1 before the first
-	// ANALYZE; a partitioned parent's (relkind p) counts its partitions'
-	// rows again.
-	err := c.pool.QueryRow(ctx, `SELECT COALESCE(sum(GREATEST(c.reltuples, 0)) FILTER (WHERE c.relkind <> 'p'), 0)::bigint, COALESCE(sum(pg_total_relation_size(c.oid)), 0)::bigint
-FROM pg_catalog.pg_class c
-WHERE c.oid = to_regclass($1) OR c.oid IN (SELECT i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhparent = to_regclass($1))`,
-		ident.Quote(tc.Schema, tc.Table)).Scan(&d.RowsEstimate, &d.Bytes)
-	if err != nil {
-		return nil, fmt.Errorf("size of %s.%s: %w", tc.Schema, tc.Table, err)
+// toDedupOverview is the overview's part of deduplicator.Inspect.
+func toDedupOverview(info *deduplicator.TableInfo) *dedupOverview {
+	d := &dedupOverview{Schema: info.Schema, Table: info.Table, Layout: info.Layout.String(), RowsEstimate: info.RowsEstimate, Bytes: info.Bytes,
+		RetentionSeconds: info.Retention.Seconds(), Partitions: []jsonPartition{}}
+	if !info.CleanedBefore.IsZero() {
+		d.LastCleaned = jsonTime(info.CleanedBefore.Add(info.Retention))
 	}
-	if tc.Layout != deduplicator.LayoutPartitioned {
-		return d, nil
-	}
-	parts, err := deduplicator.Partitions(ctx, c.pool, tc)
-	if err != nil {
-		return nil, err
-	}
-	for _, p := range parts {
+	for _, p := range info.Partitions {
 		d.Partitions = append(d.Partitions, toJSONPartition(p))
 		if p.Default || p.To.IsZero() {
 			continue
 		}
-		if drop := p.To.Add(retention); time.Time(d.NextDrop).IsZero() || drop.Before(time.Time(d.NextDrop)) {
+		if drop := p.To.Add(info.Retention); time.Time(d.NextDrop).IsZero() || drop.Before(time.Time(d.NextDrop)) {
 			d.NextDrop, d.NextDropPartition = jsonTime(drop), p.Name
 		}
 	}
-	return d, nil
+	return d
 }
 
 func (c *console) backlog(ctx context.Context) (jsonBacklog, error) {
