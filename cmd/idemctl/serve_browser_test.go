@@ -103,7 +103,7 @@ func waitJS(t *testing.T, ctx context.Context, js string) {
 // refresh may replace the nodes between a query and a click.
 func click(sel string) chromedp.Action[chromedp.Void] {
 	return chromedp.Func(func(ctx context.Context, t *chromedp.Target) error {
-		found, err := chromedp.Evaluate[bool](`(function(){ const e = document.querySelector(` + strconv.Quote(sel) + `); if (!e) { return false; } e.click(); return true; })()`)(ctx, t)
+		found, err := chromedp.Evaluate[bool](`(function(){ const e = document.querySelector(`+strconv.Quote(sel)+`); if (!e) { return false; } e.click(); return true; })()`)(ctx, t)
 		if err == nil && !found {
 			err = fmt.Errorf("click: no element %s", sel)
 		}
