@@ -3,6 +3,8 @@ package main_test
 import (
 	"bufio"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -15,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
@@ -281,4 +284,66 @@ func TestServeActionChecks(t *testing.T) {
 	code, body = post(base, with("key", "acct-404"))
 	require.Equal(t, http.StatusNotFound, code, body)
 	require.Contains(t, body, "not parked")
+}
+
+// With a read-only role (SELECT on the tables, docs/security.md) every page
+// reads; an action answers that the role lacks a grant, and changes nothing.
+func TestServeReadOnlyRole(t *testing.T) {
+	t.Parallel()
+	db := consoleDB(t, "plain")
+	parkKey(t, db, "billing", "acct-1", "boom")
+	var rnd [4]byte
+	_, _ = rand.Read(rnd[:])
+	role := "t_console_ro_" + hex.EncodeToString(rnd[:])
+	q := pgx.Identifier{role}.Sanitize()
+	t.Cleanup(func() {
+		ctx := context.Background()
+		conn, err := pgx.Connect(ctx, pgtest.URL())
+		if err != nil {
+			t.Errorf("cleanup connect: %v", err)
+			return
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, "DROP OWNED BY "+q+" CASCADE; DROP ROLE "+q); err != nil {
+			t.Errorf("drop role %s: %v", role, err)
+		}
+	})
+	schema := pgx.Identifier{db.Schema}.Sanitize()
+	db.Exec(t, "CREATE ROLE "+q+" LOGIN; GRANT USAGE ON SCHEMA "+schema+" TO "+q+"; GRANT SELECT ON ALL TABLES IN SCHEMA "+schema+" TO "+q)
+	u, err := url.Parse(db.URL)
+	require.NoError(t, err)
+	u.User = url.User(role)
+	ro := &pgtest.DB{Schema: db.Schema, URL: u.String(), Pool: db.Pool}
+	base := startServe(t, ro, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
+
+	ov, code := getJSON[overviewAPI](t, base+"/api/overview")
+	require.Equal(t, http.StatusOK, code)
+	require.Empty(t, ov.Errors)
+	require.Len(t, ov.Parked.Groups, 1)
+	for _, path := range []string{"/parked", "/outbox/orders", "/groups/billing"} {
+		resp, err := http.Get(base + path)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode, path)
+	}
+
+	jar, _ := cookiejar.New(nil)
+	client := &http.Client{Jar: jar}
+	resp, err := client.Get(base + "/parked")
+	require.NoError(t, err)
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	m := csrfRe.FindStringSubmatch(string(page))
+	require.NotNil(t, m)
+	form := url.Values{"csrf": {m[1]}, "group": {"billing"}, "key": {"acct-1"}, "confirm": {"yes"}, "token": {testToken}}
+	req, _ := http.NewRequest(http.MethodPost, base+"/actions/unblock", strings.NewReader(form.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Origin", base)
+	resp, err = client.Do(req)
+	require.NoError(t, err)
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Equal(t, http.StatusConflict, resp.StatusCode, string(body))
+	require.Contains(t, string(body), "lacks a grant")
+	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM retry_parked_key`))
 }
