@@ -159,8 +159,9 @@ func BenchmarkConsoleOverview(b *testing.B) {
 	require.Empty(b, ov.Errors)
 	require.InEpsilon(b, claims, ov.Dedup.RowsEstimate, 0.05, "ANALYZE's estimate") // from a sample of the rows
 	b.Logf("overview: %d rows estimated, %d partitions, %s", ov.Dedup.RowsEstimate, len(ov.Dedup.Partitions), humanBytes(ov.Dedup.Bytes))
-	for _, path := range []string{"/", "/api/overview", "/parked"} {
-		b.Run(strings.TrimPrefix(path, "/"), func(b *testing.B) {
+	for _, page := range []struct{ name, path string }{{"overview", "/"}, {"api-overview", "/api/overview"}, {"parked", "/parked"}} {
+		path := page.path
+		b.Run(page.name, func(b *testing.B) {
 			srv.get(b, path)
 			rt.Reset()
 			for b.Loop() {
