@@ -27,6 +27,7 @@ type console struct {
 	outbox    outbox.Config            // Topics: --topics, else discovered at each page
 	parked    retrytopic.ParkedKeysTable
 	forwarder string
+	kafka     *kafkaView // nil without --brokers
 }
 
 // overviewJSON is the overview page and /api/overview. Its parts have the
@@ -35,11 +36,13 @@ type console struct {
 // Errors (by part: groups, dedup, outbox, parked), so that one missing
 // table does not hide the rest.
 type overviewJSON struct {
-	Now    jsonTime          `json:"now"`
-	Groups []jsonGroup       `json:"groups"`
-	Dedup  *dedupOverview    `json:"dedup"`
-	Outbox jsonBacklog       `json:"outbox"`
-	Parked jsonParked        `json:"parked"`
+	Now    jsonTime       `json:"now"`
+	Groups []jsonGroup    `json:"groups"`
+	Dedup  *dedupOverview `json:"dedup"`
+	Outbox jsonBacklog    `json:"outbox"`
+	Parked jsonParked     `json:"parked"`
+	// Kafka is null without --brokers.
+	Kafka  *kafkaJSON        `json:"kafka"`
 	Errors map[string]string `json:"errors"`
 }
 
@@ -106,6 +109,13 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 		fail("parked", err)
 	} else {
 		out.Parked = toJSONParked(sum, nil)
+	}
+	if c.kafka != nil {
+		if k, err := c.kafka.read(); err != nil {
+			fail("kafka", err)
+		} else {
+			out.Kafka = k
+		}
 	}
 	return out
 }

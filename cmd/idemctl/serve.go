@@ -49,6 +49,8 @@ func serve(ctx context.Context, a *app, args []string) error {
 	token := fs.String("token", "", "the `token` an action needs (default $"+tokenEnv+"; prefer the variable: flags show in ps)")
 	refresh := fs.Duration("refresh", 5*time.Second, "how often the pages refresh themselves (0: never)")
 	forwarder := fs.String("forwarder", outbox.DefaultForwarderName, "the forwarder `name` whose position the outbox pages show")
+	kafkaTopics := fs.String("kafka-topics", "", "with --brokers: the poison and retry `topics` whose depth and lag the overview shows (default: every topic whose name has poison or retry)")
+	kafkaGroups := fs.String("kafka-groups", "", "with --brokers: the Kafka consumer `groups` whose lag on those topics it shows (default: every group with a committed offset on them)")
 	parkedTable := a.parkedTableFlag(fs)
 	if _, err := a.parse(fs, args); err != nil {
 		return err
@@ -79,7 +81,18 @@ func serve(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	srv, err := newServer(&console{pool: pool, table: tc, layout: a.opts.layout, outbox: ocfg, parked: pt, forwarder: *forwarder}, *allow, *token, *refresh)
+	c := &console{pool: pool, table: tc, layout: a.opts.layout, outbox: ocfg, parked: pt, forwarder: *forwarder}
+	if a.opts.brokers != "" || a.getenv("KAFKA_BROKERS") != "" {
+		kc, err := a.kafkaConfig()
+		if err != nil {
+			return err
+		}
+		if c.kafka, err = newKafkaView(kc.Brokers, kc.Sarama, splitList(*kafkaTopics), splitList(*kafkaGroups)); err != nil {
+			return err
+		}
+		defer c.kafka.close()
+	}
+	srv, err := newServer(c, *allow, *token, *refresh)
 	if err != nil {
 		return err
 	}

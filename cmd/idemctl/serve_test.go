@@ -17,9 +17,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -346,4 +348,116 @@ func TestServeReadOnlyRole(t *testing.T) {
 	require.Equal(t, http.StatusConflict, resp.StatusCode, string(body))
 	require.Contains(t, string(body), "lacks a grant")
 	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM retry_parked_key`))
+}
+
+// With --brokers the overview shows the poison and retry topics' depth and
+// the consumer groups' lag on each of their partitions.
+func TestServeKafka(t *testing.T) {
+	t.Parallel()
+	broker := kafkatest.Start(t)
+	poisonTopic := broker.Topic(t, "orders-poison", 2)
+	retryTopic := broker.Topic(t, "orders-retry", 1)
+	other := broker.Topic(t, "orders", 1)
+	cfg := sarama.NewConfig()
+	cfg.Producer.Return.Successes = true
+	cfg.Producer.Partitioner = sarama.NewManualPartitioner
+	client, err := sarama.NewClient(broker.Addrs, cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = client.Close() })
+	prod, err := sarama.NewSyncProducerFromClient(client)
+	require.NoError(t, err)
+	for _, m := range []struct {
+		topic     string
+		partition int32
+		n         int
+	}{{poisonTopic, 0, 3}, {poisonTopic, 1, 2}, {retryTopic, 0, 4}, {other, 0, 1}} {
+		for range m.n {
+			_, _, err := prod.SendMessage(&sarama.ProducerMessage{Topic: m.topic, Partition: m.partition, Value: sarama.StringEncoder("x")})
+			require.NoError(t, err)
+		}
+	}
+	group := "billing-retry-" + strings.TrimPrefix(retryTopic, "orders-retry-")
+	commitOffset(t, broker.Addrs, group, retryTopic, 1)
+
+	db := consoleDB(t, "plain")
+	base := startServe(t, db, nil, "--brokers", strings.Join(broker.Addrs, ","), "--kafka-topics", poisonTopic+","+retryTopic, "--kafka-groups", group)
+	type kafkaAPI struct {
+		Kafka struct {
+			Topics []struct {
+				Topic string `json:"topic"`
+				Depth int64  `json:"depth"`
+			} `json:"topics"`
+			Lag []struct {
+				Group     string `json:"group"`
+				Topic     string `json:"topic"`
+				Partition int32  `json:"partition"`
+				Committed int64  `json:"committed"`
+				Lag       int64  `json:"lag"`
+			} `json:"lag"`
+		} `json:"kafka"`
+		Errors map[string]string `json:"errors"`
+	}
+	ov, code := getJSON[kafkaAPI](t, base+"/api/overview")
+	require.Equal(t, http.StatusOK, code)
+	require.Empty(t, ov.Errors)
+	require.Len(t, ov.Kafka.Topics, 2)
+	depth := map[string]int64{}
+	for _, tp := range ov.Kafka.Topics {
+		depth[tp.Topic] = tp.Depth
+	}
+	require.Equal(t, map[string]int64{poisonTopic: 5, retryTopic: 4}, depth)
+	require.Len(t, ov.Kafka.Lag, 1)
+	require.Equal(t, group, ov.Kafka.Lag[0].Group)
+	require.Equal(t, retryTopic, ov.Kafka.Lag[0].Topic)
+	require.EqualValues(t, 1, ov.Kafka.Lag[0].Committed)
+	require.EqualValues(t, 3, ov.Kafka.Lag[0].Lag)
+
+	// Without --kafka-topics: the topics named poison or retry.
+	base = startServe(t, db, nil, "--brokers", strings.Join(broker.Addrs, ","), "--kafka-groups", group)
+	ov, _ = getJSON[kafkaAPI](t, base+"/api/overview")
+	require.Empty(t, ov.Errors)
+	var names []string
+	for _, tp := range ov.Kafka.Topics {
+		names = append(names, tp.Topic)
+	}
+	require.Subset(t, names, []string{poisonTopic, retryTopic})
+	require.NotContains(t, names, other)
+	resp, err := http.Get(base + "/")
+	require.NoError(t, err)
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Contains(t, string(page), `data-topic="`+poisonTopic+`"`)
+}
+
+// commitOffset joins group on topic (one partition) and commits offset.
+func commitOffset(t *testing.T, brokers []string, group, topic string, offset int64) {
+	t.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Consumer.Offsets.Initial = sarama.OffsetOldest
+	cfg.Consumer.Offsets.AutoCommit.Enable = false
+	cfg.Consumer.Group.Session.Timeout = 6 * time.Second
+	cg, err := sarama.NewConsumerGroup(brokers, group, cfg)
+	require.NoError(t, err)
+	defer cg.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute) // a hang guard
+	defer cancel()
+	h := &committer{offset: offset, done: cancel}
+	require.NoError(t, cg.Consume(ctx, []string{topic}, h))
+	require.True(t, h.committed, "no session got the partition")
+}
+
+type committer struct {
+	offset    int64
+	done      func()
+	committed bool
+}
+
+func (*committer) Setup(sarama.ConsumerGroupSession) error   { return nil }
+func (*committer) Cleanup(sarama.ConsumerGroupSession) error { return nil }
+func (c *committer) ConsumeClaim(s sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	s.MarkOffset(claim.Topic(), claim.Partition(), c.offset, "")
+	s.Commit()
+	c.committed = true
+	c.done()
+	return nil
 }
