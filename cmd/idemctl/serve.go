@@ -16,6 +16,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strings"
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -100,6 +101,9 @@ func serve(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return usageError("--listen: %v", err)
 	}
+	if host, _, _ := net.SplitHostPort(ln.Addr().String()); net.ParseIP(host).IsLoopback() {
+		srv.loopbackOnly = true
+	}
 	mode := "read-only (start with --allow-actions to allow actions)"
 	if *allow {
 		mode = "actions allowed, with the token"
@@ -126,8 +130,13 @@ type server struct {
 	token   []byte
 	refresh time.Duration
 	key     []byte // HMAC key of the CSRF tokens, new at each start
-	tmpl    map[string]*template.Template
-	mux     *http.ServeMux
+	// loopbackOnly: listening on a loopback address, the console answers
+	// only requests for a loopback host name, so that a page of another
+	// site whose name was rebound to 127.0.0.1 (DNS rebinding) reads
+	// nothing.
+	loopbackOnly bool
+	tmpl         map[string]*template.Template
+	mux          *http.ServeMux
 }
 
 func newServer(c *console, allow bool, token string, refresh time.Duration) (*server, error) {
@@ -181,6 +190,10 @@ func (s *server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.Set("Referrer-Policy", "same-origin")
 	h.Set("Cache-Control", "no-store")
 	h.Set("Cross-Origin-Opener-Policy", "same-origin")
+	if s.loopbackOnly && !loopbackHost(r.Host) {
+		http.Error(w, "idemctl serve answers only requests for localhost, 127.0.0.1 or [::1] when it listens on loopback", http.StatusMisdirectedRequest)
+		return
+	}
 	s.mux.ServeHTTP(w, r)
 }
 
@@ -271,6 +284,20 @@ func (s *server) render(w http.ResponseWriter, status int, name string, v *view)
 	if err := s.tmpl[name].Execute(w, v); err != nil {
 		fmt.Fprintf(w, "<p>template error</p>")
 	}
+}
+
+// loopbackHost reports whether the Host header names the loopback
+// interface.
+func loopbackHost(hostport string) bool {
+	host, _, err := net.SplitHostPort(hostport)
+	if err != nil {
+		host = hostport
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(strings.Trim(host, "[]"))
+	return ip != nil && ip.IsLoopback()
 }
 
 // refuse answers a refused action with 403 and why.
@@ -388,7 +415,10 @@ func (s *server) action(w http.ResponseWriter, r *http.Request) {
 		s.render(w, http.StatusOK, "confirm", v)
 		return
 	}
-	if subtle.ConstantTimeCompare([]byte(r.PostForm.Get("token")), s.token) != 1 {
+	// Hashed first, so that the comparison takes the same time whatever
+	// the length typed.
+	typed, want := sha256.Sum256([]byte(r.PostForm.Get("token"))), sha256.Sum256(s.token)
+	if subtle.ConstantTimeCompare(typed[:], want[:]) != 1 {
 		s.refuse(w, r, "missing or wrong token")
 		return
 	}

@@ -461,3 +461,19 @@ func (c *committer) ConsumeClaim(s sarama.ConsumerGroupSession, claim sarama.Con
 	c.done()
 	return nil
 }
+
+// Listening on loopback, the console answers only requests naming a
+// loopback host: a site rebound to 127.0.0.1 (DNS rebinding) reads nothing.
+func TestServeRefusesOtherHostsOnLoopback(t *testing.T) {
+	t.Parallel()
+	db := consoleDB(t, "plain")
+	base := startServe(t, db, nil)
+	for host, want := range map[string]int{"evil.example:80": http.StatusMisdirectedRequest, "localhost": http.StatusOK, strings.TrimPrefix(base, "http://"): http.StatusOK} {
+		req, _ := http.NewRequest(http.MethodGet, base+"/api/overview", nil)
+		req.Host = host
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, want, resp.StatusCode, host)
+	}
+}
