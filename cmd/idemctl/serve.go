@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/hmac"
 	"crypto/rand"
@@ -12,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"html/template"
+	"io"
 	"io/fs"
 	"net"
 	"net/http"
@@ -101,6 +103,7 @@ func serve(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return usageError("--listen: %v", err)
 	}
+	srv.secrets = a.secrets
 	if host, _, _ := net.SplitHostPort(ln.Addr().String()); net.ParseIP(host).IsLoopback() {
 		srv.loopbackOnly = true
 	}
@@ -135,8 +138,11 @@ type server struct {
 	// site whose name was rebound to 127.0.0.1 (DNS rebinding) reads
 	// nothing.
 	loopbackOnly bool
-	tmpl         map[string]*template.Template
-	mux          *http.ServeMux
+	// secrets returns what no page may show (idemctl's: the database
+	// password, PGPASSWORD, Kafka's, the token); nil: none.
+	secrets func() []string
+	tmpl    map[string]*template.Template
+	mux     *http.ServeMux
 }
 
 func newServer(c *console, allow bool, token string, refresh time.Duration) (*server, error) {
@@ -237,11 +243,13 @@ func (s *server) api(load func(*http.Request) (any, error)) http.HandlerFunc {
 				Error string `json:"error"`
 			}{msg}
 		}
-		w.Header().Set("Content-Type", "application/json; charset=utf-8")
-		w.WriteHeader(status)
-		enc := json.NewEncoder(w)
+		var buf bytes.Buffer
+		enc := json.NewEncoder(&buf)
 		enc.SetIndent("", "  ")
 		_ = enc.Encode(data)
+		w.Header().Set("Content-Type", "application/json; charset=utf-8")
+		w.WriteHeader(status)
+		_, _ = io.WriteString(w, s.redact(buf.String()))
 	}
 }
 
@@ -279,11 +287,24 @@ func (s *server) csrf(sid string) string {
 }
 
 func (s *server) render(w http.ResponseWriter, status int, name string, v *view) {
+	var buf bytes.Buffer
+	if err := s.tmpl[name].Execute(&buf, v); err != nil {
+		buf.Reset()
+		buf.WriteString("<p>template error</p>")
+	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	w.WriteHeader(status)
-	if err := s.tmpl[name].Execute(w, v); err != nil {
-		fmt.Fprintf(w, "<p>template error</p>")
+	_, _ = io.WriteString(w, s.redact(buf.String()))
+}
+
+// redact masks the secrets and any password of a connection string in a
+// page, as every line idemctl prints is.
+func (s *server) redact(page string) string {
+	var secrets []string
+	if s.secrets != nil {
+		secrets = s.secrets()
 	}
+	return redact(page, secrets)
 }
 
 // loopbackHost reports whether the Host header names the loopback

@@ -477,3 +477,30 @@ func TestServeRefusesOtherHostsOnLoopback(t *testing.T) {
 		require.Equal(t, want, resp.StatusCode, host)
 	}
 }
+
+// No page shows a secret: the database password (from DATABASE_URL or
+// PGPASSWORD) and the token are masked wherever they would appear, here in
+// a parked key that happens to hold one.
+func TestServeShowsNoSecret(t *testing.T) {
+	t.Parallel()
+	db := consoleDB(t, "plain")
+	const password = "pw-Secret-4711"
+	parkKey(t, db, "billing", "acct-"+password, "connect postgres://u:"+password+"@db/x failed; "+testToken)
+	u, err := url.Parse(db.URL)
+	require.NoError(t, err)
+	u.User = url.UserPassword(u.User.Username(), password) // trust authentication ignores it
+	withPW := &pgtest.DB{Schema: db.Schema, URL: u.String(), Pool: db.Pool}
+	base := startServe(t, withPW, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
+	for _, path := range []string{"/", "/parked", "/api/overview", "/api/parked"} {
+		resp, err := http.Get(base + path)
+		require.NoError(t, err)
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode, path)
+		require.NotContains(t, string(body), password, path)
+		require.NotContains(t, string(body), testToken, path)
+		if strings.Contains(path, "parked") {
+			require.Contains(t, string(body), "acct-xxxxx", path)
+		}
+	}
+}
