@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
@@ -178,6 +179,10 @@ type Result struct {
 	Skipped bool
 	// Deleted rows (batched DELETEs; rows in dropped partitions are not counted).
 	Deleted int64
+	// LeasesDeleted: lease mode's leases that expired more than a retention
+	// before the pass (their events were never delivered again). A live
+	// lease, or one expired less than a retention ago, is never deleted.
+	LeasesDeleted int64
 	// Batches run, and Timeouts: batches that hit the statement timeout.
 	Batches, Timeouts int
 	// PartitionsCreated, PartitionsDropped and RowsMoved (from the DEFAULT
@@ -385,6 +390,14 @@ func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result,
 		if err == nil && c.cfg.DeleteNonV7 {
 			err = c.deleteNonV7(ctx, conn, cutoff, &res)
 		}
+	}
+	if err == nil && !c.cfg.DryRun {
+		var tag pgconn.CommandTag
+		tag, err = conn.Exec(ctx, newLeaseSQL(c.cfg.Schema, c.cfg.Table).sweep, cutoff)
+		if err != nil {
+			err = fmt.Errorf("cleaner: delete long-expired leases: %w", err)
+		}
+		res.LeasesDeleted = tag.RowsAffected()
 	}
 	if err != nil && ctx.Err() != nil {
 		err = ctx.Err()

@@ -27,6 +27,7 @@ type Deduplicator struct {
 	claimSQL       string
 	claimBatchSQL  string
 	processedAtSQL string
+	lease          leaseSQL
 }
 
 // New returns a Deduplicator. It does not touch the database; migrate [MigrationLine] up
@@ -47,6 +48,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
 		claimSQL:       claimsql.Claim(t),
 		claimBatchSQL:  claimsql.ClaimBatch(t),
 		processedAtSQL: "SELECT processed_at FROM " + t + " WHERE event_id = $1 AND consumer_group = $2",
+		lease:          newLeaseSQL(cfg.Schema, cfg.Table),
 	}, nil
 }
 

@@ -45,9 +45,10 @@ func ExampleMigrationLine() {
 		fmt.Printf("%03d_%s\n", m.Version, m.Name)
 	}
 	// Output:
-	// applied versions: 2
+	// applied versions: 3
 	// 001_processed_event
 	// 002_retention_and_groups
+	// 003_lease
 }
 
 // Claim runs in the caller's transaction: commit it together with the

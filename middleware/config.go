@@ -119,6 +119,16 @@ type Config struct {
 	// Defaults to nil: one transaction per message.
 	GroupCommit *GroupCommitConfig
 
+	// Lease, when set, turns on lease mode for the handlers this middleware
+	// wraps: the handler runs with no transaction and no connection held,
+	// between a short transaction that takes a lease on the event and one
+	// that completes it; see [LeaseConfig]. Use it for handlers that call
+	// out (a payment provider); keep transaction mode (nil) for handlers
+	// that only write to the database. Needs a *pgxpool.Pool as DB; not
+	// with GroupCommit (lease mode batches its phases itself). Defaults to
+	// nil: transaction mode.
+	Lease *LeaseConfig
+
 	// Concurrency is the most messages the subscriber hands the middleware
 	// at once: idemkafka's parallel Subscriber.MaxInFlight(), or, with
 	// watermill-kafka's subscriber (one message per partition), the
@@ -126,8 +136,10 @@ type Config struct {
 	// NewDedup refuses ([ErrPoolTooSmall]) a pool whose MaxConns cannot give
 	// each transaction its connection: Concurrency connections in
 	// one-transaction-per-message mode, min(Concurrency,
-	// GroupCommit.Concurrency) with group commit. A smaller pool makes the
-	// handlers queue for connections. Defaults to 0: not checked.
+	// GroupCommit.Concurrency) with group commit, 2 × Lease.Concurrency + 1
+	// in lease mode (whatever Concurrency is: handlers hold none). A smaller
+	// pool makes the handlers queue for connections. Defaults to 0: not
+	// checked.
 	Concurrency int
 
 	// TracerProvider makes a consumer span per message (and one per group
@@ -167,6 +179,11 @@ func (c *Config) setDefaults() {
 		gc := *c.GroupCommit // the caller's value stays as it was
 		gc.setDefaults()
 		c.GroupCommit = &gc
+	}
+	if c.Lease != nil {
+		lc := *c.Lease
+		lc.setDefaults()
+		c.Lease = &lc
 	}
 	if c.StaleMargin == 0 {
 		c.StaleMargin = deduplicator.DefaultStaleMargin
@@ -218,6 +235,17 @@ func (c Config) validate() error {
 	if c.Concurrency < 0 {
 		return errors.New("Concurrency: must not be negative")
 	}
+	if c.Lease != nil {
+		if err := c.Lease.validate(); err != nil {
+			return err
+		}
+		if _, ok := c.DB.(leaseDB); !ok {
+			return fmt.Errorf("Lease: DB (%T) is not a *pgxpool.Pool: lease mode runs its phases' transactions concurrently, on connections of their own", c.DB)
+		}
+		if c.GroupCommit != nil {
+			return errors.New("Lease: not with GroupCommit: lease mode batches its phases itself (Lease.MaxBatch, Lease.Concurrency); use two middlewares, one per mode, for handlers of both kinds")
+		}
+	}
 	if err := c.checkPool(); err != nil {
 		return err
 	}
@@ -242,10 +270,16 @@ func (c Config) checkPool() error {
 	if c.GroupCommit != nil {
 		need = min(need, c.GroupCommit.Concurrency)
 	}
+	if c.Lease != nil {
+		need = c.Lease.leaseConns()
+	}
 	max := int(pool.Stat().MaxConns())
 	switch {
 	case max >= need:
 		return nil
+	case c.Lease != nil:
+		return fmt.Errorf("Concurrency: the pool has MaxConns %d, lease mode runs up to %d transactions at once (2 × Lease.Concurrency + 1; give the pool at least %d, or lower Lease.Concurrency): %w",
+			max, need, need, ErrPoolTooSmall)
 	case c.GroupCommit != nil:
 		return fmt.Errorf("Concurrency: the pool has MaxConns %d, the %d concurrent group transactions need %d connections (give the pool at least %d): %w",
 			max, need, need, need, ErrPoolTooSmall)

@@ -2,6 +2,8 @@ package middleware
 
 import (
 	"context"
+	"fmt"
+	"sync"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -21,10 +23,14 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 }
 
 // MustTxFromContext is [TxFromContext] for handlers that cannot work without
-// the transaction. It panics with [ErrNotInHandler] when ctx has none.
+// the transaction. It panics with [ErrNotInHandler] when ctx has none (in
+// lease mode, wrapped with a hint: register the writes with [Complete]).
 func MustTxFromContext(ctx context.Context) pgx.Tx {
 	tx, ok := TxFromContext(ctx)
 	if !ok {
+		if leaseStateFrom(ctx) != nil {
+			panic(fmt.Errorf("%w: lease mode (Config.Lease) runs the handler without a transaction; register its writes with idem.Complete", ErrNotInHandler))
+		}
 		panic(ErrNotInHandler)
 	}
 	return tx
@@ -38,4 +44,64 @@ func EventIDFromContext(ctx context.Context) (uuid.UUID, bool) {
 		return uuid.Nil, false
 	}
 	return v.EventID, true
+}
+
+// CompleteFunc is a database write of a handler, run inside the
+// transaction that commits the event's claim: tx is that transaction, and
+// ctx carries it ([TxFromContext], outbox.PublisherFromContext work on it).
+type CompleteFunc func(ctx context.Context, tx pgx.Tx) error
+
+// Complete registers fn, the handler's database writes, to run in the
+// transaction that claims the event. Write handlers with it and they work
+// in both modes:
+//
+//   - lease mode ([Config.Lease]): the handler runs with no transaction;
+//     fn runs after it returns nil, in the completing transaction, once the
+//     lease's token is checked. A lease lost meanwhile runs no fn at all.
+//     Functions run in the order registered; an error from one rolls the
+//     completion back and the middleware returns it (the message is
+//     retried; the call's Idempotency-Key stays the same);
+//   - transaction mode: fn runs at once on the message's transaction, and
+//     Complete returns its error.
+//
+// It returns [ErrNotInHandler] when ctx comes from neither mode.
+func Complete(ctx context.Context, fn CompleteFunc) error {
+	if s := leaseStateFrom(ctx); s != nil {
+		s.add(fn)
+		return nil
+	}
+	tx, ok := TxFromContext(ctx)
+	if !ok {
+		return ErrNotInHandler
+	}
+	return fn(ctx, tx)
+}
+
+// leaseState collects a lease-mode handler's writes.
+type leaseState struct {
+	mu sync.Mutex
+	fs []CompleteFunc
+}
+
+func (s *leaseState) add(fn CompleteFunc) {
+	s.mu.Lock()
+	s.fs = append(s.fs, fn)
+	s.mu.Unlock()
+}
+
+func (s *leaseState) writes() []CompleteFunc {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.fs
+}
+
+type leaseStateKey struct{}
+
+func withLeaseState(ctx context.Context, s *leaseState) context.Context {
+	return context.WithValue(ctx, leaseStateKey{}, s)
+}
+
+func leaseStateFrom(ctx context.Context) *leaseState {
+	s, _ := ctx.Value(leaseStateKey{}).(*leaseState)
+	return s
 }

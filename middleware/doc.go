@@ -35,6 +35,10 @@
 //
 // [IdempotencyKey] and [NewIdempotencyKeyTransport] derive the
 // Idempotency-Key of a downstream call from the event being handled.
+// Handlers that make such calls run best in lease mode ([Config.Lease],
+// [LeaseConfig]): the handler holds no transaction and no connection
+// while it calls; its writes, registered with [Complete], commit with the
+// claim in a short transaction that first checks the delivery's lease.
 // retrytopic moves transient failures to retry topics; idemtest helps
 // test handlers. docs/guarantees.md, docs/rules.md and
 // docs/configuration.md explain the rules and every setting.

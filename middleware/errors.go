@@ -41,6 +41,20 @@ var (
 	// handled message, or a context derived from it.
 	ErrNotInHandler = idemctx.ErrNotInHandler
 
+	// ErrLeaseLost (lease mode): the delivery's lease was taken over by
+	// another delivery after it expired (the handler ran longer than the
+	// lease and its renewals failed), or an operator released it. Nothing
+	// the handler registered with [Complete] was written; the middleware
+	// returns it (retryable: the redelivery finds the event done, or takes
+	// a new lease), and a renewal that finds it cancels the handler's
+	// context with it as the cause.
+	ErrLeaseLost = errors.New("lease lost")
+
+	// ErrLeaseBusy (lease mode): another delivery of the event holds a live
+	// lease, and it did not end within [LeaseConfig.BusyWait]. The handler
+	// did not run; the message is retried (it is not permanent).
+	ErrLeaseBusy = errors.New("another delivery holds the event's lease")
+
 	// ErrPoolTooSmall is the start-up refusal of a pool whose MaxConns
 	// cannot cover [Config.Concurrency]; the error wrapping it gives the
 	// pool's size and the connections needed.

@@ -3,6 +3,8 @@ package middleware
 import (
 	"context"
 
+	"github.com/google/uuid"
+
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 )
 
@@ -25,4 +27,11 @@ func OpenGroupSize(d *Dedup) int {
 		return 0
 	}
 	return len(d.gc.open.reqs)
+}
+
+// SetLeaseHook makes d's lease mode call f at each phase boundary (see
+// leaseMode.hook): tests pause one delivery there and run another. Set it
+// before the first message.
+func SetLeaseHook(d *Dedup, f func(point string, id uuid.UUID)) {
+	d.lease.hook = f
 }

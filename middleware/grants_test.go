@@ -157,16 +157,17 @@ func TestGrantsConsumerAndCleanerPlain(t *testing.T) {
 	var calls atomic.Int32
 	handler := func(m *message.Message) ([]*message.Message, error) {
 		calls.Add(1)
-		ctx := m.Context()
-		id, _ := idem.EventIDFromContext(ctx)
-		if _, err := idem.MustTxFromContext(ctx).Exec(ctx, "INSERT INTO ledger (event_id, consumer_group, amount) VALUES ($1, 'billing', 1)", id); err != nil {
-			return nil, err
-		}
-		pub, err := ob.PublisherFromContext(ctx)
-		if err != nil {
-			return nil, err
-		}
-		return nil, pub.Publish("invoices", message.NewMessage(uuid.NewString(), []byte(`{"invoice":1}`)))
+		return nil, idem.Complete(m.Context(), func(ctx context.Context, tx pgx.Tx) error {
+			id, _ := idem.EventIDFromContext(ctx)
+			if _, err := tx.Exec(ctx, "INSERT INTO ledger (event_id, consumer_group, amount) VALUES ($1, 'billing', 1)", id); err != nil {
+				return err
+			}
+			pub, err := ob.PublisherFromContext(ctx)
+			if err != nil {
+				return err
+			}
+			return pub.Publish("invoices", message.NewMessage(uuid.NewString(), []byte(`{"invoice":1}`)))
+		})
 	}
 	msg := func(id uuid.UUID) *message.Message {
 		m := message.NewMessage(uuid.NewString(), []byte(`{"amount":1}`))
@@ -205,6 +206,25 @@ func TestGrantsConsumerAndCleanerPlain(t *testing.T) {
 	require.Equal(t, 11, e.db.Count(t, "SELECT 1 FROM ledger"))
 	require.Equal(t, 11, e.db.Count(t, "SELECT 1 FROM outbox_invoices"))
 
+	// Lease mode: take, renew-free call, completion, a handler error's
+	// release, a duplicate.
+	leased, err := idem.NewDedup(idem.Config{DB: consumer, ConsumerGroup: "billing", Table: table, Lease: &idem.LeaseConfig{Concurrency: 1}}, nil)
+	require.NoError(t, err)
+	lh := leased.Middleware(handler)
+	_, err = leased.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, errors.New("provider down") })(msg(gids[0]))
+	require.NoError(t, err, "a duplicate: the handler does not run")
+	lids := newIDs(3)
+	_, err = leased.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, errors.New("provider down") })(msg(lids[0]))
+	require.ErrorContains(t, err, "provider down", "the lease is released")
+	for _, id := range lids {
+		_, err := lh(msg(id))
+		require.NoError(t, err)
+	}
+	require.EqualValues(t, 3, leased.Stats().LeasesTaken-1)
+	require.EqualValues(t, 14, calls.Load())
+	require.Equal(t, 14, e.db.Count(t, "SELECT 1 FROM ledger"))
+	require.Equal(t, 14, e.db.Count(t, "SELECT 1 FROM outbox_invoices"))
+
 	// Least privilege is real: the consumer cannot forget a claim or change
 	// the retention.
 	_, err = consumer.Exec(ctx, "DELETE FROM processed_event")
@@ -228,7 +248,7 @@ func TestGrantsConsumerAndCleanerPlain(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 5, res.Deleted)
 	require.Zero(t, e.db.Count(t, "SELECT 1 FROM processed_event WHERE consumer_group = 'archive'"))
-	require.Equal(t, 11, e.db.Count(t, "SELECT 1 FROM processed_event WHERE consumer_group = 'billing'"))
+	require.Equal(t, 14, e.db.Count(t, "SELECT 1 FROM processed_event WHERE consumer_group = 'billing'"))
 
 	_, err = cleanerPool.Exec(ctx, "INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'billing')", publisher.NewEventID())
 	requireDenied(t, err, "cleaner claims")

@@ -29,7 +29,9 @@ type Dedup struct {
 	// Idempotency-Key namespace).
 	group deduplicator.Group
 	// gc is the group-commit mode, nil when Config.GroupCommit is.
-	gc      *groupCommit
+	gc *groupCommit
+	// lease is lease mode, nil when Config.Lease is.
+	lease   *leaseMode
 	tracing otelx.Tracers
 }
 
@@ -60,6 +62,9 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	}
 	if cfg.GroupCommit != nil {
 		d.gc = newGroupCommit(d, *cfg.GroupCommit)
+	}
+	if cfg.Lease != nil {
+		d.lease = newLeaseMode(d, *cfg.Lease)
 	}
 	return d, nil
 }
@@ -102,6 +107,9 @@ func (d *Dedup) ConsumerGroup() string { return d.cfg.ConsumerGroup }
 //  5. h returned an error or panicked: ROLLBACK and propagate it (nack);
 //  6. messages h returned go to [Config.Outbox] in the same transaction;
 //  7. COMMIT; only then does the router ack and the offset advance.
+//
+// In lease mode ([Config.Lease]) steps 2–7 split into two short
+// transactions around a handler that holds none: see [LeaseConfig].
 //
 // The message's original context is restored when Middleware returns. Put
 // watermill's Retry middleware outside (before) this one, so every attempt
@@ -151,6 +159,9 @@ func (d *Dedup) process(msg *message.Message, h message.HandlerFunc, span *msgSp
 		return nil, outcomeRejected, err
 	}
 	span.eventID(id)
+	if d.lease != nil {
+		return d.lease.process(msg, h, id, span)
+	}
 	if d.gc != nil {
 		if !d.gc.failed.has(id) {
 			if res := d.gc.submit(msg, h, id, span); !res.alone {

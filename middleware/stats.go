@@ -43,6 +43,14 @@ type Stats struct {
 	// own transaction after a fallback, a failed group claim or an earlier
 	// failure of their handler.
 	Groups, GroupedMessages, GroupFallbacks, Alone uint64
+	// Lease mode ([Config.Lease]): LeasesTaken leases were taken (new or
+	// taken over), LeasesTakenOver of them from an expired lease;
+	// LeasesRenewed renewals succeeded; LeasesLost deliveries found their
+	// lease taken over or released and wrote nothing ([ErrLeaseLost]);
+	// LeasesBusy deliveries gave up on another delivery's live lease
+	// ([ErrLeaseBusy]). A completion batch that fell back to one
+	// transaction per message counts in GroupFallbacks.
+	LeasesTaken, LeasesTakenOver, LeasesRenewed, LeasesLost, LeasesBusy uint64
 }
 
 // RejectedStats counts refused messages by reason.
@@ -95,6 +103,11 @@ func (s Stats) Add(o Stats) Stats {
 	s.GroupedMessages += o.GroupedMessages
 	s.GroupFallbacks += o.GroupFallbacks
 	s.Alone += o.Alone
+	s.LeasesTaken += o.LeasesTaken
+	s.LeasesTakenOver += o.LeasesTakenOver
+	s.LeasesRenewed += o.LeasesRenewed
+	s.LeasesLost += o.LeasesLost
+	s.LeasesBusy += o.LeasesBusy
 	return s
 }
 
@@ -117,11 +130,13 @@ func rejectReason(err error) string {
 }
 
 type counters struct {
-	processed, duplicates, failed, claimErrors atomic.Uint64
-	missing, invalid, nilID, notV7, mismatch   atomic.Uint64
-	stale                                      atomic.Uint64
-	claimNanos, claimCount, txNanos            atomic.Uint64
-	groups, grouped, groupFallbacks, alone     atomic.Uint64
+	processed, duplicates, failed, claimErrors  atomic.Uint64
+	missing, invalid, nilID, notV7, mismatch    atomic.Uint64
+	stale                                       atomic.Uint64
+	claimNanos, claimCount, txNanos             atomic.Uint64
+	groups, grouped, groupFallbacks, alone      atomic.Uint64
+	leasesTaken, leasesTakenOver, leasesRenewed atomic.Uint64
+	leasesLost, leasesBusy                      atomic.Uint64
 }
 
 func (c *counters) rejected(err error) {
@@ -163,5 +178,10 @@ func (c *counters) snapshot() Stats {
 		GroupedMessages: c.grouped.Load(),
 		GroupFallbacks:  c.groupFallbacks.Load(),
 		Alone:           c.alone.Load(),
+		LeasesTaken:     c.leasesTaken.Load(),
+		LeasesTakenOver: c.leasesTakenOver.Load(),
+		LeasesRenewed:   c.leasesRenewed.Load(),
+		LeasesLost:      c.leasesLost.Load(),
+		LeasesBusy:      c.leasesBusy.Load(),
 	}
 }

@@ -25,6 +25,8 @@ const (
 	outcomeStale      = "stale"
 	outcomeFailed     = "failed"
 	outcomeClaimError = "claim_error"
+	outcomeLeaseBusy  = "lease_busy"
+	outcomeLeaseLost  = "lease_lost"
 )
 
 // msgSpan is the consumer span of one message; a nil *msgSpan does nothing.
@@ -107,7 +109,7 @@ func (s *msgSpan) end(outcome string, err error) {
 			s.span.SetAttributes(otelx.AttrRejectReason.String(reason))
 		}
 		s.span.SetStatus(codes.Error, "refused")
-	case outcomeFailed, outcomeClaimError:
+	case outcomeFailed, outcomeClaimError, outcomeLeaseBusy, outcomeLeaseLost:
 		s.span.RecordError(err)
 		s.span.SetStatus(codes.Error, err.Error())
 	}

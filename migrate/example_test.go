@@ -40,8 +40,9 @@ func ExampleMigrator_Migrate() {
 	// Output:
 	// processed_event:processed_event: applied 001_processed_event
 	// processed_event:processed_event: applied 002_retention_and_groups
+	// processed_event:processed_event: applied 003_lease
 	// again: 0 applied
-	// processed_event:processed_event: reverted 002_retention_and_groups
+	// processed_event:processed_event: reverted 003_lease
 }
 
 // Validate lists the versions not recorded as applied: where another
@@ -74,5 +75,6 @@ func ExampleMigrator_Validate() {
 	// ok: false
 	// pending: processed_event:processed_event 001_processed_event
 	// pending: processed_event:processed_event 002_retention_and_groups
+	// pending: processed_event:processed_event 003_lease
 	// ok: true
 }

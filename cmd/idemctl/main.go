@@ -40,6 +40,8 @@ var commands = []command{
 	{"migrate", "sql", "[--only dedup,outbox,retry] [--down] [--pending]", "print the migrations' SQL (for goose, golang-migrate or psql)", migrateSQL},
 	{"dedup", "check", "EVENT_ID [--group G]...", "was the event processed by the group (default: every registered group), and when", dedupCheck},
 	{"dedup", "convert", "[--group G] [--retention D] [--dry-run]", "convert an existing processed_event table (another key, NULL or no consumer_group) to the library's, keeping one row per (event, group)", dedupConvert},
+	{"dedup", "leases", "[--group G] [--state live|expired] [--limit N]", "lease mode's leases: live (calls in flight) and expired (taken over at the event's next delivery)", dedupLeases},
+	{"dedup", "release", "EVENT_ID --group G --yes", "delete a lease whose owner is gone, so the event's next delivery runs at once", dedupRelease},
 	{"dedup", "stats", "", "claims per group and per partition, oldest and newest, table size (reads every row)", dedupStats},
 	{"cleanup", "run", "[--dry-run] [--batch-size N] [--delete-non-v7]", "one retention pass of the Cleaner (deletes, or drops partitions)", cleanupRun},
 	{"partitions", "list", "", "the partitions of a partitioned table, with their days and sizes", partitionsList},

@@ -44,6 +44,7 @@ type Metrics struct {
 
 	processed, duplicates, failed, claimErrors, rejected, claims metric.Int64ObservableCounter
 	groups, grouped, groupFallbacks, alone                       metric.Int64ObservableCounter
+	leases                                                       metric.Int64ObservableCounter
 	claimTime, txTime                                            metric.Float64ObservableCounter
 	forwarded, commits, polls, fwdErrors, quarantined            metric.Int64ObservableCounter
 	pending                                                      metric.Int64ObservableGauge
@@ -84,6 +85,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.groups = counter("idem.dedup.group.commits", "{transaction}", "Group-commit transactions claimed (idem.dedup.group.messages messages).")
 	m.grouped = counter("idem.dedup.group.messages", "{message}", "Messages claimed in group-commit transactions.")
 	m.groupFallbacks = counter("idem.dedup.group.fallbacks", "{transaction}", "Groups rolled back by a handler failure, their messages processed alone.")
+	m.leases = counter("idem.dedup.leases", "{lease}", "Lease mode (Config.Lease), by idem.lease.event: taken, taken_over, renewed, lost (nothing written), busy (gave up on another delivery's live lease).")
 	m.alone = counter("idem.dedup.alone", "{message}", "Messages processed in their own transaction in group-commit mode (after a fallback, a failed group claim or an earlier failure of their handler).")
 	m.forwarded = counter("idem.outbox.forwarded", "{message}", "Outbox rows sent to Kafka and acknowledged in the database.")
 	m.commits = counter("idem.outbox.forwarder.commits", "{commit}", "Committed forwarder position updates.")
@@ -118,7 +120,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	}
 	m.reg, err = meter.RegisterCallback(m.observe,
 		m.processed, m.duplicates, m.failed, m.claimErrors, m.rejected, m.claims, m.claimTime, m.txTime,
-		m.groups, m.grouped, m.groupFallbacks, m.alone,
+		m.groups, m.grouped, m.groupFallbacks, m.alone, m.leases,
 		m.forwarded, m.commits, m.polls, m.fwdErrors, m.quarantined, m.pending, m.oldest,
 		m.kInFlight, m.kWaiting, m.kHeld, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions, m.kRefused)
 	if err != nil {
@@ -231,6 +233,9 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.grouped, int64(s.GroupedMessages), set)
 		o.ObserveInt64(m.groupFallbacks, int64(s.GroupFallbacks), set)
 		o.ObserveInt64(m.alone, int64(s.Alone), set)
+		for ev, n := range map[string]uint64{"taken": s.LeasesTaken, "taken_over": s.LeasesTakenOver, "renewed": s.LeasesRenewed, "lost": s.LeasesLost, "busy": s.LeasesBusy} {
+			o.ObserveInt64(m.leases, int64(n), metric.WithAttributeSet(attribute.NewSet(group, attribute.String("idem.lease.event", ev))))
+		}
 	}
 	for i, f := range forwarders {
 		s := f.Stats()

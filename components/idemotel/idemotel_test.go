@@ -225,7 +225,7 @@ func TestMetricsExportDedupForwarderAndBacklog(t *testing.T) {
 	} {
 		require.Equal(t, unit, got[name].Unit, name)
 	}
-	require.Len(t, got, 19, "every instrument reported")
+	require.Len(t, got, 20, "every instrument reported")
 
 	// The reasons are the ones the dedup span records.
 	reasons := map[string]bool{}

@@ -33,6 +33,7 @@ var (
 	descGroups         = prometheus.NewDesc("idem_dedup_groups_total", "Group-commit transactions that claimed their messages (Config.GroupCommit).", group, nil)
 	descGroupedMsgs    = prometheus.NewDesc("idem_dedup_grouped_messages_total", "Messages claimed in group-commit transactions (divided by idem_dedup_groups_total: the mean group size).", group, nil)
 	descGroupFallbacks = prometheus.NewDesc("idem_dedup_group_fallbacks_total", "Groups rolled back by a handler error or panic, their messages then processed alone.", group, nil)
+	descLeases         = prometheus.NewDesc("idem_dedup_leases_total", "Lease mode (Config.Lease), by event: taken (new or taken over), taken_over (from an expired lease), renewed, lost (taken over or released before completion: nothing written), busy (gave up on another delivery's live lease).", []string{"consumer_group", "event"}, nil)
 	descAlone          = prometheus.NewDesc("idem_dedup_alone_total", "Messages processed in a transaction of their own in group-commit mode: after a group fallback, a failed group claim, or an earlier failure of their handler.", group, nil)
 
 	descForwarded   = prometheus.NewDesc("idem_outbox_forwarded_total", "Outbox rows sent to Kafka and acknowledged in the database.", fwd, nil)
@@ -207,7 +208,7 @@ func (c *Collector) AddSubscriber(sub *idemkafka.Subscriber) {
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec,
-		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descForwarded, descCommits, descPolls, descFwdErrors, descQuarantined, descPending, descOldest, descDead,
+		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descLeases, descForwarded, descCommits, descPolls, descFwdErrors, descQuarantined, descPending, descOldest, descDead,
 		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff, descOverdue,
 		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
 		descTableRows, descTableBytes, descTableRetention, descTableCleaned, descTablePartitions,
@@ -251,6 +252,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descGroupedMsgs, float64(s.GroupedMessages), g)
 		counter(descGroupFallbacks, float64(s.GroupFallbacks), g)
 		counter(descAlone, float64(s.Alone), g)
+		counter(descLeases, float64(s.LeasesTaken), g, "taken")
+		counter(descLeases, float64(s.LeasesTakenOver), g, "taken_over")
+		counter(descLeases, float64(s.LeasesRenewed), g, "renewed")
+		counter(descLeases, float64(s.LeasesLost), g, "lost")
+		counter(descLeases, float64(s.LeasesBusy), g, "busy")
 	}
 	for name, f := range forwarders {
 		s := f.Stats()

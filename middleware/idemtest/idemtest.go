@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -76,6 +77,18 @@ type RedeliveryOpts struct {
 	// transaction survive the rollback and show up as a second effect.
 	// Defaults to false.
 	RollbackFirst bool
+
+	// TakeOverFirst (lease mode, idem.Config.Lease) makes the first run's
+	// lease expire while its handler runs, as when its owner stalls past
+	// the lease: a second delivery then takes the lease over and completes
+	// before the first handler goes on. The first run's completion must
+	// then write nothing and return idem.ErrLeaseLost. It needs DB and
+	// Table (the dedup middleware's) to expire the lease. Defaults to
+	// false.
+	TakeOverFirst bool
+	// DB and Table reach the lease table for TakeOverFirst.
+	DB    migrate.DBTX
+	Table deduplicator.TableConfig
 }
 
 func (o *RedeliveryOpts) withDefaults() RedeliveryOpts {
@@ -109,6 +122,34 @@ type RedeliveryResult struct {
 	Duplicates int
 	// InjectedRollbacks counts runs rolled back on purpose (RollbackFirst).
 	InjectedRollbacks int
+	// TakenOver counts runs whose lease was taken over and which wrote
+	// nothing (TakeOverFirst).
+	TakenOver int
+}
+
+// takeOver expires the lease of m's event and delivers a copy of m that
+// takes it over and completes, while m's handler has not run yet.
+func takeOver(ctx context.Context, tb testing.TB, o RedeliveryOpts, dedup *idem.Dedup, m *message.Message, wrapped message.HandlerFunc) {
+	tb.Helper()
+	id, _ := idem.EventIDFromContext(m.Context())
+	table := o.Table
+	if table.Table == "" {
+		table.Table = "processed_event"
+	}
+	if table.Schema == "" {
+		table.Schema = "public"
+	}
+	lease := pgx.Identifier{table.Schema, table.Table + "_lease"}.Sanitize()
+	tag, err := o.DB.Exec(ctx, "UPDATE "+lease+" SET expires_at = now() - interval '1 second' WHERE event_id = $1 AND consumer_group = $2", id, dedup.ConsumerGroup())
+	if err != nil || tag.RowsAffected() != 1 {
+		tb.Errorf("idemtest: TakeOverFirst: expire the lease of %s: %v (rows %d; is the middleware in lease mode?)", id, err, tag.RowsAffected())
+		return
+	}
+	c := m.Copy()
+	c.SetContext(ctx)
+	if _, err := wrapped(c); err != nil {
+		tb.Errorf("idemtest: TakeOverFirst: the delivery that took the lease over failed: %v", err)
+	}
 }
 
 // errInjectedRollback is the error [RunWithRedelivery] returns from the first
@@ -133,12 +174,20 @@ func RunWithRedelivery(ctx context.Context, tb testing.TB, dedup *idem.Dedup, h 
 		tb.Fatalf("idemtest: RunWithRedelivery needs a dedup middleware, a handler and a message")
 	}
 
-	var runs, committed, injected atomic.Int64
+	if o.TakeOverFirst && o.DB == nil {
+		tb.Fatalf("idemtest: TakeOverFirst needs RedeliveryOpts.DB (and Table) to expire the first run's lease")
+	}
+	var runs, committed, injected, takenOver atomic.Int64
 	var eventID atomic.Value
-	var injectOnce atomic.Bool
+	var injectOnce, takeOverOnce atomic.Bool
 	injectOnce.Store(o.RollbackFirst)
+	takeOverOnce.Store(o.TakeOverFirst)
+	var wrapped message.HandlerFunc
 	counting := func(m *message.Message) ([]*message.Message, error) {
 		runs.Add(1)
+		if takeOverOnce.CompareAndSwap(true, false) {
+			takeOver(ctx, tb, o, dedup, m, wrapped)
+		}
 		out, err := h(m)
 		if err != nil {
 			return nil, err
@@ -147,15 +196,21 @@ func RunWithRedelivery(ctx context.Context, tb testing.TB, dedup *idem.Dedup, h 
 			injected.Add(1)
 			return nil, errInjectedRollback
 		}
-		// Counted before COMMIT; a failed COMMIT returns an error below and
-		// fails the test anyway.
-		committed.Add(1)
+		// Counted inside the committing transaction (at once in transaction
+		// mode, by the completion in lease mode, never for a lost lease); a
+		// failed COMMIT returns an error below and fails the test anyway.
+		if err := idem.Complete(m.Context(), func(context.Context, pgx.Tx) error {
+			committed.Add(1)
+			return nil
+		}); err != nil {
+			return nil, err
+		}
 		if id, ok := idem.EventIDFromContext(m.Context()); ok {
 			eventID.Store(id)
 		}
 		return out, nil
 	}
-	wrapped := dedup.Middleware(counting)
+	wrapped = dedup.Middleware(counting)
 
 	deliveries := o.Deliveries
 	if o.RollbackFirst {
@@ -175,6 +230,10 @@ func RunWithRedelivery(ctx context.Context, tb testing.TB, dedup *idem.Dedup, h 
 				m.SetContext(ctx)
 				<-start
 				_, err := wrapped(m)
+				if o.TakeOverFirst && errors.Is(err, idem.ErrLeaseLost) {
+					takenOver.Add(1)
+					err = nil
+				}
 				if err != nil && !errors.Is(err, errInjectedRollback) {
 					mu.Lock()
 					errs = append(errs, err)
@@ -194,7 +253,12 @@ func RunWithRedelivery(ctx context.Context, tb testing.TB, dedup *idem.Dedup, h 
 		HandlerRuns:       int(runs.Load()),
 		Committed:         int(committed.Load()),
 		InjectedRollbacks: int(injected.Load()),
+		TakenOver:         int(takenOver.Load()),
 	}
+	if o.TakeOverFirst && res.TakenOver != 1 {
+		tb.Fatalf("idemtest: TakeOverFirst: the first run's completion was not refused with idem.ErrLeaseLost (is the middleware in lease mode?)")
+	}
+	res.Deliveries += res.TakenOver // the takeover's own delivery
 	res.Duplicates = res.Deliveries - res.HandlerRuns
 	if res.Committed != 1 {
 		tb.Fatalf("idemtest: the handler committed %d times over %d deliveries, want exactly 1 (runs %d, injected rollbacks %d)",

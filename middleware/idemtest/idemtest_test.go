@@ -2,6 +2,7 @@ package idemtest_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 
@@ -179,4 +180,40 @@ func TestRequireProcessedInTx(t *testing.T) {
 	idemtest.RequireNotProcessed(ctx, t, db.Pool, table, "billing", id)
 	msg := expectFatal(t, func(tb testing.TB) { idemtest.RequireNotProcessed(ctx, tb, tx, table, "billing", id) })
 	require.Contains(t, msg, "expected it not to be")
+}
+
+// A lease-mode handler under redelivery, a takeover of its first run
+// included: one ledger row, the first run's completion refused.
+func TestRunWithRedeliveryLeaseMode(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, table, _ := setup(t, "billing")
+	dedup, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table, Lease: &idem.LeaseConfig{Concurrency: 2}}, nil)
+	require.NoError(t, err)
+	leaseHandler := func(msg *message.Message) ([]*message.Message, error) {
+		if _, ok := idem.TxFromContext(msg.Context()); ok {
+			return nil, errors.New("lease mode gave the handler a transaction")
+		}
+		return nil, idem.Complete(msg.Context(), func(ctx context.Context, tx pgx.Tx) error {
+			id, _ := idem.EventIDFromContext(ctx)
+			_, err := tx.Exec(ctx, `INSERT INTO ledger VALUES ($1, 7)`, id)
+			return err
+		})
+	}
+	for name, opts := range map[string]*idemtest.RedeliveryOpts{
+		"concurrent":      {Deliveries: 6, Concurrency: 3},
+		"take over first": {Deliveries: 3, Concurrency: 1, TakeOverFirst: true, DB: db.Pool, Table: table},
+	} {
+		t.Run(name, func(t *testing.T) {
+			id := publisher.NewEventID()
+			res := idemtest.RunWithRedelivery(ctx, t, dedup, leaseHandler, newMsg(id), opts)
+			require.Equal(t, 1, res.Committed)
+			require.Equal(t, map[bool]int{true: 1}[opts.TakeOverFirst], res.TakenOver)
+			require.Equal(t, 1, db.Count(t, `SELECT 1 FROM ledger WHERE event_id = $1`, id))
+			idemtest.RequireProcessed(ctx, t, db.Pool, table, "billing", id)
+		})
+	}
+	expectFatal(t, func(tb testing.TB) {
+		idemtest.RunWithRedelivery(ctx, tb, dedup, leaseHandler, newMsg(publisher.NewEventID()), &idemtest.RedeliveryOpts{TakeOverFirst: true})
+	})
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -256,16 +257,19 @@ func (f *fixture) parallelSubscribers(t *testing.T, c consumer) (sub, retrySub m
 }
 
 // ledgerHandler writes (event_id, key, n) to the ledger in the message's
-// transaction, then asks fail.
+// transaction (through idem.Complete: in lease mode, the completing one),
+// then asks fail.
 func (f *fixture) ledgerHandler(fail failFunc) message.NoPublishHandlerFunc {
 	return func(m *message.Message) error {
 		var ev event
 		if err := json.Unmarshal(m.Payload, &ev); err != nil {
 			return idem.Permanent(err)
 		}
-		ctx := m.Context()
-		id, _ := idem.EventIDFromContext(ctx)
-		if _, err := idem.MustTxFromContext(ctx).Exec(ctx, "INSERT INTO ledger (event_id, key, n) VALUES ($1, $2, $3)", id, ev.Key, ev.N); err != nil {
+		if err := idem.Complete(m.Context(), func(ctx context.Context, tx pgx.Tx) error {
+			id, _ := idem.EventIDFromContext(ctx)
+			_, err := tx.Exec(ctx, "INSERT INTO ledger (event_id, key, n) VALUES ($1, $2, $3)", id, ev.Key, ev.N)
+			return err
+		}); err != nil {
 			return err
 		}
 		if fail != nil {
@@ -279,6 +283,15 @@ func (f *fixture) ledgerHandler(fail failFunc) message.NoPublishHandlerFunc {
 func (f *fixture) newDedup(t *testing.T) *idem.Dedup {
 	t.Helper()
 	d, err := idem.NewDedup(idem.Config{DB: f.db.Pool, ConsumerGroup: f.group, Table: deduplicator.TableConfig{Schema: f.db.Schema}}, nil)
+	require.NoError(t, err)
+	return d
+}
+
+// newLeaseDedup is newDedup in lease mode.
+func (f *fixture) newLeaseDedup(t *testing.T) *idem.Dedup {
+	t.Helper()
+	d, err := idem.NewDedup(idem.Config{DB: f.db.Pool, ConsumerGroup: f.group, Table: deduplicator.TableConfig{Schema: f.db.Schema},
+		Lease: &idem.LeaseConfig{Concurrency: 1}}, nil)
 	require.NoError(t, err)
 	return d
 }

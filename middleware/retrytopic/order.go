@@ -472,8 +472,9 @@ func withRelease(ctx context.Context, pk *parking) context.Context {
 //
 //	router.AddMiddleware(rt.Middleware, retry.Middleware, dedup.Middleware, rt.ReleaseMiddleware)
 //
-// Without it (or when the claim shows a duplicate and the handler does not
-// run) [RetryTopic.Middleware] releases the event in a transaction of its
+// In lease mode (idem.Config.Lease) the release is registered with
+// idem.Complete and commits with the completion. Without it (or when the
+// claim shows a duplicate and the handler does not run) [RetryTopic.Middleware] releases the event in a transaction of its
 // own after the handler chain returned nil, before the ack: a crash in
 // between leaves the key parked until the redelivery, which the claim
 // absorbs and which releases it. Without KeyOrder it only calls h.
@@ -488,8 +489,21 @@ func (r *RetryTopic) ReleaseMiddleware(h message.HandlerFunc) message.HandlerFun
 		pk.handedOff.Store(false)
 		tx, ok := idem.TxFromContext(ctx)
 		produced, err := h(msg)
-		if err != nil || !ok {
+		if err != nil {
 			return produced, err
+		}
+		if !ok {
+			// Lease mode: the release joins the completing transaction,
+			// with the claim (a lost lease or a duplicate runs nothing, and
+			// RetryTopic.Middleware releases on its own).
+			_ = idem.Complete(ctx, func(ctx context.Context, tx pgx.Tx) error {
+				if err := r.order.release(ctx, tx, pk); err != nil {
+					return err
+				}
+				pk.done.Store(true)
+				return nil
+			})
+			return produced, nil
 		}
 		if err := r.order.release(ctx, tx, pk); err != nil {
 			return nil, err

@@ -68,6 +68,17 @@ func TestWithoutKeyOrderLaterEventsOvertake(t *testing.T) {
 // k2 is never held back. Every parked key is released at the end.
 func TestKeyOrderLaterEventsFollowTheRetriedOne(t *testing.T) {
 	t.Parallel()
+	keyOrderFollows(t, false)
+}
+
+// The same in lease mode: each release commits in the completing
+// transaction, with the claim.
+func TestKeyOrderLaterEventsFollowTheRetriedOne_LeaseMode(t *testing.T) {
+	t.Parallel()
+	keyOrderFollows(t, true)
+}
+
+func keyOrderFollows(t *testing.T, lease bool) {
 	f := newFixture(t, 2, 2)
 	rt, err := retrytopic.New(f.retryConfig(func(c *retrytopic.Config) {
 		c.MaxAttempts = 2
@@ -83,7 +94,11 @@ BEGIN INSERT INTO release_log VALUES (OLD.event_id, txid_current() % 4294967296)
 	var log runLog
 	poison := f.collect(t, f.poison)
 	const perKey = 5
-	f.run(t, consumer{rt: rt, dedup: f.newDedup(t)}, func(ev event, onRetry bool) error {
+	dedup := f.newDedup(t)
+	if lease {
+		dedup = f.newLeaseDedup(t)
+	}
+	f.run(t, consumer{rt: rt, dedup: dedup}, func(ev event, onRetry bool) error {
 		runs := log.add(ev, onRetry)
 		if onRetry && ev.N == 0 {
 			// The heads of k1 and k3 stay on the retry path until the main

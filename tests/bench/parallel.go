@@ -49,6 +49,8 @@ type parRig struct {
 	outT    string
 	seq     atomic.Int64
 	close   func()
+	// keys is how many keys produce spreads events over; 0 means parKeys.
+	keys int
 }
 
 func newParRig(ctx context.Context, o Options) (*parRig, error) {
@@ -105,6 +107,10 @@ func (r *parRig) produce(topic string, n int, rate float64) error {
 	}
 	defer p.Close()
 	m := idemkafka.Marshaler{}
+	keys := parKeys
+	if r.keys > 0 {
+		keys = r.keys
+	}
 	start := time.Now()
 	var batch []*sarama.ProducerMessage
 	for i := 0; i < n; {
@@ -123,7 +129,7 @@ func (r *parRig) produce(topic string, n int, rate float64) error {
 			msg := message.NewMessage(id.String(), []byte(`{"amount":42}`))
 			msg.Metadata.Set(publisher.MetadataEventID, id.String())
 			msg.Metadata.Set(sentAtKey, now)
-			publisher.WithPartitionKey(msg, "key-"+strconv.Itoa(i%parKeys))
+			publisher.WithPartitionKey(msg, "key-"+strconv.Itoa(i%keys))
 			pm, err := m.Marshal(topic, msg)
 			if err != nil {
 				return err
@@ -143,6 +149,12 @@ type parConsumer struct {
 	name        string
 	parallel    bool
 	groupCommit *idem.GroupCommitConfig
+	// Lease mode (the lease section): lease, maxInFlight (0: parMaxInFlight),
+	// pool (nil: the rig's) and handler (nil: the run's).
+	lease       *idem.LeaseConfig
+	maxInFlight int
+	pool        *pgxpool.Pool
+	handler     func(msg *message.Message) error
 }
 
 // parRun is one consumer over a topic, until count events committed.
@@ -172,8 +184,18 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 	logger := watermill.NopLogger{}
 	var sub message.Subscriber
 	concurrency := 0
+	inFlight, pool, handler := parMaxInFlight, r.db.Pool, run.handler
+	if c.maxInFlight > 0 {
+		inFlight = c.maxInFlight
+	}
+	if c.pool != nil {
+		pool = c.pool
+	}
+	if c.handler != nil {
+		handler = c.handler
+	}
 	if c.parallel {
-		s, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: parMaxInFlight}, logger)
+		s, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: inFlight}, logger)
 		if err != nil {
 			return res, err
 		}
@@ -190,14 +212,14 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 		sub = s
 	}
 	defer sub.Close()
-	d, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, GroupCommit: c.groupCommit, Concurrency: concurrency}, nil)
+	d, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: group, Table: r.table, GroupCommit: c.groupCommit, Lease: c.lease, Concurrency: concurrency}, nil)
 	if err != nil {
 		return res, err
 	}
 	done := newSpan(run.count)
-	mw := d.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, run.handler(msg) })
+	mw := d.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) })
 	if run.raw {
-		mw = func(msg *message.Message) ([]*message.Message, error) { return nil, run.handler(msg) }
+		mw = func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) }
 	}
 	h := func(msg *message.Message) error {
 		done.first.CompareAndSwap(0, time.Now().UnixNano())

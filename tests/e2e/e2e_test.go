@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -87,7 +88,8 @@ func (e *env) run(ctx context.Context, t *testing.T, name, topic string, sub mes
 }
 
 // ledgerHandler inserts the event's amount into ledger in the middleware's
-// transaction and counts its calls.
+// transaction (through idem.Complete: at once in transaction mode, in the
+// completing transaction in lease mode) and counts its calls.
 func ledgerHandler(calls *atomic.Int32) message.NoPublishHandlerFunc {
 	return func(m *message.Message) error {
 		calls.Add(1)
@@ -95,10 +97,11 @@ func ledgerHandler(calls *atomic.Int32) message.NoPublishHandlerFunc {
 		if err := json.Unmarshal(m.Payload, &e); err != nil {
 			return idem.Permanent(err)
 		}
-		ctx := m.Context()
-		id, _ := idem.EventIDFromContext(ctx)
-		_, err := idem.MustTxFromContext(ctx).Exec(ctx, "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)", id, e.Amount)
-		return err
+		return idem.Complete(m.Context(), func(ctx context.Context, tx pgx.Tx) error {
+			id, _ := idem.EventIDFromContext(ctx)
+			_, err := tx.Exec(ctx, "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)", id, e.Amount)
+			return err
+		})
 	}
 }
 
@@ -147,6 +150,17 @@ func (a *acks) has(uuids ...string) bool {
 // ledger ends with exactly one row per event and the right sum.
 func TestKafkaToPostgresExactlyOnceAcrossRebalance(t *testing.T) {
 	t.Parallel()
+	exactlyOnceAcrossRebalance(t, false)
+}
+
+// The same in lease mode, on the parallel subscriber: its handlers hold no
+// transaction, so 64 messages in flight share a pool of 4 connections.
+func TestKafkaToPostgresExactlyOnceAcrossRebalance_LeaseMode(t *testing.T) {
+	t.Parallel()
+	exactlyOnceAcrossRebalance(t, true)
+}
+
+func exactlyOnceAcrossRebalance(t *testing.T, lease bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	e := newEnv(ctx, t)
@@ -192,17 +206,26 @@ func TestKafkaToPostgresExactlyOnceAcrossRebalance(t *testing.T) {
 	// router, in the shared consumer group.
 	acked := newAcks()
 	start := func(name string, calls *atomic.Int32) *message.Router {
-		cfg, err := pgxpool.ParseConfig(e.db.URL)
+		pcfg, err := pgxpool.ParseConfig(e.db.URL)
 		require.NoError(t, err)
-		cfg.MaxConns = 4
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		pcfg.MaxConns = 4
+		pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 		require.NoError(t, err)
 		t.Cleanup(pool.Close)
-		dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: group, Table: e.table}, e.logger)
+		cfg := idem.Config{DB: pool, ConsumerGroup: group, Table: e.table}
+		var sub message.Subscriber = e.subscriber(t, group)
+		if lease {
+			cfg.Lease = &idem.LeaseConfig{Concurrency: 1}
+			psub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: e.broker.Addrs, ConsumerGroup: group, MaxInFlight: 64}, e.logger)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = psub.Close() })
+			sub, cfg.Concurrency = psub, psub.MaxInFlight()
+		}
+		dedup, err := idem.NewDedup(cfg, e.logger)
 		require.NoError(t, err)
 		retry := wmiddleware.Retry{MaxRetries: 5, InitialInterval: 20 * time.Millisecond,
 			ShouldRetry: func(p wmiddleware.RetryParams) bool { return !idem.IsPermanent(p.Err) }}
-		return e.run(ctx, t, "ledger-"+name, topic, e.subscriber(t, group), calls, acked.middleware, retry.Middleware, dedup.Middleware)
+		return e.run(ctx, t, "ledger-"+name, topic, sub, calls, acked.middleware, retry.Middleware, dedup.Middleware)
 	}
 
 	var callsA, callsB atomic.Int32 // handler invocations (committed or not)
@@ -233,6 +256,7 @@ func TestKafkaToPostgresExactlyOnceAcrossRebalance(t *testing.T) {
 	require.NoError(t, e.db.Pool.QueryRow(ctx, "SELECT sum(amount) FROM ledger").Scan(&sum))
 	require.Equal(t, wantSum, sum)
 	require.Equal(t, events, e.db.Count(t, "SELECT 1 FROM processed_event WHERE consumer_group = $1", group))
+	require.Zero(t, e.db.Count(t, "SELECT 1 FROM processed_event_lease"), "every lease completed")
 	require.Positive(t, callsA.Load())
 	require.Positive(t, callsB.Load(), "the second router processed events after the rebalance")
 	n := int(acked.deliveries.Load())

@@ -1,0 +1,384 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/internal/wait"
+	"github.com/idemkit/watermill-idempotency/migrate"
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// leaseDB is what lease mode needs of Config.DB: a pool, for concurrent
+// phase transactions and one-round-trip batches.
+type leaseDB interface {
+	deduplicator.BatchSender
+	migrate.DBTX
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Stat() *pgxpool.Stat
+}
+
+// A delivery waiting for another's live lease takes again after
+// busyPollFirst, doubling up to busyPollMax (and never past the lease's
+// expiry): most leases end with a completion, long before they expire.
+const (
+	busyPollFirst = 5 * time.Millisecond
+	busyPollMax   = time.Second
+)
+
+// leaseMode runs the handlers of a Dedup with [Config.Lease] set.
+type leaseMode struct {
+	d         *Dedup
+	cfg       LeaseConfig
+	db        leaseDB
+	takes     *batcher[takeReq]
+	completes *batcher[completeReq]
+	// hook, set by tests, runs at each phase boundary: "taken" (the lease
+	// is committed, the handler not run yet), "called" (the handler
+	// returned nil, the completion not sent), "completing" (inside the
+	// completion's transaction: token checked and claim inserted, not
+	// committed), "renewed" (a renewal succeeded).
+	hook func(point string, id uuid.UUID)
+}
+
+func newLeaseMode(d *Dedup, cfg LeaseConfig) *leaseMode {
+	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(leaseDB), hook: func(string, uuid.UUID) {}}
+	l.takes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runTakes)
+	l.completes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runCompletes)
+	return l
+}
+
+type takeReq struct {
+	ctx  context.Context
+	req  deduplicator.LeaseRequest
+	res  deduplicator.LeaseTake
+	err  error
+	done chan struct{}
+}
+
+type completeReq struct {
+	origCtx  context.Context
+	msg      *message.Message
+	id       uuid.UUID
+	token    uuid.UUID
+	writes   []CompleteFunc
+	produced []*message.Message
+
+	result deduplicator.CompleteResult
+	out    []*message.Message
+	err    error
+	done   chan struct{}
+}
+
+// process runs msg in lease mode: take, call, complete.
+func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) (produced []*message.Message, outcome string, err error) {
+	d := l.d
+	origCtx := msg.Context()
+	defer msg.SetContext(origCtx)
+	fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
+	token := uuid.New()
+
+	start := time.Now()
+	lt, err := l.take(origCtx, id, token, span)
+	d.stats.claimed(time.Since(start))
+	if err != nil {
+		d.stats.claimErrors.Add(1)
+		return nil, outcomeClaimError, fmt.Errorf("dedup: %w", err)
+	}
+	switch lt.State {
+	case deduplicator.LeaseDone:
+		d.stats.duplicates.Add(1)
+		d.logger.Debug("Duplicate event skipped", fields)
+		return nil, outcomeDuplicate, nil
+	case deduplicator.LeaseBusy:
+		d.stats.leasesBusy.Add(1)
+		return nil, outcomeLeaseBusy, fmt.Errorf("dedup: event %s: %w (it lives for up to %s more)", id, ErrLeaseBusy, lt.Remaining.Round(time.Millisecond))
+	}
+	d.stats.leasesTaken.Add(1)
+	if lt.TakenOver {
+		d.stats.leasesTakenOver.Add(1)
+		d.logger.Info("Expired lease taken over", fields.Add(watermill.LogFields{"attempts": lt.Attempts}))
+	}
+	l.hook("taken", id)
+
+	// The call: no transaction, no connection.
+	hctx, cancel := context.WithCancelCause(origCtx)
+	defer cancel(nil)
+	state := &leaseState{}
+	hctx = withLeaseState(idemctx.With(hctx, &idemctx.Value{
+		EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
+		CorrelationID: msg.Metadata.Get(publisher.MetadataCorrelationID),
+	}), state)
+	stopRenew := l.renewWhileCalling(id, token, cancel)
+	completed := false
+	defer func() {
+		stopRenew()
+		if !completed { // a handler error or panic, a failed completion
+			l.release(origCtx, id, token, fields)
+		}
+	}()
+	msg.SetContext(hctx)
+	produced, err = h(msg)
+	stopRenew()
+	if err != nil {
+		d.stats.failed.Add(1)
+		return nil, outcomeFailed, err
+	}
+	if errors.Is(context.Cause(hctx), ErrLeaseLost) {
+		completed = true // not ours to release
+		d.stats.leasesLost.Add(1)
+		return nil, outcomeLeaseLost, fmt.Errorf("dedup: event %s: %w (renewal found it taken over while the handler ran)", id, ErrLeaseLost)
+	}
+	l.hook("called", id)
+
+	c := &completeReq{origCtx: origCtx, msg: msg, id: id, token: token, writes: state.writes(), produced: produced, done: make(chan struct{})}
+	end := l.phaseSpan(span, origCtx, "complete")
+	cstart := time.Now()
+	l.completes.do(c, c.done)
+	end(c.err)
+	switch {
+	case c.err != nil:
+		d.stats.failed.Add(1)
+		return nil, outcomeFailed, c.err
+	case c.result == deduplicator.CompleteLost:
+		completed = true
+		d.stats.leasesLost.Add(1)
+		d.logger.Info("Lease lost before completion: nothing written", fields)
+		return nil, outcomeLeaseLost, fmt.Errorf("dedup: event %s: %w (it expired and another delivery took it over, or an operator released it); nothing was written", id, ErrLeaseLost)
+	case c.result == deduplicator.CompleteDuplicate:
+		completed = true
+		d.stats.duplicates.Add(1)
+		return nil, outcomeDuplicate, nil
+	}
+	completed = true
+	d.stats.processed.Add(1)
+	d.stats.txNanos.Add(uint64(time.Since(cstart)))
+	d.logger.Trace("Event processed", fields)
+	return c.out, outcomeProcessed, nil
+}
+
+// take takes the lease of id with token, waiting up to BusyWait while
+// another delivery holds it.
+func (l *leaseMode) take(ctx context.Context, id, token uuid.UUID, span *msgSpan) (deduplicator.LeaseTake, error) {
+	end := l.phaseSpan(span, ctx, "lease")
+	deadline := time.Now().Add(l.cfg.BusyWait)
+	step := busyPollFirst
+	for {
+		t := &takeReq{ctx: ctx, req: deduplicator.LeaseRequest{EventID: id, Token: token}, done: make(chan struct{})}
+		l.takes.do(t, t.done)
+		left := time.Until(deadline)
+		if t.err != nil || t.res.State != deduplicator.LeaseBusy || left <= 0 {
+			end(t.err, attribute.String("idem.lease", t.res.State.String()), attribute.Bool("idem.lease.taken_over", t.res.TakenOver))
+			return t.res, t.err
+		}
+		pause := min(t.res.Remaining, left, step)
+		step = min(2*step, busyPollMax)
+		if err := wait.Sleep(ctx, pause); err != nil {
+			end(err)
+			return deduplicator.LeaseTake{}, err
+		}
+	}
+}
+
+func (l *leaseMode) runTakes(batch []*takeReq) {
+	defer func() {
+		for _, t := range batch {
+			close(t.done)
+		}
+	}()
+	reqs := make([]deduplicator.LeaseRequest, len(batch))
+	for i, t := range batch {
+		reqs[i] = t.req
+	}
+	res, err := l.d.dedup.TakeLeases(context.WithoutCancel(batch[0].ctx), l.db, reqs, l.cfg.Duration, l.cfg.Owner)
+	for i, t := range batch {
+		if err != nil {
+			t.err = fmt.Errorf("take lease: %w", err)
+			continue
+		}
+		t.res = res[i]
+	}
+}
+
+// renewWhileCalling renews the lease every RenewInterval until stop is
+// called; a renewal that finds the lease gone cancels the handler's
+// context with ErrLeaseLost.
+func (l *leaseMode) renewWhileCalling(id, token uuid.UUID, cancel context.CancelCauseFunc) (stop func()) {
+	quit := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTicker(l.cfg.RenewInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-quit:
+				return
+			case <-t.C:
+			}
+			ctx, done := context.WithTimeout(context.Background(), l.cfg.RenewInterval)
+			ok, err := l.d.dedup.RenewLease(ctx, l.db, id, token, l.cfg.Duration)
+			done()
+			switch {
+			case err != nil: // the next tick tries again; the completion tells
+				l.d.logger.Error("Lease renewal failed", err, watermill.LogFields{"event_id": id.String()})
+			case !ok:
+				cancel(ErrLeaseLost)
+				return
+			default:
+				l.d.stats.leasesRenewed.Add(1)
+				l.hook("renewed", id)
+			}
+		}
+	})
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			close(quit)
+			wg.Wait()
+		})
+	}
+}
+
+// release deletes the lease after a failure, so the redelivery takes a new
+// one at once instead of waiting for it to expire.
+func (l *leaseMode) release(ctx context.Context, id, token uuid.UUID, fields watermill.LogFields) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.Duration)
+	defer cancel()
+	if _, err := l.d.dedup.ReleaseLease(ctx, l.db, id, token); err != nil {
+		l.d.logger.Error("Lease release failed: the event waits for the lease to expire", err, fields)
+	}
+}
+
+// errMemberFailed makes a batch of completions fall back to one
+// transaction each: one member's writes failed, and the others must not
+// pay for it.
+var errMemberFailed = errors.New("a completion of the batch failed")
+
+func (l *leaseMode) runCompletes(batch []*completeReq) {
+	defer func() {
+		for _, c := range batch {
+			close(c.done)
+		}
+	}()
+	if err := l.completeBatch(batch); errors.Is(err, errMemberFailed) {
+		l.d.stats.groupFallbacks.Add(1)
+		for _, c := range batch {
+			c.result, c.out, c.err = 0, nil, nil
+			_ = l.completeBatch([]*completeReq{c})
+		}
+	}
+}
+
+// completeBatch completes the batch in one transaction. A member whose
+// writes fail rolls it back: alone, that member gets the error; in a batch
+// of several, completeBatch returns errMemberFailed and sets nothing.
+func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
+	d := l.d
+	ctx := context.WithoutCancel(batch[0].origCtx)
+	fail := func(err error) error {
+		for _, c := range batch {
+			c.err = err
+		}
+		return err
+	}
+	ids := make([]uuid.UUID, len(batch))
+	toks := make([]uuid.UUID, len(batch))
+	for i, c := range batch {
+		ids[i], toks[i] = c.id, c.token
+	}
+	tx, res, err := d.dedup.BeginCompleteLeases(ctx, l.db, ids, toks)
+	committed := false
+	defer func() {
+		if !committed && tx != nil {
+			_ = tx.Rollback(ctx)
+		}
+	}()
+	if err != nil {
+		return fail(fmt.Errorf("dedup: %w", err))
+	}
+	hooks := &idemctx.Hooks{Tx: tx}
+	for i, c := range batch {
+		c.result = res[i]
+		if res[i] != deduplicator.Completed {
+			continue
+		}
+		if werr := l.write(c, tx, hooks); werr != nil {
+			if len(batch) > 1 {
+				for _, c := range batch {
+					c.result, c.out = 0, nil
+				}
+				return errMemberFailed
+			}
+			c.err = werr
+			return werr
+		}
+	}
+	for _, id := range ids {
+		l.hook("completing", id)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		// The outcome is unknown: the redelivery's take tells (done, or the
+		// lease, released by process, taken anew).
+		return fail(fmt.Errorf("dedup: complete: commit: %w", err))
+	}
+	committed = true
+	hooks.Committed()
+	return nil
+}
+
+// write runs c's registered writes and its returned messages' outbox
+// writes in tx. A panic in a write is returned as an error: the batch's
+// other members are not to be taken down with it.
+func (l *leaseMode) write(c *completeReq, tx pgx.Tx, hooks *idemctx.Hooks) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("dedup: a Complete function panicked: %v", p)
+		}
+	}()
+	wctx := l.d.handlerContext(c.origCtx, tx, hooks, c.msg, c.id)
+	for _, w := range c.writes {
+		if err := w(wctx, tx); err != nil {
+			return err
+		}
+	}
+	if err := txUsable(tx); err != nil {
+		return err
+	}
+	c.out, err = l.d.toOutbox(wctx, c.origCtx, tx, c.produced)
+	return err
+}
+
+// phaseSpan starts a child span of the message's span for one phase and
+// returns its end; a no-op without a message span.
+func (l *leaseMode) phaseSpan(span *msgSpan, ctx context.Context, name string) func(err error, attrs ...attribute.KeyValue) {
+	if span == nil {
+		return func(error, ...attribute.KeyValue) {}
+	}
+	tr := l.d.tracing.Tracer()
+	if tr == nil {
+		return func(error, ...attribute.KeyValue) {}
+	}
+	_, s := tr.Start(trace.ContextWithSpan(ctx, span.span), name, trace.WithSpanKind(trace.SpanKindInternal))
+	return func(err error, attrs ...attribute.KeyValue) {
+		s.SetAttributes(attrs...)
+		if err != nil {
+			s.RecordError(err)
+			s.SetStatus(codes.Error, err.Error())
+		}
+		s.End()
+	}
+}
