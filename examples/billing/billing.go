@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -10,14 +11,15 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 )
 
 // Errors of the charge call. ErrProviderBusy and ErrChargeOutcomeUnknown are
-// transient: the handler fails, its transaction (and dedup claim) rolls back,
-// the message is redelivered and the call is repeated with the same
-// Idempotency-Key.
+// transient: the handler fails, nothing is written (its lease is released;
+// in transaction mode its transaction and claim roll back), the message is
+// redelivered and the call is repeated with the same Idempotency-Key.
 var (
 	ErrProviderBusy         = errors.New("payment provider: a request with this key is still in progress (409)")
 	ErrChargeOutcomeUnknown = errors.New("payment provider: charge outcome unknown (response lost)")
@@ -25,20 +27,29 @@ var (
 )
 
 // BillingService charges confirmed orders. Its handler runs inside the dedup
-// middleware of group billing-order-confirmed:
+// middleware of group billing-order-confirmed, in lease mode
+// (idem.Config.Lease): the provider call runs with no transaction and no
+// database connection held, so a slow provider holds neither.
 //
-//  1. decode and validate order.confirmed.v1 (bad payload: permanent error,
-//     poison topic);
-//  2. POST /charges to the payment provider through a client whose
-//     transport sets Idempotency-Key from the event (operation "charge");
-//  3. INSERT the ledger row on the middleware's transaction;
-//  4. return billing.charged.v1, which the middleware writes to the outbox in
-//     the same transaction.
+//  1. the middleware takes a lease on (event, group) in a short transaction
+//     of its own and commits it;
+//  2. the handler decodes and validates order.confirmed.v1 (bad payload:
+//     permanent error, poison topic);
+//  3. it POSTs /charges to the payment provider through a client whose
+//     transport sets Idempotency-Key from the event (operation "charge"):
+//     the same key on every attempt, whoever makes it;
+//  4. it registers the ledger row with idem.Complete and returns
+//     billing.charged.v1: the middleware's completing transaction checks
+//     the lease is still this delivery's, inserts the claim, runs the
+//     registered write and writes the returned message to the outbox, and
+//     commits, all or nothing.
 //
-// If anything fails after the provider charged (lost response, crash, failed
-// COMMIT), the transaction rolls back and the redelivered event calls the
-// provider again with the same key: the provider answers with the first
-// charge instead of charging twice.
+// If anything fails after the provider charged (lost response, crash,
+// lease lost to a takeover, failed COMMIT), nothing is written and the
+// redelivered event calls the provider again with the same key: the
+// provider answers with the first charge instead of charging twice.
+// Handle works unchanged in transaction mode: idem.Complete then runs the
+// write at once on the message's transaction.
 type BillingService struct {
 	ProviderURL string
 	Client      *http.Client // its Transport is an idem.IdempotencyKeyTransport
@@ -66,13 +77,19 @@ func (s *BillingService) Handle(msg *message.Message) ([]*message.Message, error
 	if err != nil {
 		return nil, err
 	}
-	tx := idem.MustTxFromContext(ctx)
-	eventID, _ := idem.EventIDFromContext(ctx)
-	if _, err := tx.Exec(ctx,
-		`INSERT INTO ledger (order_id, customer_id, amount, currency, charge_id, event_id)
-		 VALUES ($1, $2, $3::numeric, $4, $5, $6)`,
-		ev.OrderID, ev.CustomerID, ev.TotalAmount, ev.Currency, charge.ChargeID, eventID); err != nil {
-		return nil, fmt.Errorf("ledger: %w", err)
+	// The ledger row is written by the transaction that completes the
+	// event, after the call: none is open now.
+	if err := idem.Complete(ctx, func(ctx context.Context, tx pgx.Tx) error {
+		eventID, _ := idem.EventIDFromContext(ctx)
+		if _, err := tx.Exec(ctx,
+			`INSERT INTO ledger (order_id, customer_id, amount, currency, charge_id, event_id)
+			 VALUES ($1, $2, $3::numeric, $4, $5, $6)`,
+			ev.OrderID, ev.CustomerID, ev.TotalAmount, ev.Currency, charge.ChargeID, eventID); err != nil {
+			return fmt.Errorf("ledger: %w", err)
+		}
+		return nil
+	}); err != nil {
+		return nil, err
 	}
 
 	out, err := billingChargedV1.Message(ctx, BillingCharged{
@@ -82,7 +99,8 @@ func (s *BillingService) Handle(msg *message.Message) ([]*message.Message, error
 	if err != nil {
 		return nil, err
 	}
-	return []*message.Message{out}, nil // to the outbox, in this transaction
+	// To the outbox, in the completing transaction (idem.Config.Outbox).
+	return []*message.Message{out}, nil
 }
 
 func (s *BillingService) charge(msg *message.Message, ev OrderConfirmed) (chargeResponse, error) {
@@ -99,14 +117,14 @@ func (s *BillingService) charge(msg *message.Message, ev OrderConfirmed) (charge
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := s.Client.Do(req)
 	if err != nil {
-		return chargeResponse{}, fmt.Errorf("%w: %w", ErrChargeOutcomeUnknown, err)
+		return chargeResponse{}, withCause(req.Context(), fmt.Errorf("%w: %w", ErrChargeOutcomeUnknown, err))
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(resp.Body)
 	switch {
 	case err != nil:
 		// Status line received, body cut: the charge may have happened.
-		return chargeResponse{}, fmt.Errorf("%w: reading the response: %w", ErrChargeOutcomeUnknown, err)
+		return chargeResponse{}, withCause(req.Context(), fmt.Errorf("%w: reading the response: %w", ErrChargeOutcomeUnknown, err))
 	case resp.StatusCode == http.StatusConflict:
 		return chargeResponse{}, ErrProviderBusy
 	case resp.StatusCode >= 500:
@@ -121,6 +139,16 @@ func (s *BillingService) charge(msg *message.Message, ev OrderConfirmed) (charge
 		return chargeResponse{}, fmt.Errorf("%w: undecodable %d response", ErrChargeOutcomeUnknown, resp.StatusCode)
 	}
 	return cr, nil
+}
+
+// withCause adds to err why ctx was cancelled, when its cause says more
+// than context.Canceled: in lease mode, idem.ErrLeaseLost (a renewal found
+// the lease taken over, and cancelled the call).
+func withCause(ctx context.Context, err error) error {
+	if c := context.Cause(ctx); c != nil && !errors.Is(c, context.Canceled) && !errors.Is(err, c) {
+		return fmt.Errorf("%w (call cancelled: %w)", err, c)
+	}
+	return err
 }
 
 // NotificationService sends an "order confirmed" notification once per

@@ -24,7 +24,11 @@ import (
 )
 
 // TestDemo runs the demo's whole scenario, small: real PostgreSQL, the
-// Kafka-protocol broker, every injected fault, and all invariants.
+// Kafka-protocol broker, every injected fault (the crash and the takeover
+// with child processes: this test binary, re-executed), and all
+// invariants. The idle-in-transaction bound of the slowdown is a `make demo`
+// check (timing, on a shared machine): here it is reported only, and the
+// test checks that the sampler ran.
 func TestDemo(t *testing.T) {
 	pgtest.SkipInUnitRun(t)
 	t.Parallel()
@@ -33,13 +37,16 @@ func TestDemo(t *testing.T) {
 		DatabaseURL:          pgtest.URL(),
 		Brokers:              kafkatest.External(),
 		Orders:               40,
-		Partitions:           3,
+		Partitions:           4, // 2 instances + the 2 child processes of phase 3
 		BillingInstances:     2,
 		BillingInFlight:      4,
+		LeaseConcurrency:     1,
 		RedeliverEvery:       4,
 		ConcurrentDuplicates: 3,
 		LostResponses:        2,
 		ConcurrentLatency:    50 * time.Millisecond,
+		SlowOrders:           6,
+		CrashAndTakeover:     true,
 		Progress:             &progress,
 	})
 	require.NoError(t, err, progress.String())
@@ -48,20 +55,36 @@ func TestDemo(t *testing.T) {
 	t.Log("\n" + progress.String() + out.String())
 
 	require.Empty(t, rep.Violations)
-	const orders = 40 + 3
+	const orders = 40 + 6 + 2 + 3 // phase 1, the slowdown, the crash and the takeover, the concurrent copies
 	require.Equal(t, orders, rep.Orders)
 	require.Equal(t, orders, rep.Provider.Charges, "one charge per order")
+	require.Equal(t, orders, rep.ProviderKeys, "one Idempotency-Key per order")
+	require.Equal(t, orders, rep.ProviderKeysOnce, "each executed once by the provider")
 	require.Equal(t, orders, rep.LedgerRows)
+	require.Equal(t, orders, rep.LedgerEventsOnce, "one ledger row per event")
 	require.Equal(t, orders, rep.Notifications)
 	require.Equal(t, 2, rep.Provider.Dropped)
-	require.GreaterOrEqual(t, rep.Provider.Replayed, 2, "each lost response is followed by a call with the same key")
-	require.GreaterOrEqual(t, rep.Billing.Failed, int64(2), "each lost response rolls the billing transaction back")
+	require.GreaterOrEqual(t, rep.Provider.Replayed, 2+2, "each lost response, the crash and the takeover are followed by a call with the same key")
+	require.GreaterOrEqual(t, rep.Billing.Failed, int64(2), "each lost response fails the billing delivery")
 	require.Equal(t, 10, rep.Republished)
-	require.Equal(t, 9, rep.ConcurrentSent)
+	require.Equal(t, 12, rep.ConcurrentSent)
 	require.Equal(t, 3, rep.Malformed)
-	require.Equal(t, orders+10+9+3, rep.Published)
+	require.Equal(t, orders+10+12+3, rep.Published)
 	require.GreaterOrEqual(t, rep.OnTopic, rep.Published)
-	injected := uint64(10 + 9 + rep.Resent())
+
+	// Lease mode's faults.
+	require.Equal(t, 6, rep.SlowOrders)
+	require.Positive(t, rep.Idle.Samples, "the idle-in-transaction sampler ran during the slowdown")
+	require.Contains(t, out.String(), "idle in transaction during the slowdown: max")
+	require.Contains(t, rep.Crash, "SIGKILLed after the provider call")
+	require.Contains(t, rep.Takeover, "taken over while it was frozen in its call")
+	require.Contains(t, rep.Takeover, "lease lost", "the first owner wrote nothing")
+	require.GreaterOrEqual(t, rep.TakenOverInPhase, uint64(2), "the crashed and the frozen owner's leases were taken over")
+	require.GreaterOrEqual(t, rep.Provider.InFlight, 1, "the takeover's call met the first owner's in progress")
+	require.GreaterOrEqual(t, rep.Leases.TakenOver, uint64(2))
+	require.GreaterOrEqual(t, rep.Leases.Taken, uint64(orders), "billing ran in lease mode")
+
+	injected := uint64(10 + 12 + rep.Resent())
 	for name, g := range map[string]groupReport{"billing": rep.Billing, "notification": rep.Notification} {
 		require.Equal(t, uint64(orders), g.Processed, name)
 		require.Equal(t, orders, g.Claims, name)
@@ -135,6 +158,7 @@ func TestDemo_BrokersSetUsesSuffixedNames(t *testing.T) {
 		Partitions:           2,
 		BillingInstances:     1,
 		BillingInFlight:      4,
+		LeaseConcurrency:     1,
 		RedeliverEvery:       5,
 		ConcurrentDuplicates: 1,
 		LostResponses:        1,
@@ -196,6 +220,7 @@ func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
 		Orders:              20,
 		Partitions:          2,
 		BillingInstances:    1,
+		LeaseConcurrency:    1,
 		LostResponses:       2,
 		Progress:            &progress,
 		providerIgnoresKeys: true,
@@ -209,6 +234,37 @@ func TestDemo_DetectsDoubleChargesWhenTheProviderIgnoresKeys(t *testing.T) {
 	printReport(&out, rep)
 	require.Contains(t, out.String(), "FAILED")
 	require.Contains(t, out.String(), "was charged 2 times")
+	require.Contains(t, out.String(), "executed 2 times", "the provider's own key table shows it too")
+}
+
+// A negative control of the idle-in-transaction check: billing in
+// transaction mode keeps its transaction open across each 1-2 s charge of
+// the slowdown, and the demo must report it (a bound of 100 ms against
+// calls of at least 1 s).
+func TestDemo_DetectsIdleTransactionsInTransactionMode(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
+	t.Parallel()
+	var progress bytes.Buffer
+	rep, err := runDemo(context.Background(), demoConfig{
+		DatabaseURL:      pgtest.URL(),
+		Brokers:          kafkatest.External(),
+		Orders:           4,
+		Partitions:       2,
+		BillingInstances: 1,
+		BillingInFlight:  2,
+		SlowOrders:       2,
+		IdleInTxLimit:    100 * time.Millisecond,
+		Progress:         &progress,
+		billingTxMode:    true,
+	})
+	require.NoError(t, err, progress.String())
+	require.Equal(t, 6, rep.LedgerRows, "still exactly once")
+	var out bytes.Buffer
+	printReport(&out, rep)
+	require.Contains(t, out.String(), "FAILED", progress.String())
+	require.Contains(t, out.String(), "idle in a transaction for", "billing's own transaction, open across the call")
+	require.Contains(t, out.String(), "/billing, in a transaction 1.")
+	require.Contains(t, out.String(), "billing in transaction mode")
 }
 
 func TestProvider_IdempotencyKeySemantics(t *testing.T) {

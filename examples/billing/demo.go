@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"strconv"
 	"time"
 
@@ -67,6 +68,28 @@ type demoConfig struct {
 	// ConcurrentLatency is how long the charges of the ConcurrentDuplicates
 	// orders take: the window in which their copies meet.
 	ConcurrentLatency time.Duration
+	// LeaseConcurrency is billing's idem.LeaseConfig.Concurrency: its pool
+	// holds 2 × LeaseConcurrency + 1 connections. Defaults to 4.
+	LeaseConcurrency int
+	// LeaseDuration is billing's idem.LeaseConfig.Duration (renewed every
+	// third of it): how long a crashed billing process's event waits before
+	// another instance takes it over. Defaults to 3 s.
+	LeaseDuration time.Duration
+	// SlowOrders: orders confirmed during the provider slowdown (phase 2),
+	// each charge taking SlowLatency to SlowLatency + 1 s. 0 skips the
+	// phase.
+	SlowOrders int
+	// SlowLatency is the shortest charge of the slowdown. Defaults to 1 s.
+	SlowLatency time.Duration
+	// IdleInTxLimit: a demo session idle in a transaction for longer than
+	// this at any sample of the slowdown is a violation; 0 reports the
+	// longest without checking it.
+	IdleInTxLimit time.Duration
+	// CrashAndTakeover runs phase 3: a billing process SIGKILLed between
+	// its call and its completion, and a lease taken over while its first
+	// owner is frozen in its call. It needs Partitions >= BillingInstances
+	// + 2.
+	CrashAndTakeover bool
 	// Timeout bounds the whole run: a deadline for when something is stuck,
 	// not an expected duration. Defaults to 5 minutes.
 	Timeout time.Duration
@@ -75,6 +98,12 @@ type demoConfig struct {
 	// Logger for the library and Watermill; nil for none.
 	Logger watermill.LoggerAdapter
 
+	// billingTxMode runs billing in transaction mode (no Lease): its
+	// transaction stays open across the provider call (tests: the
+	// idle-in-transaction check must catch it).
+	billingTxMode bool
+	// childVerbose makes the child processes log to their standard error.
+	childVerbose bool
 	// providerIgnoresKeys makes the payment provider charge every request,
 	// whatever its Idempotency-Key (tests: the invariants must catch it).
 	providerIgnoresKeys bool
@@ -96,6 +125,15 @@ func (c *demoConfig) setDefaults() {
 	if c.ConcurrentLatency == 0 {
 		c.ConcurrentLatency = 100 * time.Millisecond
 	}
+	if c.LeaseConcurrency == 0 {
+		c.LeaseConcurrency = 4
+	}
+	if c.LeaseDuration == 0 {
+		c.LeaseDuration = 3 * time.Second
+	}
+	if c.SlowLatency == 0 {
+		c.SlowLatency = time.Second
+	}
 	if c.Timeout == 0 {
 		c.Timeout = 5 * time.Minute
 	}
@@ -106,6 +144,18 @@ func (c *demoConfig) setDefaults() {
 		c.Logger = watermill.NopLogger{}
 	}
 }
+
+// billingConns is the size of billing's pool: 2 × Lease.Concurrency + 1 in
+// lease mode, one per charge in flight in transaction mode.
+func (d *demo) billingConns() int {
+	if d.cfg.billingTxMode {
+		return d.cfg.BillingInstances * d.cfg.BillingInFlight
+	}
+	return 2*d.cfg.LeaseConcurrency + 1
+}
+
+// leaseRenew is billing's Lease.RenewInterval.
+func (c demoConfig) leaseRenew() time.Duration { return c.LeaseDuration / 3 }
 
 // names are the topics and groups of one run.
 type names struct {
@@ -132,10 +182,13 @@ type demo struct {
 
 	n      names
 	suffix string // of topic and group names: a per-run one on a real cluster
-	pool   *pgxpool.Pool
 	table  deduplicator.TableConfig
 	ob     *outbox.Outbox
 	orders []Order
+
+	// pool serves notification, the order service and the demo's queries;
+	// billingPool billing's dedup middleware; fwdPool the forwarder.
+	pool, billingPool, fwdPool *pgxpool.Pool
 
 	brokers  []string
 	kafkaPub message.Publisher // poison queue and injected copies
@@ -201,8 +254,14 @@ func runDemo(ctx context.Context, cfg demoConfig) (rep *report, err error) {
 	if err := d.phase1(ctx); err != nil {
 		return nil, fmt.Errorf("phase 1: %w", err)
 	}
-	if err := d.phase2(ctx); err != nil {
+	if err := d.phaseSlowdown(ctx); err != nil {
 		return nil, fmt.Errorf("phase 2: %w", err)
+	}
+	if err := d.phaseCrash(ctx); err != nil {
+		return nil, fmt.Errorf("phase 3: %w", err)
+	}
+	if err := d.phase4(ctx); err != nil {
+		return nil, fmt.Errorf("phase 4: %w", err)
 	}
 	if err := d.stopServices(ctx); err != nil {
 		return nil, err
@@ -242,15 +301,35 @@ func (d *demo) openPostgres(ctx context.Context) error {
 	_, _ = rand.Read(rnd[:])
 	runID := hex.EncodeToString(rnd[:])
 	schema := "billing_demo_" + runID
-	pool, err := openSchema(ctx, d.cfg.DatabaseURL, schema, int32(d.cfg.BillingInstances*d.cfg.BillingInFlight+8))
-	if err != nil {
+	if err := createSchema(ctx, d.cfg.DatabaseURL, schema); err != nil {
 		return err
 	}
-	d.pool, d.table = pool, deduplicator.TableConfig{Schema: schema}
-	d.onClose(func() error {
-		pool.Close()
-		return dropSchema(d.cfg.DatabaseURL, schema)
-	})
+	d.onClose(func() error { return dropSchema(d.cfg.DatabaseURL, schema) })
+	d.table = deduplicator.TableConfig{Schema: schema}
+	// A pool per service that holds transactions, as in processes of their
+	// own; application_name tells their sessions apart (the slowdown's
+	// idle-in-transaction sampler reports by it). The main pool serves
+	// notification (a transaction per partition in flight), the order
+	// service (4 at once) and the demo's own queries; billing's lease mode
+	// needs 2 × Lease.Concurrency + 1, whatever its charges in flight; the
+	// forwarder one per topic.
+	pools := []struct {
+		p    **pgxpool.Pool
+		app  string
+		size int
+	}{
+		{&d.pool, schema, int(d.cfg.Partitions) + 5},
+		{&d.billingPool, schema + "/" + serviceBilling, d.billingConns()},
+		{&d.fwdPool, schema + "/" + serviceForwarder, 3},
+	}
+	for _, p := range pools {
+		pool, err := openPool(ctx, d.cfg.DatabaseURL, schema, p.app, int32(p.size))
+		if err != nil {
+			return err
+		}
+		*p.p = pool
+		d.onClose(func() error { pool.Close(); return nil })
+	}
 	d.progress("PostgreSQL: schema %s", schema)
 
 	// Names: with a real cluster, topics and groups are per run too.
@@ -378,7 +457,7 @@ func (d *demo) startServices(ctx context.Context) error {
 	d.bg, d.bgCtx = errgroup.WithContext(ctx)
 	d.stopBG, d.stopAll = context.WithCancel(d.bgCtx)
 
-	d.fwd, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: d.pool, Outbox: d.ob, Producer: d.producer, PollInterval: 20 * time.Millisecond,
+	d.fwd, err = outbox.NewForwarder(outbox.ForwarderConfig{DB: d.fwdPool, Outbox: d.ob, Producer: d.producer, PollInterval: 20 * time.Millisecond,
 		TracerProvider: d.providers[serviceForwarder]}, d.cfg.Logger)
 	if err != nil {
 		return err
@@ -389,10 +468,18 @@ func (d *demo) startServices(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	billingCfg := idem.Config{DB: d.billingPool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling],
+		Concurrency: d.cfg.BillingInstances * d.cfg.BillingInFlight,
+		Lease: &idem.LeaseConfig{Duration: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(), Concurrency: d.cfg.LeaseConcurrency,
+			Owner: fmt.Sprintf("billing (demo, pid %d)", os.Getpid())}}
+	if d.cfg.billingTxMode {
+		billingCfg.Lease = nil
+	}
 	billingSvc := NewBillingService(p.URL())
-	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, d.newParallelSubscriber, poison,
-		idem.Config{DB: d.pool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling],
-			Concurrency: d.cfg.BillingInstances * d.cfg.BillingInFlight},
+	// Billing runs in lease mode: its provider call holds no transaction
+	// and no connection, so its pool does not grow with the charges in
+	// flight (2 × Lease.Concurrency + 1 connections for any MaxInFlight).
+	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, d.newParallelSubscriber, poison, billingCfg,
 		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
 			// The router closes each handler's publisher on shutdown; the
 			// handlers share kafkaPub (closed at the end), so each gets a view
@@ -598,23 +685,28 @@ func topicRecords(client sarama.Client, topic string) (int, error) {
 	return int(n), nil
 }
 
-func openSchema(ctx context.Context, url, schema string, maxConns int32) (*pgxpool.Pool, error) {
+func createSchema(ctx context.Context, url, schema string) error {
 	admin, err := pgx.Connect(ctx, url)
 	if err != nil {
-		return nil, fmt.Errorf("connect to PostgreSQL at %s: %w (set DATABASE_URL)", url, err)
+		return fmt.Errorf("connect to PostgreSQL at %s: %w (set DATABASE_URL)", url, err)
 	}
 	defer admin.Close(context.WithoutCancel(ctx))
 	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
-		return nil, fmt.Errorf("create schema: %w", err)
+		return fmt.Errorf("create schema: %w", err)
 	}
+	return nil
+}
+
+// openPool opens a pool on schema whose sessions are named app
+// (application_name). A claim's winner never needs a second connection,
+// so claims waiting on it cannot starve it.
+func openPool(ctx context.Context, url, schema, app string, maxConns int32) (*pgxpool.Pool, error) {
 	pcfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, err
 	}
 	pcfg.ConnConfig.RuntimeParams["search_path"] = schema
-	// Billing's charges in flight each hold one, plus notification, the
-	// forwarder and the demo's own queries. A winner never needs a second
-	// connection, so waiting claims cannot starve it.
+	pcfg.ConnConfig.RuntimeParams["application_name"] = app
 	pcfg.MaxConns = maxConns
 	return pgxpool.NewWithConfig(ctx, pcfg)
 }

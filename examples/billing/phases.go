@@ -97,16 +97,18 @@ func (d *demo) phase1(ctx context.Context) error {
 	return nil
 }
 
-// phase2 confirms cfg.ConcurrentDuplicates more orders whose events are also
+// phase4 confirms cfg.ConcurrentDuplicates more orders whose events are also
 // published on every partition at once: consumers of different partitions
 // claim the same event id concurrently (as after a rebalance or a DLQ
-// replay). The provider is slow for these orders, so the first claim's
-// transaction is still open when the other copies arrive: their INSERT
-// waits on the unique index, then finds the committed row and skips. Then
-// three malformed events. It waits until every record is settled.
-func (d *demo) phase2(ctx context.Context) error {
+// replay). The provider is slow for these orders, so the first copy is
+// still in its call when the others arrive. In billing (lease mode) they
+// find its live lease, wait for it (Lease.BusyWait), then find the event
+// done and skip; in notification (transaction mode) their INSERT waits on
+// the unique index, then finds the committed row and skips. Then three
+// malformed events. It waits until every record is settled.
+func (d *demo) phase4(ctx context.Context) error {
 	k := d.cfg.ConcurrentDuplicates
-	d.progress("phase 2: %d more orders, each event also published on all %d partitions at once; 3 malformed events", k, d.cfg.Partitions)
+	d.progress("phase 4: %d more orders, each event also published on all %d partitions at once; 3 malformed events", k, d.cfg.Partitions)
 	extra := make([]Order, k)
 	for i := range extra {
 		extra[i] = Order{ID: fmt.Sprintf("ord-c%04d", i+1), CustomerID: "cus-c", TotalAmount: fmt.Sprintf("%d.00", 100+i), Currency: "EUR"}
@@ -146,10 +148,10 @@ func (d *demo) phase2(ctx context.Context) error {
 	d.rep.Malformed = len(bad)
 	d.rep.Published += k + d.rep.ConcurrentSent + d.rep.Malformed
 
-	if err := d.waitFor(ctx, "phase 2", d.settled); err != nil {
+	if err := d.waitFor(ctx, "phase 4", d.settled); err != nil {
 		return err
 	}
-	d.status("phase 2 done")
+	d.status("phase 4 done")
 	return nil
 }
 

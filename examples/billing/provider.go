@@ -68,6 +68,11 @@ type paymentProvider struct {
 	perOrder map[string]int // charges per order id
 	drop     map[string]bool
 	slow     map[string]time.Duration
+	held     map[string]*heldCharge
+	holds    []*heldCharge // every hold, released by Close
+	// executed counts, per Idempotency-Key, the charges the provider made
+	// for it: its own key table's view, which must say 1 for every key.
+	executed map[string]int
 	stats    providerStats
 	latency  time.Duration
 	// ignoreKeys turns the provider's dedup off (a negative control: the
@@ -91,6 +96,8 @@ func newPaymentProvider(latency time.Duration) (*paymentProvider, error) {
 		perOrder: map[string]int{},
 		drop:     map[string]bool{},
 		slow:     map[string]time.Duration{},
+		held:     map[string]*heldCharge{},
+		executed: map[string]int{},
 		latency:  latency,
 		listener: ln,
 	}
@@ -104,8 +111,15 @@ func newPaymentProvider(latency time.Duration) (*paymentProvider, error) {
 // URL is the provider's base URL.
 func (p *paymentProvider) URL() string { return "http://" + p.listener.Addr().String() }
 
-// Close stops the server.
-func (p *paymentProvider) Close() error { return p.srv.Close() }
+// Close stops the server and releases the held charges.
+func (p *paymentProvider) Close() error {
+	p.mu.Lock()
+	for _, h := range p.holds {
+		h.Release()
+	}
+	p.mu.Unlock()
+	return p.srv.Close()
+}
 
 // DropResponse makes the provider lose the response to the next charge of
 // orderID, after recording it.
@@ -120,6 +134,44 @@ func (p *paymentProvider) SlowCharge(orderID string, d time.Duration) {
 	p.mu.Lock()
 	p.slow[orderID] = d
 	p.mu.Unlock()
+}
+
+// heldCharge is a charge the provider keeps in progress until released: a
+// call that hangs at the card network.
+type heldCharge struct {
+	arrived chan struct{} // closed when the held request arrives
+	release chan struct{} // close to let it finish
+	once    sync.Once
+}
+
+// Release lets the held charge finish (its response is then sent).
+func (h *heldCharge) Release() { h.once.Do(func() { close(h.release) }) }
+
+// Arrived is closed once the held request is in progress.
+func (h *heldCharge) Arrived() <-chan struct{} { return h.arrived }
+
+// HoldCharge makes the next charge of orderID stay in progress (after its
+// latency) until the returned hold is released: a repeated key meanwhile
+// gets 409.
+func (p *paymentProvider) HoldCharge(orderID string) *heldCharge {
+	h := &heldCharge{arrived: make(chan struct{}), release: make(chan struct{})}
+	p.mu.Lock()
+	p.held[orderID] = h
+	p.holds = append(p.holds, h)
+	p.mu.Unlock()
+	return h
+}
+
+// ExecutionsPerKey returns how many charges the provider made under each
+// Idempotency-Key it stored.
+func (p *paymentProvider) ExecutionsPerKey() map[string]int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	m := make(map[string]int, len(p.executed))
+	for k, v := range p.executed {
+		m[k] = v
+	}
+	return m
 }
 
 // Stats returns the counters.
@@ -189,17 +241,24 @@ func (p *paymentProvider) handleCharge(w http.ResponseWriter, r *http.Request) {
 	}
 	p.mu.Lock()
 	latency, ok := p.slow[req.OrderID]
+	hold := p.held[req.OrderID]
+	delete(p.held, req.OrderID)
 	p.mu.Unlock()
 	if !ok {
 		latency = p.latency
 	}
 	time.Sleep(latency) // the card network
+	if hold != nil {
+		close(hold.arrived)
+		<-hold.release
+	}
 
 	p.mu.Lock()
 	p.nextID++
 	resp := chargeResponse{ChargeID: "ch_" + strconv.Itoa(p.nextID), OrderID: req.OrderID, Amount: req.Amount, Currency: req.Currency, Status: "succeeded"}
 	p.stats.Charges++
 	p.perOrder[req.OrderID]++
+	p.executed[key]++
 	drop := p.drop[req.OrderID]
 	delete(p.drop, req.OrderID)
 	if drop {

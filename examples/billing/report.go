@@ -24,8 +24,8 @@ type groupReport struct {
 	Rejected   int64  // returned a permanent error: to the poison topic, then acked
 	Failed     int64  // returned a transient error: rolled back, nacked, delivered again
 	// MiddlewareErrors are the errors the middleware counted itself: refused
-	// before any SQL + rolled back + BEGIN/claim errors. They must be
-	// Rejected + Failed.
+	// before any SQL + rolled back + BEGIN/claim errors + (lease mode)
+	// leases lost and busy. They must be Rejected + Failed.
 	MiddlewareErrors uint64
 	// Records is the number of distinct Kafka records (partition, offset) of
 	// the topic whose delivery ended (acked or poisoned).
@@ -91,7 +91,33 @@ type report struct {
 	// BillingBehind is how long billing took after the last order was
 	// confirmed: near zero when the producer, not billing, set the pace.
 	BillingBehind float64
+
+	// Lease mode (billing). Leases are billing's lease counters at the end.
+	Leases idemLeaseStats
+	// SlowOrders were charged during the provider slowdown (phase 2), in
+	// SlowSeconds, while the leases were renewed SlowRenewals times; Idle is
+	// what the idle-in-transaction sampler saw meanwhile, IdleLimit the
+	// bound checked (0: reported only).
+	SlowOrders    int
+	SlowSeconds   float64
+	BillingTxMode bool // billing ran in transaction mode (a negative control)
+	SlowRenewals  uint64
+	Idle          idleStats
+	IdleLimit     time.Duration
+	// Crash and Takeover describe phase 3's faults ("" when not run);
+	// TakenOverInPhase is the expired leases billing took over in it.
+	Crash, Takeover  string
+	TakenOverInPhase uint64
+	// LedgerEvents is the number of distinct event ids in the ledger;
+	// LedgerEventsOnce of them have exactly one row.
+	LedgerEvents, LedgerEventsOnce int
+	// ProviderKeys is the number of Idempotency-Keys the provider stored
+	// with a charge; ProviderKeysOnce of them were executed exactly once.
+	ProviderKeys, ProviderKeysOnce int
 }
+
+// idemLeaseStats are billing's lease counters (idem.Stats).
+type idemLeaseStats struct{ Taken, TakenOver, Renewed, Lost, Busy uint64 }
 
 // Injected is the number of duplicate copies the demo published on purpose.
 func (r *report) Injected() int { return r.Republished + r.ConcurrentSent }
@@ -148,6 +174,18 @@ func (d *demo) collect(ctx context.Context) {
 	r.Billing.Claims = d.count(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1`, d.n.billing)
 	r.Notification.Claims = d.count(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1`, d.n.notification)
 	r.ChargedOutbox = d.count(ctx, `SELECT count(*) FROM `+d.ob.MessagesTable(d.n.charged))
+	st := d.billing.dedup.Stats()
+	r.Leases = idemLeaseStats{Taken: st.LeasesTaken, TakenOver: st.LeasesTakenOver, Renewed: st.LeasesRenewed, Lost: st.LeasesLost, Busy: st.LeasesBusy}
+	r.LedgerEvents = d.count(ctx, `SELECT count(DISTINCT event_id) FROM ledger`)
+	r.LedgerEventsOnce = d.count(ctx, `SELECT count(*) FROM (SELECT event_id FROM ledger GROUP BY event_id HAVING count(*) = 1) x`)
+	for _, n := range d.provider.ExecutionsPerKey() {
+		r.ProviderKeys++
+		if n == 1 {
+			r.ProviderKeysOnce++
+		}
+	}
+	r.IdleLimit = d.cfg.IdleInTxLimit
+	r.BillingTxMode = d.cfg.billingTxMode
 	if d.tracedTrace.IsValid() {
 		r.TracedOrder = d.orders[d.traced].ID
 		r.TracedLost = r.LostResponses > 0
@@ -173,6 +211,20 @@ func (d *demo) checkInvariants(ctx context.Context) {
 		}
 	}
 	check(r.LedgerRows == N, "ledger rows = %d, want %d", r.LedgerRows, N)
+	check(r.LedgerEvents == N && r.LedgerEventsOnce == N, "ledger: %d distinct events, %d of them with exactly one row, want %d and %d", r.LedgerEvents, r.LedgerEventsOnce, N, N)
+	check(d.count(ctx, `SELECT count(*) FROM orders o WHERE NOT EXISTS (SELECT 1 FROM ledger l WHERE l.event_id = o.event_id)`) == 0, "some order events have no ledger row")
+	check(r.ProviderKeys == N && r.ProviderKeysOnce == N, "provider: %d Idempotency-Keys charged, %d of them executed exactly once, want %d and %d", r.ProviderKeys, r.ProviderKeysOnce, N, N)
+	for key, n := range d.provider.ExecutionsPerKey() {
+		if n != 1 {
+			check(false, "provider: Idempotency-Key %s executed %d times", key, n)
+		}
+	}
+	if r.SlowOrders > 0 {
+		check(r.Idle.Samples > 0, "the idle-in-transaction sampler took no sample during the slowdown")
+		if r.IdleLimit > 0 {
+			check(r.Idle.Max <= r.IdleLimit, "a session was idle in a transaction for %s during the provider slowdown (limit %s): %s", r.Idle.Max.Round(time.Millisecond), r.IdleLimit, r.Idle.Worst)
+		}
+	}
 	check(d.count(ctx, `SELECT count(*) FROM (SELECT order_id FROM ledger GROUP BY order_id HAVING count(*) <> 1) x`) == 0, "some orders have more than one ledger row")
 	check(d.count(ctx, `SELECT count(*) FROM orders o WHERE NOT EXISTS (SELECT 1 FROM ledger l WHERE l.order_id = o.id)`) == 0, "some orders have no ledger row")
 	check(r.Notifications == N, "notifications = %d, want %d", r.Notifications, N)
@@ -213,7 +265,7 @@ func printReport(w io.Writer, r *report) {
 	row("of which redelivered by Kafka: skipped - injected", kafkaSkipped(r, b), kafkaSkipped(r, nt))
 	row("of which met the first copy in flight", b.InFlightSkipped, nt.InFlightSkipped)
 	row("rejected (permanent error, to the poison topic)", b.Rejected, nt.Rejected)
-	row("failed (rolled back, nacked, delivered again)", b.Failed, nt.Failed)
+	row("failed (nothing written, nacked, delivered again)", b.Failed, nt.Failed)
 	row("deliveries = processed + skipped + rejected + failed", sums(b), sums(nt))
 	row("processed_event rows", b.Claims, nt.Claims)
 	row("poisoned records / distinct messages", fmt.Sprintf("%d / %d", b.Poisoned, b.PoisonedEvents), fmt.Sprintf("%d / %d", nt.Poisoned, nt.PoisonedEvents))
@@ -222,6 +274,9 @@ func printReport(w io.Writer, r *report) {
 	row("provider: requests, replayed, 409, 422", fmt.Sprintf("%d, %d, %d, %d", r.Provider.Requests, r.Provider.Replayed, r.Provider.InFlight, r.Provider.Mismatched), "-")
 	row("provider responses lost after charging", r.Provider.Dropped, "-")
 	row("billing.charged.v1 (outbox rows / on Kafka)", fmt.Sprintf("%d / %d", r.ChargedOutbox, r.ChargedConsumed), "-")
+	row("ledger: events / with exactly one row", fmt.Sprintf("%d / %d", r.LedgerEvents, r.LedgerEventsOnce), "-")
+	row("provider: Idempotency-Keys charged / executed once", fmt.Sprintf("%d / %d", r.ProviderKeys, r.ProviderKeysOnce), "-")
+	row("leases: taken, taken over, renewed, lost, busy", fmt.Sprintf("%d, %d, %d, %d, %d", r.Leases.Taken, r.Leases.TakenOver, r.Leases.Renewed, r.Leases.Lost, r.Leases.Busy), "-")
 	_ = tw.Flush()
 	fmt.Fprintf(w, "\ninjected: %d copies published again, %d concurrent copies, %d malformed events, %d lost responses; outbox forwarded %d messages, then pruned %d rows\n",
 		r.Republished, r.ConcurrentSent, r.Malformed, r.LostResponses, r.Forwarded, r.OutboxPruned)
@@ -240,12 +295,45 @@ func printReport(w io.Writer, r *report) {
 		fmt.Fprintf(w, "billing throughput: %d orders in %.1fs = %.0f msg/s (idemkafka parallel subscriber), done %.1fs after the last order was confirmed\n",
 			r.BillingEvents, r.BillingSeconds, float64(r.BillingEvents)/r.BillingSeconds, r.BillingBehind)
 	}
+	printLeaseFaults(w, r)
 	printTrace(w, r)
 	if len(r.Violations) == 0 {
 		fmt.Fprintf(w, "\nOK: every order charged once, booked once, notified once; every malformed event poisoned (%.1fs)\n", r.Elapsed.Seconds())
 		return
 	}
 	fmt.Fprintf(w, "\nFAILED: %d invariant(s) broken:\n  %s\n", len(r.Violations), strings.Join(r.Violations, "\n  "))
+}
+
+// printLeaseFaults writes what billing's lease mode went through: the
+// provider slowdown, with the longest idle-in-transaction time seen, the
+// crash and the takeover.
+func printLeaseFaults(w io.Writer, r *report) {
+	if r.SlowOrders > 0 {
+		limit := "report only"
+		if r.IdleLimit > 0 {
+			limit = "limit " + r.IdleLimit.String()
+		}
+		mode := "billing in lease mode: no transaction during the call"
+		if r.BillingTxMode {
+			mode = "billing in transaction mode: its transaction open across the call"
+		}
+		fmt.Fprintf(w, "provider slowdown: %d charges of 1-2 s in %.1fs (%s), leases renewed %d times\n",
+			r.SlowOrders, r.SlowSeconds, mode, r.SlowRenewals)
+		fmt.Fprintf(w, "idle in transaction during the slowdown: max %s over %d samples every %s (%s); %s\n",
+			r.Idle.Max.Round(time.Millisecond), r.Idle.Samples, idleSampleEvery, limit, r.Idle.worstOrNone())
+		fmt.Fprintf(w, "  the outbox forwarder's sessions, apart: max %s idle in its position's transaction while Kafka acknowledged a batch (not bounded: its send is inside that transaction by design)\n",
+			r.Idle.Forwarder.Round(time.Millisecond))
+	}
+	if r.Crash != "" {
+		fmt.Fprintf(w, "crash: %s; its expired lease was taken over and the event completed once\n", r.Crash)
+	}
+	if r.Takeover != "" {
+		fmt.Fprintf(w, "takeover: %s\n", r.Takeover)
+	}
+	if r.Crash != "" || r.SlowOrders > 0 {
+		fmt.Fprintf(w, "ledger exactly once per event: %d events, %d with exactly one row; provider executed each charge once: %d keys, %d executed once\n",
+			r.LedgerEvents, r.LedgerEventsOnce, r.ProviderKeys, r.ProviderKeysOnce)
+	}
 }
 
 // printTrace writes the traced order's trace, indented under a caption.

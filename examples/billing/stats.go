@@ -130,7 +130,7 @@ func (s *groupStats) report() groupReport {
 	return groupReport{
 		Deliveries: s.deliveries.Load(), Processed: st.Processed, Skipped: st.Duplicates,
 		Rejected: s.rejected.Load(), Failed: s.failed.Load(),
-		MiddlewareErrors: rejected(st.Rejected) + st.Failed + st.ClaimErrors,
+		MiddlewareErrors: rejected(st.Rejected) + st.Failed + st.ClaimErrors + st.LeasesLost + st.LeasesBusy,
 		Records:          len(s.ended), KafkaRedelivered: again, InFlightSkipped: s.overlapping(), NoRecord: s.noRecord.Load(),
 	}
 }
