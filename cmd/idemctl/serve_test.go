@@ -504,3 +504,45 @@ func TestServeShowsNoSecret(t *testing.T) {
 		}
 	}
 }
+
+// forget on a group's page: confirmed with the token, the group's claims
+// and registration go; an unknown group is 404.
+func TestServeForget(t *testing.T) {
+	t.Parallel()
+	db := consoleDB(t, "plain")
+	claim(t, db, "notifications", true, publisher.NewEventID())
+	base := startServe(t, db, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
+	jar, _ := cookiejar.New(nil)
+	client := &http.Client{Jar: jar}
+	resp, err := client.Get(base + "/groups/notifications")
+	require.NoError(t, err)
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Contains(t, string(page), `action="/actions/forget"`)
+	m := csrfRe.FindStringSubmatch(string(page))
+	require.NotNil(t, m)
+	post := func(form url.Values) (int, string) {
+		req, _ := http.NewRequest(http.MethodPost, base+"/actions/forget", strings.NewReader(form.Encode()))
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		req.Header.Set("Origin", base)
+		resp, err := client.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	code, body := post(url.Values{"csrf": {m[1]}, "group": {"notifications"}})
+	require.Equal(t, http.StatusOK, code)
+	require.Contains(t, body, "Delete every claim and the registration of consumer group")
+	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM processed_event WHERE consumer_group = 'notifications'`))
+
+	code, body = post(url.Values{"csrf": {m[1]}, "group": {"notifications"}, "confirm": {"yes"}, "token": {testToken}})
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, "forgot notifications: 1 claims deleted")
+	require.Zero(t, db.Count(t, `SELECT 1 FROM processed_event WHERE consumer_group = 'notifications'`))
+	require.Zero(t, db.Count(t, `SELECT 1 FROM processed_event_group WHERE consumer_group = 'notifications'`))
+	require.Equal(t, 3, db.Count(t, `SELECT 1 FROM processed_event WHERE consumer_group = 'billing'`))
+
+	code, _ = post(url.Values{"csrf": {m[1]}, "group": {"notifications"}, "confirm": {"yes"}, "token": {testToken}})
+	require.Equal(t, http.StatusNotFound, code)
+}
