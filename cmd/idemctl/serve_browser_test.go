@@ -163,6 +163,16 @@ func TestBrowserOverviewMatchesTheDatabase(t *testing.T) {
 		require.NoError(t, os.WriteFile("../../docs/console-overview.png", shot, 0o644))
 	}
 
+	// The topic and group pages, reached by their links.
+	do(t, ctx, click(`tr[data-topic="orders"] a`), chromedp.WaitVisible(chromedp.ID("topic-pending")))
+	require.Equal(t, "8", text(t, ctx, "#topic-pending"))
+	require.Equal(t, "none yet", text(t, ctx, "#position"))
+	require.Equal(t, 16, eval[int](t, ctx, `document.querySelectorAll("table.rows tbody tr").length`)) // 8 unpublished, 8 recent
+	do(t, ctx, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.ID("groups")),
+		click(`tr.group[data-group="billing"] a`), chromedp.WaitVisible(chromedp.ID("stale-horizon")))
+	require.Equal(t, "billing", text(t, ctx, "#group"))
+	require.Equal(t, "none while young", text(t, ctx, "#stale-horizon"))
+
 	do(t, ctx, chromedp.Navigate(base+"/parked"), chromedp.WaitVisible(chromedp.ID("parked-keys")))
 	shot, err = chromedp.Run(ctx, chromedp.FullScreenshot(100))
 	require.NoError(t, err)
