@@ -22,6 +22,8 @@ help: ## Show this help
 
 .PHONY: test
 test: test/pg ## Run every test (real Postgres + in-process Kafka broker), with -race
+	@command -v chromium >/dev/null 2>&1 || [ -n "$$CHROME_PATH" ] || echo "make test: idemctl serve's browser tests skip: no chromium (apt-get install -y chromium, or set CHROME_PATH)"
+	@command -v promtool >/dev/null 2>&1 || echo "make test: the alert rules' promtool checks skip: no promtool (apt-get install -y prometheus)"
 	$(GO) test $(TEST_FLAGS) $(PKGS)
 
 .PHONY: test/short
@@ -57,6 +59,14 @@ bench/go: ## Go benchmarks (testing.B) of the per-message hot path: ns/op, alloc
 .PHONY: schemas
 schemas: ## Rewrite docs/schemas (JSON Schema of the example's event contracts) from the Go structs; make test checks they are current
 	$(GO) test ./examples/billing -run '^TestSchemasAreCurrent$$' -count=1 -args -update-schemas
+
+.PHONY: rules
+rules: ## Check and unit-test the Prometheus alert rules in deploy/prometheus (promtool: apt-get install -y prometheus)
+	cd deploy/prometheus && promtool check rules alerts.yml && promtool test rules alerts_test.yml
+
+.PHONY: screenshots
+screenshots: ## Rewrite docs/console-*.png (the idemctl serve pages, in headless chromium) from the browser tests
+	$(GO) test ./cmd/idemctl -run '^TestBrowserOverviewMatchesTheDatabase$$' -count=1 -args -update-screenshots
 
 .PHONY: demo
 demo: ## Run the billing example end to end (orders, billing with Idempotency-Key, notifications) with injected faults

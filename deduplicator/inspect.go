@@ -326,3 +326,63 @@ func latest(cur, t time.Time) time.Time {
 	}
 	return cur
 }
+
+// TableInfo is what [Inspect] reads about a processed_event table without
+// reading its rows: the catalog and the table's recorded setting.
+type TableInfo struct {
+	// Schema and Table name the table.
+	Schema, Table string
+	// Layout is the live table's, whatever TableConfig.Layout says.
+	Layout Layout
+	// Retention is the retention recorded with the table.
+	Retention time.Duration
+	// CleanedBefore is the highest cutoff the Cleaner has applied (zero:
+	// never). Each pass sets it to the pass's time less the retention, so
+	// CleanedBefore + Retention is when the last pass ran.
+	CleanedBefore time.Time
+	// RowsEstimate is the planner's row count of the table and its
+	// partitions (pg_class.reltuples, as of the last ANALYZE, VACUUM or
+	// autovacuum; 0 before the first), never a count(*).
+	RowsEstimate int64
+	// Bytes is the size on disk of the table, every partition, their
+	// indexes and TOAST.
+	Bytes int64
+	// Partitions are the table's partitions (LayoutPartitioned), in the
+	// order of [Partitions]; empty for a plain table.
+	Partitions []Partition
+}
+
+// Inspect reads the table named by cfg (its Layout field is ignored) from
+// the catalog and its setting: four queries at most, whatever it holds,
+// for dashboards and the operator's console. [Stats] counts the rows
+// instead. A missing table is [ErrTableMissing].
+func Inspect(ctx context.Context, db migrate.DBTX, cfg TableConfig) (*TableInfo, error) {
+	cfg, err := withDefaults(cfg)
+	if err != nil {
+		return nil, err
+	}
+	info := &TableInfo{Schema: cfg.Schema, Table: cfg.Table, Partitions: []Partition{}}
+	if info.Layout, err = tableLayout(ctx, db, cfg); err != nil {
+		return nil, err
+	}
+	s, err := readSetting(ctx, db, cfg)
+	if err != nil {
+		return nil, err
+	}
+	info.Retention, info.CleanedBefore = s.retention, s.cleanedBefore
+	table := ident.Quote(cfg.Schema, cfg.Table)
+	// reltuples is -1 before the first ANALYZE; a partitioned parent's
+	// (relkind p) counts its partitions' rows again.
+	err = db.QueryRow(ctx, `SELECT COALESCE(sum(GREATEST(c.reltuples, 0)) FILTER (WHERE c.relkind <> 'p'), 0)::bigint, COALESCE(sum(pg_total_relation_size(c.oid)), 0)::bigint
+FROM pg_catalog.pg_class c
+WHERE c.oid = to_regclass($1) OR c.oid IN (SELECT i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhparent = to_regclass($1))`, table).Scan(&info.RowsEstimate, &info.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("inspect %s.%s: %w", cfg.Schema, cfg.Table, err)
+	}
+	if info.Layout == LayoutPartitioned {
+		if info.Partitions, err = listPartitions(ctx, db, table); err != nil {
+			return nil, fmt.Errorf("partitions of %s.%s: %w", cfg.Schema, cfg.Table, err)
+		}
+	}
+	return info, nil
+}

@@ -239,6 +239,26 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 		partition.DefaultName(tc.Table):                  1,
 	}, counts)
 	require.True(t, st.Partitions[0].Oldest.Equal(t1))
+
+	// Inspect: the same table from the catalog, without reading a row.
+	_, err = db.Pool.Exec(ctx, "ANALYZE "+tc.Schema+"."+tc.Table)
+	require.NoError(t, err)
+	info, err := Inspect(ctx, db.Pool, TableConfig{Schema: tc.Schema})
+	require.NoError(t, err)
+	require.Equal(t, LayoutPartitioned, info.Layout)
+	require.Equal(t, DefaultRetention, info.Retention)
+	require.True(t, info.CleanedBefore.IsZero())
+	require.EqualValues(t, 4, info.RowsEstimate) // an ANALYZE of 4 rows counts them all
+	require.Equal(t, st.Bytes, info.Bytes)
+	require.Len(t, info.Partitions, len(parts))
+	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool}, nil)
+	require.NoError(t, err)
+	res, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+	info, err = Inspect(ctx, db.Pool, tc)
+	require.NoError(t, err)
+	require.False(t, info.CleanedBefore.IsZero(), "%+v", res)
+	require.WithinDuration(t, time.Now(), info.CleanedBefore.Add(info.Retention), time.Hour) // the pass's time, on the database's clock
 }
 
 func TestPartitionsAndStatsPlain(t *testing.T) {

@@ -103,7 +103,8 @@ type app struct {
 	path           string   // "idemctl dedup check", for messages
 	cmd            *command // the leaf command running
 	pool           *pgxpool.Pool
-	printedJSON    bool // printJSON wrote a document
+	printedJSON    bool     // printJSON wrote a document
+	extraSecrets   []string // more to mask (serve's token)
 }
 
 func (a *app) close() {
@@ -127,6 +128,7 @@ func (a *app) secrets() []string {
 			out = append(out, v)
 		}
 	}
+	out = append(out, a.extraSecrets...)
 	for _, b := range strings.Split(a.opts.brokers+","+a.getenv("KAFKA_BROKERS"), ",") {
 		out = append(out, urlSecrets(b)...)
 	}

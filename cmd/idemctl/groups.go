@@ -23,16 +23,9 @@ func groupsList(ctx context.Context, a *app, args []string) error {
 	}
 	now := time.Now()
 	if a.opts.json {
-		type group struct {
-			Group                string   `json:"group"`
-			FirstSeen            jsonTime `json:"first_seen"`
-			IdempotencyNamespace string   `json:"idempotency_namespace"`
-			StartedAt            jsonTime `json:"started_at"`
-			Young                bool     `json:"young"`
-		}
-		out := []group{}
+		out := []jsonGroup{}
 		for _, g := range gs {
-			out = append(out, group{g.Name, jsonTime(g.FirstSeen), g.IdempotencyNamespace, jsonTime(g.StartedAt), g.Young(now, retention)})
+			out = append(out, toJSONGroup(g, now, retention))
 		}
 		return a.printJSON(out)
 	}
@@ -54,6 +47,28 @@ func groupsList(ctx context.Context, a *app, args []string) error {
 	}
 	fmt.Fprintf(a.stdout, "(young: first seen less than the retention, %s, ago: its claims are all kept)\n", humanDuration(retention))
 	return nil
+}
+
+// jsonGroup is a registered group in JSON output (groups list, and the
+// console's overview and group page).
+type jsonGroup struct {
+	Group                string   `json:"group"`
+	FirstSeen            jsonTime `json:"first_seen"`
+	IdempotencyNamespace string   `json:"idempotency_namespace"`
+	StartedAt            jsonTime `json:"started_at"`
+	Young                bool     `json:"young"`
+	Stale                bool     `json:"stale"`
+}
+
+func toJSONGroup(g deduplicator.Group, now time.Time, retention time.Duration) jsonGroup {
+	return jsonGroup{g.Name, jsonTime(g.FirstSeen), g.IdempotencyNamespace, jsonTime(g.StartedAt), g.Young(now, retention), groupStale(g, now, retention)}
+}
+
+// groupStale reports whether no consumer of the group has started for
+// longer than the retention: a group that may be gone (forget it), or one
+// whose consumers have run without a restart all that time.
+func groupStale(g deduplicator.Group, now time.Time, retention time.Duration) bool {
+	return retention > 0 && !g.StartedAt.IsZero() && g.StartedAt.Before(now.Add(-retention))
 }
 
 func groupsRename(ctx context.Context, a *app, args []string) error {

@@ -57,6 +57,7 @@ var commands = []command{
 	{"retention", "set", "DURATION [--yes]", "change the recorded retention (7d, 720h...); shortening needs --yes", retentionSet},
 	{"retry", "parked", "[--group G] [--limit N] [--parked-table T]", "parked keys of retry topics' KeyOrder: queue per key, age of the oldest, how overdue the first event's copy is", retryParked},
 	{"retry", "unblock", "--group G (--key K [--skip] | --overdue D) [--topic T] --yes", "send a parked key's first event to the retry path again (or --skip it) when its copy is not coming back; --overdue: every key whose copy is overdue by more than D", retryUnblock},
+	{"serve", "", "[--listen 127.0.0.1:8080] [--allow-actions] [--refresh 5s]", "the operator console in a browser: overview, parked keys, outbox topics, groups, with JSON twins under /api/ (read-only unless --allow-actions, each action needing $IDEMCTL_TOKEN)", serve},
 	{"poison", "list", "--topic T [filters]", "the poison topic's messages matching the filters", poisonList},
 	{"poison", "replay", "--topic T [filters] [--dry-run] [--rate N]", "publish matching poison messages back to their original topic", poisonReplay},
 }
@@ -186,6 +187,10 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 		return usageError("unknown command %q", group)
 	}
 	a.path = "idemctl " + group
+	if len(inGroup) == 1 && inGroup[0].name == "" { // a command without subcommands
+		a.cmd = &inGroup[0]
+		return inGroup[0].run(ctx, a, rest[1:])
+	}
 	if len(rest) < 2 || rest[1] == "-h" || rest[1] == "--help" || rest[1] == "help" {
 		a.groupUsage(a.stdout, inGroup)
 		if len(rest) < 2 {

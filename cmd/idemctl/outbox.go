@@ -49,19 +49,7 @@ func outboxBacklog(ctx context.Context, a *app, args []string) error {
 		return err
 	}
 	if a.opts.json {
-		type topic struct {
-			Topic            string  `json:"topic"`
-			Pending          int64   `json:"pending"`
-			OldestAgeSeconds float64 `json:"oldest_age_seconds"`
-		}
-		out := struct {
-			Forwarder string  `json:"forwarder"`
-			Topics    []topic `json:"topics"`
-		}{*forwarder, []topic{}}
-		for _, b := range bl {
-			out.Topics = append(out.Topics, topic{b.Topic, b.Pending, b.OldestAge.Seconds()})
-		}
-		return a.printJSON(out)
+		return a.printJSON(toJSONBacklog(*forwarder, bl))
 	}
 	tw := a.table()
 	row(tw, "TOPIC", "PENDING", "OLDEST AGE")
@@ -77,6 +65,28 @@ func outboxBacklog(ctx context.Context, a *app, args []string) error {
 	}
 	fmt.Fprintf(a.stdout, "(forwarder %s; rows of transactions still open are not counted)\n", *forwarder)
 	return nil
+}
+
+// jsonBacklog is outbox backlog --json, and the outbox part of the
+// console's overview.
+type jsonBacklog struct {
+	Forwarder string             `json:"forwarder"`
+	Topics    []jsonBacklogTopic `json:"topics"`
+}
+
+type jsonBacklogTopic struct {
+	Topic            string  `json:"topic"`
+	Pending          int64   `json:"pending"`
+	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
+	Dead             int64   `json:"dead"`
+}
+
+func toJSONBacklog(forwarder string, bl []outbox.Backlog) jsonBacklog {
+	out := jsonBacklog{Forwarder: forwarder, Topics: []jsonBacklogTopic{}}
+	for _, b := range bl {
+		out.Topics = append(out.Topics, jsonBacklogTopic{b.Topic, b.Pending, b.OldestAge.Seconds(), b.Dead})
+	}
+	return out
 }
 
 func outboxPrune(ctx context.Context, a *app, args []string) error {

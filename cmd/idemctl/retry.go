@@ -54,34 +54,7 @@ func retryParked(ctx context.Context, a *app, args []string) error {
 		return err
 	}
 	if a.opts.json {
-		type key struct {
-			ConsumerGroup      string  `json:"consumer_group"`
-			Key                string  `json:"key"`
-			Events             int64   `json:"events"`
-			Head               string  `json:"head"`
-			HeadTopic          string  `json:"head_topic"`
-			HeadOverdueSeconds float64 `json:"head_overdue_seconds"`
-			OldestAgeSeconds   float64 `json:"oldest_age_seconds"`
-		}
-		type group struct {
-			ConsumerGroup         string  `json:"consumer_group"`
-			Keys                  int64   `json:"keys"`
-			Events                int64   `json:"events"`
-			MaxQueue              int64   `json:"max_queue"`
-			OldestAgeSeconds      float64 `json:"oldest_age_seconds"`
-			MaxHeadOverdueSeconds float64 `json:"max_head_overdue_seconds"`
-		}
-		out := struct {
-			Groups []group `json:"groups"`
-			Keys   []key   `json:"keys"`
-		}{[]group{}, []key{}}
-		for _, s := range sum {
-			out.Groups = append(out.Groups, group{s.ConsumerGroup, s.Keys, s.Events, s.MaxQueue, s.OldestAge.Seconds(), s.MaxHeadOverdue.Seconds()})
-		}
-		for _, k := range keys {
-			out.Keys = append(out.Keys, key{k.ConsumerGroup, k.Key, k.Events, k.Head.String(), k.HeadTopic, k.HeadOverdue.Seconds(), k.OldestAge.Seconds()})
-		}
-		return a.printJSON(out)
+		return a.printJSON(toJSONParked(sum, keys))
 	}
 	if len(sum) == 0 {
 		fmt.Fprintln(a.stdout, "no parked key")
@@ -106,6 +79,44 @@ func retryParked(ctx context.Context, a *app, args []string) error {
 	}
 	fmt.Fprintln(a.stdout, "(a first event whose copy is long overdue is not coming back: idemctl retry unblock)")
 	return nil
+}
+
+// jsonParked is retry parked --json, and the console's parked keys.
+type jsonParked struct {
+	Groups []jsonParkedGroup `json:"groups"`
+	Keys   []jsonParkedKey   `json:"keys"`
+}
+
+type jsonParkedKey struct {
+	ConsumerGroup      string  `json:"consumer_group"`
+	Key                string  `json:"key"`
+	Events             int64   `json:"events"`
+	Head               string  `json:"head"`
+	HeadTopic          string  `json:"head_topic"`
+	HeadOverdueSeconds float64 `json:"head_overdue_seconds"`
+	OldestAgeSeconds   float64 `json:"oldest_age_seconds"`
+	HeadAttempt        int     `json:"head_attempt"`
+	HeadError          string  `json:"head_error"`
+}
+
+type jsonParkedGroup struct {
+	ConsumerGroup         string  `json:"consumer_group"`
+	Keys                  int64   `json:"keys"`
+	Events                int64   `json:"events"`
+	MaxQueue              int64   `json:"max_queue"`
+	OldestAgeSeconds      float64 `json:"oldest_age_seconds"`
+	MaxHeadOverdueSeconds float64 `json:"max_head_overdue_seconds"`
+}
+
+func toJSONParked(sum []retrytopic.ParkedSummary, keys []retrytopic.ParkedKey) jsonParked {
+	out := jsonParked{[]jsonParkedGroup{}, []jsonParkedKey{}}
+	for _, s := range sum {
+		out.Groups = append(out.Groups, jsonParkedGroup{s.ConsumerGroup, s.Keys, s.Events, s.MaxQueue, s.OldestAge.Seconds(), s.MaxHeadOverdue.Seconds()})
+	}
+	for _, k := range keys {
+		out.Keys = append(out.Keys, jsonParkedKey{k.ConsumerGroup, k.Key, k.Events, k.Head.String(), k.HeadTopic, k.HeadOverdue.Seconds(), k.OldestAge.Seconds(), k.HeadAttempt, k.HeadError})
+	}
+	return out
 }
 
 func retryUnblock(ctx context.Context, a *app, args []string) error {

@@ -11,11 +11,14 @@
 //	c.AddRetryTopic("billing", rt)                         // *retrytopic.RetryTopic counters
 //	c.AddParked(pool, retrytopic.ParkedKeysTable{}, "billing") // KeyOrder's parked keys, queried at scrape
 //	c.AddSubscriber(sub)                                   // *idemkafka.Subscriber (the parallel subscriber)
+//	c.AddTable(pool, deduplicator.TableConfig{})           // the dedup table from the catalog, queried at scrape
 //	prometheus.MustRegister(c)
 //
-// The backlog and parked gauges are queried from the database at scrape
+// The backlog, parked and table gauges are queried from the database at scrape
 // time (bounded by 5 s), the idem_kafka gauges read from the subscriber;
 // the counters are cumulative since the component was created. Two
 // middlewares or subscribers of one consumer group are summed.
-// docs/observability.md lists every metric and what to alert on.
+// docs/observability.md lists every metric and what to alert on;
+// deploy/grafana and deploy/prometheus hold a dashboard and alert rules
+// over them.
 package idemprom

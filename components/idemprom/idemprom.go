@@ -8,6 +8,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -69,6 +70,14 @@ var (
 	descKafkaWindow      = prometheus.NewDesc("idem_kafka_partition_window", "idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).", part, nil)
 	descKafkaMaxInFlight = prometheus.NewDesc("idem_kafka_max_in_flight", "idemkafka.Subscriber: MaxInFlight (the bound of idem_kafka_in_flight).", group, nil)
 
+	tbl = []string{"table"}
+
+	descTableRows       = prometheus.NewDesc("idem_dedup_table_rows_estimate", "AddTable: the dedup table's rows as the planner estimates them (pg_class.reltuples of the table and its partitions), never a count(*).", tbl, nil)
+	descTableBytes      = prometheus.NewDesc("idem_dedup_table_bytes", "AddTable: the dedup table's size on disk, partitions, indexes and TOAST included.", tbl, nil)
+	descTableRetention  = prometheus.NewDesc("idem_dedup_retention_seconds", "AddTable: the retention recorded with the dedup table.", tbl, nil)
+	descTableCleaned    = prometheus.NewDesc("idem_dedup_last_clean_timestamp_seconds", "AddTable: when the Cleaner's last pass ran (Unix time; 0: never), from the cutoff it recorded.", tbl, nil)
+	descTablePartitions = prometheus.NewDesc("idem_dedup_partitions", "AddTable: the dedup table's partitions (0 for the plain layout).", tbl, nil)
+
 	descPending = prometheus.NewDesc("idem_outbox_pending_rows", "Committed outbox rows the forwarder has not forwarded yet.", []string{"topic", "forwarder"}, nil)
 	descOldest  = prometheus.NewDesc("idem_outbox_oldest_pending_seconds", "Age of the oldest outbox row not forwarded yet (0 when none).", []string{"topic", "forwarder"}, nil)
 	descDead    = prometheus.NewDesc("idem_outbox_dead_rows", "Rows in the topic's dead table (idemctl outbox dead list): rows that cannot be sent and the rows held behind them.", []string{"topic", "forwarder"}, nil)
@@ -81,6 +90,11 @@ type parkedSource struct {
 	db    migrate.DBTX
 	table retrytopic.ParkedKeysTable
 	group string
+}
+
+type tableSource struct {
+	db  migrate.DBTX
+	cfg deduplicator.TableConfig
 }
 
 type retrySource struct {
@@ -104,6 +118,7 @@ type Collector struct {
 	backlogs   []backlogSource
 	retries    []retrySource
 	parked     []parkedSource
+	tables     []tableSource
 	subs       []*idemkafka.Subscriber
 }
 
@@ -165,6 +180,18 @@ func (c *Collector) AddParked(db migrate.DBTX, table retrytopic.ParkedKeysTable,
 	c.parked = append(c.parked, parkedSource{db: db, table: table, group: group})
 }
 
+// AddTable exports the dedup table named by cfg as deduplicator.Inspect
+// reads it from the catalog at each scrape (bounded by [backlogTimeout];
+// no row of the table is read): its estimated rows, its size, its
+// retention, its partitions and when the Cleaner last ran, with the label
+// table=schema.table. Alert on the last clean: a Cleaner that stopped lets
+// the table grow.
+func (c *Collector) AddTable(db migrate.DBTX, cfg deduplicator.TableConfig) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.tables = append(c.tables, tableSource{db: db, cfg: cfg})
+}
+
 // AddSubscriber exports the Stats of idemkafka's parallel subscriber with
 // the label consumer_group (its Kafka consumer group): messages in flight,
 // keys waiting, held, acked, nacked, skipped, sessions and refused
@@ -184,6 +211,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descLeases, descForwarded, descCommits, descPolls, descFwdErrors, descQuarantined, descPending, descOldest, descDead,
 		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff, descOverdue,
 		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
+		descTableRows, descTableBytes, descTableRetention, descTableCleaned, descTablePartitions,
 		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions, descKafkaRefused,
 		descKafkaDistance, descKafkaWindow, descKafkaMaxInFlight} {
 		ch <- d
@@ -202,6 +230,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	retries := append([]retrySource(nil), c.retries...)
 	parked := append([]parkedSource(nil), c.parked...)
 	subs := append([]*idemkafka.Subscriber(nil), c.subs...)
+	tables := append([]tableSource(nil), c.tables...)
 	c.mu.Unlock()
 
 	counter := func(d *prometheus.Desc, v float64, labels ...string) {
@@ -282,6 +311,25 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			gauge(descParkedOldest, s.OldestAge.Seconds(), s.ConsumerGroup)
 			gauge(descParkedOverdue, s.MaxHeadOverdue.Seconds(), s.ConsumerGroup)
 		}
+	}
+	for _, t := range tables {
+		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
+		info, err := deduplicator.Inspect(ctx, t.db, t.cfg)
+		cancel()
+		if err != nil {
+			ch <- prometheus.NewInvalidMetric(descTableBytes, err)
+			continue
+		}
+		name := info.Schema + "." + info.Table
+		gauge(descTableRows, float64(info.RowsEstimate), name)
+		gauge(descTableBytes, float64(info.Bytes), name)
+		gauge(descTableRetention, info.Retention.Seconds(), name)
+		last := 0.0
+		if !info.CleanedBefore.IsZero() {
+			last = float64(info.CleanedBefore.Add(info.Retention).UnixNano()) / 1e9
+		}
+		gauge(descTableCleaned, last, name)
+		gauge(descTablePartitions, float64(len(info.Partitions)), name)
 	}
 	for _, gs := range statsx.ByKey(subs, (*idemkafka.Subscriber).ConsumerGroup, (*idemkafka.Subscriber).Stats, idemkafka.SubscriberStats.Add) {
 		g, s := gs.Key, gs.Value

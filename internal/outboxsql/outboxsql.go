@@ -727,3 +727,42 @@ func (t Tables) DeletePassed(ctx context.Context, db DB, positions []Position, l
 		LIMIT $5)`, snaps, cuts, offs, strconv.FormatUint(bound, 10), limit)
 	return tag.RowsAffected(), err
 }
+
+// ListedRow is a row of a messages table as an operator sees it: where it
+// is, which event, and whether the position has passed it.
+type ListedRow struct {
+	Offset    int64
+	UUID      string
+	EventID   string // metadata event_id, "" when none
+	Key       string // metadata partition_key, "" when none
+	CreatedAt time.Time
+	// Pending is true when the position has not passed the row.
+	Pending bool
+}
+
+// ListRows returns at most limit rows of the messages table with, for each,
+// whether p has passed it: the newest first, or with pendingOnly the
+// oldest rows p has not passed, first. One query.
+func (t Tables) ListRows(ctx context.Context, db DB, p Position, pendingOnly bool, limit int) ([]ListedRow, error) {
+	var cut *string
+	if p.Cut != nil {
+		s := p.Cut.String()
+		cut = &s
+	}
+	q := `SELECT m."offset", m.uuid, COALESCE(m.metadata->>'event_id', ''), COALESCE(m.metadata->>'partition_key', ''), m.created_at,
+		(` + pendingWhere + `) FROM ` + t.Messages + ` m `
+	if pendingOnly {
+		q += `WHERE ` + pendingWhere + ` ORDER BY m."offset" LIMIT $4`
+	} else {
+		q += `ORDER BY m."offset" DESC LIMIT $4`
+	}
+	rows, err := db.Query(ctx, q, p.Snapshot.String(), cut, p.CutOffset, limit)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (ListedRow, error) {
+		var r ListedRow
+		err := row.Scan(&r.Offset, &r.UUID, &r.EventID, &r.Key, &r.CreatedAt, &r.Pending)
+		return r, err
+	})
+}

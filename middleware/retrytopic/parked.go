@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/google/uuid"
@@ -49,6 +50,12 @@ type ParkedKey struct {
 	HeadOverdue time.Duration `json:"head_overdue"`
 	// OldestAge is the time since the key's oldest event was parked.
 	OldestAge time.Duration `json:"oldest_age"`
+	// HeadAttempt and HeadError are the head's last retry attempt and the
+	// error that sent it to the retry path (its stored metadata
+	// retry_attempt and retry_error; 0 and "" when it has none). Both come
+	// from the message: show them as text.
+	HeadAttempt int    `json:"head_attempt"`
+	HeadError   string `json:"head_error"`
 }
 
 // ParkedSummary sums up the parked keys of one consumer group.
@@ -72,7 +79,8 @@ func parkedCTE(table string) string {
 	SELECT consumer_group, partition_key, count(*) AS n, min(parked_at) AS oldest
 	FROM ` + table + ` WHERE $1 = '' OR consumer_group = $1 GROUP BY consumer_group, partition_key
 ), h AS (
-	SELECT DISTINCT ON (consumer_group, partition_key) consumer_group, partition_key, event_id, topic, not_before
+	SELECT DISTINCT ON (consumer_group, partition_key) consumer_group, partition_key, event_id, topic, not_before,
+		COALESCE(metadata->>'retry_attempt', '') AS attempt, COALESCE(metadata->>'retry_error', '') AS error
 	FROM ` + table + ` WHERE $1 = '' OR consumer_group = $1 ORDER BY consumer_group, partition_key, seq
 )
 `
@@ -90,7 +98,7 @@ func ParkedKeys(ctx context.Context, db migrate.DBTX, t ParkedKeysTable, consume
 		return nil, err
 	}
 	q := parkedCTE(ident.Quote(t.Schema, t.Table)) + `SELECT k.consumer_group, k.partition_key, k.n, h.event_id, COALESCE(h.topic, ''), h.not_before,
-	` + overdueSQL + `, extract(epoch FROM now() - k.oldest)::float8
+	` + overdueSQL + `, extract(epoch FROM now() - k.oldest)::float8, h.attempt, h.error
 FROM k JOIN h USING (consumer_group, partition_key)
 ORDER BY k.n DESC, k.oldest, k.consumer_group, k.partition_key`
 	args := []any{consumerGroup}
@@ -106,10 +114,12 @@ ORDER BY k.n DESC, k.oldest, k.consumer_group, k.partition_key`
 		var p ParkedKey
 		var nb *time.Time
 		var overdue, age float64
-		err := row.Scan(&p.ConsumerGroup, &p.Key, &p.Events, &p.Head, &p.HeadTopic, &nb, &overdue, &age)
+		var attempt string
+		err := row.Scan(&p.ConsumerGroup, &p.Key, &p.Events, &p.Head, &p.HeadTopic, &nb, &overdue, &age, &attempt, &p.HeadError)
 		if nb != nil {
 			p.HeadNotBefore = *nb
 		}
+		p.HeadAttempt, _ = strconv.Atoi(attempt) // a malformed header counts as none
 		p.HeadOverdue, p.OldestAge = seconds(overdue), seconds(age)
 		return p, err
 	})
