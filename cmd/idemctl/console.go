@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -41,6 +42,8 @@ type overviewJSON struct {
 	Dedup  *dedupOverview `json:"dedup"`
 	Outbox jsonBacklog    `json:"outbox"`
 	Parked jsonParked     `json:"parked"`
+	// Leases are lease mode's (idem.Config.Lease), null when unreadable.
+	Leases *deduplicator.LeaseSummary `json:"leases"`
 	// Kafka is null without --brokers.
 	Kafka  *kafkaJSON        `json:"kafka"`
 	Errors map[string]string `json:"errors"`
@@ -104,6 +107,11 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 		fail("outbox", err)
 	} else {
 		out.Outbox = bl
+	}
+	if ls, err := deduplicator.SummarizeLeases(ctx, c.pool, c.table); err != nil {
+		fail("leases", err)
+	} else {
+		out.Leases = &ls
 	}
 	if sum, err := retrytopic.SummarizeParked(ctx, c.pool, c.parked, ""); err != nil {
 		fail("parked", err)
@@ -301,4 +309,49 @@ func consoleError(err error) string {
 		return "the database role lacks a grant for this (docs/security.md, idemctl): " + err.Error()
 	}
 	return missingTable(err).Error()
+}
+
+// leasesPageLimit is the most leases the leases page lists.
+const leasesPageLimit = 200
+
+// leasesJSON is the leases page and /api/leases: the shape of idemctl
+// dedup leases --json.
+type leasesJSON struct {
+	Leases []deduplicator.Lease `json:"leases"`
+}
+
+// leases lists lease mode's leases, oldest taken first.
+func (c *console) leases(ctx context.Context) (leasesJSON, error) {
+	tc, err := c.tableConfig(ctx)
+	if err != nil {
+		return leasesJSON{}, err
+	}
+	ls, err := deduplicator.ListLeases(ctx, c.pool, tc, deduplicator.LeaseFilter{Limit: leasesPageLimit})
+	if err != nil {
+		return leasesJSON{}, err
+	}
+	if ls == nil {
+		ls = []deduplicator.Lease{}
+	}
+	return leasesJSON{Leases: ls}, nil
+}
+
+// release is the leases page's release (idemctl dedup release).
+func (c *console) release(ctx context.Context, eventID, group string) (string, error) {
+	id, err := uuid.Parse(eventID)
+	if err != nil {
+		return "", usageError("invalid event id %q: %v", eventID, err)
+	}
+	tc, err := c.tableConfig(ctx)
+	if err != nil {
+		return "", err
+	}
+	ok, err := deduplicator.ReleaseLeaseOf(ctx, c.pool, tc, id, group)
+	if err != nil {
+		return "", err
+	}
+	if !ok {
+		return "", fmt.Errorf("no lease of %s for %s (completed, released, or never taken): %w", id, group, errNotFound)
+	}
+	return fmt.Sprintf("released the lease of %s for %s", id, group), nil
 }

@@ -154,10 +154,11 @@ func newServer(c *console, allow bool, token string, refresh time.Duration) (*se
 		"ago":     func(sec float64) string { return humanDuration(time.Duration(sec * float64(time.Second))) },
 		"bytes":   humanBytes,
 		"time":    func(t jsonTime) string { return humanTime(time.Time(t)) },
+		"when":    humanTime,
 		"seconds": func(sec float64) string { return humanDuration(time.Duration(sec * float64(time.Second))) },
 		"yesno":   func(b bool) string { return map[bool]string{true: "yes", false: "no"}[b] },
 	}
-	for _, page := range []string{"overview", "parked", "topic", "group", "confirm", "message"} {
+	for _, page := range []string{"overview", "parked", "leases", "topic", "group", "confirm", "message"} {
 		t, err := template.New("layout.html").Funcs(funcs).ParseFS(webFS, "web/layout.html", "web/"+page+".html")
 		if err != nil {
 			return nil, err
@@ -176,6 +177,9 @@ func newServer(c *console, allow bool, token string, refresh time.Duration) (*se
 	}
 	s.mux.HandleFunc("GET /parked", s.page("parked", parked))
 	s.mux.HandleFunc("GET /api/parked", s.api(parked))
+	leases := func(r *http.Request) (any, error) { return s.c.leases(r.Context()) }
+	s.mux.HandleFunc("GET /leases", s.page("leases", leases))
+	s.mux.HandleFunc("GET /api/leases", s.api(leases))
 	topic := func(r *http.Request) (any, error) { return s.c.topic(r.Context(), r.PathValue("topic")) }
 	s.mux.HandleFunc("GET /outbox/{topic}", s.page("topic", topic))
 	s.mux.HandleFunc("GET /api/outbox/{topic}", s.api(topic))
@@ -370,6 +374,15 @@ var actions = map[string]struct {
 		},
 		run: func(ctx context.Context, c *console, f map[string]string) (string, error) {
 			return c.unblock(ctx, f["group"], f["key"], true)
+		},
+	},
+	"release": {
+		fields: []string{"event_id", "group"},
+		question: func(f map[string]string) string {
+			return fmt.Sprintf("Release the lease of event %q (consumer group %q)? Its next delivery then runs at once; an owner still calling writes nothing (its call stands, under the same Idempotency-Key).", f["event_id"], f["group"])
+		},
+		run: func(ctx context.Context, c *console, f map[string]string) (string, error) {
+			return c.release(ctx, f["event_id"], f["group"])
 		},
 	},
 	"forget": {

@@ -18,9 +18,11 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -545,4 +547,65 @@ func TestServeForget(t *testing.T) {
 
 	code, _ = post(url.Values{"csrf": {m[1]}, "group": {"notifications"}, "confirm": {"yes"}, "token": {testToken}})
 	require.Equal(t, http.StatusNotFound, code)
+}
+
+// The leases page lists live and expired leases as `dedup leases --json`
+// does, and its release action deletes one (token, confirm) so the
+// owner's completion then writes nothing.
+func TestServeLeases(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := consoleDB(t, "plain")
+	d, err := deduplicator.New(deduplicator.Config{TableConfig: deduplicator.TableConfig{Schema: db.Schema}, ConsumerGroup: "billing"}, nil)
+	require.NoError(t, err)
+	live := deduplicator.LeaseRequest{EventID: v7At(time.Now()), Token: uuid.New()}
+	_, err = d.TakeLeases(ctx, db.Pool, []deduplicator.LeaseRequest{live}, time.Hour, "host-a:42")
+	require.NoError(t, err)
+	base := startServe(t, db, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
+
+	ov, code := getJSON[struct {
+		Leases deduplicator.LeaseSummary `json:"leases"`
+	}](t, base+"/api/overview")
+	require.Equal(t, http.StatusOK, code)
+	require.Equal(t, 1, ov.Leases.Live)
+	require.Zero(t, ov.Leases.Expired)
+	got, code := getJSON[leasesJSON](t, base+"/api/leases")
+	require.Equal(t, http.StatusOK, code)
+	require.Len(t, got.Leases, 1)
+	require.Equal(t, live.EventID, got.Leases[0].EventID)
+	require.Equal(t, "host-a:42", got.Leases[0].Owner)
+	require.False(t, got.Leases[0].Expired)
+
+	jar, _ := cookiejar.New(nil)
+	client := &http.Client{Jar: jar}
+	resp, err := client.Get(base + "/leases")
+	require.NoError(t, err)
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Contains(t, string(page), live.EventID.String())
+	m := csrfRe.FindStringSubmatch(string(page))
+	require.NotNil(t, m, string(page))
+	form := url.Values{"csrf": {m[1]}, "event_id": {live.EventID.String()}, "group": {"billing"}, "confirm": {"yes"}, "token": {testToken}}
+	req, _ := http.NewRequest(http.MethodPost, base+"/actions/release", strings.NewReader(form.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Origin", base)
+	resp, err = client.Do(req)
+	require.NoError(t, err)
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode, string(body))
+	require.Contains(t, string(body), "released the lease of "+live.EventID.String())
+	require.Zero(t, db.Count(t, "SELECT 1 FROM processed_event_lease"))
+	res := complete(t, db, d, live)
+	require.Equal(t, deduplicator.CompleteLost, res, "the released owner's completion writes nothing")
+}
+
+func complete(t *testing.T, db *pgtest.DB, d *deduplicator.Deduplicator, r deduplicator.LeaseRequest) deduplicator.CompleteResult {
+	t.Helper()
+	tx, err := db.Pool.Begin(context.Background())
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	res, err := d.CompleteLeases(context.Background(), tx, []uuid.UUID{r.EventID}, []uuid.UUID{r.Token})
+	require.NoError(t, err)
+	return res[0]
 }
