@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -346,17 +347,20 @@ func slowHandler(msg *message.Message) error {
 	}
 }
 
-// fastHandler writes one business row and one outbox row.
+// fastHandler writes one business row and one outbox row, registered with
+// idem.Complete: at once in transaction mode, in the completing
+// transaction in lease mode.
 func (r *parRig) fastHandler(msg *message.Message) error {
-	ctx := msg.Context()
-	if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
-		return err
-	}
-	p, err := r.ob.PublisherFromContext(ctx)
-	if err != nil {
-		return err
-	}
-	return p.Publish(r.outT, message.NewMessage(watermill.NewUUID(), msg.Payload))
+	return idem.Complete(msg.Context(), func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
+			return err
+		}
+		p, err := r.ob.PublisherFromContext(ctx)
+		if err != nil {
+			return err
+		}
+		return p.Publish(r.outT, message.NewMessage(watermill.NewUUID(), msg.Payload))
+	})
 }
 
 // parWorkload is one comparison: consumers (the first is the baseline)
