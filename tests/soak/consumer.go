@@ -284,7 +284,7 @@ func (inst *instance) readStdout(r io.Reader) {
 			inst.pending.Store(pendingNone)
 			h.fault(kind, false)
 			h.kills.Add(1)
-			h.killedHolding(inst)
+			h.markKilled(inst)
 		case strings.HasPrefix(line, lineViolation):
 			h.violation("%s: %s", inst.name, strings.TrimPrefix(line, lineViolation))
 		}
@@ -390,6 +390,7 @@ func (inst *instance) kill(why string) {
 func (inst *instance) stop() {
 	h := inst.g.h
 	inst.expected.Store("stop")
+	h.stopped.Store(inst.name, true)
 	start := time.Now()
 	_ = inst.cmd.Process.Signal(syscall.SIGTERM)
 	select {
@@ -566,7 +567,7 @@ func (g *group) killWhileJoining(ctx context.Context, inst *instance) {
 		h.logf("%s: crash loop: group %s not seen rebalancing (%v); killing the replacement anyway", inst.name, g.name, err)
 	}
 	inst.kill(faultCrashLoop)
-	h.killedHolding(inst)
+	h.markKilled(inst)
 }
 
 // tailBuffer keeps the last max lines written to it.

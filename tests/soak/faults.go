@@ -78,7 +78,7 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		}
 		h.kills.Add(1)
 		h.fault(f.kind, false)
-		h.killedHolding(killed)
+		h.markKilled(killed)
 		select {
 		case <-killed.settled:
 		case <-ctx.Done():

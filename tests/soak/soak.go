@@ -309,17 +309,19 @@ type Report struct {
 // and of the fake provider.
 type LeaseReport struct {
 	Duration time.Duration
-	// KillsBetweenPhases counts the consumer processes SIGKILLed while
-	// they held at least one lease (a delivery past its take, not
-	// completed), read from the lease table right after each kill;
-	// LeasesAtKills the leases they held in all. The armed after-call and
-	// mid-call kills always hold one; a random kill, when it lands on
-	// calls in flight.
-	KillsBetweenPhases, LeasesAtKills int
 	// Takeovers counts the leases taken over after they expired (a trigger
-	// on the lease table logs each change of token); TakeoversOfKilled
-	// those whose owner had been SIGKILLed.
-	Takeovers, TakeoversOfKilled int
+	// on the lease table logs each change of token, with the owner it was
+	// taken from). TakeoversOfKilled are those whose owner had been
+	// SIGKILLed: each is a delivery killed between its phases (its lease
+	// taken, its completion not committed), and KillsBetweenPhases counts
+	// the kills that left at least one such lease behind (the armed
+	// after-call and mid-call kills always do; a random or after-commit
+	// kill when the process had other deliveries in flight).
+	// TakeoversOfStopped are those whose owner had been stopped with
+	// SIGTERM (its router closed with handlers in flight); the rest were
+	// taken from a live owner whose lease expired (it could not renew it,
+	// during a database outage), which then wrote nothing.
+	Takeovers, TakeoversOfKilled, KillsBetweenPhases, TakeoversOfStopped int
 	// LeasesLeft is the lease table's rows at the end: must be 0 (every
 	// lease completed, released or taken over and completed).
 	LeasesLeft int
@@ -421,8 +423,8 @@ func (r *Report) String() string {
 			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, perEvent, g.Poisoned)
 	}
 	if l := r.Lease; l != nil {
-		fmt.Fprintf(&b, "lease mode (lease %s): killed between the phases (holding leases)=%d, leases they held=%d | takeovers=%d, of killed owners' leases=%d | leases left=%d\n",
-			l.Duration, l.KillsBetweenPhases, l.LeasesAtKills, l.Takeovers, l.TakeoversOfKilled, l.LeasesLeft)
+		fmt.Fprintf(&b, "lease mode (lease %s): takeovers=%d: of SIGKILLed owners' leases=%d (from %d kills between the phases), of SIGTERMed owners'=%d, of live owners'=%d | leases left=%d\n",
+			l.Duration, l.Takeovers, l.TakeoversOfKilled, l.KillsBetweenPhases, l.TakeoversOfStopped, l.Takeovers-l.TakeoversOfKilled-l.TakeoversOfStopped, l.LeasesLeft)
 		fmt.Fprintf(&b, "  provider: requests=%d charges executed=%d replayed (same key again)=%d refused in progress (409)=%d", l.Provider.Requests, l.Provider.Charges, l.Provider.Replayed, l.Provider.Conflicts)
 		for _, g := range r.Groups {
 			fmt.Fprintf(&b, " | %s: charged %d events, takeovers %d", g.Name, g.Charged, g.Takeovers)
@@ -468,12 +470,11 @@ type harness struct {
 	groups []*group
 	prod   producer
 	dlqR   *dlqReplayer
-	// Lease mode: the fake provider the handlers call, the processes
-	// SIGKILLed (by name: the lease table's owner), and the kills that
-	// found leases held.
-	provider               *provider
-	killed                 sync.Map
-	leaseKills, leasesHeld atomic.Int64
+	// Lease mode: the fake provider the handlers call, and the processes
+	// SIGKILLed and stopped with SIGTERM (by name: the lease table's
+	// owner).
+	provider        *provider
+	killed, stopped sync.Map
 
 	mu         sync.Mutex
 	report     *Report
@@ -768,31 +769,9 @@ func (h *harness) providerURL() string {
 	return h.provider.url
 }
 
-// killedHolding records that inst was SIGKILLed, and counts the leases it
-// held at that moment (read at once: a lease keeps its owner until it is
-// taken over, after it expires).
-func (h *harness) killedHolding(inst *instance) {
-	h.killed.Store(inst.name, true)
-	if !h.cfg.Lease {
-		return
-	}
-	h.bg.Go(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		var n int64
-		err := retry(ctx, "count leases", func() error {
-			return h.admin.QueryRow(ctx, `SELECT count(*) FROM `+h.leaseTable()+` WHERE owner = $1`, inst.name).Scan(&n)
-		})
-		if err != nil {
-			h.logf("%s: leases held at the kill: %v", inst.name, err)
-			return
-		}
-		if n > 0 {
-			h.leaseKills.Add(1)
-			h.leasesHeld.Add(n)
-		}
-	})
-}
+// markKilled records that inst was SIGKILLed: the lease table names the
+// owner of each lease it held until another delivery takes it over.
+func (h *harness) markKilled(inst *instance) { h.killed.Store(inst.name, true) }
 
 func (h *harness) dropDB() {
 	if h.admin != nil {

@@ -140,7 +140,7 @@ func (h *harness) verify(ctx context.Context) error {
 // reports the takeovers and the kills that held leases.
 func (h *harness) verifyLease(ctx context.Context) error {
 	r := h.report
-	l := &LeaseReport{Duration: h.cfg.LeaseDuration, KillsBetweenPhases: int(h.leaseKills.Load()), LeasesAtKills: int(h.leasesHeld.Load())}
+	l := &LeaseReport{Duration: h.cfg.LeaseDuration}
 	r.Lease = l
 	if err := h.admin.QueryRow(ctx, `SELECT count(*) FROM `+h.leaseTable()).Scan(&l.LeasesLeft); err != nil {
 		return fmt.Errorf("verify leases: %w", err)
@@ -153,17 +153,22 @@ func (h *harness) verifyLease(ctx context.Context) error {
 		return fmt.Errorf("verify takeovers: %w", err)
 	}
 	perGroup := map[string]int{}
+	killers := map[string]bool{}
 	var grp, owner string
 	if _, err := pgx.ForEachRow(rows, []any{&grp, &owner}, func() error {
 		l.Takeovers++
 		perGroup[grp]++
 		if _, ok := h.killed.Load(owner); ok {
 			l.TakeoversOfKilled++
+			killers[owner] = true
+		} else if _, ok := h.stopped.Load(owner); ok {
+			l.TakeoversOfStopped++
 		}
 		return nil
 	}); err != nil {
 		return fmt.Errorf("verify takeovers: %w", err)
 	}
+	l.KillsBetweenPhases = len(killers)
 	rows, err = h.admin.Query(ctx, `SELECT event_id::text FROM soak_event`)
 	if err != nil {
 		return fmt.Errorf("verify charges: %w", err)
