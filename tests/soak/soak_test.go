@@ -20,9 +20,10 @@ import (
 // (those whose target depends on timing may be skipped, and are reported);
 // 5 % of the events fail transiently 1 to 3 times and go through the retry
 // topics; then "every event applied exactly once per group" and each
-// aggregate's events in order. Three runs: watermill-kafka's subscriber in
+// aggregate's events in order. Four runs: watermill-kafka's subscriber in
 // both commit modes, and idemkafka's parallel subscriber in group commit
-// mode.
+// mode and in lease mode (the handler calls a fake provider between the
+// phases; processes are killed after the call and during it).
 //
 // The soak tests run one at a time, not in parallel: a run holds up to ~40
 // PostgreSQL connections (its producer, forwarder, five or six consumer
@@ -37,14 +38,18 @@ func TestSoakShort(t *testing.T) {
 		name        string
 		groupCommit bool
 		parallel    bool
+		lease       bool
 	}{
-		{"one transaction per message", false, false},
-		{"group commit", true, false},
+		{"one transaction per message", false, false, false},
+		{"group commit", true, false, false},
 		// idemkafka's parallel subscriber, with the per-key order check;
 		// in group commit mode its processes' pools stay at 4 connections
 		// (the suite's budget), one transaction per message would need
 		// one per message in flight.
-		{"parallel subscriber, group commit", true, true},
+		{"parallel subscriber, group commit", true, true, false},
+		// Lease mode: 2 x 1 + 1 connections for the middleware's phases,
+		// whatever the messages in flight.
+		{"parallel subscriber, lease mode", false, true, true},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
 			cfg := soak.Config{
@@ -54,9 +59,13 @@ func TestSoakShort(t *testing.T) {
 				Faults:      soak.ShortFaults,
 				GroupCommit: mode.groupCommit,
 				Parallel:    mode.parallel,
+				Lease:       mode.lease,
 				Timeout:     8 * time.Minute, // a bound, not a target: under -race a run takes ~1 min on an idle 2-core machine, up to 6 on a crowded one
 				DatabaseURL: pgtest.URL(),
 				Brokers:     kafkatest.External(),
+			}
+			if mode.lease {
+				cfg.Faults = soak.ShortLeaseFaults
 			}
 			if testing.Verbose() {
 				cfg.Log = os.Stderr
@@ -90,7 +99,32 @@ func TestSoakShort(t *testing.T) {
 			require.Positive(t, rep.DLQReplayed)
 			require.Positive(t, rep.DoublePublished)
 			require.GreaterOrEqual(t, rep.OutboxRows, cfg.Events+rep.DoublePublished)
+			if mode.lease {
+				requireLease(t, cfg, rep)
+			}
 		})
+	}
+}
+
+// requireLease checks a lease-mode run: every event charged once per group
+// at the provider, no lease left, and each process killed after its call
+// or during it left a lease behind that another delivery took over once it
+// expired (verify already turned a double charge or a lease left into a
+// violation).
+func requireLease(t *testing.T, cfg soak.Config, rep *soak.Report) {
+	t.Helper()
+	l := rep.Lease
+	require.NotNil(t, l)
+	require.Zero(t, l.LeasesLeft, "leases left")
+	require.Equal(t, 2*cfg.Events, l.Provider.Charges, "charges executed at the provider")
+	for _, g := range rep.Groups {
+		require.Equal(t, cfg.Events, g.Charged, "%s: events charged", g.Name)
+	}
+	between := rep.Faults["sigkill-after-call"] + rep.Faults["sigkill-mid-call"]
+	require.GreaterOrEqual(t, l.KillsBetweenPhases, between, "kills between the phases whose leases were taken over")
+	require.GreaterOrEqual(t, l.TakeoversOfKilled, between, "killed owners' leases taken over")
+	if between > 0 {
+		require.Positive(t, l.Provider.Replayed, "a call repeated after a takeover is answered from its key")
 	}
 }
 
@@ -119,7 +153,7 @@ func requireFaults(t *testing.T, fc soak.FaultCounts, rep *soak.Report) {
 	if kafkatest.External() == nil {
 		require.Equal(t, fc.LeaderElection, rep.Faults["leader-election"], "leader-election")
 	}
-	require.Equal(t, rep.Faults["sigkill-mid-handler"]+rep.Faults["sigkill-after-commit"]+rep.Faults["sigkill-random"]+rep.Faults["sigkill-while-joining (crash loop)"], rep.Kills, "every kill is in the report")
+	require.Equal(t, rep.Faults["sigkill-mid-handler"]+rep.Faults["sigkill-after-call"]+rep.Faults["sigkill-mid-call"]+rep.Faults["sigkill-after-commit"]+rep.Faults["sigkill-random"]+rep.Faults["sigkill-while-joining (crash loop)"], rep.Kills, "every kill is in the report")
 
 	injected := func(kind string) int {
 		if kind == "pg-terminate-producer" {
