@@ -98,6 +98,7 @@ type childConfig struct {
 	Lease         bool          `json:"lease"`
 	LeaseDuration time.Duration `json:"lease_duration"`
 	ProviderURL   string        `json:"provider_url"`
+	UnstableKey   bool          `json:"unstable_key"` // a new Idempotency-Key per call: the checker's own test
 }
 
 // The consumer-to-soak protocol: one line on standard output per event.
@@ -667,6 +668,9 @@ func (c *child) post(ctx context.Context, body []byte) error {
 		return err
 	}
 	req.Header.Set(headerInstance, c.cfg.Instance)
+	if c.cfg.UnstableKey {
+		req.Header.Set(idem.IdempotencyKeyHeader, uuid.NewString()) // the transport keeps a key already set
+	}
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := c.client.Do(req)
 	if err != nil {

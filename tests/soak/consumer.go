@@ -177,6 +177,7 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		Lease:         h.cfg.Lease,
 		LeaseDuration: h.cfg.LeaseDuration,
 		ProviderURL:   h.providerURL(),
+		UnstableKey:   h.cfg.UnstableIdempotencyKey,
 	})
 	if err != nil {
 		return nil, err

@@ -125,6 +125,11 @@ type Config struct {
 	// LeaseDuration is the lease's duration in lease mode. Defaults to
 	// [DefaultLeaseDuration].
 	LeaseDuration time.Duration
+	// UnstableIdempotencyKey makes the lease-mode handler send a new
+	// Idempotency-Key with each call instead of the event's: a broken
+	// handler, to check that the soak catches a double charge. Defaults to
+	// false.
+	UnstableIdempotencyKey bool
 	// Timeout bounds the whole run. Defaults to [DefaultTimeout].
 	Timeout time.Duration
 	// DatabaseURL of the PostgreSQL server. Required. The run creates its

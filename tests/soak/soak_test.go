@@ -229,3 +229,44 @@ func TestSoakDetectsNonTransactionalHandler(t *testing.T) {
 		})
 	}
 }
+
+// The checker can fail in lease mode too: a handler that sends a new
+// Idempotency-Key with each call is charged again by the provider whenever
+// its event is called again (here after each planned failure, which comes
+// after the call), and the soak must report it.
+func TestSoakDetectsUnstableIdempotencyKey(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
+	if testing.Short() {
+		t.Skip("soak: skipped in -short mode")
+	}
+	rep, err := soak.Run(context.Background(), soak.Config{
+		Seed:                   7,
+		Events:                 300,
+		Aggregates:             16,
+		Partitions:             2,
+		Instances:              2,
+		SecondInstances:        1,
+		Producers:              2,
+		Faults:                 soak.FaultCounts{TerminateProducer: 1}, // no consumer fault: the planned failures repeat the calls
+		DLQPercent:             -1,
+		DoublePercent:          -1,
+		RetryPercent:           20,
+		Parallel:               true,
+		Lease:                  true,
+		UnstableIdempotencyKey: true,
+		Timeout:                3 * time.Minute,
+		DatabaseURL:            pgtest.URL(),
+		Brokers:                kafkatest.External(),
+	})
+	require.NoError(t, err)
+	require.False(t, rep.OK(), "the soak missed a double charge:\n%s", rep.String())
+	all := strings.Join(rep.Violations, "\n")
+	require.Contains(t, all, "charged more than once at the provider")
+	require.Contains(t, all, "called with more than one Idempotency-Key")
+	for _, g := range rep.Groups {
+		// The ledger is right: the middleware applied each event once.
+		require.Zero(t, g.Lost, g.Name)
+		require.Zero(t, g.Double, g.Name)
+	}
+	require.Greater(t, rep.Lease.Provider.Charges, 2*300, "charges beyond one per event and group")
+}
