@@ -323,9 +323,11 @@ type LeaseReport struct {
 	// after-call and mid-call kills always do; a random or after-commit
 	// kill when the process had other deliveries in flight).
 	// TakeoversOfStopped are those whose owner had been stopped with
-	// SIGTERM (its router closed with handlers in flight); the rest were
-	// taken from a live owner whose lease expired (it could not renew it,
-	// during a database outage), which then wrote nothing.
+	// SIGTERM; the rest were taken from a live owner whose lease expired
+	// (it could not renew it, during a database outage), which then wrote
+	// nothing. The split is by the owner's fate: a lease whose release
+	// failed (its connection terminated) also expires, and counts under
+	// whatever became of its owner.
 	Takeovers, TakeoversOfKilled, KillsBetweenPhases, TakeoversOfStopped int
 	// LeasesLeft is the lease table's rows at the end: must be 0 (every
 	// lease completed, released or taken over and completed).
