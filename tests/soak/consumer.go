@@ -391,7 +391,7 @@ func (inst *instance) kill(why string) {
 func (inst *instance) stop() {
 	h := inst.g.h
 	inst.expected.Store("stop")
-	h.stopped.Store(inst.name, true)
+	h.stopped.Store(inst.name, time.Now())
 	start := time.Now()
 	_ = inst.cmd.Process.Signal(syscall.SIGTERM)
 	select {

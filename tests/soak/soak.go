@@ -316,18 +316,16 @@ type LeaseReport struct {
 	Duration time.Duration
 	// Takeovers counts the leases taken over after they expired (a trigger
 	// on the lease table logs each change of token, with the owner it was
-	// taken from). TakeoversOfKilled are those whose owner had been
-	// SIGKILLed: each is a delivery killed between its phases (its lease
-	// taken, its completion not committed), and KillsBetweenPhases counts
-	// the kills that left at least one such lease behind (the armed
-	// after-call and mid-call kills always do; a random or after-commit
-	// kill when the process had other deliveries in flight).
-	// TakeoversOfStopped are those whose owner had been stopped with
-	// SIGTERM; the rest were taken from a live owner whose lease expired
-	// (it could not renew it, during a database outage), which then wrote
-	// nothing. The split is by the owner's fate: a lease whose release
-	// failed (its connection terminated) also expires, and counts under
-	// whatever became of its owner.
+	// taken from and the expiry it had). TakeoversOfKilled are those still
+	// live when their owner was SIGKILLed: each is a delivery killed
+	// between its phases (its lease taken, its completion not committed),
+	// and KillsBetweenPhases counts the kills that left at least one such
+	// lease behind (the armed after-call and mid-call kills always do; a
+	// random or after-commit kill when the process had other deliveries in
+	// flight). TakeoversOfStopped are those still live when their owner
+	// was stopped with SIGTERM. The rest expired while their owner ran: it
+	// could neither complete, release nor renew them (a database outage,
+	// terminated connections), and wrote nothing for them.
 	Takeovers, TakeoversOfKilled, KillsBetweenPhases, TakeoversOfStopped int
 	// LeasesLeft is the lease table's rows at the end: must be 0 (every
 	// lease completed, released or taken over and completed).
@@ -430,7 +428,7 @@ func (r *Report) String() string {
 			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, perEvent, g.Poisoned)
 	}
 	if l := r.Lease; l != nil {
-		fmt.Fprintf(&b, "lease mode (lease %s): takeovers=%d: of SIGKILLed owners' leases=%d (from %d kills between the phases), of SIGTERMed owners'=%d, of live owners'=%d | leases left=%d\n",
+		fmt.Fprintf(&b, "lease mode (lease %s): takeovers=%d: of leases live when their owner was SIGKILLed=%d (left by %d kills between the phases), SIGTERMed=%d, expired under a running owner=%d | leases left=%d\n",
 			l.Duration, l.Takeovers, l.TakeoversOfKilled, l.KillsBetweenPhases, l.TakeoversOfStopped, l.Takeovers-l.TakeoversOfKilled-l.TakeoversOfStopped, l.LeasesLeft)
 		fmt.Fprintf(&b, "  provider: requests=%d charges executed=%d replayed (same key again)=%d refused in progress (409)=%d", l.Provider.Requests, l.Provider.Charges, l.Provider.Replayed, l.Provider.Conflicts)
 		for _, g := range r.Groups {
@@ -477,8 +475,8 @@ type harness struct {
 	groups []*group
 	prod   producer
 	dlqR   *dlqReplayer
-	// Lease mode: the fake provider the handlers call, and the processes
-	// SIGKILLed and stopped with SIGTERM (by name: the lease table's
+	// Lease mode: the fake provider the handlers call, and when processes
+	// were SIGKILLed and stopped with SIGTERM (by name: the lease table's
 	// owner).
 	provider        *provider
 	killed, stopped sync.Map
@@ -776,9 +774,9 @@ func (h *harness) providerURL() string {
 	return h.provider.url
 }
 
-// markKilled records that inst was SIGKILLed: the lease table names the
+// markKilled records when inst was SIGKILLed: the lease table names the
 // owner of each lease it held until another delivery takes it over.
-func (h *harness) markKilled(inst *instance) { h.killed.Store(inst.name, true) }
+func (h *harness) markKilled(inst *instance) { h.killed.Store(inst.name, time.Now()) }
 
 func (h *harness) dropDB() {
 	if h.admin != nil {

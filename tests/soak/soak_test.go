@@ -259,6 +259,7 @@ func TestSoakDetectsUnstableIdempotencyKey(t *testing.T) {
 		Brokers:                kafkatest.External(),
 	})
 	require.NoError(t, err)
+	t.Log("\n" + rep.String())
 	require.False(t, rep.OK(), "the soak missed a double charge:\n%s", rep.String())
 	all := strings.Join(rep.Violations, "\n")
 	require.Contains(t, all, "charged more than once at the provider")

@@ -3,6 +3,7 @@ package soak
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -148,20 +149,29 @@ func (h *harness) verifyLease(ctx context.Context) error {
 	if l.LeasesLeft > 0 {
 		h.violation("%d leases left in the lease table (none should outlive its event's completion)", l.LeasesLeft)
 	}
-	rows, err := h.admin.Query(ctx, `SELECT grp, old_owner FROM soak_lease_takeover`)
+	rows, err := h.admin.Query(ctx, `SELECT grp, old_owner, old_expires FROM soak_lease_takeover`)
 	if err != nil {
 		return fmt.Errorf("verify takeovers: %w", err)
 	}
 	perGroup := map[string]int{}
 	killers := map[string]bool{}
-	var grp, owner string
-	if _, err := pgx.ForEachRow(rows, []any{&grp, &owner}, func() error {
+	var (
+		grp, owner string
+		expires    time.Time
+	)
+	// whileLive: owner was killed (or stopped) while the lease was live.
+	whileLive := func(m *sync.Map) bool {
+		at, ok := m.Load(owner)
+		return ok && at.(time.Time).Before(expires)
+	}
+	if _, err := pgx.ForEachRow(rows, []any{&grp, &owner, &expires}, func() error {
 		l.Takeovers++
 		perGroup[grp]++
-		if _, ok := h.killed.Load(owner); ok {
+		switch {
+		case whileLive(&h.killed):
 			l.TakeoversOfKilled++
 			killers[owner] = true
-		} else if _, ok := h.stopped.Load(owner); ok {
+		case whileLive(&h.stopped):
 			l.TakeoversOfStopped++
 		}
 		return nil
