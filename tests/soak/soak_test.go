@@ -2,6 +2,7 @@ package soak_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -240,16 +241,20 @@ func TestSoakDetectsUnstableIdempotencyKey(t *testing.T) {
 		t.Skip("soak: skipped in -short mode")
 	}
 	rep, err := soak.Run(context.Background(), soak.Config{
-		Seed:                   7,
-		Events:                 300,
-		Aggregates:             16,
-		Partitions:             2,
-		Instances:              2,
-		SecondInstances:        1,
-		Producers:              2,
-		Faults:                 soak.FaultCounts{TerminateProducer: 1}, // no consumer fault: the planned failures repeat the calls
-		DLQPercent:             -1,
-		DoublePercent:          -1,
+		Seed:            7,
+		Events:          300,
+		Aggregates:      16,
+		Partitions:      2,
+		Instances:       2,
+		SecondInstances: 1,
+		Producers:       2,
+		Faults:          soak.FaultCounts{TerminateProducer: 1}, // no consumer fault: the planned failures repeat the calls
+		// DLQ replays on (the default): they are published without a
+		// transaction, after the producer is done, so they end the main
+		// topic's partitions. Without them (DLQPercent -1) the run never
+		// converged here: the main topic's lag stayed at one per partition
+		// (2), probably the forwarder's last transaction marker, which no
+		// consumer commits past.
 		RetryPercent:           20,
 		Parallel:               true,
 		Lease:                  true,
@@ -262,8 +267,11 @@ func TestSoakDetectsUnstableIdempotencyKey(t *testing.T) {
 	t.Log("\n" + rep.String())
 	require.False(t, rep.OK(), "the soak missed a double charge:\n%s", rep.String())
 	all := strings.Join(rep.Violations, "\n")
-	require.Contains(t, all, "charged more than once at the provider")
-	require.Contains(t, all, "called with more than one Idempotency-Key")
+	require.NotContains(t, all, "did not converge")
+	// Each event planned to fail was called again after its failure, with
+	// a new key: charged again. The others were called once.
+	require.Contains(t, all, fmt.Sprintf(": %d events charged more than once at the provider", rep.RetryEvents))
+	require.Contains(t, all, fmt.Sprintf(": %d events called with more than one Idempotency-Key", rep.RetryEvents))
 	for _, g := range rep.Groups {
 		// The ledger is right: the middleware applied each event once.
 		require.Zero(t, g.Lost, g.Name)
