@@ -73,11 +73,12 @@ demo: ## Run the billing example end to end (orders, billing with Idempotency-Ke
 	$(GO) run ./examples/billing
 
 .PHONY: soak
-soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, every fault type; one transaction per message, then group commit; on watermill-kafka's subscriber, then on idemkafka's parallel one
+soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, every fault type; one transaction per message, then group commit; on watermill-kafka's subscriber, then on idemkafka's parallel one; then lease mode on the parallel one (kills between the phases)
 	$(GO) run ./cmd/soak $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -group-commit $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -parallel $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -parallel -group-commit $(SOAK_FLAGS)
+	$(GO) run ./cmd/soak -parallel -lease $(SOAK_FLAGS)
 
 .PHONY: db/reset
 db/reset: ## Drop the test schemas left behind by interrupted test runs

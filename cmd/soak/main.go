@@ -7,9 +7,12 @@
 // duplicates absorbed, the events that went through a retry topic and the
 // events lost or doubled per group, and exits 1 on a violation, printing
 // the seed to reproduce the event plan and fault schedule. The consumers are
-// this same binary, re-executed.
+// this same binary, re-executed. With -lease, the consumers' dedup
+// middleware runs in lease mode and the handler calls a fake payment
+// provider; processes are killed between the phases, and the run checks
+// each event was charged once per group at the provider.
 //
-//	go run ./cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-parallel] [-retry-percent 5] [-keep] [-v]
+//	go run ./cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-parallel] [-lease [-lease-duration 3s]] [-retry-percent 5] [-keep] [-v]
 package main
 
 import (
@@ -44,8 +47,10 @@ func main() {
 	direct := flag.Bool("direct", false, "producer publishes directly to Kafka after its commit (no outbox)")
 	groupCommit := flag.Bool("group-commit", false, "consumers in group-commit mode (idem.Config.GroupCommit, defaults)")
 	parallel := flag.Bool("parallel", false, "consumers on idemkafka's parallel subscriber (key order, more messages in flight than partitions) instead of watermill-kafka's")
+	lease := flag.Bool("lease", false, "consumers in lease mode (idem.Config.Lease): the handler calls a fake provider with no transaction held and registers its write with idem.Complete; kills land between the phases (not with -group-commit)")
+	leaseDuration := flag.Duration("lease-duration", soak.DefaultLeaseDuration, "the lease's duration in lease mode: how long a killed consumer's event waits before it is taken over")
 	retryPercent := flag.Int("retry-percent", soak.DefaultRetryPercent, "percent of the events that fail transiently 1-3 times and go through the retry topics (negative: none)")
-	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset); "none" starts from an empty mix`)
+	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset); "none" starts from an empty mix`)
 	flag.Parse()
 
 	cfg := soak.Config{
@@ -60,17 +65,24 @@ func main() {
 		DirectPublish: *direct,
 		GroupCommit:   *groupCommit,
 		Parallel:      *parallel,
+		Lease:         *lease,
+		LeaseDuration: *leaseDuration,
 		RetryPercent:  *retryPercent,
 		Log:           os.Stderr,
 	}
+	full, shortMix := soak.FullFaults, soak.ShortFaults
+	if *lease {
+		full, shortMix = soak.FullLeaseFaults, soak.ShortLeaseFaults
+	}
+	cfg.Faults = full
 	if *short {
 		cfg.Events = 2000
-		cfg.Faults = soak.ShortFaults
+		cfg.Faults = shortMix
 	}
 	if *faults != "" {
-		base := soak.FullFaults
+		base := full
 		if *short {
-			base = soak.ShortFaults
+			base = shortMix
 		}
 		spec := *faults
 		if rest, ok := strings.CutPrefix(spec, "none"); ok {

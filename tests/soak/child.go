@@ -2,11 +2,15 @@ package soak
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log"
+	"net/http"
+	"net/http/httptrace"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -89,6 +93,12 @@ type childConfig struct {
 	Verbose     bool     `json:"verbose"`
 	GroupCommit bool     `json:"group_commit"`
 	Parallel    bool     `json:"parallel"` // idemkafka's parallel subscriber on every topic
+	// Lease mode (idem.Config.Lease): the lease's duration, and the fake
+	// provider the handler calls (docs/soak.md, "The lease-mode leg").
+	Lease         bool          `json:"lease"`
+	LeaseDuration time.Duration `json:"lease_duration"`
+	ProviderURL   string        `json:"provider_url"`
+	UnstableKey   bool          `json:"unstable_key"` // a new Idempotency-Key per call: the checker's own test
 }
 
 // The consumer-to-soak protocol: one line on standard output per event.
@@ -111,6 +121,7 @@ const (
 	lineHandlers      = "h "  // + n: a new high of main-topic messages in the handler chain at once
 	cmdKillMid        = "mid" // soak-to-consumer commands, on standard input
 	cmdKillCommit     = "commit"
+	cmdKillCall       = "call" // lease mode: die while a call to the provider is in flight
 )
 
 // The retry-topic settings of the consumers: short delays, so that a soak
@@ -157,8 +168,11 @@ type child struct {
 	downPool *pgxpool.Pool
 	dlqPub   *kafka.Publisher
 	rt       *retrytopic.RetryTopic
+	// client calls the fake provider (lease mode), with the event's
+	// Idempotency-Key.
+	client   *http.Client
 	poisoned sync.Map     // message UUID → true: published to the poison topic
-	armed    atomic.Int32 // pendingKillMid / pendingKillCommit
+	armed    atomic.Int32 // pendingKillMid / pendingKillCommit / pendingKillMidCall
 
 	sessMu    sync.Mutex
 	joined    []bool      // per subscriber: its consumer group has had a session
@@ -196,6 +210,8 @@ func runConsumer(cfg childConfig) error {
 				c.armed.Store(pendingKillMid)
 			case cmdKillCommit:
 				c.armed.Store(pendingKillCommit)
+			case cmdKillCall:
+				c.armed.Store(pendingKillMidCall)
 			}
 		}
 		stop() // the soak closed our input, or is gone
@@ -229,10 +245,20 @@ func runConsumer(cfg childConfig) error {
 		if cfg.GroupCommit {
 			dcfg.GroupCommit = &idem.GroupCommitConfig{}
 		}
+		if cfg.Lease {
+			// One transaction at a time per phase (batched): the pool's
+			// 2 x 1 + 1 connections, and the process's soak pools, stay
+			// within the suite's connection budget. Owner: the lease table
+			// tells which process held a lease that was taken over.
+			dcfg.Lease = &idem.LeaseConfig{Duration: cfg.LeaseDuration, Concurrency: 1, Owner: cfg.Instance}
+		}
 		dedup, err = idem.NewDedup(dcfg, logger)
 		return err
 	}); err != nil {
 		return err
+	}
+	if cfg.Lease {
+		c.client = &http.Client{Transport: idem.NewIdempotencyKeyTransport(nil, "charge"), Timeout: 30 * time.Second}
 	}
 	kc := idemkafka.ClientConfig{Brokers: cfg.Brokers}
 	pc, err := idemkafka.WatermillPublisherConfig(kc)
@@ -546,10 +572,13 @@ func (t tapPublisher) Publish(topic string, msgs ...*message.Message) error {
 	return nil
 }
 
-// handler applies the event: one ledger row in the middleware's transaction
-// (or, for the broken handler of the checker's own test, through the pool),
-// then, for an event planned to fail, the call to a downstream that is down
-// for it until it has failed as often as planned.
+// handler applies the event: one ledger row, registered with
+// idem.Complete (in transaction mode it is written at once in the
+// middleware's transaction; in lease mode in the completing transaction,
+// after the handler returned), or, for the broken handler of the checker's
+// own test, written through the pool; in lease mode a call to the fake
+// provider; then, for an event planned to fail, the call to a downstream
+// that is down for it until it has failed as often as planned.
 func (c *child) handler(msg *message.Message) error {
 	ctx := msg.Context()
 	var p payload
@@ -557,30 +586,105 @@ func (c *child) handler(msg *message.Message) error {
 		return idem.Permanent(fmt.Errorf("%w: %v", idem.ErrMalformedPayload, err))
 	}
 	id, _ := idem.EventIDFromContext(ctx)
-	var db interface {
+	d, _ := ctx.Value(stateKey{}).(*delivery)
+	ledger := func(ctx context.Context, db interface {
 		Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
-	} = idem.MustTxFromContext(ctx)
-	if c.cfg.Unsafe {
-		db = c.pool
-	}
-	if _, err := db.Exec(ctx, `INSERT INTO soak_ledger (grp, event_id, aggregate, seq, amount, topic, attempt, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
-		c.cfg.Group, id, p.Aggregate, p.Seq, p.Amount, message.SubscribeTopicFromCtx(ctx), msg.Metadata.Get(retrytopic.MetadataAttempt), c.cfg.Instance); err != nil {
+	}) error {
+		_, err := db.Exec(ctx, `INSERT INTO soak_ledger (grp, event_id, aggregate, seq, amount, topic, attempt, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
+			c.cfg.Group, id, p.Aggregate, p.Seq, p.Amount, message.SubscribeTopicFromCtx(ctx), msg.Metadata.Get(retrytopic.MetadataAttempt), c.cfg.Instance)
 		return err
 	}
+	if c.cfg.Unsafe {
+		if err := ledger(ctx, c.pool); err != nil {
+			return err
+		}
+	} else if err := idem.Complete(ctx, func(ctx context.Context, tx pgx.Tx) error {
+		if err := ledger(ctx, tx); err != nil {
+			return err
+		}
+		if c.cfg.Lease && d != nil {
+			d.ran = true // in the completing transaction: the lease was still ours
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	if c.cfg.Lease {
+		// Lease mode: no transaction, no connection held during the call.
+		if err := c.charge(ctx, id, p); err != nil {
+			return err
+		}
+	}
 	if p.Fail > 0 {
-		// After the ledger row: the failure rolls it back.
+		// After the ledger row: the failure rolls it back (in lease mode,
+		// it is never written).
 		if err := c.downstream(ctx, id, p.Fail); err != nil {
 			return err
 		}
 	}
 	if c.allJoined.Load() && c.armed.CompareAndSwap(pendingKillMid, pendingNone) {
+		if c.cfg.Lease {
+			// Between the phases: the call returned, the provider charged,
+			// the write is registered; the lease is held and nothing is
+			// completed. The next delivery takes the lease over once it
+			// expires and calls again with the same key.
+			c.die(faultKillAfterCall)
+		}
 		// Inside the transaction: business row written, not committed.
 		c.die(faultKillMid)
 	}
-	if d, ok := ctx.Value(stateKey{}).(*delivery); ok {
+	if !c.cfg.Lease && d != nil {
 		d.ran = true
 	}
 	return nil
+}
+
+// charge calls the fake provider for the event, with its Idempotency-Key
+// (the "charge" operation of the group). Armed with a mid-call kill, the
+// process dies once the request is sent and the provider is half-way
+// through executing it: the charge is made, the lease stays held, and the
+// caller never learns the answer.
+func (c *child) charge(ctx context.Context, id uuid.UUID, p payload) error {
+	body, _ := json.Marshal(chargeRequest{Group: c.cfg.Group, EventID: id.String(), Amount: p.Amount})
+	if c.allJoined.Load() && c.armed.CompareAndSwap(pendingKillMidCall, pendingNone) {
+		wrote := make(chan struct{})
+		var once sync.Once
+		tctx := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteRequest: func(httptrace.WroteRequestInfo) { once.Do(func() { close(wrote) }) }})
+		go func() { _ = c.post(tctx, body) }()
+		select {
+		case <-wrote:
+			time.Sleep(callDuration(id) / 2)
+		case <-time.After(5 * time.Second):
+		}
+		c.die(faultKillMidCall)
+	}
+	return c.post(ctx, body)
+}
+
+// post sends one charge request.
+func (c *child) post(ctx context.Context, body []byte) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.ProviderURL, bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	req.Header.Set(headerInstance, c.cfg.Instance)
+	if c.cfg.UnstableKey {
+		req.Header.Set(idem.IdempotencyKeyHeader, uuid.NewString()) // the transport keeps a key already set
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := c.client.Do(req)
+	if err != nil {
+		return fmt.Errorf("soak: provider: %w", err)
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, resp.Body)
+	switch resp.StatusCode {
+	case http.StatusOK:
+		return nil
+	case http.StatusConflict:
+		return errProviderBusy
+	}
+	return fmt.Errorf("soak: provider: %s", resp.Status)
 }
 
 // downstream fails transiently until the event has failed fail times in

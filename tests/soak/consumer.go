@@ -81,6 +81,7 @@ const (
 	pendingNone int32 = iota
 	pendingKillMid
 	pendingKillCommit
+	pendingKillMidCall // lease mode: while a call to the provider is in flight
 )
 
 // instance is one consumer process.
@@ -145,7 +146,7 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		// connection for the unsafe write.
 		maxConns = h.cfg.Partitions*int32(1+len(h.retryTopics(g.idx))) + 2
 	}
-	if h.cfg.Parallel && !h.cfg.GroupCommit {
+	if h.cfg.Parallel && !h.cfg.GroupCommit && !h.cfg.Lease {
 		// One transaction per message in flight (idem.Config.Concurrency
 		// declares it; NewDedup refuses a smaller pool). With group
 		// commit the groups' 4 connections suffice.
@@ -170,6 +171,13 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		Verbose:     h.cfg.ConsumerLogs,
 		GroupCommit: h.cfg.GroupCommit,
 		Parallel:    h.cfg.Parallel,
+		// Lease mode: the middleware's phases need 2 x 1 + 1 connections
+		// (Lease.Concurrency 1), whatever the messages in flight; the
+		// fourth serves KeyOrder's parked-keys checks.
+		Lease:         h.cfg.Lease,
+		LeaseDuration: h.cfg.LeaseDuration,
+		ProviderURL:   h.providerURL(),
+		UnstableKey:   h.cfg.UnstableIdempotencyKey,
 	})
 	if err != nil {
 		return nil, err
@@ -277,6 +285,7 @@ func (inst *instance) readStdout(r io.Reader) {
 			inst.pending.Store(pendingNone)
 			h.fault(kind, false)
 			h.kills.Add(1)
+			h.markKilled(inst)
 		case strings.HasPrefix(line, lineViolation):
 			h.violation("%s: %s", inst.name, strings.TrimPrefix(line, lineViolation))
 		}
@@ -382,6 +391,7 @@ func (inst *instance) kill(why string) {
 func (inst *instance) stop() {
 	h := inst.g.h
 	inst.expected.Store("stop")
+	h.stopped.Store(inst.name, time.Now())
 	start := time.Now()
 	_ = inst.cmd.Process.Signal(syscall.SIGTERM)
 	select {
@@ -413,7 +423,7 @@ func (g *group) rearm(from *instance, p int32) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.h.closing.Load() {
-		g.h.fault(pendingKind(p), true)
+		g.h.fault(g.h.pendingKind(p), true)
 		return
 	}
 	for _, inst := range g.live {
@@ -430,15 +440,22 @@ func (g *group) skipOrphans() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for _, p := range g.orphans {
-		g.h.fault(pendingKind(p), true)
+		g.h.fault(g.h.pendingKind(p), true)
 	}
 	g.orphans = nil
 }
 
-// pendingKind is the fault kind of an armed fault.
-func pendingKind(p int32) string {
-	if p == pendingKillCommit {
+// pendingKind is the fault kind of an armed fault. In lease mode the
+// handler has no transaction: the mid-handler kill lands after the call,
+// before the completion.
+func (h *harness) pendingKind(p int32) string {
+	switch {
+	case p == pendingKillCommit:
 		return faultKillCommit
+	case p == pendingKillMidCall:
+		return faultKillMidCall
+	case h.cfg.Lease:
+		return faultKillAfterCall
 	}
 	return faultKillMid
 }
@@ -464,8 +481,11 @@ func (inst *instance) arm(p int32) bool {
 		return false
 	}
 	cmd := cmdKillMid
-	if p == pendingKillCommit {
+	switch p {
+	case pendingKillCommit:
 		cmd = cmdKillCommit
+	case pendingKillMidCall:
+		cmd = cmdKillCall
 	}
 	if _, err := io.WriteString(inst.stdin, cmd+"\n"); err != nil {
 		inst.pending.Store(pendingNone) // the process is ending
@@ -548,6 +568,7 @@ func (g *group) killWhileJoining(ctx context.Context, inst *instance) {
 		h.logf("%s: crash loop: group %s not seen rebalancing (%v); killing the replacement anyway", inst.name, g.name, err)
 	}
 	inst.kill(faultCrashLoop)
+	h.markKilled(inst)
 }
 
 // tailBuffer keeps the last max lines written to it.

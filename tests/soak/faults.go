@@ -51,10 +51,13 @@ func (h *harness) runFaults(ctx context.Context, schedule []scheduled) {
 func (h *harness) inject(ctx context.Context, f scheduled) {
 	g := h.groups[f.group]
 	switch f.kind {
-	case faultKillMid, faultKillCommit:
+	case faultKillMid, faultKillAfterCall, faultKillCommit, faultKillMidCall:
 		p := pendingKillMid
-		if f.kind == faultKillCommit {
+		switch f.kind {
+		case faultKillCommit:
 			p = pendingKillCommit
+		case faultKillMidCall:
+			p = pendingKillMidCall
 		}
 		// Counted when the instance executes it.
 		if !waitFor(ctx, func() bool { return g.arm(f.pick, p) }) {
@@ -75,6 +78,7 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		}
 		h.kills.Add(1)
 		h.fault(f.kind, false)
+		h.markKilled(killed)
 		select {
 		case <-killed.settled:
 		case <-ctx.Done():

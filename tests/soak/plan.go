@@ -50,20 +50,22 @@ func makePlan(cfg Config) []event {
 
 // Fault kinds, as printed in the report.
 const (
-	faultKillMid      = "sigkill-mid-handler"
-	faultKillCommit   = "sigkill-after-commit"
-	faultSigkill      = "sigkill-random"
-	faultCrashLoop    = "sigkill-while-joining (crash loop)"
-	faultDisrupt      = "pg-disruption"
-	faultJoin         = "join (rebalance)"
-	faultLeave        = "leave (rebalance)"
-	faultRestart      = "restart (rejoin)"
-	faultTermConsumer = "pg-terminate-consumer"
-	faultTermProducer = "pg-terminate-producer"
-	faultRestartFwd   = "restart-forwarder"
-	faultOffsetReset  = "offset-reset"
-	faultLeader       = "leader-election"
-	faultOversize     = "oversize-row"
+	faultKillMid       = "sigkill-mid-handler"
+	faultKillCommit    = "sigkill-after-commit"
+	faultKillAfterCall = "sigkill-after-call" // lease mode's mid-handler kill: the call returned, not completed
+	faultKillMidCall   = "sigkill-mid-call"   // lease mode: the provider executing the call
+	faultSigkill       = "sigkill-random"
+	faultCrashLoop     = "sigkill-while-joining (crash loop)"
+	faultDisrupt       = "pg-disruption"
+	faultJoin          = "join (rebalance)"
+	faultLeave         = "leave (rebalance)"
+	faultRestart       = "restart (rejoin)"
+	faultTermConsumer  = "pg-terminate-consumer"
+	faultTermProducer  = "pg-terminate-producer"
+	faultRestartFwd    = "restart-forwarder"
+	faultOffsetReset   = "offset-reset"
+	faultLeader        = "leader-election"
+	faultOversize      = "oversize-row"
 )
 
 // leaderBrokers is how many brokers the in-process cluster runs when the
@@ -114,7 +116,11 @@ func makeSchedule(cfg Config) []scheduled {
 	// The faults a consumer executes on its next applied message, or that
 	// need its connections, count their own group's progress: a tenth of
 	// its events is still to come when they fire.
-	add(fc.KillMidHandler, faultKillMid, byGroup, 0.03, 0.9)
+	killMid := faultKillMid
+	if cfg.Lease {
+		killMid = faultKillAfterCall // no transaction in the handler: between the call and the completion
+	}
+	add(fc.KillMidHandler, killMid, byGroup, 0.03, 0.9)
 	add(fc.KillAfterCommit, faultKillCommit, byGroup, 0.03, 0.9)
 	add(fc.Kill, faultSigkill, byApplied, 0.03, 0.9)
 	add(fc.CrashLoop, faultCrashLoop, byApplied, 0.05, 0.7)
@@ -125,6 +131,12 @@ func makeSchedule(cfg Config) []scheduled {
 	add(fc.RestartForwarder, faultRestartFwd, byProduced, 0.05, 0.9)
 	add(fc.LeaderElection, faultLeader, byProduced, 0.05, 0.9)
 	add(fc.OversizeRow, faultOversize, byProduced, 0.05, 0.9)
+	// Lease mode only (the other modes make no call): a stream of its
+	// own, so the rest of a seed's schedule stays as it was.
+	rl := rand.New(rand.NewPCG(cfg.Seed, 0x1ea5_e5ed))
+	for range fc.KillMidCall {
+		s = append(s, scheduled{at: int64(0.03*float64(cfg.Events)) + rl.Int64N(max(1, int64(0.87*float64(cfg.Events)))), by: byGroup, kind: faultKillMidCall, group: rl.IntN(2), pick: rl.Uint64()})
+	}
 	for g := range 2 {
 		for range fc.OffsetResetPerGrp {
 			s = append(s, scheduled{at: at(byGroup, 0.3, 0.7), by: byGroup, kind: faultOffsetReset, group: g, pick: r.Uint64()})
@@ -139,6 +151,7 @@ var faultFlags = []struct {
 	n    func(*FaultCounts) *int
 }{
 	{"mid-handler", func(f *FaultCounts) *int { return &f.KillMidHandler }},
+	{"mid-call", func(f *FaultCounts) *int { return &f.KillMidCall }},
 	{"after-commit", func(f *FaultCounts) *int { return &f.KillAfterCommit }},
 	{"kill", func(f *FaultCounts) *int { return &f.Kill }},
 	{"crash-loop", func(f *FaultCounts) *int { return &f.CrashLoop }},
@@ -153,7 +166,7 @@ var faultFlags = []struct {
 }
 
 // ParseFaults reads a fault mix such as "kill=3,crash-loop=1" on top of
-// base; kinds: mid-handler, after-commit, kill, crash-loop, disrupt, join,
+// base; kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join,
 // pg-consumer, pg-producer, restart-forwarder, offset-reset (per group),
 // leader-election, oversize-row.
 func ParseFaults(base FaultCounts, spec string) (FaultCounts, error) {

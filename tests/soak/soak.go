@@ -49,6 +49,10 @@ const (
 	ParallelMaxInFlight = 6
 	// ParallelRetryMaxInFlight is each retry topic's.
 	ParallelRetryMaxInFlight = 1
+	// DefaultLeaseDuration is the lease of the lease-mode leg
+	// ([Config.Lease]): short, so that the leases of killed processes
+	// expire and are taken over within the run.
+	DefaultLeaseDuration = 3 * time.Second
 )
 
 // Config of a soak run.
@@ -108,6 +112,24 @@ type Config struct {
 	// topic, whose copies wait in their partition's window until their
 	// not-before time) instead of watermill-kafka's. Defaults to false.
 	Parallel bool
+	// Lease runs the consumers' dedup middleware in lease mode
+	// (idem.Config.Lease, Duration [Config.LeaseDuration]): the handler
+	// calls a fake payment provider in the soak's process with the event's
+	// Idempotency-Key, holding no transaction, and registers its ledger row
+	// with idem.Complete. The mid-handler kill then lands between the call
+	// and the completion ("sigkill-after-call"), and [FaultCounts.KillMidCall]
+	// kills a process while the provider executes its call; the run checks
+	// that every event was charged exactly once per group at the provider,
+	// and that no lease is left. Not with GroupCommit. Defaults to false.
+	Lease bool
+	// LeaseDuration is the lease's duration in lease mode. Defaults to
+	// [DefaultLeaseDuration].
+	LeaseDuration time.Duration
+	// UnstableIdempotencyKey makes the lease-mode handler send a new
+	// Idempotency-Key with each call instead of the event's: a broken
+	// handler, to check that the soak catches a double charge. Defaults to
+	// false.
+	UnstableIdempotencyKey bool
 	// Timeout bounds the whole run. Defaults to [DefaultTimeout].
 	Timeout time.Duration
 	// DatabaseURL of the PostgreSQL server. Required. The run creates its
@@ -141,6 +163,7 @@ type Config struct {
 type FaultCounts struct {
 	KillMidHandler    int // consumer process SIGKILLed while its handler is inside the transaction
 	KillAfterCommit   int // consumer process SIGKILLed after COMMIT, before the ack
+	KillMidCall       int // lease mode: consumer process SIGKILLed while the provider executes its call (lease held)
 	Kill              int // consumer process SIGKILLed by the soak at a random moment
 	CrashLoop         int // a new consumer process SIGKILLed while its first JoinGroup is held (opt-in: see docs/soak.md)
 	DisruptDB         int // the run's database drops every connection and refuses new ones for Outage
@@ -158,6 +181,18 @@ var FullFaults = FaultCounts{KillMidHandler: 4, KillAfterCommit: 4, Kill: 4, Dis
 
 // ShortFaults is the mix of the short run in `make test`.
 var ShortFaults = FaultCounts{KillMidHandler: 1, KillAfterCommit: 1, Kill: 1, DisruptDB: 1, Join: 1, TerminateConsumer: 2, TerminateProducer: 1, RestartForwarder: 1, OffsetResetPerGrp: 1, LeaderElection: 1, OversizeRow: 1}
+
+// ShortLeaseFaults is the short mix of the lease-mode leg: the short mix,
+// with two kills after a call (before its completion) and two during one.
+var ShortLeaseFaults = withLeaseKills(ShortFaults, 2, 2)
+
+// FullLeaseFaults is the full mix of the lease-mode leg.
+var FullLeaseFaults = withLeaseKills(FullFaults, 4, 4)
+
+func withLeaseKills(f FaultCounts, afterCall, midCall int) FaultCounts {
+	f.KillMidHandler, f.KillMidCall = afterCall, midCall
+	return f
+}
 
 func (c *Config) setDefaults() {
 	def := func(v *int, d int) {
@@ -186,6 +221,9 @@ func (c *Config) setDefaults() {
 	if c.Outage == 0 {
 		c.Outage = DefaultOutage
 	}
+	if c.LeaseDuration == 0 {
+		c.LeaseDuration = DefaultLeaseDuration
+	}
 	if c.Log == nil {
 		c.Log = io.Discard
 	}
@@ -203,6 +241,10 @@ func (c Config) Validate() error {
 		return errors.New("fields Events, Aggregates, Partitions, Instances, SecondInstances, Producers: must be positive")
 	case c.DLQPercent < 0 || c.DLQPercent > 100, c.DoublePercent < 0 || c.DoublePercent > 100, c.RetryPercent < 0 || c.RetryPercent > 100:
 		return errors.New("fields DLQPercent, DoublePercent, RetryPercent: must be in [0, 100]")
+	case c.Lease && c.GroupCommit:
+		return errors.New("fields Lease, GroupCommit: lease mode batches its phases itself, not with group commit")
+	case c.Faults.KillMidCall > 0 && !c.Lease:
+		return errors.New("field Faults.KillMidCall: only in lease mode (Lease), where the handler makes a call")
 	}
 	return nil
 }
@@ -262,8 +304,34 @@ type Report struct {
 	RetryEvents, RetryFailures int
 	// Per consumer group.
 	Groups []GroupReport
+	// Lease is the lease-mode leg's view; nil in the other modes.
+	Lease *LeaseReport
 	// Violations of the invariants; empty means the run passed.
 	Violations []string
+}
+
+// LeaseReport is what a lease-mode run ([Config.Lease]) saw of the leases
+// and of the fake provider.
+type LeaseReport struct {
+	Duration time.Duration
+	// Takeovers counts the leases taken over after they expired (a trigger
+	// on the lease table logs each change of token, with the owner it was
+	// taken from and the expiry it had). TakeoversOfKilled are those still
+	// live when their owner was SIGKILLed: each is a delivery killed
+	// between its phases (its lease taken, its completion not committed),
+	// and KillsBetweenPhases counts the kills that left at least one such
+	// lease behind (the armed after-call and mid-call kills always do; a
+	// random or after-commit kill when the process had other deliveries in
+	// flight). TakeoversOfStopped are those still live when their owner
+	// was stopped with SIGTERM. The rest expired while their owner ran: it
+	// could neither complete, release nor renew them (a database outage,
+	// terminated connections), and wrote nothing for them.
+	Takeovers, TakeoversOfKilled, KillsBetweenPhases, TakeoversOfStopped int
+	// LeasesLeft is the lease table's rows at the end: must be 0 (every
+	// lease completed, released or taken over and completed).
+	LeasesLeft int
+	// Provider is what the fake payment provider saw.
+	Provider ProviderReport
 }
 
 // GroupReport is one consumer group's view.
@@ -309,6 +377,9 @@ type GroupReport struct {
 	// Poisoned counts messages published to the poison topic; any is a
 	// violation.
 	Poisoned int64
+	// Lease mode: Takeovers of the group's leases, and Charged, its events
+	// charged at the provider (each exactly once when the run passes).
+	Takeovers, Charged int
 	// MaxHandlers is the most main-topic messages one consumer process of
 	// the group had in its handler chain at once: at most the partitions
 	// it held with watermill-kafka's subscriber, up to
@@ -356,6 +427,15 @@ func (r *Report) String() string {
 		fmt.Fprintf(&b, "  retry topics (in-process retries %d): failed as planned: %d events, %d times | escalated to a retry topic: %d times, %d events, attempts up to %d | deferred behind their key: %d | retry-topic deliveries=%d applied from a retry topic=%d (%.2f deliveries per event on the retry path) | poisoned=%d\n",
 			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, perEvent, g.Poisoned)
 	}
+	if l := r.Lease; l != nil {
+		fmt.Fprintf(&b, "lease mode (lease %s): takeovers=%d: of leases live when their owner was SIGKILLed=%d (left by %d kills between the phases), SIGTERMed=%d, expired under a running owner=%d | leases left=%d\n",
+			l.Duration, l.Takeovers, l.TakeoversOfKilled, l.KillsBetweenPhases, l.TakeoversOfStopped, l.Takeovers-l.TakeoversOfKilled-l.TakeoversOfStopped, l.LeasesLeft)
+		fmt.Fprintf(&b, "  provider: requests=%d charges executed=%d replayed (same key again)=%d refused in progress (409)=%d", l.Provider.Requests, l.Provider.Charges, l.Provider.Replayed, l.Provider.Conflicts)
+		for _, g := range r.Groups {
+			fmt.Fprintf(&b, " | %s: charged %d events, takeovers %d", g.Name, g.Charged, g.Takeovers)
+		}
+		b.WriteString("\n")
+	}
 	if r.Database != "" {
 		fmt.Fprintf(&b, "database kept: %s\n", r.Database)
 	}
@@ -395,6 +475,11 @@ type harness struct {
 	groups []*group
 	prod   producer
 	dlqR   *dlqReplayer
+	// Lease mode: the fake provider the handlers call, and when processes
+	// were SIGKILLed and stopped with SIGTERM (by name: the lease table's
+	// owner).
+	provider        *provider
+	killed, stopped sync.Map
 
 	mu         sync.Mutex
 	report     *Report
@@ -524,6 +609,14 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := h.setupDB(ctx); err != nil {
 		return nil, err
 	}
+	if cfg.Lease {
+		p, err := newProvider()
+		if err != nil {
+			return nil, fmt.Errorf("start the fake provider: %w", err)
+		}
+		defer p.close()
+		h.provider = p
+	}
 
 	err := h.run(ctx)
 	h.report.Elapsed = time.Since(start)
@@ -642,8 +735,48 @@ CREATE TABLE soak_failure (
 	if err != nil {
 		return fmt.Errorf("create soak tables: %w", err)
 	}
+	// Lease mode: every takeover of a lease (a new token on an existing
+	// row; renewals keep the token), with the owner it was taken from.
+	_, err = h.admin.Exec(ctx, `
+CREATE TABLE soak_lease_takeover (
+    grp         text        NOT NULL,
+    event_id    uuid        NOT NULL,
+    old_owner   text        NOT NULL,
+    new_owner   text        NOT NULL,
+    attempts    int         NOT NULL,
+    old_expires timestamptz NOT NULL,
+    at          timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE FUNCTION soak_lease_takeover() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO soak_lease_takeover (grp, event_id, old_owner, new_owner, attempts, old_expires)
+    VALUES (NEW.consumer_group, NEW.event_id, OLD.owner, NEW.owner, NEW.attempts, OLD.expires_at);
+    RETURN NEW;
+END $$;
+CREATE TRIGGER soak_lease_takeover AFTER UPDATE ON `+h.leaseTable()+`
+    FOR EACH ROW WHEN (OLD.token IS DISTINCT FROM NEW.token) EXECUTE FUNCTION soak_lease_takeover();`)
+	if err != nil {
+		return fmt.Errorf("create soak_lease_takeover: %w", err)
+	}
 	return nil
 }
+
+// leaseTable is the quoted name of the run's lease table (lease mode).
+func (h *harness) leaseTable() string {
+	return pgx.Identifier{h.table.Schema, "processed_event_lease"}.Sanitize()
+}
+
+// providerURL is the fake provider's endpoint ("" outside lease mode).
+func (h *harness) providerURL() string {
+	if h.provider == nil {
+		return ""
+	}
+	return h.provider.url
+}
+
+// markKilled records when inst was SIGKILLed: the lease table names the
+// owner of each lease it held until another delivery takes it over.
+func (h *harness) markKilled(inst *instance) { h.killed.Store(inst.name, time.Now()) }
 
 func (h *harness) dropDB() {
 	if h.admin != nil {
@@ -686,6 +819,12 @@ func (h *harness) run(ctx context.Context) error {
 	}
 	if h.cfg.Parallel {
 		h.report.Consumers += ", parallel subscriber"
+	}
+	if h.cfg.Lease {
+		h.report.Consumers = "lease mode"
+		if h.cfg.Parallel {
+			h.report.Consumers += ", parallel subscriber"
+		}
 	}
 	if err := h.startDLQReplayer(ctx); err != nil {
 		return err

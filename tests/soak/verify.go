@@ -3,6 +3,7 @@ package soak
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -83,14 +84,16 @@ func (h *harness) verify(ctx context.Context) error {
 		}
 		g.mu.Lock()
 		for _, inst := range g.live {
-			switch inst.pending.Load() {
-			case pendingKillMid:
-				h.fault(faultKillMid, true)
-			case pendingKillCommit:
-				h.fault(faultKillCommit, true)
+			if p := inst.pending.Load(); p != pendingNone {
+				h.fault(h.pendingKind(p), true)
 			}
 		}
 		g.mu.Unlock()
+	}
+	if h.cfg.Lease {
+		if err := h.verifyLease(ctx); err != nil {
+			return err
+		}
 	}
 	if n, err := h.prod.pending(ctx); err != nil || n > 0 {
 		h.violation("outbox: %d rows not forwarded (%v)", n, err)
@@ -130,5 +133,77 @@ func (h *harness) verify(ctx context.Context) error {
 	h.mu.Lock()
 	r.Violations = append(r.Violations, h.violations...)
 	h.mu.Unlock()
+	return nil
+}
+
+// verifyLease checks the lease-mode leg: no lease left, every event charged
+// exactly once per group at the provider with one Idempotency-Key; and
+// reports the takeovers and the kills that held leases.
+func (h *harness) verifyLease(ctx context.Context) error {
+	r := h.report
+	l := &LeaseReport{Duration: h.cfg.LeaseDuration}
+	r.Lease = l
+	if err := h.admin.QueryRow(ctx, `SELECT count(*) FROM `+h.leaseTable()).Scan(&l.LeasesLeft); err != nil {
+		return fmt.Errorf("verify leases: %w", err)
+	}
+	if l.LeasesLeft > 0 {
+		h.violation("%d leases left in the lease table (none should outlive its event's completion)", l.LeasesLeft)
+	}
+	rows, err := h.admin.Query(ctx, `SELECT grp, old_owner, old_expires FROM soak_lease_takeover`)
+	if err != nil {
+		return fmt.Errorf("verify takeovers: %w", err)
+	}
+	perGroup := map[string]int{}
+	killers := map[string]bool{}
+	var (
+		grp, owner string
+		expires    time.Time
+	)
+	// whileLive: owner was killed (or stopped) while the lease was live.
+	whileLive := func(m *sync.Map) bool {
+		at, ok := m.Load(owner)
+		return ok && at.(time.Time).Before(expires)
+	}
+	if _, err := pgx.ForEachRow(rows, []any{&grp, &owner, &expires}, func() error {
+		l.Takeovers++
+		perGroup[grp]++
+		switch {
+		case whileLive(&h.killed):
+			l.TakeoversOfKilled++
+			killers[owner] = true
+		case whileLive(&h.stopped):
+			l.TakeoversOfStopped++
+		}
+		return nil
+	}); err != nil {
+		return fmt.Errorf("verify takeovers: %w", err)
+	}
+	l.KillsBetweenPhases = len(killers)
+	rows, err = h.admin.Query(ctx, `SELECT event_id::text FROM soak_event`)
+	if err != nil {
+		return fmt.Errorf("verify charges: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return fmt.Errorf("verify charges: %w", err)
+	}
+	events := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		events[id] = true
+	}
+	for i := range r.Groups {
+		g := &r.Groups[i]
+		g.Takeovers = perGroup[g.Name]
+		var vs []string
+		vs, g.Charged = h.provider.check(g.Name, events)
+		for _, v := range vs {
+			h.violation("provider: %s", v)
+		}
+	}
+	var bad []string
+	l.Provider, bad = h.provider.report()
+	for _, b := range bad {
+		h.violation("provider: %s", b)
+	}
 	return nil
 }
