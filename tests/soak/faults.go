@@ -431,8 +431,15 @@ func (h *harness) commitOffsetsToStart(groupName string) error {
 }
 
 // lag returns the number of records of topic not yet committed by groupName.
+// The offsets past the committed one that hold no record a read-committed
+// consumer gets (transaction markers, and the records of aborted
+// transactions: the transactional forwarder writes both) are not lag: no
+// consumer ever commits past them until a later record comes, so a
+// partition whose committed offset is followed only by those counts 0.
 func (h *harness) lag(groupName, topic string) (int64, error) {
-	client, err := sarama.NewClient(h.brokers, sarama.NewConfig())
+	cfg := sarama.NewConfig()
+	cfg.Consumer.IsolationLevel = sarama.ReadCommitted
+	client, err := sarama.NewClient(h.brokers, cfg)
 	if err != nil {
 		return 0, err
 	}
@@ -459,10 +466,51 @@ func (h *harness) lag(groupName, topic string) (int64, error) {
 		if b := resp.GetBlock(topic, p); b != nil && b.Offset >= 0 {
 			committed = b.Offset
 		}
+		if hw > committed {
+			data, err := recordAt(client, topic, p, committed)
+			if err != nil {
+				return 0, err
+			}
+			if !data {
+				continue
+			}
+		}
 		lag += hw - committed
 	}
 	return lag, nil
 }
+
+// recordAt reports whether a read-committed consumer of topic's partition
+// p gets a record at or after offset: false when the offsets from there on
+// hold only transaction markers and aborted records. The fetch returns
+// whatever the partition has at once; recordAtWait bounds the wait for it.
+func recordAt(client sarama.Client, topic string, p int32, offset int64) (bool, error) {
+	c, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return false, err
+	}
+	defer c.Close()
+	pc, err := c.ConsumePartition(topic, p, offset)
+	if err != nil {
+		return false, err
+	}
+	defer pc.Close()
+	t := time.NewTimer(recordAtWait)
+	defer t.Stop()
+	select {
+	case <-pc.Messages():
+		return true, nil
+	case err := <-pc.Errors():
+		return false, err
+	case <-t.C:
+		return false, nil
+	}
+}
+
+// recordAtWait is how long recordAt waits for a fetch that returns no
+// record: the broker answers a fetch past the last stable offset after its
+// MaxWaitTime (Sarama's default, 500 ms); twice that, for a loaded machine.
+const recordAtWait = time.Second
 
 // records returns the number of records on topic (the sum of its
 // partitions' high-water marks).
