@@ -262,7 +262,7 @@ func TestDemo_DetectsIdleTransactionsInTransactionMode(t *testing.T) {
 	var out bytes.Buffer
 	printReport(&out, rep)
 	require.Contains(t, out.String(), "FAILED", progress.String())
-	require.Contains(t, out.String(), "idle in a transaction for", "billing's own transaction, open across the call")
+	require.Contains(t, out.String(), "a transaction held across a call", "billing's own transaction, open across the call")
 	require.Contains(t, out.String(), "/billing, in a transaction 1.")
 	require.Contains(t, out.String(), "billing in transaction mode")
 }
