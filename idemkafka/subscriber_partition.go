@@ -23,12 +23,21 @@ const (
 
 // entry is one record of a partition's window.
 type entry struct {
-	m     *sarama.ConsumerMessage
+	m     *sarama.ConsumerMessage // nil once done: the payload goes
+	off   int64
 	p     *partState
 	key   string
 	state entryState
 	next  *entry      // the next record of its key (OrderKey, OrderPartition)
 	timer *time.Timer // while held or backing off; stopped on revoke
+
+	// For stall detection.
+	head    time.Time // when it became its key's head (released)
+	start   time.Time // when its current attempt was handed out
+	nacks   int
+	lastErr error    // of the last nack, when RecordErrors saw it
+	slot    *errSlot // the current attempt's, for RecordErrors
+	stalled bool     // its stall was logged
 }
 
 // chain is the records of one key in a partition's window that are not done
@@ -45,9 +54,18 @@ type partState struct {
 	ctx    context.Context // messages' parent; cancelled when abandoned
 	cancel context.CancelFunc
 
-	window []*entry // from the committed offset on, in offset order
+	// window is the records read and not done, in offset order, from the
+	// committed offset on: the first is the committed record. Done records
+	// leave it (those at its front at once, the others in batches): the
+	// offsets between two undone records are done, so the window's size is
+	// bounded by what is not done, not by the span of offsets.
+	window []*entry
+	undone int // records of window not done: at most PartitionWindow
 	chains map[string]*chain
-	skip   map[int64]bool // done before, per the commit metadata
+	skip   []run // done before, per the commit metadata, ascending
+	ready  []*entry
+
+	progress time.Time // the last ack, or when the window last became non-empty
 
 	next     int64 // the offset after the last record read
 	highest  int64 // the highest offset handed out, -1 for none
@@ -63,7 +81,7 @@ type partState struct {
 	changed bool // done set changed since the last mark
 }
 
-func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim, skip map[int64]bool) *partState {
+func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim, skip []run) *partState {
 	// Messages keep their values when the stream ends, and are cancelled
 	// only when abandoned after RevokeTimeout.
 	ctx, cancel := context.WithCancel(context.WithoutCancel(st.ctx))
@@ -81,26 +99,37 @@ func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, 
 }
 
 // full reports whether the window holds PartitionWindow records.
-func (p *partState) full() bool { return len(p.window) >= p.st.s.cfg.PartitionWindow }
+func (p *partState) full() bool { return p.undone >= p.st.s.cfg.PartitionWindow }
+
+// skipped reports whether offset is done per the commit metadata, dropping
+// the runs below it (records come in offset order).
+func (p *partState) skipped(offset int64) bool {
+	for len(p.skip) > 0 && p.skip[0].end <= offset {
+		p.skip = p.skip[1:]
+	}
+	return len(p.skip) > 0 && p.skip[0].start <= offset
+}
 
 // add appends a record read from the claim and queues it when nothing of
 // its key is before it. Called with mu held.
 func (p *partState) add(m *sarama.ConsumerMessage) {
 	s := p.st.s
-	e := &entry{m: m, p: p}
 	p.next = m.Offset + 1
-	p.window = append(p.window, e)
-	if p.skip[m.Offset] {
-		delete(p.skip, m.Offset)
-		e.state = stateDone
+	if p.skipped(m.Offset) {
+		// Done before: it never enters the window. At the window's start
+		// (the committed record itself was removed by retention,
+		// DeleteRecords or compaction) the committed offset moves past it
+		// now, since no ack will.
 		s.stats.skipped++
 		p.changed = true
-		// Done at the window's start (the committed record itself was
-		// removed by retention, DeleteRecords or compaction): the committed
-		// offset moves past it now, since no ack will.
-		p.trim()
 		return
 	}
+	e := &entry{m: m, off: m.Offset, p: p}
+	if p.undone == 0 {
+		p.progress = time.Now()
+	}
+	p.window = append(p.window, e)
+	p.undone++
 	switch s.cfg.Ordering {
 	case OrderNone:
 		p.release(e)
@@ -125,6 +154,7 @@ func (p *partState) add(m *sarama.ConsumerMessage) {
 // mu held.
 func (p *partState) release(e *entry) {
 	s := p.st.s
+	e.head = time.Now()
 	if f := s.cfg.NotBeforeFunc; f != nil {
 		if d := time.Until(f(e.m)); d > 0 {
 			e.state = stateHeld
@@ -161,7 +191,16 @@ func (p *partState) acked(e *entry) {
 		return
 	}
 	e.state = stateDone
+	e.m, e.slot, e.lastErr = nil, nil, nil
+	p.undone--
+	p.progress = time.Now()
 	p.changed = true
+	if e.stalled {
+		p.st.logger.Info("Stalled key acked", watermill.LogFields{
+			"kafka_partition": p.partition, "key": e.key, "kafka_partition_offset": e.off,
+			"stalled_for": time.Since(e.head).Round(time.Millisecond).String(), "nacks": e.nacks,
+		})
+	}
 	if s.cfg.Ordering != OrderNone {
 		c := p.chains[e.key]
 		c.head = e.next
@@ -186,6 +225,10 @@ func (p *partState) nacked(e *entry) {
 	}
 	p.settled(e)
 	s.stats.nacked++
+	e.nacks++
+	if err := e.slot.get(); err != nil {
+		e.lastErr = err
+	}
 	if p.stopping || p.gone {
 		e.state = stateDropped // the next owner gets it again
 		return
@@ -227,18 +270,28 @@ func (p *partState) drop(e *entry) {
 	}
 }
 
-// trim drops the done records at the front of the window. Called with mu
-// held.
+// trim drops the done records at the front of the window, and the others
+// once they are more than the undone ones, and signals the room. Called
+// with mu held.
 func (p *partState) trim() {
 	n := 0
 	for n < len(p.window) && p.window[n].state == stateDone {
 		n++
 	}
-	if n == 0 {
-		return
+	if n > 0 {
+		clear(p.window[:n])
+		p.window = p.window[n:]
 	}
-	clear(p.window[:n])
-	p.window = p.window[n:]
+	if done := len(p.window) - p.undone; done > p.undone && done > 32 {
+		kept := p.window[:0]
+		for _, e := range p.window {
+			if e.state != stateDone {
+				kept = append(kept, e)
+			}
+		}
+		clear(p.window[len(kept):])
+		p.window = kept
+	}
 	if len(p.window) == 0 {
 		p.window = nil
 	}
@@ -251,9 +304,40 @@ func (p *partState) trim() {
 // commitOffset is the offset below which every record is done.
 func (p *partState) commitOffset() int64 {
 	if len(p.window) > 0 {
-		return p.window[0].m.Offset
+		return p.window[0].off
 	}
 	return p.next
+}
+
+// doneRuns are the done offsets above the committed one: those between the
+// records of the window that are not done, after the last of them up to
+// the last record read, and the runs of the commit metadata not read yet.
+// Called with mu held.
+func (p *partState) doneRuns() []run {
+	var done []run
+	add := func(r run) {
+		if r.end <= r.start {
+			return
+		}
+		if n := len(done); n > 0 && done[n-1].end >= r.start {
+			done[n-1].end = max(done[n-1].end, r.end)
+			return
+		}
+		done = append(done, r)
+	}
+	prev := p.commitOffset()
+	for _, e := range p.window {
+		if e.state == stateDone {
+			continue
+		}
+		add(run{prev, e.off})
+		prev = e.off + 1
+	}
+	add(run{prev, p.next})
+	for _, r := range p.skip {
+		add(run{max(r.start, p.next), r.end})
+	}
+	return done
 }
 
 // mark gives the session the committed offset and, in its metadata, the
@@ -265,13 +349,7 @@ func (p *partState) mark() {
 	}
 	meta := ""
 	if max := p.st.metaMax; max > 0 {
-		var done []int64
-		for _, e := range p.window {
-			if e.state == stateDone {
-				done = append(done, e.m.Offset)
-			}
-		}
-		meta = encodeDone(off, done, max)
+		meta = encodeDone(off, p.doneRuns(), max)
 	}
 	if off == p.marked && meta == p.meta {
 		p.changed = false
@@ -287,7 +365,7 @@ func (p *partState) mark() {
 // groupHandler is the sarama.ConsumerGroupHandler of a stream.
 type groupHandler struct {
 	st   *stream
-	skip map[int32]map[int64]bool // per partition, from the commit metadata
+	skip map[int32][]run // per partition, from the commit metadata
 }
 
 // Setup reads the commit metadata of the claimed partitions: the offsets
@@ -296,7 +374,7 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 	h.st.s.mu.Lock()
 	h.st.s.stats.sessions++
 	h.st.s.mu.Unlock()
-	h.skip = map[int32]map[int64]bool{}
+	h.skip = map[int32][]run{}
 	parts := sess.Claims()[h.st.topic]
 	if len(parts) == 0 || h.st.s.cfg.CommitMetadataMaxBytes < 0 {
 		return nil
@@ -429,7 +507,7 @@ func (p *partState) revoke() {
 
 // fetchDone reads the committed offsets and metadata of parts from the
 // group coordinator.
-func (st *stream) fetchDone(parts []int32) (map[int32]map[int64]bool, error) {
+func (st *stream) fetchDone(parts []int32) (map[int32][]run, error) {
 	cfg := st.s
 	b, err := st.client.Coordinator(cfg.cfg.ConsumerGroup)
 	if err != nil {
@@ -440,7 +518,7 @@ func (st *stream) fetchDone(parts []int32) (map[int32]map[int64]bool, error) {
 	if err != nil {
 		return nil, err
 	}
-	out := map[int32]map[int64]bool{}
+	out := map[int32][]run{}
 	for _, part := range parts {
 		blk := resp.GetBlock(st.topic, part)
 		if blk == nil || blk.Err != sarama.ErrNoError || blk.Offset < 0 {
