@@ -169,6 +169,7 @@ func (p *partState) release(e *entry) {
 				e.timer = nil
 				if e.state == stateHeld {
 					s.stats.held--
+					e.head = time.Now() // its wait for a stall starts now
 					if !p.stopping {
 						p.st.push(e)
 					}
