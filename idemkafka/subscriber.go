@@ -155,6 +155,10 @@ type stream struct {
 	out    chan *message.Message
 	logger watermill.LoggerAdapter
 
+	fetchers sync.WaitGroup // the partitions' fetchLoops
+	fetchMu  sync.Mutex
+	refetchC sarama.Consumer // reads spilled records again; created on first use
+
 	// guarded by s.mu
 	metaMax int           // the commit metadata bound: CommitMetadataMaxBytes, halved on each OffsetMetadataTooLarge
 	wake    chan struct{} // an entry became ready (buffered 1)
@@ -200,6 +204,14 @@ func (st *stream) run() {
 	}
 	wg.Wait()
 	<-dispatched
+	st.fetchers.Wait()
+	st.fetchMu.Lock()
+	if st.refetchC != nil {
+		if err := st.refetchC.Close(); err != nil {
+			st.logger.Error("Closing the consumer of spilled records", err, nil)
+		}
+	}
+	st.fetchMu.Unlock()
 	if err := st.client.Close(); err != nil && !errors.Is(err, sarama.ErrClosedClient) {
 		st.logger.Error("Closing the Kafka client", err, nil)
 	}
@@ -454,5 +466,85 @@ func (st *stream) push(e *entry) {
 	select {
 	case st.wake <- struct{}{}:
 	default:
+	}
+}
+
+// refill runs pass: it reads the partition again from pass.from
+// (partState.refilled). Errors are logged and retried after
+// ReconnectRetrySleep until the partition is revoked.
+func (st *stream) refill(p *partState, pass *refillPass) {
+	for {
+		err := st.tryRefill(p, pass)
+		if err == nil || p.ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, sarama.ErrOffsetOutOfRange) {
+			// Retention removed the start: the next pass starts from the
+			// heads still queued, the gone ones are done at its end.
+			st.s.mu.Lock()
+			if !p.stopping {
+				for _, e := range pass.heads {
+					if e.state == stateSpilled && e.off == pass.from {
+						p.spilled--
+						st.s.stats.spilled--
+						p.waiting--
+						st.s.stats.waiting--
+						p.done(e)
+					}
+				}
+			}
+			st.s.mu.Unlock()
+			return
+		}
+		st.logger.Error("Reading spilled records again failed, retrying", err, watermill.LogFields{
+			"kafka_partition": p.partition, "kafka_partition_offset": pass.from, "retry_in": st.s.cfg.ReconnectRetrySleep.String()})
+		if wait.Sleep(p.ctx, st.s.cfg.ReconnectRetrySleep) != nil {
+			return
+		}
+	}
+}
+
+func (st *stream) tryRefill(p *partState, pass *refillPass) error {
+	st.fetchMu.Lock()
+	if st.refetchC == nil {
+		c, err := sarama.NewConsumerFromClient(st.client)
+		if err != nil {
+			st.fetchMu.Unlock()
+			return err
+		}
+		st.refetchC = c
+	}
+	c := st.refetchC
+	st.fetchMu.Unlock()
+	pc, err := c.ConsumePartition(st.topic, p.partition, pass.from)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		// Close waits for the consumer's next fetch: the refill does not.
+		pc.AsyncClose()
+		st.fetchers.Go(func() {
+			for range pc.Messages() {
+			}
+		})
+		st.fetchers.Go(func() {
+			for range pc.Errors() {
+			}
+		})
+	}()
+	for {
+		select {
+		case m := <-pc.Messages():
+			st.s.mu.Lock()
+			over := p.refilled(pass, m)
+			st.s.mu.Unlock()
+			if over {
+				return nil
+			}
+		case err := <-pc.Errors():
+			return err
+		case <-p.ctx.Done():
+			return nil
+		}
 	}
 }

@@ -108,8 +108,12 @@ type SubscriberConfig struct {
 	// offset stays at the first record not done, and the done ones above it
 	// are written to the commit metadata as runs), so a key whose head
 	// fails or runs long holds the committed offset but not its
-	// partition's other keys; only its own waiting records take room.
-	// While a partition's window is full the Subscriber stops reading it,
+	// partition's other keys. When the window is full the waiting records
+	// of the key with the most of them are spilled: their payload is
+	// dropped and they are read again from Kafka when they become their
+	// key's head (at most 64 × PartitionWindow spilled records per
+	// partition). While a partition's window is full and nothing more can
+	// be spilled the Subscriber stops reading it,
 	// so Sarama stops fetching it and memory stays bounded (about
 	// partitions × PartitionWindow records, plus Sarama's
 	// Consumer.ChannelBufferSize per partition). Defaults to 1024.

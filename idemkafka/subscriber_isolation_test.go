@@ -165,7 +165,7 @@ func TestSubscriberSlowKeyDoesNotHoldItsPartition(t *testing.T) {
 	st, _ := stallOf(s, "hot")
 	require.Equal(t, int64(0), st.Offset)
 	require.Positive(t, st.Running)
-	require.Equal(t, hot, s.Partitions[0].Window)
+	require.Equal(t, hot, s.Partitions[0].Window+s.Spilled, "the hot key's records, in the window or spilled")
 	require.Equal(t, hot-1, s.KeysWaiting)
 	waitFor(t, "the stall's log line", func() bool { return len(log.of("hot")) > 0 })
 	lines := log.of("hot")
@@ -237,4 +237,74 @@ func TestSubscriberFailingKeysAcrossRebalances(t *testing.T) {
 	}
 	f.verifyLedgerKeys(t, want)
 	require.Positive(t, b.Stats().Skipped, "the next owner skipped records done above the committed offset")
+}
+
+// spillBacklog publishes, on the fixture's single partition, stuck's first
+// event, then 100 more of it interleaved with one event of each of 100
+// other keys, and returns the ledger every key ends with.
+func (f *fixture) spillBacklog(t *testing.T) map[string]int {
+	t.Helper()
+	msgs := []*message.Message{f.event(t, "stuck", 1)}
+	for i := range 100 {
+		msgs = append(msgs, f.event(t, "stuck", i+2), f.event(t, keyName(i), 1))
+	}
+	require.NoError(t, f.pub.Publish(f.topic, msgs...))
+	want := map[string]int{"stuck": 101}
+	for k := range 100 {
+		want[keyName(k)] = 1
+	}
+	return want
+}
+
+// A failing key whose own backlog is larger than the window: its waiting
+// records' payloads are dropped (spilled) to make room, so the other keys'
+// records behind them are all applied; the window never holds more than
+// PartitionWindow records not done, and the committed offset stays at the
+// failing head. Once the key heals, its spilled records are read again
+// from Kafka in turn: all applied once, in order (heal in place), and
+// after a restart the next owner reads them from the committed offset
+// (heal after a restart).
+func TestSubscriberSpillsAFailingKeysBacklog(t *testing.T) {
+	for _, restart := range []bool{false, true} {
+		name := "heal in place"
+		if restart {
+			name = "heal after a restart"
+		}
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t, 1, 4)
+			want := f.spillBacklog(t)
+			var healed atomic.Bool
+			handler := ledgerHandler(func(ev event) error {
+				if ev.Key == "stuck" && !healed.Load() {
+					return errStuck
+				}
+				return nil
+			})
+			cfg := f.config("spill")
+			cfg.PartitionWindow = 20
+			sub := f.subscriber(t, cfg)
+			stop := f.router(t, sub, f.db.Pool, 0, nil, handler)
+			f.waitApplied(t, 100)
+			require.Zero(t, f.db.Count(t, "SELECT 1 FROM ledger WHERE key = 'stuck'"))
+			s := sub.Stats()
+			require.Positive(t, s.Spilled)
+			require.Equal(t, 100, s.KeysWaiting, "stuck's 100 later records wait, spilled or not")
+			require.LessOrEqual(t, s.Partitions[0].Window, 20)
+			require.Equal(t, int64(0), s.Partitions[0].Committed)
+			if restart {
+				stop()
+				sub = f.subscriber(t, cfg)
+				healed.Store(true)
+				f.router(t, sub, f.db.Pool, 0, nil, handler)
+			} else {
+				healed.Store(true)
+			}
+			f.waitApplied(t, 201)
+			f.verifyLedgerKeys(t, want)
+			waitFor(t, "nothing spilled or waiting", func() bool {
+				s := sub.Stats()
+				return s.Spilled == 0 && s.KeysWaiting == 0 && s.Partitions[0].Window == 0
+			})
+		})
+	}
 }

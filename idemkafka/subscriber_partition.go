@@ -23,7 +23,11 @@ const (
 	stateDone                       // acked (or done before, per the commit metadata)
 	stateFailed                     // cannot be unmarshalled: its partition stops at it
 	stateDropped                    // its partition was revoked before it was handed out
+	stateSpilled                    // behind an earlier message of its key, payload dropped: read again from Kafka when it is its key's head
 )
+
+// spillFactor × PartitionWindow bounds the spilled records of a partition.
+const spillFactor = 64
 
 // entry is one record of a partition's window.
 type entry struct {
@@ -46,7 +50,10 @@ type entry struct {
 
 // chain is the records of one key in a partition's window that are not done
 // yet, oldest first; only its head may be handed out.
-type chain struct{ head, tail *entry }
+type chain struct {
+	head, tail *entry
+	held       int // its waiting records with their payload (not spilled)
+}
 
 // partState is a claimed partition: the window of records from the
 // committed offset on. Every field is guarded by the Subscriber's mu.
@@ -64,10 +71,16 @@ type partState struct {
 	// offsets between two undone records are done, so the window's size is
 	// bounded by what is not done, not by the span of offsets.
 	window []*entry
-	undone int // records of window not done: at most PartitionWindow
-	chains map[string]*chain
-	skip   []run // done before, per the commit metadata, ascending
-	ready  []*entry
+	undone int // records of window not done and not spilled: at most PartitionWindow
+	// spilled counts the window's spilled records (at most spillFactor ×
+	// PartitionWindow); fetch queues those that became their key's head,
+	// to be read again from Kafka by one fetcher at a time (fetching).
+	spilled  int
+	fetch    []*entry
+	fetching bool
+	chains   map[string]*chain
+	skip     []run // done before, per the commit metadata, ascending
+	ready    []*entry
 
 	progress time.Time // the last ack, or when the window last became non-empty
 
@@ -149,6 +162,7 @@ func (p *partState) add(m *sarama.ConsumerMessage) {
 	}
 	c.tail.next = e
 	c.tail = e
+	c.held++
 	e.state = stateWaiting
 	p.waiting++
 	s.stats.waiting++
@@ -195,9 +209,17 @@ func (p *partState) acked(e *entry) {
 		e.state = stateDropped // too late for the final commit
 		return
 	}
+	p.undone--
+	p.done(e)
+}
+
+// done records e, its key's head, done: the next record of its key is
+// released (or read again, when spilled), and the committed offset moves
+// past the records done at the front of the window. Called with mu held.
+func (p *partState) done(e *entry) {
+	s := p.st.s
 	e.state = stateDone
 	e.m, e.slot, e.lastErr = nil, nil, nil
-	p.undone--
 	p.progress = time.Now()
 	p.changed = true
 	if e.stalled {
@@ -210,12 +232,16 @@ func (p *partState) acked(e *entry) {
 		c := p.chains[e.key]
 		c.head = e.next
 		e.next = nil
-		if c.head == nil {
+		switch {
+		case c.head == nil:
 			delete(p.chains, e.key)
-		} else if c.head.state == stateWaiting {
+		case c.head.state == stateWaiting:
+			c.held--
 			p.waiting--
 			s.stats.waiting--
 			p.release(c.head)
+		case c.head.state == stateSpilled:
+			p.refetch(c.head)
 		}
 	}
 	p.trim()
@@ -273,6 +299,159 @@ func (p *partState) drop(e *entry) {
 		p.settled(e)
 		e.state = stateDropped
 	}
+}
+
+// spill drops the payloads of waiting records until a quarter of the
+// window is free, as far as the spill bound allows: those of the key with
+// the most waiting records first (a failing or slow key's backlog), the
+// latest first. They stay in the window (the committed offset and the
+// commit metadata count them as not done) and in their key's chain, but
+// not in PartitionWindow, and are read again from Kafka when they become
+// their key's head. It reports whether it freed room. Called with mu held.
+func (p *partState) spill() bool {
+	s := p.st.s
+	target := s.cfg.PartitionWindow - max(s.cfg.PartitionWindow/4, 1)
+	limit := spillFactor * s.cfg.PartitionWindow
+	freed := false
+	for p.undone > target && p.spilled < limit {
+		var key string
+		var most *chain
+		for k, c := range p.chains {
+			if c.held > 0 && (most == nil || c.held > most.held) {
+				key, most = k, c
+			}
+		}
+		if most == nil {
+			break
+		}
+		for i := len(p.window) - 1; i >= 0 && most.held > 0 && p.undone > target && p.spilled < limit; i-- {
+			e := p.window[i]
+			if e.state != stateWaiting || e.key != key {
+				continue
+			}
+			e.state = stateSpilled
+			e.m = nil
+			most.held--
+			p.undone--
+			p.spilled++
+			s.stats.spilled++
+			freed = true
+		}
+	}
+	return freed
+}
+
+// refetch queues e, a spilled record that became its key's head, to be
+// read again from Kafka. Called with mu held.
+func (p *partState) refetch(e *entry) {
+	p.fetch = append(p.fetch, e)
+	if p.fetching {
+		return
+	}
+	p.fetching = true
+	st := p.st
+	st.fetchers.Add(1)
+	go func() {
+		defer st.fetchers.Done()
+		p.fetchLoop()
+	}()
+}
+
+// fetchLoop reads the queued spilled heads again from Kafka, in passes
+// from the lowest of them, until the queue is empty or the partition is
+// revoked.
+func (p *partState) fetchLoop() {
+	s := p.st.s
+	for {
+		s.mu.Lock()
+		heads := p.fetch[:0]
+		for _, e := range p.fetch {
+			if e.state == stateSpilled {
+				heads = append(heads, e)
+			}
+		}
+		clear(p.fetch[len(heads):])
+		p.fetch = heads
+		if len(heads) == 0 || p.stopping {
+			p.fetching = false
+			clear(p.fetch)
+			p.fetch = nil
+			s.mu.Unlock()
+			return
+		}
+		pass := &refillPass{heads: slices.Clone(heads), from: heads[0].off}
+		for _, e := range heads {
+			pass.from = min(pass.from, e.off)
+		}
+		s.mu.Unlock()
+		p.st.refill(p, pass)
+	}
+}
+
+// refillPass is one read of a partition from the lowest spilled head
+// queued when it started.
+type refillPass struct {
+	heads []*entry // queued when the pass started
+	from  int64
+	ended bool // it read up to the last record read from the claim
+}
+
+// refilled puts m, read again from Kafka, back into its spilled entry: a
+// queued head always (it is released), another spilled record while the
+// window has room (it waits as before). It reports whether the pass is
+// over: it reached the last record read from the claim, or no queued head
+// is left and the window is full. At the end of a pass that read every
+// record, a head of the pass not found is gone (retention, compaction):
+// nothing to process. Called with mu held.
+func (p *partState) refilled(pass *refillPass, m *sarama.ConsumerMessage) (over bool) {
+	s := p.st.s
+	if p.stopping {
+		return true
+	}
+	if m.Offset >= p.next {
+		pass.ended = true
+	} else if i, ok := slices.BinarySearchFunc(p.window, m.Offset, func(e *entry, off int64) int { return cmp.Compare(e.off, off) }); ok {
+		e := p.window[i]
+		isHead := e.state == stateSpilled && p.chains[e.key] != nil && p.chains[e.key].head == e
+		if e.state == stateSpilled && (isHead || p.undone < s.cfg.PartitionWindow) {
+			e.m = m
+			p.spilled--
+			s.stats.spilled--
+			p.undone++
+			if isHead {
+				p.waiting--
+				s.stats.waiting--
+				p.release(e)
+			} else {
+				e.state = stateWaiting
+				p.chains[e.key].held++
+			}
+		}
+	}
+	if m.Offset+1 >= p.next {
+		pass.ended = true
+	}
+	if pass.ended {
+		for _, e := range pass.heads {
+			if e.state == stateSpilled {
+				p.spilled--
+				s.stats.spilled--
+				p.waiting--
+				s.stats.waiting--
+				p.done(e)
+			}
+		}
+		return true
+	}
+	if p.undone < s.cfg.PartitionWindow {
+		return false
+	}
+	for _, e := range p.fetch {
+		if e.state == stateSpilled && e.off > m.Offset {
+			return false
+		}
+	}
+	return true
 }
 
 // trim drops the done records at the front of the window, and the others
@@ -495,7 +674,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 	done := sess.Context().Done()
 	for {
 		s.mu.Lock()
-		full := p.full()
+		full := p.full() && !p.spill()
 		s.mu.Unlock()
 		if full {
 			select {
@@ -544,6 +723,9 @@ func (p *partState) revoke() {
 			s.stats.held--
 		case stateWaiting:
 			s.stats.waiting--
+		case stateSpilled:
+			s.stats.waiting--
+			s.stats.spilled--
 		case stateReady, stateBackoff:
 		default:
 			continue

@@ -7,7 +7,7 @@ import (
 
 // counters are the Subscriber's numbers, guarded by its mu.
 type counters struct {
-	inflight, waiting, held          int
+	inflight, waiting, held, spilled int
 	acked, nacked, skipped, sessions uint64
 	commitsRefused                   uint64
 	lastCommitRefusal                error
@@ -25,6 +25,11 @@ type SubscriberStats struct {
 	KeysWaiting int
 	// Held is the number of records waiting for their NotBeforeFunc time.
 	Held int
+	// Spilled is the number of the KeysWaiting records whose payload was
+	// dropped to make room in a full window: they are read again from
+	// Kafka when they become their key's head (at most 64 ×
+	// PartitionWindow per partition).
+	Spilled int
 	// Acked and Nacked count the acks and nacks since NewSubscriber.
 	Acked, Nacked uint64
 	// Skipped counts the records not handed out because the commit
@@ -127,7 +132,7 @@ func (s *Subscriber) Stats() SubscriberStats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := SubscriberStats{
-		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.waiting, Held: s.stats.held,
+		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.waiting, Held: s.stats.held, Spilled: s.stats.spilled,
 		Acked: s.stats.acked, Nacked: s.stats.nacked, Skipped: s.stats.skipped, Sessions: s.stats.sessions,
 		CommitsRefused: s.stats.commitsRefused, LastCommitRefusal: s.stats.lastCommitRefusal,
 	}
@@ -181,6 +186,7 @@ func (s SubscriberStats) Add(o SubscriberStats) SubscriberStats {
 	s.MaxInFlight += o.MaxInFlight
 	s.KeysWaiting += o.KeysWaiting
 	s.Held += o.Held
+	s.Spilled += o.Spilled
 	s.Acked += o.Acked
 	s.Nacked += o.Nacked
 	s.Skipped += o.Skipped
