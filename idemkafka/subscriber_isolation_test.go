@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
@@ -307,4 +308,42 @@ func TestSubscriberSpillsAFailingKeysBacklog(t *testing.T) {
 			})
 		})
 	}
+}
+
+// badKeyUnmarshaler refuses the records of key "bad".
+type badKeyUnmarshaler struct{ idemkafka.Marshaler }
+
+var errBadRecord = errors.New("this record cannot be unmarshalled")
+
+func (u badKeyUnmarshaler) Unmarshal(m *sarama.ConsumerMessage) (*message.Message, error) {
+	if string(m.Key) == "bad" {
+		return nil, errBadRecord
+	}
+	return u.Marshaler.Unmarshal(m)
+}
+
+// A record that cannot be unmarshalled stops its key and the committed
+// offset, not its partition: the other keys' records behind it are
+// applied, and the key shows as a failing stall with the unmarshal error.
+func TestSubscriberUnmarshalFailureStopsOnlyItsKey(t *testing.T) {
+	const keys = 50
+	f := newFixture(t, 1, 4)
+	require.NoError(t, f.pub.Publish(f.topic, f.event(t, "bad", 1)))
+	f.produce(t, keys, 2)
+	cfg := f.config("unmarshal")
+	cfg.Unmarshaler = badKeyUnmarshaler{}
+	cfg.StallTimeout = 500 * time.Millisecond
+	sub := f.subscriber(t, cfg)
+	f.router(t, sub, f.db.Pool, 0, nil, ledgerHandler(nil))
+	f.waitApplied(t, keys*2)
+	want := map[string]int{}
+	for k := range keys {
+		want[keyName(k)] = 2
+	}
+	f.verifyLedgerKeys(t, want)
+	waitFor(t, "the bad key stalled, failing", func() bool {
+		st, ok := stallOf(sub.Stats(), "bad")
+		return ok && st.Cause == idemkafka.StallFailing && errors.Is(st.LastError, errBadRecord)
+	})
+	require.Equal(t, int64(0), sub.Stats().Partitions[0].Committed)
 }
