@@ -479,8 +479,9 @@ func (st *stream) refill(p *partState, pass *refillPass) {
 			return
 		}
 		if errors.Is(err, sarama.ErrOffsetOutOfRange) {
-			// Retention removed the start: the next pass starts from the
-			// heads still queued, the gone ones are done at its end.
+			// Retention removed the head the pass starts at: it is done
+			// (nothing to process); the next pass starts from the heads
+			// still queued.
 			st.s.mu.Lock()
 			if !p.stopping {
 				for _, e := range pass.heads {

@@ -21,7 +21,7 @@ const (
 	stateInFlight                   // handed out, no ack or nack yet
 	stateBackoff                    // nacked, waiting NackResendSleep
 	stateDone                       // acked (or done before, per the commit metadata)
-	stateFailed                     // cannot be unmarshalled: its partition stops at it
+	stateFailed                     // cannot be unmarshalled: its key and the committed offset stop at it
 	stateDropped                    // its partition was revoked before it was handed out
 	stateSpilled                    // behind an earlier message of its key, payload dropped: read again from Kafka when it is its key's head
 )
@@ -455,8 +455,8 @@ func (p *partState) refilled(pass *refillPass, m *sarama.ConsumerMessage) (over 
 }
 
 // trim drops the done records at the front of the window, and the others
-// once they are more than the undone ones, and signals the room. Called
-// with mu held.
+// once they are more than the rest, and signals the room. Called with mu
+// held.
 func (p *partState) trim() {
 	n := 0
 	for n < len(p.window) && p.window[n].state == stateDone {
@@ -466,7 +466,7 @@ func (p *partState) trim() {
 		clear(p.window[:n])
 		p.window = p.window[n:]
 	}
-	if done := len(p.window) - p.undone; done > p.undone && done > 32 {
+	if done := len(p.window) - p.undone - p.spilled; done > p.undone+p.spilled && done > 32 {
 		kept := p.window[:0]
 		for _, e := range p.window {
 			if e.state != stateDone {
