@@ -40,6 +40,8 @@ type fixture struct {
 	db     *pgtest.DB
 	table  deduplicator.TableConfig
 	pub    *kafka.Publisher
+	// outer are middlewares router adds first, outside the others.
+	outer []message.HandlerMiddleware
 }
 
 func newFixture(t *testing.T, partitions int32, conns int32) *fixture {
@@ -142,6 +144,7 @@ func (f *fixture) router(t *testing.T, sub message.Subscriber, pool *pgxpool.Poo
 	require.NoError(t, err)
 	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, watermill.NopLogger{})
 	require.NoError(t, err)
+	r.AddMiddleware(f.outer...)
 	if retries > 0 {
 		r.AddMiddleware(wmiddleware.Retry{MaxRetries: retries, InitialInterval: time.Millisecond}.Middleware)
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 
@@ -156,9 +155,12 @@ type stream struct {
 	out    chan *message.Message
 	logger watermill.LoggerAdapter
 
+	fetchers sync.WaitGroup // the partitions' fetchLoops
+	fetchMu  sync.Mutex
+	refetchC sarama.Consumer // reads spilled records again; created on first use
+
 	// guarded by s.mu
-	metaMax int // the commit metadata bound: CommitMetadataMaxBytes, halved on each OffsetMetadataTooLarge
-	ready   []*entry
+	metaMax int           // the commit metadata bound: CommitMetadataMaxBytes, halved on each OffsetMetadataTooLarge
 	wake    chan struct{} // an entry became ready (buffered 1)
 	parts   map[int32]*partState
 }
@@ -202,6 +204,14 @@ func (st *stream) run() {
 	}
 	wg.Wait()
 	<-dispatched
+	st.fetchers.Wait()
+	st.fetchMu.Lock()
+	if st.refetchC != nil {
+		if err := st.refetchC.Close(); err != nil {
+			st.logger.Error("Closing the consumer of spilled records", err, nil)
+		}
+	}
+	st.fetchMu.Unlock()
 	if err := st.client.Close(); err != nil && !errors.Is(err, sarama.ErrClosedClient) {
 		st.logger.Error("Closing the Kafka client", err, nil)
 	}
@@ -281,14 +291,22 @@ const closeGrace = 5 * time.Second
 func (st *stream) dispatch() {
 	s := st.s
 	for {
-		e := st.nextReady()
-		if e == nil {
+		if !st.awaitReady() {
 			return
 		}
 		select {
 		case s.slots <- struct{}{}:
 		case <-st.ctx.Done():
 			return
+		}
+		// Picked once the slot is ours, so that the slot goes to the
+		// partition holding the fewest then.
+		s.mu.Lock()
+		e := st.pickReady()
+		s.mu.Unlock()
+		if e == nil {
+			<-s.slots // taken back meanwhile (a revocation)
+			continue
 		}
 		msg, err := st.handOut(e)
 		if err != nil {
@@ -318,28 +336,39 @@ func (st *stream) dispatch() {
 	}
 }
 
-// nextReady waits for a ready entry of a live partition; nil when the
+// awaitReady waits for a ready entry of a live partition; false when the
 // stream ends.
-func (st *stream) nextReady() *entry {
+func (st *stream) awaitReady() bool {
 	s := st.s
 	for {
 		s.mu.Lock()
-		for len(st.ready) > 0 {
-			e := st.ready[0]
-			st.ready[0] = nil
-			st.ready = st.ready[1:]
-			if e.state == stateReady && !e.p.stopping {
-				s.mu.Unlock()
-				return e
-			}
-		}
+		ok := st.hasReady()
 		s.mu.Unlock()
+		if ok {
+			return true
+		}
 		select {
 		case <-st.wake:
 		case <-st.ctx.Done():
-			return nil
+			return false
 		}
 	}
+}
+
+// hasReady reports whether a live partition has a ready entry. Called with
+// s.mu held.
+func (st *stream) hasReady() bool {
+	for _, p := range st.parts {
+		if p.stopping {
+			continue
+		}
+		for _, e := range p.ready {
+			if e.state == stateReady {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // handOut marks e in flight and builds its message; nil when its partition
@@ -357,8 +386,10 @@ func (st *stream) handOut(e *entry) (*message.Message, error) {
 		// A record that cannot become a message cannot be processed; the
 		// partition stops here, as watermill-kafka's does.
 		err = fmt.Errorf("idemkafka: unmarshal %s/%d@%d: %w", e.m.Topic, e.m.Partition, e.m.Offset, err)
-		st.logger.Error("Message unmarshal failed, the partition stops at it", err, nil)
+		st.logger.Error("Message unmarshal failed: its key stops at it, and the committed offset of its partition", err, nil)
 		e.state = stateFailed
+		e.nacks++
+		e.lastErr = err
 		return nil, err
 	}
 	e.state = stateInFlight
@@ -367,7 +398,9 @@ func (st *stream) handOut(e *entry) (*message.Message, error) {
 	if e.m.Offset > p.highest {
 		p.highest = e.m.Offset
 	}
-	msg.SetContext(messageContext(p.ctx, e.m, s.cfg.Ordering))
+	e.start = time.Now()
+	e.slot = &errSlot{}
+	msg.SetContext(messageContext(p.ctx, e.m, s.cfg.Ordering, e.slot))
 	return msg, nil
 }
 
@@ -390,19 +423,129 @@ func (st *stream) await(e *entry, msg *message.Message) {
 	<-s.slots
 }
 
+// pickReady takes the first ready entry of the partition with the fewest
+// messages in flight among those with ready entries, so that a partition
+// whose handlers run long (or fail and run again) does not take every
+// MaxInFlight slot while others have work: each freed slot goes to the
+// partition that holds the fewest. Called with s.mu held.
+func (st *stream) pickReady() *entry {
+	var best *partState
+	for _, p := range st.parts {
+		for len(p.ready) > 0 && (p.ready[0].state != stateReady || p.stopping) {
+			p.ready[0] = nil
+			p.ready = p.ready[1:]
+		}
+		if len(p.ready) > 0 && (best == nil || p.inflight < best.inflight) {
+			best = p
+		}
+	}
+	if best == nil {
+		return nil
+	}
+	e := best.ready[0]
+	best.ready[0] = nil
+	best.ready = best.ready[1:]
+	if len(best.ready) == 0 {
+		best.ready = nil
+	}
+	return e
+}
+
 // unready drops p's entries from the ready queue, so that a revoked
 // partition's records are not kept until the dispatcher next runs. Called
 // with s.mu held.
 func (st *stream) unready(p *partState) {
-	st.ready = slices.DeleteFunc(st.ready, func(e *entry) bool { return e.p == p })
+	clear(p.ready)
+	p.ready = nil
 }
 
 // push queues e as ready. Called with s.mu held.
 func (st *stream) push(e *entry) {
 	e.state = stateReady
-	st.ready = append(st.ready, e)
+	e.p.ready = append(e.p.ready, e)
 	select {
 	case st.wake <- struct{}{}:
 	default:
+	}
+}
+
+// refill runs pass: it reads the partition again from pass.from
+// (partState.refilled). Errors are logged and retried after
+// ReconnectRetrySleep until the partition is revoked.
+func (st *stream) refill(p *partState, pass *refillPass) {
+	for {
+		err := st.tryRefill(p, pass)
+		if err == nil || p.ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, sarama.ErrOffsetOutOfRange) {
+			// Retention removed the head the pass starts at: it is done
+			// (nothing to process); the next pass starts from the heads
+			// still queued.
+			st.s.mu.Lock()
+			if !p.stopping {
+				for _, e := range pass.heads {
+					if e.state == stateSpilled && e.off == pass.from {
+						p.spilled--
+						st.s.stats.spilled--
+						p.waiting--
+						st.s.stats.waiting--
+						p.done(e)
+					}
+				}
+			}
+			st.s.mu.Unlock()
+			return
+		}
+		st.logger.Error("Reading spilled records again failed, retrying", err, watermill.LogFields{
+			"kafka_partition": p.partition, "kafka_partition_offset": pass.from, "retry_in": st.s.cfg.ReconnectRetrySleep.String()})
+		if wait.Sleep(p.ctx, st.s.cfg.ReconnectRetrySleep) != nil {
+			return
+		}
+	}
+}
+
+func (st *stream) tryRefill(p *partState, pass *refillPass) error {
+	st.fetchMu.Lock()
+	if st.refetchC == nil {
+		c, err := sarama.NewConsumerFromClient(st.client)
+		if err != nil {
+			st.fetchMu.Unlock()
+			return err
+		}
+		st.refetchC = c
+	}
+	c := st.refetchC
+	st.fetchMu.Unlock()
+	pc, err := c.ConsumePartition(st.topic, p.partition, pass.from)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		// Close waits for the consumer's next fetch: the refill does not.
+		pc.AsyncClose()
+		st.fetchers.Go(func() {
+			for range pc.Messages() {
+			}
+		})
+		st.fetchers.Go(func() {
+			for range pc.Errors() {
+			}
+		})
+	}()
+	for {
+		select {
+		case m := <-pc.Messages():
+			st.s.mu.Lock()
+			over := p.refilled(pass, m)
+			st.s.mu.Unlock()
+			if over {
+				return nil
+			}
+		case err := <-pc.Errors():
+			return err
+		case <-p.ctx.Done():
+			return nil
+		}
 	}
 }

@@ -62,6 +62,9 @@ const (
 	// defaultBrokerMetadataMaxBytes is Kafka's default
 	// offset.metadata.max.bytes: a commit with longer metadata is refused.
 	defaultBrokerMetadataMaxBytes = 4096
+	// defaultStallTimeout is how long a key's head record waits without an
+	// ack before it is reported stalled.
+	defaultStallTimeout = 30 * time.Second
 	// revokeCommitAllowance is what the RevokeTimeout check gives the final
 	// offset commit of a revoked partition (one round trip to the
 	// coordinator) before the member rejoins.
@@ -99,13 +102,21 @@ type SubscriberConfig struct {
 	// database connection (see [Subscriber.MaxInFlight]). Defaults to
 	// 64.
 	MaxInFlight int
-	// PartitionWindow is how many records a partition holds, counted from
-	// its committed offset: in flight, waiting for an earlier message of
-	// their key, and done above the committed offset. While a partition's
-	// window is full the Subscriber stops reading it, so Sarama stops
-	// fetching it and memory stays bounded (about partitions ×
-	// PartitionWindow records, plus Sarama's Consumer.ChannelBufferSize per
-	// partition). Defaults to 1024.
+	// PartitionWindow is how many records a partition holds that are not
+	// done: ready, in flight, backing off, held, and waiting for an earlier
+	// message of their key. Done records leave the window (the committed
+	// offset stays at the first record not done, and the done ones above it
+	// are written to the commit metadata as runs), so a key whose head
+	// fails or runs long holds the committed offset but not its
+	// partition's other keys. When the window is full the waiting records
+	// of the key with the most of them are spilled: their payload is
+	// dropped and they are read again from Kafka when they become their
+	// key's head (at most 64 × PartitionWindow spilled records per
+	// partition). While a partition's window is full and nothing more can
+	// be spilled the Subscriber stops reading it,
+	// so Sarama stops fetching it and memory stays bounded (about
+	// partitions × PartitionWindow records, plus Sarama's
+	// Consumer.ChannelBufferSize per partition). Defaults to 1024.
 	PartitionWindow int
 	// NackResendSleep is how long a nacked message waits before it is
 	// handed out again; the later messages of its key wait behind it,
@@ -149,11 +160,21 @@ type SubscriberConfig struct {
 	// BrokerMetadataMaxBytes is the brokers' offset.metadata.max.bytes,
 	// the bound of CommitMetadataMaxBytes: state it only when the brokers
 	// run with a larger value than Kafka's default. A commit the broker
-	// refuses anyway is counted in [SubscriberStats].CommitErrors and
+	// refuses anyway is counted in [SubscriberStats].CommitsRefused and
 	// logged, and the Subscriber halves the metadata it writes for the
 	// topic until commits pass. Defaults to
 	// 4096.
 	BrokerMetadataMaxBytes int
+	// StallTimeout is how long a key's first record not done (its head)
+	// may wait without an ack before the key is reported stalled: in
+	// [SubscriberStats].Stalls and StalledKeys, in the exported metrics,
+	// and in one log line with the key and the cause (failing: nacked,
+	// with the last error when [RecordErrors] is in the router; slow: its
+	// handler running that long; queued: waiting for a MaxInFlight slot).
+	// A partition with a stalled key and no ack for as long shows it in
+	// [PartitionStats].StalledFor. Records held by NotBeforeFunc are not
+	// stalled. Set -1 to report none. Defaults to 30 s.
+	StallTimeout time.Duration
 }
 
 func (c *SubscriberConfig) setDefaults() {
@@ -180,6 +201,9 @@ func (c *SubscriberConfig) setDefaults() {
 	}
 	if c.BrokerMetadataMaxBytes == 0 {
 		c.BrokerMetadataMaxBytes = defaultBrokerMetadataMaxBytes
+	}
+	if c.StallTimeout == 0 {
+		c.StallTimeout = defaultStallTimeout
 	}
 }
 
@@ -209,6 +233,8 @@ func (c SubscriberConfig) Validate() error {
 		return bad("CommitMetadataMaxBytes", "must be positive, or -1 for none")
 	case c.BrokerMetadataMaxBytes < 0:
 		return bad("BrokerMetadataMaxBytes", "must be positive")
+	case c.StallTimeout < -1:
+		return bad("StallTimeout", "must be positive, or -1 for none")
 	case c.CommitMetadataMaxBytes > c.brokerMetadataMaxBytes():
 		return bad("CommitMetadataMaxBytes", fmt.Sprintf("%d is above the brokers' offset.metadata.max.bytes (BrokerMetadataMaxBytes: %d): the broker would refuse every commit and the committed offset would freeze",
 			c.CommitMetadataMaxBytes, c.brokerMetadataMaxBytes()))

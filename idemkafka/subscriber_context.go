@@ -2,9 +2,11 @@ package idemkafka
 
 import (
 	"context"
+	"sync/atomic"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
 )
 
 // The Subscriber's messages carry the same context values as
@@ -50,10 +52,46 @@ func OrderingFromContext(ctx context.Context) (Ordering, bool) {
 	return o, ok
 }
 
+// errSlot holds the error an attempt of a message failed with, for the
+// Subscriber's stall reports.
+type errSlot struct{ err atomic.Pointer[error] }
+
+func (s *errSlot) get() error {
+	if s == nil {
+		return nil
+	}
+	if p := s.err.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+type errSlotKey struct{}
+
+// RecordErrors is a router middleware that tells the [Subscriber] the
+// error a handler returned before its message is nacked, so that a key
+// stalled on failures is reported with its last error
+// ([SubscriberStats].Stalls, and the log line). Add it first
+// (router.AddMiddleware(idemkafka.RecordErrors) before the others), or
+// anywhere outside the middleware that turns errors into acks (a poison
+// queue). On messages of other subscribers it only passes them on.
+func RecordErrors(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		slot, _ := msg.Context().Value(errSlotKey{}).(*errSlot)
+		msgs, err := h(msg)
+		if err != nil && slot != nil {
+			slot.err.Store(&err)
+		}
+		return msgs, err
+	}
+}
+
 // messageContext is parent with the record's partition, offset, timestamp
-// and key, as watermill-kafka sets them, and the Subscriber's ordering.
-func messageContext(parent context.Context, m *sarama.ConsumerMessage, ordering Ordering) context.Context {
+// and key, as watermill-kafka sets them, the Subscriber's ordering, and
+// the attempt's error slot.
+func messageContext(parent context.Context, m *sarama.ConsumerMessage, ordering Ordering, slot *errSlot) context.Context {
 	ctx := context.WithValue(parent, orderingKey{}, ordering)
+	ctx = context.WithValue(ctx, errSlotKey{}, slot)
 	ctx = context.WithValue(ctx, ctxKeyPartition, m.Partition)
 	ctx = context.WithValue(ctx, ctxKeyOffset, m.Offset)
 	ctx = context.WithValue(ctx, ctxKeyTimestamp, m.Timestamp)

@@ -13,15 +13,18 @@ import (
 // above it that are already done.
 const commitMetadataPrefix = "idemkafka1:"
 
+// run is the offsets start..end-1.
+type run struct{ start, end int64 }
+
 // encodeDone returns the commit metadata for committed offset mark and the
-// done offsets above it (ascending, all > mark): "idemkafka1:<mark>:<runs>",
-// runs being base64 (raw URL) of uvarint pairs (gap, length): the first run
-// starts gap offsets after mark, each next one gap offsets after the end of
-// the previous one. Runs that would make the metadata longer than maxLen
-// are left out (those offsets run again after a restart, and their claims
-// make that harmless). It returns "" when nothing above mark is done or
-// maxLen leaves no room.
-func encodeDone(mark int64, done []int64, maxLen int) string {
+// runs of done offsets above it (ascending, not overlapping, all > mark):
+// "idemkafka1:<mark>:<runs>", runs being base64 (raw URL) of uvarint pairs
+// (gap, length): the first run starts gap offsets after mark, each next one
+// gap offsets after the end of the previous one. Runs that would make the
+// metadata longer than maxLen are left out (those offsets run again after
+// a restart, and their claims make that harmless). It returns "" when
+// nothing above mark is done or maxLen leaves no room.
+func encodeDone(mark int64, done []run, maxLen int) string {
 	if len(done) == 0 || maxLen <= 0 {
 		return ""
 	}
@@ -33,23 +36,18 @@ func encodeDone(mark int64, done []int64, maxLen int) string {
 	var buf []byte
 	var tmp [2 * binary.MaxVarintLen64]byte
 	prevEnd := mark + 1 // first offset after the previous run (mark itself is never done)
-	for len(done) > 0 && done[0] < prevEnd {
-		done = done[1:] // not above mark: a gap would underflow
-	}
-	for i := 0; i < len(done); {
-		start := done[i]
-		j := i + 1
-		for j < len(done) && done[j] == done[j-1]+1 {
-			j++
+	for _, r := range done {
+		r.start = max(r.start, prevEnd) // not above mark, or overlapping: a gap would underflow
+		if r.end <= r.start {
+			continue
 		}
-		n := binary.PutUvarint(tmp[:], uint64(start-prevEnd))
-		n += binary.PutUvarint(tmp[n:], uint64(j-i))
+		n := binary.PutUvarint(tmp[:], uint64(r.start-prevEnd))
+		n += binary.PutUvarint(tmp[n:], uint64(r.end-r.start))
 		if len(buf)+n > room {
 			break
 		}
 		buf = append(buf, tmp[:n]...)
-		prevEnd = start + int64(j-i)
-		i = j
+		prevEnd = r.end
 	}
 	if len(buf) == 0 {
 		return ""
@@ -58,13 +56,12 @@ func encodeDone(mark int64, done []int64, maxLen int) string {
 }
 
 // decodeDone reads commit metadata written by encodeDone for committed
-// offset mark: the set of done offsets above it, at most limit of them
-// (the lowest; a window of limit records from mark on cannot hold more, and
-// what is left out runs again), so that crafted metadata cannot make a
-// member allocate more than its PartitionWindow. Metadata of another
-// offset, of another writer, or malformed gives nil: the records run again
-// and their claims settle them.
-func decodeDone(mark int64, meta string, limit int) map[int64]bool {
+// offset mark: the runs of done offsets above it, at most limit runs (the
+// lowest; what is left out runs again), so that crafted metadata cannot
+// make a member allocate more than that. Metadata of another offset, of
+// another writer, or malformed gives nil: the records run again and their
+// claims settle them.
+func decodeDone(mark int64, meta string, limit int) []run {
 	if limit <= 0 || mark < 0 {
 		return nil
 	}
@@ -80,7 +77,7 @@ func decodeDone(mark int64, meta string, limit int) map[int64]bool {
 	if err != nil {
 		return nil
 	}
-	done := map[int64]bool{}
+	var done []run
 	prevEnd := mark + 1
 	for len(buf) > 0 && len(done) < limit {
 		gap, n := binary.Uvarint(buf)
@@ -98,10 +95,11 @@ func decodeDone(mark int64, meta string, limit int) map[int64]bool {
 			return nil
 		}
 		end := start + int64(length)
-		for o := start; o < end && len(done) < limit; o++ {
-			done[o] = true
-		}
+		done = append(done, run{start, end})
 		prevEnd = end
+	}
+	if done == nil {
+		done = []run{}
 	}
 	return done
 }

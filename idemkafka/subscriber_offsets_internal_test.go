@@ -4,7 +4,6 @@ import (
 	"encoding/base64"
 	"encoding/binary"
 	"math"
-	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -12,15 +11,38 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// runsOf are the runs of the ascending offsets.
+func runsOf(offsets ...int64) []run {
+	var rs []run
+	for _, o := range offsets {
+		if n := len(rs); n > 0 && rs[n-1].end == o {
+			rs[n-1].end++
+			continue
+		}
+		rs = append(rs, run{o, o + 1})
+	}
+	return rs
+}
+
+// offsetsOf is the set of the offsets of rs.
+func offsetsOf(rs []run) map[int64]bool {
+	if rs == nil {
+		return nil
+	}
+	out := map[int64]bool{}
+	for _, r := range rs {
+		for o := r.start; o < r.end; o++ {
+			out[o] = true
+		}
+	}
+	return out
+}
+
 func TestEncodeDoneRoundTrip(t *testing.T) {
-	done := []int64{12, 13, 14, 20, 1000, 1001}
+	done := runsOf(12, 13, 14, 20, 1000, 1001)
 	meta := encodeDone(10, done, 2048)
 	got := decodeDone(10, meta, 1024)
-	want := map[int64]bool{}
-	for _, o := range done {
-		want[o] = true
-	}
-	require.Equal(t, want, got)
+	require.Equal(t, done, got)
 	require.Nil(t, decodeDone(11, meta, 1024), "metadata of another committed offset")
 	require.Nil(t, decodeDone(10, "something else", 1024))
 	require.Nil(t, decodeDone(10, commitMetadataPrefix+"10:!!", 1024))
@@ -34,9 +56,9 @@ func TestEncodeDoneTruncates(t *testing.T) {
 	for o := int64(1); o < 20000; o += 2 {
 		done = append(done, o)
 	}
-	meta := encodeDone(0, done, 100)
+	meta := encodeDone(0, runsOf(done...), 100)
 	require.LessOrEqual(t, len(meta), 100)
-	got := decodeDone(0, meta, 1024)
+	got := offsetsOf(decodeDone(0, meta, 1024))
 	require.NotEmpty(t, got)
 	for o := range got {
 		require.Equal(t, int64(1), o%2)
@@ -44,13 +66,20 @@ func TestEncodeDoneTruncates(t *testing.T) {
 	require.True(t, got[1])
 }
 
+// A long run costs a few bytes: the done records behind a key that holds
+// the committed offset fit however many they are.
+func TestEncodeDoneLongRun(t *testing.T) {
+	meta := encodeDone(0, []run{{1, 1_000_000}, {1_000_001, 2_000_000}}, 64)
+	require.Equal(t, []run{{1, 1_000_000}, {1_000_001, 2_000_000}}, decodeDone(0, meta, 1024))
+}
+
 // Offsets at or below the committed one are never encoded: a gap below
 // zero would be written as uint64(-1), and the next owner would reject the
 // whole metadata.
 func TestEncodeDoneNeverUnderflows(t *testing.T) {
-	meta := encodeDone(5, []int64{4, 5, 6, 7, 9}, 2048)
-	require.Equal(t, map[int64]bool{6: true, 7: true, 9: true}, decodeDone(5, meta, 1024))
-	require.Empty(t, encodeDone(5, []int64{3, 5}, 2048))
+	meta := encodeDone(5, runsOf(4, 5, 6, 7, 9), 2048)
+	require.Equal(t, map[int64]bool{6: true, 7: true, 9: true}, offsetsOf(decodeDone(5, meta, 1024)))
+	require.Empty(t, encodeDone(5, runsOf(3, 5), 2048))
 }
 
 // craftedRuns is commit metadata for mark of n runs, each a gap of 0 and
@@ -65,17 +94,15 @@ func craftedRuns(mark int64, n int, length uint64) string {
 	return commitMetadataPrefix + strconv.FormatInt(mark, 10) + ":" + base64.RawURLEncoding.EncodeToString(buf)
 }
 
-// Decoding is bounded by the window: crafted metadata of about 4 KB that
-// names 10^8 done offsets yields at most PartitionWindow of them, the
-// lowest.
+// Decoding is bounded: crafted metadata yields at most limit runs (the
+// window), the lowest, whatever their length; a run is two offsets in
+// memory, however many records it names.
 func TestDecodeDoneBoundedByWindow(t *testing.T) {
 	meta := craftedRuns(0, 600, 1<<20-1) // 600 runs of 2^20-1 offsets: ~6.3e8
 	require.LessOrEqual(t, len(meta), 4096)
-	got := decodeDone(0, meta, 1024)
-	require.Len(t, got, 1024)
-	for o := int64(1); o <= 1024; o++ {
-		require.True(t, got[o])
-	}
+	got := decodeDone(0, meta, 100)
+	require.Len(t, got, 100)
+	require.Equal(t, run{1, 1 << 20}, got[0])
 	// Lengths and gaps that would overflow an offset are malformed.
 	var buf []byte
 	buf = binary.AppendUvarint(buf, math.MaxUint64)
@@ -85,9 +112,10 @@ func TestDecodeDoneBoundedByWindow(t *testing.T) {
 }
 
 // FuzzDecodeDone holds the decoder to its bounds on any metadata: at most
-// limit offsets, all above the mark, and what encodeDone writes reads back.
+// limit runs, ascending, not empty, all above the mark, and what encodeDone
+// writes reads back.
 func FuzzDecodeDone(f *testing.F) {
-	f.Add(int64(10), encodeDone(10, []int64{12, 13, 14, 20, 1000, 1001}, 2048), 1024)
+	f.Add(int64(10), encodeDone(10, runsOf(12, 13, 14, 20, 1000, 1001), 2048), 1024)
 	f.Add(int64(0), craftedRuns(0, 600, 1<<20-1), 1024)
 	f.Add(int64(0), craftedRuns(0, 3, math.MaxInt64), 16)
 	f.Add(int64(7), commitMetadataPrefix+"7:AAAA", 1)
@@ -98,27 +126,31 @@ func FuzzDecodeDone(f *testing.F) {
 		limit %= 1 << 16
 		got := decodeDone(mark, meta, limit)
 		require.LessOrEqual(t, len(got), max(limit, 0))
-		for o := range got {
-			require.Greater(t, o, mark)
+		prev := mark
+		for _, r := range got {
+			require.Greater(t, r.start, prev)
+			require.Greater(t, r.end, r.start)
+			prev = r.end - 1
 		}
 		if got == nil || mark < 0 || limit <= 0 || !strings.HasPrefix(meta, commitMetadataPrefix) {
 			return
 		}
-		// Re-encoding what was read gives the same set, when it fits.
-		var done []int64
-		for o := range got {
-			done = append(done, o)
-		}
-		slices.Sort(done)
-		again := encodeDone(mark, done, 1<<20)
-		require.Equal(t, got, nonNil(decodeDone(mark, again, limit)))
+		// Re-encoding what was read gives the same runs (adjacent ones
+		// merged), when it fits.
+		again := encodeDone(mark, got, 1<<20)
+		require.Equal(t, merged(got), merged(decodeDone(mark, again, limit)))
 	})
 }
 
-// nonNil makes an empty result comparable with decodeDone's empty map.
-func nonNil(m map[int64]bool) map[int64]bool {
-	if m == nil {
-		return map[int64]bool{}
+// merged is rs with adjacent runs joined; empty for none.
+func merged(rs []run) []run {
+	out := []run{}
+	for _, r := range rs {
+		if n := len(out); n > 0 && out[n-1].end == r.start {
+			out[n-1].end = r.end
+			continue
+		}
+		out = append(out, r)
 	}
-	return m
+	return out
 }

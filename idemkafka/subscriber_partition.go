@@ -1,7 +1,11 @@
 package idemkafka
 
 import (
+	"cmp"
 	"context"
+	"errors"
+	"fmt"
+	"slices"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -17,23 +21,39 @@ const (
 	stateInFlight                   // handed out, no ack or nack yet
 	stateBackoff                    // nacked, waiting NackResendSleep
 	stateDone                       // acked (or done before, per the commit metadata)
-	stateFailed                     // cannot be unmarshalled: its partition stops at it
+	stateFailed                     // cannot be unmarshalled: its key and the committed offset stop at it
 	stateDropped                    // its partition was revoked before it was handed out
+	stateSpilled                    // behind an earlier message of its key, payload dropped: read again from Kafka when it is its key's head
 )
+
+// spillFactor × PartitionWindow bounds the spilled records of a partition.
+const spillFactor = 64
 
 // entry is one record of a partition's window.
 type entry struct {
-	m     *sarama.ConsumerMessage
+	m     *sarama.ConsumerMessage // nil once done: the payload goes
+	off   int64
 	p     *partState
 	key   string
 	state entryState
 	next  *entry      // the next record of its key (OrderKey, OrderPartition)
 	timer *time.Timer // while held or backing off; stopped on revoke
+
+	// For stall detection.
+	head    time.Time // when it became its key's head (released)
+	start   time.Time // when its current attempt was handed out
+	nacks   int
+	lastErr error    // of the last nack, when RecordErrors saw it
+	slot    *errSlot // the current attempt's, for RecordErrors
+	stalled bool     // its stall was logged
 }
 
 // chain is the records of one key in a partition's window that are not done
 // yet, oldest first; only its head may be handed out.
-type chain struct{ head, tail *entry }
+type chain struct {
+	head, tail *entry
+	held       int // its waiting records with their payload (not spilled)
+}
 
 // partState is a claimed partition: the window of records from the
 // committed offset on. Every field is guarded by the Subscriber's mu.
@@ -45,9 +65,24 @@ type partState struct {
 	ctx    context.Context // messages' parent; cancelled when abandoned
 	cancel context.CancelFunc
 
-	window []*entry // from the committed offset on, in offset order
-	chains map[string]*chain
-	skip   map[int64]bool // done before, per the commit metadata
+	// window is the records read and not done, in offset order, from the
+	// committed offset on: the first is the committed record. Done records
+	// leave it (those at its front at once, the others in batches): the
+	// offsets between two undone records are done, so the window's size is
+	// bounded by what is not done, not by the span of offsets.
+	window []*entry
+	undone int // records of window not done and not spilled: at most PartitionWindow
+	// spilled counts the window's spilled records (at most spillFactor ×
+	// PartitionWindow); fetch queues those that became their key's head,
+	// to be read again from Kafka by one fetcher at a time (fetching).
+	spilled  int
+	fetch    []*entry
+	fetching bool
+	chains   map[string]*chain
+	skip     []run // done before, per the commit metadata, ascending
+	ready    []*entry
+
+	progress time.Time // the last ack, or when the window last became non-empty
 
 	next     int64 // the offset after the last record read
 	highest  int64 // the highest offset handed out, -1 for none
@@ -63,7 +98,7 @@ type partState struct {
 	changed bool // done set changed since the last mark
 }
 
-func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim, skip map[int64]bool) *partState {
+func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim, skip []run) *partState {
 	// Messages keep their values when the stream ends, and are cancelled
 	// only when abandoned after RevokeTimeout.
 	ctx, cancel := context.WithCancel(context.WithoutCancel(st.ctx))
@@ -81,26 +116,37 @@ func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, 
 }
 
 // full reports whether the window holds PartitionWindow records.
-func (p *partState) full() bool { return len(p.window) >= p.st.s.cfg.PartitionWindow }
+func (p *partState) full() bool { return p.undone >= p.st.s.cfg.PartitionWindow }
+
+// skipped reports whether offset is done per the commit metadata, dropping
+// the runs below it (records come in offset order).
+func (p *partState) skipped(offset int64) bool {
+	for len(p.skip) > 0 && p.skip[0].end <= offset {
+		p.skip = p.skip[1:]
+	}
+	return len(p.skip) > 0 && p.skip[0].start <= offset
+}
 
 // add appends a record read from the claim and queues it when nothing of
 // its key is before it. Called with mu held.
 func (p *partState) add(m *sarama.ConsumerMessage) {
 	s := p.st.s
-	e := &entry{m: m, p: p}
 	p.next = m.Offset + 1
-	p.window = append(p.window, e)
-	if p.skip[m.Offset] {
-		delete(p.skip, m.Offset)
-		e.state = stateDone
+	if p.skipped(m.Offset) {
+		// Done before: it never enters the window. At the window's start
+		// (the committed record itself was removed by retention,
+		// DeleteRecords or compaction) the committed offset moves past it
+		// now, since no ack will.
 		s.stats.skipped++
 		p.changed = true
-		// Done at the window's start (the committed record itself was
-		// removed by retention, DeleteRecords or compaction): the committed
-		// offset moves past it now, since no ack will.
-		p.trim()
 		return
 	}
+	e := &entry{m: m, off: m.Offset, p: p}
+	if p.undone == 0 {
+		p.progress = time.Now()
+	}
+	p.window = append(p.window, e)
+	p.undone++
 	switch s.cfg.Ordering {
 	case OrderNone:
 		p.release(e)
@@ -116,6 +162,7 @@ func (p *partState) add(m *sarama.ConsumerMessage) {
 	}
 	c.tail.next = e
 	c.tail = e
+	c.held++
 	e.state = stateWaiting
 	p.waiting++
 	s.stats.waiting++
@@ -125,6 +172,7 @@ func (p *partState) add(m *sarama.ConsumerMessage) {
 // mu held.
 func (p *partState) release(e *entry) {
 	s := p.st.s
+	e.head = time.Now()
 	if f := s.cfg.NotBeforeFunc; f != nil {
 		if d := time.Until(f(e.m)); d > 0 {
 			e.state = stateHeld
@@ -135,6 +183,7 @@ func (p *partState) release(e *entry) {
 				e.timer = nil
 				if e.state == stateHeld {
 					s.stats.held--
+					e.head = time.Now() // its wait for a stall starts now
 					if !p.stopping {
 						p.st.push(e)
 					}
@@ -160,18 +209,39 @@ func (p *partState) acked(e *entry) {
 		e.state = stateDropped // too late for the final commit
 		return
 	}
+	p.undone--
+	p.done(e)
+}
+
+// done records e, its key's head, done: the next record of its key is
+// released (or read again, when spilled), and the committed offset moves
+// past the records done at the front of the window. Called with mu held.
+func (p *partState) done(e *entry) {
+	s := p.st.s
 	e.state = stateDone
+	e.m, e.slot, e.lastErr = nil, nil, nil
+	p.progress = time.Now()
 	p.changed = true
+	if e.stalled {
+		p.st.logger.Info("Stalled key acked", watermill.LogFields{
+			"kafka_partition": p.partition, "key": e.key, "kafka_partition_offset": e.off,
+			"stalled_for": time.Since(e.head).Round(time.Millisecond).String(), "nacks": e.nacks,
+		})
+	}
 	if s.cfg.Ordering != OrderNone {
 		c := p.chains[e.key]
 		c.head = e.next
 		e.next = nil
-		if c.head == nil {
+		switch {
+		case c.head == nil:
 			delete(p.chains, e.key)
-		} else if c.head.state == stateWaiting {
+		case c.head.state == stateWaiting:
+			c.held--
 			p.waiting--
 			s.stats.waiting--
 			p.release(c.head)
+		case c.head.state == stateSpilled:
+			p.refetch(c.head)
 		}
 	}
 	p.trim()
@@ -186,6 +256,10 @@ func (p *partState) nacked(e *entry) {
 	}
 	p.settled(e)
 	s.stats.nacked++
+	e.nacks++
+	if err := e.slot.get(); err != nil {
+		e.lastErr = err
+	}
 	if p.stopping || p.gone {
 		e.state = stateDropped // the next owner gets it again
 		return
@@ -227,18 +301,181 @@ func (p *partState) drop(e *entry) {
 	}
 }
 
-// trim drops the done records at the front of the window. Called with mu
+// spill drops the payloads of waiting records until a quarter of the
+// window is free, as far as the spill bound allows: those of the key with
+// the most waiting records first (a failing or slow key's backlog), the
+// latest first. They stay in the window (the committed offset and the
+// commit metadata count them as not done) and in their key's chain, but
+// not in PartitionWindow, and are read again from Kafka when they become
+// their key's head. It reports whether it freed room. Called with mu held.
+func (p *partState) spill() bool {
+	s := p.st.s
+	target := s.cfg.PartitionWindow - max(s.cfg.PartitionWindow/4, 1)
+	limit := spillFactor * s.cfg.PartitionWindow
+	freed := false
+	for p.undone > target && p.spilled < limit {
+		var key string
+		var most *chain
+		for k, c := range p.chains {
+			if c.held > 0 && (most == nil || c.held > most.held) {
+				key, most = k, c
+			}
+		}
+		if most == nil {
+			break
+		}
+		for i := len(p.window) - 1; i >= 0 && most.held > 0 && p.undone > target && p.spilled < limit; i-- {
+			e := p.window[i]
+			if e.state != stateWaiting || e.key != key {
+				continue
+			}
+			e.state = stateSpilled
+			e.m = nil
+			most.held--
+			p.undone--
+			p.spilled++
+			s.stats.spilled++
+			freed = true
+		}
+	}
+	return freed
+}
+
+// refetch queues e, a spilled record that became its key's head, to be
+// read again from Kafka. Called with mu held.
+func (p *partState) refetch(e *entry) {
+	p.fetch = append(p.fetch, e)
+	if p.fetching {
+		return
+	}
+	p.fetching = true
+	st := p.st
+	st.fetchers.Add(1)
+	go func() {
+		defer st.fetchers.Done()
+		p.fetchLoop()
+	}()
+}
+
+// fetchLoop reads the queued spilled heads again from Kafka, in passes
+// from the lowest of them, until the queue is empty or the partition is
+// revoked.
+func (p *partState) fetchLoop() {
+	s := p.st.s
+	for {
+		s.mu.Lock()
+		heads := p.fetch[:0]
+		for _, e := range p.fetch {
+			if e.state == stateSpilled {
+				heads = append(heads, e)
+			}
+		}
+		clear(p.fetch[len(heads):])
+		p.fetch = heads
+		if len(heads) == 0 || p.stopping {
+			p.fetching = false
+			clear(p.fetch)
+			p.fetch = nil
+			s.mu.Unlock()
+			return
+		}
+		pass := &refillPass{heads: slices.Clone(heads), from: heads[0].off}
+		for _, e := range heads {
+			pass.from = min(pass.from, e.off)
+		}
+		s.mu.Unlock()
+		p.st.refill(p, pass)
+	}
+}
+
+// refillPass is one read of a partition from the lowest spilled head
+// queued when it started.
+type refillPass struct {
+	heads []*entry // queued when the pass started
+	from  int64
+	ended bool // it read up to the last record read from the claim
+}
+
+// refilled puts m, read again from Kafka, back into its spilled entry: a
+// queued head always (it is released), another spilled record while the
+// window has room (it waits as before). It reports whether the pass is
+// over: it reached the last record read from the claim, or no queued head
+// is left and the window is full. At the end of a pass that read every
+// record, a head of the pass not found is gone (retention, compaction):
+// nothing to process. Called with mu held.
+func (p *partState) refilled(pass *refillPass, m *sarama.ConsumerMessage) (over bool) {
+	s := p.st.s
+	if p.stopping {
+		return true
+	}
+	if m.Offset >= p.next {
+		pass.ended = true
+	} else if i, ok := slices.BinarySearchFunc(p.window, m.Offset, func(e *entry, off int64) int { return cmp.Compare(e.off, off) }); ok {
+		e := p.window[i]
+		isHead := e.state == stateSpilled && p.chains[e.key] != nil && p.chains[e.key].head == e
+		if e.state == stateSpilled && (isHead || p.undone < s.cfg.PartitionWindow) {
+			e.m = m
+			p.spilled--
+			s.stats.spilled--
+			p.undone++
+			if isHead {
+				p.waiting--
+				s.stats.waiting--
+				p.release(e)
+			} else {
+				e.state = stateWaiting
+				p.chains[e.key].held++
+			}
+		}
+	}
+	if m.Offset+1 >= p.next {
+		pass.ended = true
+	}
+	if pass.ended {
+		for _, e := range pass.heads {
+			if e.state == stateSpilled {
+				p.spilled--
+				s.stats.spilled--
+				p.waiting--
+				s.stats.waiting--
+				p.done(e)
+			}
+		}
+		return true
+	}
+	if p.undone < s.cfg.PartitionWindow {
+		return false
+	}
+	for _, e := range p.fetch {
+		if e.state == stateSpilled && e.off > m.Offset {
+			return false
+		}
+	}
+	return true
+}
+
+// trim drops the done records at the front of the window, and the others
+// once they are more than the rest, and signals the room. Called with mu
 // held.
 func (p *partState) trim() {
 	n := 0
 	for n < len(p.window) && p.window[n].state == stateDone {
 		n++
 	}
-	if n == 0 {
-		return
+	if n > 0 {
+		clear(p.window[:n])
+		p.window = p.window[n:]
 	}
-	clear(p.window[:n])
-	p.window = p.window[n:]
+	if done := len(p.window) - p.undone - p.spilled; done > p.undone+p.spilled && done > 32 {
+		kept := p.window[:0]
+		for _, e := range p.window {
+			if e.state != stateDone {
+				kept = append(kept, e)
+			}
+		}
+		clear(p.window[len(kept):])
+		p.window = kept
+	}
 	if len(p.window) == 0 {
 		p.window = nil
 	}
@@ -251,9 +488,40 @@ func (p *partState) trim() {
 // commitOffset is the offset below which every record is done.
 func (p *partState) commitOffset() int64 {
 	if len(p.window) > 0 {
-		return p.window[0].m.Offset
+		return p.window[0].off
 	}
 	return p.next
+}
+
+// doneRuns are the done offsets above the committed one: those between the
+// records of the window that are not done, after the last of them up to
+// the last record read, and the runs of the commit metadata not read yet.
+// Called with mu held.
+func (p *partState) doneRuns() []run {
+	var done []run
+	add := func(r run) {
+		if r.end <= r.start {
+			return
+		}
+		if n := len(done); n > 0 && done[n-1].end >= r.start {
+			done[n-1].end = max(done[n-1].end, r.end)
+			return
+		}
+		done = append(done, r)
+	}
+	prev := p.commitOffset()
+	for _, e := range p.window {
+		if e.state == stateDone {
+			continue
+		}
+		add(run{prev, e.off})
+		prev = e.off + 1
+	}
+	add(run{prev, p.next})
+	for _, r := range p.skip {
+		add(run{max(r.start, p.next), r.end})
+	}
+	return done
 }
 
 // mark gives the session the committed offset and, in its metadata, the
@@ -265,13 +533,7 @@ func (p *partState) mark() {
 	}
 	meta := ""
 	if max := p.st.metaMax; max > 0 {
-		var done []int64
-		for _, e := range p.window {
-			if e.state == stateDone {
-				done = append(done, e.m.Offset)
-			}
-		}
-		meta = encodeDone(off, done, max)
+		meta = encodeDone(off, p.doneRuns(), max)
 	}
 	if off == p.marked && meta == p.meta {
 		p.changed = false
@@ -284,10 +546,85 @@ func (p *partState) mark() {
 	p.marked, p.meta, p.changed = off, meta, false
 }
 
+// stalls are p's keys whose head has waited StallTimeout or longer
+// without an ack. Called with mu held.
+func (p *partState) stalls(now time.Time) []Stall {
+	timeout := p.st.s.cfg.StallTimeout
+	if timeout < 0 || p.stopping {
+		return nil
+	}
+	var out []Stall
+	for _, e := range p.window {
+		switch e.state {
+		case stateReady, stateInFlight, stateBackoff, stateFailed:
+		default:
+			continue // done, held, or behind its key's head
+		}
+		if e.head.IsZero() || now.Sub(e.head) < timeout {
+			continue
+		}
+		st := Stall{Topic: p.st.topic, Partition: p.partition, Key: e.key, Offset: e.off, For: now.Sub(e.head), Nacks: e.nacks, LastError: e.lastErr}
+		if e.state == stateInFlight {
+			st.Running = now.Sub(e.start)
+		}
+		switch {
+		case st.Running >= timeout:
+			st.Cause = StallSlow
+		case e.nacks > 0 || e.state == stateFailed:
+			st.Cause = StallFailing
+		default:
+			st.Cause = StallQueued
+		}
+		out = append(out, st)
+	}
+	return out
+}
+
+// logStalls logs each key that stalled since the last call, once. Called
+// without mu.
+func (p *partState) logStalls() {
+	s := p.st.s
+	if s.cfg.StallTimeout < 0 {
+		return
+	}
+	now := time.Now()
+	s.mu.Lock()
+	var fresh []Stall
+	for _, st := range p.stalls(now) {
+		i, ok := slices.BinarySearchFunc(p.window, st.Offset, func(e *entry, off int64) int { return cmp.Compare(e.off, off) })
+		if !ok || p.window[i].stalled {
+			continue
+		}
+		p.window[i].stalled = true
+		fresh = append(fresh, st)
+	}
+	s.mu.Unlock()
+	for _, st := range fresh {
+		fields := watermill.LogFields{
+			"kafka_partition": st.Partition, "key": st.Key, "kafka_partition_offset": st.Offset, "cause": string(st.Cause),
+			"stalled_for": st.For.Round(time.Millisecond).String(), "nacks": st.Nacks,
+		}
+		var err error
+		switch st.Cause {
+		case StallSlow:
+			fields["running"] = st.Running.Round(time.Millisecond).String()
+			err = fmt.Errorf("its handler running %.0f s", st.Running.Seconds())
+		case StallFailing:
+			err = st.LastError
+			if err == nil {
+				err = errors.New("nacked; add idemkafka.RecordErrors to the router to see the error")
+			}
+		default:
+			err = errors.New("waiting for a MaxInFlight slot")
+		}
+		p.st.logger.Error("Key stalled ("+string(st.Cause)+"): its later records wait, the other keys of its partition flow", err, fields)
+	}
+}
+
 // groupHandler is the sarama.ConsumerGroupHandler of a stream.
 type groupHandler struct {
 	st   *stream
-	skip map[int32]map[int64]bool // per partition, from the commit metadata
+	skip map[int32][]run // per partition, from the commit metadata
 }
 
 // Setup reads the commit metadata of the claimed partitions: the offsets
@@ -296,7 +633,7 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 	h.st.s.mu.Lock()
 	h.st.s.stats.sessions++
 	h.st.s.mu.Unlock()
-	h.skip = map[int32]map[int64]bool{}
+	h.skip = map[int32][]run{}
 	parts := sess.Claims()[h.st.topic]
 	if len(parts) == 0 || h.st.s.cfg.CommitMetadataMaxBytes < 0 {
 		return nil
@@ -337,7 +674,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 	done := sess.Context().Done()
 	for {
 		s.mu.Lock()
-		full := p.full()
+		full := p.full() && !p.spill()
 		s.mu.Unlock()
 		if full {
 			select {
@@ -347,6 +684,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 				s.mu.Lock()
 				p.mark()
 				s.mu.Unlock()
+				p.logStalls()
 				continue
 			case <-done:
 				return nil
@@ -364,6 +702,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 			s.mu.Lock()
 			p.mark()
 			s.mu.Unlock()
+			p.logStalls()
 		case <-done:
 			return nil
 		}
@@ -384,6 +723,9 @@ func (p *partState) revoke() {
 			s.stats.held--
 		case stateWaiting:
 			s.stats.waiting--
+		case stateSpilled:
+			s.stats.waiting--
+			s.stats.spilled--
 		case stateReady, stateBackoff:
 		default:
 			continue
@@ -429,7 +771,7 @@ func (p *partState) revoke() {
 
 // fetchDone reads the committed offsets and metadata of parts from the
 // group coordinator.
-func (st *stream) fetchDone(parts []int32) (map[int32]map[int64]bool, error) {
+func (st *stream) fetchDone(parts []int32) (map[int32][]run, error) {
 	cfg := st.s
 	b, err := st.client.Coordinator(cfg.cfg.ConsumerGroup)
 	if err != nil {
@@ -440,7 +782,7 @@ func (st *stream) fetchDone(parts []int32) (map[int32]map[int64]bool, error) {
 	if err != nil {
 		return nil, err
 	}
-	out := map[int32]map[int64]bool{}
+	out := map[int32][]run{}
 	for _, part := range parts {
 		blk := resp.GetBlock(st.topic, part)
 		if blk == nil || blk.Err != sarama.ErrNoError || blk.Offset < 0 {

@@ -1,10 +1,13 @@
 package idemkafka
 
-import "sort"
+import (
+	"sort"
+	"time"
+)
 
 // counters are the Subscriber's numbers, guarded by its mu.
 type counters struct {
-	inflight, waiting, held          int
+	inflight, waiting, held, spilled int
 	acked, nacked, skipped, sessions uint64
 	commitsRefused                   uint64
 	lastCommitRefusal                error
@@ -22,6 +25,11 @@ type SubscriberStats struct {
 	KeysWaiting int
 	// Held is the number of records waiting for their NotBeforeFunc time.
 	Held int
+	// Spilled is the number of the KeysWaiting records whose payload was
+	// dropped to make room in a full window: they are read again from
+	// Kafka when they become their key's head (at most 64 ×
+	// PartitionWindow per partition).
+	Spilled int
 	// Acked and Nacked count the acks and nacks since NewSubscriber.
 	Acked, Nacked uint64
 	// Skipped counts the records not handed out because the commit
@@ -40,9 +48,58 @@ type SubscriberStats struct {
 	// LastCommitRefusal is the last of them (a *sarama.ConsumerError
 	// naming the partition), nil for none.
 	LastCommitRefusal error
+	// StalledKeys is the number of keys whose head record has waited
+	// StallTimeout or longer without an ack (see
+	// [SubscriberConfig].StallTimeout).
+	StalledKeys int
+	// Stalls are those keys, the longest stalled first, at most
+	// maxStallsListed (100) of them.
+	Stalls []Stall
 	// Partitions are the partitions this Subscriber holds now.
 	Partitions []PartitionStats
 }
+
+// StallCause is why a stalled key's head is not done.
+type StallCause string
+
+const (
+	// StallFailing: the head was nacked (its handler failed) and runs
+	// again after NackResendSleep, or cannot be unmarshalled.
+	StallFailing StallCause = "failing"
+	// StallSlow: the head's handler has been running StallTimeout or
+	// longer.
+	StallSlow StallCause = "slow"
+	// StallQueued: the head waits for a MaxInFlight slot (every slot
+	// taken, by other partitions or long handlers).
+	StallQueued StallCause = "queued"
+)
+
+// Stall is a key whose head record (its first record not done) has waited
+// StallTimeout or longer without an ack. The later records of the key wait
+// behind it, and the committed offset of its partition stays at or below
+// it; the other keys of the partition keep flowing.
+type Stall struct {
+	Topic     string
+	Partition int32
+	// Key is the record key (with OrderPartition and OrderNone, "").
+	Key string
+	// Offset is the head record's.
+	Offset int64
+	Cause  StallCause
+	// For is how long since the record became its key's head.
+	For time.Duration
+	// Running is how long its current attempt's handler has run (0 when
+	// not in flight).
+	Running time.Duration
+	// Nacks counts its nacks.
+	Nacks int
+	// LastError is the error of its last failed attempt: set when
+	// [RecordErrors] is in the router (or it cannot be unmarshalled).
+	LastError error
+}
+
+// maxStallsListed bounds SubscriberStats.Stalls.
+const maxStallsListed = 100
 
 // PartitionStats is one held partition.
 type PartitionStats struct {
@@ -57,8 +114,13 @@ type PartitionStats struct {
 	// is pending): how far processing runs ahead of the committed offset,
 	// which bounds the records a crash could make run again.
 	Distance int64
-	// Window is the number of records held from Committed on.
+	// Window is the number of records held from Committed on that are
+	// not done (at most PartitionWindow).
 	Window int
+	// StalledFor is how long the partition has gone without an ack while
+	// one of its keys is stalled, when that is StallTimeout or longer
+	// (0 otherwise).
+	StalledFor time.Duration
 }
 
 // ConsumerGroup is the Kafka consumer group of the Subscriber
@@ -70,14 +132,21 @@ func (s *Subscriber) Stats() SubscriberStats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := SubscriberStats{
-		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.waiting, Held: s.stats.held,
+		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.waiting, Held: s.stats.held, Spilled: s.stats.spilled,
 		Acked: s.stats.acked, Nacked: s.stats.nacked, Skipped: s.stats.skipped, Sessions: s.stats.sessions,
 		CommitsRefused: s.stats.commitsRefused, LastCommitRefusal: s.stats.lastCommitRefusal,
 	}
+	now := time.Now()
 	for st := range s.streams {
 		for _, p := range st.parts {
 			committed := p.commitOffset()
-			ps := PartitionStats{Topic: st.topic, Partition: p.partition, Committed: committed, HighestHandedOut: p.highest, Window: len(p.window)}
+			ps := PartitionStats{Topic: st.topic, Partition: p.partition, Committed: committed, HighestHandedOut: p.highest, Window: p.undone}
+			stalls := p.stalls(now)
+			out.StalledKeys += len(stalls)
+			out.Stalls = append(out.Stalls, stalls...)
+			if len(stalls) > 0 && now.Sub(p.progress) >= s.cfg.StallTimeout {
+				ps.StalledFor = now.Sub(p.progress)
+			}
 			if committed < 0 {
 				ps.Committed = -1
 			}
@@ -94,7 +163,18 @@ func (s *Subscriber) Stats() SubscriberStats {
 		}
 		return a.Partition < b.Partition
 	})
+	out.Stalls = longestStalls(out.Stalls)
 	return out
+}
+
+// longestStalls sorts stalls, the longest first, and keeps
+// maxStallsListed.
+func longestStalls(stalls []Stall) []Stall {
+	sort.SliceStable(stalls, func(i, j int) bool { return stalls[i].For > stalls[j].For })
+	if len(stalls) > maxStallsListed {
+		stalls = stalls[:maxStallsListed]
+	}
+	return stalls
 }
 
 // Add returns s plus o, for the stats of several Subscribers of one
@@ -106,11 +186,14 @@ func (s SubscriberStats) Add(o SubscriberStats) SubscriberStats {
 	s.MaxInFlight += o.MaxInFlight
 	s.KeysWaiting += o.KeysWaiting
 	s.Held += o.Held
+	s.Spilled += o.Spilled
 	s.Acked += o.Acked
 	s.Nacked += o.Nacked
 	s.Skipped += o.Skipped
 	s.Sessions += o.Sessions
 	s.CommitsRefused += o.CommitsRefused
+	s.StalledKeys += o.StalledKeys
+	s.Stalls = longestStalls(append(append([]Stall(nil), s.Stalls...), o.Stalls...))
 	if o.LastCommitRefusal != nil {
 		s.LastCommitRefusal = o.LastCommitRefusal
 	}
@@ -121,6 +204,7 @@ func (s SubscriberStats) Add(o SubscriberStats) SubscriberStats {
 			if parts[i].Topic == p.Topic && parts[i].Partition == p.Partition {
 				parts[i].Distance += p.Distance
 				parts[i].Window += p.Window
+				parts[i].StalledFor = max(parts[i].StalledFor, p.StalledFor)
 				merged = true
 				break
 			}

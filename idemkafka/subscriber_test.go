@@ -347,6 +347,7 @@ func TestSubscriberConfigErrors(t *testing.T) {
 		{"MaxInFlight", func(c *idemkafka.SubscriberConfig) { c.MaxInFlight = -1 }},
 		{"PartitionWindow", func(c *idemkafka.SubscriberConfig) { c.PartitionWindow = -1 }},
 		{"RevokeTimeout", func(c *idemkafka.SubscriberConfig) { c.RevokeTimeout = time.Hour }},
+		{"StallTimeout", func(c *idemkafka.SubscriberConfig) { c.StallTimeout = -2 }},
 	} {
 		t.Run(tc.field, func(t *testing.T) {
 			cfg := idemkafka.SubscriberConfig{Brokers: []string{"127.0.0.1:1"}, ConsumerGroup: "g"}

@@ -51,6 +51,8 @@ type Metrics struct {
 	oldest                                                       metric.Float64ObservableGauge
 	kInFlight, kWaiting, kHeld, kMaxInFlight, kDistance, kWindow metric.Int64ObservableGauge
 	kAcked, kNacked, kSkipped, kSessions, kRefused               metric.Int64ObservableCounter
+	kStalled                                                     metric.Int64ObservableGauge
+	kPartStalled                                                 metric.Float64ObservableGauge
 }
 
 // New creates the instruments on the meter [otelx.Meter] of mp (nil: the
@@ -108,7 +110,11 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.kSkipped = counter("idem.kafka.skipped", "{message}", "idemkafka.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.")
 	m.kSessions = counter("idem.kafka.sessions", "{session}", "idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).")
 	m.kRefused = counter("idem.kafka.commits_refused", "{commit}", "idemkafka.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.")
+	m.kStalled = gauge("idem.kafka.stalled_keys", "{key}", "idemkafka.Subscriber: keys whose head record has waited StallTimeout or longer without an ack (failing, slow or queued; Stats().Stalls and the log name the key and the cause).")
 	var err error
+	m.kPartStalled, err = meter.Float64ObservableGauge("idem.kafka.partition.stalled", metric.WithUnit("s"),
+		metric.WithDescription("idemkafka.Subscriber: per held partition, how long it has gone without an ack while one of its keys is stalled (0 when none is, or for less than StallTimeout)."))
+	errs = append(errs, err)
 	m.pending, err = meter.Int64ObservableGauge("idem.outbox.pending", metric.WithUnit("{message}"),
 		metric.WithDescription("Committed outbox rows the forwarder has not forwarded yet."))
 	errs = append(errs, err)
@@ -122,7 +128,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 		m.processed, m.duplicates, m.failed, m.claimErrors, m.rejected, m.claims, m.claimTime, m.txTime,
 		m.groups, m.grouped, m.groupFallbacks, m.alone, m.leases,
 		m.forwarded, m.commits, m.polls, m.fwdErrors, m.quarantined, m.pending, m.oldest,
-		m.kInFlight, m.kWaiting, m.kHeld, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions, m.kRefused)
+		m.kInFlight, m.kWaiting, m.kHeld, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions, m.kRefused, m.kStalled, m.kPartStalled)
 	if err != nil {
 		return nil, fmt.Errorf("idemotel: register callback: %w", err)
 	}
@@ -170,10 +176,11 @@ func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts 
 // AddSubscriber reports the Stats of idemkafka's parallel subscriber with
 // the attribute messaging.consumer.group.name (its Kafka consumer group):
 // idem.kafka.in_flight, keys_waiting, held, max_in_flight, acked, nacked,
-// skipped, sessions and commits_refused, and per held partition (attributes
-// messaging.destination.name and messaging.destination.partition.id)
-// idem.kafka.partition.distance (between the committed offset and the
-// highest one handed out) and idem.kafka.partition.window. Adding two
+// skipped, sessions, commits_refused and stalled_keys, and per held
+// partition (attributes messaging.destination.name and
+// messaging.destination.partition.id) idem.kafka.partition.distance
+// (between the committed offset and the highest one handed out),
+// idem.kafka.partition.window and idem.kafka.partition.stalled. Adding two
 // subscribers of the same group sums them.
 func (m *Metrics) AddSubscriber(sub *idemkafka.Subscriber) {
 	m.mu.Lock()
@@ -207,11 +214,13 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.kSkipped, int64(s.Skipped), set)
 		o.ObserveInt64(m.kSessions, int64(s.Sessions), set)
 		o.ObserveInt64(m.kRefused, int64(s.CommitsRefused), set)
+		o.ObserveInt64(m.kStalled, int64(s.StalledKeys), set)
 		for _, p := range s.Partitions {
 			pset := metric.WithAttributeSet(attribute.NewSet(group, semconv.MessagingDestinationName(p.Topic),
 				semconv.MessagingDestinationPartitionID(strconv.Itoa(int(p.Partition)))))
 			o.ObserveInt64(m.kDistance, p.Distance, pset)
 			o.ObserveInt64(m.kWindow, int64(p.Window), pset)
+			o.ObserveFloat64(m.kPartStalled, p.StalledFor.Seconds(), pset)
 		}
 	}
 

@@ -36,7 +36,8 @@ func TestMetricsExportSubscriber(t *testing.T) {
 		publisher.WithPartitionKey(m, "a")
 		require.NoError(t, pub.Publish(topic, m))
 	}
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", MaxInFlight: 8, RevokeTimeout: 5 * time.Second}, nil)
+	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", MaxInFlight: 8, RevokeTimeout: 5 * time.Second,
+		StallTimeout: time.Millisecond}, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); _ = sub.Close() })
@@ -52,7 +53,10 @@ func TestMetricsExportSubscriber(t *testing.T) {
 	metrics.AddSubscriber(sub)
 
 	first := <-ch
-	require.Eventually(t, func() bool { return sub.Stats().KeysWaiting == 2 }, time.Minute, 5*time.Millisecond)
+	require.Eventually(t, func() bool {
+		s := sub.Stats()
+		return s.KeysWaiting == 2 && s.StalledKeys == 1 && s.Partitions[0].StalledFor > 0
+	}, time.Minute, 5*time.Millisecond)
 	part := []attribute.KeyValue{group, attribute.String("messaging.destination.name", topic), attribute.String("messaging.destination.partition.id", "0")}
 	got, err := collect(t, reader)
 	require.NoError(t, err)
@@ -65,6 +69,8 @@ func TestMetricsExportSubscriber(t *testing.T) {
 	require.EqualValues(t, 0, got.must(t, "idem.kafka.commits_refused", group))
 	require.EqualValues(t, 1, got.must(t, "idem.kafka.partition.distance", part...))
 	require.EqualValues(t, 3, got.must(t, "idem.kafka.partition.window", part...))
+	require.EqualValues(t, 1, got.must(t, "idem.kafka.stalled_keys", group), "the first, in flight past StallTimeout")
+	require.Positive(t, got.must(t, "idem.kafka.partition.stalled", part...))
 
 	first.Ack()
 	second := <-ch

@@ -68,6 +68,8 @@ var (
 	descKafkaRefused     = prometheus.NewDesc("idem_kafka_commits_refused_total", "idemkafka.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.", group, nil)
 	descKafkaDistance    = prometheus.NewDesc("idem_kafka_partition_distance", "idemkafka.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending): how far processing runs ahead of the commit, which bounds what a crash makes run again.", part, nil)
 	descKafkaWindow      = prometheus.NewDesc("idem_kafka_partition_window", "idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).", part, nil)
+	descKafkaStalled     = prometheus.NewDesc("idem_kafka_stalled_keys", "idemkafka.Subscriber: keys whose head record has waited StallTimeout or longer without an ack (failing, slow or queued; Stats().Stalls and the log name the key and the cause).", group, nil)
+	descKafkaPartStalled = prometheus.NewDesc("idem_kafka_partition_stalled_seconds", "idemkafka.Subscriber: per held partition, how long it has gone without an ack while one of its keys is stalled (0 when none is, or for less than StallTimeout).", part, nil)
 	descKafkaMaxInFlight = prometheus.NewDesc("idem_kafka_max_in_flight", "idemkafka.Subscriber: MaxInFlight (the bound of idem_kafka_in_flight).", group, nil)
 
 	tbl = []string{"table"}
@@ -194,10 +196,10 @@ func (c *Collector) AddTable(db migrate.DBTX, cfg deduplicator.TableConfig) {
 
 // AddSubscriber exports the Stats of idemkafka's parallel subscriber with
 // the label consumer_group (its Kafka consumer group): messages in flight,
-// keys waiting, held, acked, nacked, skipped, sessions and refused
-// commits, and per held
-// partition (labels topic, partition) the distance between the committed
-// offset and the highest one handed out, and the window. Adding two
+// keys waiting, held, acked, nacked, skipped, sessions, refused commits
+// and stalled keys, and per held partition (labels topic, partition) the
+// distance between the committed offset and the highest one handed out,
+// the window, and how long it has been stalled. Adding two
 // subscribers of the same group sums them.
 func (c *Collector) AddSubscriber(sub *idemkafka.Subscriber) {
 	c.mu.Lock()
@@ -213,7 +215,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
 		descTableRows, descTableBytes, descTableRetention, descTableCleaned, descTablePartitions,
 		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions, descKafkaRefused,
-		descKafkaDistance, descKafkaWindow, descKafkaMaxInFlight} {
+		descKafkaDistance, descKafkaWindow, descKafkaMaxInFlight, descKafkaStalled, descKafkaPartStalled} {
 		ch <- d
 	}
 }
@@ -342,10 +344,12 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descKafkaSkipped, float64(s.Skipped), g)
 		counter(descKafkaSessions, float64(s.Sessions), g)
 		counter(descKafkaRefused, float64(s.CommitsRefused), g)
+		gauge(descKafkaStalled, float64(s.StalledKeys), g)
 		for _, p := range s.Partitions {
 			id := strconv.Itoa(int(p.Partition))
 			gauge(descKafkaDistance, float64(p.Distance), g, p.Topic, id)
 			gauge(descKafkaWindow, float64(p.Window), g, p.Topic, id)
+			gauge(descKafkaPartStalled, p.StalledFor.Seconds(), g, p.Topic, id)
 		}
 	}
 }

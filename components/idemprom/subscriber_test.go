@@ -37,7 +37,8 @@ func TestCollectorExportsSubscriber(t *testing.T) {
 		publisher.WithPartitionKey(m, "a")
 		require.NoError(t, pub.Publish(topic, m))
 	}
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", MaxInFlight: 8, RevokeTimeout: 5 * time.Second}, nil)
+	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", MaxInFlight: 8, RevokeTimeout: 5 * time.Second,
+		StallTimeout: time.Millisecond}, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); _ = sub.Close() })
@@ -50,7 +51,10 @@ func TestCollectorExportsSubscriber(t *testing.T) {
 	require.NoError(t, reg.Register(c))
 
 	first := <-ch
-	require.Eventually(t, func() bool { return sub.Stats().KeysWaiting == 2 }, time.Minute, 5*time.Millisecond)
+	require.Eventually(t, func() bool {
+		s := sub.Stats()
+		return s.KeysWaiting == 2 && s.StalledKeys == 1 && s.Partitions[0].StalledFor > 0
+	}, time.Minute, 5*time.Millisecond)
 	expected := `
 # HELP idem_kafka_in_flight idemkafka.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).
 # TYPE idem_kafka_in_flight gauge
@@ -82,7 +86,9 @@ idem_kafka_commits_refused_total{consumer_group="billing"} 0
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(strings.ReplaceAll(expected, "TOPIC", topic)), names...))
 	n, err := testutil.GatherAndCount(reg)
 	require.NoError(t, err)
-	require.Equal(t, 11, n) // 9 per group, 2 per partition
+	require.Equal(t, 13, n) // 10 per group, 3 per partition
+	require.Equal(t, 1.0, testutil.ToFloat64(collectorOf(c, "idem_kafka_stalled_keys")), "the first, in flight past StallTimeout")
+	require.Positive(t, testutil.ToFloat64(collectorOf(c, "idem_kafka_partition_stalled_seconds")))
 
 	first.Ack()
 	second := <-ch
