@@ -216,39 +216,54 @@ func (l *leaseMode) runTakes(batch []*takeReq) {
 
 // renewWhileCalling renews the lease every RenewInterval until stop is
 // called; a renewal that finds the lease gone cancels the handler's
-// context with ErrLeaseLost.
+// context with ErrLeaseLost. It costs a timer, no goroutine, until the
+// first renewal is due: most calls end long before.
 func (l *leaseMode) renewWhileCalling(id, token uuid.UUID, cancel context.CancelCauseFunc) (stop func()) {
-	quit := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		t := time.NewTicker(l.cfg.RenewInterval)
-		defer t.Stop()
-		for {
-			select {
-			case <-quit:
-				return
-			case <-t.C:
-			}
-			ctx, done := context.WithTimeout(context.Background(), l.cfg.RenewInterval)
-			ok, err := l.d.dedup.RenewLease(ctx, l.db, id, token, l.cfg.Duration)
-			done()
-			switch {
-			case err != nil: // the next tick tries again; the completion tells
-				l.d.logger.Error("Lease renewal failed", err, watermill.LogFields{"event_id": id.String()})
-			case !ok:
-				cancel(ErrLeaseLost)
-				return
-			default:
-				l.d.stats.leasesRenewed.Add(1)
-				l.hook("renewed", id)
-			}
+	var (
+		mu      sync.Mutex
+		stopped bool
+		t       *time.Timer
+		running sync.WaitGroup
+	)
+	tick := func() {
+		mu.Lock()
+		if stopped {
+			mu.Unlock()
+			return
 		}
-	})
+		running.Add(1)
+		mu.Unlock()
+		defer running.Done()
+		ctx, done := context.WithTimeout(context.Background(), l.cfg.RenewInterval)
+		ok, err := l.d.dedup.RenewLease(ctx, l.db, id, token, l.cfg.Duration)
+		done()
+		switch {
+		case err != nil: // the next tick tries again; the completion tells
+			l.d.logger.Error("Lease renewal failed", err, watermill.LogFields{"event_id": id.String()})
+		case !ok:
+			cancel(ErrLeaseLost)
+			return
+		default:
+			l.d.stats.leasesRenewed.Add(1)
+			l.hook("renewed", id)
+		}
+		mu.Lock()
+		if !stopped {
+			t.Reset(l.cfg.RenewInterval)
+		}
+		mu.Unlock()
+	}
+	mu.Lock()
+	t = time.AfterFunc(l.cfg.RenewInterval, tick)
+	mu.Unlock()
 	var once sync.Once
 	return func() {
 		once.Do(func() {
-			close(quit)
-			wg.Wait()
+			mu.Lock()
+			stopped = true
+			t.Stop()
+			mu.Unlock()
+			running.Wait() // a renewal under way ends before the completion
 		})
 	}
 }
