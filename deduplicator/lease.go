@@ -125,9 +125,12 @@ func newLeaseSQL(schema, table string) leaseSQL {
 			"RETURNING l.event_id, l.attempts > 1 AS taken_over, l.attempts",
 		// A claim committed while take waited for a lease's lock is seen by
 		// this later statement (READ COMMITTED: a snapshot per statement):
-		// the lease just taken on a done event is removed again.
+		// the lease just taken on a done event is removed again. The ids
+		// ($3) reach the lease table through its primary key: token alone
+		// has no index, and the table churns (a seq scan of its live and
+		// dead rows on every take).
 		doneAfterTake: "DELETE FROM " + l + " l USING " + t + " p " +
-			"WHERE l.consumer_group = $2 AND l.token = ANY($1::uuid[]) " +
+			"WHERE l.event_id = ANY($3::uuid[]) AND l.consumer_group = $2 AND l.token = ANY($1::uuid[]) " +
 			"AND p.event_id = l.event_id AND p.consumer_group = l.consumer_group RETURNING l.event_id",
 		// Every requested id's state after the two statements above.
 		state: "SELECT u.id, EXISTS (SELECT 1 FROM " + t + " p WHERE p.event_id = u.id AND p.consumer_group = $2), " +
@@ -182,7 +185,7 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 	// commit, decides anything durable. This spares each batch an fsync.
 	b.Queue("SELECT set_config('synchronous_commit', 'off', true)")
 	b.Queue(d.lease.take, ids, toks, g, d0.Microseconds(), owner)
-	b.Queue(d.lease.doneAfterTake, toks, g)
+	b.Queue(d.lease.doneAfterTake, toks, g, ids)
 	b.Queue(d.lease.state, ids, g)
 	br := db.SendBatch(ctx, b)
 	defer br.Close()
