@@ -154,7 +154,7 @@ func TestLease_TakeWaitsForACompletionInFlight(t *testing.T) {
 				done <- got
 			}()
 			require.Eventually(t, func() bool {
-				return db.Count(t, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%_lease%'") == 1
+				return db.Count(t, `SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO "' || $1 || '"."%_lease"%'`, db.Schema) == 1
 			}, 30*time.Second, 10*time.Millisecond, "the taker waits for the completion's lock")
 			select {
 			case <-done:

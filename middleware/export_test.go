@@ -35,3 +35,11 @@ func OpenGroupSize(d *Dedup) int {
 func SetLeaseHook(d *Dedup, f func(point string, id uuid.UUID)) {
 	d.lease.hook = f
 }
+
+// LeaseCompletionsQueued returns how many completions wait for a batch in
+// d's lease mode, for tests that arrange a batch's members.
+func LeaseCompletionsQueued(d *Dedup) int {
+	d.lease.completes.mu.Lock()
+	defer d.lease.completes.mu.Unlock()
+	return len(d.lease.completes.queue)
+}

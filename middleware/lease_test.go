@@ -347,7 +347,7 @@ func TestLease_DeliveryDuringTheCompletion(t *testing.T) {
 		otherDone <- err
 	}()
 	require.Eventually(t, func() bool {
-		return f.db.Count(t, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%_lease%'") == 1
+		return f.db.Count(t, `SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO "' || $1 || '"."%_lease"%'`, f.db.Schema) == 1
 	}, 30*time.Second, 10*time.Millisecond, "the second delivery's take waits for the completion's lock")
 	close(g.release)
 	require.NoError(t, <-done)
@@ -360,17 +360,32 @@ func TestLease_DeliveryDuringTheCompletion(t *testing.T) {
 
 // Deliveries that arrive together share the phases' transactions; one
 // whose write fails does not take the others down: the batch falls back to
-// one transaction each, and only that one fails (its lease released).
+// one transaction each, and only that one fails (its lease released). The
+// first completion is paused inside its transaction (holding the only
+// slot) until every other completion, the failing one included, is queued:
+// they then make one batch.
 func TestLease_BatchesAndAFailingWrite(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	d := f.leaseDedup(t, idem.LeaseConfig{Concurrency: 1})
 	const n = 40
-	bad := publisher.NewEventID()
-	start := make(chan struct{})
+	ids := append(newIDs(n), publisher.NewEventID())
+	opener, bad := ids[0], ids[n]
+	firstPaused, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	idem.SetLeaseHook(d, func(point string, _ uuid.UUID) {
+		if point == "completing" {
+			once.Do(func() {
+				close(firstPaused)
+				<-release
+			})
+		}
+	})
 	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
-		<-start // all in their calls at once: the completions gather
 		id, _ := idem.EventIDFromContext(m.Context())
+		if id != opener {
+			<-firstPaused
+		}
 		return nil, idem.Complete(m.Context(), func(ctx context.Context, tx pgx.Tx) error {
 			if id == bad {
 				return fmt.Errorf("ledger refused %s", id)
@@ -379,13 +394,13 @@ func TestLease_BatchesAndAFailingWrite(t *testing.T) {
 			return err
 		})
 	})
-	var taken atomic.Int32
-	idem.SetLeaseHook(d, func(point string, _ uuid.UUID) {
-		if point == "taken" && taken.Add(1) == n+1 {
-			close(start)
+	go func() {
+		<-firstPaused
+		for idem.LeaseCompletionsQueued(d) < n {
+			time.Sleep(time.Millisecond)
 		}
-	})
-	ids := append(newIDs(n), bad)
+		close(release)
+	}()
 	errs := deliverAll(h, f.msgs(ids))
 	for i, err := range errs {
 		if ids[i] == bad {
@@ -397,7 +412,7 @@ func TestLease_BatchesAndAFailingWrite(t *testing.T) {
 	require.Equal(t, n, f.ledgerRows(t))
 	require.Equal(t, n, f.claims(t))
 	require.Zero(t, f.leases(t), "the failed one's lease was released")
-	require.EqualValues(t, 1, d.Stats().GroupFallbacks)
+	require.EqualValues(t, 1, d.Stats().GroupFallbacks, "the batch of the other 40 fell back once")
 }
 
 // Complete works in transaction mode too: the write runs at once on the
