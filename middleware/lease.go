@@ -204,7 +204,11 @@ func (l *leaseMode) runTakes(batch []*takeReq) {
 	for i, t := range batch {
 		reqs[i] = t.req
 	}
-	res, err := l.d.dedup.TakeLeases(context.WithoutCancel(batch[0].ctx), l.db, reqs, l.cfg.Duration, l.cfg.Owner)
+	// Bounded by a lease: a take that has not answered by then (a server
+	// gone without a TCP reset) would hand out leases already expired.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(batch[0].ctx), l.cfg.Duration)
+	defer cancel()
+	res, err := l.d.dedup.TakeLeases(ctx, l.db, reqs, l.cfg.Duration, l.cfg.Owner)
 	for i, t := range batch {
 		if err != nil {
 			t.err = fmt.Errorf("take lease: %w", err)
@@ -303,7 +307,12 @@ func (l *leaseMode) runCompletes(batch []*completeReq) {
 // of several, completeBatch returns errMemberFailed and sets nothing.
 func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 	d := l.d
-	ctx := context.WithoutCancel(batch[0].origCtx)
+	// Bounded by a lease, like the take: past it the tokens may be taken
+	// over anyway, and a server gone without a TCP reset must not hold the
+	// batch's messages for good. A cut COMMIT is an unknown outcome: the
+	// messages are nacked and the redelivery's take tells.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(batch[0].origCtx), l.cfg.Duration)
+	defer cancel()
 	fail := func(err error) error {
 		for _, c := range batch {
 			c.err = err

@@ -48,7 +48,9 @@ const (
 type LeaseConfig struct {
 	// Duration is how long a lease lives unless renewed, on the database's
 	// clock: how long a crashed owner's event waits before another delivery
-	// takes it over. Defaults to 30 s.
+	// takes it over. It also bounds each phase's transaction (a server gone
+	// without a TCP reset ends in a context deadline error, and the
+	// messages are retried). Defaults to 30 s.
 	Duration time.Duration
 	// RenewInterval is how often a running handler's lease is extended to
 	// Duration from then; a renewal that finds the lease taken over cancels
