@@ -132,10 +132,19 @@ func newLeaseSQL(schema, table string) leaseSQL {
 		doneAfterTake: "DELETE FROM " + l + " l USING " + t + " p " +
 			"WHERE l.event_id = ANY($3::uuid[]) AND l.consumer_group = $2 AND l.token = ANY($1::uuid[]) " +
 			"AND p.event_id = l.event_id AND p.consumer_group = l.consumer_group RETURNING l.event_id",
-		// Every requested id's state after the two statements above.
-		state: "SELECT u.id, EXISTS (SELECT 1 FROM " + t + " p WHERE p.event_id = u.id AND p.consumer_group = $2), " +
-			"l.token, (extract(epoch FROM greatest(l.expires_at - now(), interval '0')) * 1000000)::bigint " +
-			"FROM unnest($1::uuid[]) AS u(id) LEFT JOIN " + l + " l ON l.event_id = u.id AND l.consumer_group = $2",
+		// The state of every requested id that this take does not own (its
+		// own leases come back from take, less doneAfterTake's): a claim
+		// (done), or another delivery's lease and how long it lives (busy).
+		// The claim is a join, not an EXISTS in the select list: PostgreSQL
+		// may run that as a hashed subplan, a seq scan of the whole claim
+		// table on every take while the table is small enough to look
+		// cheap (tens of thousands of rows: milliseconds per take).
+		state: "SELECT u.id, p.event_id IS NOT NULL, l.token, " +
+			"(extract(epoch FROM greatest(l.expires_at - now(), interval '0')) * 1000000)::bigint " +
+			"FROM unnest($1::uuid[], $3::uuid[]) AS u(id, tok) " +
+			"LEFT JOIN " + l + " l ON l.event_id = u.id AND l.consumer_group = $2 " +
+			"LEFT JOIN " + t + " p ON p.event_id = u.id AND p.consumer_group = $2 " +
+			"WHERE l.token IS DISTINCT FROM u.tok",
 		// The completion: the token check (the lease row is deleted, and
 		// locked until COMMIT, so no takeover can slip in) and the claim, in
 		// one statement.
@@ -186,7 +195,7 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 	b.Queue("SELECT set_config('synchronous_commit', 'off', true)")
 	b.Queue(d.lease.take, ids, toks, g, d0.Microseconds(), owner)
 	b.Queue(d.lease.doneAfterTake, toks, g, ids)
-	b.Queue(d.lease.state, ids, g)
+	b.Queue(d.lease.state, ids, g, toks)
 	br := db.SendBatch(ctx, b)
 	defer br.Close()
 	if _, err := br.Exec(); err != nil {
@@ -241,6 +250,11 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 	}
 	if err := br.Close(); err != nil {
 		return nil, fmt.Errorf("take leases: %w", err)
+	}
+	for id, o := range owned {
+		if _, read := byID[id]; !read {
+			byID[id] = LeaseTake{EventID: id, State: LeaseOwned, TakenOver: o.over, Attempts: o.attempts}
+		}
 	}
 	tokenOf := make(map[uuid.UUID]uuid.UUID, len(sorted))
 	for _, r := range sorted {

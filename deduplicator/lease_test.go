@@ -269,3 +269,45 @@ func TestLease_CleanerSweepsOnlyLongExpiredLeases(t *testing.T) {
 	require.EqualValues(t, 1, res.LeasesDeleted)
 	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM processed_event_lease WHERE event_id = ANY($1)", []uuid.UUID{live.EventID, recent.EventID}))
 }
+
+// Every statement of a take reaches the claim table through its primary
+// key, whatever the plan cache picks: a seq scan of the claim table on
+// every take (a hashed EXISTS subplan, which PostgreSQL picked for the
+// state read while the table had tens of thousands of rows and no
+// statistics yet) costs milliseconds per batch and grows with the table.
+func TestLease_TakeReadsClaimsByIndex(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, d := claimDB(t, "billing")
+	db.Exec(t, "INSERT INTO processed_event (event_id, consumer_group) SELECT gen_random_uuid(), 'billing' FROM generate_series(1, 30000)")
+	ids, toks := make([]uuid.UUID, 64), make([]uuid.UUID, 64)
+	for i := range ids {
+		ids[i], toks[i] = publisher.NewEventID(), uuid.New()
+	}
+	take, recheck, state := deduplicator.LeaseTakeSQL(d)
+	// Before the table's first ANALYZE (the planner guesses its size from
+	// its pages), then after it.
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan", "analyze", "force_custom_plan", "force_generic_plan"} {
+		if mode == "analyze" {
+			db.Exec(t, "ANALYZE processed_event")
+			continue
+		}
+		for name, st := range map[string]struct {
+			sql  string
+			args []any
+		}{
+			"take":    {take, []any{ids, toks, "billing", int64(time.Minute / time.Microsecond), "test"}},
+			"recheck": {recheck, []any{toks, "billing", ids}},
+			"state":   {state, []any{ids, "billing", toks}},
+		} {
+			inTx(t, db, func(tx pgx.Tx) {
+				_, err := tx.Exec(ctx, "SET LOCAL plan_cache_mode = "+mode)
+				require.NoError(t, err)
+				var plan string
+				require.NoError(t, tx.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+st.sql, st.args...).Scan(&plan))
+				require.NotRegexp(t, `"Node Type": "Seq Scan",[^}]*"Relation Name": "processed_event"`, plan,
+					"%s (%s) scans the claim table", name, mode)
+			})
+		}
+	}
+}

@@ -237,12 +237,22 @@ func (r *e2eRig) runRouter(ctx context.Context, topic, group, outTopic string, h
 // server holds the forwarder back (see xminHolder).
 const e2eRoundTimeout = 60 * time.Second
 
-// span records the first and last of n events.
+// span records the first and last of n events (and, when made by
+// newSteadySpan, the time of every mark).
 type span struct {
 	n           int64
 	count       atomic.Int64
 	first, last atomic.Int64
+	at          []atomic.Int64
 	done        chan struct{}
+}
+
+// newSteadySpan is a span that also records each mark's time, for
+// steadyRate.
+func newSteadySpan(n int) *span {
+	s := newSpan(n)
+	s.at = make([]atomic.Int64, n)
+	return s
 }
 
 func newSpan(n int) *span { return &span{n: int64(n), done: make(chan struct{})} }
@@ -250,7 +260,11 @@ func newSpan(n int) *span { return &span{n: int64(n), done: make(chan struct{})}
 func (s *span) mark() {
 	now := time.Now().UnixNano()
 	s.first.CompareAndSwap(0, now)
-	if s.count.Add(1) == s.n {
+	c := s.count.Add(1)
+	if s.at != nil && c <= s.n {
+		s.at[c-1].Store(now)
+	}
+	if c == s.n {
 		s.last.Store(now)
 		close(s.done)
 	}
@@ -259,6 +273,15 @@ func (s *span) mark() {
 // rate is events per second from the first to the last mark.
 func (s *span) rate() float64 {
 	return float64(s.n-1) / time.Duration(s.last.Load()-s.first.Load()).Seconds()
+}
+
+// steadyRate is events per second between the 10th and the 90th
+// percentile of the marks (a span made by newSteadySpan): the rate once the
+// pipeline is full, without the time before the first completion (one
+// handler's latency) and the tail after the last batch was read.
+func (s *span) steadyRate() float64 {
+	i, j := int(s.n/10), int(s.n*9/10)-1
+	return float64(j-i) / time.Duration(s.at[j].Load()-s.at[i].Load()).Seconds()
 }
 
 // ceiling consumes the input topic with a no-op handler and no database.

@@ -169,6 +169,9 @@ type parRun struct {
 	// raw runs handler without the dedup middleware (and without a
 	// database).
 	raw bool
+	// steady measures the rate between the 10th and the 90th percentile of
+	// the commits (span.steadyRate) instead of from the first event handled.
+	steady bool
 }
 
 // parResult is one run.
@@ -218,6 +221,9 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 		return res, err
 	}
 	done := newSpan(run.count)
+	if run.steady {
+		done = newSteadySpan(run.count)
+	}
 	mw := d.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) })
 	if run.raw {
 		mw = func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) }
@@ -277,6 +283,9 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 		return res, timeout
 	}
 	res.rate = done.rate()
+	if run.steady {
+		res.rate = done.steadyRate()
+	}
 	res.stats = d.Stats()
 	return res, nil
 }
