@@ -134,7 +134,7 @@ func fieldComments(dir, name string) (map[string]string, error) {
 }
 
 var defaultsTo = regexp.MustCompile(`(?s)\bDefaults?(?: to)?\s+(.*)`)
-var required = regexp.MustCompile(`\bRequired\b`)
+var required = regexp.MustCompile(`(?i)\brequired\b`)
 
 // commentDefault returns what a doc comment states as the default: the text
 // after "Defaults to" up to the end of its sentence, "required", or "".
@@ -216,7 +216,7 @@ func (s Spec) agrees(text string, v reflect.Value) error {
 	if text == "" {
 		return fmt.Errorf("states no default (want %s)", show(v))
 	}
-	if strings.HasPrefix(strings.ToLower(text), "required") {
+	if required.MatchString(cut(text)) {
 		if !v.IsZero() {
 			return fmt.Errorf("says required, but the default is %s", show(v))
 		}
@@ -231,7 +231,7 @@ func (s Spec) agrees(text string, v reflect.Value) error {
 			}
 			checked = true
 		} else if value == "" {
-			value, head = head, ""
+			value = head
 		}
 	}
 	if value == "" {
@@ -241,8 +241,11 @@ func (s Spec) agrees(text string, v reflect.Value) error {
 		return fmt.Errorf("cannot read %q as a value (name it in Spec.Names or Spec.Described)", text)
 	}
 	want, err := parseValue(value, v.Type())
+	if err != nil && checked {
+		return nil // the name was the value; the parenthesis explains it
+	}
 	if err != nil {
-		return fmt.Errorf("%q: %w", text, err)
+		return fmt.Errorf("%q: %w (name it in Spec.Names or Spec.Described)", text, err)
 	}
 	if !same(want, v) {
 		return fmt.Errorf("states %q, the default is %s", text, show(v))
@@ -258,16 +261,19 @@ func split(text string) (head, value string) {
 			return "", text[:end+2]
 		}
 	}
-	if i := strings.Index(text, " = "); i >= 0 {
-		return text[:i], cut(text[i+3:])
+	if i := strings.Index(text, ": "); i >= 0 {
+		text = text[:i]
 	}
-	if i := strings.Index(text, " ("); i >= 0 {
-		inner := strings.TrimSuffix(strings.SplitN(text[i+2:], ")", 2)[0], ")")
+	eq, paren := strings.Index(text, " = "), strings.Index(text, " (")
+	if eq >= 0 && (paren < 0 || eq < paren) {
+		return text[:eq], cut(text[eq+3:])
+	}
+	if i := paren; i >= 0 {
 		head = text[:i]
 		if _, err := parseValue(head, nil); err == nil {
 			return "", head
 		}
-		return head, inner
+		return head, strings.SplitN(text[i+2:], ")", 2)[0]
 	}
 	return cut(text), ""
 }
@@ -294,6 +300,8 @@ func (s Spec) lookup(name string) (any, bool) {
 
 var durationRe = regexp.MustCompile(`^([0-9.]+)\s*(ns|µs|us|ms|s|sec|seconds?|min|minutes?|h|hours?|days?)$`)
 
+var bytesRe = regexp.MustCompile(`^([0-9]+)\s*(KiB|MiB)$`)
+
 var units = map[string]time.Duration{
 	"ns": time.Nanosecond, "µs": time.Microsecond, "us": time.Microsecond, "ms": time.Millisecond,
 	"s": time.Second, "sec": time.Second, "second": time.Second, "seconds": time.Second,
@@ -304,7 +312,7 @@ var units = map[string]time.Duration{
 // parseValue reads text as a value (of type t when t is not nil).
 func parseValue(text string, t reflect.Type) (any, error) {
 	switch {
-	case text == "nil":
+	case text == "nil" || text == "none":
 		return nil, nil
 	case text == "true" || text == "false":
 		return text == "true", nil
@@ -317,6 +325,10 @@ func parseValue(text string, t reflect.Type) (any, error) {
 			return nil, err
 		}
 		return time.Duration(f * float64(units[m[2]])), nil
+	}
+	if m := bytesRe.FindStringSubmatch(text); m != nil {
+		n, err := strconv.ParseFloat(m[1], 64)
+		return n * map[string]float64{"KiB": 1 << 10, "MiB": 1 << 20}[m[2]], err
 	}
 	f, err := strconv.ParseFloat(strings.ReplaceAll(text, ",", ""), 64)
 	if err != nil {
@@ -336,6 +348,9 @@ func same(want any, v reflect.Value) bool {
 			return v.IsNil()
 		}
 		return false
+	}
+	if v.Kind() == reflect.Interface && !v.IsNil() {
+		v = v.Elem()
 	}
 	w := reflect.ValueOf(want)
 	if w.Kind() == reflect.Func && v.Kind() == reflect.Func {
