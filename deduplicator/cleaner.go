@@ -93,8 +93,7 @@ type CleanerConfig struct {
 	LockTimeout time.Duration
 
 	// LockRetries is how many times partition DDL is retried after a lock
-	// timeout, with a jittered pause. Defaults to
-	// 5.
+	// timeout, with a jittered pause. Defaults to 5.
 	LockRetries int
 
 	// NowFunc, when set, stands in for the database's clock: tests and

@@ -4,8 +4,8 @@ import (
 	"testing"
 	"time"
 
-	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/configdoc"
+	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
