@@ -226,8 +226,8 @@ func scanPosition(row pgx.Row, extra ...any) (Position, error) {
 	var (
 		snap, cut *string
 		cutOffset *int64
-		wsqlTx  string
-		wsqlOff int64
+		wsqlTx    string
+		wsqlOff   int64
 	)
 	if err := row.Scan(append([]any{&snap, &cut, &cutOffset, &wsqlTx, &wsqlOff}, extra...)...); err != nil {
 		return Position{}, err
