@@ -96,6 +96,12 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 		parts = append(parts, Partition{Name: partition.Name(c.cfg.Table, d), parsed: true, from: from, to: to})
 	}
 
+	return movedFrom, c.dropOld(ctx, conn, parts, cutoff, res)
+}
+
+// dropOld drops the partitions whose upper bound is at or below the
+// cutoff's floor, keeping those that hold a young group's claims.
+func (c *Cleaner) dropOld(ctx context.Context, conn *pgx.Conn, parts []Partition, cutoff time.Time, res *Result) error {
 	boundary := partition.Floor(cutoff)
 	for _, p := range parts {
 		if p.Default || !p.parsed || bytes.Compare(p.to[:], boundary[:]) > 0 {
@@ -104,7 +110,7 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 		c.at(stepDrop, conn, 0)
 		dropped, err := c.dropPartition(ctx, conn, p.Name, cutoff)
 		if err != nil {
-			return uuid.Nil, err
+			return err
 		}
 		if !dropped {
 			c.logger.Info("Keeping an old partition: it holds claims of a consumer group first seen less than a retention ago", watermill.LogFields{"partition": p.Name})
@@ -113,7 +119,7 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 		}
 		res.PartitionsDropped = append(res.PartitionsDropped, p.Name)
 	}
-	return movedFrom, nil
+	return nil
 }
 
 // countDefault counts the rows of the DEFAULT partition in [from, to): what
