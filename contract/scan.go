@@ -12,7 +12,8 @@ import (
 )
 
 // payloadTypeField is the top-level JSON field that may carry the event type
-// in the payload, as the seed's events do ("eventType": "order.confirmed.v1").
+// in the payload, as events of producers outside this library often do
+// ("eventType": "order.confirmed.v1").
 const payloadTypeField = "eventType"
 
 // scanned is what one pass over the payload's tokens learned.

@@ -6,19 +6,15 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
-	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
 
@@ -97,8 +93,7 @@ type CleanerConfig struct {
 	LockTimeout time.Duration
 
 	// LockRetries is how many times partition DDL is retried after a lock
-	// timeout, with a jittered pause. Defaults to
-	// 5.
+	// timeout, with a jittered pause. Defaults to 5.
 	LockRetries int
 
 	// NowFunc, when set, stands in for the database's clock: tests and
@@ -108,15 +103,6 @@ type CleanerConfig struct {
 	// the delay of a shortened retention from it, so that no host's clock
 	// decides what is deleted. Defaults to nil (the database's clock).
 	NowFunc func() time.Time
-
-	// DryRun makes a pass report what it would do and change nothing: it
-	// counts the rows it would delete (walking the same ranges in the same
-	// batches, in read-only transactions) and the rows it would move, names
-	// the partitions it would create, drop or keep, and deletes, creates,
-	// moves, drops and records nothing (not even the cleanup horizon). It
-	// takes no lock either, so it never makes another instance skip a pass,
-	// and its counts are those of the moment it ran. Defaults to false.
-	DryRun bool
 }
 
 func (c *CleanerConfig) setDefaults() {
@@ -172,7 +158,8 @@ func (c CleanerConfig) validate() error {
 	return c.TableConfig.validate()
 }
 
-// Result reports one pass of the cleaner.
+// Result reports one pass of the cleaner ([Cleaner.RunOnce]), or what a pass
+// would do ([Cleaner.Plan]).
 type Result struct {
 	// Skipped is true when another instance held the cleaner's lock: this
 	// pass did nothing.
@@ -185,13 +172,16 @@ type Result struct {
 	LeasesDeleted int64
 	// Batches run, and Timeouts: batches that hit the statement timeout.
 	Batches, Timeouts int
-	// PartitionsCreated, PartitionsDropped and RowsMoved (from the DEFAULT
-	// partition into a new daily partition): partitioned layout only.
-	PartitionsCreated, PartitionsDropped int
-	RowsMoved                            int64
-	// PartitionsKept: partitions old enough to drop that were kept because
-	// a young group (see YoungGroups) holds claims in them.
-	PartitionsKept int
+	// PartitionsCreated, PartitionsDropped and PartitionsKept name the
+	// partitions the pass created (ahead of today, or for the rows of a day
+	// found in the DEFAULT partition), dropped (wholly older than the
+	// retention), and kept although old enough to drop because a young
+	// group (see YoungGroups) holds claims in them, in the order the pass
+	// met them. Partitioned layout only.
+	PartitionsCreated, PartitionsDropped, PartitionsKept []string
+	// RowsMoved from the DEFAULT partition into a new daily partition
+	// (partitioned layout only).
+	RowsMoved int64
 	// Retention is the retention the pass applied: the recorded one, or
 	// for 2 × RetentionRefreshInterval after a shortening the previous one.
 	Retention time.Duration
@@ -211,15 +201,14 @@ type Result struct {
 	// reported (and logged above a minute) because consumers' StaleMargin
 	// must cover their own hosts' skew.
 	ClockSkew time.Duration
-	// CreatedPartitions, DroppedPartitions and KeptPartitions name the
-	// partitions counted by PartitionsCreated, PartitionsDropped and
-	// PartitionsKept, in the order the pass met them.
-	CreatedPartitions, DroppedPartitions, KeptPartitions []string
-	// DryRun is true when the pass ran with [CleanerConfig.DryRun]: every
-	// count above is what it would have done, and nothing changed.
-	DryRun bool
 	// Duration of the pass.
 	Duration time.Duration
+}
+
+// changed reports whether the pass deleted, moved, created or dropped
+// anything.
+func (r Result) changed() bool {
+	return r.Deleted+r.RowsMoved+r.LeasesDeleted > 0 || len(r.PartitionsCreated)+len(r.PartitionsDropped) > 0
 }
 
 // Cleaner enforces the retention of a processed_event table. In the plain
@@ -234,11 +223,15 @@ type Result struct {
 // Only one instance works at a time: a pass starts by taking a session
 // advisory lock (pg_try_advisory_lock) and is skipped when another instance
 // holds it. Run it in every replica of a service or from cron ([Cleaner.RunOnce]).
+// [Cleaner.Plan] reports what a pass would do and changes nothing.
 type Cleaner struct {
 	cfg     CleanerConfig
 	logger  watermill.LoggerAdapter
 	table   string // quoted schema.table
 	lockKey string
+	// plan is set on the copy of the Cleaner that [Cleaner.Plan] runs: the
+	// pass reads, counts and names, and writes nothing.
+	plan bool
 
 	// hook, when set (tests), runs at each step of a pass with the pass's
 	// backend pid and, for stepBatch, the batch number: the interleaving
@@ -295,7 +288,7 @@ func (c *Cleaner) Run(ctx context.Context) error {
 			return nil
 		case err != nil:
 			c.logger.Error("Retention pass failed", err, nil)
-		case res.Deleted+res.RowsMoved+int64(res.PartitionsCreated+res.PartitionsDropped) > 0:
+		case res.changed():
 			c.logger.Info("Retention pass done", res.logFields())
 		case !res.Skipped:
 			c.logger.Debug("Retention pass done, nothing to do", res.logFields())
@@ -312,14 +305,13 @@ func (c *Cleaner) Run(ctx context.Context) error {
 func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
 	start := time.Now()
 	defer func() { res.Duration = time.Since(start) }()
-	res.DryRun = c.cfg.DryRun
 
 	pc, err := c.cfg.DB.Acquire(ctx)
 	if err != nil {
 		return res, fmt.Errorf("cleaner: acquire connection: %w", err)
 	}
 	conn := pc.Conn()
-	if c.cfg.DryRun {
+	if c.plan {
 		// It only reads: no election, so it never makes a real pass skip.
 		defer pc.Release()
 		return c.pass(ctx, conn, res)
@@ -347,7 +339,21 @@ func (c *Cleaner) RunOnce(ctx context.Context) (res Result, err error) {
 	return c.pass(ctx, conn, res)
 }
 
-// pass runs one pass on conn (holding the cleaner's lock unless DryRun).
+// Plan reports what a pass of [Cleaner.RunOnce] would do and changes
+// nothing: it counts the rows a pass would delete (walking the same ranges in
+// the same batches, in read-only transactions), the rows it would move and
+// the expired leases it would delete, and names the partitions it would
+// create, drop or keep; it deletes, creates, moves, drops and records nothing
+// (not even the cleanup horizon). It takes no lock either, so it never makes
+// another instance skip a pass, and its counts are those of the moment it
+// ran. It may run while [Cleaner.Run] runs.
+func (c *Cleaner) Plan(ctx context.Context) (Result, error) {
+	p := *c
+	p.plan = true
+	return p.RunOnce(ctx)
+}
+
+// pass runs one pass on conn (holding the cleaner's lock unless planning).
 func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result, error) {
 	var kind string
 	if err := conn.QueryRow(ctx, "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", c.table).Scan(&kind); err != nil {
@@ -377,10 +383,10 @@ func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result,
 		var movedFrom uuid.UUID
 		movedFrom, err = c.maintainPartitions(ctx, conn, now, cutoff, &res)
 		if err == nil {
-			// Old rows left in the DEFAULT partition (far past ids). A dry
-			// run moved nothing: rows of the cutoff's day that a real pass
+			// Old rows left in the DEFAULT partition (far past ids). A plan
+			// moved nothing: rows of the cutoff's day that a real pass
 			// would have moved into the day's new partition are not deleted.
-			if c.cfg.DryRun && movedFrom != uuid.Nil && bytes.Compare(movedFrom[:], boundary[:]) < 0 {
+			if c.plan && movedFrom != uuid.Nil && bytes.Compare(movedFrom[:], boundary[:]) < 0 {
 				boundary = movedFrom
 			}
 			err = c.deleteV7(ctx, conn, ident.Quote(c.cfg.Schema, partition.DefaultName(c.cfg.Table)), boundary, cutoff, &res)
@@ -391,13 +397,8 @@ func (c *Cleaner) pass(ctx context.Context, conn *pgx.Conn, res Result) (Result,
 			err = c.deleteNonV7(ctx, conn, cutoff, &res)
 		}
 	}
-	if err == nil && !c.cfg.DryRun {
-		var tag pgconn.CommandTag
-		tag, err = conn.Exec(ctx, newLeaseSQL(c.cfg.Schema, c.cfg.Table).sweep, cutoff)
-		if err != nil {
-			err = fmt.Errorf("cleaner: delete long-expired leases: %w", err)
-		}
-		res.LeasesDeleted = tag.RowsAffected()
+	if err == nil {
+		res.LeasesDeleted, err = c.sweepLeases(ctx, conn, cutoff)
 	}
 	if err != nil && ctx.Err() != nil {
 		err = ctx.Err()
@@ -460,7 +461,7 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 			young = append(young, g.Name)
 		}
 	}
-	if c.cfg.DryRun {
+	if c.plan {
 		return retention, young, nil
 	}
 	// Consumers read it (the stale rule, CheckStale): after a lengthening, the
@@ -472,180 +473,30 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 	return retention, young, nil
 }
 
+// sweepLeases deletes the leases that expired before cutoff; a plan counts
+// them.
+func (c *Cleaner) sweepLeases(ctx context.Context, conn *pgx.Conn, cutoff time.Time) (int64, error) {
+	q := newLeaseSQL(c.cfg.Schema, c.cfg.Table)
+	if c.plan {
+		var n int64
+		if err := conn.QueryRow(ctx, q.sweepCount, cutoff).Scan(&n); err != nil {
+			return 0, fmt.Errorf("cleaner: count long-expired leases: %w", err)
+		}
+		return n, nil
+	}
+	tag, err := conn.Exec(ctx, q.sweep, cutoff)
+	if err != nil {
+		return 0, fmt.Errorf("cleaner: delete long-expired leases: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
 func (r Result) logFields() watermill.LogFields {
 	return watermill.LogFields{
-		"deleted": r.Deleted, "batches": r.Batches, "timeouts": r.Timeouts,
-		"partitions_created": r.PartitionsCreated, "partitions_dropped": r.PartitionsDropped,
-		"rows_moved": r.RowsMoved, "partitions_kept": r.PartitionsKept, "duration": r.Duration.String(),
+		"deleted": r.Deleted, "leases_deleted": r.LeasesDeleted, "batches": r.Batches, "timeouts": r.Timeouts,
+		"partitions_created": len(r.PartitionsCreated), "partitions_dropped": len(r.PartitionsDropped),
+		"rows_moved": r.RowsMoved, "partitions_kept": len(r.PartitionsKept), "duration": r.Duration.String(),
 	}
-}
-
-// deleteV7 deletes the UUIDv7 rows of table (the plain table or the DEFAULT
-// partition) below boundary (the floor of the cutoff), walking the primary
-// key upwards in batches; a dry run counts them instead.
-//
-// The claims of young groups (first seen after cutoff) are kept: their
-// stale guard lets old events through, so deleting a claim would let a
-// redelivery apply it again. The registry is read inside each batch's
-// statement, in the snapshot the statement deletes from (see
-// docs/retention.md, "A group registering during a pass"): a claim the
-// statement can see was committed after its group's registration, so the
-// statement sees that registration too; a claim committed later is not
-// visible to it, so it cannot be deleted by it.
-func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, boundary uuid.UUID, cutoff time.Time, res *Result) error {
-	// Each batch takes the next rows in primary-key order below the boundary
-	// (an index range scan: filtering the version inside the scan would
-	// spoil the planner's estimate and turn it into a sort of the whole
-	// range), deletes the UUIDv7 ones, and the next batch starts after the
-	// last key seen, so skipped rows (non-v7) are not rescanned.
-	//
-	// Deleted by ctid: the table is a heap and processed_event rows are never
-	// updated, so a row's ctid is stable within the statement. No FOR
-	// UPDATE: claims never lock existing rows (ON CONFLICT DO NOTHING does
-	// not), and locking would write every tuple twice.
-	old := `get_byte(uuid_send(b.event_id), 6) >> 4 = 7 AND NOT EXISTS (
-		SELECT 1 FROM ` + companion(c.cfg.TableConfig, groupSuffix) + ` g WHERE g.consumer_group = b.consumer_group AND g.first_seen_at > $5)`
-	del := `DELETE FROM ` + table + ` WHERE ctid = ANY (ARRAY (SELECT b.ctid FROM batch b WHERE ` + old + `))
-	RETURNING 1`
-	if c.cfg.DryRun {
-		del = `SELECT 1 FROM batch b WHERE ` + old
-	}
-	q := `WITH batch AS MATERIALIZED (
-	SELECT ctid, event_id, consumer_group FROM ` + table + `
-	WHERE (event_id, consumer_group) > ($1, $2) AND event_id < $3
-	ORDER BY event_id, consumer_group LIMIT $4
-), del AS (
-	` + del + `
-), last AS (
-	SELECT event_id, consumer_group FROM batch ORDER BY event_id DESC, consumer_group DESC LIMIT 1
-)
-SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM del), last.event_id, last.consumer_group
-FROM (SELECT 1) one LEFT JOIN last ON true`
-	var (
-		fromID    = uuid.Nil
-		fromGroup = ""
-	)
-	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (scanned, deleted int64, err error) {
-		var lastID *uuid.UUID
-		var lastGroup *string
-		if err := tx.QueryRow(ctx, q, fromID, fromGroup, boundary, limit, cutoff).Scan(&scanned, &deleted, &lastID, &lastGroup); err != nil {
-			return 0, 0, err
-		}
-		if lastID != nil && lastGroup != nil {
-			fromID, fromGroup = *lastID, *lastGroup
-		}
-		return scanned, deleted, nil
-	})
-}
-
-// deleteNonV7 deletes non-v7 rows processed before cutoff; a dry run counts
-// them in one statement (nothing is deleted, so batches would not advance).
-// No young group's claim qualifies: processed_at is the database's now() of
-// the claiming transaction, which began after the group's registration
-// committed, so it is later than first_seen_at, itself later than cutoff.
-func (c *Cleaner) deleteNonV7(ctx context.Context, conn *pgx.Conn, cutoff time.Time, res *Result) error {
-	if c.cfg.DryRun {
-		q := `SELECT count(*) FROM ` + c.table + ` WHERE processed_at < $1 AND get_byte(uuid_send(event_id), 6) >> 4 <> 7`
-		return c.batches(ctx, conn, res, func(tx pgx.Tx, _ int) (int64, int64, error) {
-			var n int64
-			err := tx.QueryRow(ctx, q, cutoff).Scan(&n)
-			return 0, n, err
-		})
-	}
-	q := `DELETE FROM ` + c.table + ` WHERE ctid = ANY (ARRAY (
-	SELECT ctid FROM ` + c.table + `
-	WHERE processed_at < $1 AND get_byte(uuid_send(event_id), 6) >> 4 <> 7
-	ORDER BY processed_at LIMIT $2))`
-	return c.batches(ctx, conn, res, func(tx pgx.Tx, limit int) (int64, int64, error) {
-		tag, err := tx.Exec(ctx, q, cutoff, limit)
-		return tag.RowsAffected(), tag.RowsAffected(), err
-	})
-}
-
-// batches runs batch in its own transaction until it scans fewer rows than
-// asked, backing off and shrinking the batch when one hits the statement
-// timeout.
-func (c *Cleaner) batches(ctx context.Context, conn *pgx.Conn, res *Result, batch func(tx pgx.Tx, limit int) (scanned, deleted int64, err error)) error {
-	limit := c.cfg.BatchSize
-	consecutive := 0
-	setTimeout := "SET LOCAL statement_timeout = " + strconv.FormatInt(c.cfg.StatementTimeout.Milliseconds(), 10)
-	for {
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		c.at(stepBatch, conn, res.Batches)
-		var scanned int64
-		n, err := c.inTx(ctx, conn, func(tx pgx.Tx) (int64, error) {
-			if c.cfg.StatementTimeout > 0 {
-				if _, err := tx.Exec(ctx, setTimeout); err != nil {
-					return 0, err
-				}
-			}
-			s, d, err := batch(tx, limit)
-			scanned = s
-			return d, err
-		})
-		if err != nil {
-			if ctx.Err() != nil || !isStatementTimeout(err) {
-				return fmt.Errorf("cleaner: delete batch: %w", err)
-			}
-			res.Timeouts++
-			consecutive++
-			if consecutive >= c.cfg.MaxTimeouts {
-				return fmt.Errorf("%w (%d in a row, batch size %d): %w", ErrCleanerTimeout, consecutive, limit, err)
-			}
-			limit = max(limit/2, min(minBatchSize, c.cfg.BatchSize))
-			pause := c.cfg.Backoff << (consecutive - 1)
-			c.logger.Info("Retention batch hit statement_timeout, backing off", watermill.LogFields{
-				"batch_size": limit, "pause": pause.String(), "consecutive": consecutive,
-			})
-			if err := wait.Sleep(ctx, pause); err != nil {
-				return err
-			}
-			continue
-		}
-		consecutive = 0
-		res.Batches++
-		res.Deleted += n
-		c.logger.Trace("Retention batch deleted", watermill.LogFields{"rows": n})
-		if scanned < int64(limit) {
-			return nil
-		}
-	}
-}
-
-// inTx runs fn in a transaction on conn and commits it; a read-only one in
-// a dry run.
-func (c *Cleaner) inTx(ctx context.Context, conn *pgx.Conn, fn func(tx pgx.Tx) (int64, error)) (int64, error) {
-	var opts pgx.TxOptions
-	if c.cfg.DryRun {
-		opts.AccessMode = pgx.ReadOnly
-	}
-	tx, err := conn.BeginTx(ctx, opts)
-	if err != nil {
-		return 0, err
-	}
-	n, err := fn(tx)
-	if err != nil {
-		cleanerRollback(ctx, tx)
-		return 0, err
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return 0, err
-	}
-	return n, nil
-}
-
-func cleanerRollback(ctx context.Context, tx pgx.Tx) {
-	_ = tx.Rollback(context.WithoutCancel(ctx)) // ErrTxClosed and a dead conn both mean nothing is left to undo
-}
-
-func isStatementTimeout(err error) bool {
-	return pgerr.Has(err, pgerrcode.QueryCanceled)
-}
-
-func isLockTimeout(err error) bool {
-	return pgerr.Has(err, pgerrcode.LockNotAvailable, pgerrcode.DeadlockDetected)
 }
 
 // jitter returns d scaled by a random factor in [0.5, 1.5).

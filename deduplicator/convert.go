@@ -22,7 +22,7 @@ type ConvertOptions struct {
 	// ConsumerGroup is the consumer group that processed the rows that do
 	// not name one: every row of a table without a consumer_group column
 	// (used by one group only), or the rows whose consumer_group is NULL
-	// (the seed's table, whose code inserted only event_id). Required for
+	// (a table whose code inserted only event_id). Required for
 	// such tables; refused for a table whose consumer_group is NOT NULL
 	// (its rows keep their own groups). Defaults to empty.
 	ConsumerGroup string

@@ -167,11 +167,11 @@ func TestConvertTable_PartitionedByProcessedAt(t *testing.T) {
 	}
 }
 
-// What users of the previous release have: Migrate accepted the reference
-// table and recorded its versions (with LayoutPartitioned, version 100 too,
-// although the table was never partitioned on event_id). The conversion
-// forgets version 100, so Migrate partitions the converted table.
-func TestConvertTable_AfterTheOldMigrateRecordedVersions(t *testing.T) {
+// The rendered SQL applied by a migration tool to the reference's table
+// leaves it as it is and records the versions (with LayoutPartitioned,
+// version 100 too, although the table is not partitioned on event_id). The
+// conversion forgets version 100, so Migrate partitions the converted table.
+func TestConvertTable_AfterVersionsWereRecorded(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
@@ -179,9 +179,9 @@ func TestConvertTable_AfterTheOldMigrateRecordedVersions(t *testing.T) {
 	db.Exec(t, referencePartitionedDDL)
 	migs := renderMigrations(t, tc)
 	for _, m := range migs {
-		db.Exec(t, m.Up) // what the old Migrate did: no-ops on this table, recorded
+		db.Exec(t, m.Up) // no-ops on this table, recorded
 	}
-	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE version = 100"), "the old Migrate recorded the partitioned layout")
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE version = 100"), "the rendered SQL recorded the partitioned layout")
 	x := publisher.NewEventID()
 	insertPairs(t, db, pair{x, "billing", june}, pair{x, "billing", july})
 

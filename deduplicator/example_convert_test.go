@@ -11,7 +11,7 @@ import (
 )
 
 // ConvertTable adopts a table whose rows do not all name their consumer
-// group (here the seed's: consumer_group nullable, filled by code that
+// group (here one whose consumer_group is nullable, filled by code that
 // inserted only event_id). The rows without a group take the one
 // ConvertOptions names; a dry run reports the counts first.
 func ExampleConvertTable() {

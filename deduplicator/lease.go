@@ -101,7 +101,7 @@ const (
 
 // leaseSQL holds the lease statements of one table.
 type leaseSQL struct {
-	take, doneAfterTake, state, complete, renew, release, list, forceRelease, sweep string
+	take, doneAfterTake, state, complete, renew, release, list, forceRelease, sweep, sweepCount string
 }
 
 func newLeaseSQL(schema, table string) leaseSQL {
@@ -161,6 +161,7 @@ func newLeaseSQL(schema, table string) leaseSQL {
 			"ORDER BY taken_at LIMIT $3",
 		forceRelease: "DELETE FROM " + l + " WHERE event_id = $1 AND consumer_group = $2",
 		sweep:        "DELETE FROM " + l + " WHERE expires_at < $1",
+		sweepCount:   "SELECT count(*) FROM " + l + " WHERE expires_at < $1",
 	}
 }
 

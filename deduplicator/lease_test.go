@@ -253,7 +253,8 @@ func TestLease_MigrationBelowAnAppliedPartitionedVersion(t *testing.T) {
 }
 
 // The Cleaner deletes leases that expired more than a retention ago; a
-// live lease, or one expired less long ago, stays.
+// live lease, or one expired less long ago, stays. Plan counts the same
+// lease and deletes none.
 func TestLease_CleanerSweepsOnlyLongExpiredLeases(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -264,6 +265,10 @@ func TestLease_CleanerSweepsOnlyLongExpiredLeases(t *testing.T) {
 	db.Exec(t, "UPDATE processed_event_lease SET expires_at = now() - interval '400 days' WHERE event_id = $1", ancient.EventID)
 	c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: deduplicator.TableConfig{Schema: db.Schema}, DB: db.Pool}, nil)
 	require.NoError(t, err)
+	plan, err := c.Plan(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, plan.LeasesDeleted)
+	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM processed_event_lease"), "a plan deletes no lease")
 	res, err := c.RunOnce(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, res.LeasesDeleted)

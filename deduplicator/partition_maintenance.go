@@ -31,7 +31,7 @@ var boundRe = regexp.MustCompile(`^FOR VALUES FROM \('([0-9a-f-]{36})'\) TO \('(
 // is older than the retention. The check and the drop are one transaction
 // that first locks the partition against claims (see dropPartition).
 //
-// A dry run creates, moves and drops nothing: it counts the rows it would
+// A plan creates, moves and drops nothing: it counts the rows it would
 // move and names the partitions. It returns the lowest bound of the
 // partitions it created (or would create), uuid.Nil when none.
 func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, now, cutoff time.Time, res *Result) (movedFrom uuid.UUID, err error) {
@@ -80,7 +80,7 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 			continue
 		}
 		var moved int64
-		if c.cfg.DryRun {
+		if c.plan {
 			moved, err = c.countDefault(ctx, conn, from, to, hasDefault)
 		} else {
 			moved, err = c.createPartition(ctx, conn, d, hasDefault)
@@ -91,12 +91,17 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 		if movedFrom == uuid.Nil || bytes.Compare(from[:], movedFrom[:]) < 0 {
 			movedFrom = from
 		}
-		res.PartitionsCreated++
-		res.CreatedPartitions = append(res.CreatedPartitions, partition.Name(c.cfg.Table, d))
+		res.PartitionsCreated = append(res.PartitionsCreated, partition.Name(c.cfg.Table, d))
 		res.RowsMoved += moved
 		parts = append(parts, Partition{Name: partition.Name(c.cfg.Table, d), parsed: true, from: from, to: to})
 	}
 
+	return movedFrom, c.dropOld(ctx, conn, parts, cutoff, res)
+}
+
+// dropOld drops the partitions whose upper bound is at or below the
+// cutoff's floor, keeping those that hold a young group's claims.
+func (c *Cleaner) dropOld(ctx context.Context, conn *pgx.Conn, parts []Partition, cutoff time.Time, res *Result) error {
 	boundary := partition.Floor(cutoff)
 	for _, p := range parts {
 		if p.Default || !p.parsed || bytes.Compare(p.to[:], boundary[:]) > 0 {
@@ -105,18 +110,16 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 		c.at(stepDrop, conn, 0)
 		dropped, err := c.dropPartition(ctx, conn, p.Name, cutoff)
 		if err != nil {
-			return uuid.Nil, err
+			return err
 		}
 		if !dropped {
 			c.logger.Info("Keeping an old partition: it holds claims of a consumer group first seen less than a retention ago", watermill.LogFields{"partition": p.Name})
-			res.PartitionsKept++
-			res.KeptPartitions = append(res.KeptPartitions, p.Name)
+			res.PartitionsKept = append(res.PartitionsKept, p.Name)
 			continue
 		}
-		res.PartitionsDropped++
-		res.DroppedPartitions = append(res.DroppedPartitions, p.Name)
+		res.PartitionsDropped = append(res.PartitionsDropped, p.Name)
 	}
-	return movedFrom, nil
+	return nil
 }
 
 // countDefault counts the rows of the DEFAULT partition in [from, to): what
@@ -221,13 +224,13 @@ var errKeep = errors.New("partition holds claims of a young consumer group")
 // lock and waits for the partition while step 3 waits for the parent is a
 // deadlock: PostgreSQL cancels one of the two (the Cleaner retries; a
 // consumer's transaction fails and its message is retried), and nothing is
-// deleted that a young group claimed. A dry run checks without locking.
+// deleted that a young group claimed. A plan checks without locking.
 func (c *Cleaner) dropPartition(ctx context.Context, conn *pgx.Conn, name string, cutoff time.Time) (bool, error) {
 	qname := ident.Quote(c.cfg.Schema, name)
 	held := `SELECT CASE WHEN cardinality(y.a) = 0 THEN false
 	ELSE EXISTS (SELECT 1 FROM ` + qname + ` WHERE consumer_group = ANY (y.a)) END
 FROM (SELECT ARRAY (SELECT consumer_group FROM ` + companion(c.cfg.TableConfig, groupSuffix) + ` WHERE first_seen_at > $1) AS a) y`
-	if c.cfg.DryRun {
+	if c.plan {
 		var keep bool
 		if err := conn.QueryRow(ctx, held, cutoff).Scan(&keep); err != nil {
 			return false, fmt.Errorf("cleaner: check partition %s: %w", name, err)

@@ -81,13 +81,19 @@ func ExampleCleaner_partitioned() {
 	if err != nil {
 		panic(err)
 	}
+	plan, err := cleaner.Plan(ctx) // what a pass would do; changes nothing
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println("would create:", len(plan.PartitionsCreated), "would drop:", len(plan.PartitionsDropped))
 	res, err := cleaner.RunOnce(ctx)
 	if err != nil {
 		panic(err)
 	}
-	fmt.Println("created:", res.PartitionsCreated, "dropped:", res.PartitionsDropped)
+	fmt.Println("created:", len(res.PartitionsCreated), "dropped:", len(res.PartitionsDropped))
 	// Output:
 	// partitions after Migrate: 5
+	// would create: 4 would drop: 3
 	// created: 4 dropped: 3
 }
 

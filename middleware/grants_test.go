@@ -285,8 +285,8 @@ func TestGrantsCleanerPartitioned(t *testing.T) {
 	require.NoError(t, err)
 	res, err := c.RunOnce(ctx)
 	require.NoError(t, err)
-	require.Equal(t, 2, res.PartitionsCreated, "two more days ahead")
-	require.Equal(t, 1, res.PartitionsDropped)
+	require.Len(t, res.PartitionsCreated, 2, "two more days ahead")
+	require.Len(t, res.PartitionsDropped, 1)
 	require.Zero(t, e.db.Count(t, "SELECT 1 FROM pg_class WHERE relname = $1 AND relnamespace = $2::regnamespace", oldPart, e.db.Schema))
 }
 

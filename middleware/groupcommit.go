@@ -61,13 +61,11 @@ type GroupCommitConfig struct {
 	// MaxMessages is the largest group. A group runs as soon as it holds
 	// its share of the messages in flight, ceil(in flight / Concurrency),
 	// at most MaxMessages: n partitions fill Concurrency groups of about
-	// n/Concurrency, and a lone message runs at once. Defaults to
-	// 64.
+	// n/Concurrency, and a lone message runs at once. Defaults to 64.
 	MaxMessages int
 	// MaxWait is the longest a group gathers before it runs, for a share
 	// that does not come (messages in flight elsewhere); it also runs when
-	// no message joined it for a fifth of MaxWait. Defaults to
-	// 5 ms.
+	// no message joined it for a fifth of MaxWait. Defaults to 5 ms.
 	MaxWait time.Duration
 	// Concurrency is how many groups run at once, each on its own
 	// connection, so handler CPU is not serialized through one goroutine.

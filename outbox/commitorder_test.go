@@ -351,7 +351,7 @@ func TestForwarder_RunRetriesStartup(t *testing.T) {
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == 1 }, eventuallyTimeout, 5*time.Millisecond)
 }
 
-// Tables and a position left by the previous release (migration 1, the
+// Tables and a position left by watermill-sql's forwarder (migration 1, the
 // position a (transaction_id, offset) in the middle of a transaction's rows)
 // upgrade in place: the forwarder sends exactly the rows after the
 // position, none lost, none resent.
@@ -370,7 +370,7 @@ func TestForwarder_UpgradeFromTransactionIDPosition(t *testing.T) {
 	e.publishTx(t, topic, event("a", 0), event("b", 0))
 	e.publishTx(t, topic, event("a", 1), event("a", 2), event("b", 1))
 	e.publishTx(t, topic, event("a", 3))
-	// The previous release's forwarder sent the first transaction and the
+	// watermill-sql's forwarder sent the first transaction and the
 	// first row of the second one.
 	e.db.Exec(t, `INSERT INTO `+e.outbox.OffsetsTable(topic)+` (consumer_group, offset_acked, last_processed_transaction_id)
 		SELECT $1, "offset", transaction_id FROM `+e.outbox.MessagesTable(topic)+` ORDER BY transaction_id, "offset" OFFSET 2 LIMIT 1`, outbox.DefaultForwarderName)

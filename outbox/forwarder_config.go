@@ -63,13 +63,14 @@ type ForwarderConfig struct {
 	// idemkafka.SaramaProducerConfig (idempotent, acks=all,
 	// MaxOpenRequests=1): each batch goes out in one SendMessages call, in
 	// order, keyed by partition_key. This is the fast path; see
-	// idemkafka.NewSyncProducer. The forwarder does not close it.
+	// idemkafka.NewSyncProducer. The forwarder does not close it. One of
+	// Producer and Publisher is required.
 	Producer sarama.SyncProducer
 	// Publisher is any Watermill publisher, e.g. a watermill-kafka publisher
 	// built from idemkafka.WatermillPublisherConfig; each batch is one
 	// Publish(topic, batch...) call. watermill-kafka sends the messages of
 	// one call one at a time, so prefer Producer for Kafka. The forwarder
-	// does not close it.
+	// does not close it. One of Producer and Publisher is required.
 	Publisher message.Publisher
 	// Marshaler turns rows into Kafka records when Producer is used.
 	// Defaults to idemkafka.Marshaler (metadata as headers, key =

@@ -32,9 +32,9 @@ const component = "outbox"
 //
 // Going up, existing tables of another shape than watermill-sql v4's are
 // refused before anything changes, with a [*migrate.TableError] wrapping
-// [ErrTableShape]. Tables that an unversioned CREATE TABLE IF NOT EXISTS
-// made earlier are adopted: version 1 leaves them as they are and is
-// recorded only if they have watermill-sql v4's shape. At the newest
+// [ErrTableShape]. Tables that watermill-sql created itself (its unversioned
+// CREATE TABLE IF NOT EXISTS) are adopted: version 1 leaves them as they are
+// and is recorded only if they have watermill-sql v4's shape. At the newest
 // version the line verifies the tables as [Outbox.Check] does. Going down
 // with TargetVersion -1 drops the tables with the messages not yet
 // forwarded. An invalid cfg or topic is returned by migrate.New.

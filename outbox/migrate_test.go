@@ -112,8 +112,8 @@ func TestMigrator_UpValidateDown(t *testing.T) {
 	require.ErrorIs(t, err, outbox.ErrInvalidTopic)
 }
 
-// Tables an earlier release created through watermill-sql's CREATE TABLE IF
-// NOT EXISTS, without a version, are adopted as version 1 with their rows,
+// Tables watermill-sql created itself (its CREATE TABLE IF NOT EXISTS),
+// without a version, are adopted as version 1 with their rows,
 // by exactly one of several instances migrating at once.
 func TestMigrator_AdoptsUnversionedTables(t *testing.T) {
 	t.Parallel()
@@ -122,7 +122,7 @@ func TestMigrator_AdoptsUnversionedTables(t *testing.T) {
 	cfg := outbox.Config{Schema: db.Schema, Topics: []string{"orders"}}
 	ob, err := outbox.New(cfg, nil)
 	require.NoError(t, err)
-	// What the outbox created before its tables had versions.
+	// What watermill-sql creates, without a version.
 	q, err := schemaAdapter(ob).SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams{Topic: "orders"})
 	require.NoError(t, err)
 	q2, err := offsetsAdapter(ob).SchemaInitializingQueries(wsql.OffsetsSchemaInitializingQueriesParams{Topic: "orders"})

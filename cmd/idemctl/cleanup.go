@@ -25,7 +25,7 @@ func addCleanerFlags(fs interface {
 	Duration(string, time.Duration, string) *time.Duration
 }, withNonV7 bool) cleanerFlags {
 	f := cleanerFlags{
-		dryRun:           fs.Bool("dry-run", false, "report what the pass would delete, move, create and drop; change nothing"),
+		dryRun:           fs.Bool("dry-run", false, "report what the pass would delete, move, create and drop (Cleaner.Plan); change nothing"),
 		batchSize:        fs.Int("batch-size", 0, "rows deleted per transaction (default 10000)"),
 		statementTimeout: fs.Duration("statement-timeout", 0, "bound on each batch (default 10s)"),
 		ahead:            fs.Int("ahead", 0, "daily partitions kept ready after today's, partitioned layout (default 3)"),
@@ -49,12 +49,15 @@ func (a *app) runCleaner(ctx context.Context, tc deduplicator.TableConfig, f cle
 		StatementTimeout: *f.statementTimeout,
 		PartitionsAhead:  *f.ahead,
 		DeleteNonV7:      *f.deleteNonV7,
-		DryRun:           *f.dryRun,
 	}, nil)
 	if err != nil {
 		return usageError("%v", err)
 	}
-	res, err := c.RunOnce(ctx)
+	pass := c.RunOnce
+	if *f.dryRun {
+		pass = c.Plan
+	}
+	res, err := pass(ctx)
 	if err != nil {
 		return err
 	}
@@ -66,6 +69,7 @@ func (a *app) runCleaner(ctx context.Context, tc deduplicator.TableConfig, f cle
 			Skipped           bool     `json:"skipped"`
 			RetentionSeconds  float64  `json:"retention_seconds"`
 			Deleted           int64    `json:"deleted"`
+			LeasesDeleted     int64    `json:"leases_deleted"`
 			Batches           int      `json:"batches"`
 			Timeouts          int      `json:"timeouts"`
 			RowsMoved         int64    `json:"rows_moved"`
@@ -74,8 +78,8 @@ func (a *app) runCleaner(ctx context.Context, tc deduplicator.TableConfig, f cle
 			PartitionsKept    []string `json:"partitions_kept"`
 			YoungGroups       []string `json:"young_groups"`
 			DurationMS        float64  `json:"duration_ms"`
-		}{tc.Schema + "." + tc.Table, tc.Layout.String(), res.DryRun, res.Skipped, res.Retention.Seconds(), res.Deleted, res.Batches, res.Timeouts,
-			res.RowsMoved, nonNil(res.CreatedPartitions), nonNil(res.DroppedPartitions), nonNil(res.KeptPartitions), nonNil(res.YoungGroups),
+		}{tc.Schema + "." + tc.Table, tc.Layout.String(), *f.dryRun, res.Skipped, res.Retention.Seconds(), res.Deleted, res.LeasesDeleted, res.Batches, res.Timeouts,
+			res.RowsMoved, nonNil(res.PartitionsCreated), nonNil(res.PartitionsDropped), nonNil(res.PartitionsKept), nonNil(res.YoungGroups),
 			float64(res.Duration.Microseconds()) / 1000})
 	}
 	if res.Skipped {
@@ -83,7 +87,7 @@ func (a *app) runCleaner(ctx context.Context, tc deduplicator.TableConfig, f cle
 		return nil
 	}
 	would := ""
-	if res.DryRun {
+	if *f.dryRun {
 		fmt.Fprintf(a.stdout, "dry run on %s.%s (%s): nothing was changed\n", tc.Schema, tc.Table, tc.Layout)
 		would = "would be "
 	} else {
@@ -92,11 +96,12 @@ func (a *app) runCleaner(ctx context.Context, tc deduplicator.TableConfig, f cle
 	tw := a.table()
 	row(tw, "retention applied", humanDuration(res.Retention))
 	row(tw, "rows "+would+"deleted", fmt.Sprintf("%d (batches: %d, timed out: %d)", res.Deleted, res.Batches, res.Timeouts))
+	row(tw, "expired leases "+would+"deleted", res.LeasesDeleted)
 	if tc.Layout == deduplicator.LayoutPartitioned {
-		row(tw, "partitions "+would+"created", countNames(res.CreatedPartitions))
+		row(tw, "partitions "+would+"created", countNames(res.PartitionsCreated))
 		row(tw, "rows "+would+"moved from DEFAULT", res.RowsMoved)
-		row(tw, "partitions "+would+"dropped", countNames(res.DroppedPartitions))
-		row(tw, "old partitions kept", countNames(res.KeptPartitions))
+		row(tw, "partitions "+would+"dropped", countNames(res.PartitionsDropped))
+		row(tw, "old partitions kept", countNames(res.PartitionsKept))
 	}
 	if len(res.YoungGroups) > 0 {
 		row(tw, "young groups (claims kept)", strings.Join(res.YoungGroups, ", "))

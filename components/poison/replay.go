@@ -31,7 +31,8 @@ type Config struct {
 	Publisher message.Publisher
 	// Filter selects the messages. Defaults to the zero Filter: all.
 	Filter Filter
-	// DryRun lists what would be replayed and publishes nothing.
+	// DryRun lists what would be replayed and publishes nothing. Defaults
+	// to false.
 	DryRun bool
 	// Limit stops after this many matching messages. Defaults to 0: no limit.
 	Limit int
@@ -45,6 +46,7 @@ type Config struct {
 	// OnMessageFunc, when set, is called for each matching message, in
 	// order, once it has been replayed (or, in a dry run, listed): a CLI
 	// prints as it goes. The returned [Result] holds the same messages.
+	// Defaults to nil.
 	OnMessageFunc func(Message)
 	// NowFunc returns the current time (the replay time in the history).
 	// Defaults to time.Now.

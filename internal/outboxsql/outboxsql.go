@@ -161,13 +161,14 @@ type Position struct {
 	CutOffset int64
 }
 
-// legacyPosition is the Position of watermill-sql's (transaction_id,
-// offset) position: rows up to (txID, offset) in (transaction_id, offset)
-// order, all of whose transactions had ended (watermill-sql and earlier
-// forwarders read only below the snapshot's xmin). Every transaction below
+// watermillSQLPosition is the Position of watermill-sql's (transaction_id,
+// offset) position, left by its own subscribers and forwarder: rows up to
+// (txID, offset) in (transaction_id, offset) order, all of whose
+// transactions had ended (watermill-sql reads only below the snapshot's
+// xmin). Every transaction below
 // txID is visible in the snapshot txID:txID:, and the cut up to
 // txID+1:txID+1: is txID's rows, forwarded up to offset.
-func legacyPosition(txID uint64, offset int64) Position {
+func watermillSQLPosition(txID uint64, offset int64) Position {
 	if txID < Start.Xmax {
 		return Position{Snapshot: Start}
 	}
@@ -175,12 +176,12 @@ func legacyPosition(txID uint64, offset int64) Position {
 	return Position{Snapshot: Snapshot{Xmin: txID, Xmax: txID}, Cut: &cut, CutOffset: offset}
 }
 
-// legacyColumns returns watermill-sql's (transaction_id, offset) position
-// that p has certainly passed: every transaction below p.Snapshot's xmin.
-// The forwarder keeps those columns up to date with it, so that a
-// downgrade, or a forwarder of the previous release during a rolling
-// deployment, resends only what is above it.
-func legacyColumns(p Position) (txID uint64, offset int64) {
+// watermillSQLColumns returns watermill-sql's (transaction_id, offset)
+// position that p has certainly passed: every transaction below
+// p.Snapshot's xmin. The forwarder keeps those columns up to date with it,
+// so that watermill-sql's own forwarder or subscriber, run on the tables in
+// its place, resends only what is above it.
+func watermillSQLColumns(p Position) (txID uint64, offset int64) {
 	if p.Snapshot.Xmin <= Start.Xmin {
 		return 0, 0
 	}
@@ -225,18 +226,18 @@ func scanPosition(row pgx.Row, extra ...any) (Position, error) {
 	var (
 		snap, cut *string
 		cutOffset *int64
-		legacyTx  string
-		legacyOff int64
+		wsqlTx    string
+		wsqlOff   int64
 	)
-	if err := row.Scan(append([]any{&snap, &cut, &cutOffset, &legacyTx, &legacyOff}, extra...)...); err != nil {
+	if err := row.Scan(append([]any{&snap, &cut, &cutOffset, &wsqlTx, &wsqlOff}, extra...)...); err != nil {
 		return Position{}, err
 	}
 	if snap == nil {
-		tx, err := strconv.ParseUint(legacyTx, 10, 64)
+		tx, err := strconv.ParseUint(wsqlTx, 10, 64)
 		if err != nil {
-			return Position{}, fmt.Errorf("last_processed_transaction_id %q: %w", legacyTx, err)
+			return Position{}, fmt.Errorf("last_processed_transaction_id %q: %w", wsqlTx, err)
 		}
-		return legacyPosition(tx, legacyOff), nil
+		return watermillSQLPosition(tx, wsqlOff), nil
 	}
 	var p Position
 	var err error
@@ -381,7 +382,7 @@ func (t Tables) Ack(ctx context.Context, db DB, name string, p Position) error {
 		s := p.Cut.String()
 		cut, cutOffset = &s, &p.CutOffset
 	}
-	legacyTx, legacyOff := legacyColumns(p)
+	wsqlTx, wsqlOff := watermillSQLColumns(p)
 	tag, err := db.Exec(ctx, `UPDATE `+t.Offsets+` SET
 			offset_acked = $2,
 			last_processed_transaction_id = $3::text::xid8,
@@ -390,7 +391,7 @@ func (t Tables) Ack(ctx context.Context, db DB, name string, p Position) error {
 			cut_offset = $6,
 			(`+originSet+`) = (SELECT `+originValues+`)
 		WHERE consumer_group = $1`,
-		name, legacyOff, strconv.FormatUint(legacyTx, 10), p.Snapshot.String(), cut, cutOffset)
+		name, wsqlOff, strconv.FormatUint(wsqlTx, 10), p.Snapshot.String(), cut, cutOffset)
 	if err == nil && tag.RowsAffected() == 0 {
 		err = ErrNoPosition
 	}

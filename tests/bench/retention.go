@@ -75,8 +75,8 @@ func retention(ctx context.Context, o Options) (Section, error) {
 				return 0, err
 			}
 			res, err := c.RunOnce(ctx)
-			if err == nil && res.PartitionsDropped != 7 {
-				err = fmt.Errorf("dropped %d partitions, want 7", res.PartitionsDropped)
+			if err == nil && len(res.PartitionsDropped) != 7 {
+				err = fmt.Errorf("dropped %d partitions, want 7", len(res.PartitionsDropped))
 			}
 			return int64(rows / 2), err
 		}},
