@@ -38,9 +38,7 @@ type ParkedKey struct {
 	// waiting behind it.
 	Events int64 `json:"events"`
 	// Head is the key's first event; HeadTopic and HeadNotBefore tell where
-	// and until when its copy waits on the retry path. HeadTopic is "" when
-	// it has none (it was parked by a release that did not hand the key
-	// on): [Unblock] sends it.
+	// and until when its copy waits on the retry path.
 	Head          uuid.UUID `json:"head"`
 	HeadTopic     string    `json:"head_topic"`
 	HeadNotBefore time.Time `json:"head_not_before"`
