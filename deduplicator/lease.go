@@ -10,6 +10,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -17,9 +18,7 @@ import (
 // BatchSender runs a pgx.Batch: a *pgxpool.Pool or a *pgx.Conn. Outside an
 // explicit transaction, the statements of one batch run in one implicit
 // transaction (one Sync): they commit together or not at all.
-type BatchSender interface {
-	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
-}
+type BatchSender = dbx.BatchSender
 
 // LeaseState is what [Deduplicator.TakeLeases] found for one event.
 type LeaseState int

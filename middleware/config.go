@@ -9,17 +9,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
-
-type txOptionsBeginner interface {
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-}
 
 // OutboxWriter writes messages inside the message's transaction. The outbox
 // package's Outbox implements it; the middleware uses it for the messages a
@@ -214,7 +210,7 @@ func (c Config) validate() error {
 	if err := deduplicator.ValidateGroupName("IdempotencyNamespace", c.IdempotencyNamespace); err != nil {
 		return err
 	}
-	if _, ok := c.DB.(txOptionsBeginner); !ok && c.TxOptions != (pgx.TxOptions{}) {
+	if _, ok := c.DB.(dbx.TxBeginner); !ok && c.TxOptions != (pgx.TxOptions{}) {
 		return fmt.Errorf("TxOptions: DB (%T) has no BeginTx, so the options would be ignored (a pgx.Tx runs each message in a savepoint of its own transaction)", c.DB)
 	}
 	if err := c.Table.Validate(); err != nil {
@@ -239,7 +235,7 @@ func (c Config) validate() error {
 		if err := c.Lease.validate(); err != nil {
 			return err
 		}
-		if _, ok := c.DB.(leaseDB); !ok {
+		if _, ok := c.DB.(dbx.Pool); !ok {
 			return fmt.Errorf("Lease: DB (%T) is not a *pgxpool.Pool: lease mode runs its phases' transactions concurrently, on connections of their own", c.DB)
 		}
 		if c.GroupCommit != nil {
@@ -262,7 +258,7 @@ func (c Config) validate() error {
 
 // checkPool compares a pool's MaxConns with Concurrency.
 func (c Config) checkPool() error {
-	pool, ok := c.DB.(interface{ Stat() *pgxpool.Stat })
+	pool, ok := c.DB.(dbx.Pool)
 	if !ok || c.Concurrency == 0 {
 		return nil
 	}

@@ -11,26 +11,16 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
-	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
-
-// leaseDB is what lease mode needs of Config.DB: a pool, for concurrent
-// phase transactions and one-round-trip batches.
-type leaseDB interface {
-	deduplicator.BatchSender
-	migrate.DBTX
-	Begin(ctx context.Context) (pgx.Tx, error)
-	Stat() *pgxpool.Stat
-}
 
 // A delivery waiting for another's live lease takes again after
 // busyPollFirst, doubling up to busyPollMax (and never past the lease's
@@ -44,7 +34,7 @@ const (
 type leaseMode struct {
 	d         *Dedup
 	cfg       LeaseConfig
-	db        leaseDB
+	db        dbx.Pool // Config.DB: concurrent phase transactions and one-round-trip batches
 	takes     *batcher[takeReq]
 	completes *batcher[completeReq]
 	// hook, set by tests, runs at each phase boundary: "taken" (the lease
@@ -56,7 +46,7 @@ type leaseMode struct {
 }
 
 func newLeaseMode(d *Dedup, cfg LeaseConfig) *leaseMode {
-	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(leaseDB), hook: func(string, uuid.UUID) {}}
+	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(dbx.Pool), hook: func(string, uuid.UUID) {}}
 	l.takes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runTakes)
 	l.completes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runCompletes)
 	return l

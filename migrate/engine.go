@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
 )
@@ -184,7 +185,7 @@ func inTx(ctx context.Context, db Beginner, schema, component string, version in
 // status compares the versions c's schema records for c with c's versions:
 // each of them applied or pending, then the recorded versions c does not
 // have (Unknown, with their recorded name).
-func status(ctx context.Context, db migtable.Querier, c chain) ([]MigrationStatus, error) {
+func status(ctx context.Context, db dbx.Querier, c chain) ([]MigrationStatus, error) {
 	var recs []MigrationStatus
 	exists, err := migtable.Exists(ctx, db, c.Schema)
 	if err != nil {

@@ -11,8 +11,8 @@ import (
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
@@ -20,16 +20,10 @@ import (
 
 // Beginner begins a transaction: *pgxpool.Pool, *pgx.Conn and pgx.Tx (then
 // a savepoint) fit.
-type Beginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}
+type Beginner = dbx.Beginner
 
 // DBTX runs statements: *pgxpool.Pool, *pgx.Conn and pgx.Tx fit.
-type DBTX interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+type DBTX = dbx.Querier
 
 // Direction is the way [Migrator.Migrate] goes.
 type Direction string

@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -32,13 +33,7 @@ func (o *Outbox) Check(ctx context.Context, db migrate.Beginner, topics ...strin
 	return o.checkTopics(ctx, tx, topics)
 }
 
-// querier reads: a pgx.Tx.
-type querier interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
-
-func (o *Outbox) checkTopics(ctx context.Context, q querier, topics []string) error {
+func (o *Outbox) checkTopics(ctx context.Context, q dbx.Querier, topics []string) error {
 	for _, topic := range topics {
 		if err := o.checkShape(ctx, q, topic); err != nil {
 			return err
@@ -64,7 +59,7 @@ func (o *Outbox) checkTopics(ctx context.Context, q querier, topics []string) er
 
 // checkShape verifies that topic's two tables exist with the expected
 // columns and keys.
-func (o *Outbox) checkShape(ctx context.Context, q querier, topic string) error {
+func (o *Outbox) checkShape(ctx context.Context, q dbx.Querier, topic string) error {
 	if err := o.cfg.validateTopic(topic); err != nil {
 		return err
 	}
@@ -76,7 +71,7 @@ func (o *Outbox) checkShape(ctx context.Context, q querier, topic string) error 
 
 // checkTable reads one table's columns (and, for an offsets table, whether
 // consumer_group alone is unique) from the catalogs, names as parameters.
-func (o *Outbox) checkTable(ctx context.Context, q querier, topic string, offsets bool) error {
+func (o *Outbox) checkTable(ctx context.Context, q dbx.Querier, topic string, offsets bool) error {
 	name, quoted := o.cfg.TablePrefix+topic, o.MessagesTable(topic)
 	if offsets {
 		name, quoted = name+offsetsSuffix, o.OffsetsTable(topic)

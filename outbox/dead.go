@@ -79,7 +79,7 @@ type DeadRow struct {
 // key, or [Outbox.DropDead] the poison row and then retry the key to send
 // the rows held behind it. idemctl outbox dead list/retry/drop does the
 // same.
-func (o *Outbox) DeadRows(ctx context.Context, db outboxsql.DB, topic string, limit int) ([]DeadRow, error) {
+func (o *Outbox) DeadRows(ctx context.Context, db migrate.DBTX, topic string, limit int) ([]DeadRow, error) {
 	if err := o.cfg.validateTopic(topic); err != nil {
 		return nil, err
 	}
@@ -135,7 +135,7 @@ func (o *Outbox) RetryDead(ctx context.Context, db migrate.Beginner, topic, key 
 // reports whether it was there. The rows held behind it stay in the dead
 // table, and keep their key held, until their key is retried
 // ([Outbox.RetryDead]) or they are dropped too.
-func (o *Outbox) DropDead(ctx context.Context, db outboxsql.DB, topic string, id int64) (bool, error) {
+func (o *Outbox) DropDead(ctx context.Context, db migrate.DBTX, topic string, id int64) (bool, error) {
 	if err := o.cfg.validateTopic(topic); err != nil {
 		return false, err
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -119,7 +120,7 @@ func (o *Outbox) componentKey(topic string) string {
 
 // pendingVersions returns the versions of topic's tables not recorded as
 // applied.
-func (o *Outbox) pendingVersions(ctx context.Context, q querier, topic string) ([]int, error) {
+func (o *Outbox) pendingVersions(ctx context.Context, q dbx.Querier, topic string) ([]int, error) {
 	vs, err := migtable.Load(o.templateData(topic), templates())
 	if err != nil {
 		return nil, err

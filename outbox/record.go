@@ -18,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -45,7 +46,7 @@ func (b *batch) size() int { return max(len(b.msgs), len(b.records)) }
 // row whose key is in dead (a poison row of the key came before it) is
 // moved there too, held behind it, so that the key's order is kept when an
 // operator retries the key. Neither is sent.
-func (f *Forwarder) readPage(ctx context.Context, tx outboxsql.DB, tables outboxsql.Tables, topic string, page outboxsql.Page, dead map[string]int64, logger watermill.LoggerAdapter) (*batch, error) {
+func (f *Forwarder) readPage(ctx context.Context, tx dbx.Querier, tables outboxsql.Tables, topic string, page outboxsql.Page, dead map[string]int64, logger watermill.LoggerAdapter) (*batch, error) {
 	rows, err := tables.ReadPage(ctx, tx, page, make([]outboxsql.Row, 0, page.Rows))
 	if err != nil {
 		return nil, fmt.Errorf("read page: %w", err)
@@ -118,7 +119,7 @@ func (f *Forwarder) readPage(ctx context.Context, tx outboxsql.DB, tables outbox
 
 // quarantine moves row r to the dead table: as a poison row (cause) whose
 // key then holds its later rows, or as a row held behind the dead row held.
-func (f *Forwarder) quarantine(ctx context.Context, tx outboxsql.DB, tables outboxsql.Tables, topic string, r outboxsql.Row,
+func (f *Forwarder) quarantine(ctx context.Context, tx dbx.Querier, tables outboxsql.Tables, topic string, r outboxsql.Row,
 	key string, size int, cause error, held int64, dead map[string]int64, logger watermill.LoggerAdapter) error {
 	text := ""
 	if cause != nil {

@@ -146,7 +146,7 @@ func isBadInput(err error) bool {
 	for _, target := range []error{
 		deduplicator.ErrGroupNotFound, deduplicator.ErrGroupExists,
 		outbox.ErrInvalidTopic, outbox.ErrTopicNotMigrated,
-		retrytopic.ErrKeyNotParked, retrytopic.ErrNoStoredMessage,
+		retrytopic.ErrKeyNotParked,
 	} {
 		if errors.Is(err, target) {
 			return true

@@ -17,18 +17,13 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 )
 
 // Table is the migration table, created in the schema of the tables it
 // records.
 const Table = "idem_schema_migration"
-
-// Querier reads: a pgx.Tx, a *pgx.Conn or a *pgxpool.Pool.
-type Querier interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
 
 // CreateSQL creates schema's migration table if it is missing.
 func CreateSQL(schema string) string {
@@ -42,7 +37,7 @@ func CreateSQL(schema string) string {
 }
 
 // Exists reports whether schema has a migration table.
-func Exists(ctx context.Context, db Querier, schema string) (bool, error) {
+func Exists(ctx context.Context, db dbx.Querier, schema string) (bool, error) {
 	var exists bool
 	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
 	JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
@@ -60,7 +55,7 @@ func Lock(ctx context.Context, tx pgx.Tx, schema string) error {
 
 // Recorded returns the versions schema's migration table records for
 // component; none without a migration table.
-func Recorded(ctx context.Context, db Querier, schema, component string) (map[int]bool, error) {
+func Recorded(ctx context.Context, db dbx.Querier, schema, component string) (map[int]bool, error) {
 	recorded := map[int]bool{}
 	exists, err := Exists(ctx, db, schema)
 	if err != nil || !exists {
@@ -105,7 +100,7 @@ func Forget(ctx context.Context, tx pgx.Tx, schema, component string, versions [
 // Components returns the components schema's migration table records a
 // version of whose names start with prefix, sorted; none without a
 // migration table. It only reads.
-func Components(ctx context.Context, db Querier, schema, prefix string) ([]string, error) {
+func Components(ctx context.Context, db dbx.Querier, schema, prefix string) ([]string, error) {
 	if err := ident.Validate("schema", schema); err != nil {
 		return nil, err
 	}
@@ -184,7 +179,7 @@ func Load(data any, fss ...fs.FS) ([]Version, error) {
 // Pending returns the versions of vs (in their order) that schema's
 // migration table does not record for component; every version without a
 // migration table. It only reads.
-func Pending(ctx context.Context, db Querier, schema, component string, vs []Version) ([]int, error) {
+func Pending(ctx context.Context, db dbx.Querier, schema, component string, vs []Version) ([]int, error) {
 	if err := ident.Validate("schema", schema); err != nil {
 		return nil, err
 	}

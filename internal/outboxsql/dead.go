@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 )
 
 // DeadRow is a row of the dead table: a row the forwarder could not send,
@@ -33,7 +35,7 @@ type DeadRow struct {
 // dead table with its key, cause, the dead row it waits behind (0: none)
 // and its record size, and returns its dead id. It reports 0 when the row
 // is no longer there (deleted meanwhile).
-func (t Tables) Quarantine(ctx context.Context, db DB, r Row, key, cause string, heldBehind int64, size int) (int64, error) {
+func (t Tables) Quarantine(ctx context.Context, db dbx.Querier, r Row, key, cause string, heldBehind int64, size int) (int64, error) {
 	var held *int64
 	if heldBehind > 0 {
 		held = &heldBehind
@@ -57,7 +59,7 @@ func (t Tables) Quarantine(ctx context.Context, db DB, r Row, key, cause string,
 // DeadKeys returns the partition keys that have dead rows, each with the
 // id of its first one: the forwarder holds the later rows of those keys.
 // Rows without a key hold nothing back.
-func (t Tables) DeadKeys(ctx context.Context, db DB) (map[string]int64, error) {
+func (t Tables) DeadKeys(ctx context.Context, db dbx.Querier) (map[string]int64, error) {
 	rows, err := db.Query(ctx, deadKeysSQL(t.Dead))
 	if err != nil {
 		return nil, err
@@ -86,7 +88,7 @@ func scanDeadKeys(rows pgx.Rows) (map[string]int64, error) {
 
 // DeadRows lists the dead rows in id order, at most limit (≤ 0: all), with
 // a key of key when key is not nil.
-func (t Tables) DeadRows(ctx context.Context, db DB, key *string, limit int) ([]DeadRow, error) {
+func (t Tables) DeadRows(ctx context.Context, db dbx.Querier, key *string, limit int) ([]DeadRow, error) {
 	q := `SELECT id, transaction_id, "offset", uuid, payload, metadata, created_at, partition_key, cause,
 		coalesce(held_behind, 0), size, quarantined_at FROM ` + t.Dead + ` WHERE ($1::text IS NULL OR partition_key = $1) ORDER BY id`
 	args := []any{key}
@@ -116,7 +118,7 @@ func (t Tables) DeadRows(ctx context.Context, db DB, key *string, limit int) ([]
 // the same uuid, payload and metadata), and returns how many. The
 // forwarder sends them as any new rows; one that still cannot be sent comes
 // back, with the rest of the key behind it.
-func (t Tables) RetryDead(ctx context.Context, db DB, key string) (int64, error) {
+func (t Tables) RetryDead(ctx context.Context, db dbx.Querier, key string) (int64, error) {
 	// Writers wait until the retry commits, and the retry waits for those
 	// in flight: no row of the key can commit between the check below and
 	// the moved rows (it would go out before them, or be held behind the
@@ -151,7 +153,7 @@ func (t Tables) RetryDead(ctx context.Context, db DB, key string) (int64, error)
 }
 
 // DeadCount counts the dead rows.
-func (t Tables) DeadCount(ctx context.Context, db DB) (int64, error) {
+func (t Tables) DeadCount(ctx context.Context, db dbx.Querier) (int64, error) {
 	var n int64
 	err := db.QueryRow(ctx, `SELECT count(*) FROM `+t.Dead).Scan(&n)
 	return n, err
@@ -159,7 +161,7 @@ func (t Tables) DeadCount(ctx context.Context, db DB) (int64, error) {
 
 // DropDead deletes the dead row id and reports whether it was there. The
 // rows held behind it stay: retry their key to send them.
-func (t Tables) DropDead(ctx context.Context, db DB, id int64) (bool, error) {
+func (t Tables) DropDead(ctx context.Context, db dbx.Querier, id int64) (bool, error) {
 	tag, err := db.Exec(ctx, `DELETE FROM `+t.Dead+` WHERE id = $1`, id)
 	if err != nil {
 		return false, err
@@ -186,7 +188,7 @@ func (e *KeyPendingError) Error() string {
 // topic (any name with a snapshot position: watermill-sql subscribers'
 // rows have none) has not yet passed a row of key. The key "" holds
 // nothing back (rows without a key are never held), so it is not checked.
-func (t Tables) checkKeyForwarded(ctx context.Context, db DB, key string) error {
+func (t Tables) checkKeyForwarded(ctx context.Context, db dbx.Querier, key string) error {
 	if key == "" {
 		return nil
 	}

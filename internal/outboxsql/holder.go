@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 )
 
@@ -78,7 +79,7 @@ const holderSQL = `SELECT a.pid, coalesce(host(a.client_addr), CASE WHEN a.clien
 
 // LockHolder returns the session that holds name's position lock, and
 // false when none does (it ended meanwhile).
-func (t Tables) LockHolder(ctx context.Context, db DB, name string) (Holder, bool, error) {
+func (t Tables) LockHolder(ctx context.Context, db dbx.Querier, name string) (Holder, bool, error) {
 	var (
 		h          Holder
 		xact, idle float64

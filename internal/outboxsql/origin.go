@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 )
 
 // Origin is where a position was written: the cluster, and how far its
@@ -96,7 +98,7 @@ func checkOrigin(name string, stored, current originScan) error {
 // Reset moves name's position (creating it if it has none) to the start of
 // the table, written on the running cluster, so that every row still in
 // the table is forwarded again.
-func (t Tables) Reset(ctx context.Context, db DB, name string) error {
+func (t Tables) Reset(ctx context.Context, db dbx.Querier, name string) error {
 	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` (consumer_group, offset_acked, last_processed_transaction_id, position_snapshot, `+originSet+`)
 		VALUES ($1, 0, '0', $2::text::pg_snapshot, `+originValues+`)
 		ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = 0, last_processed_transaction_id = '0',
@@ -117,7 +119,7 @@ type Rows struct {
 }
 
 // Rows counts the rows of the messages table db sees.
-func (t Tables) Rows(ctx context.Context, db DB) (Rows, error) {
+func (t Tables) Rows(ctx context.Context, db dbx.Querier) (Rows, error) {
 	var r Rows
 	err := db.QueryRow(ctx, `SELECT count(*),
 			count(*) FILTER (WHERE NOT pg_visible_in_snapshot(transaction_id, pg_current_snapshot())),
@@ -130,7 +132,7 @@ func (t Tables) Rows(ctx context.Context, db DB) (Rows, error) {
 // the statement's snapshot (see [Rows].Foreign) the id of db's own
 // transaction, so that they are forwarded once it commits, in "offset"
 // order, and returns how many it changed.
-func (t Tables) Restamp(ctx context.Context, db DB) (int64, error) {
+func (t Tables) Restamp(ctx context.Context, db dbx.Querier) (int64, error) {
 	tag, err := db.Exec(ctx, `UPDATE `+t.Messages+` SET transaction_id = pg_current_xact_id()
 		WHERE NOT pg_visible_in_snapshot(transaction_id, pg_current_snapshot())`)
 	return tag.RowsAffected(), err

@@ -42,14 +42,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-)
 
-// DB runs statements: a pgx.Tx, a *pgx.Conn or a *pgxpool.Pool.
-type DB interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
+)
 
 // Tables are one topic's messages and offsets tables, quoted and
 // schema-qualified.
@@ -214,7 +209,7 @@ func (r Row) Message() (*message.Message, error) {
 
 // Register inserts name's position at the start of the table unless it has
 // one, so that [Tables.BeginLock] has a row to lock.
-func (t Tables) Register(ctx context.Context, db DB, name string) error {
+func (t Tables) Register(ctx context.Context, db dbx.Querier, name string) error {
 	_, err := db.Exec(ctx, `INSERT INTO `+t.Offsets+` (consumer_group, offset_acked, last_processed_transaction_id, position_snapshot, `+originSet+`)
 		VALUES ($1, 0, '0', $2::text::pg_snapshot, `+originValues+`) ON CONFLICT (consumer_group) DO NOTHING`, name, Start.String())
 	return err
@@ -265,7 +260,7 @@ const lockSQL = `SELECT ` + positionColumns + `, ` + originColumns + `, set_conf
 		FROM %s WHERE consumer_group = $1 FOR UPDATE`
 
 // Tx is a transaction on one connection, begun by [Tables.BeginLock]. It
-// is a [DB]; end it with Commit or Rollback.
+// is a dbx.Querier; end it with Commit or Rollback.
 type Tx struct {
 	conn *pgx.Conn
 	done bool
@@ -375,7 +370,7 @@ func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string, limi
 // to p, and watermill-sql's columns to the (transaction_id, offset)
 // position p has certainly passed. It returns [ErrNoPosition] when name has
 // no position.
-func (t Tables) Ack(ctx context.Context, db DB, name string, p Position) error {
+func (t Tables) Ack(ctx context.Context, db dbx.Querier, name string, p Position) error {
 	var cut *string
 	var cutOffset *int64
 	if p.Cut != nil {
@@ -454,7 +449,7 @@ func CutSQL(messages string) string {
 // without rows has no pages and To is then meaningless). It reads only
 // the keys of the rows, 16 bytes each; [Tables.ReadPage] reads a page's
 // rows.
-func (t Tables) ReadCut(ctx context.Context, db DB, p Position, pageSize int) (Cut, error) {
+func (t Tables) ReadCut(ctx context.Context, db dbx.Querier, p Position, pageSize int) (Cut, error) {
 	c := Cut{From: p.Snapshot}
 	var to *string
 	if p.Cut != nil {
@@ -564,7 +559,7 @@ func (t Tables) scanCut(c Cut, p Position, rows pgx.Rows, pageSize int) (Cut, er
 // cluster (see [Origin]; the forwarder's transaction then refuses it): one
 // query, index probes only, for a forwarder to ask often at little cost.
 // p must have no cut in progress.
-func (t Tables) HasRows(ctx context.Context, db DB, p Position, name string) (bool, error) {
+func (t Tables) HasRows(ctx context.Context, db dbx.Querier, p Position, name string) (bool, error) {
 	var has bool
 	err := db.QueryRow(ctx, cutSQL(t.Messages, `SELECT EXISTS (SELECT 1 FROM c) OR NOT EXISTS (
 			SELECT 1 FROM `+t.Offsets+` o, pg_control_system() s WHERE o.consumer_group = $4 AND o.cut_snapshot IS NULL
@@ -584,7 +579,7 @@ func PageSQL(messages string) string {
 // ReadPage appends to dst the rows of page, in "offset" order: one index
 // range of the primary key per transaction of the page (sorted here: the
 // index returns them transaction by transaction).
-func (t Tables) ReadPage(ctx context.Context, db DB, page Page, dst []Row) ([]Row, error) {
+func (t Tables) ReadPage(ctx context.Context, db dbx.Querier, page Page, dst []Row) ([]Row, error) {
 	xids := make([]string, len(page.TxIDs))
 	for i, x := range page.TxIDs {
 		xids[i] = strconv.FormatUint(x, 10)
@@ -603,7 +598,7 @@ func (t Tables) ReadPage(ctx context.Context, db DB, page Page, dst []Row) ([]Ro
 
 // ReadAll returns every row db sees in the messages table (a transaction's
 // own uncommitted rows included), in "offset" (insertion) order.
-func (t Tables) ReadAll(ctx context.Context, db DB) ([]Row, error) {
+func (t Tables) ReadAll(ctx context.Context, db dbx.Querier) ([]Row, error) {
 	rows, err := db.Query(ctx, `SELECT transaction_id, "offset", uuid, payload, metadata FROM `+t.Messages+`
 		ORDER BY "offset"`)
 	if err != nil {
@@ -627,7 +622,7 @@ func appendRows(rows pgx.Rows, dst []Row) ([]Row, error) {
 // Position reads name's position without locking it, or returns
 // [ErrNoPosition], or a [*ForeignError] when the position is not from the
 // running cluster.
-func (t Tables) Position(ctx context.Context, db DB, name string) (Position, error) {
+func (t Tables) Position(ctx context.Context, db dbx.Querier, name string) (Position, error) {
 	var stored, current originScan
 	p, err := scanPosition(db.QueryRow(ctx, `SELECT `+positionColumns+`, `+originColumns+`, `+originHere+` FROM `+t.Offsets+` WHERE consumer_group = $1`, name),
 		&stored.system, &stored.xmax, &current.system, &current.xmax)
@@ -657,7 +652,7 @@ const pendingWhere = `(m.transaction_id >= pg_snapshot_xmax($1::text::pg_snapsho
 // database's clock in UTC; 0 when none. It is not clamped: a negative age
 // (a row written before migration 5 by a session in a zone ahead of UTC)
 // is reported as it is.
-func (t Tables) Backlog(ctx context.Context, db DB, name string) (pending int64, oldest time.Duration, err error) {
+func (t Tables) Backlog(ctx context.Context, db dbx.Querier, name string) (pending int64, oldest time.Duration, err error) {
 	p, err := t.Position(ctx, db, name)
 	if errors.Is(err, ErrNoPosition) {
 		p, err = Position{Snapshot: Start}, nil
@@ -685,7 +680,7 @@ var ErrNoPosition = errors.New("no position")
 
 // Positions returns the positions of names (duplicates once), or
 // [ErrNoPosition] if one of them has none.
-func (t Tables) Positions(ctx context.Context, db DB, names []string) ([]Position, error) {
+func (t Tables) Positions(ctx context.Context, db dbx.Querier, names []string) ([]Position, error) {
 	names = slices.Compact(slices.Sorted(slices.Values(names)))
 	out := make([]Position, 0, len(names))
 	for _, n := range names {
@@ -700,7 +695,7 @@ func (t Tables) Positions(ctx context.Context, db DB, names []string) ([]Positio
 
 // DeletePassed deletes at most limit rows that every one of positions has
 // passed, and returns how many it deleted.
-func (t Tables) DeletePassed(ctx context.Context, db DB, positions []Position, limit int) (int64, error) {
+func (t Tables) DeletePassed(ctx context.Context, db dbx.Querier, positions []Position, limit int) (int64, error) {
 	if len(positions) == 0 {
 		return 0, nil
 	}
@@ -744,7 +739,7 @@ type ListedRow struct {
 // ListRows returns at most limit rows of the messages table with, for each,
 // whether p has passed it: the newest first, or with pendingOnly the
 // oldest rows p has not passed, first. One query.
-func (t Tables) ListRows(ctx context.Context, db DB, p Position, pendingOnly bool, limit int) ([]ListedRow, error) {
+func (t Tables) ListRows(ctx context.Context, db dbx.Querier, p Position, pendingOnly bool, limit int) ([]ListedRow, error) {
 	var cut *string
 	if p.Cut != nil {
 		s := p.Cut.String()

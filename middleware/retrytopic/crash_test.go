@@ -166,31 +166,6 @@ func TestKeyOrderFailureCases(t *testing.T) {
 		require.Equal(t, []int{1}, u.order(t, "k"))
 	})
 
-	// A row parked before the table kept messages (version 1): its copy
-	// comes back while it waits; its message is stored and it is handed
-	// off in its turn.
-	t.Run("copy of a row parked without its message", func(t *testing.T) {
-		t.Parallel()
-		u := newUnit(t, nil)
-		e0, e1 := u.msg("k", 0), u.msg("k", 1)
-		u.failNext(event{"k", 0}, 1)
-		require.NoError(t, u.deliver(t, unitMain, e0))
-		u.db.Exec(t, `INSERT INTO retry_parked_key (consumer_group, partition_key, event_id, topic, not_before) VALUES ($1, 'k', $2, $3, now())`,
-			unitGroup, u.eventID(e1), unitRetry)
-		old := e1.Copy()
-		old.Metadata.Set(retrytopic.MetadataAttempt, "0")
-		old.Metadata.Set(retrytopic.MetadataOriginalTopic, unitMain)
-		require.NoError(t, u.deliver(t, unitRetry, old))
-		require.Empty(t, u.order(t, "k"))
-		events, withCopy := u.parked(t, "k")
-		require.Equal(t, ids(e0, e1), events)
-		require.Equal(t, []bool{true, false}, withCopy, "e1 now waits with its message")
-		require.NoError(t, u.deliver(t, unitRetry, u.lastCopy(t)))
-		require.Equal(t, ids(e1), ids(u.handoffs(t)...))
-		require.NoError(t, u.deliver(t, unitRetry, u.handoffs(t)[0]))
-		require.Equal(t, []int{0, 1}, u.order(t, "k"))
-	})
-
 	// The head's copy never comes back: Unblock sends its stored message
 	// again (through the outbox), or skips it and hands the key on.
 	t.Run("head copy lost: unblock", func(t *testing.T) {

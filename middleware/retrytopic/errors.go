@@ -17,10 +17,6 @@ var (
 	ErrInvalidHeaders = errors.New("invalid retry headers")
 	// ErrKeyNotParked: [Unblock] found no parked event of the key.
 	ErrKeyNotParked = errors.New("key not parked")
-	// ErrNoStoredMessage: [Unblock] cannot send the key's first event
-	// again, its row keeps no message (it was parked before the table kept
-	// messages); use UnblockOpts.Skip.
-	ErrNoStoredMessage = errors.New("parked event has no stored message")
 	// ErrKeyOrderUnordered: [Config.KeyOrder] received a message of an
 	// idemkafka.Subscriber with OrderNone, which hands out the events of a
 	// key in any order, so a key's later event could pass its parked one.

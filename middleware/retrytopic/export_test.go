@@ -13,10 +13,19 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// SetWaitHook sets the hook wait runs between its INSERT and its COMMIT,
-// with the event id (nil removes it). Set it only from a test that is not
-// parallel: the other tests are not running then.
-func SetWaitHook(f func(id uuid.UUID)) { testHookWaitBeforeCommit = f }
+// Step is a point of a KeyOrder transaction where a test can pause it.
+type Step = step
+
+// The steps of SetHook.
+const (
+	// StepWaitInserted: a follower's row is inserted behind its key's
+	// first event, before the COMMIT.
+	StepWaitInserted = stepWaitInserted
+)
+
+// SetHook makes r's KeyOrder call hook at each step, with the event id
+// (nil removes it); call it before r handles messages.
+func SetHook(r *RetryTopic, hook func(s Step, id uuid.UUID)) { r.order.hook = hook }
 
 // Wait parks event id of key behind its key's head, as a main-topic
 // follower does: queued is false when the key is free.

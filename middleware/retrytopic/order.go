@@ -2,8 +2,6 @@ package retrytopic
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"sync/atomic"
 	"time"
@@ -14,9 +12,10 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
-	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -34,41 +33,60 @@ func defaultKeyFunc(msg *message.Message) string {
 	return ""
 }
 
-// keyOrder keeps the parked-keys table of [KeyOrder]. A key's parked events
-// are its rows, in seq order; the first ("head") is the only one with a copy
-// on the retry path (topic and not_before set). The others wait with their
-// message (topic NULL) until the head is released: the release, in the
-// transaction that deletes the head's row, hands the key to the next row
-// and writes that event to handoffTopic through the outbox. Parking behind
-// a head and handing off both lock the key's head row (lockHead), so a
-// follower is never parked behind a head that a concurrent release has just
-// deleted without handing the key on.
+// keyOrder keeps the parked-keys table of [KeyOrder] in two steps around
+// the handler: [keyOrder.admit] before it, [keyOrder.finish] after it
+// succeeded (a failure parks the key, see park, or poisons the event and
+// releases it, see releaseNow).
+//
+// A key's parked events are its rows, in seq order; the first ("head") is
+// the only one with a copy on the retry path (topic and not_before set).
+// The others wait with their message (topic NULL) until the head is
+// released: the release, in the transaction that deletes the head's row,
+// hands the key to the next row and writes that event to handoffTopic
+// through the outbox. Parking behind a head and handing off both lock the
+// key's head row (lockHead), so a follower is never parked behind a head
+// that a concurrent release has just deleted without handing the key on.
 type keyOrder struct {
 	cfg          KeyOrder
+	sql          statements
 	handoffTopic string
 	now          func() time.Time
+	logger       watermill.LoggerAdapter
+	stats        *counters
+	late         *overdueCheck // nil with OverdueAfter -1
+	// hook, set by tests (export_test.go), is called at each step.
+	hook func(s step, id uuid.UUID)
 }
 
-// action is what the middleware does with a keyed message.
-type action int
+// step is a point of a keyOrder transaction where a test can pause it.
+type step int
 
 const (
-	// actRun: run the handler (the key is free, or the message is its head).
-	actRun action = iota
-	// actAck: the event is parked already (it waits in the table, or its
-	// copy is on the retry path): ack without running.
-	actAck
-	// actWait: park the event behind its key's head, with its message,
-	// then ack; run it if the key turns out to be free.
-	actWait
-	// actStore: a copy of a parked event that waits without its message (a
-	// row written before the table kept messages): store the message, ack.
-	actStore
-	// actProbe: a retry-topic copy of an event without a row, its key
-	// parked by another event: wait for a transaction that may be parking
-	// it (then look again), else the copy is stale, ack it.
-	actProbe
+	// stepWaitInserted: wait inserted its row, before the COMMIT.
+	stepWaitInserted step = iota + 1
 )
+
+func (o *keyOrder) step(s step, id uuid.UUID) {
+	if o.hook != nil {
+		o.hook(s, id)
+	}
+}
+
+// newKeyOrder returns the key order of cfg, its hand-offs written to
+// handoffTopic. logger and stats may be nil when only the table's steps
+// are used (Unblock).
+func newKeyOrder(cfg KeyOrder, handoffTopic string, now func() time.Time, logger watermill.LoggerAdapter, stats *counters) *keyOrder {
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
+	if stats == nil {
+		stats = &counters{}
+	}
+	o := &keyOrder{cfg: cfg, sql: newStatements(ident.Quote(cfg.Table.Schema, cfg.Table.Table)),
+		handoffTopic: handoffTopic, now: now, logger: logger, stats: stats}
+	o.late = newOverdueCheck(o, logger)
+	return o
+}
 
 // parking is a keyed message's place in the parked-keys table.
 type parking struct {
@@ -92,11 +110,9 @@ func (p *parking) fields() watermill.LogFields {
 	return f
 }
 
-func (o *keyOrder) table() string { return ident.Quote(o.cfg.Table.Schema, o.cfg.Table.Table) }
-
 // checker is implemented by *outbox.Outbox: it verifies a topic's table.
 type checker interface {
-	Check(ctx context.Context, db migrate.Beginner, topics ...string) error
+	Check(ctx context.Context, db dbx.Beginner, topics ...string) error
 }
 
 // check refuses a parked-keys table with pending migrations, and an outbox
@@ -113,348 +129,118 @@ func (o *keyOrder) check(ctx context.Context) error {
 	return nil
 }
 
-// look reads msg's key's head and whether msg itself is parked, and tells
-// what to do with msg. A message without a key or a usable event id is never
-// held back (pk nil): the dedup middleware refuses an unusable id anyway.
+// admit decides, before the handler, whether msg runs now (run true), or
+// is acked without running because its key is parked (run false). pk is
+// the message's place in the table, nil for a message without a key or a
+// usable event id: those are never held back (the dedup middleware refuses
+// an unusable id anyway).
 //
 // On the main topic a parked event is acked (it waits in the table or its
-// copy is on the retry path) and any other event of a parked key waits
-// behind the head. On a retry topic the head runs, and so does a copy
-// whose key is free (the dedup claim decides; see settle); a copy of
-// another parked event is acked (its row keeps it); a copy of an event
-// without a row while its key is parked by another is probed (see probe).
-func (o *keyOrder) look(ctx context.Context, msg *message.Message, onRetry bool) (pk *parking, act action, err error) {
+// copy is on the retry path) and any other event of a parked key parks
+// behind the head with its message (waiting makes it) and is acked. On a
+// retry topic the head runs, and so does a copy whose key is free (the
+// dedup claim decides; see settle); a copy of another parked event is
+// acked (its row keeps it); a copy of an event without a row while its key
+// is parked by another is probed: acked when stale, looked at again when
+// its park was under way.
+func (o *keyOrder) admit(ctx context.Context, msg *message.Message, onRetry bool, waiting func() *message.Message) (pk *parking, run bool, err error) {
+	if ord, ok := idemkafka.OrderingFromContext(ctx); ok && ord == idemkafka.OrderNone {
+		// Nothing is moved, poisoned or applied: the message is nacked
+		// until the subscriber is configured right.
+		o.logger.Error("KeyOrder refuses a message of an idemkafka.Subscriber with OrderNone", ErrKeyOrderUnordered, nil)
+		return nil, false, ErrKeyOrderUnordered
+	}
+	o.late.maybe(ctx, o.stats)
+	if pk = o.parkingOf(msg); pk == nil {
+		return nil, true, nil
+	}
+	if err := o.look(ctx, pk); err != nil {
+		return nil, false, err
+	}
+	for probes := 0; onRetry && pk.head != nil && !pk.parked; probes++ {
+		pending, err := o.probe(ctx, pk)
+		switch {
+		case err != nil:
+			return nil, false, err
+		case !pending:
+			o.stats.stale.Add(1)
+			o.logger.Debug("Stale retry copy acked: its event is not parked and its key waits for another", pk.fields())
+			return pk, false, nil
+		case probes > 0:
+			return nil, false, fmt.Errorf("retrytopic: event %s of key %q: its parked row keeps changing", pk.id, pk.key)
+		}
+		if err := o.look(ctx, pk); err != nil {
+			return nil, false, err
+		}
+	}
+	switch {
+	case pk.head == nil, pk.parked && onRetry && *pk.head == pk.id:
+		return pk, true, nil
+	case pk.parked:
+		o.logger.Debug("Parked event acked: it waits for its key, or its copy is on the retry path", pk.fields())
+		return pk, false, nil
+	}
+	queued, err := o.wait(ctx, pk, waiting())
+	if err != nil {
+		return nil, false, err
+	}
+	if queued {
+		o.stats.followed.Add(1)
+		o.logger.Debug("Event waits behind its key's parked event", pk.fields())
+		return pk, false, nil
+	}
+	pk.head = nil // released meanwhile: the key is free
+	return pk, true, nil
+}
+
+// parkingOf is msg's key and event id, nil without either.
+func (o *keyOrder) parkingOf(msg *message.Message) *parking {
 	key := o.cfg.KeyFunc(msg)
 	if key == "" {
-		return nil, actRun, nil
+		return nil
 	}
 	id, err := o.cfg.EventIDFunc(msg)
 	if err != nil || id == uuid.Nil {
-		return nil, actRun, nil
-	}
-	pk = &parking{group: o.cfg.ConsumerGroup, key: key, id: id}
-	var head uuid.UUID
-	var noMessage bool
-	err = o.queryRow(ctx, `SELECT h.event_id, me.event_id IS NOT NULL, me.event_id IS NOT NULL AND me.payload IS NULL
-FROM `+o.table()+` h LEFT JOIN `+o.table()+` me ON me.consumer_group = $1 AND me.partition_key = $2 AND me.event_id = $3
-WHERE h.consumer_group = $1 AND h.partition_key = $2 ORDER BY h.seq LIMIT 1`,
-		[]any{pk.group, pk.key, pk.id}, &head, &pk.parked, &noMessage)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		return pk, actRun, nil
-	case err != nil:
-		return nil, actRun, fmt.Errorf("retrytopic: look up parked key: %w", err)
-	}
-	pk.head = &head
-	switch {
-	case !pk.parked && onRetry:
-		return pk, actProbe, nil
-	case !pk.parked:
-		return pk, actWait, nil
-	case !onRetry:
-		return pk, actAck, nil
-	case head == id:
-		return pk, actRun, nil
-	case noMessage:
-		return pk, actStore, nil
-	default:
-		return pk, actAck, nil
-	}
-}
-
-// headRow is a key's first parked event, locked.
-type headRow struct {
-	id       uuid.UUID
-	waiting  bool // no copy on the retry path (topic NULL)
-	msgUUID  *string
-	payload  []byte
-	metadata []byte
-}
-
-// lockHead locks and returns the key's first parked event (nil when the
-// key has none). A head deleted by a transaction that committed while this
-// one waited for its lock is skipped for the next row; a row parked by a
-// transaction that committed after this statement's snapshot is not seen
-// by it, so an empty answer is checked again in a fresh statement.
-func (o *keyOrder) lockHead(ctx context.Context, tx pgx.Tx, group, key string) (*headRow, error) {
-	for {
-		var h headRow
-		err := tx.QueryRow(ctx, `SELECT event_id, topic IS NULL, message_uuid, payload, metadata FROM `+o.table()+`
-WHERE consumer_group = $1 AND partition_key = $2 ORDER BY seq LIMIT 1 FOR UPDATE`, group, key).
-			Scan(&h.id, &h.waiting, &h.msgUUID, &h.payload, &h.metadata)
-		if err == nil {
-			return &h, nil
-		}
-		if !errors.Is(err, pgx.ErrNoRows) {
-			return nil, fmt.Errorf("retrytopic: lock parked key: %w", err)
-		}
-		var exists bool
-		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+o.table()+` WHERE consumer_group = $1 AND partition_key = $2)`, group, key).Scan(&exists); err != nil {
-			return nil, fmt.Errorf("retrytopic: lock parked key: %w", err)
-		}
-		if !exists {
-			return nil, nil
-		}
-	}
-}
-
-// storedMessage is what a parked row keeps of a message.
-func storedMessage(c *message.Message) (uuid string, payload, metadata []byte, err error) {
-	md, err := json.Marshal(map[string]string(c.Metadata))
-	if err != nil {
-		return "", nil, nil, fmt.Errorf("retrytopic: encode metadata: %w", err)
-	}
-	payload = c.Payload
-	if payload == nil {
-		payload = []byte{}
-	}
-	return c.UUID, payload, md, nil
-}
-
-// message rebuilds a parked row's message.
-func (h *headRow) message() (*message.Message, error) {
-	var md map[string]string
-	if err := json.Unmarshal(h.metadata, &md); err != nil {
-		return nil, fmt.Errorf("retrytopic: decode parked metadata of event %s: %w", h.id, err)
-	}
-	u := ""
-	if h.msgUUID != nil {
-		u = *h.msgUUID
-	}
-	m := message.NewMessage(u, h.payload)
-	for k, v := range md {
-		m.Metadata.Set(k, v)
-	}
-	return m, nil
-}
-
-// wait parks pk's event behind its key's head with its message c, in a
-// transaction of its own that locks the head first; queued is false (and
-// nothing is written) when the key has no parked event any more: the
-// caller runs the event.
-func (o *keyOrder) wait(ctx context.Context, pk *parking, c *message.Message) (queued bool, err error) {
-	u, payload, md, err := storedMessage(c)
-	if err != nil {
-		return false, err
-	}
-	err = pgx.BeginFunc(ctx, o.cfg.DB, func(tx pgx.Tx) error {
-		h, err := o.lockHead(ctx, tx, pk.group, pk.key)
-		if err != nil || h == nil {
-			return err
-		}
-		if _, err := tx.Exec(ctx, `INSERT INTO `+o.table()+` (consumer_group, partition_key, event_id, message_uuid, payload, metadata)
-VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (consumer_group, partition_key, event_id) DO NOTHING`,
-			pk.group, pk.key, pk.id, u, payload, md); err != nil {
-			return fmt.Errorf("retrytopic: park behind key: %w", err)
-		}
-		queued = true
-		if testHookWaitBeforeCommit != nil {
-			testHookWaitBeforeCommit(pk.id)
-		}
 		return nil
-	})
-	return queued, err
+	}
+	return &parking{group: o.cfg.ConsumerGroup, key: key, id: id}
 }
 
-// testHookWaitBeforeCommit, set by tests, runs in wait between the INSERT
-// and the COMMIT.
-var testHookWaitBeforeCommit func(id uuid.UUID)
-
-// store keeps c as the message of pk's parked event, which has none (it was
-// parked before the table kept messages, and its copy came back); the
-// event then waits without a copy on the retry path. If it has become its
-// key's head meanwhile, it is handed off at once.
-func (o *keyOrder) store(ctx context.Context, pk *parking, c *message.Message) error {
-	u, payload, md, err := storedMessage(c)
-	if err != nil {
-		return err
-	}
-	return pgx.BeginFunc(ctx, o.cfg.DB, func(tx pgx.Tx) error {
-		if _, err := o.lockHead(ctx, tx, pk.group, pk.key); err != nil {
-			return err
-		}
-		if _, err := tx.Exec(ctx, `UPDATE `+o.table()+` SET message_uuid = $4, payload = $5, metadata = $6, topic = NULL, not_before = NULL
-WHERE consumer_group = $1 AND partition_key = $2 AND event_id = $3 AND payload IS NULL`, pk.group, pk.key, pk.id, u, payload, md); err != nil {
-			return fmt.Errorf("retrytopic: store parked message: %w", err)
-		}
-		_, err := o.handOff(ctx, tx, pk.group, pk.key)
-		return err
-	})
-}
-
-// park records pk's event as its key's head, its copy c at topic until
-// notBefore, and runs publish, in one transaction that commits only after
-// publish succeeded: a committed head always has its copy on a retry
-// topic. If another event of the key is parked first (the key was parked
-// while this one ran), the event waits behind it with its copy instead
-// and nothing is published (queued is true).
-func (o *keyOrder) park(ctx context.Context, pk *parking, topic string, notBefore time.Time, c *message.Message, publish func() error) (queued bool, err error) {
-	u, payload, md, err := storedMessage(c)
-	if err != nil {
-		return false, err
-	}
-	err = pgx.BeginFunc(ctx, o.cfg.DB, func(tx pgx.Tx) error {
-		queued = false
-		h, err := o.lockHead(ctx, tx, pk.group, pk.key)
-		if err != nil {
-			return err
-		}
-		if h != nil && h.id != pk.id {
-			if _, err := tx.Exec(ctx, `INSERT INTO `+o.table()+` (consumer_group, partition_key, event_id, message_uuid, payload, metadata)
-VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (consumer_group, partition_key, event_id) DO NOTHING`,
-				pk.group, pk.key, pk.id, u, payload, md); err != nil {
-				return fmt.Errorf("retrytopic: park behind key: %w", err)
+// finish runs after the handler chain returned nil for a message that
+// admit let run. A parked event is released (unless ReleaseMiddleware did
+// it in the handler's transaction) and its key handed on. A retry-topic
+// copy that found no row of its own may have overtaken the transaction
+// that parks it: settle waits for that transaction and releases the row it
+// committed, or the key would stay parked behind an event that is done.
+func (o *keyOrder) finish(ctx context.Context, pk *parking, onRetry bool) error {
+	switch {
+	case pk == nil:
+		return nil
+	case pk.parked:
+		if !pk.done.Load() {
+			if err := o.releaseNow(ctx, pk); err != nil {
+				return err
 			}
-			queued = true
-			return nil
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO `+o.table()+` (consumer_group, partition_key, event_id, topic, not_before, message_uuid, payload, metadata)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-ON CONFLICT (consumer_group, partition_key, event_id) DO UPDATE SET topic = EXCLUDED.topic, not_before = EXCLUDED.not_before,
-	message_uuid = EXCLUDED.message_uuid, payload = EXCLUDED.payload, metadata = EXCLUDED.metadata`,
-			pk.group, pk.key, pk.id, topic, notBefore, u, payload, md); err != nil {
-			return fmt.Errorf("retrytopic: park key: %w", err)
-		}
-		return publish()
-	})
-	return queued, err
-}
-
-// handOff gives a key whose head waits in the table (its event before it
-// was released) to that head: its message goes to the hand-off topic
-// through the outbox on tx, due at once, and its row records the copy.
-// It reports whether it handed off.
-func (o *keyOrder) handOff(ctx context.Context, tx pgx.Tx, group, key string) (bool, error) {
-	h, err := o.lockHead(ctx, tx, group, key)
-	if err != nil || h == nil || !h.waiting {
-		return false, err
-	}
-	if h.payload == nil {
-		// Parked before the table kept messages: its copy is on the retry
-		// path already.
-		return false, nil
-	}
-	if err := o.writeCopy(ctx, tx, group, key, h, o.handoffTopic); err != nil {
-		return false, err
-	}
-	return true, nil
-}
-
-// writeCopy writes h's stored message to topic through the outbox on tx,
-// due now, and records the copy in h's row.
-func (o *keyOrder) writeCopy(ctx context.Context, tx pgx.Tx, group, key string, h *headRow, topic string) error {
-	m, err := h.message()
-	if err != nil {
-		return err
-	}
-	now := o.now()
-	m.Metadata.Set(MetadataNotBefore, now.UTC().Format(time.RFC3339Nano))
-	if _, err := tx.Exec(ctx, `UPDATE `+o.table()+` SET topic = $4, not_before = $5 WHERE consumer_group = $1 AND partition_key = $2 AND event_id = $3`,
-		group, key, h.id, topic, now); err != nil {
-		return fmt.Errorf("retrytopic: hand off parked key: %w", err)
-	}
-	// Without the handler's context values: the outbox must not stamp the
-	// released event with the causation or trace of the event before it.
-	if err := o.cfg.Outbox.PublishInTx(valuesHidden{ctx}, tx, topic, m); err != nil {
-		return fmt.Errorf("retrytopic: hand off parked key: write event %s to the outbox for %s: %w", h.id, topic, err)
-	}
-	return nil
-}
-
-// valuesHidden is a context that keeps its parent's deadline and
-// cancellation but none of its values.
-type valuesHidden struct{ context.Context }
-
-func (valuesHidden) Value(any) any { return nil }
-
-type rowQuerier interface {
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
-
-// queryRow scans one row, straight on DB when it can query (a pool, a conn,
-// a tx: one round trip), else in a read transaction.
-func (o *keyOrder) queryRow(ctx context.Context, sql string, args []any, dest ...any) error {
-	if q, ok := o.cfg.DB.(rowQuerier); ok {
-		return q.QueryRow(ctx, sql, args...).Scan(dest...)
-	}
-	tx, err := o.cfg.DB.Begin(ctx)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	return tx.QueryRow(ctx, sql, args...).Scan(dest...)
-}
-
-// release deletes pk's row on tx (the handler's transaction, or one of its
-// own) and hands the key to the next parked event.
-func (o *keyOrder) release(ctx context.Context, tx pgx.Tx, pk *parking) error {
-	if _, err := tx.Exec(ctx, `DELETE FROM `+o.table()+` WHERE consumer_group = $1 AND partition_key = $2 AND event_id = $3`, pk.group, pk.key, pk.id); err != nil {
-		return fmt.Errorf("retrytopic: release parked key: %w", err)
-	}
-	handed, err := o.handOff(ctx, tx, pk.group, pk.key)
-	if err != nil {
-		return err
-	}
-	pk.handedOff.Store(handed)
-	return nil
-}
-
-// releaseNow releases pk in a transaction of its own.
-func (o *keyOrder) releaseNow(ctx context.Context, pk *parking) error {
-	return pgx.BeginFunc(ctx, o.cfg.DB, func(tx pgx.Tx) error { return o.release(ctx, tx, pk) })
-}
-
-// releaseUnlessDone releases pk on its own, unless ReleaseMiddleware
-// already did in the handler's transaction: after a duplicate (the handler
-// did not run), or without ReleaseMiddleware in the chain.
-func (o *keyOrder) releaseUnlessDone(ctx context.Context, pk *parking) error {
-	if pk.done.Load() {
-		return nil
-	}
-	return o.releaseNow(ctx, pk)
-}
-
-// probe tells whether a retry-topic copy that found no row of its own is
-// being parked right now: park inserts the row before it publishes the
-// copy and commits after, so the probe INSERT waits on the primary key for
-// that transaction. pending is true when it committed the row (look
-// again); false when there is none: the copy is stale. Its event was
-// released (applied, poisoned, or skipped by Unblock) and this is a second
-// copy of it (a hand-off the forwarder sent again, a copy redelivered after
-// a crash), or its park was rolled back and the message it was made from
-// is redelivered instead (a park commits before that message is acked).
-func (o *keyOrder) probe(ctx context.Context, pk *parking) (pending bool, err error) {
-	tx, err := o.cfg.DB.Begin(ctx)
-	if err != nil {
-		return false, fmt.Errorf("retrytopic: probe parked key: %w", err)
-	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // the probe's row goes
-	tag, err := tx.Exec(ctx, `INSERT INTO `+o.table()+` (consumer_group, partition_key, event_id)
-VALUES ($1, $2, $3) ON CONFLICT (consumer_group, partition_key, event_id) DO NOTHING`, pk.group, pk.key, pk.id)
-	if err != nil {
-		return false, fmt.Errorf("retrytopic: probe parked key: %w", err)
-	}
-	return tag.RowsAffected() == 0, nil
-}
-
-// settle releases pk's row after a copy that found none succeeded. park
-// publishes the copy before it commits the row, so the copy can be consumed
-// while the row is still uncommitted, invisible to look. The probe INSERT
-// waits on the primary key for such a transaction to end; when it
-// committed, the probe inserts nothing and the release removes the
-// committed row (released is true) and hands the key on; otherwise the
-// release removes the probe's own row.
-func (o *keyOrder) settle(ctx context.Context, pk *parking) (released bool, err error) {
-	err = pgx.BeginFunc(ctx, o.cfg.DB, func(tx pgx.Tx) error {
-		tag, err := tx.Exec(ctx, `INSERT INTO `+o.table()+` (consumer_group, partition_key, event_id)
-VALUES ($1, $2, $3) ON CONFLICT (consumer_group, partition_key, event_id) DO NOTHING`, pk.group, pk.key, pk.id)
+		o.released(pk)
+	case onRetry:
+		released, err := o.settle(ctx, pk)
 		if err != nil {
-			return fmt.Errorf("retrytopic: settle parked key: %w", err)
+			return err
 		}
-		released = tag.RowsAffected() == 0
-		return o.release(ctx, tx, pk)
-	})
-	return released && err == nil, err
+		if released {
+			o.released(pk)
+		}
+	}
+	return nil
+}
+
+// released counts a release of pk, and its hand-off.
+func (o *keyOrder) released(pk *parking) {
+	o.stats.released.Add(1)
+	if pk.handedOff.Load() {
+		o.stats.handedOff.Add(1)
+	}
 }
 
 type releaseKey struct{}
@@ -492,23 +278,23 @@ func (r *RetryTopic) ReleaseMiddleware(h message.HandlerFunc) message.HandlerFun
 		if err != nil {
 			return produced, err
 		}
+		release := func(ctx context.Context, tx pgx.Tx) error {
+			if err := r.order.release(ctx, tx, pk); err != nil {
+				return err
+			}
+			pk.done.Store(true)
+			return nil
+		}
 		if !ok {
 			// Lease mode: the release joins the completing transaction,
 			// with the claim (a lost lease or a duplicate runs nothing, and
 			// RetryTopic.Middleware releases on its own).
-			_ = idem.Complete(ctx, func(ctx context.Context, tx pgx.Tx) error {
-				if err := r.order.release(ctx, tx, pk); err != nil {
-					return err
-				}
-				pk.done.Store(true)
-				return nil
-			})
+			_ = idem.Complete(ctx, release)
 			return produced, nil
 		}
-		if err := r.order.release(ctx, tx, pk); err != nil {
+		if err := release(ctx, tx); err != nil {
 			return nil, err
 		}
-		pk.done.Store(true)
 		return produced, nil
 	}
 }

@@ -100,14 +100,7 @@ func (c *overdueCheck) query(ctx context.Context) (int, overdueKey, error) {
 	var k overdueKey
 	var key, topic, head *string
 	var secs *float64
-	err := c.o.queryRow(ctx, `WITH h AS (
-	SELECT DISTINCT ON (partition_key) partition_key, event_id, topic, not_before
-	FROM `+c.o.table()+` WHERE consumer_group = $1 ORDER BY partition_key, seq
-), late AS (
-	SELECT * FROM h WHERE topic IS NOT NULL AND not_before < now() - make_interval(secs => $2)
-)
-SELECT (SELECT count(*) FROM late), l.partition_key, l.topic, l.event_id::text, extract(epoch FROM now() - l.not_before)::float8
-FROM (SELECT 1) one LEFT JOIN (SELECT * FROM late ORDER BY not_before LIMIT 1) l ON true`,
+	err := c.o.queryRow(ctx, c.o.sql.overdue,
 		[]any{c.o.cfg.ConsumerGroup, c.after.Seconds()}, &n, &key, &topic, &head, &secs)
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return 0, k, fmt.Errorf("retrytopic: overdue parked keys: %w", err)

@@ -38,9 +38,7 @@ type ParkedKey struct {
 	// waiting behind it.
 	Events int64 `json:"events"`
 	// Head is the key's first event; HeadTopic and HeadNotBefore tell where
-	// and until when its copy waits on the retry path. HeadTopic is "" when
-	// it has none (it was parked by a release that did not hand the key
-	// on): [Unblock] sends it.
+	// and until when its copy waits on the retry path.
 	Head          uuid.UUID `json:"head"`
 	HeadTopic     string    `json:"head_topic"`
 	HeadNotBefore time.Time `json:"head_not_before"`
@@ -198,64 +196,68 @@ func Unblock(ctx context.Context, db migrate.Beginner, ob idem.OutboxWriter, t P
 	if opts == nil {
 		opts = &UnblockOpts{}
 	}
-	t.setDefaults()
 	switch {
-	case db == nil || ob == nil:
-		return nil, errors.New("retrytopic: Unblock: db and ob are required")
-	case consumerGroup == "" || key == "":
-		return nil, errors.New("retrytopic: Unblock: consumerGroup and key are required")
+	case db == nil:
+		return nil, errors.New("retrytopic: Unblock: db: required")
+	case ob == nil:
+		return nil, errors.New("retrytopic: Unblock: ob: required")
+	case consumerGroup == "":
+		return nil, errors.New("retrytopic: Unblock: consumerGroup: required")
+	case key == "":
+		return nil, errors.New("retrytopic: Unblock: key: required")
 	}
 	if err := checkParkedArgs(&t, consumerGroup); err != nil {
 		return nil, err
 	}
-	o := &keyOrder{cfg: KeyOrder{DB: db, ConsumerGroup: consumerGroup, Table: t, Outbox: ob}, now: time.Now}
+	o := newKeyOrder(KeyOrder{DB: db, ConsumerGroup: consumerGroup, Table: t, Outbox: ob}, "", time.Now, nil, nil)
 	res := &UnblockResult{}
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		*res = UnblockResult{}
-		h, err := o.lockHead(ctx, tx, consumerGroup, key)
-		if err != nil {
-			return err
-		}
-		if h == nil {
-			return fmt.Errorf("retrytopic: Unblock: %w: %s in group %s", ErrKeyNotParked, key, consumerGroup)
-		}
-		res.Head = h.id
-		topic := opts.Topic
-		if topic == "" {
-			if err := tx.QueryRow(ctx, `SELECT COALESCE(topic, '') FROM `+o.table()+` WHERE consumer_group = $1 AND partition_key = $2 AND event_id = $3`,
-				consumerGroup, key, h.id).Scan(&topic); err != nil {
-				return fmt.Errorf("retrytopic: Unblock: %w", err)
-			}
-			if topic == "" {
-				return fmt.Errorf("retrytopic: Unblock: the first event of %s has no copy yet: name the retry topic (UnblockOpts.Topic)", key)
-			}
-		}
-		res.Topic = topic
-		o.handoffTopic = topic
-		if !opts.Skip {
-			if h.payload == nil {
-				return fmt.Errorf("retrytopic: Unblock: %w: event %s (skip it instead)", ErrNoStoredMessage, h.id)
-			}
-			res.Resent = true
-			return o.writeCopy(ctx, tx, consumerGroup, key, h, topic)
-		}
-		pk := &parking{group: consumerGroup, key: key, id: h.id}
-		if _, err := tx.Exec(ctx, `DELETE FROM `+o.table()+` WHERE consumer_group = $1 AND partition_key = $2 AND event_id = $3`, pk.group, pk.key, pk.id); err != nil {
-			return fmt.Errorf("retrytopic: Unblock: %w", err)
-		}
-		res.Skipped = true
-		next, err := o.lockHead(ctx, tx, consumerGroup, key)
-		if err != nil || next == nil {
-			return err
-		}
-		handed, err := o.handOff(ctx, tx, consumerGroup, key)
-		if handed {
-			res.HandedOff = &next.id
-		}
-		return err
+		return o.unblock(ctx, tx, key, opts, res)
 	})
 	if err != nil {
 		return nil, err
 	}
 	return res, nil
+}
+
+// unblock is [Unblock] on tx.
+func (o *keyOrder) unblock(ctx context.Context, tx pgx.Tx, key string, opts *UnblockOpts, res *UnblockResult) error {
+	group := o.cfg.ConsumerGroup
+	h, err := o.lockHead(ctx, tx, group, key)
+	if err != nil {
+		return err
+	}
+	if h == nil {
+		return fmt.Errorf("retrytopic: Unblock: %w: %s in group %s", ErrKeyNotParked, key, group)
+	}
+	res.Head = h.id
+	topic := opts.Topic
+	if topic == "" {
+		if err := tx.QueryRow(ctx, o.sql.copyTopic, group, key, h.id).Scan(&topic); err != nil {
+			return fmt.Errorf("retrytopic: Unblock: %w", err)
+		}
+		if topic == "" {
+			return fmt.Errorf("retrytopic: Unblock: the first event of %s has no copy yet: name the retry topic (UnblockOpts.Topic)", key)
+		}
+	}
+	res.Topic = topic
+	o.handoffTopic = topic
+	if !opts.Skip {
+		res.Resent = true
+		return o.writeCopy(ctx, tx, group, key, h, topic)
+	}
+	pk := &parking{group: group, key: key, id: h.id}
+	if err := o.release(ctx, tx, pk); err != nil {
+		return err
+	}
+	res.Skipped = true
+	if pk.handedOff.Load() {
+		next, err := o.lockHead(ctx, tx, group, key)
+		if err != nil {
+			return err
+		}
+		res.HandedOff = &next.id
+	}
+	return nil
 }

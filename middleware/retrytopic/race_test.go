@@ -99,13 +99,12 @@ func TestKeyOrderParkRacesRelease(t *testing.T) {
 		require.NoError(t, u.deliver(t, unitMain, e0))
 		inserted, proceed := make(chan struct{}), make(chan struct{})
 		follower := u.eventID(e1)
-		retrytopic.SetWaitHook(func(id uuid.UUID) {
-			if id == follower {
+		retrytopic.SetHook(u.rt, func(s retrytopic.Step, id uuid.UUID) {
+			if s == retrytopic.StepWaitInserted && id == follower {
 				close(inserted)
 				<-proceed
 			}
 		})
-		t.Cleanup(func() { retrytopic.SetWaitHook(nil) })
 		res := make(chan waitResult, 1)
 		go func() {
 			q, err := retrytopic.Wait(ctx, u.rt, "k", follower, e1)

@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
-	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -26,7 +25,6 @@ type RetryTopic struct {
 	logger watermill.LoggerAdapter
 	retry  map[string]bool // the retry topics
 	order  *keyOrder       // nil without Config.KeyOrder
-	late   *overdueCheck   // nil without Config.KeyOrder, or with its OverdueAfter -1
 	stats  counters
 }
 
@@ -46,11 +44,10 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*RetryTopic, error) {
 		r.retry[t] = true
 	}
 	if cfg.KeyOrder != nil {
-		r.order = &keyOrder{cfg: *cfg.KeyOrder, handoffTopic: cfg.Topics[0], now: cfg.NowFunc}
+		r.order = newKeyOrder(*cfg.KeyOrder, cfg.Topics[0], cfg.NowFunc, logger, &r.stats)
 		if err := r.order.check(context.Background()); err != nil {
 			return nil, err
 		}
-		r.late = newOverdueCheck(r.order, logger)
 	}
 	return r, nil
 }
@@ -96,55 +93,10 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		var pk *parking
 		if r.order != nil {
-			if ord, ok := idemkafka.OrderingFromContext(ctx); ok && ord == idemkafka.OrderNone {
-				// Nothing is moved, poisoned or applied: the message is
-				// nacked until the subscriber is configured right.
-				r.logger.Error("KeyOrder refuses a message of an idemkafka.Subscriber with OrderNone", ErrKeyOrderUnordered, nil)
-				return nil, ErrKeyOrderUnordered
-			}
-			r.late.maybe(ctx, &r.stats)
-			var act action
-			for looks := 0; ; looks++ {
-				if pk, act, err = r.order.look(ctx, msg, onRetry); err != nil {
-					return nil, err
-				}
-				if act != actProbe {
-					break
-				}
-				pending, err := r.order.probe(ctx, pk)
-				if err != nil {
-					return nil, err
-				}
-				if !pending {
-					r.stats.stale.Add(1)
-					r.logger.Debug("Stale retry copy acked: its event is not parked and its key waits for another", pk.fields())
-					return nil, nil
-				}
-				if looks > 0 {
-					return nil, fmt.Errorf("retrytopic: event %s of key %q: its parked row keeps changing", pk.id, pk.key)
-				}
-			}
-			switch act {
-			case actAck:
-				r.logger.Debug("Parked event acked: it waits for its key, or its copy is on the retry path", pk.fields())
-				return nil, nil
-			case actStore:
-				if err := r.order.store(ctx, pk, r.waitingCopy(msg, o)); err != nil {
-					return nil, err
-				}
-				r.logger.Debug("Parked event's message stored: it waits for its key", pk.fields())
-				return nil, nil
-			case actWait:
-				queued, err := r.order.wait(ctx, pk, r.waitingCopy(msg, o))
-				if err != nil {
-					return nil, err
-				}
-				if queued {
-					r.stats.followed.Add(1)
-					r.logger.Debug("Event waits behind its key's parked event", pk.fields())
-					return nil, nil
-				}
-				pk.head = nil // released meanwhile: the key is free
+			var run bool
+			pk, run, err = r.order.admit(ctx, msg, onRetry, func() *message.Message { return r.waitingCopy(msg, o) })
+			if err != nil || !run {
+				return nil, err
 			}
 			if pk != nil && pk.parked {
 				ctx = withRelease(ctx, pk)
@@ -154,24 +106,8 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		produced, err := h(msg)
 		if err == nil {
-			switch {
-			case pk != nil && pk.parked:
-				if err := r.order.releaseUnlessDone(ctx, pk); err != nil {
-					return nil, err
-				}
-				r.released(pk)
-			case pk != nil && onRetry:
-				// The copy found no row of its own, but it may have
-				// overtaken the transaction that parks it: wait for that
-				// transaction, and release the row it committed, or the
-				// key would stay parked behind an event that is done.
-				released, err := r.order.settle(ctx, pk)
-				if err != nil {
-					return nil, err
-				}
-				if released {
-					r.released(pk)
-				}
+			if err := r.order.finish(ctx, pk, onRetry); err != nil {
+				return nil, err
 			}
 			if onRetry {
 				r.stats.recovered.Add(1)
@@ -298,14 +234,6 @@ func (r *RetryTopic) waitingCopy(msg *message.Message, o origin) *message.Messag
 	return c
 }
 
-// released counts a release of pk, and its hand-off.
-func (r *RetryTopic) released(pk *parking) {
-	r.stats.released.Add(1)
-	if pk.handedOff.Load() {
-		r.stats.handedOff.Add(1)
-	}
-}
-
 // poison publishes msg to the poison topic with watermill's poison metadata
 // (topic_poisoned is the original topic), then releases its parked key.
 func (r *RetryTopic) poison(ctx context.Context, msg *message.Message, o origin, pk *parking, reason error) error {
@@ -329,7 +257,7 @@ func (r *RetryTopic) poison(ctx context.Context, msg *message.Message, o origin,
 		if err := r.order.releaseNow(ctx, pk); err != nil {
 			return err
 		}
-		r.released(pk)
+		r.order.released(pk)
 	}
 	return nil
 }

@@ -1,0 +1,47 @@
+// Package dbx names the database interfaces the library accepts, each the
+// smallest a caller needs (pgx's advice): a *pgxpool.Pool, a *pgx.Conn and
+// a pgx.Tx fit Querier and Beginner; a pool and a conn fit BatchSender
+// and TxBeginner. The public names are migrate.DBTX, migrate.Beginner and
+// deduplicator.BatchSender, aliases of these.
+package dbx
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Querier runs statements.
+type Querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Beginner begins a transaction (a savepoint on a pgx.Tx).
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// TxBeginner begins a transaction with options.
+type TxBeginner interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// BatchSender runs a pgx.Batch in one round trip. Outside a transaction
+// its statements run in one implicit transaction (one Sync): they commit
+// together or not at all.
+type BatchSender interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// Pool runs concurrent transactions on connections of its own, and
+// batches: a *pgxpool.Pool.
+type Pool interface {
+	Querier
+	Beginner
+	BatchSender
+	Stat() *pgxpool.Stat
+}
