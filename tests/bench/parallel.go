@@ -491,57 +491,12 @@ func parallelSubscriber(ctx context.Context, o Options) (Section, error) {
 				fmt.Sprintf("the parallel subscriber reaches %s of it", cand)})
 		}
 
-		// Latency: a fresh topic fed at half a consumer's median rate while
-		// it consumes, for the baseline and the candidate.
-		var baseP99 time.Duration
-		for i, c := range w.consumers[:2] {
-			if !w.latency || o.Short && i == 0 {
-				continue
-			}
-			rate := Summarise(rates[i]).Median / 2
-			n := max(50, int(rate*latFor.Seconds()))
-			live, err := r.topic("bench-par-live")
+		if w.latency {
+			rows, err := r.latencyRows(ctx, o, w, rates, latFor)
 			if err != nil {
 				return Section{}, err
 			}
-			// Warm-up events first (the consumer group joined, the
-			// partitions fetched, connections open), then the measured
-			// ones: an event published during the join waits for it, and
-			// at a higher rate more of them would fill the top percentile.
-			if err := r.produceMarked(live, warmupEvents, 0, true); err != nil {
-				return Section{}, err
-			}
-			var lat, toHandler durations
-			warmed := make(chan struct{})
-			prodErr := make(chan error, 1)
-			go func() {
-				select {
-				case <-warmed:
-					prodErr <- r.produce(live, n, rate)
-				case <-ctx.Done():
-					prodErr <- ctx.Err()
-				}
-			}()
-			_, runErr := r.run(ctx, c, parRun{topic: live, count: warmupEvents + n, handler: w.handler, lat: &lat, toHandler: &toHandler, warmup: warmupEvents, warmed: warmed})
-			if runErr != nil {
-				return Section{}, fmt.Errorf("latency, %s, %s: %w", w.name, c.name, runErr)
-			}
-			if err := <-prodErr; err != nil {
-				return Section{}, err
-			}
-			p50, p99 := percentile(lat.xs, 0.50), percentile(lat.xs, 0.99)
-			h50, h99 := percentile(toHandler.xs, 0.50), percentile(toHandler.xs, 0.99)
-			rel := "–"
-			if i == 0 {
-				baseP99 = p99
-			} else if baseP99 > 0 {
-				rel = fmt.Sprintf("%.2f", float64(p99)/float64(baseP99))
-				if w.latencyTarget > 0 {
-					rel += fmt.Sprintf(" (≤ %g×: %s)", w.latencyTarget, pass(float64(p99) <= w.latencyTarget*float64(baseP99)))
-				}
-			}
-			o.Logf("  parallel latency, %s, %s at %.0f msg/s: p50 %s, p99 %s (to the handler p50 %s, p99 %s); p99 ratio %s", w.name, c.name, rate, p50, p99, h50, h99, rel)
-			latRows = append(latRows, []string{w.name, c.name, fmt.Sprintf("%.0f", rate), fmt.Sprint(n), fmtDur(h50), fmtDur(h99), fmtDur(p50), fmtDur(p99), rel})
+			latRows = append(latRows, rows...)
 		}
 	}
 
@@ -568,8 +523,8 @@ func parallelSubscriber(ctx context.Context, o Options) (Section, error) {
 		"topic while it consumes, after %d warm-up events (the consumer group joined, the partitions fetched, connections open; "+
 		"without them an event published during the join waits for it, and the faster consumer, publishing more events in that "+
 		"time, has more of them in its top percentile). \"To the handler\" runs from the publish to the router's call of the "+
-		"handler, before the dedup middleware: the subscriber's share (fetch, dispatch, a MaxInFlight slot). The last column is "+
-		"the p99 over the first row's of the same workload:\n\n", latFor, warmupEvents)
+		"handler, before the dedup middleware: the subscriber's share (fetch, dispatch, a MaxInFlight slot). %s; the last column "+
+		"is the p99 over the first row's of the same workload, round by round:\n\n", latFor, warmupEvents, latRoundsDesc(o))
 	b.WriteString(Table([]string{"workload", "consumer", "published (msg/s)", "events", "to the handler p50", "to the handler p99",
 		"p50", "p99", "p99 ratio to watermill-kafka"}, latRows))
 	return Section{Title: "Parallel subscriber (idemkafka) against watermill-kafka's subscriber", Markdown: b.String()}, nil

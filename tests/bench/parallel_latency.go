@@ -1,0 +1,109 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// latRounds is how many latency runs each consumer of a workload gets.
+func latRounds(o Options) int {
+	if o.Short {
+		return 1
+	}
+	return min(max(o.Rounds, 1), 3)
+}
+
+func latRoundsDesc(o Options) string {
+	if o.Short {
+		return "One run per consumer (the candidate alone)"
+	}
+	return fmt.Sprintf("%d runs per consumer, the two alternated (their order swapped each round); cells are the median over runs", latRounds(o))
+}
+
+// latencyRows measures the latency of w's baseline and candidate: a fresh
+// topic fed at half the consumer's median rate (from rates) for latFor
+// while it consumes, latRounds times each, alternated. In a -short run the
+// baseline is left out.
+func (r *parRig) latencyRows(ctx context.Context, o Options, w parWorkload, rates [][]float64, latFor time.Duration) ([][]string, error) {
+	var p50s, p99s, h50s, h99s [2][]float64
+	var ratios []float64
+	for round := range latRounds(o) {
+		var p99 [2]time.Duration
+		for k := range 2 {
+			i := (k + round) % 2
+			if o.Short && i == 0 {
+				continue
+			}
+			rate := Summarise(rates[i]).Median / 2
+			lat, toHandler, err := r.latencyRun(ctx, w.consumers[i], w.handler, rate, max(50, int(rate*latFor.Seconds())))
+			if err != nil {
+				return nil, fmt.Errorf("latency, %s, %s: %w", w.name, w.consumers[i].name, err)
+			}
+			p99[i] = percentile(lat, 0.99)
+			p50s[i], p99s[i] = append(p50s[i], float64(percentile(lat, 0.50))), append(p99s[i], float64(p99[i]))
+			h50s[i], h99s[i] = append(h50s[i], float64(percentile(toHandler, 0.50))), append(h99s[i], float64(percentile(toHandler, 0.99)))
+			o.Logf("  parallel latency, %s, %s at %.0f msg/s: p50 %s, p99 %s (to the handler p50 %s, p99 %s)", w.name, w.consumers[i].name, rate,
+				percentile(lat, 0.50), p99[i], percentile(toHandler, 0.50), percentile(toHandler, 0.99))
+		}
+		if p99[0] > 0 && p99[1] > 0 {
+			ratios = append(ratios, float64(p99[1])/float64(p99[0]))
+		}
+	}
+	med := func(xs []float64) string { return fmtDur(time.Duration(Summarise(xs).Median)) }
+	var rows [][]string
+	for i, c := range w.consumers[:2] {
+		if len(p99s[i]) == 0 {
+			continue
+		}
+		rate := Summarise(rates[i]).Median / 2
+		rel := "–"
+		if i == 1 && len(ratios) > 0 {
+			st := Summarise(ratios)
+			rel = st.String()
+			if w.latencyTarget > 0 {
+				rel += fmt.Sprintf(" (≤ %g×: %s)", w.latencyTarget, pass(st.Median <= w.latencyTarget))
+			}
+		}
+		rows = append(rows, []string{w.name, c.name, fmt.Sprintf("%.0f", rate), fmt.Sprint(max(50, int(rate*latFor.Seconds()))),
+			med(h50s[i]), med(h99s[i]), med(p50s[i]), med(p99s[i]), rel})
+	}
+	return rows, nil
+}
+
+// latencyRun is one latency run: c consumes a fresh topic fed with n
+// events at rate after warmupEvents warm-up events (the consumer group
+// joined, the partitions fetched, connections open: an event published
+// during the join waits for it, and at a higher rate more of them would
+// fill the top percentile). It returns each event's time from publish to
+// commit and from publish to the router's call of the handler.
+func (r *parRig) latencyRun(ctx context.Context, c parConsumer, handler func(*message.Message) error, rate float64, n int) (lat, toHandler []time.Duration, err error) {
+	live, err := r.topic("bench-par-live")
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := r.produceMarked(live, warmupEvents, 0, true); err != nil {
+		return nil, nil, err
+	}
+	var l, h durations
+	warmed := make(chan struct{})
+	prodErr := make(chan error, 1)
+	go func() {
+		select {
+		case <-warmed:
+			prodErr <- r.produce(live, n, rate)
+		case <-ctx.Done():
+			prodErr <- ctx.Err()
+		}
+	}()
+	_, runErr := r.run(ctx, c, parRun{topic: live, count: warmupEvents + n, handler: handler, lat: &l, toHandler: &h, warmup: warmupEvents, warmed: warmed})
+	if runErr != nil {
+		return nil, nil, runErr
+	}
+	if err := <-prodErr; err != nil {
+		return nil, nil, err
+	}
+	return l.xs, h.xs, nil
+}
