@@ -18,56 +18,66 @@ func latRounds(o Options) int {
 
 func latRoundsDesc(o Options) string {
 	if o.Short {
-		return "One run per consumer (the candidate alone)"
+		return "One run (the candidate alone)"
 	}
-	return fmt.Sprintf("%d runs per consumer, the two alternated (their order swapped each round); cells are the median over runs", latRounds(o))
+	return fmt.Sprintf("%d runs of each row, rotated (the order shifted each round); cells are the median over runs. The last row is the "+
+		"candidate at watermill-kafka's rate: its latency without ten times the events through the same process, broker and database", latRounds(o))
 }
 
 // latencyRows measures the latency of w's baseline and candidate: a fresh
 // topic fed at half the consumer's median rate (from rates) for latFor
-// while it consumes, latRounds times each, alternated. In a -short run the
-// baseline is left out.
+// while it consumes, latRounds times each, alternated; and the candidate
+// again at the baseline's rate, which tells the subscriber's latency from
+// that of the load (ten times the events through the same process, broker
+// and database). In a -short run only the candidate at its rate runs.
 func (r *parRig) latencyRows(ctx context.Context, o Options, w parWorkload, rates [][]float64, latFor time.Duration) ([][]string, error) {
-	var p50s, p99s, h50s, h99s [2][]float64
-	var ratios []float64
+	const runs = 3 // baseline, candidate, candidate at the baseline's rate
+	var p50s, p99s, h50s, h99s [runs][]float64
+	var ratios [runs][]float64
+	rateOf := func(i int) float64 { return Summarise(rates[[runs]int{0, 1, 0}[i]]).Median / 2 }
 	for round := range latRounds(o) {
-		var p99 [2]time.Duration
-		for k := range 2 {
-			i := (k + round) % 2
-			if o.Short && i == 0 {
+		var p99 [runs]time.Duration
+		for k := range runs {
+			i := (k + round) % runs
+			if o.Short && i != 1 {
 				continue
 			}
-			rate := Summarise(rates[i]).Median / 2
-			lat, toHandler, err := r.latencyRun(ctx, w.consumers[i], w.handler, rate, max(50, int(rate*latFor.Seconds())))
+			c := w.consumers[[runs]int{0, 1, 1}[i]]
+			lat, toHandler, err := r.latencyRun(ctx, c, w.handler, rateOf(i), max(50, int(rateOf(i)*latFor.Seconds())))
 			if err != nil {
-				return nil, fmt.Errorf("latency, %s, %s: %w", w.name, w.consumers[i].name, err)
+				return nil, fmt.Errorf("latency, %s, %s: %w", w.name, c.name, err)
 			}
 			p99[i] = percentile(lat, 0.99)
 			p50s[i], p99s[i] = append(p50s[i], float64(percentile(lat, 0.50))), append(p99s[i], float64(p99[i]))
 			h50s[i], h99s[i] = append(h50s[i], float64(percentile(toHandler, 0.50))), append(h99s[i], float64(percentile(toHandler, 0.99)))
-			o.Logf("  parallel latency, %s, %s at %.0f msg/s: p50 %s, p99 %s (to the handler p50 %s, p99 %s)", w.name, w.consumers[i].name, rate,
+			o.Logf("  parallel latency, %s, %s at %.0f msg/s: p50 %s, p99 %s (to the handler p50 %s, p99 %s)", w.name, c.name, rateOf(i),
 				percentile(lat, 0.50), p99[i], percentile(toHandler, 0.50), percentile(toHandler, 0.99))
 		}
-		if p99[0] > 0 && p99[1] > 0 {
-			ratios = append(ratios, float64(p99[1])/float64(p99[0]))
+		for i := 1; i < runs; i++ {
+			if p99[0] > 0 && p99[i] > 0 {
+				ratios[i] = append(ratios[i], float64(p99[i])/float64(p99[0]))
+			}
 		}
 	}
 	med := func(xs []float64) string { return fmtDur(time.Duration(Summarise(xs).Median)) }
 	var rows [][]string
-	for i, c := range w.consumers[:2] {
+	for i := range runs {
 		if len(p99s[i]) == 0 {
 			continue
 		}
-		rate := Summarise(rates[i]).Median / 2
+		name := w.consumers[[runs]int{0, 1, 1}[i]].name
 		rel := "–"
-		if i == 1 && len(ratios) > 0 {
-			st := Summarise(ratios)
+		if len(ratios[i]) > 0 {
+			st := Summarise(ratios[i])
 			rel = st.String()
-			if w.latencyTarget > 0 {
+			if i == 1 && w.latencyTarget > 0 {
 				rel += fmt.Sprintf(" (≤ %g×: %s)", w.latencyTarget, pass(st.Median <= w.latencyTarget))
 			}
 		}
-		rows = append(rows, []string{w.name, c.name, fmt.Sprintf("%.0f", rate), fmt.Sprint(max(50, int(rate*latFor.Seconds()))),
+		if i == 2 {
+			name += ", at watermill-kafka's rate"
+		}
+		rows = append(rows, []string{w.name, name, fmt.Sprintf("%.0f", rateOf(i)), fmt.Sprint(max(50, int(rateOf(i)*latFor.Seconds()))),
 			med(h50s[i]), med(h99s[i]), med(p50s[i]), med(p99s[i]), rel})
 	}
 	return rows, nil
