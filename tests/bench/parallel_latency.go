@@ -100,12 +100,14 @@ func (r *parRig) latencyRun(ctx context.Context, c parConsumer, handler func(*me
 	var l, h durations
 	warmed := make(chan struct{})
 	prodErr := make(chan error, 1)
+	pctx, cancel := context.WithCancel(ctx)
+	defer cancel() // a run that fails before the warm-up ends stops the producer's wait
 	go func() {
 		select {
 		case <-warmed:
 			prodErr <- r.produce(live, n, rate)
-		case <-ctx.Done():
-			prodErr <- ctx.Err()
+		case <-pctx.Done():
+			prodErr <- pctx.Err()
 		}
 	}()
 	_, runErr := r.run(ctx, c, parRun{topic: live, count: warmupEvents + n, handler: handler, lat: &l, toHandler: &h, warmup: warmupEvents, warmed: warmed})
