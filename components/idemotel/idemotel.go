@@ -51,7 +51,7 @@ type Metrics struct {
 	oldest                                                       metric.Float64ObservableGauge
 	kInFlight, kWaiting, kHeld, kMaxInFlight, kDistance, kWindow metric.Int64ObservableGauge
 	kAcked, kNacked, kSkipped, kSessions, kRefused               metric.Int64ObservableCounter
-	kStalled                                                     metric.Int64ObservableGauge
+	kStalled, kSpilled                                           metric.Int64ObservableGauge
 	kPartStalled                                                 metric.Float64ObservableGauge
 }
 
@@ -102,6 +102,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.kInFlight = gauge("idem.kafka.in_flight", "{message}", "idemkafka.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).")
 	m.kWaiting = gauge("idem.kafka.keys_waiting", "{message}", "idemkafka.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).")
 	m.kHeld = gauge("idem.kafka.held", "{message}", "idemkafka.Subscriber: records waiting for their NotBeforeFunc time (retry topics).")
+	m.kSpilled = gauge("idem.kafka.spilled", "{message}", "idemkafka.Subscriber: of the records waiting behind their key, those whose payload left a full window: read again from Kafka when they become their key's head (at most 64 × PartitionWindow per partition).")
 	m.kMaxInFlight = gauge("idem.kafka.max_in_flight", "{message}", "idemkafka.Subscriber: MaxInFlight (the bound of idem.kafka.in_flight).")
 	m.kDistance = gauge("idem.kafka.partition.distance", "{message}", "idemkafka.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending).")
 	m.kWindow = gauge("idem.kafka.partition.window", "{message}", "idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).")
@@ -128,7 +129,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 		m.processed, m.duplicates, m.failed, m.claimErrors, m.rejected, m.claims, m.claimTime, m.txTime,
 		m.groups, m.grouped, m.groupFallbacks, m.alone, m.leases,
 		m.forwarded, m.commits, m.polls, m.fwdErrors, m.quarantined, m.pending, m.oldest,
-		m.kInFlight, m.kWaiting, m.kHeld, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions, m.kRefused, m.kStalled, m.kPartStalled)
+		m.kInFlight, m.kWaiting, m.kHeld, m.kSpilled, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions, m.kRefused, m.kStalled, m.kPartStalled)
 	if err != nil {
 		return nil, fmt.Errorf("idemotel: register callback: %w", err)
 	}
@@ -175,7 +176,7 @@ func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts 
 
 // AddSubscriber reports the Stats of idemkafka's parallel subscriber with
 // the attribute messaging.consumer.group.name (its Kafka consumer group):
-// idem.kafka.in_flight, keys_waiting, held, max_in_flight, acked, nacked,
+// idem.kafka.in_flight, keys_waiting, spilled, held, max_in_flight, acked, nacked,
 // skipped, sessions, commits_refused and stalled_keys, and per held
 // partition (attributes messaging.destination.name and
 // messaging.destination.partition.id) idem.kafka.partition.distance
@@ -208,6 +209,7 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.kInFlight, int64(s.InFlight), set)
 		o.ObserveInt64(m.kWaiting, int64(s.KeysWaiting), set)
 		o.ObserveInt64(m.kHeld, int64(s.Held), set)
+		o.ObserveInt64(m.kSpilled, int64(s.Spilled), set)
 		o.ObserveInt64(m.kMaxInFlight, int64(s.MaxInFlight), set)
 		o.ObserveInt64(m.kAcked, int64(s.Acked), set)
 		o.ObserveInt64(m.kNacked, int64(s.Nacked), set)

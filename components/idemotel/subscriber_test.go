@@ -63,6 +63,7 @@ func TestMetricsExportSubscriber(t *testing.T) {
 	require.EqualValues(t, 1, got.must(t, "idem.kafka.in_flight", group))
 	require.EqualValues(t, 2, got.must(t, "idem.kafka.keys_waiting", group))
 	require.EqualValues(t, 0, got.must(t, "idem.kafka.held", group))
+	require.EqualValues(t, 0, got.must(t, "idem.kafka.spilled", group))
 	require.EqualValues(t, 8, got.must(t, "idem.kafka.max_in_flight", group))
 	require.EqualValues(t, 0, got.must(t, "idem.kafka.acked", group))
 	require.EqualValues(t, 1, got.must(t, "idem.kafka.sessions", group))
@@ -81,4 +82,44 @@ func TestMetricsExportSubscriber(t *testing.T) {
 	require.EqualValues(t, 1, got.must(t, "idem.kafka.acked", group))
 	require.EqualValues(t, 1, got.must(t, "idem.kafka.in_flight", group))
 	require.EqualValues(t, 1, got.must(t, "idem.kafka.keys_waiting", group))
+}
+
+// A key whose head stays in flight, with 11 records behind it, in a window
+// of 4: the window keeps the head and two of them, the other nine are
+// spilled (their payload dropped), and idem.kafka.spilled says so.
+func TestMetricsExportSpilled(t *testing.T) {
+	t.Parallel()
+	b := kafkatest.Start(t)
+	topic := b.Topic(t, "otel-spill", 1)
+	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: b.Addrs})
+	require.NoError(t, err)
+	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	for range 12 {
+		m := message.NewMessage(watermill.NewUUID(), nil)
+		publisher.WithPartitionKey(m, "a")
+		require.NoError(t, pub.Publish(topic, m))
+	}
+	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", PartitionWindow: 4, RevokeTimeout: 5 * time.Second}, nil)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); _ = sub.Close() })
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	metrics, err := idemotel.New(mp)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = metrics.Close() })
+	metrics.AddSubscriber(sub)
+
+	first := <-ch
+	t.Cleanup(func() { first.Ack() })
+	require.Eventually(t, func() bool { s := sub.Stats(); return s.Spilled == 9 && s.KeysWaiting == 11 }, time.Minute, 5*time.Millisecond)
+	got, err := collect(t, reader)
+	require.NoError(t, err)
+	require.EqualValues(t, 9, got.must(t, "idem.kafka.spilled", group))
+	require.EqualValues(t, 11, got.must(t, "idem.kafka.keys_waiting", group))
 }

@@ -61,6 +61,7 @@ var (
 	descKafkaInFlight    = prometheus.NewDesc("idem_kafka_in_flight", "idemkafka.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).", group, nil)
 	descKafkaWaiting     = prometheus.NewDesc("idem_kafka_keys_waiting", "idemkafka.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).", group, nil)
 	descKafkaHeld        = prometheus.NewDesc("idem_kafka_held", "idemkafka.Subscriber: records waiting for their NotBeforeFunc time (retry topics).", group, nil)
+	descKafkaSpilled     = prometheus.NewDesc("idem_kafka_spilled", "idemkafka.Subscriber: of the records waiting behind their key, those whose payload left a full window: read again from Kafka when they become their key's head (at most 64 × PartitionWindow per partition).", group, nil)
 	descKafkaAcked       = prometheus.NewDesc("idem_kafka_acked_total", "idemkafka.Subscriber: messages acked.", group, nil)
 	descKafkaNacked      = prometheus.NewDesc("idem_kafka_nacked_total", "idemkafka.Subscriber: messages nacked (handed out again after NackResendSleep).", group, nil)
 	descKafkaSkipped     = prometheus.NewDesc("idem_kafka_skipped_total", "idemkafka.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.", group, nil)
@@ -196,7 +197,7 @@ func (c *Collector) AddTable(db migrate.DBTX, cfg deduplicator.TableConfig) {
 
 // AddSubscriber exports the Stats of idemkafka's parallel subscriber with
 // the label consumer_group (its Kafka consumer group): messages in flight,
-// keys waiting, held, acked, nacked, skipped, sessions, refused commits
+// keys waiting (and of them spilled), held, acked, nacked, skipped, sessions, refused commits
 // and stalled keys, and per held partition (labels topic, partition) the
 // distance between the committed offset and the highest one handed out,
 // the window, and how long it has been stalled. Adding two
@@ -214,7 +215,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff, descOverdue,
 		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
 		descTableRows, descTableBytes, descTableRetention, descTableCleaned, descTablePartitions,
-		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions, descKafkaRefused,
+		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaSpilled, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions, descKafkaRefused,
 		descKafkaDistance, descKafkaWindow, descKafkaMaxInFlight, descKafkaStalled, descKafkaPartStalled} {
 		ch <- d
 	}
@@ -338,6 +339,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(descKafkaInFlight, float64(s.InFlight), g)
 		gauge(descKafkaWaiting, float64(s.KeysWaiting), g)
 		gauge(descKafkaHeld, float64(s.Held), g)
+		gauge(descKafkaSpilled, float64(s.Spilled), g)
 		gauge(descKafkaMaxInFlight, float64(s.MaxInFlight), g)
 		counter(descKafkaAcked, float64(s.Acked), g)
 		counter(descKafkaNacked, float64(s.Nacked), g)

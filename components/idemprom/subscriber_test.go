@@ -86,7 +86,7 @@ idem_kafka_commits_refused_total{consumer_group="billing"} 0
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(strings.ReplaceAll(expected, "TOPIC", topic)), names...))
 	n, err := testutil.GatherAndCount(reg)
 	require.NoError(t, err)
-	require.Equal(t, 13, n) // 10 per group, 3 per partition
+	require.Equal(t, 14, n) // 11 per group, 3 per partition
 	require.Equal(t, 1.0, testutil.ToFloat64(collectorOf(c, "idem_kafka_stalled_keys")), "the first, in flight past StallTimeout")
 	require.Positive(t, testutil.ToFloat64(collectorOf(c, "idem_kafka_partition_stalled_seconds")))
 
@@ -95,6 +95,39 @@ idem_kafka_commits_refused_total{consumer_group="billing"} 0
 	t.Cleanup(func() { second.Ack() })
 	require.Eventually(t, func() bool { return sub.Stats().KeysWaiting == 1 }, time.Minute, 5*time.Millisecond)
 	require.Equal(t, 1.0, testutil.ToFloat64(collectorOf(c, "idem_kafka_acked_total")))
+}
+
+// A key whose head stays in flight, with 11 records behind it, in a window
+// of 4: the window keeps the head and two of them, the other nine are
+// spilled (their payload dropped), and idem_kafka_spilled says so.
+func TestCollectorExportsSpilled(t *testing.T) {
+	t.Parallel()
+	b := kafkatest.Start(t)
+	topic := b.Topic(t, "prom-spill", 1)
+	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: b.Addrs})
+	require.NoError(t, err)
+	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	for range 12 {
+		m := message.NewMessage(watermill.NewUUID(), nil)
+		publisher.WithPartitionKey(m, "a")
+		require.NoError(t, pub.Publish(topic, m))
+	}
+	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", PartitionWindow: 4, RevokeTimeout: 5 * time.Second}, nil)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); _ = sub.Close() })
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	c := idemprom.NewCollector()
+	c.AddSubscriber(sub)
+
+	first := <-ch
+	t.Cleanup(func() { first.Ack() })
+	require.Eventually(t, func() bool { s := sub.Stats(); return s.Spilled == 9 && s.KeysWaiting == 11 }, time.Minute, 5*time.Millisecond)
+	require.Equal(t, 9.0, testutil.ToFloat64(collectorOf(c, "idem_kafka_spilled")))
+	require.Equal(t, 11.0, testutil.ToFloat64(collectorOf(c, "idem_kafka_keys_waiting")))
 }
 
 // collectorOf narrows c to one metric name, for testutil.ToFloat64.

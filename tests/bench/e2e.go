@@ -184,14 +184,21 @@ func (refusing) Close() error { return nil }
 // runRouter consumes topic with a new consumer group through h until done
 // is closed, and returns the first handler error.
 func (r *e2eRig) runRouter(ctx context.Context, topic, group, outTopic string, h message.HandlerFunc, done <-chan struct{}) error {
+	return r.runRouterOn(ctx, nil, topic, group, outTopic, h, done)
+}
+
+// runRouterOn is runRouter on sub; nil means a watermill-kafka subscriber.
+// It closes sub.
+func (r *e2eRig) runRouterOn(ctx context.Context, sub message.Subscriber, topic, group, outTopic string, h message.HandlerFunc, done <-chan struct{}) error {
 	logger := watermill.NopLogger{}
-	subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: r.brokers}, group)
-	if err != nil {
-		return err
-	}
-	sub, err := kafka.NewSubscriber(subCfg, logger)
-	if err != nil {
-		return err
+	if sub == nil {
+		subCfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: r.brokers}, group)
+		if err != nil {
+			return err
+		}
+		if sub, err = kafka.NewSubscriber(subCfg, logger); err != nil {
+			return err
+		}
 	}
 	defer sub.Close()
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
@@ -328,6 +335,9 @@ type pipelineSpec struct {
 	// inMiddleware, when set, is called with each successful message's
 	// time inside the dedup middleware (arrival to result).
 	inMiddleware func(time.Duration)
+	// parallel > 0 consumes with the parallel subscriber at that
+	// MaxInFlight instead of watermill-kafka's.
+	parallel int
 }
 
 // pipelineWith is one pipeline round as described by s.
@@ -347,7 +357,16 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 		}
 	}
 	group := fmt.Sprintf("bench-e2e-%d", r.seq.Add(1))
-	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, GroupCommit: s.groupCommit}, nil)
+	var sub message.Subscriber
+	if s.parallel > 0 {
+		ps, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: s.parallel}, nil)
+		if err != nil {
+			return res, err
+		}
+		sub = ps
+		defer ps.Close() // runRouterOn closes it too: twice is harmless
+	}
+	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, GroupCommit: s.groupCommit, Concurrency: s.parallel}, nil)
 	if err != nil {
 		return res, err
 	}
@@ -462,7 +481,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 		case <-t.C:
 		}
 	}()
-	if err := r.runRouter(ctx, in, group, out, h, stop); err != nil {
+	if err := r.runRouterOn(ctx, sub, in, group, out, h, stop); err != nil {
 		return res, fmt.Errorf("%w (handled %d, forwarded %d of %d)", err, consumed.count.Load(), forwarded.count.Load(), n)
 	}
 	stopRead()
@@ -636,7 +655,7 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 	defer r.close()
 	holders := []string{r.xminHolder(ctx)}
 
-	var forwarded, consumed, consumedNotify []float64
+	var forwarded, consumed, consumedNotify, parForwarded, wkForwarded []float64
 	incomplete := 0
 	round := func(notify bool) func() (float64, error) {
 		return func() (float64, error) {
@@ -649,6 +668,7 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 				return res.consumed, nil
 			}
 			consumed = append(consumed, res.consumed)
+			wkForwarded = append(wkForwarded, res.forwarded)
 			if res.complete {
 				forwarded = append(forwarded, res.forwarded)
 			} else {
@@ -658,7 +678,18 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 			return res.consumed, nil
 		}
 	}
-	rates, err := Rotate(rounds, func() (float64, error) { return r.ceiling(ctx) }, round(false), round(true))
+	// The parallel subscriber with group commit, forwarded and read back,
+	// against the watermill-kafka row's forwarded rate of the same round
+	// (0 for a round not forwarded within fwdWait).
+	parRound := func() (float64, error) {
+		res, err := r.pipelineWith(ctx, pipelineSpec{in: r.in, n: n, fwdWait: fwdWait, groupCommit: &idem.GroupCommitConfig{}, parallel: parMaxInFlight})
+		if err != nil {
+			return 0, fmt.Errorf("parallel subscriber, group commit: %w", err)
+		}
+		parForwarded = append(parForwarded, res.forwarded)
+		return res.consumed, nil
+	}
+	rates, err := Rotate(rounds, func() (float64, error) { return r.ceiling(ctx) }, round(false), round(true), parRound)
 	if err != nil {
 		return Section{}, err
 	}
@@ -683,6 +714,8 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 		rows = append(rows, []string{"… and forwarded to Kafka by the forwarder, read back",
 			fmt.Sprintf("not measured: %d of %d rounds not forwarded within %s", incomplete, rounds, fwdWait), "–"})
 	}
+	parTable := parallelE2ETable(wkForwarded, parForwarded, rates[3])
+	o.Logf("  end-to-end, parallel subscriber with group commit: %s", parTable[0][3:])
 
 	// Latency: a fresh input topic fed at half the consuming side's median
 	// rate while the pipeline runs, so records do not queue behind a
@@ -765,6 +798,11 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 		kafkaDesc(o.Brokers), e2ePartitions, n, rounds)
 	b.WriteString("The ceiling is Kafka consumption alone (no database, no per-message transaction); the library's own cost against " +
 		"a plain transaction is the dedup-overhead section above.\n\n")
+	b.WriteString(Table([]string{"workload", "subject", "baseline", "msg/s (median)", "ratio to baseline", "target"}, parTable))
+	fmt.Fprintf(&b, "\nThe same pipeline on the parallel subscriber (MaxInFlight %d, `idem.Config.Concurrency: sub.MaxInFlight()`) with "+
+		"`Config.GroupCommit` at its defaults, in the same rotation as the rows above (same backlog, pool and forwarder); "+
+		"rate from the first handled event to the last forwarded record read back; ratio = its rate / the watermill-kafka "+
+		"row's forwarded rate of the same round (the fourth row above).\n\n", parMaxInFlight)
 	fmt.Fprintf(&b, "\nThe second and third rows alternate round by round (with the ceiling): the third enables the outbox table's notify trigger, "+
 		"so every writer sends a NOTIFY, whose commit-time lock is the wake-up's cost; their ratio (with NOTIFY / without) is %s.\n\n",
 		Summarise(notifyRatios))
@@ -867,4 +905,26 @@ func (f *foreignTx) close() {
 	}
 	_, _ = f.admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{f.name}.Sanitize()+" WITH (FORCE)")
 	_ = f.admin.Close(ctx)
+}
+
+// parallelE2ETable is the end-to-end section's row for the parallel
+// subscriber with group commit: its forwarded rate (parConsumedRates only
+// for the log) against the watermill-kafka row's, round by round; a round
+// either side did not forward in full is left out.
+func parallelE2ETable(wkForwarded, parForwarded, parConsumedRates []float64) [][]string {
+	var wk, par, ratios []float64
+	for i := range min(len(wkForwarded), len(parForwarded)) {
+		if wkForwarded[i] > 0 && parForwarded[i] > 0 {
+			wk, par = append(wk, wkForwarded[i]), append(par, parForwarded[i])
+			ratios = append(ratios, parForwarded[i]/wkForwarded[i])
+		}
+	}
+	row := []string{"Kafka → dedup → outbox → forwarder → Kafka, forwarded and read back",
+		fmt.Sprintf("parallel subscriber (MaxInFlight %d), group commit (defaults)", parMaxInFlight),
+		"watermill-kafka subscriber, one transaction per message (forwarded, read back)"}
+	if len(ratios) == 0 {
+		return [][]string{append(row, fmt.Sprintf("not measured: no round forwarded in full (committed %s msg/s)", fmtRate(parConsumedRates)), "–", "≥ 4×: not measured")}
+	}
+	st := Summarise(ratios)
+	return [][]string{append(row, fmtRate(par), st.String(), fmt.Sprintf("≥ 4× (baseline %s msg/s): %s", fmtRate(wk), pass(st.Median >= 4)))}
 }
