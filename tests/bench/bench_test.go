@@ -18,7 +18,9 @@ func TestInterleaveRunsEveryVariant(t *testing.T) {
 	for i := range ops {
 		ops[i] = func(context.Context) error { calls[i].Add(1); time.Sleep(time.Millisecond); return nil }
 	}
-	rates, err := Interleave(context.Background(), 2, 3, 30*time.Millisecond, ops...)
+	// Each round must see a call of every variant: half a second, not the
+	// 30 ms it once was, which a loaded machine did not always schedule.
+	rates, err := Interleave(context.Background(), 2, 3, 500*time.Millisecond, ops...)
 	require.NoError(t, err)
 	require.Len(t, rates, 3)
 	for i := range rates {
