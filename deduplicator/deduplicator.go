@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -65,7 +66,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
 // The claim is only visible to others once tx commits, so commit it together
 // with the business writes it protects.
 func (d *Deduplicator) Claim(ctx context.Context, tx migrate.DBTX, eventID uuid.UUID) (first bool, err error) {
-	tag, err := tx.Exec(ctx, d.claimSQL, eventID, d.cfg.ConsumerGroup)
+	tag, err := tx.Exec(ctx, d.claimSQL, dbx.UUID(eventID), d.cfg.ConsumerGroup)
 	if err != nil {
 		return false, fmt.Errorf("claim event %s: %w", eventID, err)
 	}
@@ -84,7 +85,7 @@ func (d *Deduplicator) Claim(ctx context.Context, tx migrate.DBTX, eventID uuid.
 // its transaction gets no transaction id and its ROLLBACK writes no WAL.
 func (d *Deduplicator) BeginClaim(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, eventID uuid.UUID) (tx pgx.Tx, first bool, err error) {
 	tx, err = beginPipelined(ctx, db, opts, func(b *pgx.Batch) {
-		b.Queue(d.claimSQL, eventID, d.cfg.ConsumerGroup)
+		b.Queue(d.claimSQL, dbx.UUID(eventID), d.cfg.ConsumerGroup)
 	}, func(br pgx.BatchResults) error {
 		tag, err := br.Exec()
 		first = tag.RowsAffected() == 1
@@ -107,13 +108,13 @@ func (d *Deduplicator) BeginClaim(ctx context.Context, db migrate.Beginner, opts
 func (d *Deduplicator) BeginClaimBatch(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, eventIDs []uuid.UUID) (tx pgx.Tx, first []uuid.UUID, err error) {
 	ids := sortedUnique(eventIDs)
 	tx, err = beginPipelined(ctx, db, opts, func(b *pgx.Batch) {
-		b.Queue(d.claimBatchSQL, ids, d.cfg.ConsumerGroup)
+		b.Queue(d.claimBatchSQL, dbx.UUIDs(ids), d.cfg.ConsumerGroup)
 	}, func(br pgx.BatchResults) error {
 		rows, err := br.Query()
 		if err != nil {
 			return err
 		}
-		first, err = pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+		first, err = pgx.CollectRows(rows, rowToUUID)
 		return err
 	}, func(tx pgx.Tx) (err error) {
 		first, err = d.ClaimBatch(ctx, tx, ids)
@@ -180,16 +181,24 @@ func (d *Deduplicator) ClaimBatch(ctx context.Context, tx migrate.DBTX, eventIDs
 		return nil, nil
 	}
 	ids := sortedUnique(eventIDs)
-	rows, err := tx.Query(ctx, d.claimBatchSQL, ids, d.cfg.ConsumerGroup)
+	rows, err := tx.Query(ctx, d.claimBatchSQL, dbx.UUIDs(ids), d.cfg.ConsumerGroup)
 	if err != nil {
 		return nil, fmt.Errorf("claim batch: %w", err)
 	}
-	first, err := pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+	first, err := pgx.CollectRows(rows, rowToUUID)
 	if err != nil {
 		return nil, fmt.Errorf("claim batch: %w", err)
 	}
 	slices.SortFunc(first, func(a, b uuid.UUID) int { return compareUUID(a, b) })
 	return first, nil
+}
+
+// rowToUUID scans a row's one uuid column natively (binary, not through
+// uuid.UUID's sql.Scanner and its text form).
+func rowToUUID(row pgx.CollectableRow) (uuid.UUID, error) {
+	var id uuid.UUID
+	err := row.Scan(dbx.UUIDDest(&id))
+	return id, err
 }
 
 // sortedUnique returns a sorted copy of ids without repeats.

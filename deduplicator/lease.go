@@ -193,9 +193,10 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 	// delivery takes a fresh lease. Only the completion, a synchronous
 	// commit, decides anything durable. This spares each batch an fsync.
 	b.Queue("SELECT set_config('synchronous_commit', 'off', true)")
-	b.Queue(d.lease.take, ids, toks, g, d0.Microseconds(), owner)
-	b.Queue(d.lease.doneAfterTake, toks, g, ids)
-	b.Queue(d.lease.state, ids, g, toks)
+	pids, ptoks := dbx.UUIDs(ids), dbx.UUIDs(toks)
+	b.Queue(d.lease.take, pids, ptoks, g, d0.Microseconds(), owner)
+	b.Queue(d.lease.doneAfterTake, ptoks, g, pids)
+	b.Queue(d.lease.state, pids, g, ptoks)
 	br := db.SendBatch(ctx, b)
 	defer br.Close()
 	if _, err := br.Exec(); err != nil {
@@ -212,17 +213,17 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 		id     uuid.UUID
 		t      took
 		done   bool
-		tok    *uuid.UUID
+		tok    *[16]byte
 		remain *int64
 	)
-	if _, err := pgx.ForEachRow(rows, []any{&id, &t.over, &t.attempts}, func() error {
+	if _, err := pgx.ForEachRow(rows, []any{dbx.UUIDDest(&id), &t.over, &t.attempts}, func() error {
 		owned[id] = t
 		return nil
 	}); err != nil {
 		return nil, fmt.Errorf("take leases: %w", err)
 	}
 	rows, _ = br.Query()
-	if _, err := pgx.ForEachRow(rows, []any{&id}, func() error {
+	if _, err := pgx.ForEachRow(rows, []any{dbx.UUIDDest(&id)}, func() error {
 		delete(owned, id)
 		return nil
 	}); err != nil {
@@ -230,7 +231,7 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 	}
 	byID := make(map[uuid.UUID]LeaseTake, len(ids))
 	rows, _ = br.Query()
-	if _, err := pgx.ForEachRow(rows, []any{&id, &done, &tok, &remain}, func() error {
+	if _, err := pgx.ForEachRow(rows, []any{dbx.UUIDDest(&id), &done, &tok, &remain}, func() error {
 		lt := LeaseTake{EventID: id}
 		switch o, mine := owned[id]; {
 		case mine:
@@ -289,7 +290,7 @@ func (d *Deduplicator) CompleteLeases(ctx context.Context, tx migrate.DBTX, even
 	if len(eventIDs) == 0 {
 		return nil, nil
 	}
-	rows, err := tx.Query(ctx, d.lease.complete, eventIDs, d.cfg.ConsumerGroup, tokens)
+	rows, err := tx.Query(ctx, d.lease.complete, dbx.UUIDs(eventIDs), d.cfg.ConsumerGroup, dbx.UUIDs(tokens))
 	if err != nil {
 		return nil, fmt.Errorf("complete leases: %w", err)
 	}
@@ -304,7 +305,7 @@ func (d *Deduplicator) readComplete(rows pgx.Rows, tokens []uuid.UUID) ([]Comple
 		tok     uuid.UUID
 		claimed bool
 	)
-	if _, err := pgx.ForEachRow(rows, []any{&tok, &claimed}, func() error {
+	if _, err := pgx.ForEachRow(rows, []any{dbx.UUIDDest(&tok), &claimed}, func() error {
 		got[tok] = claimed
 		return nil
 	}); err != nil {
@@ -333,7 +334,7 @@ func (d *Deduplicator) BeginCompleteLeases(ctx context.Context, db migrate.Begin
 		return nil, nil, errors.New("complete leases: one token per event id")
 	}
 	tx, err = beginPipelined(ctx, db, pgx.TxOptions{}, func(b *pgx.Batch) {
-		b.Queue(d.lease.complete, eventIDs, d.cfg.ConsumerGroup, tokens)
+		b.Queue(d.lease.complete, dbx.UUIDs(eventIDs), d.cfg.ConsumerGroup, dbx.UUIDs(tokens))
 	}, func(br pgx.BatchResults) error {
 		rows, err := br.Query()
 		if err != nil {
@@ -354,7 +355,7 @@ func (d *Deduplicator) BeginCompleteLeases(ctx context.Context, db migrate.Begin
 // RenewLease extends the lease of eventID held by token to d0 from now on
 // the database's clock. It reports false when token no longer holds it.
 func (d *Deduplicator) RenewLease(ctx context.Context, db migrate.DBTX, eventID, token uuid.UUID, d0 time.Duration) (bool, error) {
-	tag, err := db.Exec(ctx, d.lease.renew, eventID, d.cfg.ConsumerGroup, token, d0.Microseconds())
+	tag, err := db.Exec(ctx, d.lease.renew, dbx.UUID(eventID), d.cfg.ConsumerGroup, dbx.UUID(token), d0.Microseconds())
 	if err != nil {
 		return false, fmt.Errorf("renew lease of event %s: %w", eventID, err)
 	}
@@ -365,7 +366,7 @@ func (d *Deduplicator) RenewLease(ctx context.Context, db migrate.DBTX, eventID,
 // next delivery takes a new one at once (after a handler error). It reports
 // whether it did.
 func (d *Deduplicator) ReleaseLease(ctx context.Context, db migrate.DBTX, eventID, token uuid.UUID) (bool, error) {
-	tag, err := db.Exec(ctx, d.lease.release, eventID, d.cfg.ConsumerGroup, token)
+	tag, err := db.Exec(ctx, d.lease.release, dbx.UUID(eventID), d.cfg.ConsumerGroup, dbx.UUID(token))
 	if err != nil {
 		return false, fmt.Errorf("release lease of event %s: %w", eventID, err)
 	}

@@ -8,8 +8,10 @@ package dbx
 import (
 	"context"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -45,3 +47,24 @@ type Pool interface {
 	BatchSender
 	Stat() *pgxpool.Stat
 }
+
+// UUIDs returns ids as pgx encodes a uuid[] natively: pgtype.UUID values
+// go out in binary, while a google/uuid UUID, a driver.Valuer, is encoded
+// through its text form one element at a time (a sixth of a lease-mode
+// consumer's CPU in the bench's profile). pgtype.UUID is also known to
+// pgx's type map without a server round trip, so the simple protocol (a
+// PgBouncer in transaction mode) encodes it too.
+func UUIDs(ids []uuid.UUID) []pgtype.UUID {
+	out := make([]pgtype.UUID, len(ids))
+	for i, id := range ids {
+		out[i] = pgtype.UUID{Bytes: id, Valid: true}
+	}
+	return out
+}
+
+// UUID is id as pgx encodes it natively (see UUIDs).
+func UUID(id uuid.UUID) pgtype.UUID { return pgtype.UUID{Bytes: id, Valid: true} }
+
+// UUIDDest is where a uuid column scans natively (not through uuid.UUID's
+// sql.Scanner and its text form).
+func UUIDDest(id *uuid.UUID) *[16]byte { return (*[16]byte)(id) }
