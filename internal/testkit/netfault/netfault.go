@@ -1,6 +1,7 @@
 // Package netfault dials connections that a test can cut as a host does
 // that vanishes without a reset (a frozen VM, a pulled cable, a dropped
-// route): once cut, nothing is sent and nothing arrives. A read or write
+// route): once cut, nothing is sent and nothing arrives, not even the FIN
+// of a Close. A read or write
 // then blocks until its deadline passes, as on a real silent peer, or
 // until the test releases the blackhole. The server sees a silent peer,
 // not a closed connection.
@@ -89,6 +90,19 @@ func (c *conn) stall(deadline func() time.Time) error {
 		case <-c.changed:
 		}
 	}
+}
+
+// Close of a cut connection tells the server nothing, as from a vanished
+// host: the socket stays open, silent, until Release.
+func (c *conn) Close() error {
+	if c.b.cut.Load() {
+		go func() {
+			<-c.b.done
+			_ = c.Conn.Close()
+		}()
+		return nil
+	}
+	return c.Conn.Close()
 }
 
 func (c *conn) SetDeadline(t time.Time) error {
