@@ -12,7 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
-	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -96,10 +96,10 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		var pk *parking
 		if r.order != nil {
-			if ord, ok := idemkafka.OrderingFromContext(ctx); ok && ord == idemkafka.OrderNone {
+			if ord, ok := parallel.OrderingFromContext(ctx); ok && ord == parallel.OrderNone {
 				// Nothing is moved, poisoned or applied: the message is
 				// nacked until the subscriber is configured right.
-				r.logger.Error("KeyOrder refuses a message of an idemkafka.Subscriber with OrderNone", ErrKeyOrderUnordered, nil)
+				r.logger.Error("KeyOrder refuses a message of an parallel.Subscriber with OrderNone", ErrKeyOrderUnordered, nil)
 				return nil, ErrKeyOrderUnordered
 			}
 			r.late.maybe(ctx, &r.stats)

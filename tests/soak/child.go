@@ -35,6 +35,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/handlertracer"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -370,19 +371,19 @@ func (c *child) addHandlers(router *message.Router, kc idemkafka.ClientConfig, l
 // each subscriber's first consumer-group session.
 func (c *child) addParallelHandlers(ctx context.Context, router *message.Router, logger watermill.LoggerAdapter) error {
 	cfg := c.cfg
-	base := idemkafka.SubscriberConfig{Brokers: cfg.Brokers, ConsumerGroup: cfg.Group, MaxInFlight: ParallelMaxInFlight}
-	sub, err := idemkafka.NewSubscriber(base, logger)
+	base := parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: cfg.Brokers}, ConsumerGroup: cfg.Group, MaxInFlight: ParallelMaxInFlight}
+	sub, err := parallel.NewSubscriber(base, logger)
 	if err != nil {
 		return err
 	}
-	subs := []*idemkafka.Subscriber{sub}
+	subs := []*parallel.Subscriber{sub}
 	router.AddConsumerHandler("soak-"+cfg.Instance, cfg.Topic, sub, c.handler)
 	for i, topic := range cfg.RetryTopics {
 		rc := base
 		rc.ConsumerGroup = retryGroup(cfg.Group, i)
 		rc.MaxInFlight = ParallelRetryMaxInFlight
 		rc.NotBeforeFunc = retrytopic.RecordNotBefore
-		rsub, err := idemkafka.NewSubscriber(rc, logger)
+		rsub, err := parallel.NewSubscriber(rc, logger)
 		if err != nil {
 			return err
 		}

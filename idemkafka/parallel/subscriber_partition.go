@@ -1,4 +1,4 @@
-package idemkafka
+package parallel
 
 import (
 	"cmp"
@@ -612,7 +612,7 @@ func (p *partState) logStalls() {
 		case StallFailing:
 			err = st.LastError
 			if err == nil {
-				err = errors.New("nacked; add idemkafka.RecordErrors to the router to see the error")
+				err = errors.New("nacked; add parallel.RecordErrors to the router to see the error")
 			}
 		default:
 			err = errors.New("waiting for a MaxInFlight slot")
@@ -743,7 +743,7 @@ func (p *partState) revoke() {
 	p.st.unready(p)
 	s.mu.Unlock()
 	if inflight > 0 {
-		t := time.NewTimer(s.cfg.RevokeTimeout)
+		t := time.NewTimer(s.cfg.Client.RevokeTimeout)
 		select {
 		case <-p.drained:
 		case <-t.C:

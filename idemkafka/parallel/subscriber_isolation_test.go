@@ -1,4 +1,4 @@
-package idemkafka_test
+package parallel_test
 
 import (
 	"errors"
@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 )
 
 // stallLog records the Subscriber's "Key stalled" log lines.
@@ -59,13 +60,13 @@ func (l *stallLog) of(key string) []stallLine {
 }
 
 // stallOf returns the stall of key in s.
-func stallOf(s idemkafka.SubscriberStats, key string) (idemkafka.Stall, bool) {
+func stallOf(s parallel.SubscriberStats, key string) (parallel.Stall, bool) {
 	for _, st := range s.Stalls {
 		if st.Key == key {
 			return st, true
 		}
 	}
-	return idemkafka.Stall{}, false
+	return parallel.Stall{}, false
 }
 
 var errStuck = errors.New("stuck fails")
@@ -79,7 +80,7 @@ var errStuck = errors.New("stuck fails")
 func TestSubscriberFailingKeyDoesNotStopItsPartition(t *testing.T) {
 	const keys, perKey = 300, 10
 	f := newFixture(t, 1, 8)
-	f.outer = []message.HandlerMiddleware{idemkafka.RecordErrors}
+	f.outer = []message.HandlerMiddleware{parallel.RecordErrors}
 	require.NoError(t, f.pub.Publish(f.topic, f.event(t, "stuck", 1)))
 	f.produce(t, keys, perKey)
 	require.NoError(t, f.pub.Publish(f.topic, f.event(t, "stuck", 2), f.event(t, "stuck", 3)))
@@ -87,7 +88,7 @@ func TestSubscriberFailingKeyDoesNotStopItsPartition(t *testing.T) {
 	cfg := f.config("failing")
 	cfg.StallTimeout = 500 * time.Millisecond
 	log := newStallLog()
-	sub, err := idemkafka.NewSubscriber(cfg, log)
+	sub, err := parallel.NewSubscriber(cfg, log)
 	require.NoError(t, err)
 	f.router(t, sub, f.db.Pool, 1, nil, ledgerHandler(func(ev event) error {
 		if ev.Key == "stuck" {
@@ -104,7 +105,7 @@ func TestSubscriberFailingKeyDoesNotStopItsPartition(t *testing.T) {
 
 	waitFor(t, "the stuck key stalled, failing, in Stats", func() bool {
 		st, ok := stallOf(sub.Stats(), "stuck")
-		return ok && st.Cause == idemkafka.StallFailing && st.Nacks > 0 && st.LastError != nil
+		return ok && st.Cause == parallel.StallFailing && st.Nacks > 0 && st.LastError != nil
 	})
 	s := sub.Stats()
 	st, _ := stallOf(s, "stuck")
@@ -144,7 +145,7 @@ func TestSubscriberSlowKeyDoesNotHoldItsPartition(t *testing.T) {
 	cfg := f.config("slow")
 	cfg.StallTimeout = 500 * time.Millisecond
 	log := newStallLog()
-	sub, err := idemkafka.NewSubscriber(cfg, log)
+	sub, err := parallel.NewSubscriber(cfg, log)
 	require.NoError(t, err)
 	g := newGate()
 	hot1 := event{"hot", 1}
@@ -160,7 +161,7 @@ func TestSubscriberSlowKeyDoesNotHoldItsPartition(t *testing.T) {
 
 	waitFor(t, "the hot key stalled, slow, in Stats", func() bool {
 		st, ok := stallOf(sub.Stats(), "hot")
-		return ok && st.Cause == idemkafka.StallSlow
+		return ok && st.Cause == parallel.StallSlow
 	})
 	s := sub.Stats()
 	st, _ := stallOf(s, "hot")
@@ -194,7 +195,7 @@ func TestSubscriberFailingKeysAcrossRebalances(t *testing.T) {
 	const keys, perKey = 60, 20
 	const total = keys * perKey
 	f := newFixture(t, 2, 8)
-	f.outer = []message.HandlerMiddleware{idemkafka.RecordErrors}
+	f.outer = []message.HandlerMiddleware{parallel.RecordErrors}
 	// "stuck-*" keys spread over both partitions (the marshaler hashes the key).
 	var stuck []string
 	var first, later []*message.Message
@@ -343,7 +344,7 @@ func TestSubscriberUnmarshalFailureStopsOnlyItsKey(t *testing.T) {
 	f.verifyLedgerKeys(t, want)
 	waitFor(t, "the bad key stalled, failing", func() bool {
 		st, ok := stallOf(sub.Stats(), "bad")
-		return ok && st.Cause == idemkafka.StallFailing && errors.Is(st.LastError, errBadRecord)
+		return ok && st.Cause == parallel.StallFailing && errors.Is(st.LastError, errBadRecord)
 	})
 	require.Equal(t, int64(0), sub.Stats().Partitions[0].Committed)
 }
