@@ -35,6 +35,8 @@ type Subscriber struct {
 	mu      sync.Mutex
 	streams map[*stream]struct{}
 	stats   counters
+
+	onRevoke func(partition int32) // test hook (export_test.go): a partition's final mark, called with mu held
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)

@@ -1,6 +1,8 @@
 package parallel
 
 import (
+	"maps"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -8,9 +10,18 @@ import (
 )
 
 // groupHandler is the sarama.ConsumerGroupHandler of a stream.
+//
+// Under an eager strategy each rebalance ends the session: Setup runs for
+// every generation with all its claims. Under cooperative-sticky one
+// session lives across rebalances: Setup runs once, a revoked partition
+// has its Messages channel closed (its ConsumeClaim returns, the others
+// keep running), and a partition added later gets a ConsumeClaim without a
+// Setup, so it reads its own commit metadata.
 type groupHandler struct {
-	st   *stream
-	skip map[int32][]run // per partition, from the commit metadata
+	st *stream
+
+	mu   sync.Mutex
+	skip map[int32][]run // per partition claimed at Setup and not started yet
 }
 
 // Setup reads the commit metadata of the claimed partitions: the offsets
@@ -19,32 +30,64 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 	h.st.s.mu.Lock()
 	h.st.s.stats.sessions++
 	h.st.s.mu.Unlock()
-	h.skip = map[int32][]run{}
 	parts := sess.Claims()[h.st.topic]
-	if len(parts) == 0 || h.st.s.cfg.CommitMetadataMaxBytes < 0 {
-		return nil
+	skip := make(map[int32][]run, len(parts))
+	for _, part := range parts {
+		skip[part] = nil
 	}
-	done, err := h.st.fetchDone(parts)
-	if err != nil {
-		// Only an optimization: the records run again, their claims absorb it.
-		h.st.logger.Info("Could not read the commit metadata, done records above the committed offsets run again", watermill.LogFields{"err": err.Error()})
-		return nil
+	if len(parts) > 0 && h.st.s.cfg.CommitMetadataMaxBytes >= 0 {
+		if done, err := h.st.fetchDone(parts); err != nil {
+			// Only an optimization: the records run again, their claims absorb it.
+			h.st.logger.Info("Could not read the commit metadata, done records above the committed offsets run again", watermill.LogFields{"err": err.Error()})
+		} else {
+			maps.Copy(skip, done)
+		}
 	}
-	h.skip = done
+	h.mu.Lock()
+	h.skip = skip
+	h.mu.Unlock()
 	return nil
+}
+
+// skipOf returns the done offsets above the committed one of partition:
+// read at Setup for a partition claimed then, read now for one added by a
+// cooperative rebalance (or claimed again after being revoked).
+func (h *groupHandler) skipOf(partition int32) []run {
+	h.mu.Lock()
+	skip, ok := h.skip[partition]
+	delete(h.skip, partition)
+	h.mu.Unlock()
+	if ok || h.st.s.cfg.CommitMetadataMaxBytes < 0 {
+		return skip
+	}
+	done, err := h.st.fetchDone([]int32{partition})
+	if err != nil {
+		h.st.logger.Info("Could not read the commit metadata, done records above the committed offset run again",
+			watermill.LogFields{"err": err.Error(), "kafka_partition": partition})
+		return nil
+	}
+	return done[partition]
 }
 
 // Cleanup implements sarama.ConsumerGroupHandler.
 func (h *groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 
 // ConsumeClaim reads the partition into its window while the window has
-// room, marks the committed offset on a timer, and on revocation gives the
-// messages in flight RevokeTimeout before the final mark.
+// room, marks the committed offset on a timer, and on revocation (the
+// session's end, or the claim's Messages closing under a cooperative
+// rebalance) gives the messages in flight RevokeTimeout before the final
+// mark.
+//
+// While the window is full it keeps reading the claim, into a queue that
+// pauses the partition's fetching, so that it sees Messages close: a
+// cooperative rebalance tells a revoked partition only that way, and waits
+// for its ConsumeClaim to return. The queue holds at most what Sarama had
+// fetched before the pause (Consumer.ChannelBufferSize records, plus one
+// fetch response).
 func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
 	st := h.st
 	s := st.s
-	skip := h.skip[claim.Partition()]
-	p := s.newPartState(st, sess, claim, skip)
+	p := s.newPartState(st, sess, claim, h.skipOf(claim.Partition()))
 	s.mu.Lock()
 	st.parts[p.partition] = p
 	s.mu.Unlock()
@@ -56,34 +99,29 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 	}
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
+	q := &claimQueue{claim: claim, group: st.group, topic: st.topic}
 	msgs := claim.Messages()
 	done := sess.Context().Done()
 	for {
 		s.mu.Lock()
-		full := p.full() && !p.spill()
+		full := q.feed(p)
 		s.mu.Unlock()
-		if full {
-			select {
-			case <-p.space:
-				continue
-			case <-tick.C:
-				s.mu.Lock()
-				p.mark()
-				s.mu.Unlock()
-				p.logStalls()
-				continue
-			case <-done:
-				return nil
-			}
+		if !full {
+			q.resume()
 		}
 		select {
 		case m, ok := <-msgs:
 			if !ok {
 				return nil
 			}
+			if full {
+				q.hold(m)
+				continue
+			}
 			s.mu.Lock()
 			p.add(m)
 			s.mu.Unlock()
+		case <-p.space:
 		case <-tick.C:
 			s.mu.Lock()
 			p.mark()
@@ -92,6 +130,51 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 		case <-done:
 			return nil
 		}
+	}
+}
+
+// claimQueue is what a partition's ConsumeClaim read while its window was
+// full, with the partition's fetching paused.
+type claimQueue struct {
+	claim  sarama.ConsumerGroupClaim
+	group  sarama.ConsumerGroup
+	topic  string
+	held   []*sarama.ConsumerMessage
+	paused bool
+}
+
+// feed moves the queued records into p's window while it has room, and
+// reports whether the window is full. Called with mu held.
+func (q *claimQueue) feed(p *partState) (full bool) {
+	for {
+		if p.full() && !p.spill() {
+			return true
+		}
+		if len(q.held) == 0 {
+			q.held = nil
+			return false
+		}
+		p.add(q.held[0])
+		q.held[0] = nil
+		q.held = q.held[1:]
+	}
+}
+
+// hold queues m, read while the window was full, and pauses the
+// partition's fetching.
+func (q *claimQueue) hold(m *sarama.ConsumerMessage) {
+	q.held = append(q.held, m)
+	if !q.paused {
+		q.paused = true
+		q.group.Pause(map[string][]int32{q.topic: {q.claim.Partition()}})
+	}
+}
+
+// resume lets the partition's fetching go on once the queue is empty.
+func (q *claimQueue) resume() {
+	if q.paused && len(q.held) == 0 {
+		q.paused = false
+		q.group.Resume(map[string][]int32{q.topic: {q.claim.Partition()}})
 	}
 }
 
@@ -138,6 +221,9 @@ func (p *partState) revoke() {
 	}
 	s.mu.Lock()
 	p.mark()
+	if s.onRevoke != nil {
+		s.onRevoke(p.partition)
+	}
 	if p.inflight > 0 {
 		p.st.logger.Info("Partition revoked with messages in flight: abandoned, the next owner gets them again", watermill.LogFields{
 			"partition": p.partition, "in_flight": p.inflight, "committed": p.marked,

@@ -96,11 +96,10 @@ type SubscriberConfig struct {
 	// defaults to 10 s, or a quarter of that rebalance timeout when it is
 	// below 40 s. Client.Logger is used when NewSubscriber gets no logger;
 	// Client.TransactionalID is a producer setting the Subscriber ignores.
-	// Only eager rebalance strategies (range, round-robin, sticky) are
-	// supported: a strategy that can take part in cooperative rebalancing
-	// is refused, in Consumer.Group.Rebalance.GroupStrategies and in the
-	// deprecated Consumer.Group.Rebalance.Strategy (which Sarama reads
-	// first).
+	// Eager strategies (range, round-robin, sticky) and cooperative-sticky
+	// are supported (Consumer.Group.Rebalance.GroupStrategies; cooperative
+	// needs Version 2.4 or later): under cooperative-sticky only the
+	// partitions that move are revoked, the others keep running.
 	Client idemkafka.ClientConfig
 	// ConsumerGroup is the Kafka consumer group. Required.
 	ConsumerGroup string
@@ -247,9 +246,6 @@ func (c SubscriberConfig) Validate() error {
 		return bad("CommitMetadataMaxBytes", fmt.Sprintf("%d is above the brokers' offset.metadata.max.bytes (BrokerMetadataMaxBytes: %d): the broker would refuse every commit and the committed offset would freeze",
 			c.CommitMetadataMaxBytes, c.brokerMetadataMaxBytes()))
 	}
-	if err := refuseCooperative(c.Client.Sarama); err != nil {
-		return bad("Client.Sarama", err.Error())
-	}
 	sc := c.saramaConfig()
 	if err := sc.Validate(); err != nil {
 		return bad("Client.Sarama", err.Error())
@@ -272,41 +268,6 @@ func (c SubscriberConfig) brokerMetadataMaxBytes() int {
 		return defaultBrokerMetadataMaxBytes
 	}
 	return c.BrokerMetadataMaxBytes
-}
-
-// refuseCooperative returns an error when a balance strategy Sarama would
-// read (the deprecated Consumer.Group.Rebalance.Strategy first, then
-// Consumer.Group.Rebalance.GroupStrategies) can take part in cooperative
-// rebalancing: under it, a partition kept across a rebalance would get no
-// skip set and a revoked one with a full window would never be released.
-func refuseCooperative(sc *sarama.Config) error {
-	if sc == nil {
-		return nil
-	}
-	check := func(field string, s sarama.BalanceStrategy) error {
-		if s == nil {
-			return nil
-		}
-		coop := s.Name() == sarama.CooperativeStickyBalanceStrategyName
-		if p, ok := s.(sarama.RebalanceProtocolBalanceStrategy); ok {
-			for _, proto := range p.SupportedProtocols() {
-				coop = coop || proto == sarama.RebalanceProtocolCooperative
-			}
-		}
-		if coop {
-			return fmt.Errorf("%s: %q supports cooperative rebalancing, which the Subscriber does not (use range, round-robin or sticky)", field, s.Name())
-		}
-		return nil
-	}
-	if err := check("Consumer.Group.Rebalance.Strategy", sc.Consumer.Group.Rebalance.Strategy); err != nil {
-		return err
-	}
-	for _, s := range sc.Consumer.Group.Rebalance.GroupStrategies {
-		if err := check("Consumer.Group.Rebalance.GroupStrategies", s); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // saramaConfig is the base with the safe consumer settings.

@@ -20,16 +20,13 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 )
 
-// Cooperative rebalancing is refused on every path Sarama reads: the
-// GroupStrategies list, and the deprecated Strategy field, which Sarama
-// reads first.
-func TestSubscriberRefusesCooperativeOnEveryPath(t *testing.T) {
+// Cooperative-sticky is accepted on both paths Sarama reads (the
+// deprecated Strategy field first), with Sarama's own rule that it needs
+// Version 2.4.
+func TestSubscriberAcceptsCooperative(t *testing.T) {
 	for name, mod := range map[string]func(*sarama.Config){
 		"GroupStrategies": func(c *sarama.Config) {
 			c.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
-		},
-		"GroupStrategies, second choice": func(c *sarama.Config) {
-			c.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyRange(), sarama.NewBalanceStrategyCooperativeSticky()}
 		},
 		"deprecated Strategy over an eager GroupStrategies": func(c *sarama.Config) {
 			c.Consumer.Group.Rebalance.Strategy = sarama.NewBalanceStrategyCooperativeSticky()
@@ -39,15 +36,15 @@ func TestSubscriberRefusesCooperativeOnEveryPath(t *testing.T) {
 			sc := sarama.NewConfig()
 			sc.Version = sarama.V2_4_0_0
 			mod(sc)
-			_, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: []string{"127.0.0.1:1"}, Sarama: sc}, ConsumerGroup: "g"}, nil)
-			require.ErrorContains(t, err, "parallel: invalid config: Client.Sarama: Consumer.Group.Rebalance.")
-			require.ErrorContains(t, err, "cooperative rebalancing")
+			cfg := parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: []string{"127.0.0.1:1"}, Sarama: sc}, ConsumerGroup: "g"}
+			_, err := parallel.NewSubscriber(cfg, nil)
+			require.NoError(t, err)
+			sc.Version = sarama.V2_1_0_0
+			_, err = parallel.NewSubscriber(cfg, nil)
+			require.ErrorContains(t, err, "parallel: invalid config: Client.Sarama: ")
+			require.ErrorContains(t, err, "cooperative balance strategies require Version >= 2.4")
 		})
 	}
-	sc := sarama.NewConfig()
-	sc.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategySticky(), sarama.NewBalanceStrategyRoundRobin()}
-	_, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: []string{"127.0.0.1:1"}, Sarama: sc}, ConsumerGroup: "g"}, nil)
-	require.NoError(t, err, "eager strategies pass")
 }
 
 // RevokeTimeout leaves room, before the rebalance deadline, for the

@@ -42,7 +42,9 @@ type SubscriberStats struct {
 	// metadata recorded them done before a restart or rebalance.
 	Skipped uint64
 	// Sessions counts the consumer-group sessions set up (the first join,
-	// then one per rebalance), across every Subscribe call.
+	// then one per rebalance under an eager strategy; under
+	// cooperative-sticky a session lives across rebalances), across every
+	// Subscribe call.
 	Sessions uint64
 	// CommitsRefused counts the offset commits the broker refused for a
 	// partition (OffsetMetadataTooLarge, InvalidCommitOffsetSize): while
