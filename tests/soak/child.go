@@ -366,12 +366,16 @@ func (c *child) addHandlers(router *message.Router, kc idemkafka.ClientConfig, l
 
 // addParallelHandlers consumes the main topic and each retry topic with
 // idemkafka's parallel subscriber (key order, the library's default Sarama
-// settings); a retry topic's copies wait in their partition's window until
+// settings but for the cooperative-sticky strategy: a rebalance revokes
+// only the partitions that move); a retry topic's copies wait in their partition's window until
 // their not-before time (retrytopic.RecordNotBefore). A goroutine reports
 // each subscriber's first consumer-group session.
 func (c *child) addParallelHandlers(ctx context.Context, router *message.Router, logger watermill.LoggerAdapter) error {
 	cfg := c.cfg
-	base := parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: cfg.Brokers}, ConsumerGroup: cfg.Group, MaxInFlight: ParallelMaxInFlight}
+	sc := sarama.NewConfig()
+	sc.Version = sarama.V2_4_0_0
+	sc.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
+	base := parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: cfg.Brokers, Sarama: sc}, ConsumerGroup: cfg.Group, MaxInFlight: ParallelMaxInFlight}
 	sub, err := parallel.NewSubscriber(base, logger)
 	if err != nil {
 		return err
