@@ -129,10 +129,11 @@ type SubscriberConfig struct {
 	// dropped and they are read again from Kafka when they become their
 	// key's head (at most 64 × PartitionWindow spilled records per
 	// partition). While a partition's window is full and nothing more can
-	// be spilled the Subscriber stops reading it,
-	// so Sarama stops fetching it and memory stays bounded (about
-	// partitions × PartitionWindow records, plus Sarama's
-	// Consumer.ChannelBufferSize per partition). Defaults to 1024.
+	// be spilled the Subscriber pauses its fetching in Sarama (it queues
+	// what was fetched already, so that it still sees a revocation), and
+	// memory stays bounded (about partitions × PartitionWindow records,
+	// plus Sarama's Consumer.ChannelBufferSize and one fetch response per
+	// partition). Defaults to 1024.
 	PartitionWindow int
 	// NackResendSleep is how long a nacked message waits before it is
 	// handed out again; the later messages of its key wait behind it,
