@@ -57,6 +57,10 @@ func SaramaProducerConfig(base *sarama.Config) *sarama.Config {
 // request timeout (JOIN_GROUP_TIMEOUT_LAPSE).
 const joinGroupTimeoutMargin = 5 * time.Second
 
+// defaultRevokeTimeout is ClientConfig.RevokeTimeout's default when the
+// rebalance timeout is 40 s or more.
+const defaultRevokeTimeout = 10 * time.Second
+
 // minConsumerReadTimeout returns the smallest Net.ReadTimeout that lets a
 // member of a group with cfg's rebalance timeout wait out a JoinGroup:
 // Consumer.Group.Rebalance.Timeout + [joinGroupTimeoutMargin].

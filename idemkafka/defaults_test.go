@@ -16,11 +16,4 @@ func TestDefaultsMatchTheirDocs(t *testing.T) {
 			"Logger":        "sarama.Logger for the corrections, none for the rest",
 			"RevokeTimeout": "10 s, or a quarter of the base's rebalance timeout below 40 s",
 		}})
-	var sub SubscriberConfig
-	sub.setDefaults()
-	configdoc.Check(t, configdoc.Spec{Value: sub, Section: "`idemkafka.SubscriberConfig`",
-		Names: map[string]any{"Marshaler{}": Marshaler{}, "OrderKey": OrderKey},
-		Described: map[string]string{
-			"Sarama": "a fresh sarama.NewConfig(), made by NewSubscriber",
-		}})
 }

@@ -6,6 +6,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/components/idemotel"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 )
 
@@ -31,7 +32,7 @@ func ExampleNew() {
 // messaging.consumer.group.name (and per partition
 // messaging.destination.name, messaging.destination.partition.id).
 func ExampleMetrics_AddSubscriber() {
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: []string{"kafka:9092"}, ConsumerGroup: "billing"}, nil)
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: []string{"kafka:9092"}}, ConsumerGroup: "billing"}, nil)
 	if err != nil {
 		panic(err)
 	}

@@ -13,7 +13,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 
-	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -40,7 +40,7 @@ type Metrics struct {
 	forwarders map[string]*outbox.Forwarder
 	fwdOrder   []string
 	backlogs   []backlogSource
-	subs       []*idemkafka.Subscriber
+	subs       []*parallel.Subscriber
 
 	processed, duplicates, failed, claimErrors, rejected, claims metric.Int64ObservableCounter
 	groups, grouped, groupFallbacks, alone                       metric.Int64ObservableCounter
@@ -99,22 +99,22 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 		errs = append(errs, err)
 		return g
 	}
-	m.kInFlight = gauge("idem.kafka.in_flight", "{message}", "idemkafka.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).")
-	m.kWaiting = gauge("idem.kafka.keys_waiting", "{message}", "idemkafka.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).")
-	m.kHeld = gauge("idem.kafka.held", "{message}", "idemkafka.Subscriber: records waiting for their NotBeforeFunc time (retry topics).")
-	m.kSpilled = gauge("idem.kafka.spilled", "{message}", "idemkafka.Subscriber: of the records waiting behind their key, those whose payload left a full window: read again from Kafka when they become their key's head (at most 64 × PartitionWindow per partition).")
-	m.kMaxInFlight = gauge("idem.kafka.max_in_flight", "{message}", "idemkafka.Subscriber: MaxInFlight (the bound of idem.kafka.in_flight).")
-	m.kDistance = gauge("idem.kafka.partition.distance", "{message}", "idemkafka.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending).")
-	m.kWindow = gauge("idem.kafka.partition.window", "{message}", "idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).")
-	m.kAcked = counter("idem.kafka.acked", "{message}", "idemkafka.Subscriber: messages acked.")
-	m.kNacked = counter("idem.kafka.nacked", "{message}", "idemkafka.Subscriber: messages nacked (handed out again after NackResendSleep).")
-	m.kSkipped = counter("idem.kafka.skipped", "{message}", "idemkafka.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.")
-	m.kSessions = counter("idem.kafka.sessions", "{session}", "idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).")
-	m.kRefused = counter("idem.kafka.commits_refused", "{commit}", "idemkafka.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.")
-	m.kStalled = gauge("idem.kafka.stalled_keys", "{key}", "idemkafka.Subscriber: keys whose head record has waited StallTimeout or longer without an ack (failing, slow or queued; Stats().Stalls and the log name the key and the cause).")
+	m.kInFlight = gauge("idem.kafka.in_flight", "{message}", "parallel.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).")
+	m.kWaiting = gauge("idem.kafka.keys_waiting", "{message}", "parallel.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).")
+	m.kHeld = gauge("idem.kafka.held", "{message}", "parallel.Subscriber: records waiting for their NotBeforeFunc time (retry topics).")
+	m.kSpilled = gauge("idem.kafka.spilled", "{message}", "parallel.Subscriber: of the records waiting behind their key, those whose payload left a full window: read again from Kafka when they become their key's head (at most 64 × PartitionWindow per partition).")
+	m.kMaxInFlight = gauge("idem.kafka.max_in_flight", "{message}", "parallel.Subscriber: MaxInFlight (the bound of idem.kafka.in_flight).")
+	m.kDistance = gauge("idem.kafka.partition.distance", "{message}", "parallel.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending).")
+	m.kWindow = gauge("idem.kafka.partition.window", "{message}", "parallel.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).")
+	m.kAcked = counter("idem.kafka.acked", "{message}", "parallel.Subscriber: messages acked.")
+	m.kNacked = counter("idem.kafka.nacked", "{message}", "parallel.Subscriber: messages nacked (handed out again after NackResendSleep).")
+	m.kSkipped = counter("idem.kafka.skipped", "{message}", "parallel.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.")
+	m.kSessions = counter("idem.kafka.sessions", "{session}", "parallel.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).")
+	m.kRefused = counter("idem.kafka.commits_refused", "{commit}", "parallel.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.")
+	m.kStalled = gauge("idem.kafka.stalled_keys", "{key}", "parallel.Subscriber: keys whose head record has waited StallTimeout or longer without an ack (failing, slow or queued; Stats().Stalls and the log name the key and the cause).")
 	var err error
 	m.kPartStalled, err = meter.Float64ObservableGauge("idem.kafka.partition.stalled", metric.WithUnit("s"),
-		metric.WithDescription("idemkafka.Subscriber: per held partition, how long it has gone without an ack while one of its keys is stalled (0 when none is, or for less than StallTimeout)."))
+		metric.WithDescription("parallel.Subscriber: per held partition, how long it has gone without an ack while one of its keys is stalled (0 when none is, or for less than StallTimeout)."))
 	errs = append(errs, err)
 	m.pending, err = meter.Int64ObservableGauge("idem.outbox.pending", metric.WithUnit("{message}"),
 		metric.WithDescription("Committed outbox rows the forwarder has not forwarded yet."))
@@ -183,7 +183,7 @@ func (m *Metrics) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts 
 // (between the committed offset and the highest one handed out),
 // idem.kafka.partition.window and idem.kafka.partition.stalled. Adding two
 // subscribers of the same group sums them.
-func (m *Metrics) AddSubscriber(sub *idemkafka.Subscriber) {
+func (m *Metrics) AddSubscriber(sub *parallel.Subscriber) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.subs = append(m.subs, sub)
@@ -199,10 +199,10 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 	}
 	names := append([]string(nil), m.fwdOrder...)
 	backlogs := append([]backlogSource(nil), m.backlogs...)
-	subs := append([]*idemkafka.Subscriber(nil), m.subs...)
+	subs := append([]*parallel.Subscriber(nil), m.subs...)
 	m.mu.Unlock()
 
-	for _, gs := range statsx.ByKey(subs, (*idemkafka.Subscriber).ConsumerGroup, (*idemkafka.Subscriber).Stats, idemkafka.SubscriberStats.Add) {
+	for _, gs := range statsx.ByKey(subs, (*parallel.Subscriber).ConsumerGroup, (*parallel.Subscriber).Stats, parallel.SubscriberStats.Add) {
 		group := semconv.MessagingConsumerGroupName(gs.Key)
 		set := metric.WithAttributeSet(attribute.NewSet(group))
 		s := gs.Value

@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/components/idemotel"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -36,7 +37,7 @@ func TestMetricsExportSubscriber(t *testing.T) {
 		publisher.WithPartitionKey(m, "a")
 		require.NoError(t, pub.Publish(topic, m))
 	}
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", MaxInFlight: 8, RevokeTimeout: 5 * time.Second,
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: b.Addrs, RevokeTimeout: 5 * time.Second}, ConsumerGroup: "billing", MaxInFlight: 8,
 		StallTimeout: time.Millisecond}, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -101,7 +102,7 @@ func TestMetricsExportSpilled(t *testing.T) {
 		publisher.WithPartitionKey(m, "a")
 		require.NoError(t, pub.Publish(topic, m))
 	}
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", PartitionWindow: 4, RevokeTimeout: 5 * time.Second}, nil)
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: b.Addrs, RevokeTimeout: 5 * time.Second}, ConsumerGroup: "billing", PartitionWindow: 4}, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); _ = sub.Close() })

@@ -10,6 +10,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/components/idemprom"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 )
@@ -43,7 +44,7 @@ func ExampleCollector_AddParked() {
 // partition the distance between the committed offset and the highest one
 // handed out.
 func ExampleCollector_AddSubscriber() {
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: []string{"kafka:9092"}, ConsumerGroup: "billing"}, nil)
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: []string{"kafka:9092"}}, ConsumerGroup: "billing"}, nil)
 	if err != nil {
 		panic(err)
 	}

@@ -9,7 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -58,20 +58,20 @@ var (
 
 	part = []string{"consumer_group", "topic", "partition"}
 
-	descKafkaInFlight    = prometheus.NewDesc("idem_kafka_in_flight", "idemkafka.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).", group, nil)
-	descKafkaWaiting     = prometheus.NewDesc("idem_kafka_keys_waiting", "idemkafka.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).", group, nil)
-	descKafkaHeld        = prometheus.NewDesc("idem_kafka_held", "idemkafka.Subscriber: records waiting for their NotBeforeFunc time (retry topics).", group, nil)
-	descKafkaSpilled     = prometheus.NewDesc("idem_kafka_spilled", "idemkafka.Subscriber: of the records waiting behind their key, those whose payload left a full window: read again from Kafka when they become their key's head (at most 64 × PartitionWindow per partition).", group, nil)
-	descKafkaAcked       = prometheus.NewDesc("idem_kafka_acked_total", "idemkafka.Subscriber: messages acked.", group, nil)
-	descKafkaNacked      = prometheus.NewDesc("idem_kafka_nacked_total", "idemkafka.Subscriber: messages nacked (handed out again after NackResendSleep).", group, nil)
-	descKafkaSkipped     = prometheus.NewDesc("idem_kafka_skipped_total", "idemkafka.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.", group, nil)
-	descKafkaSessions    = prometheus.NewDesc("idem_kafka_sessions_total", "idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).", group, nil)
-	descKafkaRefused     = prometheus.NewDesc("idem_kafka_commits_refused_total", "idemkafka.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.", group, nil)
-	descKafkaDistance    = prometheus.NewDesc("idem_kafka_partition_distance", "idemkafka.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending): how far processing runs ahead of the commit, which bounds what a crash makes run again.", part, nil)
-	descKafkaWindow      = prometheus.NewDesc("idem_kafka_partition_window", "idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).", part, nil)
-	descKafkaStalled     = prometheus.NewDesc("idem_kafka_stalled_keys", "idemkafka.Subscriber: keys whose head record has waited StallTimeout or longer without an ack (failing, slow or queued; Stats().Stalls and the log name the key and the cause).", group, nil)
-	descKafkaPartStalled = prometheus.NewDesc("idem_kafka_partition_stalled_seconds", "idemkafka.Subscriber: per held partition, how long it has gone without an ack while one of its keys is stalled (0 when none is, or for less than StallTimeout).", part, nil)
-	descKafkaMaxInFlight = prometheus.NewDesc("idem_kafka_max_in_flight", "idemkafka.Subscriber: MaxInFlight (the bound of idem_kafka_in_flight).", group, nil)
+	descKafkaInFlight    = prometheus.NewDesc("idem_kafka_in_flight", "parallel.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).", group, nil)
+	descKafkaWaiting     = prometheus.NewDesc("idem_kafka_keys_waiting", "parallel.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).", group, nil)
+	descKafkaHeld        = prometheus.NewDesc("idem_kafka_held", "parallel.Subscriber: records waiting for their NotBeforeFunc time (retry topics).", group, nil)
+	descKafkaSpilled     = prometheus.NewDesc("idem_kafka_spilled", "parallel.Subscriber: of the records waiting behind their key, those whose payload left a full window: read again from Kafka when they become their key's head (at most 64 × PartitionWindow per partition).", group, nil)
+	descKafkaAcked       = prometheus.NewDesc("idem_kafka_acked_total", "parallel.Subscriber: messages acked.", group, nil)
+	descKafkaNacked      = prometheus.NewDesc("idem_kafka_nacked_total", "parallel.Subscriber: messages nacked (handed out again after NackResendSleep).", group, nil)
+	descKafkaSkipped     = prometheus.NewDesc("idem_kafka_skipped_total", "parallel.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.", group, nil)
+	descKafkaSessions    = prometheus.NewDesc("idem_kafka_sessions_total", "parallel.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).", group, nil)
+	descKafkaRefused     = prometheus.NewDesc("idem_kafka_commits_refused_total", "parallel.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.", group, nil)
+	descKafkaDistance    = prometheus.NewDesc("idem_kafka_partition_distance", "parallel.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending): how far processing runs ahead of the commit, which bounds what a crash makes run again.", part, nil)
+	descKafkaWindow      = prometheus.NewDesc("idem_kafka_partition_window", "parallel.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).", part, nil)
+	descKafkaStalled     = prometheus.NewDesc("idem_kafka_stalled_keys", "parallel.Subscriber: keys whose head record has waited StallTimeout or longer without an ack (failing, slow or queued; Stats().Stalls and the log name the key and the cause).", group, nil)
+	descKafkaPartStalled = prometheus.NewDesc("idem_kafka_partition_stalled_seconds", "parallel.Subscriber: per held partition, how long it has gone without an ack while one of its keys is stalled (0 when none is, or for less than StallTimeout).", part, nil)
+	descKafkaMaxInFlight = prometheus.NewDesc("idem_kafka_max_in_flight", "parallel.Subscriber: MaxInFlight (the bound of idem_kafka_in_flight).", group, nil)
 
 	tbl = []string{"table"}
 
@@ -122,7 +122,7 @@ type Collector struct {
 	retries    []retrySource
 	parked     []parkedSource
 	tables     []tableSource
-	subs       []*idemkafka.Subscriber
+	subs       []*parallel.Subscriber
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -202,7 +202,7 @@ func (c *Collector) AddTable(db migrate.DBTX, cfg deduplicator.TableConfig) {
 // distance between the committed offset and the highest one handed out,
 // the window, and how long it has been stalled. Adding two
 // subscribers of the same group sums them.
-func (c *Collector) AddSubscriber(sub *idemkafka.Subscriber) {
+func (c *Collector) AddSubscriber(sub *parallel.Subscriber) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.subs = append(c.subs, sub)
@@ -232,7 +232,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	backlogs := append([]backlogSource(nil), c.backlogs...)
 	retries := append([]retrySource(nil), c.retries...)
 	parked := append([]parkedSource(nil), c.parked...)
-	subs := append([]*idemkafka.Subscriber(nil), c.subs...)
+	subs := append([]*parallel.Subscriber(nil), c.subs...)
 	tables := append([]tableSource(nil), c.tables...)
 	c.mu.Unlock()
 
@@ -334,7 +334,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(descTableCleaned, last, name)
 		gauge(descTablePartitions, float64(len(info.Partitions)), name)
 	}
-	for _, gs := range statsx.ByKey(subs, (*idemkafka.Subscriber).ConsumerGroup, (*idemkafka.Subscriber).Stats, idemkafka.SubscriberStats.Add) {
+	for _, gs := range statsx.ByKey(subs, (*parallel.Subscriber).ConsumerGroup, (*parallel.Subscriber).Stats, parallel.SubscriberStats.Add) {
 		g, s := gs.Key, gs.Value
 		gauge(descKafkaInFlight, float64(s.InFlight), g)
 		gauge(descKafkaWaiting, float64(s.KeysWaiting), g)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/components/idemprom"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -37,7 +38,7 @@ func TestCollectorExportsSubscriber(t *testing.T) {
 		publisher.WithPartitionKey(m, "a")
 		require.NoError(t, pub.Publish(topic, m))
 	}
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", MaxInFlight: 8, RevokeTimeout: 5 * time.Second,
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: b.Addrs, RevokeTimeout: 5 * time.Second}, ConsumerGroup: "billing", MaxInFlight: 8,
 		StallTimeout: time.Millisecond}, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -56,28 +57,28 @@ func TestCollectorExportsSubscriber(t *testing.T) {
 		return s.KeysWaiting == 2 && s.StalledKeys == 1 && s.Partitions[0].StalledFor > 0
 	}, time.Minute, 5*time.Millisecond)
 	expected := `
-# HELP idem_kafka_in_flight idemkafka.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).
+# HELP idem_kafka_in_flight parallel.Subscriber: messages handed out and not yet acked or nacked (at most MaxInFlight).
 # TYPE idem_kafka_in_flight gauge
 idem_kafka_in_flight{consumer_group="billing"} 1
-# HELP idem_kafka_keys_waiting idemkafka.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).
+# HELP idem_kafka_keys_waiting parallel.Subscriber: records waiting for an earlier message of their key (OrderPartition: of their partition).
 # TYPE idem_kafka_keys_waiting gauge
 idem_kafka_keys_waiting{consumer_group="billing"} 2
-# HELP idem_kafka_max_in_flight idemkafka.Subscriber: MaxInFlight (the bound of idem_kafka_in_flight).
+# HELP idem_kafka_max_in_flight parallel.Subscriber: MaxInFlight (the bound of idem_kafka_in_flight).
 # TYPE idem_kafka_max_in_flight gauge
 idem_kafka_max_in_flight{consumer_group="billing"} 8
-# HELP idem_kafka_partition_distance idemkafka.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending): how far processing runs ahead of the commit, which bounds what a crash makes run again.
+# HELP idem_kafka_partition_distance parallel.Subscriber: per held partition, the highest offset handed out + 1 - the committed offset (0 when nothing handed out is pending): how far processing runs ahead of the commit, which bounds what a crash makes run again.
 # TYPE idem_kafka_partition_distance gauge
 idem_kafka_partition_distance{consumer_group="billing",partition="0",topic="TOPIC"} 1
-# HELP idem_kafka_partition_window idemkafka.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).
+# HELP idem_kafka_partition_window parallel.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).
 # TYPE idem_kafka_partition_window gauge
 idem_kafka_partition_window{consumer_group="billing",partition="0",topic="TOPIC"} 3
-# HELP idem_kafka_acked_total idemkafka.Subscriber: messages acked.
+# HELP idem_kafka_acked_total parallel.Subscriber: messages acked.
 # TYPE idem_kafka_acked_total counter
 idem_kafka_acked_total{consumer_group="billing"} 0
-# HELP idem_kafka_sessions_total idemkafka.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).
+# HELP idem_kafka_sessions_total parallel.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).
 # TYPE idem_kafka_sessions_total counter
 idem_kafka_sessions_total{consumer_group="billing"} 1
-# HELP idem_kafka_commits_refused_total idemkafka.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.
+# HELP idem_kafka_commits_refused_total parallel.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.
 # TYPE idem_kafka_commits_refused_total counter
 idem_kafka_commits_refused_total{consumer_group="billing"} 0
 `
@@ -114,7 +115,7 @@ func TestCollectorExportsSpilled(t *testing.T) {
 		publisher.WithPartitionKey(m, "a")
 		require.NoError(t, pub.Publish(topic, m))
 	}
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "billing", PartitionWindow: 4, RevokeTimeout: 5 * time.Second}, nil)
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: b.Addrs, RevokeTimeout: 5 * time.Second}, ConsumerGroup: "billing", PartitionWindow: 4}, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); _ = sub.Close() })

@@ -22,6 +22,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -156,8 +157,8 @@ func runChild(cfg childConfig) error {
 	sc.ClientID = cfg.ClientID
 	sc.Consumer.Group.Session.Timeout = cfg.SessionTimeout
 	sc.Consumer.Group.Heartbeat.Interval = cfg.SessionTimeout / 4
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
-		Brokers: cfg.Brokers, ConsumerGroup: cfg.Group, Sarama: sc, MaxInFlight: 4,
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{
+		Client: idemkafka.ClientConfig{Brokers: cfg.Brokers, Sarama: sc}, ConsumerGroup: cfg.Group, MaxInFlight: 4,
 		NackResendSleep: 200 * time.Millisecond, ReconnectRetrySleep: 100 * time.Millisecond,
 	}, logger)
 	if err != nil {

@@ -27,6 +27,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -548,11 +549,11 @@ func (d *demo) newConsumer(service string, instances int, newSub func(group stri
 	return c, nil
 }
 
-// newParallelSubscriber is billing's subscriber: idemkafka's, which keeps
+// newParallelSubscriber is billing's subscriber: idemkafka/parallel's, which keeps
 // BillingInFlight charges in flight per instance, ordered by order key.
 func (d *demo) newParallelSubscriber(group string) (message.Subscriber, error) {
-	return idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
-		Brokers:             d.brokers,
+	return parallel.NewSubscriber(parallel.SubscriberConfig{
+		Client:              idemkafka.ClientConfig{Brokers: d.brokers},
 		ConsumerGroup:       group,
 		MaxInFlight:         d.cfg.BillingInFlight,
 		NackResendSleep:     20 * time.Millisecond,

@@ -152,7 +152,7 @@ type Config struct {
 	// key has an event on the retry path, its later events wait for it in
 	// PostgreSQL instead of overtaking it. Defaults to nil: a retried event is
 	// overtaken by the later events of its key, which keep flowing. It
-	// needs the key's events in order: a message of an idemkafka.Subscriber
+	// needs the key's events in order: a message of an parallel.Subscriber
 	// with OrderNone is refused ([ErrKeyOrderUnordered], nacked).
 	KeyOrder *KeyOrder
 

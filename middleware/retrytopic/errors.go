@@ -18,11 +18,11 @@ var (
 	// ErrKeyNotParked: [Unblock] found no parked event of the key.
 	ErrKeyNotParked = errors.New("key not parked")
 	// ErrKeyOrderUnordered: [Config.KeyOrder] received a message of an
-	// idemkafka.Subscriber with OrderNone, which hands out the events of a
+	// parallel.Subscriber with OrderNone, which hands out the events of a
 	// key in any order, so a key's later event could pass its parked one.
 	// The message is nacked without being applied, moved or poisoned; use
 	// OrderKey or OrderPartition.
-	ErrKeyOrderUnordered = errors.New("retrytopic: KeyOrder needs an ordered subscriber: idemkafka.Subscriber with OrderNone refused (use OrderKey or OrderPartition)")
+	ErrKeyOrderUnordered = errors.New("retrytopic: KeyOrder needs an ordered subscriber: parallel.Subscriber with OrderNone refused (use OrderKey or OrderPartition)")
 )
 
 // ExhaustedError is the reason given to a message poisoned because its

@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -158,7 +159,7 @@ type consumer struct {
 	// observe, when set, goes outside rt.Middleware.
 	observe message.HandlerMiddleware
 	// parallel, when positive, consumes every topic with an
-	// idemkafka.Subscriber of that MaxInFlight (OrderKey; the retry topics'
+	// parallel.Subscriber of that MaxInFlight (OrderKey; the retry topics'
 	// with NotBeforeFunc retrytopic.RecordNotBefore) instead of
 	// watermill-kafka's.
 	parallel int
@@ -232,26 +233,24 @@ func (f *fixture) run(t *testing.T, c consumer, fail failFunc) *message.Router {
 }
 
 // parallelSubscribers are the main and retry subscribers of c as
-// idemkafka.Subscribers: key order, c.parallel messages in flight each; the
+// parallel.Subscribers: key order, c.parallel messages in flight each; the
 // retry one holds each copy in its partition's window until its not-before
 // time (retrytopic.RecordNotBefore).
 func (f *fixture) parallelSubscribers(t *testing.T, c consumer) (sub, retrySub message.Subscriber) {
 	t.Helper()
-	cfg := idemkafka.SubscriberConfig{
-		Brokers:         f.broker.Addrs,
+	cfg := parallel.SubscriberConfig{
+		Client:          idemkafka.ClientConfig{Brokers: f.broker.Addrs, Sarama: c.sarama, RevokeTimeout: 5 * time.Second},
 		ConsumerGroup:   f.group,
-		Sarama:          c.sarama,
 		MaxInFlight:     c.parallel,
 		NackResendSleep: 10 * time.Millisecond,
-		RevokeTimeout:   5 * time.Second,
 	}
-	s, err := idemkafka.NewSubscriber(cfg, nil)
+	s, err := parallel.NewSubscriber(cfg, nil)
 	require.NoError(t, err)
 	cfg.ConsumerGroup = f.group + "-retry"
 	if !c.holdInHandler {
 		cfg.NotBeforeFunc = retrytopic.RecordNotBefore
 	}
-	rs, err := idemkafka.NewSubscriber(cfg, nil)
+	rs, err := parallel.NewSubscriber(cfg, nil)
 	require.NoError(t, err)
 	return s, rs
 }

@@ -109,7 +109,7 @@ type heldClaim struct {
 func (c heldClaim) Messages() <-chan *sarama.ConsumerMessage { return c.msgs }
 
 // RecordNotBefore reads the [MetadataNotBefore] header of a record (zero if
-// none). Set it as idemkafka.SubscriberConfig.NotBeforeFunc of a retry
+// none). Set it as parallel.SubscriberConfig.NotBeforeFunc of a retry
 // topic's parallel subscriber: a copy then waits in its partition's window,
 // holding only the later copies of its key, and a rebalance drops the wait.
 func RecordNotBefore(m *sarama.ConsumerMessage) time.Time {

@@ -12,7 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -144,10 +144,10 @@ func (o *keyOrder) check(ctx context.Context) error {
 // is parked by another is probed: acked when stale, looked at again when
 // its park was under way.
 func (o *keyOrder) admit(ctx context.Context, msg *message.Message, onRetry bool, waiting func() *message.Message) (pk *parking, run bool, err error) {
-	if ord, ok := idemkafka.OrderingFromContext(ctx); ok && ord == idemkafka.OrderNone {
+	if ord, ok := parallel.OrderingFromContext(ctx); ok && ord == parallel.OrderNone {
 		// Nothing is moved, poisoned or applied: the message is nacked
 		// until the subscriber is configured right.
-		o.logger.Error("KeyOrder refuses a message of an idemkafka.Subscriber with OrderNone", ErrKeyOrderUnordered, nil)
+		o.logger.Error("KeyOrder refuses a message of a parallel.Subscriber with OrderNone", ErrKeyOrderUnordered, nil)
 		return nil, false, ErrKeyOrderUnordered
 	}
 	o.late.maybe(ctx, o.stats)

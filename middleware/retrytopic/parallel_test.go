@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 )
 
@@ -92,7 +93,7 @@ func countTrue(xs []bool) int {
 	return n
 }
 
-// KeyOrder refuses the messages of an idemkafka.Subscriber with OrderNone,
+// KeyOrder refuses the messages of an parallel.Subscriber with OrderNone,
 // which hands out a key's events in any order: the message is nacked with
 // ErrKeyOrderUnordered, its handler never runs, nothing is parked, moved
 // or poisoned. With OrderKey the same message reaches the handler.
@@ -103,14 +104,14 @@ func TestKeyOrderRefusesOrderNone(t *testing.T) {
 	require.NoError(t, err)
 	f.publish(t, f.msg("a", 1))
 	for _, tc := range []struct {
-		ordering idemkafka.Ordering
+		ordering parallel.Ordering
 		refused  bool
 	}{
-		{idemkafka.OrderNone, true},
-		{idemkafka.OrderKey, false},
+		{parallel.OrderNone, true},
+		{parallel.OrderKey, false},
 	} {
-		sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
-			Brokers: f.broker.Addrs, ConsumerGroup: f.group + "-" + tc.ordering.String(), Ordering: tc.ordering, RevokeTimeout: 5 * time.Second,
+		sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{
+			Client: idemkafka.ClientConfig{Brokers: f.broker.Addrs, RevokeTimeout: 5 * time.Second}, ConsumerGroup: f.group + "-" + tc.ordering.String(), Ordering: tc.ordering,
 		}, nil)
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())

@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -359,7 +360,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	group := fmt.Sprintf("bench-e2e-%d", r.seq.Add(1))
 	var sub message.Subscriber
 	if s.parallel > 0 {
-		ps, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: s.parallel}, nil)
+		ps, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: r.brokers}, ConsumerGroup: group, MaxInFlight: s.parallel}, nil)
 		if err != nil {
 			return res, err
 		}

@@ -16,6 +16,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -83,7 +84,7 @@ var errHolFails = errors.New("bench: this key always fails")
 func (r *parRig) holRun(ctx context.Context, topic string, others int, slow bool) (float64, error) {
 	group := fmt.Sprintf("bench-hol-%d", r.seq.Add(1))
 	logger := watermill.NopLogger{}
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: parMaxInFlight}, logger)
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: r.brokers}, ConsumerGroup: group, MaxInFlight: parMaxInFlight}, logger)
 	if err != nil {
 		return 0, err
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -32,7 +33,7 @@ const (
 // rbMember is one group member: a parallel Subscriber whose every message
 // is nacked.
 type rbMember struct {
-	sub    *idemkafka.Subscriber
+	sub    *parallel.Subscriber
 	cancel context.CancelFunc
 	done   chan struct{}
 }
@@ -57,8 +58,8 @@ func (r *rbRig) member(ctx context.Context, group string) (*rbMember, error) {
 	// A member learns of a rebalance at its next heartbeat: 10 rebalances
 	// at Sarama's default of 3 s would take minutes.
 	sc.Consumer.Group.Heartbeat.Interval = 300 * time.Millisecond
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
-		Brokers: r.brokers, ConsumerGroup: group, NackResendSleep: rbBackoff, Sarama: sc,
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{
+		Client: idemkafka.ClientConfig{Brokers: r.brokers, Sarama: sc}, ConsumerGroup: group, NackResendSleep: rbBackoff,
 	}, nil)
 	if err != nil {
 		return nil, err

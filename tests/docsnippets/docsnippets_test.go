@@ -48,6 +48,7 @@ var knownImports = map[string]string{
 	"migrate":      module + "/migrate",
 	"publisher":    module + "/publisher",
 	"idemkafka":    module + "/idemkafka",
+	"parallel":     module + "/idemkafka/parallel",
 	"poison":       module + "/components/poison",
 	"idemprom":     module + "/components/idemprom",
 	"idemotel":     module + "/components/idemotel",

@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -216,7 +217,7 @@ func exactlyOnceAcrossRebalance(t *testing.T, lease bool) {
 		var sub message.Subscriber = e.subscriber(t, group)
 		if lease {
 			cfg.Lease = &idem.LeaseConfig{Concurrency: 1}
-			psub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: e.broker.Addrs, ConsumerGroup: group, MaxInFlight: 64}, e.logger)
+			psub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: e.broker.Addrs}, ConsumerGroup: group, MaxInFlight: 64}, e.logger)
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = psub.Close() })
 			sub, cfg.Concurrency = psub, psub.MaxInFlight()

@@ -35,6 +35,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/handlertracer"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -365,24 +366,28 @@ func (c *child) addHandlers(router *message.Router, kc idemkafka.ClientConfig, l
 
 // addParallelHandlers consumes the main topic and each retry topic with
 // idemkafka's parallel subscriber (key order, the library's default Sarama
-// settings); a retry topic's copies wait in their partition's window until
+// settings but for the cooperative-sticky strategy: a rebalance revokes
+// only the partitions that move); a retry topic's copies wait in their partition's window until
 // their not-before time (retrytopic.RecordNotBefore). A goroutine reports
 // each subscriber's first consumer-group session.
 func (c *child) addParallelHandlers(ctx context.Context, router *message.Router, logger watermill.LoggerAdapter) error {
 	cfg := c.cfg
-	base := idemkafka.SubscriberConfig{Brokers: cfg.Brokers, ConsumerGroup: cfg.Group, MaxInFlight: ParallelMaxInFlight}
-	sub, err := idemkafka.NewSubscriber(base, logger)
+	sc := sarama.NewConfig()
+	sc.Version = sarama.V2_4_0_0
+	sc.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
+	base := parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: cfg.Brokers, Sarama: sc}, ConsumerGroup: cfg.Group, MaxInFlight: ParallelMaxInFlight}
+	sub, err := parallel.NewSubscriber(base, logger)
 	if err != nil {
 		return err
 	}
-	subs := []*idemkafka.Subscriber{sub}
+	subs := []*parallel.Subscriber{sub}
 	router.AddConsumerHandler("soak-"+cfg.Instance, cfg.Topic, sub, c.handler)
 	for i, topic := range cfg.RetryTopics {
 		rc := base
 		rc.ConsumerGroup = retryGroup(cfg.Group, i)
 		rc.MaxInFlight = ParallelRetryMaxInFlight
 		rc.NotBeforeFunc = retrytopic.RecordNotBefore
-		rsub, err := idemkafka.NewSubscriber(rc, logger)
+		rsub, err := parallel.NewSubscriber(rc, logger)
 		if err != nil {
 			return err
 		}

@@ -1,4 +1,4 @@
-package idemkafka_test
+package parallel_test
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 )
 
 // Each key's events are applied once each, in order, while handlers fail
@@ -115,11 +116,11 @@ func (g *gate) fail(blocked map[event]bool) func(event) error {
 // OrderPartition nothing passes it.
 func TestSubscriberOrderingModes(t *testing.T) {
 	for _, tc := range []struct {
-		ordering idemkafka.Ordering
+		ordering parallel.Ordering
 		bPasses  bool
 	}{
-		{idemkafka.OrderKey, true},
-		{idemkafka.OrderPartition, false},
+		{parallel.OrderKey, true},
+		{parallel.OrderPartition, false},
 	} {
 		t.Run(tc.ordering.String(), func(t *testing.T) {
 			f := newFixture(t, 1, 4)
@@ -245,7 +246,7 @@ func TestSubscriberCommitsBelowLowestUnacked(t *testing.T) {
 	f := newFixture(t, 1, 4)
 	a1, g := f.blockedHeadAndFive(t)
 	cfg := f.config("commit")
-	cfg.RevokeTimeout = 100 * time.Millisecond
+	cfg.Client.RevokeTimeout = 100 * time.Millisecond
 	sub := f.subscriber(t, cfg)
 	var firstHandled sync.Map
 	stop := f.router(t, sub, f.db.Pool, 0, nil, ledgerHandler(func(ev event) error {
@@ -318,7 +319,7 @@ func TestSubscriberContextValues(t *testing.T) {
 	var ev event
 	require.NoError(t, json.Unmarshal(msg.Payload, &ev))
 	require.Equal(t, event{"a", 1}, ev)
-	require.Equal(t, []idemkafka.PartitionStats{{Topic: f.topic, Partition: p, Committed: 0, HighestHandedOut: 0, Distance: 1, Window: 1}},
+	require.Equal(t, []parallel.PartitionStats{{Topic: f.topic, Partition: p, Committed: 0, HighestHandedOut: 0, Distance: 1, Window: 1}},
 		filterPartition(sub.Stats().Partitions, p))
 	msg.Ack()
 	require.NoError(t, sub.Close())
@@ -326,8 +327,8 @@ func TestSubscriberContextValues(t *testing.T) {
 	require.False(t, open)
 }
 
-func filterPartition(ps []idemkafka.PartitionStats, p int32) []idemkafka.PartitionStats {
-	var out []idemkafka.PartitionStats
+func filterPartition(ps []parallel.PartitionStats, p int32) []parallel.PartitionStats {
+	var out []parallel.PartitionStats
 	for _, s := range ps {
 		if s.Partition == p {
 			out = append(out, s)
@@ -339,21 +340,21 @@ func filterPartition(ps []idemkafka.PartitionStats, p int32) []idemkafka.Partiti
 func TestSubscriberConfigErrors(t *testing.T) {
 	for _, tc := range []struct {
 		field string
-		mod   func(*idemkafka.SubscriberConfig)
+		mod   func(*parallel.SubscriberConfig)
 	}{
-		{"Brokers", func(c *idemkafka.SubscriberConfig) { c.Brokers = nil }},
-		{"ConsumerGroup", func(c *idemkafka.SubscriberConfig) { c.ConsumerGroup = "" }},
-		{"Ordering", func(c *idemkafka.SubscriberConfig) { c.Ordering = 7 }},
-		{"MaxInFlight", func(c *idemkafka.SubscriberConfig) { c.MaxInFlight = -1 }},
-		{"PartitionWindow", func(c *idemkafka.SubscriberConfig) { c.PartitionWindow = -1 }},
-		{"RevokeTimeout", func(c *idemkafka.SubscriberConfig) { c.RevokeTimeout = time.Hour }},
-		{"StallTimeout", func(c *idemkafka.SubscriberConfig) { c.StallTimeout = -2 }},
+		{"Client.Brokers", func(c *parallel.SubscriberConfig) { c.Client.Brokers = nil }},
+		{"ConsumerGroup", func(c *parallel.SubscriberConfig) { c.ConsumerGroup = "" }},
+		{"Ordering", func(c *parallel.SubscriberConfig) { c.Ordering = 7 }},
+		{"MaxInFlight", func(c *parallel.SubscriberConfig) { c.MaxInFlight = -1 }},
+		{"PartitionWindow", func(c *parallel.SubscriberConfig) { c.PartitionWindow = -1 }},
+		{"Client.RevokeTimeout", func(c *parallel.SubscriberConfig) { c.Client.RevokeTimeout = time.Hour }},
+		{"StallTimeout", func(c *parallel.SubscriberConfig) { c.StallTimeout = -2 }},
 	} {
 		t.Run(tc.field, func(t *testing.T) {
-			cfg := idemkafka.SubscriberConfig{Brokers: []string{"127.0.0.1:1"}, ConsumerGroup: "g"}
+			cfg := parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: []string{"127.0.0.1:1"}}, ConsumerGroup: "g"}
 			tc.mod(&cfg)
-			_, err := idemkafka.NewSubscriber(cfg, nil)
-			require.ErrorContains(t, err, "idemkafka: invalid config: "+tc.field+": ")
+			_, err := parallel.NewSubscriber(cfg, nil)
+			require.ErrorContains(t, err, "parallel: invalid config: "+tc.field+": ")
 		})
 	}
 }

@@ -1,4 +1,4 @@
-package idemkafka_test
+package parallel_test
 
 import (
 	"errors"
@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 )
 
 // stallLog records the Subscriber's "Key stalled" log lines.
@@ -59,13 +60,13 @@ func (l *stallLog) of(key string) []stallLine {
 }
 
 // stallOf returns the stall of key in s.
-func stallOf(s idemkafka.SubscriberStats, key string) (idemkafka.Stall, bool) {
+func stallOf(s parallel.SubscriberStats, key string) (parallel.Stall, bool) {
 	for _, st := range s.Stalls {
 		if st.Key == key {
 			return st, true
 		}
 	}
-	return idemkafka.Stall{}, false
+	return parallel.Stall{}, false
 }
 
 var errStuck = errors.New("stuck fails")
@@ -79,7 +80,7 @@ var errStuck = errors.New("stuck fails")
 func TestSubscriberFailingKeyDoesNotStopItsPartition(t *testing.T) {
 	const keys, perKey = 300, 10
 	f := newFixture(t, 1, 8)
-	f.outer = []message.HandlerMiddleware{idemkafka.RecordErrors}
+	f.outer = []message.HandlerMiddleware{parallel.RecordErrors}
 	require.NoError(t, f.pub.Publish(f.topic, f.event(t, "stuck", 1)))
 	f.produce(t, keys, perKey)
 	require.NoError(t, f.pub.Publish(f.topic, f.event(t, "stuck", 2), f.event(t, "stuck", 3)))
@@ -87,7 +88,7 @@ func TestSubscriberFailingKeyDoesNotStopItsPartition(t *testing.T) {
 	cfg := f.config("failing")
 	cfg.StallTimeout = 500 * time.Millisecond
 	log := newStallLog()
-	sub, err := idemkafka.NewSubscriber(cfg, log)
+	sub, err := parallel.NewSubscriber(cfg, log)
 	require.NoError(t, err)
 	f.router(t, sub, f.db.Pool, 1, nil, ledgerHandler(func(ev event) error {
 		if ev.Key == "stuck" {
@@ -104,7 +105,7 @@ func TestSubscriberFailingKeyDoesNotStopItsPartition(t *testing.T) {
 
 	waitFor(t, "the stuck key stalled, failing, in Stats", func() bool {
 		st, ok := stallOf(sub.Stats(), "stuck")
-		return ok && st.Cause == idemkafka.StallFailing && st.Nacks > 0 && st.LastError != nil
+		return ok && st.Cause == parallel.StallFailing && st.Nacks > 0 && st.LastError != nil
 	})
 	s := sub.Stats()
 	st, _ := stallOf(s, "stuck")
@@ -144,7 +145,7 @@ func TestSubscriberSlowKeyDoesNotHoldItsPartition(t *testing.T) {
 	cfg := f.config("slow")
 	cfg.StallTimeout = 500 * time.Millisecond
 	log := newStallLog()
-	sub, err := idemkafka.NewSubscriber(cfg, log)
+	sub, err := parallel.NewSubscriber(cfg, log)
 	require.NoError(t, err)
 	g := newGate()
 	hot1 := event{"hot", 1}
@@ -160,7 +161,7 @@ func TestSubscriberSlowKeyDoesNotHoldItsPartition(t *testing.T) {
 
 	waitFor(t, "the hot key stalled, slow, in Stats", func() bool {
 		st, ok := stallOf(sub.Stats(), "hot")
-		return ok && st.Cause == idemkafka.StallSlow
+		return ok && st.Cause == parallel.StallSlow
 	})
 	s := sub.Stats()
 	st, _ := stallOf(s, "hot")
@@ -189,12 +190,19 @@ func TestSubscriberSlowKeyDoesNotHoldItsPartition(t *testing.T) {
 // (a rebalance), then the first leaves (another), and the keys heal only
 // after that: every event is applied once, each key in order. The next
 // owner of a partition starts at the failing head (the committed offset)
-// and skips the records done above it per the commit metadata.
+// and skips the records done above it per the commit metadata: under
+// cooperative-sticky too, where the second member gets its partitions
+// mid-session (no Setup for them).
 func TestSubscriberFailingKeysAcrossRebalances(t *testing.T) {
+	t.Run("eager", func(t *testing.T) { failingKeysAcrossRebalances(t, false) })
+	t.Run("cooperative", func(t *testing.T) { failingKeysAcrossRebalances(t, true) })
+}
+
+func failingKeysAcrossRebalances(t *testing.T, coop bool) {
 	const keys, perKey = 60, 20
 	const total = keys * perKey
 	f := newFixture(t, 2, 8)
-	f.outer = []message.HandlerMiddleware{idemkafka.RecordErrors}
+	f.outer = []message.HandlerMiddleware{parallel.RecordErrors}
 	// "stuck-*" keys spread over both partitions (the marshaler hashes the key).
 	var stuck []string
 	var first, later []*message.Message
@@ -217,12 +225,15 @@ func TestSubscriberFailingKeysAcrossRebalances(t *testing.T) {
 		return nil
 	})
 	cfg := f.config("rebalance")
+	if coop {
+		cfg = cooperative(cfg)
+	}
 	a := f.subscriber(t, cfg)
 	stopA := f.router(t, a, f.db.Pool, 0, nil, handler)
 	f.waitApplied(t, total/3)
 	b := f.subscriber(t, cfg)
 	f.router(t, b, f.db.Pool, 0, nil, handler)
-	waitFor(t, "the rebalance", func() bool { return a.Stats().Sessions >= 2 && b.Stats().Sessions >= 1 })
+	waitFor(t, "the rebalance", func() bool { return len(b.Stats().Partitions) > 0 && len(a.Stats().Partitions) < 2 })
 	f.waitApplied(t, 2*total/3)
 	stopA()
 	f.waitApplied(t, total)
@@ -238,6 +249,9 @@ func TestSubscriberFailingKeysAcrossRebalances(t *testing.T) {
 	}
 	f.verifyLedgerKeys(t, want)
 	require.Positive(t, b.Stats().Skipped, "the next owner skipped records done above the committed offset")
+	if coop {
+		require.Equal(t, uint64(1), b.Stats().Sessions, "b got its partitions mid-session")
+	}
 }
 
 // spillBacklog publishes, on the fixture's single partition, stuck's first
@@ -343,7 +357,7 @@ func TestSubscriberUnmarshalFailureStopsOnlyItsKey(t *testing.T) {
 	f.verifyLedgerKeys(t, want)
 	waitFor(t, "the bad key stalled, failing", func() bool {
 		st, ok := stallOf(sub.Stats(), "bad")
-		return ok && st.Cause == idemkafka.StallFailing && errors.Is(st.LastError, errBadRecord)
+		return ok && st.Cause == parallel.StallFailing && errors.Is(st.LastError, errBadRecord)
 	})
 	require.Equal(t, int64(0), sub.Stats().Partitions[0].Committed)
 }

@@ -1,4 +1,4 @@
-package idemkafka
+package parallel
 
 import (
 	"errors"
@@ -7,6 +7,8 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+
+	"github.com/idemkit/watermill-idempotency/idemkafka"
 )
 
 // Ordering says which earlier messages a message waits for before the
@@ -50,7 +52,7 @@ const (
 	// out again (watermill-kafka's default).
 	defaultNackResendSleep = 100 * time.Millisecond
 	// defaultRevokeTimeout is how long the messages in flight of a revoked
-	// partition get to finish.
+	// partition get to finish (at most a quarter of the rebalance timeout).
 	defaultRevokeTimeout = 10 * time.Second
 	// defaultReconnectRetrySleep is the wait before joining the group again
 	// after an error.
@@ -73,22 +75,36 @@ const (
 
 // SubscriberConfig configures a [Subscriber].
 type SubscriberConfig struct {
-	// Brokers to bootstrap from. Required.
-	Brokers []string
+	// Client is the Kafka client: Brokers (required), the Sarama base
+	// config (TLS, SASL, ClientID, version...; defaults to
+	// sarama.NewConfig()) and RevokeTimeout, as for idemkafka's other
+	// helpers. The Subscriber applies idemkafka.SaramaConsumerConfig to a
+	// copy of Client.Sarama (OffsetOldest, auto-commit of marked offsets,
+	// Net.ReadTimeout above the rebalance timeout), so the timeout rule of
+	// consumer groups holds here too. Client.RevokeTimeout is how long the
+	// messages in flight of a partition that is revoked (rebalance, Close)
+	// get to be acked before its offset is committed and they are
+	// abandoned: their message contexts are cancelled, and the partition's
+	// next owner gets them again (their claims make that harmless). A
+	// member learns of a rebalance at its next heartbeat, then waits
+	// RevokeTimeout, commits, and (after an error) sleeps
+	// ReconnectRetrySleep before it rejoins, so
+	// Consumer.Group.Heartbeat.Interval + RevokeTimeout + 1 s (the final
+	// commit) + ReconnectRetrySleep must be shorter than
+	// Consumer.Group.Rebalance.Timeout, or the coordinator expels the
+	// member and its rejoin starts another rebalance; RevokeTimeout
+	// defaults to 10 s, or a quarter of that rebalance timeout when it is
+	// below 40 s. Client.Logger is used when NewSubscriber gets no logger;
+	// Client.TransactionalID is a producer setting the Subscriber ignores.
+	// Eager strategies (range, round-robin, sticky) and cooperative-sticky
+	// are supported (Consumer.Group.Rebalance.GroupStrategies; cooperative
+	// needs Version 2.4 or later): under cooperative-sticky only the
+	// partitions that move are revoked, the others keep running.
+	Client idemkafka.ClientConfig
 	// ConsumerGroup is the Kafka consumer group. Required.
 	ConsumerGroup string
-	// Sarama is the base client config (TLS, SASL, ClientID, version...).
-	// Defaults to sarama.NewConfig(). The Subscriber applies
-	// idemkafka.SaramaConsumerConfig to a copy (OffsetOldest, auto-commit of
-	// marked offsets, Net.ReadTimeout above the rebalance timeout), so the
-	// timeout rule of consumer groups holds here too. Only eager rebalance
-	// strategies (range, round-robin, sticky) are supported: a strategy that
-	// can take part in cooperative rebalancing is refused, in
-	// Consumer.Group.Rebalance.GroupStrategies and in the deprecated
-	// Consumer.Group.Rebalance.Strategy (which Sarama reads first).
-	Sarama *sarama.Config
 	// Unmarshaler turns records into messages. Defaults to
-	// Marshaler{} (watermill-kafka's DefaultMarshaler: headers
+	// idemkafka.Marshaler{} (watermill-kafka's DefaultMarshaler: headers
 	// become metadata).
 	Unmarshaler kafka.Unmarshaler
 	// Ordering is which earlier messages a message waits for. Defaults to
@@ -113,29 +129,17 @@ type SubscriberConfig struct {
 	// dropped and they are read again from Kafka when they become their
 	// key's head (at most 64 × PartitionWindow spilled records per
 	// partition). While a partition's window is full and nothing more can
-	// be spilled the Subscriber stops reading it,
-	// so Sarama stops fetching it and memory stays bounded (about
-	// partitions × PartitionWindow records, plus Sarama's
-	// Consumer.ChannelBufferSize per partition). Defaults to 1024.
+	// be spilled the Subscriber pauses its fetching in Sarama (it queues
+	// what was fetched already, so that it still sees a revocation), and
+	// memory stays bounded (about partitions × PartitionWindow records,
+	// plus Sarama's Consumer.ChannelBufferSize and one fetch response per
+	// partition). Defaults to 1024.
 	PartitionWindow int
 	// NackResendSleep is how long a nacked message waits before it is
 	// handed out again; the later messages of its key wait behind it,
 	// other keys keep flowing. Set kafka.NoSleep (-1) for none. Defaults
 	// to 100 ms.
 	NackResendSleep time.Duration
-	// RevokeTimeout is how long the messages in flight of a partition that
-	// is revoked (rebalance, Close) get to be acked before its offset is
-	// committed and they are abandoned: their message contexts are
-	// cancelled, and the partition's next owner gets them again (their
-	// claims make that harmless). A member learns of a rebalance at its
-	// next heartbeat, then waits RevokeTimeout, commits, and (after an
-	// error) sleeps ReconnectRetrySleep before it rejoins, so
-	// Consumer.Group.Heartbeat.Interval + RevokeTimeout + 1 s (the final
-	// commit) + ReconnectRetrySleep must be shorter than
-	// Consumer.Group.Rebalance.Timeout, or the coordinator expels the
-	// member and its rejoin starts another rebalance. Defaults to
-	// 10 s.
-	RevokeTimeout time.Duration
 	// ReconnectRetrySleep is the wait before joining the group again after
 	// the consumer group failed (not after a rebalance, which rejoins at
 	// once). Defaults to
@@ -179,7 +183,7 @@ type SubscriberConfig struct {
 
 func (c *SubscriberConfig) setDefaults() {
 	if c.Unmarshaler == nil {
-		c.Unmarshaler = Marshaler{}
+		c.Unmarshaler = idemkafka.Marshaler{}
 	}
 	if c.MaxInFlight == 0 {
 		c.MaxInFlight = defaultMaxInFlight
@@ -190,8 +194,12 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.NackResendSleep == 0 {
 		c.NackResendSleep = defaultNackResendSleep
 	}
-	if c.RevokeTimeout == 0 {
-		c.RevokeTimeout = defaultRevokeTimeout
+	if c.Client.RevokeTimeout == 0 {
+		base := c.Client.Sarama
+		if base == nil {
+			base = sarama.NewConfig()
+		}
+		c.Client.RevokeTimeout = min(defaultRevokeTimeout, base.Consumer.Group.Rebalance.Timeout/4)
 	}
 	if c.ReconnectRetrySleep == 0 {
 		c.ReconnectRetrySleep = defaultReconnectRetrySleep
@@ -213,8 +221,8 @@ func (c *SubscriberConfig) setDefaults() {
 func (c SubscriberConfig) Validate() error {
 	bad := func(field, problem string) error { return errors.New(field + ": " + problem) }
 	switch {
-	case len(c.Brokers) == 0:
-		return bad("Brokers", "required")
+	case len(c.Client.Brokers) == 0:
+		return bad("Client.Brokers", "required")
 	case c.ConsumerGroup == "":
 		return bad("ConsumerGroup", "required (without a group nothing is committed)")
 	case c.Ordering < OrderKey || c.Ordering > OrderNone:
@@ -225,8 +233,8 @@ func (c SubscriberConfig) Validate() error {
 		return bad("PartitionWindow", "must be positive")
 	case c.NackResendSleep < 0 && c.NackResendSleep != kafka.NoSleep:
 		return bad("NackResendSleep", "must not be negative (kafka.NoSleep for none)")
-	case c.RevokeTimeout < 0:
-		return bad("RevokeTimeout", "must not be negative")
+	case c.Client.RevokeTimeout < 0:
+		return bad("Client.RevokeTimeout", "must not be negative")
 	case c.ReconnectRetrySleep < 0:
 		return bad("ReconnectRetrySleep", "must not be negative")
 	case c.CommitMetadataMaxBytes < -1:
@@ -239,21 +247,18 @@ func (c SubscriberConfig) Validate() error {
 		return bad("CommitMetadataMaxBytes", fmt.Sprintf("%d is above the brokers' offset.metadata.max.bytes (BrokerMetadataMaxBytes: %d): the broker would refuse every commit and the committed offset would freeze",
 			c.CommitMetadataMaxBytes, c.brokerMetadataMaxBytes()))
 	}
-	if err := refuseCooperative(c.Sarama); err != nil {
-		return bad("Sarama", err.Error())
-	}
 	sc := c.saramaConfig()
 	if err := sc.Validate(); err != nil {
-		return bad("Sarama", err.Error())
+		return bad("Client.Sarama", err.Error())
 	}
 	reconnect := max(c.ReconnectRetrySleep, 0)
 	if reconnect == 0 {
 		reconnect = defaultReconnectRetrySleep
 	}
-	if need := sc.Consumer.Group.Heartbeat.Interval + c.RevokeTimeout + revokeCommitAllowance + reconnect; need >= sc.Consumer.Group.Rebalance.Timeout {
-		return bad("RevokeTimeout", fmt.Sprintf("%s + Consumer.Group.Heartbeat.Interval (%s) + %s for the final commit + ReconnectRetrySleep (%s) must be shorter than Consumer.Group.Rebalance.Timeout (%s): "+
+	if need := sc.Consumer.Group.Heartbeat.Interval + c.Client.RevokeTimeout + revokeCommitAllowance + reconnect; need >= sc.Consumer.Group.Rebalance.Timeout {
+		return bad("Client.RevokeTimeout", fmt.Sprintf("%s + Consumer.Group.Heartbeat.Interval (%s) + %s for the final commit + ReconnectRetrySleep (%s) must be shorter than Consumer.Group.Rebalance.Timeout (%s): "+
 			"a member learns of a rebalance at its next heartbeat and must rejoin before that deadline, or the coordinator expels it and its rejoin starts another rebalance",
-			c.RevokeTimeout, sc.Consumer.Group.Heartbeat.Interval, revokeCommitAllowance, reconnect, sc.Consumer.Group.Rebalance.Timeout))
+			c.Client.RevokeTimeout, sc.Consumer.Group.Heartbeat.Interval, revokeCommitAllowance, reconnect, sc.Consumer.Group.Rebalance.Timeout))
 	}
 	return nil
 }
@@ -266,42 +271,7 @@ func (c SubscriberConfig) brokerMetadataMaxBytes() int {
 	return c.BrokerMetadataMaxBytes
 }
 
-// refuseCooperative returns an error when a balance strategy Sarama would
-// read (the deprecated Consumer.Group.Rebalance.Strategy first, then
-// Consumer.Group.Rebalance.GroupStrategies) can take part in cooperative
-// rebalancing: under it, a partition kept across a rebalance would get no
-// skip set and a revoked one with a full window would never be released.
-func refuseCooperative(sc *sarama.Config) error {
-	if sc == nil {
-		return nil
-	}
-	check := func(field string, s sarama.BalanceStrategy) error {
-		if s == nil {
-			return nil
-		}
-		coop := s.Name() == sarama.CooperativeStickyBalanceStrategyName
-		if p, ok := s.(sarama.RebalanceProtocolBalanceStrategy); ok {
-			for _, proto := range p.SupportedProtocols() {
-				coop = coop || proto == sarama.RebalanceProtocolCooperative
-			}
-		}
-		if coop {
-			return fmt.Errorf("%s: %q supports cooperative rebalancing, which the Subscriber does not (use range, round-robin or sticky)", field, s.Name())
-		}
-		return nil
-	}
-	if err := check("Consumer.Group.Rebalance.Strategy", sc.Consumer.Group.Rebalance.Strategy); err != nil {
-		return err
-	}
-	for _, s := range sc.Consumer.Group.Rebalance.GroupStrategies {
-		if err := check("Consumer.Group.Rebalance.GroupStrategies", s); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
 // saramaConfig is the base with the safe consumer settings.
 func (c SubscriberConfig) saramaConfig() *sarama.Config {
-	return SaramaConsumerConfig(c.Sarama)
+	return idemkafka.SaramaConsumerConfig(c.Client.Sarama)
 }

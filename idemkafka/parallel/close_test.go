@@ -1,4 +1,4 @@
-package idemkafka_test
+package parallel_test
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 )
 
@@ -34,8 +35,8 @@ func TestSubscriberCloseIsBoundedWhileAJoinGroupIsHeld(t *testing.T) {
 		}
 		return nil, nil, true // never answered
 	})
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
-		Brokers: broker.Addrs, ConsumerGroup: "held-" + topic, RevokeTimeout: time.Second,
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{
+		Client: idemkafka.ClientConfig{Brokers: broker.Addrs, RevokeTimeout: time.Second}, ConsumerGroup: "held-" + topic,
 	}, watermill.NopLogger{})
 	require.NoError(t, err)
 	_, err = sub.Subscribe(context.Background(), topic)

@@ -1,8 +1,14 @@
-package idemkafka
+package parallel
 
 import (
+	"cmp"
+	"errors"
+	"fmt"
+	"slices"
 	"sort"
 	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
 )
 
 // counters are the Subscriber's numbers, guarded by its mu.
@@ -36,7 +42,9 @@ type SubscriberStats struct {
 	// metadata recorded them done before a restart or rebalance.
 	Skipped uint64
 	// Sessions counts the consumer-group sessions set up (the first join,
-	// then one per rebalance), across every Subscribe call.
+	// then one per rebalance under an eager strategy; under
+	// cooperative-sticky a session lives across rebalances), across every
+	// Subscribe call.
 	Sessions uint64
 	// CommitsRefused counts the offset commits the broker refused for a
 	// partition (OffsetMetadataTooLarge, InvalidCommitOffsetSize): while
@@ -221,4 +229,79 @@ func (s SubscriberStats) Add(o SubscriberStats) SubscriberStats {
 	})
 	s.Partitions = parts
 	return s
+}
+
+// stalls are p's keys whose head has waited StallTimeout or longer
+// without an ack. Called with mu held.
+func (p *partState) stalls(now time.Time) []Stall {
+	timeout := p.st.s.cfg.StallTimeout
+	if timeout < 0 || p.stopping {
+		return nil
+	}
+	var out []Stall
+	for _, e := range p.window {
+		switch e.state {
+		case stateReady, stateInFlight, stateBackoff, stateFailed:
+		default:
+			continue // done, held, or behind its key's head
+		}
+		if e.head.IsZero() || now.Sub(e.head) < timeout {
+			continue
+		}
+		st := Stall{Topic: p.st.topic, Partition: p.partition, Key: e.key, Offset: e.off, For: now.Sub(e.head), Nacks: e.nacks, LastError: e.lastErr}
+		if e.state == stateInFlight {
+			st.Running = now.Sub(e.start)
+		}
+		switch {
+		case st.Running >= timeout:
+			st.Cause = StallSlow
+		case e.nacks > 0 || e.state == stateFailed:
+			st.Cause = StallFailing
+		default:
+			st.Cause = StallQueued
+		}
+		out = append(out, st)
+	}
+	return out
+}
+
+// logStalls logs each key that stalled since the last call, once. Called
+// without mu.
+func (p *partState) logStalls() {
+	s := p.st.s
+	if s.cfg.StallTimeout < 0 {
+		return
+	}
+	now := time.Now()
+	s.mu.Lock()
+	var fresh []Stall
+	for _, st := range p.stalls(now) {
+		i, ok := slices.BinarySearchFunc(p.window, st.Offset, func(e *entry, off int64) int { return cmp.Compare(e.off, off) })
+		if !ok || p.window[i].stalled {
+			continue
+		}
+		p.window[i].stalled = true
+		fresh = append(fresh, st)
+	}
+	s.mu.Unlock()
+	for _, st := range fresh {
+		fields := watermill.LogFields{
+			"kafka_partition": st.Partition, "key": st.Key, "kafka_partition_offset": st.Offset, "cause": string(st.Cause),
+			"stalled_for": st.For.Round(time.Millisecond).String(), "nacks": st.Nacks,
+		}
+		var err error
+		switch st.Cause {
+		case StallSlow:
+			fields["running"] = st.Running.Round(time.Millisecond).String()
+			err = fmt.Errorf("its handler running %.0f s", st.Running.Seconds())
+		case StallFailing:
+			err = st.LastError
+			if err == nil {
+				err = errors.New("nacked; add parallel.RecordErrors to the router to see the error")
+			}
+		default:
+			err = errors.New("waiting for a MaxInFlight slot")
+		}
+		p.st.logger.Error("Key stalled ("+string(st.Cause)+"): its later records wait, the other keys of its partition flow", err, fields)
+	}
 }

@@ -1,4 +1,4 @@
-package idemkafka_test
+package parallel_test
 
 import (
 	"context"
@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -95,18 +96,17 @@ func (f *fixture) event(t *testing.T, key string, seq int) *message.Message {
 }
 
 // config is a subscriber config on the fixture's broker for group.
-func (f *fixture) config(group string) idemkafka.SubscriberConfig {
-	return idemkafka.SubscriberConfig{
-		Brokers:         f.broker.Addrs,
+func (f *fixture) config(group string) parallel.SubscriberConfig {
+	return parallel.SubscriberConfig{
+		Client:          idemkafka.ClientConfig{Brokers: f.broker.Addrs, RevokeTimeout: 5 * time.Second},
 		ConsumerGroup:   group,
 		NackResendSleep: 10 * time.Millisecond,
-		RevokeTimeout:   5 * time.Second,
 	}
 }
 
-func (f *fixture) subscriber(t *testing.T, cfg idemkafka.SubscriberConfig) *idemkafka.Subscriber {
+func (f *fixture) subscriber(t *testing.T, cfg parallel.SubscriberConfig) *parallel.Subscriber {
 	t.Helper()
-	sub, err := idemkafka.NewSubscriber(cfg, nil)
+	sub, err := parallel.NewSubscriber(cfg, nil)
 	require.NoError(t, err)
 	return sub
 }

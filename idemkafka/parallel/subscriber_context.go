@@ -1,4 +1,4 @@
-package idemkafka
+package parallel
 
 import (
 	"context"
@@ -72,7 +72,7 @@ type errSlotKey struct{}
 // error a handler returned before its message is nacked, so that a key
 // stalled on failures is reported with its last error
 // ([SubscriberStats].Stalls, and the log line). Add it first
-// (router.AddMiddleware(idemkafka.RecordErrors) before the others), or
+// (router.AddMiddleware(parallel.RecordErrors) before the others), or
 // anywhere outside the middleware that turns errors into acks (a poison
 // queue). On messages of other subscribers it only passes them on.
 func RecordErrors(h message.HandlerFunc) message.HandlerFunc {

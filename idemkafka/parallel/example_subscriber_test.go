@@ -1,4 +1,4 @@
-package idemkafka_test
+package parallel_test
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -29,8 +30,8 @@ func ExampleNewSubscriber() {
 		_ = pub.Publish("orders", m)
 	}
 
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
-		Brokers:       brokers,
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{
+		Client:        idemkafka.ClientConfig{Brokers: brokers},
 		ConsumerGroup: "billing",
 		MaxInFlight:   8,
 	}, nil)

@@ -1,4 +1,4 @@
-package idemkafka
+package parallel
 
 import (
 	"context"
@@ -35,16 +35,22 @@ type Subscriber struct {
 	mu      sync.Mutex
 	streams map[*stream]struct{}
 	stats   counters
+
+	onRevoke func(partition int32) // test hook (export_test.go): a partition's final mark, called with mu held
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
 
 // NewSubscriber validates cfg and returns a Subscriber; it connects to
-// Kafka on Subscribe. A nil logger logs nothing.
+// Kafka on Subscribe. A nil logger falls back to cfg.Client.Logger, then
+// logs nothing.
 func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subscriber, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("idemkafka: invalid config: %w", err)
+		return nil, fmt.Errorf("parallel: invalid config: %w", err)
+	}
+	if logger == nil {
+		logger = cfg.Client.Logger
 	}
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -52,7 +58,7 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 	return &Subscriber{
 		cfg:     cfg,
 		sarama:  cfg.saramaConfig(),
-		logger:  logger.With(watermill.LogFields{"subscriber": "idemkafka", "consumer_group": cfg.ConsumerGroup}),
+		logger:  logger.With(watermill.LogFields{"subscriber": "parallel", "consumer_group": cfg.ConsumerGroup}),
 		slots:   make(chan struct{}, cfg.MaxInFlight),
 		closing: make(chan struct{}),
 		closed:  make(chan struct{}),
@@ -69,7 +75,7 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 func (s *Subscriber) MaxInFlight() int { return s.cfg.MaxInFlight }
 
 // errClosed is returned by Subscribe on a closed Subscriber.
-var errClosed = errors.New("idemkafka: subscriber closed")
+var errClosed = errors.New("parallel: subscriber closed")
 
 // Subscribe joins the consumer group on topic and returns the channel of
 // its messages. The channel closes when ctx ends or the Subscriber
@@ -84,14 +90,14 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	sc := *s.sarama
 	tracked := trackConns(&sc)
-	client, err := sarama.NewClient(s.cfg.Brokers, &sc)
+	client, err := sarama.NewClient(s.cfg.Client.Brokers, &sc)
 	if err != nil {
-		return nil, fmt.Errorf("idemkafka: new Kafka client: %w", err)
+		return nil, fmt.Errorf("parallel: new Kafka client: %w", err)
 	}
 	group, err := sarama.NewConsumerGroupFromClient(s.cfg.ConsumerGroup, client)
 	if err != nil {
 		_ = client.Close()
-		return nil, fmt.Errorf("idemkafka: new consumer group: %w", err)
+		return nil, fmt.Errorf("parallel: new consumer group: %w", err)
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	st := &stream{
@@ -271,13 +277,13 @@ func (st *stream) boundClose(finished <-chan struct{}) {
 		return
 	case <-st.ctx.Done():
 	}
-	t := time.NewTimer(st.s.cfg.RevokeTimeout + closeGrace)
+	t := time.NewTimer(st.s.cfg.Client.RevokeTimeout + closeGrace)
 	defer t.Stop()
 	select {
 	case <-finished:
 	case <-t.C:
 		st.logger.Info("The consumer group did not stop in time (a JoinGroup the coordinator holds, or an offset commit): cutting its broker connections",
-			watermill.LogFields{"waited": (st.s.cfg.RevokeTimeout + closeGrace).String()})
+			watermill.LogFields{"waited": (st.s.cfg.Client.RevokeTimeout + closeGrace).String()})
 		st.conns.cutAll()
 	}
 }
@@ -385,7 +391,7 @@ func (st *stream) handOut(e *entry) (*message.Message, error) {
 	if err != nil {
 		// A record that cannot become a message cannot be processed; the
 		// partition stops here, as watermill-kafka's does.
-		err = fmt.Errorf("idemkafka: unmarshal %s/%d@%d: %w", e.m.Topic, e.m.Partition, e.m.Offset, err)
+		err = fmt.Errorf("parallel: unmarshal %s/%d@%d: %w", e.m.Topic, e.m.Partition, e.m.Offset, err)
 		st.logger.Error("Message unmarshal failed: its key stops at it, and the committed offset of its partition", err, nil)
 		e.state = stateFailed
 		e.nacks++

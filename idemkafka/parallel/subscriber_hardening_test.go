@@ -1,4 +1,4 @@
-package idemkafka_test
+package parallel_test
 
 import (
 	"context"
@@ -17,18 +17,16 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 )
 
-// Cooperative rebalancing is refused on every path Sarama reads: the
-// GroupStrategies list, and the deprecated Strategy field, which Sarama
-// reads first.
-func TestSubscriberRefusesCooperativeOnEveryPath(t *testing.T) {
+// Cooperative-sticky is accepted on both paths Sarama reads (the
+// deprecated Strategy field first), with Sarama's own rule that it needs
+// Version 2.4.
+func TestSubscriberAcceptsCooperative(t *testing.T) {
 	for name, mod := range map[string]func(*sarama.Config){
 		"GroupStrategies": func(c *sarama.Config) {
 			c.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
-		},
-		"GroupStrategies, second choice": func(c *sarama.Config) {
-			c.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyRange(), sarama.NewBalanceStrategyCooperativeSticky()}
 		},
 		"deprecated Strategy over an eager GroupStrategies": func(c *sarama.Config) {
 			c.Consumer.Group.Rebalance.Strategy = sarama.NewBalanceStrategyCooperativeSticky()
@@ -38,15 +36,15 @@ func TestSubscriberRefusesCooperativeOnEveryPath(t *testing.T) {
 			sc := sarama.NewConfig()
 			sc.Version = sarama.V2_4_0_0
 			mod(sc)
-			_, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: []string{"127.0.0.1:1"}, ConsumerGroup: "g", Sarama: sc}, nil)
-			require.ErrorContains(t, err, "idemkafka: invalid config: Sarama: Consumer.Group.Rebalance.")
-			require.ErrorContains(t, err, "cooperative rebalancing")
+			cfg := parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: []string{"127.0.0.1:1"}, Sarama: sc}, ConsumerGroup: "g"}
+			_, err := parallel.NewSubscriber(cfg, nil)
+			require.NoError(t, err)
+			sc.Version = sarama.V2_1_0_0
+			_, err = parallel.NewSubscriber(cfg, nil)
+			require.ErrorContains(t, err, "parallel: invalid config: Client.Sarama: ")
+			require.ErrorContains(t, err, "cooperative balance strategies require Version >= 2.4")
 		})
 	}
-	sc := sarama.NewConfig()
-	sc.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategySticky(), sarama.NewBalanceStrategyRoundRobin()}
-	_, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{Brokers: []string{"127.0.0.1:1"}, ConsumerGroup: "g", Sarama: sc}, nil)
-	require.NoError(t, err, "eager strategies pass")
 }
 
 // RevokeTimeout leaves room, before the rebalance deadline, for the
@@ -54,41 +52,41 @@ func TestSubscriberRefusesCooperativeOnEveryPath(t *testing.T) {
 // CommitMetadataMaxBytes stays within the brokers'
 // offset.metadata.max.bytes, 4096 unless stated.
 func TestSubscriberConfigMargins(t *testing.T) {
-	base := func() idemkafka.SubscriberConfig {
-		return idemkafka.SubscriberConfig{Brokers: []string{"127.0.0.1:1"}, ConsumerGroup: "g"}
+	base := func() parallel.SubscriberConfig {
+		return parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: []string{"127.0.0.1:1"}}, ConsumerGroup: "g"}
 	}
 	for _, tc := range []struct {
 		name  string
-		mod   func(*idemkafka.SubscriberConfig)
+		mod   func(*parallel.SubscriberConfig)
 		field string // "" when accepted
 	}{
-		{"RevokeTimeout below Rebalance.Timeout but not by the margin", func(c *idemkafka.SubscriberConfig) { c.RevokeTimeout = 55 * time.Second }, "RevokeTimeout"},
-		{"RevokeTimeout within the margin", func(c *idemkafka.SubscriberConfig) { c.RevokeTimeout = 50 * time.Second }, ""},
-		{"a long ReconnectRetrySleep eats the margin", func(c *idemkafka.SubscriberConfig) {
-			c.RevokeTimeout = 50 * time.Second
+		{"RevokeTimeout below Rebalance.Timeout but not by the margin", func(c *parallel.SubscriberConfig) { c.Client.RevokeTimeout = 55 * time.Second }, "Client.RevokeTimeout"},
+		{"RevokeTimeout within the margin", func(c *parallel.SubscriberConfig) { c.Client.RevokeTimeout = 50 * time.Second }, ""},
+		{"a long ReconnectRetrySleep eats the margin", func(c *parallel.SubscriberConfig) {
+			c.Client.RevokeTimeout = 50 * time.Second
 			c.ReconnectRetrySleep = 10 * time.Second
-		}, "RevokeTimeout"},
-		{"CommitMetadataMaxBytes above Kafka's default limit", func(c *idemkafka.SubscriberConfig) { c.CommitMetadataMaxBytes = 4097 }, "CommitMetadataMaxBytes"},
-		{"CommitMetadataMaxBytes at Kafka's default limit", func(c *idemkafka.SubscriberConfig) { c.CommitMetadataMaxBytes = 4096 }, ""},
-		{"CommitMetadataMaxBytes within a stated limit", func(c *idemkafka.SubscriberConfig) {
+		}, "Client.RevokeTimeout"},
+		{"CommitMetadataMaxBytes above Kafka's default limit", func(c *parallel.SubscriberConfig) { c.CommitMetadataMaxBytes = 4097 }, "CommitMetadataMaxBytes"},
+		{"CommitMetadataMaxBytes at Kafka's default limit", func(c *parallel.SubscriberConfig) { c.CommitMetadataMaxBytes = 4096 }, ""},
+		{"CommitMetadataMaxBytes within a stated limit", func(c *parallel.SubscriberConfig) {
 			c.CommitMetadataMaxBytes = 8000
 			c.BrokerMetadataMaxBytes = 8192
 		}, ""},
-		{"CommitMetadataMaxBytes above a stated limit", func(c *idemkafka.SubscriberConfig) {
+		{"CommitMetadataMaxBytes above a stated limit", func(c *parallel.SubscriberConfig) {
 			c.CommitMetadataMaxBytes = 2048
 			c.BrokerMetadataMaxBytes = 1024
 		}, "CommitMetadataMaxBytes"},
-		{"BrokerMetadataMaxBytes negative", func(c *idemkafka.SubscriberConfig) { c.BrokerMetadataMaxBytes = -1 }, "BrokerMetadataMaxBytes"},
+		{"BrokerMetadataMaxBytes negative", func(c *parallel.SubscriberConfig) { c.BrokerMetadataMaxBytes = -1 }, "BrokerMetadataMaxBytes"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := base()
 			tc.mod(&cfg)
-			_, err := idemkafka.NewSubscriber(cfg, nil)
+			_, err := parallel.NewSubscriber(cfg, nil)
 			if tc.field == "" {
 				require.NoError(t, err)
 				return
 			}
-			require.ErrorContains(t, err, "idemkafka: invalid config: "+tc.field+": ")
+			require.ErrorContains(t, err, "parallel: invalid config: "+tc.field+": ")
 		})
 	}
 }
@@ -102,9 +100,9 @@ func TestSubscriberRejoinsAtOnceAfterARebalance(t *testing.T) {
 	sc.Consumer.Group.Heartbeat.Interval = 200 * time.Millisecond
 	sc.Consumer.Group.Rebalance.Timeout = 20 * time.Minute
 	cfg := f.config("rejoin")
-	cfg.Sarama = sc
+	cfg.Client.Sarama = sc
 	cfg.ReconnectRetrySleep = 10 * time.Minute
-	subscribe := func() (*idemkafka.Subscriber, <-chan *message.Message) {
+	subscribe := func() (*parallel.Subscriber, <-chan *message.Message) {
 		sub := f.subscriber(t, cfg)
 		ctx, cancel := context.WithCancel(context.Background())
 		t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })
@@ -146,7 +144,7 @@ func TestSubscriberTrimsRecordsDoneAtTheWindowStart(t *testing.T) {
 	f := newFixture(t, 1, 4)
 	a1, g := f.blockedHeadAndFive(t)
 	cfg := f.config("trim")
-	cfg.RevokeTimeout = 100 * time.Millisecond
+	cfg.Client.RevokeTimeout = 100 * time.Millisecond
 	sub := f.subscriber(t, cfg)
 	stop := f.router(t, sub, f.db.Pool, 0, nil, ledgerHandler(func(ev event) error {
 		if ev == a1 {
@@ -336,17 +334,17 @@ func TestSubscriberReleasesARevokedWindow(t *testing.T) {
 		name string
 		// waiting is whether the first session's n records wait on their
 		// timers.
-		waiting func(idemkafka.SubscriberStats) bool
+		waiting func(parallel.SubscriberStats) bool
 		// settled is whether the n records wait again after the rebalance,
 		// across both members.
-		settled  func(a, b idemkafka.SubscriberStats) bool
+		settled  func(a, b parallel.SubscriberStats) bool
 		notUntil time.Duration // what NotBeforeFunc holds a record for
 		nackFor  time.Duration // NackResendSleep
 	}{
-		{"held", func(s idemkafka.SubscriberStats) bool { return s.Held == n },
-			func(a, b idemkafka.SubscriberStats) bool { return a.Held+b.Held == n }, time.Hour, 10 * time.Millisecond},
-		{"backing off", func(s idemkafka.SubscriberStats) bool { return s.Nacked == n },
-			func(a, b idemkafka.SubscriberStats) bool { return a.Nacked+b.Nacked == 2*n }, 0, time.Hour},
+		{"held", func(s parallel.SubscriberStats) bool { return s.Held == n },
+			func(a, b parallel.SubscriberStats) bool { return a.Held+b.Held == n }, time.Hour, 10 * time.Millisecond},
+		{"backing off", func(s parallel.SubscriberStats) bool { return s.Nacked == n },
+			func(a, b parallel.SubscriberStats) bool { return a.Nacked+b.Nacked == 2*n }, 0, time.Hour},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t, 2, 1)
@@ -372,7 +370,7 @@ func TestSubscriberReleasesARevokedWindow(t *testing.T) {
 				}
 				return time.Now().Add(tc.notUntil)
 			}
-			subscribe := func() *idemkafka.Subscriber {
+			subscribe := func() *parallel.Subscriber {
 				sub := f.subscriber(t, cfg)
 				ctx, cancel := context.WithCancel(context.Background())
 				t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })

@@ -1,4 +1,4 @@
-package idemkafka_test
+package parallel_test
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 )
 
@@ -53,7 +54,7 @@ func (p creatingPublisher) Publish(topic string, msgs ...*message.Message) error
 }
 
 type creatingSubscriber struct {
-	*idemkafka.Subscriber
+	*parallel.Subscriber
 	c *topicCreator
 }
 
@@ -92,9 +93,9 @@ func TestPubSub(t *testing.T) {
 				sc := sarama.NewConfig()
 				sc.Consumer.Group.Heartbeat.Interval = 500 * time.Millisecond
 				sc.Consumer.Group.Rebalance.Timeout = 3 * time.Second
-				sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
-					Brokers: broker.Addrs, ConsumerGroup: group, Sarama: sc,
-					RevokeTimeout: time.Second, NackResendSleep: 10 * time.Millisecond,
+				sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{
+					Client:        idemkafka.ClientConfig{Brokers: broker.Addrs, Sarama: sc, RevokeTimeout: time.Second},
+					ConsumerGroup: group, NackResendSleep: 10 * time.Millisecond,
 					// Heartbeat + RevokeTimeout + 1 s for the commit + this
 					// stay below the 3 s rebalance timeout.
 					ReconnectRetrySleep: 100 * time.Millisecond,

@@ -1,4 +1,4 @@
-package idemkafka
+package parallel
 
 import (
 	"encoding/base64"

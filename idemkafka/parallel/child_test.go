@@ -1,4 +1,4 @@
-package idemkafka_test
+package parallel_test
 
 import (
 	"context"
@@ -23,6 +23,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 )
 
@@ -87,9 +88,9 @@ func runChild(cfg childConfig) error {
 	}
 	sc := sarama.NewConfig()
 	sc.ClientID = cfg.ClientID
-	sub, err := idemkafka.NewSubscriber(idemkafka.SubscriberConfig{
-		Brokers: cfg.Brokers, ConsumerGroup: cfg.Group, MaxInFlight: 8, Sarama: sc,
-		NackResendSleep: 10 * time.Millisecond, RevokeTimeout: 5 * time.Second,
+	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{
+		Client:        idemkafka.ClientConfig{Brokers: cfg.Brokers, Sarama: sc, RevokeTimeout: 5 * time.Second},
+		ConsumerGroup: cfg.Group, MaxInFlight: 8, NackResendSleep: 10 * time.Millisecond,
 	}, logger)
 	if err != nil {
 		return err
@@ -202,7 +203,7 @@ func TestSubscriberInstancesJoinAndLeave(t *testing.T) {
 	start := func() func() {
 		cfg := f.config("joinleave")
 		cfg.MaxInFlight = 4
-		cfg.RevokeTimeout = 50 * time.Millisecond // some messages are abandoned in flight
+		cfg.Client.RevokeTimeout = 50 * time.Millisecond // some messages are abandoned in flight
 		return f.router(t, f.subscriber(t, cfg), f.db.Pool, 0, nil, slow)
 	}
 	count := func() int { return f.db.Count(t, "SELECT 1 FROM ledger") }

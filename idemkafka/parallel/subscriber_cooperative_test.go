@@ -1,0 +1,150 @@
+package parallel_test
+
+import (
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+)
+
+// cooperative is cfg under the cooperative-sticky strategy.
+func cooperative(cfg parallel.SubscriberConfig) parallel.SubscriberConfig {
+	sc := sarama.NewConfig()
+	sc.Version = sarama.V2_4_0_0
+	sc.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
+	cfg.Client.Sarama = sc
+	return cfg
+}
+
+// revocations records the partitions a subscriber gave up, in order.
+type revocations struct {
+	mu    sync.Mutex
+	parts []int32
+}
+
+func watchRevocations(sub *parallel.Subscriber) *revocations {
+	r := &revocations{}
+	parallel.SetRevokeHook(sub, func(p int32) {
+		r.mu.Lock()
+		r.parts = append(r.parts, p)
+		r.mu.Unlock()
+	})
+	return r
+}
+
+func (r *revocations) list() []int32 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.parts)
+}
+
+// owned is the partitions sub holds now, ascending.
+func owned(sub *parallel.Subscriber) []int32 {
+	var out []int32
+	for _, p := range sub.Stats().Partitions {
+		out = append(out, p.Partition)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Under cooperative-sticky a second member joins and later leaves while the
+// events flow: the first member keeps one session throughout, gives up
+// exactly the partitions that move to the second (the others are never
+// revoked, so never drained), and takes them back mid-session when the
+// second leaves; every event is applied once, each key in order.
+func TestSubscriberCooperativeRevokesOnlyWhatMoves(t *testing.T) {
+	const keys, perKey, parts = 60, 25, 6
+	f := newFixture(t, parts, 8)
+	slow := ledgerHandler(func(event) error {
+		time.Sleep(2 * time.Millisecond)
+		return nil
+	})
+	cfg := cooperative(f.config("coop"))
+	cfg.MaxInFlight = 4
+	count := func() int { return f.db.Count(t, "SELECT 1 FROM ledger") }
+
+	f.produceSeqs(t, keys, 1, 5)
+	a := f.subscriber(t, cfg)
+	revokedA := watchRevocations(a)
+	f.router(t, a, f.db.Pool, 0, nil, slow)
+	waitFor(t, "a owns every partition", func() bool { return len(owned(a)) == parts })
+	waitFor(t, "some events", func() bool { return count() >= 100 })
+
+	b := f.subscriber(t, cfg)
+	revokedB := watchRevocations(b)
+	stopB := f.router(t, b, f.db.Pool, 0, nil, slow)
+	f.produceSeqs(t, keys, 6, 10) // while the group rebalances
+	waitFor(t, "b owns partitions", func() bool {
+		return len(owned(b)) > 0 && len(owned(a))+len(owned(b)) == parts
+	})
+	kept, moved := owned(a), owned(b)
+	require.Equal(t, moved, sortedCopy(revokedA.list()), "a gave up exactly the partitions that moved to b")
+	f.produceSeqs(t, keys, 11, 15)
+	waitFor(t, "events on b", func() bool { return b.Stats().Acked > 0 })
+
+	stopB()
+	require.ElementsMatch(t, moved, revokedB.list(), "b gave up its partitions when it left")
+	f.produceSeqs(t, keys, 16, perKey) // while a takes them back
+	waitFor(t, "a owns every partition again", func() bool { return len(owned(a)) == parts })
+	f.waitApplied(t, keys*perKey)
+	f.verifyLedger(t, keys, perKey)
+
+	require.Equal(t, uint64(1), a.Stats().Sessions, "one session across both rebalances")
+	require.Equal(t, moved, sortedCopy(revokedA.list()), "the partitions a kept were never revoked: %v", kept)
+}
+
+func sortedCopy(ps []int32) []int32 {
+	out := slices.Clone(ps)
+	slices.Sort(out)
+	return out
+}
+
+// Under cooperative-sticky a partition whose window is full (every record
+// a key's head, its handlers blocked) is revoked like any other: its
+// member sees the claim end, gives the messages in flight RevokeTimeout,
+// and lets the partition go within the same session, instead of holding
+// the rebalance until its deadline (which would end the whole session).
+func TestSubscriberCooperativeReleasesAFullWindow(t *testing.T) {
+	const n = 40
+	f := newFixture(t, 2, 8)
+	for i := range n {
+		require.NoError(t, f.pub.Publish(f.topic, f.event(t, keyName(i), 1)))
+	}
+	cfg := cooperative(f.config("coopfull"))
+	cfg.Client.Sarama.Consumer.Group.Rebalance.Timeout = 20 * time.Second
+	cfg.Client.RevokeTimeout = time.Second
+	cfg.MaxInFlight = 2
+	cfg.PartitionWindow = 5
+	release := make(chan struct{})
+	var once sync.Once
+	open := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(open)
+	blocked := ledgerHandler(func(event) error {
+		<-release
+		return nil
+	})
+	a := f.subscriber(t, cfg)
+	f.router(t, a, f.db.Pool, 0, nil, blocked)
+	waitFor(t, "both windows full", func() bool {
+		ps := a.Stats().Partitions
+		return len(ps) == 2 && ps[0].Window == 5 && ps[1].Window == 5
+	})
+
+	b := f.subscriber(t, cfg)
+	f.router(t, b, f.db.Pool, 0, nil, blocked)
+	waitFor(t, "b owns a partition", func() bool { return len(owned(b)) == 1 && len(owned(a)) == 1 })
+	require.Equal(t, uint64(1), a.Stats().Sessions, "a let the partition go within its session")
+	open()
+	f.waitApplied(t, n)
+	want := map[string]int{}
+	for i := range n {
+		want[keyName(i)] = 1
+	}
+	f.verifyLedgerKeys(t, want)
+}

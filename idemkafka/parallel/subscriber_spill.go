@@ -1,0 +1,161 @@
+package parallel
+
+import (
+	"cmp"
+	"slices"
+
+	"github.com/IBM/sarama"
+)
+
+// spill drops the payloads of waiting records until a quarter of the
+// window is free, as far as the spill bound allows: those of the key with
+// the most waiting records first (a failing or slow key's backlog), the
+// latest first. They stay in the window (the committed offset and the
+// commit metadata count them as not done) and in their key's chain, but
+// not in PartitionWindow, and are read again from Kafka when they become
+// their key's head. It reports whether it freed room. Called with mu held.
+func (p *partState) spill() bool {
+	s := p.st.s
+	target := s.cfg.PartitionWindow - max(s.cfg.PartitionWindow/4, 1)
+	limit := spillFactor * s.cfg.PartitionWindow
+	freed := false
+	for p.undone > target && p.spilled < limit {
+		var key string
+		var most *chain
+		for k, c := range p.chains {
+			if c.held > 0 && (most == nil || c.held > most.held) {
+				key, most = k, c
+			}
+		}
+		if most == nil {
+			break
+		}
+		for i := len(p.window) - 1; i >= 0 && most.held > 0 && p.undone > target && p.spilled < limit; i-- {
+			e := p.window[i]
+			if e.state != stateWaiting || e.key != key {
+				continue
+			}
+			e.state = stateSpilled
+			e.m = nil
+			most.held--
+			p.undone--
+			p.spilled++
+			s.stats.spilled++
+			freed = true
+		}
+	}
+	return freed
+}
+
+// refetch queues e, a spilled record that became its key's head, to be
+// read again from Kafka. Called with mu held.
+func (p *partState) refetch(e *entry) {
+	p.fetch = append(p.fetch, e)
+	if p.fetching {
+		return
+	}
+	p.fetching = true
+	st := p.st
+	st.fetchers.Add(1)
+	go func() {
+		defer st.fetchers.Done()
+		p.fetchLoop()
+	}()
+}
+
+// fetchLoop reads the queued spilled heads again from Kafka, in passes
+// from the lowest of them, until the queue is empty or the partition is
+// revoked.
+func (p *partState) fetchLoop() {
+	s := p.st.s
+	for {
+		s.mu.Lock()
+		heads := p.fetch[:0]
+		for _, e := range p.fetch {
+			if e.state == stateSpilled {
+				heads = append(heads, e)
+			}
+		}
+		clear(p.fetch[len(heads):])
+		p.fetch = heads
+		if len(heads) == 0 || p.stopping {
+			p.fetching = false
+			clear(p.fetch)
+			p.fetch = nil
+			s.mu.Unlock()
+			return
+		}
+		pass := &refillPass{heads: slices.Clone(heads), from: heads[0].off}
+		for _, e := range heads {
+			pass.from = min(pass.from, e.off)
+		}
+		s.mu.Unlock()
+		p.st.refill(p, pass)
+	}
+}
+
+// refillPass is one read of a partition from the lowest spilled head
+// queued when it started.
+type refillPass struct {
+	heads []*entry // queued when the pass started
+	from  int64
+	ended bool // it read up to the last record read from the claim
+}
+
+// refilled puts m, read again from Kafka, back into its spilled entry: a
+// queued head always (it is released), another spilled record while the
+// window has room (it waits as before). It reports whether the pass is
+// over: it reached the last record read from the claim, or no queued head
+// is left and the window is full. At the end of a pass that read every
+// record, a head of the pass not found is gone (retention, compaction):
+// nothing to process. Called with mu held.
+func (p *partState) refilled(pass *refillPass, m *sarama.ConsumerMessage) (over bool) {
+	s := p.st.s
+	if p.stopping {
+		return true
+	}
+	if m.Offset >= p.next {
+		pass.ended = true
+	} else if i, ok := slices.BinarySearchFunc(p.window, m.Offset, func(e *entry, off int64) int { return cmp.Compare(e.off, off) }); ok {
+		e := p.window[i]
+		isHead := e.state == stateSpilled && p.chains[e.key] != nil && p.chains[e.key].head == e
+		if e.state == stateSpilled && (isHead || p.undone < s.cfg.PartitionWindow) {
+			e.m = m
+			p.spilled--
+			s.stats.spilled--
+			p.undone++
+			if isHead {
+				p.waiting--
+				s.stats.waiting--
+				p.release(e)
+			} else {
+				e.state = stateWaiting
+				p.chains[e.key].held++
+			}
+		}
+	}
+	if m.Offset+1 >= p.next {
+		pass.ended = true
+	}
+	if pass.ended {
+		for _, e := range pass.heads {
+			if e.state == stateSpilled {
+				p.spilled--
+				s.stats.spilled--
+				p.waiting--
+				s.stats.waiting--
+				p.done(e)
+			}
+		}
+		return true
+	}
+	if p.undone < s.cfg.PartitionWindow {
+		return false
+	}
+	for _, e := range p.fetch {
+		if e.state == stateSpilled && e.off > m.Offset {
+			return false
+		}
+	}
+	return true
+}
