@@ -122,6 +122,96 @@ func (s *txSampler) end() (idleInTx, xmin time.Duration, samples int) {
 	return s.idleInTx, s.xmin, s.samples
 }
 
+// leaseVariant is one consumer of a lease workload: the events it counts,
+// and whether pg_stat_activity is sampled while it runs.
+type leaseVariant struct {
+	c      parConsumer
+	count  int
+	sample bool
+}
+
+// leaseWorkload is one row pair of the lease section: transaction mode (the
+// baseline) and lease mode on the same backlog.
+type leaseWorkload struct {
+	name     string
+	backlog  int
+	variants []leaseVariant
+}
+
+// leaseSizes are the events each workload counts.
+type leaseSizes struct{ rounds, slowN, txN, longN, txLongN, fastN int }
+
+func leaseSizesFor(o Options) leaseSizes {
+	if o.Short {
+		return leaseSizes{2, 3000, 600, 6000, 100, 800}
+	}
+	return leaseSizes{o.Rounds, 12000, 3000, 24000, 300, 4000}
+}
+
+// leaseWorkloads: the 50 ms and 500 ms calls, then the fast handler, each
+// transaction mode against lease mode on the small pool.
+func (r *parRig) leaseWorkloads(n leaseSizes, small *pgxpool.Pool) []leaseWorkload {
+	txMode := func(d time.Duration) parConsumer {
+		return parConsumer{name: fmt.Sprintf("transaction mode, parallel subscriber (MaxInFlight %d), pool of %d", parMaxInFlight, parPoolConns),
+			parallel: true, handler: txSlow(d)}
+	}
+	leased := func(d time.Duration) parConsumer {
+		return parConsumer{name: fmt.Sprintf("lease mode (defaults), parallel subscriber (MaxInFlight %d), pool of %d", leaseMaxInFlight, leasePoolConns),
+			parallel: true, lease: &idem.LeaseConfig{}, maxInFlight: leaseMaxInFlight, pool: small, handler: leaseSlow(d)}
+	}
+	return []leaseWorkload{
+		{fmt.Sprintf("handler waits %s", parSlowCall), n.slowN, []leaseVariant{{txMode(parSlowCall), n.txN, false}, {leased(parSlowCall), n.slowN, true}}},
+		{fmt.Sprintf("handler waits %s", leaseLongCall), n.longN, []leaseVariant{{txMode(leaseLongCall), n.txLongN, false}, {leased(leaseLongCall), n.longN, true}}},
+		{"fast handler (business row + outbox row)", n.fastN, []leaseVariant{
+			{parConsumer{name: fmt.Sprintf("transaction mode, group commit (defaults), parallel subscriber (MaxInFlight %d), pool of %d", parMaxInFlight, parPoolConns),
+				parallel: true, groupCommit: &idem.GroupCommitConfig{}, handler: r.fastHandler}, n.fastN, false},
+			{parConsumer{name: fmt.Sprintf("lease mode (defaults), parallel subscriber (MaxInFlight %d), pool of %d", leaseFastInFlight, leasePoolConns),
+				parallel: true, lease: &idem.LeaseConfig{}, maxInFlight: leaseFastInFlight, pool: small, handler: r.fastHandler}, n.fastN, false}}},
+	}
+}
+
+// leaseMeasured is one workload's rates per variant and round, and the
+// worst idle-in-transaction and snapshot ages of its sampled runs.
+type leaseMeasured struct {
+	rates      [][]float64
+	idle, xmin []time.Duration
+}
+
+// measureLease produces w's backlog and runs its variants, rotated, for
+// rounds rounds.
+func (r *parRig) measureLease(ctx context.Context, o Options, w leaseWorkload, rounds int) (leaseMeasured, error) {
+	var m leaseMeasured
+	in, err := r.topic("bench-lease-in")
+	if err != nil {
+		return m, err
+	}
+	if err := r.produce(in, w.backlog, 0); err != nil {
+		return m, err
+	}
+	fns := make([]func() (float64, error), len(w.variants))
+	for i, v := range w.variants {
+		fns[i] = func() (float64, error) {
+			var s *txSampler
+			if v.sample {
+				if s, err = r.sample(ctx, o); err != nil {
+					return 0, err
+				}
+			}
+			res, err := r.run(ctx, v.c, parRun{topic: in, count: v.count, steady: true})
+			if s != nil {
+				i, x, _ := s.end()
+				m.idle, m.xmin = append(m.idle, i), append(m.xmin, x)
+			}
+			if err != nil {
+				return 0, fmt.Errorf("%s, %s: %w", w.name, v.c.name, err)
+			}
+			return res.rate, nil
+		}
+	}
+	m.rates, err = Rotate(rounds, fns...)
+	return m, err
+}
+
 func leaseMode(ctx context.Context, o Options) (Section, error) {
 	r, err := newParRig(ctx, o)
 	if err != nil {
@@ -132,108 +222,61 @@ func leaseMode(ctx context.Context, o Options) (Section, error) {
 	if err := r.warm(ctx); err != nil {
 		return Section{}, err
 	}
-	cfg, err := pgxpool.ParseConfig(o.DatabaseURL)
-	if err != nil {
-		return Section{}, err
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = r.db.Schema
-	cfg.ConnConfig.RuntimeParams["application_name"] = r.db.Schema
-	cfg.MaxConns = leasePoolConns
-	small, err := pgxpool.NewWithConfig(ctx, cfg)
+	small, err := r.pool(ctx, o, leasePoolConns)
 	if err != nil {
 		return Section{}, err
 	}
 	defer small.Close()
 
-	rounds := o.Rounds
-	slowN, txN, longN, txLongN, fastN := 12000, 3000, 24000, 300, 4000
-	if o.Short {
-		rounds, slowN, txN, longN, txLongN, fastN = 2, 3000, 600, 6000, 100, 800
-	}
-	txMode := func(d time.Duration) parConsumer {
-		return parConsumer{name: fmt.Sprintf("transaction mode, parallel subscriber (MaxInFlight %d), pool of %d", parMaxInFlight, parPoolConns),
-			parallel: true, handler: txSlow(d)}
-	}
-	leased := func(d time.Duration) parConsumer {
-		return parConsumer{name: fmt.Sprintf("lease mode (defaults), parallel subscriber (MaxInFlight %d), pool of %d", leaseMaxInFlight, leasePoolConns),
-			parallel: true, lease: &idem.LeaseConfig{}, maxInFlight: leaseMaxInFlight, pool: small, handler: leaseSlow(d)}
-	}
-	type variant struct {
-		c      parConsumer
-		count  int
-		sample bool
-	}
-	type workload struct {
-		name     string
-		backlog  int
-		variants []variant
-	}
-	workloads := []workload{
-		{fmt.Sprintf("handler waits %s", parSlowCall), slowN, []variant{{txMode(parSlowCall), txN, false}, {leased(parSlowCall), slowN, true}}},
-		{fmt.Sprintf("handler waits %s", leaseLongCall), longN, []variant{{txMode(leaseLongCall), txLongN, false}, {leased(leaseLongCall), longN, true}}},
-		{"fast handler (business row + outbox row)", fastN, []variant{
-			{parConsumer{name: fmt.Sprintf("transaction mode, group commit (defaults), parallel subscriber (MaxInFlight %d), pool of %d", parMaxInFlight, parPoolConns),
-				parallel: true, groupCommit: &idem.GroupCommitConfig{}, handler: r.fastHandler}, fastN, false},
-			{parConsumer{name: fmt.Sprintf("lease mode (defaults), parallel subscriber (MaxInFlight %d), pool of %d", leaseFastInFlight, leasePoolConns),
-				parallel: true, lease: &idem.LeaseConfig{}, maxInFlight: leaseFastInFlight, pool: small, handler: r.fastHandler}, fastN, false}}},
-	}
+	n := leaseSizesFor(o)
+	workloads := r.leaseWorkloads(n, small)
 	var rows, actRows [][]string
-	leaseRates := map[string][]float64{}
+	var ownSlow float64
 	for wi, w := range workloads {
-		in, err := r.topic("bench-lease-in")
+		m, err := r.measureLease(ctx, o, w, n.rounds)
 		if err != nil {
 			return Section{}, err
 		}
-		if err := r.produce(in, w.backlog, 0); err != nil {
-			return Section{}, err
-		}
-		var idle, xmin []time.Duration
-		fns := make([]func() (float64, error), len(w.variants))
-		for i, v := range w.variants {
-			fns[i] = func() (float64, error) {
-				var s *txSampler
-				if v.sample {
-					if s, err = r.sample(ctx, o); err != nil {
-						return 0, err
-					}
-				}
-				res, err := r.run(ctx, v.c, parRun{topic: in, count: v.count, steady: true})
-				if s != nil {
-					i, x, _ := s.end()
-					idle, xmin = append(idle, i), append(xmin, x)
-				}
-				if err != nil {
-					return 0, fmt.Errorf("%s, %s: %w", w.name, v.c.name, err)
-				}
-				return res.rate, nil
-			}
-		}
-		rates, err := Rotate(rounds, fns...)
-		if err != nil {
-			return Section{}, err
-		}
-		st := Summarise(Ratios(rates[0], rates[1]))
-		med := Summarise(rates[1]).Median
+		st := Summarise(Ratios(m.rates[0], m.rates[1]))
+		med := Summarise(m.rates[1]).Median
 		var target string
 		switch wi {
 		case 0:
+			ownSlow = med
 			target = fmt.Sprintf("≥ 3,000 msg/s and ≥ 2.5×: %s", pass(med >= 3000 && st.Median >= 2.5))
 		case 1:
-			own := Summarise(leaseRates[workloads[0].name]).Median
-			target = fmt.Sprintf("≥ 0.8× its %s figure (%.2f×): %s", parSlowCall, med/own, pass(med >= 0.8*own))
+			target = fmt.Sprintf("≥ 0.8× its %s figure (%.2f×): %s", parSlowCall, med/ownSlow, pass(med >= 0.8*ownSlow))
 		case 2:
 			target = fmt.Sprintf("≥ 0.8×: %s", pass(st.Median >= 0.8))
 		}
-		leaseRates[w.name] = rates[1]
-		o.Logf("  lease, %s: %s %s msg/s; %s %s msg/s; ratio %s", w.name, w.variants[0].c.name, fmtRate(rates[0]), w.variants[1].c.name, fmtRate(rates[1]), st)
-		rows = append(rows, []string{w.name, w.variants[0].c.name, fmt.Sprint(w.variants[0].count), fmtRate(rates[0]), "1", "–"})
-		rows = append(rows, []string{w.name, w.variants[1].c.name, fmt.Sprint(w.variants[1].count), fmtRate(rates[1]), st.String(), target})
-		if len(idle) > 0 {
-			maxIdle, maxXmin := slicesMax(idle), slicesMax(xmin)
+		o.Logf("  lease, %s: %s %s msg/s; %s %s msg/s; ratio %s", w.name, w.variants[0].c.name, fmtRate(m.rates[0]), w.variants[1].c.name, fmtRate(m.rates[1]), st)
+		rows = append(rows, []string{w.name, w.variants[0].c.name, fmt.Sprint(w.variants[0].count), fmtRate(m.rates[0]), "1", "–"})
+		rows = append(rows, []string{w.name, w.variants[1].c.name, fmt.Sprint(w.variants[1].count), fmtRate(m.rates[1]), st.String(), target})
+		if len(m.idle) > 0 {
+			maxIdle, maxXmin := slicesMax(m.idle), slicesMax(m.xmin)
 			actRows = append(actRows, []string{w.name, w.variants[1].c.name, fmtDur(maxIdle), fmtDur(maxXmin),
 				fmt.Sprintf("≤ 100 ms and ≤ 1 s: %s", pass(maxIdle <= 100*time.Millisecond && maxXmin <= time.Second))})
 		}
 	}
+	return Section{Title: "Lease mode: a slow call holds no transaction", Markdown: leaseMarkdown(o, n, rows, actRows)}, nil
+}
+
+// pool opens a pool of conns connections on the rig's schema, named after
+// it in pg_stat_activity (the sampler finds its sessions by that name).
+func (r *parRig) pool(ctx context.Context, o Options, conns int32) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(o.DatabaseURL)
+	if err != nil {
+		return nil, err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = r.db.Schema
+	cfg.ConnConfig.RuntimeParams["application_name"] = r.db.Schema
+	cfg.MaxConns = conns
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+// leaseMarkdown is the lease section: the rates, the workload, then the
+// sampled transaction ages.
+func leaseMarkdown(o Options, n leaseSizes, rows, actRows [][]string) string {
 	var b strings.Builder
 	b.WriteString(Table([]string{"workload", "consumer", "events counted", "msg/s (median)", "ratio to transaction mode", "target"}, rows))
 	fmt.Fprintf(&b, "\nKafka (%s, %d partitions, %d keys) → watermill Router → dedup middleware → handler. The waiting handlers "+
@@ -245,12 +288,12 @@ func leaseMode(ctx context.Context, o Options) (Section, error) {
 		"(%d with the %s wait, %d with the %s one): its rate is flat, connections ÷ call time. The fast handler's lease "+
 		"handler registers both writes with `idem.Complete` (at once in transaction mode); the lease variant runs MaxInFlight %d (each message waits for two phase batches, a group-commit message for one; in flight it holds no connection). Every rate here is the steady rate, over the commits between the 10th and the 90th percentile of the run: a run starts with one call's wait before the first commit (500 ms with the long call) and ends with a tail, and neither is throughput lost to the mode. %d rounds, the variants' order rotated each round; ratios are of the same round.\n\n",
 		kafkaDesc(o.Brokers), parPartitions, leaseKeys, parMaxInFlight, parPoolConns, leasePoolConns, leaseMaxInFlight,
-		txN, parSlowCall, txLongN, leaseLongCall, leaseFastInFlight, rounds)
+		n.txN, parSlowCall, n.txLongN, leaseLongCall, leaseFastInFlight, n.rounds)
 	b.WriteString("While the lease-mode rows with a call ran, `pg_stat_activity` was sampled every 10 ms for the rig's sessions: " +
 		"the longest a session sat \"idle in transaction\", and the oldest transaction holding a snapshot (backend_xmin set: " +
 		"what holds back vacuum's horizon). Worst of every round:\n\n")
 	b.WriteString(Table([]string{"workload", "consumer", "longest idle in transaction", "oldest snapshot held", "target"}, actRows))
-	return Section{Title: "Lease mode: a slow call holds no transaction", Markdown: b.String()}, nil
+	return b.String()
 }
 
 func slicesMax(xs []time.Duration) time.Duration {
