@@ -199,9 +199,6 @@ type parResult struct {
 func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult, error) {
 	var res parResult
 	group := fmt.Sprintf("bench-par-%d", r.seq.Add(1))
-	logger := watermill.NopLogger{}
-	var sub message.Subscriber
-	concurrency := 0
 	inFlight, pool, handler := parMaxInFlight, r.db.Pool, run.handler
 	if c.maxInFlight > 0 {
 		inFlight = c.maxInFlight
@@ -212,22 +209,9 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 	if c.handler != nil {
 		handler = c.handler
 	}
-	if c.parallel {
-		s, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: r.brokers}, ConsumerGroup: group, MaxInFlight: inFlight}, logger)
-		if err != nil {
-			return res, err
-		}
-		sub, concurrency = s, s.MaxInFlight()
-	} else {
-		cfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: r.brokers}, group)
-		if err != nil {
-			return res, err
-		}
-		s, err := kafka.NewSubscriber(cfg, logger)
-		if err != nil {
-			return res, err
-		}
-		sub = s
+	sub, concurrency, err := r.subscriber(c.parallel, group, inFlight)
+	if err != nil {
+		return res, err
 	}
 	defer sub.Close()
 	d, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: group, Table: r.table, GroupCommit: c.groupCommit, Lease: c.lease, Concurrency: concurrency}, nil)
@@ -242,8 +226,41 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 	if run.raw {
 		mw = func(msg *message.Message) ([]*message.Message, error) { return nil, handler(msg) }
 	}
+	if err := routeUntilDone(ctx, group, run.topic, sub, run.handle(mw, done), done, c.name); err != nil {
+		return res, err
+	}
+	res.rate = done.rate()
+	if run.steady {
+		res.rate = done.steadyRate()
+	}
+	res.stats = d.Stats()
+	return res, nil
+}
+
+// subscriber is the parallel subscriber (MaxInFlight inFlight; the dedup's
+// Concurrency is returned with it) or watermill-kafka's.
+func (r *parRig) subscriber(par bool, group string, inFlight int) (message.Subscriber, int, error) {
+	logger := watermill.NopLogger{}
+	if par {
+		s, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: r.brokers}, ConsumerGroup: group, MaxInFlight: inFlight}, logger)
+		if err != nil {
+			return nil, 0, err
+		}
+		return s, s.MaxInFlight(), nil
+	}
+	cfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: r.brokers}, group)
+	if err != nil {
+		return nil, 0, err
+	}
+	s, err := kafka.NewSubscriber(cfg, logger)
+	return s, 0, err
+}
+
+// handle wraps mw: it marks done, counts the warm-up events and records
+// each measured event's latencies.
+func (run parRun) handle(mw message.HandlerFunc, done *span) func(*message.Message) error {
 	var warm atomic.Int64
-	h := func(msg *message.Message) error {
+	return func(msg *message.Message) error {
 		entered := time.Now()
 		done.first.CompareAndSwap(0, entered.UnixNano())
 		if _, err := mw(msg); err != nil {
@@ -266,14 +283,19 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 		}
 		return nil
 	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+}
+
+// routeUntilDone runs a router with h on topic until done, the first
+// handler error, or e2eRoundTimeout.
+func routeUntilDone(ctx context.Context, group, topic string, sub message.Subscriber, h func(*message.Message) error, done *span, name string) error {
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 	if err != nil {
-		return res, err
+		return err
 	}
 	var handlerErr atomic.Pointer[error]
 	failed := make(chan struct{})
 	var once sync.Once
-	router.AddConsumerHandler(group, run.topic, sub, func(msg *message.Message) error {
+	router.AddConsumerHandler(group, topic, sub, func(msg *message.Message) error {
 		err := h(msg)
 		select {
 		case <-done.done:
@@ -293,24 +315,16 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 	case <-done.done:
 	case <-failed:
 	case err := <-runErr:
-		return res, err
+		return err
 	case <-time.After(e2eRoundTimeout):
-		timeout = fmt.Errorf("bench: parallel %s: %d of %d events in %s", c.name, done.count.Load(), run.count, e2eRoundTimeout)
+		timeout = fmt.Errorf("bench: parallel %s: %d of %d events in %s", name, done.count.Load(), done.n, e2eRoundTimeout)
 	}
 	_ = router.Close()
 	<-runErr
 	if p := handlerErr.Load(); p != nil {
-		return res, *p
+		return *p
 	}
-	if timeout != nil {
-		return res, timeout
-	}
-	res.rate = done.rate()
-	if run.steady {
-		res.rate = done.steadyRate()
-	}
-	res.stats = d.Stats()
-	return res, nil
+	return timeout
 }
 
 // warm opens every connection of the pool, so that no run pays for
@@ -426,26 +440,12 @@ func parallelSubscriber(ctx context.Context, o Options) (Section, error) {
 	if err := r.warm(ctx); err != nil {
 		return Section{}, err
 	}
-	rounds := o.Rounds
-	slowN, slowBase, fastN, latFor := 4000, 400, 4000, 3*time.Second
+	n := parSizes{rounds: o.Rounds, slowN: 4000, slowBase: 400, fastN: 4000, latFor: 3 * time.Second}
 	if o.Short {
-		rounds, slowN, slowBase, fastN, latFor = 2, 600, 60, 800, 500*time.Millisecond
-	}
-	watermillKafka := parConsumer{name: "watermill-kafka subscriber, one transaction per message"}
-	parSingle := parConsumer{name: fmt.Sprintf("parallel subscriber (MaxInFlight %d), one transaction per message", parMaxInFlight), parallel: true}
-	parGroup := parConsumer{name: fmt.Sprintf("parallel subscriber (MaxInFlight %d), group commit (defaults)", parMaxInFlight), parallel: true, groupCommit: &idem.GroupCommitConfig{}}
-	workloads := []parWorkload{
-		{name: fmt.Sprintf("handler waits %s", parSlowCall), target: 15, handler: slowHandler, backlog: slowN, short: true, latency: true, latencyTarget: 1.25,
-			counts: []int{slowBase, slowN}, consumers: []parConsumer{watermillKafka, parSingle},
-			ceilingName: fmt.Sprintf("ceiling: %d plain transactions at once (business row, the wait, COMMIT; no Kafka, no claim)", parMaxInFlight),
-			ceiling:     func() (float64, error) { return r.plainSlow(ctx, measureFor(o, 3*time.Second, 600*time.Millisecond)) }},
-		{name: fmt.Sprintf("handler waits %s, no database (the subscribers alone)", parSlowCall), handler: sleepHandler, raw: true, backlog: slowN,
-			counts: []int{slowBase, slowN}, consumers: []parConsumer{{name: "watermill-kafka subscriber"}, {name: fmt.Sprintf("parallel subscriber (MaxInFlight %d)", parMaxInFlight), parallel: true}}},
-		{name: "fast handler (business row + outbox row)", target: 2.5, handler: r.fastHandler, backlog: fastN, short: true, latency: true,
-			counts: []int{fastN, fastN, fastN}, consumers: []parConsumer{watermillKafka, parGroup, parSingle}},
+		n = parSizes{rounds: 2, slowN: 600, slowBase: 60, fastN: 800, latFor: 500 * time.Millisecond}
 	}
 	var rows, latRows [][]string
-	for _, w := range workloads {
+	for _, w := range r.parWorkloads(ctx, o, n) {
 		if o.Short && !w.short {
 			continue
 		}
@@ -456,60 +456,101 @@ func parallelSubscriber(ctx context.Context, o Options) (Section, error) {
 		if err := r.produce(in, w.backlog, 0); err != nil {
 			return Section{}, err
 		}
-		sizes := make([][]float64, len(w.consumers))
-		variants := make([]func() (float64, error), len(w.consumers))
-		for i, c := range w.consumers {
-			variants[i] = func() (float64, error) {
-				res, err := r.run(ctx, c, parRun{topic: in, count: w.counts[i], handler: w.handler, raw: w.raw})
-				if err != nil {
-					return 0, fmt.Errorf("%s, %s: %w", w.name, c.name, err)
-				}
-				if c.groupCommit != nil {
-					sizes[i] = append(sizes[i], meanGroup(idem.Stats{}, res.stats))
-				}
-				return res.rate, nil
-			}
-		}
-		if w.ceiling != nil {
-			variants = append(variants, w.ceiling)
-		}
-		rates, err := Rotate(rounds, variants...)
+		wrows, rates, err := r.parMeasure(ctx, o, w, in, n.rounds)
 		if err != nil {
 			return Section{}, err
 		}
-		rows = append(rows, []string{w.name, w.consumers[0].name, fmt.Sprint(w.counts[0]), fmtRate(rates[0]), "1", "–", "–"})
-		for i, c := range w.consumers[1:] {
-			i++
-			st := Summarise(Ratios(rates[0], rates[i]))
-			target := "–"
-			if i == 1 && w.target > 0 {
-				target = fmt.Sprintf("≥ %g×: %s", w.target, pass(st.Median >= w.target))
-			}
-			group := "–"
-			if c.groupCommit != nil {
-				group = median(sizes[i])
-			}
-			o.Logf("  parallel, %s, %s: %s msg/s, baseline %s msg/s, ratio %s (mean group %s)", w.name, c.name, fmtRate(rates[i]), fmtRate(rates[0]), st, group)
-			rows = append(rows, []string{w.name, c.name, fmt.Sprint(w.counts[i]), fmtRate(rates[i]), st.String(), group, target})
-		}
-		if w.ceiling != nil {
-			i := len(w.consumers)
-			st := Summarise(Ratios(rates[0], rates[i]))
-			cand := Summarise(Ratios(rates[i], rates[1]))
-			o.Logf("  parallel, %s, %s: %s msg/s, ratio %s; the candidate reaches %s of it", w.name, w.ceilingName, fmtRate(rates[i]), st, cand)
-			rows = append(rows, []string{w.name, w.ceilingName, "–", fmtRate(rates[i]), st.String(), "–",
-				fmt.Sprintf("the parallel subscriber reaches %s of it", cand)})
-		}
-
+		rows = append(rows, wrows...)
 		if w.latency {
-			rows, err := r.latencyRows(ctx, o, w, rates, latFor)
+			rows, err := r.latencyRows(ctx, o, w, rates, n.latFor)
 			if err != nil {
 				return Section{}, err
 			}
 			latRows = append(latRows, rows...)
 		}
 	}
+	return Section{Title: "Parallel subscriber (idemkafka) against watermill-kafka's subscriber", Markdown: parallelMarkdown(o, n, rows, latRows)}, nil
+}
 
+// parSizes are the parallel section's rounds, backlogs and latency run.
+type parSizes struct {
+	rounds, slowN, slowBase, fastN int
+	latFor                         time.Duration
+}
+
+// parWorkloads: the waiting handler (with its ceiling), the same wait
+// without a database, and the fast handler.
+func (r *parRig) parWorkloads(ctx context.Context, o Options, n parSizes) []parWorkload {
+	watermillKafka := parConsumer{name: "watermill-kafka subscriber, one transaction per message"}
+	parSingle := parConsumer{name: fmt.Sprintf("parallel subscriber (MaxInFlight %d), one transaction per message", parMaxInFlight), parallel: true}
+	parGroup := parConsumer{name: fmt.Sprintf("parallel subscriber (MaxInFlight %d), group commit (defaults)", parMaxInFlight), parallel: true, groupCommit: &idem.GroupCommitConfig{}}
+	return []parWorkload{
+		{name: fmt.Sprintf("handler waits %s", parSlowCall), target: 15, handler: slowHandler, backlog: n.slowN, short: true, latency: true, latencyTarget: 1.25,
+			counts: []int{n.slowBase, n.slowN}, consumers: []parConsumer{watermillKafka, parSingle},
+			ceilingName: fmt.Sprintf("ceiling: %d plain transactions at once (business row, the wait, COMMIT; no Kafka, no claim)", parMaxInFlight),
+			ceiling:     func() (float64, error) { return r.plainSlow(ctx, measureFor(o, 3*time.Second, 600*time.Millisecond)) }},
+		{name: fmt.Sprintf("handler waits %s, no database (the subscribers alone)", parSlowCall), handler: sleepHandler, raw: true, backlog: n.slowN,
+			counts: []int{n.slowBase, n.slowN}, consumers: []parConsumer{{name: "watermill-kafka subscriber"}, {name: fmt.Sprintf("parallel subscriber (MaxInFlight %d)", parMaxInFlight), parallel: true}}},
+		{name: "fast handler (business row + outbox row)", target: 2.5, handler: r.fastHandler, backlog: n.fastN, short: true, latency: true,
+			counts: []int{n.fastN, n.fastN, n.fastN}, consumers: []parConsumer{watermillKafka, parGroup, parSingle}},
+	}
+}
+
+// parMeasure runs w's consumers (and its ceiling) on topic in, rotated, and
+// returns its table rows and the rates per variant and round.
+func (r *parRig) parMeasure(ctx context.Context, o Options, w parWorkload, in string, rounds int) ([][]string, [][]float64, error) {
+	var rows [][]string
+	sizes := make([][]float64, len(w.consumers))
+	variants := make([]func() (float64, error), len(w.consumers))
+	for i, c := range w.consumers {
+		variants[i] = func() (float64, error) {
+			res, err := r.run(ctx, c, parRun{topic: in, count: w.counts[i], handler: w.handler, raw: w.raw})
+			if err != nil {
+				return 0, fmt.Errorf("%s, %s: %w", w.name, c.name, err)
+			}
+			if c.groupCommit != nil {
+				sizes[i] = append(sizes[i], meanGroup(idem.Stats{}, res.stats))
+			}
+			return res.rate, nil
+		}
+	}
+	if w.ceiling != nil {
+		variants = append(variants, w.ceiling)
+	}
+	rates, err := Rotate(rounds, variants...)
+	if err != nil {
+		return nil, nil, err
+	}
+	rows = append(rows, []string{w.name, w.consumers[0].name, fmt.Sprint(w.counts[0]), fmtRate(rates[0]), "1", "–", "–"})
+	for i, c := range w.consumers[1:] {
+		i++
+		st := Summarise(Ratios(rates[0], rates[i]))
+		target := "–"
+		if i == 1 && w.target > 0 {
+			target = fmt.Sprintf("≥ %g×: %s", w.target, pass(st.Median >= w.target))
+		}
+		group := "–"
+		if c.groupCommit != nil {
+			group = median(sizes[i])
+		}
+		o.Logf("  parallel, %s, %s: %s msg/s, baseline %s msg/s, ratio %s (mean group %s)", w.name, c.name, fmtRate(rates[i]), fmtRate(rates[0]), st, group)
+		rows = append(rows, []string{w.name, c.name, fmt.Sprint(w.counts[i]), fmtRate(rates[i]), st.String(), group, target})
+	}
+	if w.ceiling != nil {
+		i := len(w.consumers)
+		st := Summarise(Ratios(rates[0], rates[i]))
+		cand := Summarise(Ratios(rates[i], rates[1]))
+		o.Logf("  parallel, %s, %s: %s msg/s, ratio %s; the candidate reaches %s of it", w.name, w.ceilingName, fmtRate(rates[i]), st, cand)
+		rows = append(rows, []string{w.name, w.ceilingName, "–", fmtRate(rates[i]), st.String(), "–",
+			fmt.Sprintf("the parallel subscriber reaches %s of it", cand)})
+	}
+	return rows, rates, nil
+}
+
+// parallelMarkdown is the parallel section: the rates, the workload, then
+// the latencies.
+func parallelMarkdown(o Options, n parSizes, rows, latRows [][]string) string {
+	rounds, slowN, slowBase, fastN, latFor := n.rounds, n.slowN, n.slowBase, n.fastN, n.latFor
 	var b strings.Builder
 	b.WriteString(Table([]string{"workload", "consumer", "events counted", "msg/s (median)", "ratio to watermill-kafka", "mean group size", "target"}, rows))
 	fmt.Fprintf(&b, "\nKafka (%s, %d partitions, %d keys: key-(i mod %d)) → watermill Router → dedup middleware → handler; "+
@@ -537,5 +578,5 @@ func parallelSubscriber(ctx context.Context, o Options) (Section, error) {
 		"is the p99 over the first row's of the same workload, round by round:\n\n", latFor, warmupEvents, latRoundsDesc(o))
 	b.WriteString(Table([]string{"workload", "consumer", "published (msg/s)", "events", "to the handler p50", "to the handler p99",
 		"p50", "p99", "p99 ratio to watermill-kafka"}, latRows))
-	return Section{Title: "Parallel subscriber (idemkafka) against watermill-kafka's subscriber", Markdown: b.String()}, nil
+	return b.String()
 }
