@@ -11,6 +11,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
+	"github.com/idemkit/watermill-idempotency/internal/relaystep"
 )
 
 // minPollInterval is the first wait after a read that found rows; each
@@ -69,13 +70,15 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		if last.ok && last.pos.Cut == nil && !busy {
 			f.polls.Add(1)
 			var has bool
+			f.mark(topic, relaystep.Poll)
 			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos, f.cfg.Name)
+			f.mark(topic, relaystep.Polled)
 			if stopCtx.Err() != nil {
 				return
 			}
 			if err == nil && !has {
 				idle = f.backoff(idle)
-				if f.sleep(stopCtx, wake, idle) {
+				if f.sleep(stopCtx, topic, wake, idle) {
 					woken()
 				}
 				continue
@@ -127,8 +130,8 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		if retry {
 			// A failed transaction waits its RetryInterval whatever
 			// writers do.
-			f.sleep(stopCtx, nil, wait)
-		} else if f.sleep(stopCtx, wake, wait) {
+			f.sleep(stopCtx, topic, nil, wait)
+		} else if f.sleep(stopCtx, topic, wake, wait) {
 			woken()
 		}
 		if stopCtx.Err() != nil {
@@ -148,10 +151,11 @@ func (f *Forwarder) backoff(idle time.Duration) time.Duration {
 // after a read that found rows) is not cut short: while rows keep coming,
 // each read takes what arrived during that pause, rather than one read per
 // write.
-func (f *Forwarder) sleep(stopCtx context.Context, wake chan struct{}, d time.Duration) (woke bool) {
+func (f *Forwarder) sleep(stopCtx context.Context, topic string, wake chan struct{}, d time.Duration) (woke bool) {
 	if d <= 0 {
 		return false
 	}
+	f.mark(topic, relaystep.PauseStart)
 	if d <= minPollInterval {
 		wake = nil
 	} else if f.stretch != nil {
@@ -162,9 +166,11 @@ func (f *Forwarder) sleep(stopCtx context.Context, wake chan struct{}, d time.Du
 	select {
 	case <-stopCtx.Done():
 	case <-wake:
+		f.mark(topic, relaystep.Woken)
 		return true
 	case <-t.C:
 	}
+	f.mark(topic, relaystep.PauseEnd)
 	return false
 }
 
@@ -213,6 +219,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	stopWatch := context.AfterFunc(stopCtx, func() { time.AfterFunc(f.cfg.ShutdownTimeout, cancel) })
 	defer stopWatch()
 	f.step("begin")
+	f.mark(topic, relaystep.Begin)
 
 	conn, err := f.cfg.DB.Acquire(ctx)
 	if err != nil {
@@ -242,6 +249,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	*last = known{pos: pos, ok: true}
 	f.polls.Add(1)
 	f.step("locked")
+	f.mark(topic, relaystep.Locked)
 	// The keys with dead rows are read after the cut: a key an operator
 	// retried (its rows moved back in one commit) is no longer among them
 	// whenever its moved rows are in the cut. A new cut and the keys go
@@ -259,6 +267,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	cache.ahead = nil
 	cut := cache.cut
 	f.step("cut")
+	f.mark(topic, relaystep.Cut)
 	if len(pages) == 0 {
 		if pos.Cut == nil {
 			return 0, false, nil
@@ -269,7 +278,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		if err := tables.Ack(ctx, tx, f.cfg.Name, closed); err != nil {
 			return 0, false, fmt.Errorf("advance position: %w", err)
 		}
-		if err := f.commit(ctx, tx, 0); err != nil {
+		if err := f.commit(ctx, tx, topic, 0); err != nil {
 			return 0, false, err
 		}
 		*last = known{pos: closed, ok: true}
@@ -287,6 +296,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		if b, err = f.readPage(ctx, tx, tables, topic, pages[0], dead, logger); err != nil {
 			return 0, false, err
 		}
+		f.mark(topic, relaystep.Read)
 	}
 	for i := 0; ; i++ {
 		// Stop is read once per page: whether this page ends the
@@ -297,7 +307,12 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		if b.size() == 0 { // the page's rows were deleted meanwhile
 			sent <- nil
 		} else {
-			go func(b *batch) { sent <- f.send(topic, b) }(b)
+			go func(b *batch) {
+				f.mark(topic, relaystep.SendStart)
+				err := f.send(topic, b)
+				f.mark(topic, relaystep.SendEnd)
+				sent <- err
+			}(b)
 		}
 
 		// While the broker works: move the position past this page and
@@ -317,6 +332,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		} else if i < len(pages)-1 && !stopping {
 			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
 		}
+		f.mark(topic, relaystep.Acked)
 		if sendErr := <-sent; sendErr != nil {
 			return 0, false, fmt.Errorf("send %d messages: %w", b.size(), sendErr)
 		}
@@ -332,7 +348,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		}
 		b = next
 	}
-	if err := f.commit(ctx, tx, n); err != nil {
+	if err := f.commit(ctx, tx, topic, n); err != nil {
 		cache.ahead = nil
 		return 0, false, err
 	}
@@ -341,9 +357,12 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	return n, pos.Cut != nil, nil
 }
 
-func (f *Forwarder) commit(ctx context.Context, tx *outboxsql.Tx, n int) error {
+func (f *Forwarder) commit(ctx context.Context, tx *outboxsql.Tx, topic string, n int) error {
 	f.step("commit")
-	if err := tx.Commit(ctx); err != nil {
+	f.mark(topic, relaystep.Commit)
+	err := tx.Commit(ctx)
+	f.mark(topic, relaystep.Committed)
+	if err != nil {
 		return fmt.Errorf("commit position: %w", err)
 	}
 	f.forwarded.Add(uint64(n))

@@ -21,6 +21,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/relaystep"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -305,6 +306,12 @@ type pipelineSpec struct {
 	// inMiddleware, when set, is called with each successful message's
 	// time inside the dedup middleware (arrival to result).
 	inMiddleware func(time.Duration)
+	// observe, when set, gets the forwarder's steps (relaystep); committed
+	// and acked, when set, get each measured row of a paced round, by its
+	// publish time (publishedAtKey): when the dedup transaction's COMMIT
+	// returned, and when the broker acknowledged the forwarded record.
+	observe          relaystep.Observer
+	committed, acked func(publishedAt int64, at time.Time)
 }
 
 // pipelineWith is one pipeline round as described by s.
@@ -338,6 +345,9 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 		toKafkaMu.Lock()
 		res.toKafka = append(res.toKafka, at.Sub(time.Unix(0, publishedAt)))
 		toKafkaMu.Unlock()
+		if s.acked != nil {
+			s.acked(publishedAt, at)
+		}
 	}}
 	fwd, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: r.db.Pool, Outbox: r.outbox, Producer: acked, Topics: []string{out}, PollInterval: poll, Listen: s.notify}, nil)
 	if err != nil {
@@ -345,7 +355,11 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	}
 	fctx, stopFwd := context.WithCancel(ctx)
 	fwdErr := make(chan error, 1)
-	go func() { fwdErr <- fwd.Run(fctx) }()
+	runCtx := fctx
+	if s.observe != nil {
+		runCtx = relaystep.With(fctx, s.observe)
+	}
+	go func() { fwdErr <- fwd.Run(runCtx) }()
 	defer func() { stopFwd(); <-fwdErr }()
 
 	consumed, forwarded := newSpan(n), newSpan(n)
@@ -398,9 +412,13 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 			}
 			consumed.mark() // after COMMIT
 			if at, ok := publishedAt.LoadAndDelete(msg.UUID); ok {
+				now := time.Now()
 				toCommitMu.Lock()
-				res.toCommit = append(res.toCommit, time.Since(at.(time.Time)))
+				res.toCommit = append(res.toCommit, now.Sub(at.(time.Time)))
 				toCommitMu.Unlock()
+				if s.committed != nil {
+					s.committed(at.(time.Time).UnixNano(), now)
+				}
 			}
 		}
 		return out, err

@@ -1,0 +1,360 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/idemkit/watermill-idempotency/internal/relaystep"
+)
+
+func init() { Register("relay-steps", relaySteps) }
+
+// relayTarget is the publish→Kafka p99 the relay aims at, at half the
+// consuming rate on a loaded 2-core machine.
+const relayTarget = 20 * time.Millisecond
+
+// stepLog records a forwarder's steps (one topic) and the measured rows'
+// times, for one paced round.
+type stepLog struct {
+	mu    sync.Mutex
+	steps []stepAt
+	// rows by publish time (publishedAtKey): COMMIT returned, broker ack.
+	committed, acked map[int64]time.Time
+}
+
+type stepAt struct {
+	step relaystep.Step
+	at   time.Time
+}
+
+func newStepLog() *stepLog {
+	return &stepLog{committed: map[int64]time.Time{}, acked: map[int64]time.Time{}}
+}
+
+func (l *stepLog) observe(_ string, s relaystep.Step, at time.Time) {
+	l.mu.Lock()
+	l.steps = append(l.steps, stepAt{s, at})
+	l.mu.Unlock()
+}
+
+func (l *stepLog) commit(p int64, at time.Time) { l.mu.Lock(); l.committed[p] = at; l.mu.Unlock() }
+func (l *stepLog) ack(p int64, at time.Time)    { l.mu.Lock(); l.acked[p] = at; l.mu.Unlock() }
+
+// cycle is one forwarder transaction as its steps show it; zero times are
+// steps it did not reach.
+type cycle struct {
+	begin, locked, cut, read, sendStart, sendEnd, acked, commit, committed time.Time
+}
+
+// stepNames are the per-cycle intervals of the step table, in order.
+var stepNames = []string{
+	"take a connection, BEGIN + lock the position",
+	"read the cut (keys)",
+	"read the first page's rows, make records",
+	"send to the broker (concurrent with the next row)",
+	"position update (while the page is sent)",
+	"wait for the send after the update",
+	"COMMIT",
+	"pause after the cycle (timer or wake-up)",
+	"look for a new cut (no lock; after an empty cycle)",
+	"from COMMIT returned to the next BEGIN, pauses and looks excluded",
+	"whole cycle, BEGIN to COMMIT returned",
+}
+
+// stepDurations splits the log into cycles and returns, per name of
+// stepNames, the durations seen.
+func (l *stepLog) stepDurations() map[string][]time.Duration {
+	out := map[string][]time.Duration{}
+	add := func(name string, from, to time.Time) {
+		if !from.IsZero() && !to.IsZero() && !to.Before(from) {
+			out[name] = append(out[name], to.Sub(from))
+		}
+	}
+	var c cycle
+	var lastCommitted, pauseStart, pollStart time.Time
+	var gap time.Duration // pauses and looks since the last COMMIT returned
+	for _, s := range l.steps {
+		switch s.step {
+		case relaystep.Begin:
+			if !lastCommitted.IsZero() {
+				add(stepNames[9], lastCommitted, s.at.Add(-gap))
+			}
+			c, gap = cycle{begin: s.at}, 0
+		case relaystep.Locked:
+			c.locked = s.at
+			add(stepNames[0], c.begin, s.at)
+		case relaystep.Cut:
+			c.cut = s.at
+			add(stepNames[1], c.locked, s.at)
+		case relaystep.Read:
+			c.read = s.at
+			add(stepNames[2], c.cut, s.at)
+		case relaystep.SendStart:
+			c.sendStart = s.at
+		case relaystep.SendEnd:
+			c.sendEnd = s.at
+			add(stepNames[3], c.sendStart, s.at)
+		case relaystep.Acked:
+			from := c.read
+			if from.IsZero() {
+				from = c.cut
+			}
+			c.acked = s.at
+			add(stepNames[4], from, s.at)
+		case relaystep.Commit:
+			c.commit = s.at
+			add(stepNames[5], c.acked, s.at)
+		case relaystep.Committed:
+			add(stepNames[6], c.commit, s.at)
+			add(stepNames[10], c.begin, s.at)
+			lastCommitted = s.at
+		case relaystep.PauseStart:
+			pauseStart = s.at
+		case relaystep.PauseEnd, relaystep.Woken:
+			if !pauseStart.IsZero() {
+				gap += s.at.Sub(pauseStart)
+			}
+			add(stepNames[7], pauseStart, s.at)
+			pauseStart = time.Time{}
+		case relaystep.Poll:
+			pollStart = s.at
+		case relaystep.Polled:
+			if !pollStart.IsZero() {
+				gap += s.at.Sub(pollStart)
+			}
+			add(stepNames[8], pollStart, s.at)
+		}
+	}
+	return out
+}
+
+// rowParts are the parts of one row's publish→Kafka latency.
+var rowParts = []string{
+	"publish → the writer's COMMIT returned",
+	"→ the forwarding transaction holds the lock (the cycle in flight ends, pause, BEGIN + lock)",
+	"… of which pauses",
+	"→ its cut and page read",
+	"→ broker acknowledgement (send)",
+}
+
+// rowBreakdown returns, per measured row, its total publish→Kafka latency
+// and its parts (rowParts), placing each row in the forwarder transaction
+// whose send returned at its acknowledgement.
+func (l *stepLog) rowBreakdown() (totals []time.Duration, parts [][]time.Duration) {
+	var cycles []cycle
+	var pauses [][2]time.Time
+	var c cycle
+	var pauseStart time.Time
+	for _, s := range l.steps {
+		switch s.step {
+		case relaystep.Begin:
+			c = cycle{begin: s.at}
+		case relaystep.Locked:
+			c.locked = s.at
+		case relaystep.Cut:
+			c.cut = s.at
+		case relaystep.Read:
+			c.read = s.at
+		case relaystep.SendEnd:
+			c.sendEnd = s.at
+			cycles = append(cycles, c)
+		case relaystep.PauseStart:
+			pauseStart = s.at
+		case relaystep.PauseEnd, relaystep.Woken:
+			pauses = append(pauses, [2]time.Time{pauseStart, s.at})
+		}
+	}
+	for p, acked := range l.acked {
+		committed, ok := l.committed[p]
+		// The send that acknowledged the row returned at or just after
+		// acked (the producer's wrapper takes its time first).
+		i, _ := slices.BinarySearchFunc(cycles, acked, func(c cycle, t time.Time) int { return c.sendEnd.Compare(t) })
+		if !ok || i == len(cycles) {
+			continue
+		}
+		c := cycles[i]
+		readEnd := c.read
+		if readEnd.IsZero() {
+			readEnd = c.cut
+		}
+		published := time.Unix(0, p)
+		b1 := committed
+		b2 := later(b1, c.locked)
+		b3 := later(b2, readEnd)
+		b4 := later(b3, acked)
+		var paused time.Duration
+		for _, pz := range pauses {
+			from, to := later(pz[0], b1), pz[1]
+			if to.After(b2) {
+				to = b2
+			}
+			if to.After(from) {
+				paused += to.Sub(from)
+			}
+		}
+		totals = append(totals, acked.Sub(published))
+		parts = append(parts, []time.Duration{b1.Sub(published), b2.Sub(b1), paused, b3.Sub(b2), b4.Sub(b3)})
+	}
+	return totals, parts
+}
+
+func later(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}
+
+func meanDur(xs []time.Duration) time.Duration {
+	if len(xs) == 0 {
+		return 0
+	}
+	var s time.Duration
+	for _, x := range xs {
+		s += x
+	}
+	return s / time.Duration(len(xs))
+}
+
+// relaySteps profiles the forwarder at half the consuming rate: the rate
+// of the consuming side measured first (a backlog drained), then paced
+// rounds whose forwarder reports its steps (relaystep), and each
+// measured row's publish→Kafka latency split at the writer's COMMIT, the
+// forwarding transaction's lock, its read and the broker's ack.
+func relaySteps(ctx context.Context, o Options) (Section, error) {
+	n, liveN, rounds, fwdWait := 3000, 4000, min(max(o.Rounds, 1), 3), 10*time.Second
+	if o.Short {
+		n, liveN, rounds, fwdWait = 1000, 1000, 1, 5*time.Second
+	}
+	r, err := newE2ERig(ctx, o, n)
+	if err != nil {
+		return Section{}, err
+	}
+	defer r.close()
+	res, err := r.pipelineWith(ctx, pipelineSpec{in: r.in, n: n, fwdWait: fwdWait})
+	if err != nil {
+		return Section{}, err
+	}
+	rate := res.consumed / 2
+	var (
+		logs      []*stepLog
+		roundRows [][]string
+		loads     []string
+	)
+	for round := range rounds {
+		live, err := r.topic("bench-steps")
+		if err != nil {
+			return Section{}, err
+		}
+		l := newStepLog()
+		load := loadAverage()
+		res, err := r.pipelineWith(ctx, pipelineSpec{in: live, n: liveN, produceRate: rate, fwdWait: fwdWait,
+			observe: l.observe, committed: l.commit, acked: l.ack})
+		if err != nil {
+			return Section{}, err
+		}
+		if !res.complete {
+			return Section{}, fmt.Errorf("relay steps: round %d: only %d of %d forwarded within %s", round+1, res.forwardedNum, liveN, fwdWait)
+		}
+		k50, k99 := percentile(res.toKafka, 0.50), percentile(res.toKafka, 0.99)
+		met := "yes"
+		if k99 > relayTarget {
+			met = fmt.Sprintf("no (+%s)", fmtDur(k99-relayTarget))
+		}
+		loads = append(loads, load)
+		o.Logf("  relay steps: round %d at %.0f msg/s (load %s): publish→Kafka p50 %s p99 %s", round+1, rate, load, k50, k99)
+		roundRows = append(roundRows, []string{fmt.Sprint(round + 1), fmt.Sprintf("%.0f", rate), load, fmtDur(k50), fmtDur(k99), met})
+		logs = append(logs, l)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "The outbox forwarder at half the consuming rate, profiled step by step: the end-to-end pipeline above (dedup "+
+		"transaction writing a business row and an outbox row, forwarder with its defaults), its consuming rate measured first "+
+		"by draining a backlog of %d events, then %d round(s) of %d events published at half that rate after %d warm-up events. "+
+		"The forwarder reports each step of its loop with its time to an observer that the bench passes in Run's context "+
+		"(internal/relaystep: no exported API). **publish→Kafka** runs from the handler's publish to the outbox to the broker's "+
+		"acknowledgement of the forwarded record; the target is a p99 of at most %s on a loaded 2-core machine. "+
+		"The load column is /proc/loadavg (1, 5, 15 min) when the round started.\n\n", n, rounds, liveN, warmupEvents, relayTarget)
+	b.WriteString(Table([]string{"round", "published (msg/s)", "load average", "publish→Kafka p50", "publish→Kafka p99", "p99 ≤ 20ms"}, roundRows))
+	b.WriteString("\nEach forwarder transaction (cycle), step by step, over every round: how often the step ran, its p50 and p99, " +
+		"and its total as a share of the rounds' forwarding time (BEGIN to COMMIT returned, plus the pauses and looks between):\n\n")
+	b.WriteString(Table([]string{"step", "count", "p50", "p99", "share of the time"}, stepRows(logs)))
+	b.WriteString("\nEach measured row's publish→Kafka latency in parts, placed in the forwarder transaction whose send returned " +
+		"at its acknowledgement: the writer's own transaction, the wait until the transaction that reads it holds the lock " +
+		"(a row committed during a cut waits for the next one), that transaction's cut and page read, and the send. " +
+		"Mean and p50 over all rows, then the mean over the slowest 1 % (the rows at or above the p99): where the p99 goes.\n\n")
+	b.WriteString(Table([]string{"part", "mean, all rows", "p50, all rows", "mean, slowest 1 %"}, partRows(logs)))
+	return Section{Title: "Relay latency, step by step: where publish→Kafka time goes", Markdown: b.String()}, nil
+}
+
+func stepRows(logs []*stepLog) [][]string {
+	all := map[string][]time.Duration{}
+	for _, l := range logs {
+		for k, v := range l.stepDurations() {
+			all[k] = append(all[k], v...)
+		}
+	}
+	var total time.Duration
+	for _, k := range []string{stepNames[7], stepNames[8], stepNames[9], stepNames[10]} {
+		for _, d := range all[k] {
+			total += d
+		}
+	}
+	var rows [][]string
+	for _, name := range stepNames {
+		xs := all[name]
+		var sum time.Duration
+		for _, d := range xs {
+			sum += d
+		}
+		share := "–"
+		if total > 0 {
+			share = fmt.Sprintf("%.0f%%", 100*float64(sum)/float64(total))
+		}
+		rows = append(rows, []string{name, fmt.Sprint(len(xs)), fmtDur(percentile(xs, 0.5)), fmtDur(percentile(xs, 0.99)), share})
+	}
+	return rows
+}
+
+func partRows(logs []*stepLog) [][]string {
+	var totals []time.Duration
+	var parts [][]time.Duration
+	for _, l := range logs {
+		t, p := l.rowBreakdown()
+		totals, parts = append(totals, t...), append(parts, p...)
+	}
+	p99 := percentile(totals, 0.99)
+	var rows [][]string
+	for i, name := range append(slices.Clone(rowParts), "publish→Kafka (the sum, pauses counted once)") {
+		var all, slow []time.Duration
+		for j, ps := range parts {
+			x := totals[j]
+			if i < len(rowParts) {
+				x = ps[i]
+			}
+			all = append(all, x)
+			if totals[j] >= p99 {
+				slow = append(slow, x)
+			}
+		}
+		rows = append(rows, []string{name, fmtDur(meanDur(all)), fmtDur(percentile(all, 0.5)), fmtDur(meanDur(slow))})
+	}
+	return rows
+}
+
+// loadAverage is /proc/loadavg's first three fields, or "n/a".
+func loadAverage() string {
+	data, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "n/a"
+	}
+	f := strings.Fields(string(data))
+	if len(f) < 3 {
+		return "n/a"
+	}
+	return strings.Join(f[:3], " ")
+}
