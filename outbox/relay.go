@@ -30,8 +30,9 @@ type known struct {
 // back and retried: its pages are read and sent again. Unless the last
 // transaction forwarded rows, it first asks, in one query and without a
 // lock, whether a new cut has any row; after a read that found rows it
-// starts the next transaction after minPollInterval, and
-// after each read that found none it waits twice as long, up to
+// starts the next transaction after minPollInterval, or at once when a
+// wake-up came while the transaction ran (rows committed meanwhile, likely
+// after its cut), and after each read that found none it waits twice as long, up to
 // PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
 // wait longer than minPollInterval and starts the doubling again.
 //
@@ -123,6 +124,11 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		case n > 0:
 			idle = min(minPollInterval, f.cfg.PollInterval)
 			wait = idle
+			if len(wake) > 0 {
+				// A write committed (or a NOTIFY came) during this
+				// transaction, perhaps after its cut: read at once.
+				wait = 0
+			}
 		default:
 			idle = f.backoff(idle)
 			wait = idle
@@ -250,21 +256,10 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	f.polls.Add(1)
 	f.step("locked")
 	f.mark(topic, relaystep.Locked)
-	// The keys with dead rows are read after the cut: a key an operator
-	// retried (its rows moved back in one commit) is no longer among them
-	// whenever its moved rows are in the cut. A new cut and the keys go
-	// in one round trip.
-	var dead map[string]int64
-	pages, ahead, ok := cache.pagesAfter(pos)
-	if !ok {
-		cut, keys, err := tables.ReadCutAndDeadKeys(ctx, tx, pos, f.cfg.BatchSize)
-		if err != nil {
-			return 0, false, fmt.Errorf("read cut: %w", err)
-		}
-		*cache = cutCache{cut: cut}
-		pages, ahead, dead = cut.Pages, nil, keys
+	pages, ahead, dead, first, err := f.readCut(ctx, tx, tables, pos, cache)
+	if err != nil {
+		return 0, false, err
 	}
-	cache.ahead = nil
 	cut := cache.cut
 	f.step("cut")
 	f.mark(topic, relaystep.Cut)
@@ -293,7 +288,12 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	}
 	b := ahead
 	if b == nil {
-		if b, err = f.readPage(ctx, tx, tables, topic, pages[0], dead, logger); err != nil {
+		if first != nil {
+			b, err = f.makeBatch(ctx, tx, tables, topic, first, dead, logger)
+		} else {
+			b, err = f.readPage(ctx, tx, tables, topic, pages[0], dead, logger)
+		}
+		if err != nil {
 			return 0, false, err
 		}
 		f.mark(topic, relaystep.Read)
@@ -355,6 +355,29 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	*last = known{pos: pos, ok: true}
 	logger.Debug("Outbox messages forwarded", watermill.LogFields{"messages": n, "position": pos.Snapshot.String(), "cut_offset": pos.CutOffset})
 	return n, pos.Cut != nil, nil
+}
+
+// readCut returns the pages of the cut that continues pos, from cache when
+// it holds them (with the first one already read ahead, or nil), else from
+// a read of the cut, which also returns the rows of its first page (or nil:
+// read it with readPage) and the keys with dead rows. The keys are read
+// after the cut: a key an operator retried (its rows moved back in one
+// commit) is no longer among them whenever its moved rows are in the cut.
+// A new cut, the keys and the first page go in one round trip.
+func (f *Forwarder) readCut(ctx context.Context, tx *outboxsql.Tx, tables outboxsql.Tables, pos outboxsql.Position, cache *cutCache) (
+	pages []outboxsql.Page, ahead *batch, dead map[string]int64, first []outboxsql.Row, err error) {
+	pages, ahead, ok := cache.pagesAfter(pos)
+	if !ok {
+		var cut outboxsql.Cut
+		cut, dead, first, err = tables.ReadCutDeadKeysAndFirstPage(ctx, tx, pos, f.cfg.BatchSize)
+		if err != nil {
+			return nil, nil, nil, nil, fmt.Errorf("read cut: %w", err)
+		}
+		*cache = cutCache{cut: cut}
+		pages, ahead = cut.Pages, nil
+	}
+	cache.ahead = nil
+	return pages, ahead, dead, first, nil
 }
 
 func (f *Forwarder) commit(ctx context.Context, tx *outboxsql.Tx, topic string, n int) error {

@@ -1,0 +1,85 @@
+package outboxsql
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// cutEndSetting is a transaction-local setting that carries a new cut's end
+// snapshot from the statement that takes it to the statement that reads
+// the cut's first page, sent behind it in the same round trip.
+const cutEndSetting = "idem_outbox.cut_end"
+
+// cutKeysSQL is [CutSQL] that also stores the end snapshot in
+// cutEndSetting for the rest of the transaction.
+func cutKeysSQL(messages string) string {
+	return cutSQLFrom(messages,
+		`SELECT s.snap, set_config('`+cutEndSetting+`', s.snap::text, true) AS stored
+		FROM (SELECT COALESCE($2::text::pg_snapshot, pg_current_snapshot()) AS snap) s`,
+		`SELECT c.transaction_id::text, array_agg(c."offset"), (SELECT snap::text FROM e) FROM c GROUP BY c.transaction_id`)
+}
+
+// firstPageSQL reads the first $4 rows, in "offset" order, of the cut that
+// cutKeysSQL read earlier in the transaction (its end: $2, or the snapshot
+// stored in cutEndSetting; none stored: no row).
+func firstPageSQL(messages string) string {
+	return cutSQLFrom(messages,
+		`SELECT COALESCE($2::text::pg_snapshot, NULLIF(current_setting('`+cutEndSetting+`', true), '')::pg_snapshot) AS snap`,
+		`SELECT m.transaction_id, m."offset", m.uuid, m.payload, m.metadata
+		FROM (SELECT c.transaction_id, c."offset" FROM c ORDER BY c."offset" LIMIT $4) k
+		JOIN `+messages+` m ON m.transaction_id = k.transaction_id AND m."offset" = k."offset"
+		ORDER BY k."offset"`)
+}
+
+// ReadCutDeadKeysAndFirstPage is [Tables.ReadCutAndDeadKeys] that also
+// reads the rows of the cut's first page, as [Tables.ReadPage] would, in
+// the same round trip: the three statements go as one batch. The rows are
+// nil when the cut has no page, or when they are not exactly its first
+// page's (rows deleted or moved between the statements): read it then with
+// ReadPage.
+func (t Tables) ReadCutDeadKeysAndFirstPage(ctx context.Context, tx *Tx, p Position, pageSize int) (Cut, map[string]int64, []Row, error) {
+	c := Cut{From: p.Snapshot}
+	var to *string
+	if p.Cut != nil {
+		s := p.Cut.String()
+		to, c.To, c.After = &s, *p.Cut, p.CutOffset
+	}
+	b := &pgx.Batch{}
+	b.Queue(cutKeysSQL(t.Messages), p.Snapshot.String(), to, c.After)
+	b.Queue(deadKeysSQL(t.Dead))
+	b.Queue(firstPageSQL(t.Messages), p.Snapshot.String(), to, c.After, pageSize)
+	br := tx.conn.SendBatch(ctx, b)
+	rows, err := br.Query()
+	if err == nil {
+		c, err = t.scanCut(c, p, rows, pageSize)
+	}
+	var dead map[string]int64
+	if err == nil {
+		if rows, err = br.Query(); err == nil {
+			dead, err = scanDeadKeys(rows)
+		}
+	}
+	var first []Row
+	if err == nil {
+		if rows, err = br.Query(); err == nil {
+			first, err = appendRows(rows, make([]Row, 0, min(pageSize, 64)))
+		}
+	}
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	if err != nil {
+		return c, nil, nil, err
+	}
+	if len(c.Pages) == 0 || !isPage(first, c.Pages[0]) {
+		first = nil
+	}
+	return c, dead, first, nil
+}
+
+// isPage reports whether rows are exactly page's.
+func isPage(rows []Row, page Page) bool {
+	return len(rows) == page.Rows && len(rows) > 0 &&
+		rows[0].Offset == page.First && rows[len(rows)-1].Offset == page.Last
+}
