@@ -212,9 +212,12 @@ func (c *cutCache) pagesAfter(p outboxsql.Position) ([]outboxsql.Page, *batch, b
 // The transaction locks the forwarder's position row (READ COMMITTED: every
 // statement after the lock sees at least what the previous holder
 // committed), reads the pages of the cut that continues the position, or of
-// a new cut ending at the read's own snapshot, then sends page k while it
-// moves the position past it and reads page k+1. Page k+1 is sent only once
-// page k was acknowledged, which keeps the order. The position commits when
+// a new cut ending at the read's own snapshot (with its first page, in the
+// same round trip), then sends page k while it moves the position past it
+// and reads page k+1; after a cut's last page, page k+1 is the first of the
+// next cut, read with the position update (see sendPages). Page k+1 is
+// sent only once page k was acknowledged, which keeps the order. The
+// position commits when
 // every page of the transaction was sent; if any send fails, the
 // transaction rolls back and all of them are sent again later.
 func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter, cache *cutCache, last *known) (n int, more bool, err error) {
@@ -260,7 +263,6 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	if err != nil {
 		return 0, false, err
 	}
-	cut := cache.cut
 	f.step("cut")
 	f.mark(topic, relaystep.Cut)
 	if len(pages) == 0 {
@@ -298,55 +300,9 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		}
 		f.mark(topic, relaystep.Read)
 	}
-	for i := 0; ; i++ {
-		// Stop is read once per page: whether this page ends the
-		// transaction and whether the next one is read ahead must agree,
-		// or a stop between the two would leave no page to send next.
-		stopping := stopCtx.Err() != nil
-		sent := make(chan error, 1)
-		if b.size() == 0 { // the page's rows were deleted meanwhile
-			sent <- nil
-		} else {
-			go func(b *batch) {
-				f.mark(topic, relaystep.SendStart)
-				err := f.send(topic, b)
-				f.mark(topic, relaystep.SendEnd)
-				sent <- err
-			}(b)
-		}
-
-		// While the broker works: move the position past this page and
-		// read the next one, even when this transaction ends with this
-		// page (the next transaction then starts by sending it).
-		if i == len(pages)-1 {
-			pos = outboxsql.Position{Snapshot: cut.To}
-		} else {
-			pos = outboxsql.Position{Snapshot: cut.From, Cut: &cut.To, CutOffset: pages[i].Last}
-		}
-		var next *batch
-		final := i == len(pages)-1 || i+1 == f.cfg.BatchesPerTransaction || stopping
-		err := tables.Ack(ctx, tx, f.cfg.Name, pos)
-		f.step("acked")
-		if err != nil {
-			err = fmt.Errorf("advance position: %w", err)
-		} else if i < len(pages)-1 && !stopping {
-			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
-		}
-		f.mark(topic, relaystep.Acked)
-		if sendErr := <-sent; sendErr != nil {
-			return 0, false, fmt.Errorf("send %d messages: %w", b.size(), sendErr)
-		}
-		f.step("sent")
-		if err != nil {
-			return 0, false, err
-		}
-		n += b.size()
-		if final {
-			cache.next = len(cut.Pages) - len(pages) + i + 1
-			cache.ahead = next
-			break
-		}
-		b = next
+	n, pos, err = f.sendPages(ctx, stopCtx, tx, tables, topic, logger, cache, pages, b, dead)
+	if err != nil {
+		return 0, false, err
 	}
 	if err := f.commit(ctx, tx, topic, n); err != nil {
 		cache.ahead = nil
@@ -355,6 +311,100 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	*last = known{pos: pos, ok: true}
 	logger.Debug("Outbox messages forwarded", watermill.LogFields{"messages": n, "position": pos.Snapshot.String(), "cut_offset": pos.CutOffset})
 	return n, pos.Cut != nil, nil
+}
+
+// sendPages sends b, the first of pages (of cache.cut), then the pages
+// after it, each once the previous one was acknowledged, which keeps the
+// order. While the broker works on a page it moves the position past that
+// page and reads the next one: the cut's next page, or after the cut's
+// last page the first page of a new cut, read in the same round trip as
+// the position update (a transaction goes on from cut to cut while rows
+// keep coming). It stops after BatchesPerTransaction pages, at a stop, or
+// when the new cut is empty, and returns the rows sent and the position
+// reached. cache is left holding the cut worked on, the index of its first
+// page not sent and that page when it was read ahead.
+func (f *Forwarder) sendPages(ctx, stopCtx context.Context, tx *outboxsql.Tx, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter,
+	cache *cutCache, pages []outboxsql.Page, b *batch, dead map[string]int64) (n int, pos outboxsql.Position, err error) {
+	cut := cache.cut
+	for sentPages, i := 1, 0; ; sentPages, i = sentPages+1, i+1 {
+		// Stop is read once per page: whether this page ends the
+		// transaction and whether the next one is read ahead must agree,
+		// or a stop between the two would leave no page to send next.
+		stopping := stopCtx.Err() != nil
+		sent := f.startSend(topic, b)
+
+		// While the broker works: move the position past this page and
+		// read the next one, even when this transaction ends with this
+		// page (the next transaction then starts by sending it).
+		last := i == len(pages)-1
+		if last {
+			pos = outboxsql.Position{Snapshot: cut.To}
+		} else {
+			pos = outboxsql.Position{Snapshot: cut.From, Cut: &cut.To, CutOffset: pages[i].Last}
+		}
+		final := sentPages == f.cfg.BatchesPerTransaction || stopping
+		var (
+			next   *batch
+			newCut outboxsql.Cut
+			first  []outboxsql.Row
+		)
+		f.mark(topic, relaystep.Update)
+		if last && !final {
+			var newDead map[string]int64
+			if newCut, newDead, first, err = tables.AckAndReadCut(ctx, tx, f.cfg.Name, pos, f.cfg.BatchSize); err == nil {
+				dead = newDead
+			}
+		} else {
+			err = tables.Ack(ctx, tx, f.cfg.Name, pos)
+		}
+		f.step("acked")
+		switch {
+		case err != nil:
+			err = fmt.Errorf("advance position: %w", err)
+		case !last && !stopping:
+			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
+		case len(newCut.Pages) > 0 && first != nil:
+			next, err = f.makeBatch(ctx, tx, tables, topic, first, dead, logger)
+		case len(newCut.Pages) > 0:
+			next, err = f.readPage(ctx, tx, tables, topic, newCut.Pages[0], dead, logger)
+		}
+		f.mark(topic, relaystep.Acked)
+		if sendErr := <-sent; sendErr != nil {
+			return 0, pos, fmt.Errorf("send %d messages: %w", b.size(), sendErr)
+		}
+		f.step("sent")
+		if err != nil {
+			return 0, pos, err
+		}
+		n += b.size()
+		if final || last && len(newCut.Pages) == 0 {
+			cache.next = len(cut.Pages) - len(pages) + i + 1
+			cache.ahead = next
+			return n, pos, nil
+		}
+		if last { // go on with the new cut
+			*cache = cutCache{cut: newCut}
+			cut, pages, i = newCut, newCut.Pages, -1
+		}
+		b = next
+	}
+}
+
+// startSend sends b to the broker in a goroutine of its own, and returns
+// where the outcome arrives.
+func (f *Forwarder) startSend(topic string, b *batch) <-chan error {
+	sent := make(chan error, 1)
+	if b.size() == 0 { // the page's rows were deleted meanwhile
+		sent <- nil
+		return sent
+	}
+	f.mark(topic, relaystep.SendStart)
+	go func() {
+		err := f.send(topic, b)
+		f.mark(topic, relaystep.SendEnd)
+		sent <- err
+	}()
+	return sent
 }
 
 // readCut returns the pages of the cut that continues pos, from cache when

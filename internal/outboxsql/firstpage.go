@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // cutEndSetting is a transaction-local setting that carries a new cut's end
@@ -32,13 +33,27 @@ func firstPageSQL(messages string) string {
 		ORDER BY k."offset"`)
 }
 
-// ReadCutDeadKeysAndFirstPage is [Tables.ReadCutAndDeadKeys] that also
-// reads the rows of the cut's first page, as [Tables.ReadPage] would, in
-// the same round trip: the three statements go as one batch. The rows are
-// nil when the cut has no page, or when they are not exactly its first
-// page's (rows deleted or moved between the statements): read it then with
-// ReadPage.
+// ReadCutDeadKeysAndFirstPage is [Tables.ReadCut], then [Tables.DeadKeys],
+// then the rows of the cut's first page as [Tables.ReadPage] would read
+// them, in one round trip on tx: the three statements go as one batch. The
+// rows are nil when the cut has no page, or when they are not exactly its
+// first page's (rows deleted or moved between the statements): read it
+// then with ReadPage.
 func (t Tables) ReadCutDeadKeysAndFirstPage(ctx context.Context, tx *Tx, p Position, pageSize int) (Cut, map[string]int64, []Row, error) {
+	return t.readCut(ctx, tx, nil, p, pageSize)
+}
+
+// AckAndReadCut is [Tables.Ack] of name's position to p, then
+// ReadCutDeadKeysAndFirstPage of the cut that continues p, in one round
+// trip on tx.
+func (t Tables) AckAndReadCut(ctx context.Context, tx *Tx, name string, p Position, pageSize int) (Cut, map[string]int64, []Row, error) {
+	sql, args := t.ackSQL(name, p)
+	return t.readCut(ctx, tx, &pgx.QueuedQuery{SQL: sql, Arguments: args}, p, pageSize)
+}
+
+// readCut sends ack (when not nil: the position update, which must change
+// one row), then the cut's keys, the dead keys and the first page.
+func (t Tables) readCut(ctx context.Context, tx *Tx, ack *pgx.QueuedQuery, p Position, pageSize int) (Cut, map[string]int64, []Row, error) {
 	c := Cut{From: p.Snapshot}
 	var to *string
 	if p.Cut != nil {
@@ -46,13 +61,25 @@ func (t Tables) ReadCutDeadKeysAndFirstPage(ctx context.Context, tx *Tx, p Posit
 		to, c.To, c.After = &s, *p.Cut, p.CutOffset
 	}
 	b := &pgx.Batch{}
+	if ack != nil {
+		b.Queue(ack.SQL, ack.Arguments...)
+	}
 	b.Queue(cutKeysSQL(t.Messages), p.Snapshot.String(), to, c.After)
 	b.Queue(deadKeysSQL(t.Dead))
 	b.Queue(firstPageSQL(t.Messages), p.Snapshot.String(), to, c.After, pageSize)
 	br := tx.conn.SendBatch(ctx, b)
-	rows, err := br.Query()
+	var err error
+	if ack != nil {
+		var tag pgconn.CommandTag
+		if tag, err = br.Exec(); err == nil && tag.RowsAffected() == 0 {
+			err = ErrNoPosition
+		}
+	}
+	var rows pgx.Rows
 	if err == nil {
-		c, err = t.scanCut(c, p, rows, pageSize)
+		if rows, err = br.Query(); err == nil {
+			c, err = t.scanCut(c, p, rows, pageSize)
+		}
 	}
 	var dead map[string]int64
 	if err == nil {

@@ -375,6 +375,16 @@ func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string, limi
 // position p has certainly passed. It returns [ErrNoPosition] when name has
 // no position.
 func (t Tables) Ack(ctx context.Context, db DB, name string, p Position) error {
+	sql, args := t.ackSQL(name, p)
+	tag, err := db.Exec(ctx, sql, args...)
+	if err == nil && tag.RowsAffected() == 0 {
+		err = ErrNoPosition
+	}
+	return err
+}
+
+// ackSQL is the statement of [Tables.Ack] and its arguments.
+func (t Tables) ackSQL(name string, p Position) (string, []any) {
 	var cut *string
 	var cutOffset *int64
 	if p.Cut != nil {
@@ -382,19 +392,15 @@ func (t Tables) Ack(ctx context.Context, db DB, name string, p Position) error {
 		cut, cutOffset = &s, &p.CutOffset
 	}
 	legacyTx, legacyOff := legacyColumns(p)
-	tag, err := db.Exec(ctx, `UPDATE `+t.Offsets+` SET
+	return `UPDATE ` + t.Offsets + ` SET
 			offset_acked = $2,
 			last_processed_transaction_id = $3::text::xid8,
 			position_snapshot = $4::text::pg_snapshot,
 			cut_snapshot = $5::text::pg_snapshot,
 			cut_offset = $6,
-			(`+originSet+`) = (SELECT `+originValues+`)
+			(` + originSet + `) = (SELECT ` + originValues + `)
 		WHERE consumer_group = $1`,
-		name, legacyOff, strconv.FormatUint(legacyTx, 10), p.Snapshot.String(), cut, cutOffset)
-	if err == nil && tag.RowsAffected() == 0 {
-		err = ErrNoPosition
-	}
-	return err
+		[]any{name, legacyOff, strconv.FormatUint(legacyTx, 10), p.Snapshot.String(), cut, cutOffset}
 }
 
 // Page is a run of consecutive rows of a cut in "offset" order: exactly the

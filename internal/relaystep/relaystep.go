@@ -26,12 +26,15 @@ const (
 	Cut
 	// Read: a page's rows were read and made into records.
 	Read
-	// SendStart and SendEnd bound one page's send to the broker (they are
-	// reported from the goroutine that sends).
+	// SendStart and SendEnd bound one page's send to the broker (SendEnd
+	// is reported from the goroutine that sends).
 	SendStart
 	SendEnd
-	// Acked: the position update past a page returned (with the next
-	// page's read when there is one).
+	// Update: the position update past the page in flight is sent (with
+	// the read of the next page, or after a cut's last page of a new cut
+	// and its first page); Acked: it returned and the next page's records
+	// were made.
+	Update
 	Acked
 	// Commit: COMMIT is sent; Committed: it returned.
 	Commit
@@ -47,7 +50,7 @@ const (
 	Woken
 )
 
-var names = [...]string{"begin", "locked", "cut", "read", "send-start", "send-end", "acked", "commit", "committed", "poll", "polled", "pause-start", "pause-end", "woken"}
+var names = [...]string{"begin", "locked", "cut", "read", "send-start", "send-end", "update", "acked", "commit", "committed", "poll", "polled", "pause-start", "pause-end", "woken"}
 
 func (s Step) String() string {
 	if s < 0 || int(s) >= len(names) {
@@ -57,8 +60,8 @@ func (s Step) String() string {
 }
 
 // Observer receives the steps of a forwarder: topic's loop reached step at
-// at. It is called from the loop's goroutine (SendStart and SendEnd from
-// the goroutine sending the page, while the loop updates the position), so
+// at. It is called from the loop's goroutine (SendEnd from the goroutine
+// sending the page, while the loop updates the position), so
 // it must be safe for concurrent use, and quick.
 type Observer func(topic string, step Step, at time.Time)
 

@@ -45,81 +45,94 @@ func (l *stepLog) observe(_ string, s relaystep.Step, at time.Time) {
 func (l *stepLog) commit(p int64, at time.Time) { l.mu.Lock(); l.committed[p] = at; l.mu.Unlock() }
 func (l *stepLog) ack(p int64, at time.Time)    { l.mu.Lock(); l.acked[p] = at; l.mu.Unlock() }
 
-// cycle is one forwarder transaction as its steps show it; zero times are
-// steps it did not reach.
-type cycle struct {
-	begin, locked, cut, read, sendStart, sendEnd, acked, commit, committed time.Time
+// pageTimes is one page sent, as the steps show it: the read that took its
+// rows (from its start to its records made), and its send.
+type pageTimes struct {
+	readFrom, readEnd, sendStart, sendEnd time.Time
 }
 
-// stepNames are the per-cycle intervals of the step table, in order.
+// stepNames are the intervals of the step table, in order.
 var stepNames = []string{
 	"take a connection, BEGIN + lock the position",
-	"read the cut (keys)",
-	"read the first page's rows, make records",
-	"send to the broker (concurrent with the next row)",
-	"position update (while the page is sent)",
-	"wait for the send after the update",
+	"read a new cut and its first page (one round trip)",
+	"make the first page's records (or read the page apart)",
+	"send a page to the broker",
+	"position update + the next read (page, or new cut and its first page), records made",
+	"wait for the send after that",
 	"COMMIT",
-	"pause after the cycle (timer or wake-up)",
-	"look for a new cut (no lock; after an empty cycle)",
+	"pause after a transaction (timer, or a wake-up)",
+	"look for a new cut (no lock; after an empty transaction)",
 	"from COMMIT returned to the next BEGIN, pauses and looks excluded",
-	"whole cycle, BEGIN to COMMIT returned",
+	"whole transaction, BEGIN to COMMIT returned",
 }
 
-// stepDurations splits the log into cycles and returns, per name of
-// stepNames, the durations seen.
-func (l *stepLog) stepDurations() map[string][]time.Duration {
-	out := map[string][]time.Duration{}
-	add := func(name string, from, to time.Time) {
+// replay walks the steps: it returns the durations seen per name of
+// stepNames, the pages sent, the pauses and the transactions committed.
+func (l *stepLog) replay() (durs map[string][]time.Duration, pages []pageTimes, pauses [][2]time.Time, txs int) {
+	durs = map[string][]time.Duration{}
+	add := func(k int, from, to time.Time) {
 		if !from.IsZero() && !to.IsZero() && !to.Before(from) {
-			out[name] = append(out[name], to.Sub(from))
+			durs[stepNames[k]] = append(durs[stepNames[k]], to.Sub(from))
 		}
 	}
-	var c cycle
-	var lastCommitted, pauseStart, pollStart time.Time
-	var gap time.Duration // pauses and looks since the last COMMIT returned
+	var (
+		begin, locked, cut, commit, lastCommitted, pauseStart, pollStart time.Time
+		readFrom, readEnd, acked                                         time.Time
+		gap                                                              time.Duration
+		cur                                                              = -1 // the page in flight
+	)
+	waited := func() { // the loop waited for page cur's send after its update
+		if cur >= 0 && !acked.IsZero() && !pages[cur].sendEnd.IsZero() {
+			add(5, acked, later(acked, pages[cur].sendEnd))
+		}
+		acked = time.Time{}
+	}
 	for _, s := range l.steps {
 		switch s.step {
 		case relaystep.Begin:
 			if !lastCommitted.IsZero() {
-				add(stepNames[9], lastCommitted, s.at.Add(-gap))
+				add(9, lastCommitted, s.at.Add(-gap))
 			}
-			c, gap = cycle{begin: s.at}, 0
+			begin, gap = s.at, 0
 		case relaystep.Locked:
-			c.locked = s.at
-			add(stepNames[0], c.begin, s.at)
+			locked = s.at
+			add(0, begin, s.at)
 		case relaystep.Cut:
-			c.cut = s.at
-			add(stepNames[1], c.locked, s.at)
+			cut = s.at
+			add(1, locked, s.at)
 		case relaystep.Read:
-			c.read = s.at
-			add(stepNames[2], c.cut, s.at)
+			add(2, cut, s.at)
+			readFrom, readEnd = locked, s.at
 		case relaystep.SendStart:
-			c.sendStart = s.at
+			waited()
+			pages = append(pages, pageTimes{readFrom: readFrom, readEnd: readEnd, sendStart: s.at})
+			cur = len(pages) - 1
 		case relaystep.SendEnd:
-			c.sendEnd = s.at
-			add(stepNames[3], c.sendStart, s.at)
-		case relaystep.Acked:
-			from := c.read
-			if from.IsZero() {
-				from = c.cut
+			if cur >= 0 {
+				pages[cur].sendEnd = s.at
+				add(3, pages[cur].sendStart, s.at)
 			}
-			c.acked = s.at
-			add(stepNames[4], from, s.at)
+		case relaystep.Update:
+			readFrom = s.at
+		case relaystep.Acked:
+			readEnd, acked = s.at, s.at
+			add(4, readFrom, s.at)
 		case relaystep.Commit:
-			c.commit = s.at
-			add(stepNames[5], c.acked, s.at)
+			waited()
+			commit = s.at
 		case relaystep.Committed:
-			add(stepNames[6], c.commit, s.at)
-			add(stepNames[10], c.begin, s.at)
+			add(6, commit, s.at)
+			add(10, begin, s.at)
 			lastCommitted = s.at
+			txs++
 		case relaystep.PauseStart:
 			pauseStart = s.at
 		case relaystep.PauseEnd, relaystep.Woken:
 			if !pauseStart.IsZero() {
 				gap += s.at.Sub(pauseStart)
+				pauses = append(pauses, [2]time.Time{pauseStart, s.at})
 			}
-			add(stepNames[7], pauseStart, s.at)
+			add(7, pauseStart, s.at)
 			pauseStart = time.Time{}
 		case relaystep.Poll:
 			pollStart = s.at
@@ -127,66 +140,42 @@ func (l *stepLog) stepDurations() map[string][]time.Duration {
 			if !pollStart.IsZero() {
 				gap += s.at.Sub(pollStart)
 			}
-			add(stepNames[8], pollStart, s.at)
+			add(8, pollStart, s.at)
 		}
 	}
-	return out
+	return durs, pages, pauses, txs
 }
 
 // rowParts are the parts of one row's publish→Kafka latency.
 var rowParts = []string{
 	"publish → the writer's COMMIT returned",
-	"→ the forwarding transaction holds the lock (the cycle in flight ends, pause, BEGIN + lock)",
+	"→ the read that takes its row starts (the read in flight ends, sends, COMMIT, pause, BEGIN + lock)",
 	"… of which pauses",
-	"→ its cut and page read",
+	"→ that read returned, records made",
+	"→ its send starts (the page before it acknowledged)",
 	"→ broker acknowledgement (send)",
 }
 
 // rowBreakdown returns, per measured row, its total publish→Kafka latency
-// and its parts (rowParts), placing each row in the forwarder transaction
-// whose send returned at its acknowledgement.
+// and its parts (rowParts), placing each row in the page whose send
+// returned at its acknowledgement.
 func (l *stepLog) rowBreakdown() (totals []time.Duration, parts [][]time.Duration) {
-	var cycles []cycle
-	var pauses [][2]time.Time
-	var c cycle
-	var pauseStart time.Time
-	for _, s := range l.steps {
-		switch s.step {
-		case relaystep.Begin:
-			c = cycle{begin: s.at}
-		case relaystep.Locked:
-			c.locked = s.at
-		case relaystep.Cut:
-			c.cut = s.at
-		case relaystep.Read:
-			c.read = s.at
-		case relaystep.SendEnd:
-			c.sendEnd = s.at
-			cycles = append(cycles, c)
-		case relaystep.PauseStart:
-			pauseStart = s.at
-		case relaystep.PauseEnd, relaystep.Woken:
-			pauses = append(pauses, [2]time.Time{pauseStart, s.at})
-		}
-	}
+	_, pages, pauses, _ := l.replay()
 	for p, acked := range l.acked {
 		committed, ok := l.committed[p]
 		// The send that acknowledged the row returned at or just after
 		// acked (the producer's wrapper takes its time first).
-		i, _ := slices.BinarySearchFunc(cycles, acked, func(c cycle, t time.Time) int { return c.sendEnd.Compare(t) })
-		if !ok || i == len(cycles) {
+		i, _ := slices.BinarySearchFunc(pages, acked, func(pg pageTimes, t time.Time) int { return pg.sendEnd.Compare(t) })
+		if !ok || i == len(pages) || pages[i].readFrom.IsZero() {
 			continue
 		}
-		c := cycles[i]
-		readEnd := c.read
-		if readEnd.IsZero() {
-			readEnd = c.cut
-		}
+		pg := pages[i]
 		published := time.Unix(0, p)
 		b1 := committed
-		b2 := later(b1, c.locked)
-		b3 := later(b2, readEnd)
-		b4 := later(b3, acked)
+		b2 := later(b1, pg.readFrom)
+		b3 := later(b2, pg.readEnd)
+		b4 := later(b3, pg.sendStart)
+		b5 := later(b4, acked)
 		var paused time.Duration
 		for _, pz := range pauses {
 			from, to := later(pz[0], b1), pz[1]
@@ -198,7 +187,7 @@ func (l *stepLog) rowBreakdown() (totals []time.Duration, parts [][]time.Duratio
 			}
 		}
 		totals = append(totals, acked.Sub(published))
-		parts = append(parts, []time.Duration{b1.Sub(published), b2.Sub(b1), paused, b3.Sub(b2), b4.Sub(b3)})
+		parts = append(parts, []time.Duration{b1.Sub(published), b2.Sub(b1), paused, b3.Sub(b2), b4.Sub(b3), b5.Sub(b4)})
 	}
 	return totals, parts
 }
@@ -283,6 +272,14 @@ func relaySteps(ctx context.Context, o Options) (Section, error) {
 	b.WriteString("\nEach forwarder transaction (cycle), step by step, over every round: how often the step ran, its p50 and p99, " +
 		"and its total as a share of the rounds' forwarding time (BEGIN to COMMIT returned, plus the pauses and looks between):\n\n")
 	b.WriteString(Table([]string{"step", "count", "p50", "p99", "share of the time"}, stepRows(logs)))
+	var txs, pages int
+	for _, l := range logs {
+		_, ps, _, t := l.replay()
+		txs, pages = txs+t, pages+len(ps)
+	}
+	if txs > 0 {
+		fmt.Fprintf(&b, "\n%d transactions committed, %d pages sent: %.2f pages per transaction.\n", txs, pages, float64(pages)/float64(txs))
+	}
 	b.WriteString("\nEach measured row's publish→Kafka latency in parts, placed in the forwarder transaction whose send returned " +
 		"at its acknowledgement: the writer's own transaction, the wait until the transaction that reads it holds the lock " +
 		"(a row committed during a cut waits for the next one), that transaction's cut and page read, and the send. " +
@@ -294,7 +291,8 @@ func relaySteps(ctx context.Context, o Options) (Section, error) {
 func stepRows(logs []*stepLog) [][]string {
 	all := map[string][]time.Duration{}
 	for _, l := range logs {
-		for k, v := range l.stepDurations() {
+		durs, _, _, _ := l.replay()
+		for k, v := range durs {
 			all[k] = append(all[k], v...)
 		}
 	}
