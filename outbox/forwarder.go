@@ -55,6 +55,10 @@ type Forwarder struct {
 	// observe, when the context given to Run carries one (the bench's
 	// step profile), gets each step of each loop with its time.
 	observe relaystep.Observer
+	// serial, when the context given to Run asks for it (the bench's
+	// baseline), makes the loops work as before their reads were
+	// pipelined (see relaystep.WithSerial).
+	serial bool
 }
 
 func (f *Forwarder) step(name string) {
@@ -151,7 +155,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	}
 	done := make(chan struct{})
 	f.done = done
-	f.observe = relaystep.From(ctx)
+	f.observe, f.serial = relaystep.From(ctx), relaystep.Serial(ctx)
 	f.mu.Unlock()
 	defer close(done)
 

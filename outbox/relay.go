@@ -124,7 +124,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		case n > 0:
 			idle = min(minPollInterval, f.cfg.PollInterval)
 			wait = idle
-			if len(wake) > 0 {
+			if len(wake) > 0 && !f.serial {
 				// A write committed (or a NOTIFY came) during this
 				// transaction, perhaps after its cut: read at once.
 				wait = 0
@@ -349,7 +349,7 @@ func (f *Forwarder) sendPages(ctx, stopCtx context.Context, tx *outboxsql.Tx, ta
 			first  []outboxsql.Row
 		)
 		f.mark(topic, relaystep.Update)
-		if last && !final {
+		if last && !final && !f.serial {
 			var newDead map[string]int64
 			if newCut, newDead, first, err = tables.AckAndReadCut(ctx, tx, f.cfg.Name, pos, f.cfg.BatchSize); err == nil {
 				dead = newDead
@@ -419,7 +419,11 @@ func (f *Forwarder) readCut(ctx context.Context, tx *outboxsql.Tx, tables outbox
 	pages, ahead, ok := cache.pagesAfter(pos)
 	if !ok {
 		var cut outboxsql.Cut
-		cut, dead, first, err = tables.ReadCutDeadKeysAndFirstPage(ctx, tx, pos, f.cfg.BatchSize)
+		if f.serial {
+			cut, dead, err = tables.ReadCutAndDeadKeys(ctx, tx, pos, f.cfg.BatchSize)
+		} else {
+			cut, dead, first, err = tables.ReadCutDeadKeysAndFirstPage(ctx, tx, pos, f.cfg.BatchSize)
+		}
 		if err != nil {
 			return nil, nil, nil, nil, fmt.Errorf("read cut: %w", err)
 		}

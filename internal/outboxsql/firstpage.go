@@ -40,7 +40,14 @@ func firstPageSQL(messages string) string {
 // first page's (rows deleted or moved between the statements): read it
 // then with ReadPage.
 func (t Tables) ReadCutDeadKeysAndFirstPage(ctx context.Context, tx *Tx, p Position, pageSize int) (Cut, map[string]int64, []Row, error) {
-	return t.readCut(ctx, tx, nil, p, pageSize)
+	return t.readCut(ctx, tx, nil, p, pageSize, true)
+}
+
+// ReadCutAndDeadKeys is ReadCutDeadKeysAndFirstPage without the first
+// page.
+func (t Tables) ReadCutAndDeadKeys(ctx context.Context, tx *Tx, p Position, pageSize int) (Cut, map[string]int64, error) {
+	c, dead, _, err := t.readCut(ctx, tx, nil, p, pageSize, false)
+	return c, dead, err
 }
 
 // AckAndReadCut is [Tables.Ack] of name's position to p, then
@@ -48,12 +55,13 @@ func (t Tables) ReadCutDeadKeysAndFirstPage(ctx context.Context, tx *Tx, p Posit
 // trip on tx.
 func (t Tables) AckAndReadCut(ctx context.Context, tx *Tx, name string, p Position, pageSize int) (Cut, map[string]int64, []Row, error) {
 	sql, args := t.ackSQL(name, p)
-	return t.readCut(ctx, tx, &pgx.QueuedQuery{SQL: sql, Arguments: args}, p, pageSize)
+	return t.readCut(ctx, tx, &pgx.QueuedQuery{SQL: sql, Arguments: args}, p, pageSize, true)
 }
 
 // readCut sends ack (when not nil: the position update, which must change
-// one row), then the cut's keys, the dead keys and the first page.
-func (t Tables) readCut(ctx context.Context, tx *Tx, ack *pgx.QueuedQuery, p Position, pageSize int) (Cut, map[string]int64, []Row, error) {
+// one row), then the cut's keys, the dead keys and, with withFirst, the
+// first page.
+func (t Tables) readCut(ctx context.Context, tx *Tx, ack *pgx.QueuedQuery, p Position, pageSize int, withFirst bool) (Cut, map[string]int64, []Row, error) {
 	c := Cut{From: p.Snapshot}
 	var to *string
 	if p.Cut != nil {
@@ -66,7 +74,9 @@ func (t Tables) readCut(ctx context.Context, tx *Tx, ack *pgx.QueuedQuery, p Pos
 	}
 	b.Queue(cutKeysSQL(t.Messages), p.Snapshot.String(), to, c.After)
 	b.Queue(deadKeysSQL(t.Dead))
-	b.Queue(firstPageSQL(t.Messages), p.Snapshot.String(), to, c.After, pageSize)
+	if withFirst {
+		b.Queue(firstPageSQL(t.Messages), p.Snapshot.String(), to, c.After, pageSize)
+	}
 	br := tx.conn.SendBatch(ctx, b)
 	var err error
 	if ack != nil {
@@ -88,7 +98,7 @@ func (t Tables) readCut(ctx context.Context, tx *Tx, ack *pgx.QueuedQuery, p Pos
 		}
 	}
 	var first []Row
-	if err == nil {
+	if err == nil && withFirst {
 		if rows, err = br.Query(); err == nil {
 			first, err = appendRows(rows, make([]Row, 0, min(pageSize, 64)))
 		}

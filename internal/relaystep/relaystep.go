@@ -77,3 +77,20 @@ func From(ctx context.Context) Observer {
 	o, _ := ctx.Value(key{}).(Observer)
 	return o
 }
+
+type serialKey struct{}
+
+// WithSerial returns ctx asking the forwarder given it in Run to work as it
+// did before its reads were pipelined, for the bench's same-run baseline:
+// a new cut's first page read in a round trip of its own, one cut per
+// transaction, and the pause after a transaction that forwarded rows taken
+// even when a wake-up came during it.
+func WithSerial(ctx context.Context) context.Context {
+	return context.WithValue(ctx, serialKey{}, true)
+}
+
+// Serial reports whether ctx carries WithSerial.
+func Serial(ctx context.Context) bool {
+	v, _ := ctx.Value(serialKey{}).(bool)
+	return v
+}

@@ -312,6 +312,9 @@ type pipelineSpec struct {
 	// returned, and when the broker acknowledged the forwarded record.
 	observe          relaystep.Observer
 	committed, acked func(publishedAt int64, at time.Time)
+	// serial runs the forwarder as before its reads were pipelined
+	// (relaystep.WithSerial).
+	serial bool
 }
 
 // pipelineWith is one pipeline round as described by s.
@@ -357,7 +360,10 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	fwdErr := make(chan error, 1)
 	runCtx := fctx
 	if s.observe != nil {
-		runCtx = relaystep.With(fctx, s.observe)
+		runCtx = relaystep.With(runCtx, s.observe)
+	}
+	if s.serial {
+		runCtx = relaystep.WithSerial(runCtx)
 	}
 	go func() { fwdErr <- fwd.Run(runCtx) }()
 	defer func() { stopFwd(); <-fwdErr }()

@@ -210,11 +210,21 @@ func meanDur(xs []time.Duration) time.Duration {
 	return s / time.Duration(len(xs))
 }
 
+// relayVariant is one forwarder mode of the relay-steps section.
+type relayVariant struct {
+	name   string
+	serial bool
+	logs   []*stepLog
+	p50    []time.Duration
+	p99    []time.Duration
+}
+
 // relaySteps profiles the forwarder at half the consuming rate: the rate
 // of the consuming side measured first (a backlog drained), then paced
-// rounds whose forwarder reports its steps (relaystep), and each
-// measured row's publish→Kafka latency split at the writer's COMMIT, the
-// forwarding transaction's lock, its read and the broker's ack.
+// rounds whose forwarder reports its steps (relaystep), and each measured
+// row's publish→Kafka latency in parts. Each round runs the forwarder as
+// it is and as it was before its reads were pipelined (relaystep.WithSerial),
+// order alternated.
 func relaySteps(ctx context.Context, o Options) (Section, error) {
 	n, liveN, rounds, fwdWait := 3000, 4000, min(max(o.Rounds, 1), 3), 10*time.Second
 	if o.Short {
@@ -230,62 +240,83 @@ func relaySteps(ctx context.Context, o Options) (Section, error) {
 		return Section{}, err
 	}
 	rate := res.consumed / 2
+	before := &relayVariant{name: "before: one cut per transaction, its first page read apart, a 1 ms pause after each", serial: true}
+	now := &relayVariant{name: "now: pipelined reads (defaults)"}
 	var (
-		logs      []*stepLog
 		roundRows [][]string
-		loads     []string
+		ratios    []float64
 	)
 	for round := range rounds {
-		live, err := r.topic("bench-steps")
-		if err != nil {
-			return Section{}, err
+		order := []*relayVariant{before, now}
+		if round%2 == 1 {
+			order = []*relayVariant{now, before}
 		}
-		l := newStepLog()
-		load := loadAverage()
-		res, err := r.pipelineWith(ctx, pipelineSpec{in: live, n: liveN, produceRate: rate, fwdWait: fwdWait,
-			observe: l.observe, committed: l.commit, acked: l.ack})
-		if err != nil {
-			return Section{}, err
+		for _, v := range order {
+			row, err := r.relayRound(ctx, o, v, liveN, rate, fwdWait)
+			if err != nil {
+				return Section{}, fmt.Errorf("relay steps: round %d, %s: %w", round+1, v.name, err)
+			}
+			roundRows = append(roundRows, append([]string{fmt.Sprint(round + 1)}, row...))
 		}
-		if !res.complete {
-			return Section{}, fmt.Errorf("relay steps: round %d: only %d of %d forwarded within %s", round+1, res.forwardedNum, liveN, fwdWait)
-		}
-		k50, k99 := percentile(res.toKafka, 0.50), percentile(res.toKafka, 0.99)
-		met := "yes"
-		if k99 > relayTarget {
-			met = fmt.Sprintf("no (+%s)", fmtDur(k99-relayTarget))
-		}
-		loads = append(loads, load)
-		o.Logf("  relay steps: round %d at %.0f msg/s (load %s): publish→Kafka p50 %s p99 %s", round+1, rate, load, k50, k99)
-		roundRows = append(roundRows, []string{fmt.Sprint(round + 1), fmt.Sprintf("%.0f", rate), load, fmtDur(k50), fmtDur(k99), met})
-		logs = append(logs, l)
+		ratios = append(ratios, float64(now.p99[round])/float64(before.p99[round]))
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "The outbox forwarder at half the consuming rate, profiled step by step: the end-to-end pipeline above (dedup "+
 		"transaction writing a business row and an outbox row, forwarder with its defaults), its consuming rate measured first "+
-		"by draining a backlog of %d events, then %d round(s) of %d events published at half that rate after %d warm-up events. "+
+		"by draining a backlog of %d events, then %d round(s) of %d events published at half that rate after %d warm-up events, "+
+		"in each round the forwarder as it is and as it was before its reads were pipelined, order alternated. "+
 		"The forwarder reports each step of its loop with its time to an observer that the bench passes in Run's context "+
 		"(internal/relaystep: no exported API). **publish→Kafka** runs from the handler's publish to the outbox to the broker's "+
 		"acknowledgement of the forwarded record; the target is a p99 of at most %s on a loaded 2-core machine. "+
-		"The load column is /proc/loadavg (1, 5, 15 min) when the round started.\n\n", n, rounds, liveN, warmupEvents, relayTarget)
-	b.WriteString(Table([]string{"round", "published (msg/s)", "load average", "publish→Kafka p50", "publish→Kafka p99", "p99 ≤ 20ms"}, roundRows))
-	b.WriteString("\nEach forwarder transaction (cycle), step by step, over every round: how often the step ran, its p50 and p99, " +
-		"and its total as a share of the rounds' forwarding time (BEGIN to COMMIT returned, plus the pauses and looks between):\n\n")
-	b.WriteString(Table([]string{"step", "count", "p50", "p99", "share of the time"}, stepRows(logs)))
-	var txs, pages int
-	for _, l := range logs {
-		_, ps, _, t := l.replay()
-		txs, pages = txs+t, pages+len(ps)
+		"The load column is /proc/loadavg (1, 5, 15 min) when the round started. p99 now / before, per round: **%s**.\n\n",
+		n, rounds, liveN, warmupEvents, relayTarget, Summarise(ratios))
+	b.WriteString(Table([]string{"round", "forwarder", "published (msg/s)", "load average", "publish→Kafka p50", "publish→Kafka p99", "p99 ≤ 20ms"}, roundRows))
+	for _, v := range []*relayVariant{now, before} {
+		fmt.Fprintf(&b, "\nEach forwarder transaction step by step, %s, over every round: how often the step ran, its p50 and p99, "+
+			"and its total as a share of the rounds' forwarding time (BEGIN to COMMIT returned, plus the pauses and looks between; "+
+			"a send and the position update run at the same time):\n\n", v.name)
+		b.WriteString(Table([]string{"step", "count", "p50", "p99", "share of the time"}, stepRows(v.logs)))
+		var txs, pages int
+		for _, l := range v.logs {
+			_, ps, _, t := l.replay()
+			txs, pages = txs+t, pages+len(ps)
+		}
+		if txs > 0 {
+			fmt.Fprintf(&b, "\n%d transactions committed, %d pages sent: %.2f pages per transaction.\n", txs, pages, float64(pages)/float64(txs))
+		}
 	}
-	if txs > 0 {
-		fmt.Fprintf(&b, "\n%d transactions committed, %d pages sent: %.2f pages per transaction.\n", txs, pages, float64(pages)/float64(txs))
-	}
-	b.WriteString("\nEach measured row's publish→Kafka latency in parts, placed in the forwarder transaction whose send returned " +
-		"at its acknowledgement: the writer's own transaction, the wait until the transaction that reads it holds the lock " +
-		"(a row committed during a cut waits for the next one), that transaction's cut and page read, and the send. " +
-		"Mean and p50 over all rows, then the mean over the slowest 1 % (the rows at or above the p99): where the p99 goes.\n\n")
-	b.WriteString(Table([]string{"part", "mean, all rows", "p50, all rows", "mean, slowest 1 %"}, partRows(logs)))
+	b.WriteString("\nEach measured row's publish→Kafka latency in parts, placed in the page whose send returned at its acknowledgement: " +
+		"the writer's own transaction, the wait for the read that takes the row (a row committed after a cut's snapshot waits for the next read), " +
+		"that read, the wait for the page before it, and the send. Mean and p50 over all rows, and the mean over the slowest 1 % " +
+		"(the rows at or above the p99): where the p99 goes.\n\n")
+	b.WriteString(Table([]string{"part", "now: mean", "now: p50", "now: slowest 1 %, mean", "before: mean", "before: slowest 1 %, mean"}, partRows(now.logs, before.logs)))
 	return Section{Title: "Relay latency, step by step: where publish→Kafka time goes", Markdown: b.String()}, nil
+}
+
+// relayRound runs one paced round of v and returns its table row.
+func (r *e2eRig) relayRound(ctx context.Context, o Options, v *relayVariant, n int, rate float64, fwdWait time.Duration) ([]string, error) {
+	live, err := r.topic("bench-steps")
+	if err != nil {
+		return nil, err
+	}
+	l := newStepLog()
+	load := loadAverage()
+	res, err := r.pipelineWith(ctx, pipelineSpec{in: live, n: n, produceRate: rate, fwdWait: fwdWait,
+		observe: l.observe, committed: l.commit, acked: l.ack, serial: v.serial})
+	if err != nil {
+		return nil, err
+	}
+	if !res.complete {
+		return nil, fmt.Errorf("only %d of %d forwarded within %s", res.forwardedNum, n, fwdWait)
+	}
+	k50, k99 := percentile(res.toKafka, 0.50), percentile(res.toKafka, 0.99)
+	met := "yes"
+	if k99 > relayTarget {
+		met = fmt.Sprintf("no (+%s)", fmtDur(k99-relayTarget))
+	}
+	o.Logf("  relay steps: %s at %.0f msg/s (load %s): publish→Kafka p50 %s p99 %s", v.name, rate, load, k50, k99)
+	v.logs, v.p50, v.p99 = append(v.logs, l), append(v.p50, k50), append(v.p99, k99)
+	return []string{v.name, fmt.Sprintf("%.0f", rate), load, fmtDur(k50), fmtDur(k99), met}, nil
 }
 
 func stepRows(logs []*stepLog) [][]string {
@@ -318,7 +349,20 @@ func stepRows(logs []*stepLog) [][]string {
 	return rows
 }
 
-func partRows(logs []*stepLog) [][]string {
+// partRows returns the row-parts table: now's mean, p50 and slowest-1 %
+// mean, then before's mean and slowest-1 % mean.
+func partRows(now, before []*stepLog) [][]string {
+	nowCols, beforeCols := partColumns(now), partColumns(before)
+	var rows [][]string
+	for i, name := range append(slices.Clone(rowParts), "publish→Kafka (the sum, pauses counted once)") {
+		rows = append(rows, []string{name, nowCols[i][0], nowCols[i][1], nowCols[i][2], beforeCols[i][0], beforeCols[i][2]})
+	}
+	return rows
+}
+
+// partColumns returns, per row part and then the total, its mean and p50
+// over all rows and its mean over the slowest 1 %.
+func partColumns(logs []*stepLog) [][3]string {
 	var totals []time.Duration
 	var parts [][]time.Duration
 	for _, l := range logs {
@@ -326,8 +370,8 @@ func partRows(logs []*stepLog) [][]string {
 		totals, parts = append(totals, t...), append(parts, p...)
 	}
 	p99 := percentile(totals, 0.99)
-	var rows [][]string
-	for i, name := range append(slices.Clone(rowParts), "publish→Kafka (the sum, pauses counted once)") {
+	var out [][3]string
+	for i := range len(rowParts) + 1 {
 		var all, slow []time.Duration
 		for j, ps := range parts {
 			x := totals[j]
@@ -339,9 +383,9 @@ func partRows(logs []*stepLog) [][]string {
 				slow = append(slow, x)
 			}
 		}
-		rows = append(rows, []string{name, fmtDur(meanDur(all)), fmtDur(percentile(all, 0.5)), fmtDur(meanDur(slow))})
+		out = append(out, [3]string{fmtDur(meanDur(all)), fmtDur(percentile(all, 0.5)), fmtDur(meanDur(slow))})
 	}
-	return rows
+	return out
 }
 
 // loadAverage is /proc/loadavg's first three fields, or "n/a".
