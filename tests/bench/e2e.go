@@ -743,6 +743,10 @@ func endToEnd(ctx context.Context, o Options) (Section, error) {
 			rel = fmt.Sprintf("%d events", n)
 		case quietP99 == 0:
 			quietP99 = k99
+			rel = "target p99 ≤ 20ms: met"
+			if k99 > relayTarget {
+				rel = fmt.Sprintf("target p99 ≤ 20ms: not met (+%s; load average %s; see the relay-steps section)", fmtDur(k99-relayTarget), loadAverage())
+			}
 		default:
 			rel = fmt.Sprintf("%.2f× the first row's publish→Kafka p99", float64(k99)/float64(quietP99))
 			if held != "" {

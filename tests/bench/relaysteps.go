@@ -226,7 +226,7 @@ type relayVariant struct {
 // it is and as it was before its reads were pipelined (relaystep.WithSerial),
 // order alternated.
 func relaySteps(ctx context.Context, o Options) (Section, error) {
-	n, liveN, rounds, fwdWait := 3000, 4000, min(max(o.Rounds, 1), 3), 10*time.Second
+	n, liveN, rounds, fwdWait := 3000, 4000, min(max(o.Rounds, 1), 5), 10*time.Second
 	if o.Short {
 		n, liveN, rounds, fwdWait = 1000, 1000, 1, 5*time.Second
 	}
