@@ -89,7 +89,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 			}
 		}
 		if err == nil {
-			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, wake, &cache, &last)
+			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, &cache, &last)
 		}
 		if errors.Is(err, ErrPositionFromOtherCluster) {
 			f.errs.Add(1)
@@ -220,7 +220,7 @@ func (c *cutCache) pagesAfter(p outboxsql.Position) ([]outboxsql.Page, *batch, b
 // position commits when
 // every page of the transaction was sent; if any send fails, the
 // transaction rolls back and all of them are sent again later.
-func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter, wake chan struct{}, cache *cutCache, last *known) (n int, more bool, err error) {
+func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter, cache *cutCache, last *known) (n int, more bool, err error) {
 	// The transaction itself is not cancelled by a stop: it gets
 	// ShutdownTimeout to finish, so a graceful stop does not resend.
 	ctx, cancel := context.WithCancel(context.WithoutCancel(stopCtx))
@@ -300,7 +300,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		}
 		f.mark(topic, relaystep.Read)
 	}
-	n, pos, err = f.sendPages(ctx, stopCtx, tx, tables, topic, logger, wake, cache, pages, b, dead)
+	n, pos, err = f.sendPages(ctx, stopCtx, tx, tables, topic, logger, cache, pages, b, dead)
 	if err != nil {
 		return 0, false, err
 	}
@@ -319,13 +319,12 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 // page and reads the next one: the cut's next page, or after the cut's
 // last page the first page of a new cut, read in the same round trip as
 // the position update (a transaction goes on from cut to cut while rows
-// keep coming; a new cut read empty is read again, while the page is in
-// flight, each time a wake-up comes). It stops after BatchesPerTransaction
-// pages, at a stop, or when the new cut is empty, and returns the rows sent and the position
+// keep coming). It stops after BatchesPerTransaction pages, at a stop, or
+// when the new cut is empty, and returns the rows sent and the position
 // reached. cache is left holding the cut worked on, the index of its first
 // page not sent and that page when it was read ahead.
 func (f *Forwarder) sendPages(ctx, stopCtx context.Context, tx *outboxsql.Tx, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter,
-	wake chan struct{}, cache *cutCache, pages []outboxsql.Page, b *batch, dead map[string]int64) (n int, pos outboxsql.Position, err error) {
+	cache *cutCache, pages []outboxsql.Page, b *batch, dead map[string]int64) (n int, pos outboxsql.Position, err error) {
 	cut := cache.cut
 	for sentPages, i := 1, 0; ; sentPages, i = sentPages+1, i+1 {
 		// Stop is read once per page: whether this page ends the
@@ -347,25 +346,27 @@ func (f *Forwarder) sendPages(ctx, stopCtx context.Context, tx *outboxsql.Tx, ta
 		var (
 			next   *batch
 			newCut outboxsql.Cut
+			first  []outboxsql.Row
 		)
 		f.mark(topic, relaystep.Update)
 		if last && !final && !f.serial {
-			next, newCut, dead, err = f.nextCut(ctx, tx, tables, topic, logger, pos, true, dead)
-			f.step("acked")
-			// A new cut read empty while writers commit (a wake-up came
-			// since): read it again while the page is in flight, rather
-			// than end the transaction.
-			for err == nil && len(newCut.Pages) == 0 && len(sent) == 0 && woken(wake) {
-				next, newCut, dead, err = f.nextCut(ctx, tx, tables, topic, logger, pos, false, dead)
+			var newDead map[string]int64
+			if newCut, newDead, first, err = tables.AckAndReadCut(ctx, tx, f.cfg.Name, pos, f.cfg.BatchSize); err == nil {
+				dead = newDead
 			}
 		} else {
-			if err = tables.Ack(ctx, tx, f.cfg.Name, pos); err != nil {
-				err = fmt.Errorf("advance position: %w", err)
-			}
-			f.step("acked")
-			if err == nil && !last && !stopping {
-				next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
-			}
+			err = tables.Ack(ctx, tx, f.cfg.Name, pos)
+		}
+		f.step("acked")
+		switch {
+		case err != nil:
+			err = fmt.Errorf("advance position: %w", err)
+		case !last && !stopping:
+			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
+		case len(newCut.Pages) > 0 && first != nil:
+			next, err = f.makeBatch(ctx, tx, tables, topic, first, dead, logger)
+		case len(newCut.Pages) > 0:
+			next, err = f.readPage(ctx, tx, tables, topic, newCut.Pages[0], dead, logger)
 		}
 		f.mark(topic, relaystep.Acked)
 		if sendErr := <-sent; sendErr != nil {
@@ -386,48 +387,6 @@ func (f *Forwarder) sendPages(ctx, stopCtx context.Context, tx *outboxsql.Tx, ta
 			cut, pages, i = newCut, newCut.Pages, -1
 		}
 		b = next
-	}
-}
-
-// nextCut reads the cut that continues pos, the dead keys and the cut's
-// first page made into a batch (nil when the cut is empty); with ack, it
-// first moves the position to pos, in the same round trip. On error dead
-// is returned as it was.
-func (f *Forwarder) nextCut(ctx context.Context, tx *outboxsql.Tx, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter,
-	pos outboxsql.Position, ack bool, dead map[string]int64) (*batch, outboxsql.Cut, map[string]int64, error) {
-	var (
-		cut     outboxsql.Cut
-		newDead map[string]int64
-		first   []outboxsql.Row
-		err     error
-	)
-	if ack {
-		if cut, newDead, first, err = tables.AckAndReadCut(ctx, tx, f.cfg.Name, pos, f.cfg.BatchSize); err != nil {
-			return nil, cut, dead, fmt.Errorf("advance position and read the next cut: %w", err)
-		}
-	} else if cut, newDead, first, err = tables.ReadCutDeadKeysAndFirstPage(ctx, tx, pos, f.cfg.BatchSize); err != nil {
-		return nil, cut, dead, fmt.Errorf("read the next cut: %w", err)
-	}
-	if len(cut.Pages) == 0 {
-		return nil, cut, newDead, nil
-	}
-	var b *batch
-	if first != nil {
-		b, err = f.makeBatch(ctx, tx, tables, topic, first, newDead, logger)
-	} else {
-		b, err = f.readPage(ctx, tx, tables, topic, cut.Pages[0], newDead, logger)
-	}
-	return b, cut, newDead, err
-}
-
-// woken takes a pending wake-up from wake, and reports whether there was
-// one.
-func woken(wake chan struct{}) bool {
-	select {
-	case <-wake:
-		return true
-	default:
-		return false
 	}
 }
 
