@@ -32,8 +32,8 @@ type known struct {
 // lock, whether a new cut has any row; after a read that found rows it
 // starts the next transaction after minPollInterval, or at once when a
 // wake-up came while the transaction ran (rows committed meanwhile, likely
-// after its cut), and after each read that found none it waits twice as long, up to
-// PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
+// after its cut), and after each read that found none it waits twice as
+// long, up to PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
 // wait longer than minPollInterval and starts the doubling again.
 //
 // A position from another cluster is given to fail, and the loop returns.
@@ -217,9 +217,9 @@ func (c *cutCache) pagesAfter(p outboxsql.Position) ([]outboxsql.Page, *batch, b
 // and reads page k+1; after a cut's last page, page k+1 is the first of the
 // next cut, read with the position update (see sendPages). Page k+1 is
 // sent only once page k was acknowledged, which keeps the order. The
-// position commits when
-// every page of the transaction was sent; if any send fails, the
-// transaction rolls back and all of them are sent again later.
+// position commits when every page of the transaction was sent; if any
+// send fails, the transaction rolls back and all of them are sent again
+// later.
 func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter, cache *cutCache, last *known) (n int, more bool, err error) {
 	// The transaction itself is not cancelled by a stop: it gets
 	// ShutdownTimeout to finish, so a graceful stop does not resend.
