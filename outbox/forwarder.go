@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
+	"github.com/idemkit/watermill-idempotency/internal/relaystep"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -51,11 +52,25 @@ type Forwarder struct {
 	// stretch, when set (by tests, before Run), replaces the length of
 	// every wait longer than minPollInterval.
 	stretch func(time.Duration) time.Duration
+	// observe, when the context given to Run carries one (the bench's
+	// step profile), gets each step of each loop with its time.
+	observe relaystep.Observer
+	// serial, when the context given to Run asks for it (the bench's
+	// baseline), makes the loops work as before their reads were
+	// pipelined (see relaystep.WithSerial).
+	serial bool
 }
 
 func (f *Forwarder) step(name string) {
 	if f.hook != nil {
 		f.hook(name)
+	}
+}
+
+// mark reports step of topic's loop to the observer, if any.
+func (f *Forwarder) mark(topic string, step relaystep.Step) {
+	if f.observe != nil {
+		f.observe(topic, step, time.Now())
 	}
 }
 
@@ -140,6 +155,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	}
 	done := make(chan struct{})
 	f.done = done
+	f.observe, f.serial = relaystep.From(ctx), relaystep.Serial(ctx)
 	f.mu.Unlock()
 	defer close(done)
 

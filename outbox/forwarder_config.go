@@ -105,9 +105,10 @@ type ForwarderConfig struct {
 	// BatchSize*BatchesPerTransaction rows. Defaults to 4.
 	BatchesPerTransaction int
 	// PollInterval is the longest wait between two reads. After a read
-	// that found rows the forwarder reads again after 1 ms, and doubles
-	// the wait after each read that found none, up to PollInterval; a
-	// read that finds nothing is one query (index probes). A wake-up ends
+	// that found rows the forwarder reads again after 1 ms (at once when a
+	// wake-up came during it), and doubles the wait after each read that
+	// found none, up to PollInterval; a read that finds nothing is one
+	// query (index probes). A wake-up ends
 	// a longer wait and starts the doubling again at 1 ms: a write to the
 	// topic's table in this process (through this package, whichever
 	// Outbox value it used), or a NOTIFY (see Listen). Defaults to 100 ms.

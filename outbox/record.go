@@ -51,6 +51,12 @@ func (f *Forwarder) readPage(ctx context.Context, tx dbx.Querier, tables outboxs
 	if err != nil {
 		return nil, fmt.Errorf("read page: %w", err)
 	}
+	return f.makeBatch(ctx, tx, tables, topic, rows, dead, logger)
+}
+
+// makeBatch makes a page's rows, read in order, into a batch, quarantining
+// those that cannot be sent (see readPage).
+func (f *Forwarder) makeBatch(ctx context.Context, tx dbx.Querier, tables outboxsql.Tables, topic string, rows []outboxsql.Row, dead map[string]int64, logger watermill.LoggerAdapter) (*batch, error) {
 	b := &batch{}
 	_, defaultMarshaler := f.cfg.Marshaler.(idemkafka.Marshaler)
 	fast := f.cfg.Producer != nil && defaultMarshaler && f.tracing.Tracer() == nil

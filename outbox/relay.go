@@ -11,6 +11,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
+	"github.com/idemkit/watermill-idempotency/internal/relaystep"
 )
 
 // minPollInterval is the first wait after a read that found rows; each
@@ -29,9 +30,10 @@ type known struct {
 // back and retried: its pages are read and sent again. Unless the last
 // transaction forwarded rows, it first asks, in one query and without a
 // lock, whether a new cut has any row; after a read that found rows it
-// starts the next transaction after minPollInterval, and
-// after each read that found none it waits twice as long, up to
-// PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
+// starts the next transaction after minPollInterval, or at once when a
+// wake-up came while the transaction ran (rows committed meanwhile, likely
+// after its cut), and after each read that found none it waits twice as
+// long, up to PollInterval. A wake-up (a write in this process, or a NOTIFY) ends a
 // wait longer than minPollInterval and starts the doubling again.
 //
 // A position from another cluster is given to fail, and the loop returns.
@@ -69,13 +71,15 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		if last.ok && last.pos.Cut == nil && !busy {
 			f.polls.Add(1)
 			var has bool
+			f.mark(topic, relaystep.Poll)
 			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos, f.cfg.Name)
+			f.mark(topic, relaystep.Polled)
 			if stopCtx.Err() != nil {
 				return
 			}
 			if err == nil && !has {
 				idle = f.backoff(idle)
-				if f.sleep(stopCtx, wake, idle) {
+				if f.sleep(stopCtx, topic, wake, idle) {
 					woken()
 				}
 				continue
@@ -120,6 +124,11 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		case n > 0:
 			idle = min(minPollInterval, f.cfg.PollInterval)
 			wait = idle
+			if len(wake) > 0 && !f.serial {
+				// A write committed (or a NOTIFY came) during this
+				// transaction, perhaps after its cut: read at once.
+				wait = 0
+			}
 		default:
 			idle = f.backoff(idle)
 			wait = idle
@@ -127,8 +136,8 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		if retry {
 			// A failed transaction waits its RetryInterval whatever
 			// writers do.
-			f.sleep(stopCtx, nil, wait)
-		} else if f.sleep(stopCtx, wake, wait) {
+			f.sleep(stopCtx, topic, nil, wait)
+		} else if f.sleep(stopCtx, topic, wake, wait) {
 			woken()
 		}
 		if stopCtx.Err() != nil {
@@ -148,10 +157,11 @@ func (f *Forwarder) backoff(idle time.Duration) time.Duration {
 // after a read that found rows) is not cut short: while rows keep coming,
 // each read takes what arrived during that pause, rather than one read per
 // write.
-func (f *Forwarder) sleep(stopCtx context.Context, wake chan struct{}, d time.Duration) (woke bool) {
+func (f *Forwarder) sleep(stopCtx context.Context, topic string, wake chan struct{}, d time.Duration) (woke bool) {
 	if d <= 0 {
 		return false
 	}
+	f.mark(topic, relaystep.PauseStart)
 	if d <= minPollInterval {
 		wake = nil
 	} else if f.stretch != nil {
@@ -162,9 +172,11 @@ func (f *Forwarder) sleep(stopCtx context.Context, wake chan struct{}, d time.Du
 	select {
 	case <-stopCtx.Done():
 	case <-wake:
+		f.mark(topic, relaystep.Woken)
 		return true
 	case <-t.C:
 	}
+	f.mark(topic, relaystep.PauseEnd)
 	return false
 }
 
@@ -200,11 +212,14 @@ func (c *cutCache) pagesAfter(p outboxsql.Position) ([]outboxsql.Page, *batch, b
 // The transaction locks the forwarder's position row (READ COMMITTED: every
 // statement after the lock sees at least what the previous holder
 // committed), reads the pages of the cut that continues the position, or of
-// a new cut ending at the read's own snapshot, then sends page k while it
-// moves the position past it and reads page k+1. Page k+1 is sent only once
-// page k was acknowledged, which keeps the order. The position commits when
-// every page of the transaction was sent; if any send fails, the
-// transaction rolls back and all of them are sent again later.
+// a new cut ending at the read's own snapshot (with its first page, in the
+// same round trip), then sends page k while it moves the position past it
+// and reads page k+1; after a cut's last page, page k+1 is the first of the
+// next cut, read with the position update (see sendPages). Page k+1 is
+// sent only once page k was acknowledged, which keeps the order. The
+// position commits when every page of the transaction was sent; if any
+// send fails, the transaction rolls back and all of them are sent again
+// later.
 func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter, cache *cutCache, last *known) (n int, more bool, err error) {
 	// The transaction itself is not cancelled by a stop: it gets
 	// ShutdownTimeout to finish, so a graceful stop does not resend.
@@ -213,6 +228,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	stopWatch := context.AfterFunc(stopCtx, func() { time.AfterFunc(f.cfg.ShutdownTimeout, cancel) })
 	defer stopWatch()
 	f.step("begin")
+	f.mark(topic, relaystep.Begin)
 
 	conn, err := f.cfg.DB.Acquire(ctx)
 	if err != nil {
@@ -242,23 +258,13 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	*last = known{pos: pos, ok: true}
 	f.polls.Add(1)
 	f.step("locked")
-	// The keys with dead rows are read after the cut: a key an operator
-	// retried (its rows moved back in one commit) is no longer among them
-	// whenever its moved rows are in the cut. A new cut and the keys go
-	// in one round trip.
-	var dead map[string]int64
-	pages, ahead, ok := cache.pagesAfter(pos)
-	if !ok {
-		cut, keys, err := tables.ReadCutAndDeadKeys(ctx, tx, pos, f.cfg.BatchSize)
-		if err != nil {
-			return 0, false, fmt.Errorf("read cut: %w", err)
-		}
-		*cache = cutCache{cut: cut}
-		pages, ahead, dead = cut.Pages, nil, keys
+	f.mark(topic, relaystep.Locked)
+	pages, ahead, dead, first, err := f.readCut(ctx, tx, tables, pos, cache)
+	if err != nil {
+		return 0, false, err
 	}
-	cache.ahead = nil
-	cut := cache.cut
 	f.step("cut")
+	f.mark(topic, relaystep.Cut)
 	if len(pages) == 0 {
 		if pos.Cut == nil {
 			return 0, false, nil
@@ -269,7 +275,7 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 		if err := tables.Ack(ctx, tx, f.cfg.Name, closed); err != nil {
 			return 0, false, fmt.Errorf("advance position: %w", err)
 		}
-		if err := f.commit(ctx, tx, 0); err != nil {
+		if err := f.commit(ctx, tx, topic, 0); err != nil {
 			return 0, false, err
 		}
 		*last = known{pos: closed, ok: true}
@@ -284,55 +290,21 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	}
 	b := ahead
 	if b == nil {
-		if b, err = f.readPage(ctx, tx, tables, topic, pages[0], dead, logger); err != nil {
-			return 0, false, err
-		}
-	}
-	for i := 0; ; i++ {
-		// Stop is read once per page: whether this page ends the
-		// transaction and whether the next one is read ahead must agree,
-		// or a stop between the two would leave no page to send next.
-		stopping := stopCtx.Err() != nil
-		sent := make(chan error, 1)
-		if b.size() == 0 { // the page's rows were deleted meanwhile
-			sent <- nil
+		if first != nil {
+			b, err = f.makeBatch(ctx, tx, tables, topic, first, dead, logger)
 		} else {
-			go func(b *batch) { sent <- f.send(topic, b) }(b)
+			b, err = f.readPage(ctx, tx, tables, topic, pages[0], dead, logger)
 		}
-
-		// While the broker works: move the position past this page and
-		// read the next one, even when this transaction ends with this
-		// page (the next transaction then starts by sending it).
-		if i == len(pages)-1 {
-			pos = outboxsql.Position{Snapshot: cut.To}
-		} else {
-			pos = outboxsql.Position{Snapshot: cut.From, Cut: &cut.To, CutOffset: pages[i].Last}
-		}
-		var next *batch
-		final := i == len(pages)-1 || i+1 == f.cfg.BatchesPerTransaction || stopping
-		err := tables.Ack(ctx, tx, f.cfg.Name, pos)
-		f.step("acked")
-		if err != nil {
-			err = fmt.Errorf("advance position: %w", err)
-		} else if i < len(pages)-1 && !stopping {
-			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
-		}
-		if sendErr := <-sent; sendErr != nil {
-			return 0, false, fmt.Errorf("send %d messages: %w", b.size(), sendErr)
-		}
-		f.step("sent")
 		if err != nil {
 			return 0, false, err
 		}
-		n += b.size()
-		if final {
-			cache.next = len(cut.Pages) - len(pages) + i + 1
-			cache.ahead = next
-			break
-		}
-		b = next
+		f.mark(topic, relaystep.Read)
 	}
-	if err := f.commit(ctx, tx, n); err != nil {
+	n, pos, err = f.sendPages(ctx, stopCtx, tx, tables, topic, logger, cache, pages, b, dead)
+	if err != nil {
+		return 0, false, err
+	}
+	if err := f.commit(ctx, tx, topic, n); err != nil {
 		cache.ahead = nil
 		return 0, false, err
 	}
@@ -341,9 +313,133 @@ func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, 
 	return n, pos.Cut != nil, nil
 }
 
-func (f *Forwarder) commit(ctx context.Context, tx *outboxsql.Tx, n int) error {
+// sendPages sends b, the first of pages (of cache.cut), then the pages
+// after it, each once the previous one was acknowledged, which keeps the
+// order. While the broker works on a page it moves the position past that
+// page and reads the next one: the cut's next page, or after the cut's
+// last page the first page of a new cut, read in the same round trip as
+// the position update (a transaction goes on from cut to cut while rows
+// keep coming). It stops after BatchesPerTransaction pages, at a stop, or
+// when the new cut is empty, and returns the rows sent and the position
+// reached. cache is left holding the cut worked on, the index of its first
+// page not sent and that page when it was read ahead.
+func (f *Forwarder) sendPages(ctx, stopCtx context.Context, tx *outboxsql.Tx, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter,
+	cache *cutCache, pages []outboxsql.Page, b *batch, dead map[string]int64) (n int, pos outboxsql.Position, err error) {
+	cut := cache.cut
+	for sentPages, i := 1, 0; ; sentPages, i = sentPages+1, i+1 {
+		// Stop is read once per page: whether this page ends the
+		// transaction and whether the next one is read ahead must agree,
+		// or a stop between the two would leave no page to send next.
+		stopping := stopCtx.Err() != nil
+		sent := f.startSend(topic, b)
+
+		// While the broker works: move the position past this page and
+		// read the next one, even when this transaction ends with this
+		// page (the next transaction then starts by sending it).
+		last := i == len(pages)-1
+		if last {
+			pos = outboxsql.Position{Snapshot: cut.To}
+		} else {
+			pos = outboxsql.Position{Snapshot: cut.From, Cut: &cut.To, CutOffset: pages[i].Last}
+		}
+		final := sentPages == f.cfg.BatchesPerTransaction || stopping
+		var (
+			next   *batch
+			newCut outboxsql.Cut
+			first  []outboxsql.Row
+		)
+		f.mark(topic, relaystep.Update)
+		if last && !final && !f.serial {
+			var newDead map[string]int64
+			if newCut, newDead, first, err = tables.AckAndReadCut(ctx, tx, f.cfg.Name, pos, f.cfg.BatchSize); err == nil {
+				dead = newDead
+			}
+		} else {
+			err = tables.Ack(ctx, tx, f.cfg.Name, pos)
+		}
+		f.step("acked")
+		switch {
+		case err != nil:
+			err = fmt.Errorf("advance position: %w", err)
+		case !last && !stopping:
+			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
+		case len(newCut.Pages) > 0 && first != nil:
+			next, err = f.makeBatch(ctx, tx, tables, topic, first, dead, logger)
+		case len(newCut.Pages) > 0:
+			next, err = f.readPage(ctx, tx, tables, topic, newCut.Pages[0], dead, logger)
+		}
+		f.mark(topic, relaystep.Acked)
+		if sendErr := <-sent; sendErr != nil {
+			return 0, pos, fmt.Errorf("send %d messages: %w", b.size(), sendErr)
+		}
+		f.step("sent")
+		if err != nil {
+			return 0, pos, err
+		}
+		n += b.size()
+		if final || last && len(newCut.Pages) == 0 {
+			cache.next = len(cut.Pages) - len(pages) + i + 1
+			cache.ahead = next
+			return n, pos, nil
+		}
+		if last { // go on with the new cut
+			*cache = cutCache{cut: newCut}
+			cut, pages, i = newCut, newCut.Pages, -1
+		}
+		b = next
+	}
+}
+
+// startSend sends b to the broker in a goroutine of its own, and returns
+// where the outcome arrives.
+func (f *Forwarder) startSend(topic string, b *batch) <-chan error {
+	sent := make(chan error, 1)
+	if b.size() == 0 { // the page's rows were deleted meanwhile
+		sent <- nil
+		return sent
+	}
+	f.mark(topic, relaystep.SendStart)
+	go func() {
+		err := f.send(topic, b)
+		f.mark(topic, relaystep.SendEnd)
+		sent <- err
+	}()
+	return sent
+}
+
+// readCut returns the pages of the cut that continues pos, from cache when
+// it holds them (with the first one already read ahead, or nil), else from
+// a read of the cut, which also returns the rows of its first page (or nil:
+// read it with readPage) and the keys with dead rows. The keys are read
+// after the cut: a key an operator retried (its rows moved back in one
+// commit) is no longer among them whenever its moved rows are in the cut.
+// A new cut, the keys and the first page go in one round trip.
+func (f *Forwarder) readCut(ctx context.Context, tx *outboxsql.Tx, tables outboxsql.Tables, pos outboxsql.Position, cache *cutCache) (
+	pages []outboxsql.Page, ahead *batch, dead map[string]int64, first []outboxsql.Row, err error) {
+	pages, ahead, ok := cache.pagesAfter(pos)
+	if !ok {
+		var cut outboxsql.Cut
+		if f.serial {
+			cut, dead, err = tables.ReadCutAndDeadKeys(ctx, tx, pos, f.cfg.BatchSize)
+		} else {
+			cut, dead, first, err = tables.ReadCutDeadKeysAndFirstPage(ctx, tx, pos, f.cfg.BatchSize)
+		}
+		if err != nil {
+			return nil, nil, nil, nil, fmt.Errorf("read cut: %w", err)
+		}
+		*cache = cutCache{cut: cut}
+		pages, ahead = cut.Pages, nil
+	}
+	cache.ahead = nil
+	return pages, ahead, dead, first, nil
+}
+
+func (f *Forwarder) commit(ctx context.Context, tx *outboxsql.Tx, topic string, n int) error {
 	f.step("commit")
-	if err := tx.Commit(ctx); err != nil {
+	f.mark(topic, relaystep.Commit)
+	err := tx.Commit(ctx)
+	f.mark(topic, relaystep.Committed)
+	if err != nil {
 		return fmt.Errorf("commit position: %w", err)
 	}
 	f.forwarded.Add(uint64(n))

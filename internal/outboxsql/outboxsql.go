@@ -371,6 +371,16 @@ func (t Tables) BeginLock(ctx context.Context, conn *pgx.Conn, name string, limi
 // position p has certainly passed. It returns [ErrNoPosition] when name has
 // no position.
 func (t Tables) Ack(ctx context.Context, db dbx.Querier, name string, p Position) error {
+	sql, args := t.ackSQL(name, p)
+	tag, err := db.Exec(ctx, sql, args...)
+	if err == nil && tag.RowsAffected() == 0 {
+		err = ErrNoPosition
+	}
+	return err
+}
+
+// ackSQL is the statement of [Tables.Ack] and its arguments.
+func (t Tables) ackSQL(name string, p Position) (string, []any) {
 	var cut *string
 	var cutOffset *int64
 	if p.Cut != nil {
@@ -378,19 +388,15 @@ func (t Tables) Ack(ctx context.Context, db dbx.Querier, name string, p Position
 		cut, cutOffset = &s, &p.CutOffset
 	}
 	wsqlTx, wsqlOff := watermillSQLColumns(p)
-	tag, err := db.Exec(ctx, `UPDATE `+t.Offsets+` SET
+	return `UPDATE ` + t.Offsets + ` SET
 			offset_acked = $2,
 			last_processed_transaction_id = $3::text::xid8,
 			position_snapshot = $4::text::pg_snapshot,
 			cut_snapshot = $5::text::pg_snapshot,
 			cut_offset = $6,
-			(`+originSet+`) = (SELECT `+originValues+`)
+			(` + originSet + `) = (SELECT ` + originValues + `)
 		WHERE consumer_group = $1`,
-		name, wsqlOff, strconv.FormatUint(wsqlTx, 10), p.Snapshot.String(), cut, cutOffset)
-	if err == nil && tag.RowsAffected() == 0 {
-		err = ErrNoPosition
-	}
-	return err
+		[]any{name, wsqlOff, strconv.FormatUint(wsqlTx, 10), p.Snapshot.String(), cut, cutOffset}
 }
 
 // Page is a run of consecutive rows of a cut in "offset" order: exactly the
@@ -420,7 +426,12 @@ type Cut struct {
 // The statement is "WITH e ..., c AS (the cut's keys) " + query, where
 // query reads c (transaction_id, "offset") and e (snap).
 func cutSQL(messages, query string) string {
-	return `WITH e AS MATERIALIZED (SELECT COALESCE($2::text::pg_snapshot, pg_current_snapshot()) AS snap),
+	return cutSQLFrom(messages, `SELECT COALESCE($2::text::pg_snapshot, pg_current_snapshot()) AS snap`, query)
+}
+
+// cutSQLFrom is cutSQL with e given as a query returning snap.
+func cutSQLFrom(messages, end, query string) string {
+	return `WITH e AS MATERIALIZED (` + end + `),
 		c AS (
 			SELECT m.transaction_id, m."offset" FROM ` + messages + ` m
 			WHERE m.transaction_id >= pg_snapshot_xmax($1::text::pg_snapshot)
@@ -461,36 +472,6 @@ func (t Tables) ReadCut(ctx context.Context, db dbx.Querier, p Position, pageSiz
 		return c, err
 	}
 	return t.scanCut(c, p, rows, pageSize)
-}
-
-// ReadCutAndDeadKeys is [Tables.ReadCut] and then [Tables.DeadKeys], sent
-// together in one round trip on tx. DeadKeys's statement takes its
-// snapshot after the cut's, as the forwarder needs (see its use).
-func (t Tables) ReadCutAndDeadKeys(ctx context.Context, tx *Tx, p Position, pageSize int) (Cut, map[string]int64, error) {
-	c := Cut{From: p.Snapshot}
-	var to *string
-	if p.Cut != nil {
-		s := p.Cut.String()
-		to, c.To, c.After = &s, *p.Cut, p.CutOffset
-	}
-	b := &pgx.Batch{}
-	b.Queue(CutSQL(t.Messages), p.Snapshot.String(), to, c.After)
-	b.Queue(deadKeysSQL(t.Dead))
-	br := tx.conn.SendBatch(ctx, b)
-	rows, err := br.Query()
-	if err == nil {
-		c, err = t.scanCut(c, p, rows, pageSize)
-	}
-	var dead map[string]int64
-	if err == nil {
-		if rows, err = br.Query(); err == nil {
-			dead, err = scanDeadKeys(rows)
-		}
-	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
-	return c, dead, err
 }
 
 // scanCut reads the cut statement's rows into c, in pages of pageSize.
