@@ -165,125 +165,42 @@ const convertedSuffix = "_unconverted"
 // the old table; versions of the partitioned layout recorded for the old
 // table are forgotten, so Migrate converts the new table again.
 func rebuild(ctx context.Context, tx pgx.Tx, cfg TableConfig, shape tableShape, opts ConvertOptions, migs []migtable.Version, res *ConvertResult) error {
-	name := cfg.Schema + "." + cfg.Table
-	refuse := func(fix, format string, args ...any) error {
-		return &migrate.TableError{Component: "deduplicator", Table: name, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: ErrTableColumns}
+	c := converter{ctx: ctx, tx: tx, cfg: cfg, name: cfg.Schema + "." + cfg.Table, table: ident.Quote(cfg.Schema, cfg.Table)}
+	if err := c.checkColumns(shape); err != nil {
+		return err
 	}
-	// Only columns whose values survive the copy.
-	for _, c := range shape.columns {
-		switch {
-		case c.name == "event_id" && c.typ != "uuid":
-			return refuse("ALTER TABLE "+name+" ALTER COLUMN event_id TYPE uuid USING event_id::uuid, then convert", "cannot convert: event_id is %s, want uuid", c.typ)
-		case c.name == "processed_at" && c.typ != "timestamp with time zone":
-			return refuse("ALTER TABLE "+name+" ALTER COLUMN processed_at TYPE timestamptz USING processed_at AT TIME ZONE '<the zone its values are in>', then convert", "cannot convert: processed_at is %s, want timestamp with time zone", c.typ)
-		case c.name == "consumer_group" && !slices.Contains([]string{"text", "character varying", "character"}, baseType(c.typ)):
-			return refuse("ALTER TABLE "+name+" ALTER COLUMN consumer_group TYPE text, then convert", "cannot convert: consumer_group is %s, want text", c.typ)
-		case c.name != "event_id" && c.name != "processed_at" && c.name != "consumer_group":
-			return refuse("drop the column or copy the table by hand (see docs/operations.md)", "cannot convert: column %s would be lost (the table is rebuilt with event_id, consumer_group, processed_at only)", c.name)
-		}
-	}
-	for _, want := range []string{"event_id", "processed_at"} {
-		if _, ok := shape.column(want); !ok {
-			return refuse("add the column, then convert", "cannot convert: there is no %s column", want)
-		}
-	}
-	table := ident.Quote(cfg.Schema, cfg.Table)
-	group, hasGroup := shape.column("consumer_group")
-	var nullEvents, nullGroups int64
-	if err := tx.QueryRow(ctx, "SELECT count(*) FILTER (WHERE event_id IS NULL), count(*) FILTER (WHERE "+
-		map[bool]string{true: "consumer_group IS NULL", false: "false"}[hasGroup]+") FROM "+table).Scan(&nullEvents, &nullGroups); err != nil {
-		return fmt.Errorf("deduplicator: convert %s: count NULLs: %w", name, err)
-	}
-	switch {
-	case nullEvents > 0:
-		return refuse("DELETE FROM "+name+" WHERE event_id IS NULL (such rows name no event and decide nothing), then convert",
-			"cannot convert: %d rows have a NULL event_id", nullEvents)
-	case hasGroup && group.notNull && opts.ConsumerGroup != "":
-		return refuse("leave ConvertOptions.ConsumerGroup empty: the rows keep their own groups", "ConvertOptions.ConsumerGroup is set but the table's consumer_group column is NOT NULL")
-	case hasGroup && nullGroups > 0 && opts.ConsumerGroup == "":
-		return refuse("set ConvertOptions.ConsumerGroup (idemctl dedup convert --group) to the consumer group that processed the rows whose consumer_group is NULL",
-			"cannot convert: %d rows have a NULL consumer_group and ConvertOptions.ConsumerGroup is empty", nullGroups)
-	case !hasGroup && opts.ConsumerGroup == "":
-		return refuse("set ConvertOptions.ConsumerGroup (idemctl dedup convert --group) to the consumer group that processed these rows", "cannot convert: the table has no consumer_group column and ConvertOptions.ConsumerGroup is empty")
-	}
-	oldName := cfg.Table + convertedSuffix
-	if len(oldName) > 63 {
-		oldName = cfg.Table[:63-len(convertedSuffix)] + convertedSuffix
-	}
-	old := ident.Quote(cfg.Schema, oldName)
-	exec := func(what, sql string, args ...any) (pgconn.CommandTag, error) {
-		tag, err := tx.Exec(ctx, sql, args...)
-		if err != nil {
-			return tag, fmt.Errorf("deduplicator: convert %s: %s: %w", name, what, err)
-		}
-		return tag, nil
-	}
-
-	if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+table).Scan(&res.Rows); err != nil {
-		return fmt.Errorf("deduplicator: convert %s: count rows: %w", name, err)
-	}
-	// Index names are per schema: free those the new table's migration uses.
-	rows, err := tx.Query(ctx, `SELECT ic.relname::text, COALESCE(con.conname::text, '')
-FROM pg_catalog.pg_index i
-JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid
-LEFT JOIN pg_catalog.pg_constraint con ON con.conindid = i.indexrelid AND con.conrelid = i.indrelid
-WHERE i.indrelid = $1::oid AND ic.relname = ANY($2)`, shape.oid, []string{cfg.Table + "_pkey", cfg.Table + "_processed_at_idx"})
+	_, hasGroup := shape.column("consumer_group")
+	nullGroups, err := c.checkNulls(shape, opts)
 	if err != nil {
-		return fmt.Errorf("deduplicator: convert %s: list indexes: %w", name, err)
+		return err
 	}
-	clashes, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) ([2]string, error) {
-		var v [2]string
-		err := r.Scan(&v[0], &v[1])
-		return v, err
-	})
+	if err := tx.QueryRow(ctx, "SELECT count(*) FROM "+c.table).Scan(&res.Rows); err != nil {
+		return fmt.Errorf("deduplicator: convert %s: count rows: %w", c.name, err)
+	}
+	if err := c.freeIndexNames(shape); err != nil {
+		return err
+	}
+	old, err := c.moveAside()
 	if err != nil {
-		return fmt.Errorf("deduplicator: convert %s: list indexes: %w", name, err)
-	}
-	for _, c := range clashes {
-		if c[1] != "" {
-			_, err = exec("drop constraint "+c[1], "ALTER TABLE "+table+" DROP CONSTRAINT "+ident.Quote(c[1]))
-		} else {
-			_, err = exec("drop index "+c[0], "DROP INDEX "+ident.Quote(cfg.Schema, c[0]))
-		}
-		if err != nil {
-			return err
-		}
-	}
-	if _, err := exec("rename to "+oldName, "ALTER TABLE "+table+" RENAME TO "+ident.Quote(oldName)); err != nil {
-		if pgerr.Has(err, pgerrcode.DuplicateTable) {
-			return fmt.Errorf("%w (a table %s.%s exists: drop or rename it)", err, cfg.Schema, oldName)
-		}
 		return err
 	}
 	i := slices.IndexFunc(migs, func(m migtable.Version) bool { return m.Version == 1 })
 	if i < 0 {
 		return errors.New("deduplicator: convert: no migration version 1")
 	}
-	if _, err := exec("create the table (migration 1)", migs[i].Up); err != nil {
+	if _, err := c.exec("create the table (migration 1)", migs[i].Up); err != nil {
 		return err
 	}
-	// A NULL group takes $1; a NULL processed_at sorts last (a row with a
-	// time wins) and becomes now().
-	groupExpr := "COALESCE(consumer_group::text, $1::text)"
-	if !hasGroup {
-		groupExpr = "$1::text"
-	}
-	copySQL := `INSERT INTO ` + table + ` (event_id, consumer_group, processed_at)
-SELECT DISTINCT ON (event_id, consumer_group) event_id, consumer_group, COALESCE(processed_at, now())
-FROM (SELECT event_id, ` + groupExpr + ` AS consumer_group, processed_at FROM ` + old + `) o
-ORDER BY event_id, consumer_group, processed_at`
 	if !hasGroup {
 		res.GroupFilled = res.Rows
 	} else if opts.ConsumerGroup != "" {
 		res.GroupFilled = nullGroups
 	}
-	tag, err := exec("copy rows", copySQL, opts.ConsumerGroup)
-	if err != nil {
+	if res.Kept, err = c.copyRows(old, hasGroup, opts.ConsumerGroup); err != nil {
 		return err
 	}
-	res.Kept = tag.RowsAffected()
 	res.Collapsed = res.Rows - res.Kept
-	if _, err := exec("drop the old table", "DROP TABLE "+old); err != nil {
+	if _, err := c.exec("drop the old table", "DROP TABLE "+old); err != nil {
 		return err
 	}
 	// The new table is plain: the versions only the partitioned layout has
@@ -293,9 +210,148 @@ ORDER BY event_id, consumer_group, processed_at`
 		return err
 	}
 	if err := migtable.Forget(ctx, tx, cfg.Schema, componentKey(cfg), versions); err != nil {
-		return fmt.Errorf("deduplicator: convert %s: forget partitioned versions: %w", name, err)
+		return fmt.Errorf("deduplicator: convert %s: forget partitioned versions: %w", c.name, err)
 	}
 	return nil
+}
+
+// converter holds what each step of [rebuild] needs: the transaction and
+// the table's names (name for messages, table quoted for SQL).
+type converter struct {
+	ctx   context.Context
+	tx    pgx.Tx
+	cfg   TableConfig
+	name  string
+	table string
+}
+
+func (c converter) refuse(fix, format string, args ...any) error {
+	return &migrate.TableError{Component: "deduplicator", Table: c.name, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: ErrTableColumns}
+}
+
+func (c converter) exec(what, sql string, args ...any) (pgconn.CommandTag, error) {
+	tag, err := c.tx.Exec(c.ctx, sql, args...)
+	if err != nil {
+		return tag, fmt.Errorf("deduplicator: convert %s: %s: %w", c.name, what, err)
+	}
+	return tag, nil
+}
+
+// checkColumns refuses a table with a column whose values would not
+// survive the copy, or without event_id or processed_at.
+func (c converter) checkColumns(shape tableShape) error {
+	name := c.name
+	for _, col := range shape.columns {
+		switch {
+		case col.name == "event_id" && col.typ != "uuid":
+			return c.refuse("ALTER TABLE "+name+" ALTER COLUMN event_id TYPE uuid USING event_id::uuid, then convert", "cannot convert: event_id is %s, want uuid", col.typ)
+		case col.name == "processed_at" && col.typ != "timestamp with time zone":
+			return c.refuse("ALTER TABLE "+name+" ALTER COLUMN processed_at TYPE timestamptz USING processed_at AT TIME ZONE '<the zone its values are in>', then convert", "cannot convert: processed_at is %s, want timestamp with time zone", col.typ)
+		case col.name == "consumer_group" && !slices.Contains([]string{"text", "character varying", "character"}, baseType(col.typ)):
+			return c.refuse("ALTER TABLE "+name+" ALTER COLUMN consumer_group TYPE text, then convert", "cannot convert: consumer_group is %s, want text", col.typ)
+		case col.name != "event_id" && col.name != "processed_at" && col.name != "consumer_group":
+			return c.refuse("drop the column or copy the table by hand (see docs/operations.md)", "cannot convert: column %s would be lost (the table is rebuilt with event_id, consumer_group, processed_at only)", col.name)
+		}
+	}
+	for _, want := range []string{"event_id", "processed_at"} {
+		if _, ok := shape.column(want); !ok {
+			return c.refuse("add the column, then convert", "cannot convert: there is no %s column", want)
+		}
+	}
+	return nil
+}
+
+// checkNulls refuses rows without an event, and a group option that does
+// not fit the table's consumer_group column; it returns the count of rows
+// whose consumer_group is NULL.
+func (c converter) checkNulls(shape tableShape, opts ConvertOptions) (int64, error) {
+	name := c.name
+	group, hasGroup := shape.column("consumer_group")
+	var nullEvents, nullGroups int64
+	if err := c.tx.QueryRow(c.ctx, "SELECT count(*) FILTER (WHERE event_id IS NULL), count(*) FILTER (WHERE "+
+		map[bool]string{true: "consumer_group IS NULL", false: "false"}[hasGroup]+") FROM "+c.table).Scan(&nullEvents, &nullGroups); err != nil {
+		return 0, fmt.Errorf("deduplicator: convert %s: count NULLs: %w", name, err)
+	}
+	switch {
+	case nullEvents > 0:
+		return 0, c.refuse("DELETE FROM "+name+" WHERE event_id IS NULL (such rows name no event and decide nothing), then convert",
+			"cannot convert: %d rows have a NULL event_id", nullEvents)
+	case hasGroup && group.notNull && opts.ConsumerGroup != "":
+		return 0, c.refuse("leave ConvertOptions.ConsumerGroup empty: the rows keep their own groups", "ConvertOptions.ConsumerGroup is set but the table's consumer_group column is NOT NULL")
+	case hasGroup && nullGroups > 0 && opts.ConsumerGroup == "":
+		return 0, c.refuse("set ConvertOptions.ConsumerGroup (idemctl dedup convert --group) to the consumer group that processed the rows whose consumer_group is NULL",
+			"cannot convert: %d rows have a NULL consumer_group and ConvertOptions.ConsumerGroup is empty", nullGroups)
+	case !hasGroup && opts.ConsumerGroup == "":
+		return 0, c.refuse("set ConvertOptions.ConsumerGroup (idemctl dedup convert --group) to the consumer group that processed these rows", "cannot convert: the table has no consumer_group column and ConvertOptions.ConsumerGroup is empty")
+	}
+	return nullGroups, nil
+}
+
+// freeIndexNames drops the old table's indexes and constraints named as
+// the new table's migration names its own (index names are per schema).
+func (c converter) freeIndexNames(shape tableShape) error {
+	rows, err := c.tx.Query(c.ctx, `SELECT ic.relname::text, COALESCE(con.conname::text, '')
+FROM pg_catalog.pg_index i
+JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid
+LEFT JOIN pg_catalog.pg_constraint con ON con.conindid = i.indexrelid AND con.conrelid = i.indrelid
+WHERE i.indrelid = $1::oid AND ic.relname = ANY($2)`, shape.oid, []string{c.cfg.Table + "_pkey", c.cfg.Table + "_processed_at_idx"})
+	if err != nil {
+		return fmt.Errorf("deduplicator: convert %s: list indexes: %w", c.name, err)
+	}
+	clashes, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) ([2]string, error) {
+		var v [2]string
+		err := r.Scan(&v[0], &v[1])
+		return v, err
+	})
+	if err != nil {
+		return fmt.Errorf("deduplicator: convert %s: list indexes: %w", c.name, err)
+	}
+	for _, cl := range clashes {
+		if cl[1] != "" {
+			_, err = c.exec("drop constraint "+cl[1], "ALTER TABLE "+c.table+" DROP CONSTRAINT "+ident.Quote(cl[1]))
+		} else {
+			_, err = c.exec("drop index "+cl[0], "DROP INDEX "+ident.Quote(c.cfg.Schema, cl[0]))
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// moveAside renames the old table to its name with convertedSuffix and
+// returns that name quoted.
+func (c converter) moveAside() (string, error) {
+	oldName := c.cfg.Table + convertedSuffix
+	if len(oldName) > 63 {
+		oldName = c.cfg.Table[:63-len(convertedSuffix)] + convertedSuffix
+	}
+	if _, err := c.exec("rename to "+oldName, "ALTER TABLE "+c.table+" RENAME TO "+ident.Quote(oldName)); err != nil {
+		if pgerr.Has(err, pgerrcode.DuplicateTable) {
+			return "", fmt.Errorf("%w (a table %s.%s exists: drop or rename it)", err, c.cfg.Schema, oldName)
+		}
+		return "", err
+	}
+	return ident.Quote(c.cfg.Schema, oldName), nil
+}
+
+// copyRows copies one row per (event_id, consumer_group) from old into the
+// new table and returns the rows kept. A NULL group takes group; a NULL
+// processed_at sorts last (a row with a time wins) and becomes now().
+func (c converter) copyRows(old string, hasGroup bool, group string) (int64, error) {
+	groupExpr := "COALESCE(consumer_group::text, $1::text)"
+	if !hasGroup {
+		groupExpr = "$1::text"
+	}
+	copySQL := `INSERT INTO ` + c.table + ` (event_id, consumer_group, processed_at)
+SELECT DISTINCT ON (event_id, consumer_group) event_id, consumer_group, COALESCE(processed_at, now())
+FROM (SELECT event_id, ` + groupExpr + ` AS consumer_group, processed_at FROM ` + old + `) o
+ORDER BY event_id, consumer_group, processed_at`
+	tag, err := c.exec("copy rows", copySQL, group)
+	if err != nil {
+		return 0, err
+	}
+	return tag.RowsAffected(), nil
 }
 
 // partitionedOnlyVersions returns the versions of [LayoutPartitioned] that

@@ -202,16 +202,29 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 	if _, err := br.Exec(); err != nil {
 		return nil, fmt.Errorf("take leases: %w", err)
 	}
-
-	type took struct {
-		over     bool
-		attempts int
+	byID, err := readTakes(br, len(ids))
+	if err != nil {
+		return nil, err
 	}
-	owned := map[uuid.UUID]took{}
+	return takesInOrder(reqs, sorted, byID)
+}
+
+// takenLease is a lease the take statement took: over when it took it from
+// an expired owner, attempts its count of takes.
+type takenLease struct {
+	over     bool
+	attempts int
+}
+
+// readTakes reads the take batch's three results (the leases taken, the
+// events found done after the take, the state of every id) into each
+// event's LeaseTake, and closes the batch.
+func readTakes(br pgx.BatchResults, n int) (map[uuid.UUID]LeaseTake, error) {
+	owned := map[uuid.UUID]takenLease{}
 	rows, _ := br.Query()
 	var (
 		id     uuid.UUID
-		t      took
+		t      takenLease
 		done   bool
 		tok    *[16]byte
 		remain *int64
@@ -229,7 +242,7 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 	}); err != nil {
 		return nil, fmt.Errorf("take leases: recheck claims: %w", err)
 	}
-	byID := make(map[uuid.UUID]LeaseTake, len(ids))
+	byID := make(map[uuid.UUID]LeaseTake, n)
 	rows, _ = br.Query()
 	if _, err := pgx.ForEachRow(rows, []any{dbx.UUIDDest(&id), &done, &tok, &remain}, func() error {
 		lt := LeaseTake{EventID: id}
@@ -257,6 +270,12 @@ func (d *Deduplicator) TakeLeases(ctx context.Context, db BatchSender, reqs []Le
 			byID[id] = LeaseTake{EventID: id, State: LeaseOwned, TakenOver: o.over, Attempts: o.attempts}
 		}
 	}
+	return byID, nil
+}
+
+// takesInOrder answers reqs in their order from byID; sorted holds the
+// requests deduplicated by event, the first token of each id.
+func takesInOrder(reqs, sorted []LeaseRequest, byID map[uuid.UUID]LeaseTake) ([]LeaseTake, error) {
 	tokenOf := make(map[uuid.UUID]uuid.UUID, len(sorted))
 	for _, r := range sorted {
 		tokenOf[r.EventID] = r.Token

@@ -296,81 +296,106 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 	d.stats.groups.Add(1)
 	d.stats.grouped.Add(uint64(len(reqs)))
 
-	// The first request of a newly claimed id runs; a copy of it in the same
-	// group shares its outcome; a request whose claim already existed is a
-	// duplicate, acked at once.
-	var runs, copies []*request
+	g := &claimedGroup{ctx: ctx, tx: tx, span: gspan, start: start}
+	gc.sortClaimed(g, reqs, first)
+	out := &groupOutbox{}
+	hooks := &idemctx.Hooks{Tx: tx}
+	for _, r := range g.runs {
+		if err := gc.handle(tx, hooks, r, out); err != nil {
+			return gc.failOne(g, r, err)
+		}
+	}
+	gc.commit(g, hooks, out)
+	return nil
+}
+
+// claimedGroup is a group whose claims are taken in tx: runs are the
+// requests that run, copies those that share the outcome of a run of the
+// same id.
+type claimedGroup struct {
+	ctx          context.Context
+	tx           pgx.Tx
+	span         trace.Span
+	start        time.Time
+	runs, copies []*request
+}
+
+// sortClaimed sorts reqs into g: the first request of a newly claimed id
+// (in first) runs; a copy of it in the same group shares its outcome; a
+// request whose claim already existed is a duplicate, acked at once.
+func (gc *groupCommit) sortClaimed(g *claimedGroup, reqs []*request, first []uuid.UUID) {
 	firstOf := map[uuid.UUID]bool{}
 	for _, id := range first {
 		firstOf[id] = true
 	}
-	wait := time.Since(start)
+	wait := time.Since(g.start)
 	for _, r := range reqs {
 		r.span.claimed(wait, firstOf[r.id])
 		switch {
 		case !firstOf[r.id]:
-			d.stats.duplicates.Add(1)
+			gc.d.stats.duplicates.Add(1)
 			r.reply(result{outcome: outcomeDuplicate})
-		case slices.ContainsFunc(runs, func(o *request) bool { return o.id == r.id }):
-			copies = append(copies, r)
+		case slices.ContainsFunc(g.runs, func(o *request) bool { return o.id == r.id }):
+			g.copies = append(g.copies, r)
 		default:
-			runs = append(runs, r)
+			g.runs = append(g.runs, r)
 		}
 	}
+}
 
-	out := &groupOutbox{}
-	hooks := &idemctx.Hooks{Tx: tx}
-	for _, r := range runs {
-		if err := gc.handle(tx, hooks, r, out); err != nil {
-			// r is the culprit: it goes alone (and stays alone on its later
-			// attempts); the others, whose work is rolled back with it,
-			// run again as a group.
-			d.rollback(ctx, tx, nil)
-			gc.failed.add(r.id)
-			d.stats.groupFallbacks.Add(1)
-			gspan.AddEvent("rollback: a handler failed; it is processed alone, the others again as a group")
-			d.logger.Debug("Handler failed in a group: rolling the group back; it is processed alone, the others again as a group", watermill.LogFields{
-				"event_id": r.id.String(), "messages": len(runs) + len(copies), "error": err.Error(),
-			})
-			for _, o := range append(runs, copies...) {
-				if o.id == r.id {
-					o.reply(result{alone: true})
-				} else {
-					again = append(again, o)
-				}
-			}
-			return again
+// failOne rolls g back after r's handler failed: r is the culprit, it goes
+// alone (and stays alone on its later attempts); the others, whose work is
+// rolled back with it, are returned to run again as a group.
+func (gc *groupCommit) failOne(g *claimedGroup, r *request, err error) (again []*request) {
+	d := gc.d
+	d.rollback(g.ctx, g.tx, nil)
+	gc.failed.add(r.id)
+	d.stats.groupFallbacks.Add(1)
+	g.span.AddEvent("rollback: a handler failed; it is processed alone, the others again as a group")
+	d.logger.Debug("Handler failed in a group: rolling the group back; it is processed alone, the others again as a group", watermill.LogFields{
+		"event_id": r.id.String(), "messages": len(g.runs) + len(g.copies), "error": err.Error(),
+	})
+	for _, o := range append(g.runs, g.copies...) {
+		if o.id == r.id {
+			o.reply(result{alone: true})
+		} else {
+			again = append(again, o)
 		}
 	}
-	// The messages handlers returned, one multi-row INSERT per topic.
-	if err := out.write(idemctx.WithHooks(ctx, hooks), d, tx); err != nil {
-		d.rollback(ctx, tx, nil)
+	return again
+}
+
+// commit writes the messages the handlers returned (one multi-row INSERT
+// per topic), commits g and answers each request.
+func (gc *groupCommit) commit(g *claimedGroup, hooks *idemctx.Hooks, out *groupOutbox) {
+	d := gc.d
+	if err := out.write(idemctx.WithHooks(g.ctx, hooks), d, g.tx); err != nil {
+		d.rollback(g.ctx, g.tx, nil)
 		d.stats.groupFallbacks.Add(1)
-		gspan.RecordError(err)
-		gc.answer(runs, result{alone: true})
-		gc.answer(copies, result{alone: true})
-		return nil
+		g.span.RecordError(err)
+		gc.answer(g.runs, result{alone: true})
+		gc.answer(g.copies, result{alone: true})
+		return
 	}
-	gspan.AddEvent("commit")
-	if err := tx.Commit(ctx); err != nil {
+	g.span.AddEvent("commit")
+	if err := g.tx.Commit(g.ctx); err != nil {
 		// The outcome is unknown: nack them all; the redeliveries' claims
 		// tell which way it went.
-		d.stats.failed.Add(uint64(len(runs)))
-		err = fmt.Errorf("dedup: group commit of %d messages: %w", len(runs), err)
-		gspan.RecordError(err)
-		gc.answer(runs, result{outcome: outcomeFailed, err: err})
-		gc.answer(copies, result{outcome: outcomeFailed, err: err})
-		return nil
+		d.stats.failed.Add(uint64(len(g.runs)))
+		err = fmt.Errorf("dedup: group commit of %d messages: %w", len(g.runs), err)
+		g.span.RecordError(err)
+		gc.answer(g.runs, result{outcome: outcomeFailed, err: err})
+		gc.answer(g.copies, result{outcome: outcomeFailed, err: err})
+		return
 	}
 	hooks.Committed()
-	d.stats.processed.Add(uint64(len(runs)))
-	d.stats.duplicates.Add(uint64(len(copies)))
-	d.stats.txNanos.Add(uint64(time.Since(start)) * uint64(len(runs)))
-	for _, r := range runs {
+	d.stats.processed.Add(uint64(len(g.runs)))
+	d.stats.duplicates.Add(uint64(len(g.copies)))
+	d.stats.txNanos.Add(uint64(time.Since(g.start)) * uint64(len(g.runs)))
+	for _, r := range g.runs {
 		r.reply(result{produced: r.out, outcome: outcomeProcessed})
 	}
-	gc.answer(copies, result{outcome: outcomeDuplicate})
-	return nil
+	gc.answer(g.copies, result{outcome: outcomeDuplicate})
 }
 
 // startSpan begins the group's span, linked to its messages' spans (a group

@@ -82,28 +82,9 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 	fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
 	token := uuid.New()
 
-	start := time.Now()
-	lt, err := l.take(origCtx, id, token, span)
-	d.stats.claimed(time.Since(start))
-	if err != nil {
-		d.stats.claimErrors.Add(1)
-		return nil, outcomeClaimError, fmt.Errorf("dedup: %w", err)
+	if owned, outcome, err := l.takeOne(origCtx, id, token, span, fields); !owned {
+		return nil, outcome, err
 	}
-	switch lt.State {
-	case deduplicator.LeaseDone:
-		d.stats.duplicates.Add(1)
-		d.logger.Debug("Duplicate event skipped", fields)
-		return nil, outcomeDuplicate, nil
-	case deduplicator.LeaseBusy:
-		d.stats.leasesBusy.Add(1)
-		return nil, outcomeLeaseBusy, fmt.Errorf("dedup: event %s: %w (it lives for up to %s more)", id, ErrLeaseBusy, lt.Remaining.Round(time.Millisecond))
-	}
-	d.stats.leasesTaken.Add(1)
-	if lt.TakenOver {
-		d.stats.leasesTakenOver.Add(1)
-		d.logger.Info("Expired lease taken over", fields.Add(watermill.LogFields{"attempts": lt.Attempts}))
-	}
-	l.hook("taken", id)
 
 	// The call: no transaction, no connection.
 	hctx, cancel := context.WithCancelCause(origCtx)
@@ -136,7 +117,46 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 	l.hook("called", id)
 
 	c := &completeReq{origCtx: origCtx, msg: msg, id: id, token: token, writes: state.writes(), produced: produced, done: make(chan struct{})}
-	end := l.phaseSpan(span, origCtx, "complete")
+	produced, outcome, err = l.complete(c, span, fields)
+	// Only a failed completion leaves the lease to release.
+	completed = outcome != outcomeFailed
+	return produced, outcome, err
+}
+
+// takeOne takes id's lease with token; owned is false when the event is
+// done (a duplicate), busy or the take failed, with that outcome and error.
+func (l *leaseMode) takeOne(ctx context.Context, id, token uuid.UUID, span *msgSpan, fields watermill.LogFields) (owned bool, outcome string, err error) {
+	d := l.d
+	start := time.Now()
+	lt, err := l.take(ctx, id, token, span)
+	d.stats.claimed(time.Since(start))
+	if err != nil {
+		d.stats.claimErrors.Add(1)
+		return false, outcomeClaimError, fmt.Errorf("dedup: %w", err)
+	}
+	switch lt.State {
+	case deduplicator.LeaseDone:
+		d.stats.duplicates.Add(1)
+		d.logger.Debug("Duplicate event skipped", fields)
+		return false, outcomeDuplicate, nil
+	case deduplicator.LeaseBusy:
+		d.stats.leasesBusy.Add(1)
+		return false, outcomeLeaseBusy, fmt.Errorf("dedup: event %s: %w (it lives for up to %s more)", id, ErrLeaseBusy, lt.Remaining.Round(time.Millisecond))
+	}
+	d.stats.leasesTaken.Add(1)
+	if lt.TakenOver {
+		d.stats.leasesTakenOver.Add(1)
+		d.logger.Info("Expired lease taken over", fields.Add(watermill.LogFields{"attempts": lt.Attempts}))
+	}
+	l.hook("taken", id)
+	return true, "", nil
+}
+
+// complete runs c (the claim, the writes and the messages produced, in one
+// transaction, with others) and returns what the message's handling gives.
+func (l *leaseMode) complete(c *completeReq, span *msgSpan, fields watermill.LogFields) ([]*message.Message, string, error) {
+	d := l.d
+	end := l.phaseSpan(span, c.origCtx, "complete")
 	cstart := time.Now()
 	l.completes.do(c, c.done)
 	end(c.err)
@@ -145,16 +165,13 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 		d.stats.failed.Add(1)
 		return nil, outcomeFailed, c.err
 	case c.result == deduplicator.CompleteLost:
-		completed = true
 		d.stats.leasesLost.Add(1)
 		d.logger.Info("Lease lost before completion: nothing written", fields)
-		return nil, outcomeLeaseLost, fmt.Errorf("dedup: event %s: %w (it expired and another delivery took it over, or an operator released it); nothing was written", id, ErrLeaseLost)
+		return nil, outcomeLeaseLost, fmt.Errorf("dedup: event %s: %w (it expired and another delivery took it over, or an operator released it); nothing was written", c.id, ErrLeaseLost)
 	case c.result == deduplicator.CompleteDuplicate:
-		completed = true
 		d.stats.duplicates.Add(1)
 		return nil, outcomeDuplicate, nil
 	}
-	completed = true
 	d.stats.processed.Add(1)
 	d.stats.txNanos.Add(uint64(time.Since(cstart)))
 	d.logger.Trace("Event processed", fields)

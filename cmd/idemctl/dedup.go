@@ -48,24 +48,8 @@ func dedupCheck(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	registered, err := deduplicator.Groups(ctx, a.pool, tc)
-	if err != nil {
+	if groups, err = checkedGroups(ctx, a, tc, groups); err != nil {
 		return err
-	}
-	names := make([]string, len(registered))
-	for i, g := range registered {
-		names[i] = g.Name
-	}
-	if len(groups) == 0 {
-		if len(names) == 0 {
-			return usageError("no consumer group is registered with %s.%s: pass --group", tc.Schema, tc.Table)
-		}
-		groups = names
-	}
-	for _, g := range groups {
-		if !slices.Contains(names, g) {
-			return usageError("unknown consumer group %q: not registered with %s.%s (registered: %s)", g, tc.Schema, tc.Table, listOrNone(names))
-		}
 	}
 	retention, err := deduplicator.RecordedRetention(ctx, a.pool, tc)
 	if err != nil {
@@ -78,12 +62,7 @@ func dedupCheck(ctx context.Context, a *app, args []string) error {
 	}
 	old := !created.IsZero() && time.Since(created) > retention
 
-	type result struct {
-		Group       string   `json:"group"`
-		Processed   bool     `json:"processed"`
-		ProcessedAt jsonTime `json:"processed_at"`
-	}
-	results := make([]result, 0, len(groups))
+	results := make([]groupCheck, 0, len(groups))
 	all := true
 	for _, g := range groups {
 		d, err := deduplicator.New(deduplicator.Config{TableConfig: tc, ConsumerGroup: g}, nil)
@@ -95,33 +74,19 @@ func dedupCheck(ctx context.Context, a *app, args []string) error {
 			return err
 		}
 		all = all && ok
-		results = append(results, result{g, ok, jsonTime(at)})
+		results = append(results, groupCheck{g, ok, jsonTime(at)})
 	}
 	if a.opts.json {
 		err = a.printJSON(struct {
-			EventID            string   `json:"event_id"`
-			CreatedAt          jsonTime `json:"created_at"`
-			RetentionSeconds   float64  `json:"retention_seconds"`
-			OlderThanRetention bool     `json:"older_than_retention"`
-			Processed          bool     `json:"processed"`
-			Groups             []result `json:"groups"`
+			EventID            string       `json:"event_id"`
+			CreatedAt          jsonTime     `json:"created_at"`
+			RetentionSeconds   float64      `json:"retention_seconds"`
+			OlderThanRetention bool         `json:"older_than_retention"`
+			Processed          bool         `json:"processed"`
+			Groups             []groupCheck `json:"groups"`
 		}{id.String(), jsonTime(created), retention.Seconds(), old, all, results})
 	} else {
-		fmt.Fprintf(a.stdout, "event %s", id)
-		if !created.IsZero() {
-			fmt.Fprintf(a.stdout, ", created %s (UUIDv7 time, %s ago)", humanTime(created), humanDuration(time.Since(created)))
-		}
-		fmt.Fprintln(a.stdout)
-		tw := a.table()
-		row(tw, "GROUP", "PROCESSED", "PROCESSED AT", "AGO")
-		for _, r := range results {
-			ago := "-"
-			if r.Processed {
-				ago = humanDuration(time.Since(time.Time(r.ProcessedAt)))
-			}
-			row(tw, r.Group, map[bool]string{true: "yes", false: "no"}[r.Processed], humanTime(time.Time(r.ProcessedAt)), ago)
-		}
-		_ = tw.Flush()
+		printCheck(a, id, created, results)
 		if !all && old {
 			fmt.Fprintf(a.stdout, "note: the event is older than the retention (%s): a claim may have been deleted by the cleaner, and the consumers refuse the event as stale (ErrStaleEvent) rather than apply it again\n", humanDuration(retention))
 		}
@@ -133,6 +98,58 @@ func dedupCheck(ctx context.Context, a *app, args []string) error {
 		return &exitError{code: exitNo}
 	}
 	return nil
+}
+
+// groupCheck is one consumer group's answer to dedup check.
+type groupCheck struct {
+	Group       string   `json:"group"`
+	Processed   bool     `json:"processed"`
+	ProcessedAt jsonTime `json:"processed_at"`
+}
+
+// checkedGroups returns the groups to check: those asked for, each
+// registered with the table, or every registered group.
+func checkedGroups(ctx context.Context, a *app, tc deduplicator.TableConfig, groups []string) ([]string, error) {
+	registered, err := deduplicator.Groups(ctx, a.pool, tc)
+	if err != nil {
+		return nil, err
+	}
+	names := make([]string, len(registered))
+	for i, g := range registered {
+		names[i] = g.Name
+	}
+	if len(groups) == 0 {
+		if len(names) == 0 {
+			return nil, usageError("no consumer group is registered with %s.%s: pass --group", tc.Schema, tc.Table)
+		}
+		groups = names
+	}
+	for _, g := range groups {
+		if !slices.Contains(names, g) {
+			return nil, usageError("unknown consumer group %q: not registered with %s.%s (registered: %s)", g, tc.Schema, tc.Table, listOrNone(names))
+		}
+	}
+	return groups, nil
+}
+
+// printCheck prints dedup check's answer as text: the event, then a row
+// per group.
+func printCheck(a *app, id uuid.UUID, created time.Time, results []groupCheck) {
+	fmt.Fprintf(a.stdout, "event %s", id)
+	if !created.IsZero() {
+		fmt.Fprintf(a.stdout, ", created %s (UUIDv7 time, %s ago)", humanTime(created), humanDuration(time.Since(created)))
+	}
+	fmt.Fprintln(a.stdout)
+	tw := a.table()
+	row(tw, "GROUP", "PROCESSED", "PROCESSED AT", "AGO")
+	for _, r := range results {
+		ago := "-"
+		if r.Processed {
+			ago = humanDuration(time.Since(time.Time(r.ProcessedAt)))
+		}
+		row(tw, r.Group, map[bool]string{true: "yes", false: "no"}[r.Processed], humanTime(time.Time(r.ProcessedAt)), ago)
+	}
+	_ = tw.Flush()
 }
 
 func listOrNone(names []string) string {

@@ -453,33 +453,8 @@ func migrateSQL(ctx context.Context, a *app, args []string) error {
 			return err
 		}
 		migs = res.Pending
-	} else {
-		m := &migrators{sel: sel, rt: a.parkedTable(*parked)}
-		if sel.dedup {
-			m.tc = deduplicator.TableConfig{Schema: a.opts.schema, Table: a.opts.table}
-			switch a.opts.layout {
-			case "auto", "", "plain":
-			case "partitioned":
-				m.tc.Layout = deduplicator.LayoutPartitioned
-			default:
-				return usageError("usage: --layout %q: want auto, plain or partitioned", a.opts.layout)
-			}
-		}
-		if sel.outbox {
-			if m.ob, err = a.outboxConfig(ctx, false); err != nil {
-				return err
-			}
-			m.ob.PayloadType = *payload
-			if len(m.ob.Topics) == 0 && sel.single() {
-				return usageError("usage: migrate sql --only outbox needs --topics (it does not connect to find them)")
-			}
-		}
-		if err := m.build(nil); err != nil {
-			return err
-		}
-		if migs, err = m.m.Migrations(); err != nil {
-			return usageError("%v", err)
-		}
+	} else if migs, err = offlineMigrations(ctx, a, sel, *parked, *payload); err != nil {
+		return err
 	}
 	if *down {
 		slices.Reverse(migs)
@@ -516,6 +491,41 @@ func migrateSQL(ctx context.Context, a *app, args []string) error {
 		}
 	}
 	return nil
+}
+
+// offlineMigrations returns the migrations of the components sel selects
+// without connecting: the layout is --layout (auto means plain) and the
+// outbox's topics come from --topics.
+func offlineMigrations(ctx context.Context, a *app, sel selection, parked, payload string) ([]migrate.Migration, error) {
+	m := &migrators{sel: sel, rt: a.parkedTable(parked)}
+	if sel.dedup {
+		m.tc = deduplicator.TableConfig{Schema: a.opts.schema, Table: a.opts.table}
+		switch a.opts.layout {
+		case "auto", "", "plain":
+		case "partitioned":
+			m.tc.Layout = deduplicator.LayoutPartitioned
+		default:
+			return nil, usageError("usage: --layout %q: want auto, plain or partitioned", a.opts.layout)
+		}
+	}
+	if sel.outbox {
+		var err error
+		if m.ob, err = a.outboxConfig(ctx, false); err != nil {
+			return nil, err
+		}
+		m.ob.PayloadType = payload
+		if len(m.ob.Topics) == 0 && sel.single() {
+			return nil, usageError("usage: migrate sql --only outbox needs --topics (it does not connect to find them)")
+		}
+	}
+	if err := m.build(nil); err != nil {
+		return nil, err
+	}
+	migs, err := m.m.Migrations()
+	if err != nil {
+		return nil, usageError("%v", err)
+	}
+	return migs, nil
 }
 
 // parseDuration accepts Go durations and whole days ("7d", "30d"); a value

@@ -17,6 +17,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -70,34 +71,14 @@ func main() {
 		RetryPercent:  *retryPercent,
 		Log:           os.Stderr,
 	}
-	full, shortMix := soak.FullFaults, soak.ShortFaults
-	if *lease {
-		full, shortMix = soak.FullLeaseFaults, soak.ShortLeaseFaults
+	fc, err := faultMix(*lease, *short, *faults)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "soak: -faults: %v\n", err)
+		os.Exit(2)
 	}
-	cfg.Faults = full
+	cfg.Faults = fc
 	if *short {
 		cfg.Events = 2000
-		cfg.Faults = shortMix
-	}
-	if *faults != "" {
-		base := full
-		if *short {
-			base = shortMix
-		}
-		spec := *faults
-		if rest, ok := strings.CutPrefix(spec, "none"); ok {
-			base, spec = soak.FaultCounts{}, strings.TrimPrefix(rest, ",")
-		}
-		fc, err := soak.ParseFaults(base, spec)
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "soak: -faults: %v\n", err)
-			os.Exit(2)
-		}
-		if fc == (soak.FaultCounts{}) {
-			fmt.Fprintln(os.Stderr, "soak: -faults: no fault left")
-			os.Exit(2)
-		}
-		cfg.Faults = fc
 	}
 	if *verbose {
 		cfg.Logger = watermill.NewStdLogger(false, false)
@@ -118,4 +99,31 @@ func main() {
 		fmt.Fprintf(os.Stderr, "soak: FAILED, reproduce the plan with: go run ./cmd/soak -seed %d -events %d\n", cfg.Seed, cfg.Events)
 		os.Exit(1)
 	}
+}
+
+// faultMix returns the fault mix: the full or short one (of lease mode when
+// lease), changed by the -faults spec.
+func faultMix(lease, short bool, spec string) (soak.FaultCounts, error) {
+	full, shortMix := soak.FullFaults, soak.ShortFaults
+	if lease {
+		full, shortMix = soak.FullLeaseFaults, soak.ShortLeaseFaults
+	}
+	base := full
+	if short {
+		base = shortMix
+	}
+	if spec == "" {
+		return base, nil
+	}
+	if rest, ok := strings.CutPrefix(spec, "none"); ok {
+		base, spec = soak.FaultCounts{}, strings.TrimPrefix(rest, ",")
+	}
+	fc, err := soak.ParseFaults(base, spec)
+	if err != nil {
+		return soak.FaultCounts{}, err
+	}
+	if fc == (soak.FaultCounts{}) {
+		return soak.FaultCounts{}, errors.New("no fault left")
+	}
+	return fc, nil
 }

@@ -202,6 +202,15 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 	subs := append([]*parallel.Subscriber(nil), m.subs...)
 	m.mu.Unlock()
 
+	m.observeSubscribers(o, subs)
+	m.observeDedups(o, dedups)
+	m.observeForwarders(o, forwarders, names)
+	return m.observeBacklogs(ctx, o, backlogs)
+}
+
+// observeSubscribers observes the Kafka subscribers' state, summed per
+// consumer group, and each partition's.
+func (m *Metrics) observeSubscribers(o metric.Observer, subs []*parallel.Subscriber) {
 	for _, gs := range statsx.ByKey(subs, (*parallel.Subscriber).ConsumerGroup, (*parallel.Subscriber).Stats, parallel.SubscriberStats.Add) {
 		group := semconv.MessagingConsumerGroupName(gs.Key)
 		set := metric.WithAttributeSet(attribute.NewSet(group))
@@ -225,7 +234,11 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 			o.ObserveFloat64(m.kPartStalled, p.StalledFor.Seconds(), pset)
 		}
 	}
+}
 
+// observeDedups observes the dedup middlewares' counters, summed per
+// consumer group.
+func (m *Metrics) observeDedups(o metric.Observer, dedups []*idem.Dedup) {
 	for _, gs := range statsx.ByKey(dedups, (*idem.Dedup).ConsumerGroup, (*idem.Dedup).Stats, idem.Stats.Add) {
 		g, s := gs.Key, gs.Value
 		group := semconv.MessagingConsumerGroupName(g)
@@ -248,6 +261,11 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 			o.ObserveInt64(m.leases, int64(n), metric.WithAttributeSet(attribute.NewSet(group, attribute.String("idem.lease.event", ev))))
 		}
 	}
+}
+
+// observeForwarders observes each outbox forwarder's counters; names[i]
+// names forwarders[i].
+func (m *Metrics) observeForwarders(o metric.Observer, forwarders []*outbox.Forwarder, names []string) {
 	for i, f := range forwarders {
 		s := f.Stats()
 		set := metric.WithAttributeSet(attribute.NewSet(otelx.AttrForwarder.String(names[i])))
@@ -257,6 +275,11 @@ func (m *Metrics) observe(ctx context.Context, o metric.Observer) error {
 		o.ObserveInt64(m.fwdErrors, int64(s.Errors), set)
 		o.ObserveInt64(m.quarantined, int64(s.Quarantined), set)
 	}
+}
+
+// observeBacklogs observes each outbox's backlog per topic and forwarder,
+// read now; it returns the reads that failed.
+func (m *Metrics) observeBacklogs(ctx context.Context, o metric.Observer, backlogs []backlogSource) error {
 	var errs []error
 	for _, b := range backlogs {
 		qctx, cancel := context.WithTimeout(ctx, backlogTimeout)

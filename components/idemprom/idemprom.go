@@ -115,7 +115,12 @@ type backlogSource struct {
 // forwarders. It reads their counters at scrape time; it is safe for
 // concurrent use.
 type Collector struct {
-	mu         sync.Mutex
+	mu sync.Mutex
+	sources
+}
+
+// sources are the components a Collector reads.
+type sources struct {
 	dedups     []*idem.Dedup
 	forwarders map[string]*outbox.Forwarder
 	backlogs   []backlogSource
@@ -129,7 +134,7 @@ var _ prometheus.Collector = (*Collector)(nil)
 
 // NewCollector returns an empty Collector; add components, then register it.
 func NewCollector() *Collector {
-	return &Collector{forwarders: map[string]*outbox.Forwarder{}}
+	return &Collector{sources: sources{forwarders: map[string]*outbox.Forwarder{}}}
 }
 
 // AddDedup exports d's counters, labelled with its consumer group. Adding two
@@ -223,135 +228,184 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+	s := c.snapshot()
+	e := emitter(ch)
+	e.dedups(s.dedups)
+	e.forwarders(s.forwarders)
+	e.backlogs(s.backlogs)
+	e.retries(s.retries)
+	e.parked(s.parked)
+	e.tables(s.tables)
+	e.subscribers(s.subs)
+}
+
+// snapshot copies the sources under the lock: a scrape reads them without it.
+func (c *Collector) snapshot() sources {
 	c.mu.Lock()
-	dedups := append([]*idem.Dedup(nil), c.dedups...)
+	defer c.mu.Unlock()
 	forwarders := make(map[string]*outbox.Forwarder, len(c.forwarders))
 	for k, v := range c.forwarders {
 		forwarders[k] = v
 	}
-	backlogs := append([]backlogSource(nil), c.backlogs...)
-	retries := append([]retrySource(nil), c.retries...)
-	parked := append([]parkedSource(nil), c.parked...)
-	subs := append([]*parallel.Subscriber(nil), c.subs...)
-	tables := append([]tableSource(nil), c.tables...)
-	c.mu.Unlock()
-
-	counter := func(d *prometheus.Desc, v float64, labels ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
+	return sources{
+		dedups:     append([]*idem.Dedup(nil), c.dedups...),
+		forwarders: forwarders,
+		backlogs:   append([]backlogSource(nil), c.backlogs...),
+		retries:    append([]retrySource(nil), c.retries...),
+		parked:     append([]parkedSource(nil), c.parked...),
+		tables:     append([]tableSource(nil), c.tables...),
+		subs:       append([]*parallel.Subscriber(nil), c.subs...),
 	}
+}
+
+// emitter sends one scrape's metrics.
+type emitter chan<- prometheus.Metric
+
+func (e emitter) counter(d *prometheus.Desc, v float64, labels ...string) {
+	e <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
+}
+
+func (e emitter) gauge(d *prometheus.Desc, v float64, labels ...string) {
+	e <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+}
+
+// dedups emits the dedup middlewares' counters, summed per consumer group.
+func (e emitter) dedups(dedups []*idem.Dedup) {
 	for _, gs := range statsx.ByKey(dedups, (*idem.Dedup).ConsumerGroup, (*idem.Dedup).Stats, idem.Stats.Add) {
 		g, s := gs.Key, gs.Value
-		counter(descProcessed, float64(s.Processed), g)
-		counter(descDuplicates, float64(s.Duplicates), g)
-		counter(descFailed, float64(s.Failed), g)
-		counter(descClaimErrors, float64(s.ClaimErrors), g)
+		e.counter(descProcessed, float64(s.Processed), g)
+		e.counter(descDuplicates, float64(s.Duplicates), g)
+		e.counter(descFailed, float64(s.Failed), g)
+		e.counter(descClaimErrors, float64(s.ClaimErrors), g)
 		for reason, n := range s.Rejected.ByReason() {
-			counter(descRejected, float64(n), g, reason)
+			e.counter(descRejected, float64(n), g, reason)
 		}
-		counter(descClaimSec, s.ClaimDuration.Seconds(), g)
-		counter(descClaims, float64(s.ClaimCount), g)
-		counter(descTxSec, s.TxDuration.Seconds(), g)
-		counter(descGroups, float64(s.Groups), g)
-		counter(descGroupedMsgs, float64(s.GroupedMessages), g)
-		counter(descGroupFallbacks, float64(s.GroupFallbacks), g)
-		counter(descAlone, float64(s.Alone), g)
-		counter(descLeases, float64(s.LeasesTaken), g, "taken")
-		counter(descLeases, float64(s.LeasesTakenOver), g, "taken_over")
-		counter(descLeases, float64(s.LeasesRenewed), g, "renewed")
-		counter(descLeases, float64(s.LeasesLost), g, "lost")
-		counter(descLeases, float64(s.LeasesBusy), g, "busy")
+		e.counter(descClaimSec, s.ClaimDuration.Seconds(), g)
+		e.counter(descClaims, float64(s.ClaimCount), g)
+		e.counter(descTxSec, s.TxDuration.Seconds(), g)
+		e.counter(descGroups, float64(s.Groups), g)
+		e.counter(descGroupedMsgs, float64(s.GroupedMessages), g)
+		e.counter(descGroupFallbacks, float64(s.GroupFallbacks), g)
+		e.counter(descAlone, float64(s.Alone), g)
+		e.counter(descLeases, float64(s.LeasesTaken), g, "taken")
+		e.counter(descLeases, float64(s.LeasesTakenOver), g, "taken_over")
+		e.counter(descLeases, float64(s.LeasesRenewed), g, "renewed")
+		e.counter(descLeases, float64(s.LeasesLost), g, "lost")
+		e.counter(descLeases, float64(s.LeasesBusy), g, "busy")
 	}
+}
+
+// forwarders emits each outbox forwarder's counters.
+func (e emitter) forwarders(forwarders map[string]*outbox.Forwarder) {
 	for name, f := range forwarders {
 		s := f.Stats()
-		counter(descForwarded, float64(s.Forwarded), name)
-		counter(descCommits, float64(s.Commits), name)
-		counter(descPolls, float64(s.Polls), name)
-		counter(descFwdErrors, float64(s.Errors), name)
-		counter(descQuarantined, float64(s.Quarantined), name)
+		e.counter(descForwarded, float64(s.Forwarded), name)
+		e.counter(descCommits, float64(s.Commits), name)
+		e.counter(descPolls, float64(s.Polls), name)
+		e.counter(descFwdErrors, float64(s.Errors), name)
+		e.counter(descQuarantined, float64(s.Quarantined), name)
 	}
+}
+
+// backlogs emits each outbox's backlog per topic and forwarder, read now.
+func (e emitter) backlogs(backlogs []backlogSource) {
 	for _, b := range backlogs {
 		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
 		rows, err := b.ob.Backlog(ctx, b.db, &b.opts)
 		cancel()
 		if err != nil {
-			ch <- prometheus.NewInvalidMetric(descPending, err)
+			e <- prometheus.NewInvalidMetric(descPending, err)
 			continue
 		}
 		for _, r := range rows {
-			ch <- prometheus.MustNewConstMetric(descPending, prometheus.GaugeValue, float64(r.Pending), r.Topic, r.Forwarder)
-			ch <- prometheus.MustNewConstMetric(descOldest, prometheus.GaugeValue, r.OldestAge.Seconds(), r.Topic, r.Forwarder)
-			ch <- prometheus.MustNewConstMetric(descDead, prometheus.GaugeValue, float64(r.Dead), r.Topic, r.Forwarder)
+			e.gauge(descPending, float64(r.Pending), r.Topic, r.Forwarder)
+			e.gauge(descOldest, r.OldestAge.Seconds(), r.Topic, r.Forwarder)
+			e.gauge(descDead, float64(r.Dead), r.Topic, r.Forwarder)
 		}
 	}
+}
+
+// retries emits the retry topics' counters, summed per consumer group.
+func (e emitter) retries(retries []retrySource) {
 	for _, gs := range statsx.ByKey(retries, func(r retrySource) string { return r.group }, func(r retrySource) retrytopic.Stats { return r.rt.Stats() }, addRetryStats) {
 		g, s := gs.Key, gs.Value
-		counter(descRetried, float64(s.Retried), g)
-		counter(descRecovered, float64(s.Recovered), g)
-		counter(descPoisoned, float64(s.Poisoned), g)
-		counter(descFollowed, float64(s.Followed), g)
-		counter(descReleased, float64(s.Released), g)
-		counter(descHandedOff, float64(s.HandedOff), g)
-		ch <- prometheus.MustNewConstMetric(descOverdue, prometheus.GaugeValue, float64(s.OverdueKeys), g)
+		e.counter(descRetried, float64(s.Retried), g)
+		e.counter(descRecovered, float64(s.Recovered), g)
+		e.counter(descPoisoned, float64(s.Poisoned), g)
+		e.counter(descFollowed, float64(s.Followed), g)
+		e.counter(descReleased, float64(s.Released), g)
+		e.counter(descHandedOff, float64(s.HandedOff), g)
+		e.gauge(descOverdue, float64(s.OverdueKeys), g)
 	}
-	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
-	}
+}
+
+// parked emits each parked table's summary per consumer group, read now.
+func (e emitter) parked(parked []parkedSource) {
 	for _, p := range parked {
 		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
 		sum, err := retrytopic.SummarizeParked(ctx, p.db, p.table, p.group)
 		cancel()
 		if err != nil {
-			ch <- prometheus.NewInvalidMetric(descParkedKeys, err)
+			e <- prometheus.NewInvalidMetric(descParkedKeys, err)
 			continue
 		}
 		if len(sum) == 0 && p.group != "" {
 			sum = []retrytopic.ParkedSummary{{ConsumerGroup: p.group}}
 		}
 		for _, s := range sum {
-			gauge(descParkedKeys, float64(s.Keys), s.ConsumerGroup)
-			gauge(descParkedEvents, float64(s.Events), s.ConsumerGroup)
-			gauge(descParkedQueue, float64(s.MaxQueue), s.ConsumerGroup)
-			gauge(descParkedOldest, s.OldestAge.Seconds(), s.ConsumerGroup)
-			gauge(descParkedOverdue, s.MaxHeadOverdue.Seconds(), s.ConsumerGroup)
+			e.gauge(descParkedKeys, float64(s.Keys), s.ConsumerGroup)
+			e.gauge(descParkedEvents, float64(s.Events), s.ConsumerGroup)
+			e.gauge(descParkedQueue, float64(s.MaxQueue), s.ConsumerGroup)
+			e.gauge(descParkedOldest, s.OldestAge.Seconds(), s.ConsumerGroup)
+			e.gauge(descParkedOverdue, s.MaxHeadOverdue.Seconds(), s.ConsumerGroup)
 		}
 	}
+}
+
+// tables emits each dedup table's size, retention and cleaning, read now.
+func (e emitter) tables(tables []tableSource) {
 	for _, t := range tables {
 		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
 		info, err := deduplicator.Inspect(ctx, t.db, t.cfg)
 		cancel()
 		if err != nil {
-			ch <- prometheus.NewInvalidMetric(descTableBytes, err)
+			e <- prometheus.NewInvalidMetric(descTableBytes, err)
 			continue
 		}
 		name := info.Schema + "." + info.Table
-		gauge(descTableRows, float64(info.RowsEstimate), name)
-		gauge(descTableBytes, float64(info.Bytes), name)
-		gauge(descTableRetention, info.Retention.Seconds(), name)
+		e.gauge(descTableRows, float64(info.RowsEstimate), name)
+		e.gauge(descTableBytes, float64(info.Bytes), name)
+		e.gauge(descTableRetention, info.Retention.Seconds(), name)
 		last := 0.0
 		if !info.CleanedBefore.IsZero() {
 			last = float64(info.CleanedBefore.Add(info.Retention).UnixNano()) / 1e9
 		}
-		gauge(descTableCleaned, last, name)
-		gauge(descTablePartitions, float64(len(info.Partitions)), name)
+		e.gauge(descTableCleaned, last, name)
+		e.gauge(descTablePartitions, float64(len(info.Partitions)), name)
 	}
+}
+
+// subscribers emits the Kafka subscribers' state, summed per consumer group,
+// and each partition's.
+func (e emitter) subscribers(subs []*parallel.Subscriber) {
 	for _, gs := range statsx.ByKey(subs, (*parallel.Subscriber).ConsumerGroup, (*parallel.Subscriber).Stats, parallel.SubscriberStats.Add) {
 		g, s := gs.Key, gs.Value
-		gauge(descKafkaInFlight, float64(s.InFlight), g)
-		gauge(descKafkaWaiting, float64(s.KeysWaiting), g)
-		gauge(descKafkaHeld, float64(s.Held), g)
-		gauge(descKafkaSpilled, float64(s.Spilled), g)
-		gauge(descKafkaMaxInFlight, float64(s.MaxInFlight), g)
-		counter(descKafkaAcked, float64(s.Acked), g)
-		counter(descKafkaNacked, float64(s.Nacked), g)
-		counter(descKafkaSkipped, float64(s.Skipped), g)
-		counter(descKafkaSessions, float64(s.Sessions), g)
-		counter(descKafkaRefused, float64(s.CommitsRefused), g)
-		gauge(descKafkaStalled, float64(s.StalledKeys), g)
+		e.gauge(descKafkaInFlight, float64(s.InFlight), g)
+		e.gauge(descKafkaWaiting, float64(s.KeysWaiting), g)
+		e.gauge(descKafkaHeld, float64(s.Held), g)
+		e.gauge(descKafkaSpilled, float64(s.Spilled), g)
+		e.gauge(descKafkaMaxInFlight, float64(s.MaxInFlight), g)
+		e.counter(descKafkaAcked, float64(s.Acked), g)
+		e.counter(descKafkaNacked, float64(s.Nacked), g)
+		e.counter(descKafkaSkipped, float64(s.Skipped), g)
+		e.counter(descKafkaSessions, float64(s.Sessions), g)
+		e.counter(descKafkaRefused, float64(s.CommitsRefused), g)
+		e.gauge(descKafkaStalled, float64(s.StalledKeys), g)
 		for _, p := range s.Partitions {
 			id := strconv.Itoa(int(p.Partition))
-			gauge(descKafkaDistance, float64(p.Distance), g, p.Topic, id)
-			gauge(descKafkaWindow, float64(p.Window), g, p.Topic, id)
-			gauge(descKafkaPartStalled, p.StalledFor.Seconds(), g, p.Topic, id)
+			e.gauge(descKafkaDistance, float64(p.Distance), g, p.Topic, id)
+			e.gauge(descKafkaWindow, float64(p.Window), g, p.Topic, id)
+			e.gauge(descKafkaPartStalled, p.StalledFor.Seconds(), g, p.Topic, id)
 		}
 	}
 }

@@ -217,35 +217,13 @@ func (d *demo) phaseCrash(ctx context.Context) error {
 	}
 	d.progress("phase 3: 2 more billing processes join group %s in lease mode (lease %s, renewed every %s): one will be SIGKILLed after its call, one frozen (SIGSTOP) in its call",
 		d.n.billing, d.cfg.LeaseDuration, d.cfg.leaseRenew())
-	session := 2 * time.Second
-	if len(d.cfg.Brokers) > 0 {
-		session = 6 * time.Second // a real cluster's group.min.session.timeout.ms
-	}
-	base := childConfig{
-		DatabaseURL: d.cfg.DatabaseURL, Schema: d.table.Schema, Brokers: d.brokers, Topic: d.n.orders, ChargedTopic: d.n.charged,
-		Group: d.n.billing, ProviderURL: d.provider.URL(), Lease: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(),
-		SessionTimeout: session, Verbose: d.cfg.childVerbose,
-	}
-	// The children join first; their partitions decide their orders: for
-	// each, an order id the producers put on its partition, sent to it on
-	// its standard input.
 	crashName, stallName := "billing-crash"+d.suffix, "billing-stall"+d.suffix
 	crashOrder, stallOrder := Order{CustomerID: "cus-k", TotalAmount: "77.00", Currency: "EUR"}, Order{CustomerID: "cus-k", TotalAmount: "88.00", Currency: "EUR"}
-	parts, err := d.childPartitions(ctx, base, crashName, stallName)
+	parts, err := d.startCrashChildren(ctx, crashName, &crashOrder, stallName, &stallOrder)
 	if err != nil {
 		return err
 	}
-	crashOrder.ID = orderOnPartition("ord-k", d.n.orders, parts.ids[crashName], d.cfg.Partitions)
-	stallOrder.ID = orderOnPartition("ord-t", d.n.orders, parts.ids[stallName], d.cfg.Partitions)
 	crashed, stalled := parts.children[crashName], parts.children[stallName]
-	if err := crashed.tell(crashOrder.ID); err != nil {
-		return err
-	}
-	if err := stalled.tell(stallOrder.ID); err != nil {
-		return err
-	}
-	d.progress("phase 3: %s owns partition %d: order %s; %s owns partition %d: order %s",
-		crashName, parts.ids[crashName], crashOrder.ID, stallName, parts.ids[stallName], stallOrder.ID)
 
 	hold := d.provider.HoldCharge(stallOrder.ID)
 	defer hold.Release()
@@ -261,34 +239,15 @@ func (d *demo) phaseCrash(ctx context.Context) error {
 	d.orders = append(d.orders, crashOrder, stallOrder)
 	d.rep.Published += 2
 
-	// The crash: the child reports its call returned, and SIGKILLs itself.
-	line, err := crashed.next(ctx)
+	killed, err := d.awaitCrash(ctx, crashed, crashName, crashOrder)
 	if err != nil {
-		return fmt.Errorf("crash child: %w: %s", err, crashed.logs())
+		return err
 	}
-	d.check(strings.HasPrefix(line, lineCalled), "crash child: wanted %q, got %q", lineCalled+"<event>", line)
-	d.check(crashed.killedBySIGKILL(), "crash child: not ended by SIGKILL (%v)", crashed.err)
-	killed := time.Now()
-	d.rep.Crash = fmt.Sprintf("%s SIGKILLed after the provider call of %s, before its completion", crashName, crashOrder.ID)
-	d.progress("phase 3: %s", d.rep.Crash)
 
-	// The takeover: the child holds the lease and calls; the call hangs at
-	// the provider; the process is frozen.
-	line, err = stalled.next(ctx)
+	frozen, err := d.freezeStalled(ctx, stalled, hold, stallName, stallOrder)
 	if err != nil {
-		return fmt.Errorf("stall child: %w: %s", err, stalled.logs())
+		return err
 	}
-	d.check(strings.HasPrefix(line, lineTaken), "stall child: wanted %q, got %q", lineTaken+"<event>", line)
-	select {
-	case <-hold.Arrived():
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-	if err := stalled.signal(syscall.SIGSTOP); err != nil {
-		return fmt.Errorf("SIGSTOP: %w", err)
-	}
-	frozen := time.Now()
-	d.progress("phase 3: %s froze (SIGSTOP) in its call for %s: its lease expires in %s, its session in %s", stallName, stallOrder.ID, d.cfg.LeaseDuration, session)
 
 	// The demo's instances get both partitions once the dead and the
 	// frozen member are expelled, take both expired leases over, and the
@@ -309,12 +268,60 @@ func (d *demo) phaseCrash(ctx context.Context) error {
 	}
 	d.progress("phase 3: %s and %s completed by the demo's billing instances, %.1fs after the kill", crashOrder.ID, stallOrder.ID, time.Since(killed).Seconds())
 
-	// The first owner resumes: its renewal or its completion finds the
-	// lease gone.
+	if err := d.resumeStalled(ctx, stalled, stallName, stallOrder); err != nil {
+		return err
+	}
+
+	after := d.billing.dedup.Stats()
+	d.rep.TakenOverInPhase = after.LeasesTakenOver - before.LeasesTakenOver
+	d.check(d.rep.TakenOverInPhase >= 2, "phase 3: the demo's billing took %d expired leases over, want at least 2 (the crashed and the frozen owner's)", d.rep.TakenOverInPhase)
+	d.status("phase 3 done")
+	return nil
+}
+
+// freezeStalled waits for the stall child to take its lease and its call to
+// hang at the provider, then freezes the process (SIGSTOP) and returns when.
+func (d *demo) freezeStalled(ctx context.Context, stalled *child, hold *heldCharge, stallName string, stallOrder Order) (time.Time, error) {
+	line, err := stalled.next(ctx)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("stall child: %w: %s", err, stalled.logs())
+	}
+	d.check(strings.HasPrefix(line, lineTaken), "stall child: wanted %q, got %q", lineTaken+"<event>", line)
+	select {
+	case <-hold.Arrived():
+	case <-ctx.Done():
+		return time.Time{}, ctx.Err()
+	}
+	if err := stalled.signal(syscall.SIGSTOP); err != nil {
+		return time.Time{}, fmt.Errorf("SIGSTOP: %w", err)
+	}
+	frozen := time.Now()
+	d.progress("phase 3: %s froze (SIGSTOP) in its call for %s: its lease expires in %s, its session in %s", stallName, stallOrder.ID, d.cfg.LeaseDuration, d.childSession())
+	return frozen, nil
+}
+
+// awaitCrash waits for the crash child to report its call returned and to
+// SIGKILL itself, and returns when it saw the kill.
+func (d *demo) awaitCrash(ctx context.Context, crashed *child, crashName string, crashOrder Order) (time.Time, error) {
+	line, err := crashed.next(ctx)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("crash child: %w: %s", err, crashed.logs())
+	}
+	d.check(strings.HasPrefix(line, lineCalled), "crash child: wanted %q, got %q", lineCalled+"<event>", line)
+	d.check(crashed.killedBySIGKILL(), "crash child: not ended by SIGKILL (%v)", crashed.err)
+	killed := time.Now()
+	d.rep.Crash = fmt.Sprintf("%s SIGKILLed after the provider call of %s, before its completion", crashName, crashOrder.ID)
+	d.progress("phase 3: %s", d.rep.Crash)
+	return killed, nil
+}
+
+// resumeStalled resumes the frozen first owner: its renewal or its
+// completion finds the lease gone.
+func (d *demo) resumeStalled(ctx context.Context, stalled *child, stallName string, stallOrder Order) error {
 	if err := stalled.signal(syscall.SIGCONT); err != nil {
 		return fmt.Errorf("SIGCONT: %w", err)
 	}
-	line, err = stalled.next(ctx)
+	line, err := stalled.next(ctx)
 	if err != nil {
 		return fmt.Errorf("stall child: %w: %s", err, stalled.logs())
 	}
@@ -325,12 +332,36 @@ func (d *demo) phaseCrash(ctx context.Context) error {
 	d.check(stalled.killedBySIGKILL(), "stall child: not ended by SIGKILL (%v)", stalled.err)
 	d.rep.Takeover = fmt.Sprintf("%s's lease of %s taken over while it was frozen in its call; resumed, it ended with: %s", stallName, stallOrder.ID, outcome)
 	d.progress("phase 3: %s", d.rep.Takeover)
-
-	after := d.billing.dedup.Stats()
-	d.rep.TakenOverInPhase = after.LeasesTakenOver - before.LeasesTakenOver
-	d.check(d.rep.TakenOverInPhase >= 2, "phase 3: the demo's billing took %d expired leases over, want at least 2 (the crashed and the frozen owner's)", d.rep.TakenOverInPhase)
-	d.status("phase 3 done")
 	return nil
+}
+
+// startCrashChildren starts phase 3's two child processes in lease mode and
+// tells each its order: an order id the producers put on the partition the
+// child owns, set in crashOrder and stallOrder.
+func (d *demo) startCrashChildren(ctx context.Context, crashName string, crashOrder *Order, stallName string, stallOrder *Order) (*childSet, error) {
+	base := childConfig{
+		DatabaseURL: d.cfg.DatabaseURL, Schema: d.table.Schema, Brokers: d.brokers, Topic: d.n.orders, ChargedTopic: d.n.charged,
+		Group: d.n.billing, ProviderURL: d.provider.URL(), Lease: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(),
+		SessionTimeout: d.childSession(), Verbose: d.cfg.childVerbose,
+	}
+	// The children join first; their partitions decide their orders: for
+	// each, an order id the producers put on its partition, sent to it on
+	// its standard input.
+	parts, err := d.childPartitions(ctx, base, crashName, stallName)
+	if err != nil {
+		return nil, err
+	}
+	crashOrder.ID = orderOnPartition("ord-k", d.n.orders, parts.ids[crashName], d.cfg.Partitions)
+	stallOrder.ID = orderOnPartition("ord-t", d.n.orders, parts.ids[stallName], d.cfg.Partitions)
+	if err := parts.children[crashName].tell(crashOrder.ID); err != nil {
+		return nil, err
+	}
+	if err := parts.children[stallName].tell(stallOrder.ID); err != nil {
+		return nil, err
+	}
+	d.progress("phase 3: %s owns partition %d: order %s; %s owns partition %d: order %s",
+		crashName, parts.ids[crashName], crashOrder.ID, stallName, parts.ids[stallName], stallOrder.ID)
+	return parts, nil
 }
 
 // childSet is the children of phase 3 and the partition each owns.
@@ -400,4 +431,13 @@ func orderOnPartition(prefix, topic string, p, partitions int32) string {
 			return id
 		}
 	}
+}
+
+// childSession is the session timeout of phase 3's children: how long the
+// group waits before it expels a dead or frozen one.
+func (d *demo) childSession() time.Duration {
+	if len(d.cfg.Brokers) > 0 {
+		return 6 * time.Second // a real cluster's group.min.session.timeout.ms
+	}
+	return 2 * time.Second
 }

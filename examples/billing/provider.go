@@ -239,19 +239,7 @@ func (p *paymentProvider) handleCharge(w http.ResponseWriter, r *http.Request) {
 		writeStored(w, entry)
 		return
 	}
-	p.mu.Lock()
-	latency, ok := p.slow[req.OrderID]
-	hold := p.held[req.OrderID]
-	delete(p.held, req.OrderID)
-	p.mu.Unlock()
-	if !ok {
-		latency = p.latency
-	}
-	time.Sleep(latency) // the card network
-	if hold != nil {
-		close(hold.arrived)
-		<-hold.release
-	}
+	p.callCardNetwork(req.OrderID)
 
 	p.mu.Lock()
 	p.nextID++
@@ -272,6 +260,24 @@ func (p *paymentProvider) handleCharge(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeStored(w, entry)
+}
+
+// callCardNetwork takes the provider's latency (or the order's, when the
+// demo slowed it), then waits while the demo holds the order.
+func (p *paymentProvider) callCardNetwork(orderID string) {
+	p.mu.Lock()
+	latency, ok := p.slow[orderID]
+	hold := p.held[orderID]
+	delete(p.held, orderID)
+	p.mu.Unlock()
+	if !ok {
+		latency = p.latency
+	}
+	time.Sleep(latency) // the card network
+	if hold != nil {
+		close(hold.arrived)
+		<-hold.release
+	}
 }
 
 func (p *paymentProvider) finish(e *storedResponse, status int, body []byte) {

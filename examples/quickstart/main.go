@@ -49,11 +49,8 @@ func run() error {
 
 	// Set up: the processed_event table (before idem.NewDedup, which checks
 	// it), the business table, and Kafka configs with safe settings.
-	table := deduplicator.TableConfig{Schema: env.schema}
-	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
-		return fmt.Errorf("migrate: %w", err)
-	}
-	if _, err := pool.Exec(ctx, "CREATE TABLE payment (event_id uuid NOT NULL, account text NOT NULL, amount_cents bigint NOT NULL)"); err != nil {
+	table, err := createTables(ctx, env)
+	if err != nil {
 		return err
 	}
 	kafkaCfg := idemkafka.ClientConfig{Brokers: env.brokers}
@@ -71,28 +68,11 @@ func run() error {
 	}
 	defer kafkaPub.Close()
 
-	// Produce: each event stamped with a UUIDv7 event_id, keyed by account.
-	// Then the third event again, as Kafka redelivers it after a crash, and a
-	// message from a producer that sets no event id.
-	pub := publisher.NewStampingPublisher(kafkaPub)
-	var events []*message.Message
-	var wantCents int64
-	for _, p := range []PaymentReceived{{"acct-1", 1250}, {"acct-2", 990}, {"acct-1", 4000}, {"acct-3", 120}, {"acct-2", 75}} {
-		payload, _ := json.Marshal(p)
-		events = append(events, publisher.WithPartitionKey(message.NewMessage(watermill.NewUUID(), payload), p.Account))
-		wantCents += p.AmountCents
+	// Produce: the events, a redelivered duplicate and a message without an id.
+	n, wantCents, err := produce(env, kafkaPub)
+	if err != nil {
+		return err
 	}
-	if err := pub.Publish(env.topic, events...); err != nil {
-		return fmt.Errorf("publish: %w", err)
-	}
-	dup := events[2].Copy() // stamped by now: a new message with the same event_id
-	dup.UUID = watermill.NewUUID()
-	noID := message.NewMessage(watermill.NewUUID(), []byte(`{"account":"acct-9","amountCents":1}`))
-	if err := kafkaPub.Publish(env.topic, dup, noID); err != nil { // the raw publisher: noID stays without an id
-		return fmt.Errorf("publish duplicate and bad message: %w", err)
-	}
-	fmt.Printf("published %d events, re-published event %s once more, and 1 message without an event id\n\n",
-		len(events), dup.Metadata.Get(publisher.MetadataEventID))
 
 	// Consume: poison queue → retry → dedup → handler. The handler writes
 	// through the middleware's transaction, which also holds the event's claim.
@@ -131,20 +111,65 @@ func run() error {
 		env.report.processed(msg, eventID.String(), p.Account, p.AmountCents)
 		return nil
 	})
-	if err := env.run(ctx, router, len(events)+2); err != nil { // until all 7 messages are accounted for
+	if err := env.run(ctx, router, n+2); err != nil { // until all 7 messages are accounted for
 		return err
 	}
 
-	// Check the invariant: each event applied exactly once.
+	return checkExactlyOnce(ctx, env, n, wantCents)
+}
+
+// createTables creates the processed_event table (before idem.NewDedup,
+// which checks it) and the business table in the run's schema.
+func createTables(ctx context.Context, env *infra) (deduplicator.TableConfig, error) {
+	table := deduplicator.TableConfig{Schema: env.schema}
+	if err := migrate.Up(ctx, env.pool, deduplicator.MigrationLine(table)); err != nil {
+		return table, fmt.Errorf("migrate: %w", err)
+	}
+	if _, err := env.pool.Exec(ctx, "CREATE TABLE payment (event_id uuid NOT NULL, account text NOT NULL, amount_cents bigint NOT NULL)"); err != nil {
+		return table, err
+	}
+	return table, nil
+}
+
+// produce publishes the events, each stamped with a UUIDv7 event_id and
+// keyed by account, then the third event again, as Kafka redelivers it after
+// a crash, and a message from a producer that sets no event id. It returns
+// the number of events and their total amount.
+func produce(env *infra, kafkaPub message.Publisher) (int, int64, error) {
+	pub := publisher.NewStampingPublisher(kafkaPub)
+	var events []*message.Message
+	var wantCents int64
+	for _, p := range []PaymentReceived{{"acct-1", 1250}, {"acct-2", 990}, {"acct-1", 4000}, {"acct-3", 120}, {"acct-2", 75}} {
+		payload, _ := json.Marshal(p)
+		events = append(events, publisher.WithPartitionKey(message.NewMessage(watermill.NewUUID(), payload), p.Account))
+		wantCents += p.AmountCents
+	}
+	if err := pub.Publish(env.topic, events...); err != nil {
+		return 0, 0, fmt.Errorf("publish: %w", err)
+	}
+	dup := events[2].Copy() // stamped by now: a new message with the same event_id
+	dup.UUID = watermill.NewUUID()
+	noID := message.NewMessage(watermill.NewUUID(), []byte(`{"account":"acct-9","amountCents":1}`))
+	if err := kafkaPub.Publish(env.topic, dup, noID); err != nil { // the raw publisher: noID stays without an id
+		return 0, 0, fmt.Errorf("publish duplicate and bad message: %w", err)
+	}
+	fmt.Printf("published %d events, re-published event %s once more, and 1 message without an event id\n\n",
+		len(events), dup.Metadata.Get(publisher.MetadataEventID))
+	return len(events), wantCents, nil
+}
+
+// checkExactlyOnce checks the invariant: each of the n events applied
+// exactly once, the duplicate skipped and the message without an id poisoned.
+func checkExactlyOnce(ctx context.Context, env *infra, n int, wantCents int64) error {
 	var rows, distinct, claims int
 	var cents int64
-	if err := pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id), coalesce(sum(amount_cents), 0),
+	if err := env.pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id), coalesce(sum(amount_cents), 0),
 		(SELECT count(*) FROM processed_event WHERE consumer_group = $1) FROM payment`, env.group).Scan(&rows, &distinct, &cents, &claims); err != nil {
 		return err
 	}
 	fmt.Printf("\npayment rows: %d, distinct events: %d, processed_event rows: %d, total %d cents\nduplicates skipped: %d, poisoned: %d\n",
 		rows, distinct, claims, cents, env.report.duplicates(), env.report.poisoned())
-	if n := len(events); rows != n || distinct != n || claims != n || cents != wantCents || env.report.duplicates() != 1 || env.report.poisoned() != 1 {
+	if rows != n || distinct != n || claims != n || cents != wantCents || env.report.duplicates() != 1 || env.report.poisoned() != 1 {
 		return fmt.Errorf("invariant broken: want %d payment rows, %d claims, %d cents, 1 duplicate skipped, 1 poisoned", n, n, wantCents)
 	}
 	fmt.Println("OK: every event applied exactly once; the redelivered duplicate was skipped.")

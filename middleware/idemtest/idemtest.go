@@ -177,61 +177,103 @@ func RunWithRedelivery(ctx context.Context, tb testing.TB, dedup *idem.Dedup, h 
 	if o.TakeOverFirst && o.DB == nil {
 		tb.Fatalf("idemtest: TakeOverFirst needs RedeliveryOpts.DB (and Table) to expire the first run's lease")
 	}
-	var runs, committed, injected, takenOver atomic.Int64
-	var eventID atomic.Value
-	var injectOnce, takeOverOnce atomic.Bool
-	injectOnce.Store(o.RollbackFirst)
-	takeOverOnce.Store(o.TakeOverFirst)
-	var wrapped message.HandlerFunc
-	counting := func(m *message.Message) ([]*message.Message, error) {
-		runs.Add(1)
-		if takeOverOnce.CompareAndSwap(true, false) {
-			takeOver(ctx, tb, o, dedup, m, wrapped)
+	r := &redelivery{ctx: ctx, o: o}
+	r.injectOnce.Store(o.RollbackFirst)
+	r.takeOverOnce.Store(o.TakeOverFirst)
+	r.wrapped = dedup.Middleware(r.counting(tb, dedup, h))
+
+	deliveries := o.Deliveries
+	if o.RollbackFirst {
+		deliveries++
+	}
+	if errs := r.deliverInWaves(msg, deliveries); len(errs) > 0 {
+		tb.Fatalf("idemtest: %d of %d deliveries failed: %v", len(errs), deliveries, errors.Join(errs...))
+	}
+	res := RedeliveryResult{
+		Deliveries:        deliveries,
+		HandlerRuns:       int(r.runs.Load()),
+		Committed:         int(r.committed.Load()),
+		InjectedRollbacks: int(r.injected.Load()),
+		TakenOver:         int(r.takenOver.Load()),
+	}
+	if o.TakeOverFirst && res.TakenOver != 1 {
+		tb.Fatalf("idemtest: TakeOverFirst: the first run's completion was not refused with idem.ErrLeaseLost (is the middleware in lease mode?)")
+	}
+	res.Deliveries += res.TakenOver // the takeover's own delivery
+	res.Duplicates = res.Deliveries - res.HandlerRuns
+	if res.Committed != 1 {
+		tb.Fatalf("idemtest: the handler committed %d times over %d deliveries, want exactly 1 (runs %d, injected rollbacks %d)",
+			res.Committed, res.Deliveries, res.HandlerRuns, res.InjectedRollbacks)
+	}
+	res.EventID, _ = r.eventID.Load().(uuid.UUID)
+	r.deliverOnceMore(tb, msg, res.EventID)
+	res.Deliveries++
+	res.Duplicates++
+	return res
+}
+
+// redelivery is one RunWithRedelivery: the wrapped handler and what its
+// runs counted.
+type redelivery struct {
+	ctx                                  context.Context
+	o                                    RedeliveryOpts
+	wrapped                              message.HandlerFunc
+	runs, committed, injected, takenOver atomic.Int64
+	eventID                              atomic.Value
+	injectOnce, takeOverOnce             atomic.Bool
+}
+
+// counting wraps h: it counts runs and commits, injects the first
+// rollback, and takes the first run's lease over when asked.
+func (r *redelivery) counting(tb testing.TB, dedup *idem.Dedup, h message.HandlerFunc) message.HandlerFunc {
+	return func(m *message.Message) ([]*message.Message, error) {
+		r.runs.Add(1)
+		if r.takeOverOnce.CompareAndSwap(true, false) {
+			takeOver(r.ctx, tb, r.o, dedup, m, r.wrapped)
 		}
 		out, err := h(m)
 		if err != nil {
 			return nil, err
 		}
-		if injectOnce.CompareAndSwap(true, false) {
-			injected.Add(1)
+		if r.injectOnce.CompareAndSwap(true, false) {
+			r.injected.Add(1)
 			return nil, errInjectedRollback
 		}
 		// Counted inside the committing transaction (at once in transaction
 		// mode, by the completion in lease mode, never for a lost lease); a
 		// failed COMMIT returns an error below and fails the test anyway.
 		if err := idem.Complete(m.Context(), func(context.Context, pgx.Tx) error {
-			committed.Add(1)
+			r.committed.Add(1)
 			return nil
 		}); err != nil {
 			return nil, err
 		}
 		if id, ok := idem.EventIDFromContext(m.Context()); ok {
-			eventID.Store(id)
+			r.eventID.Store(id)
 		}
 		return out, nil
 	}
-	wrapped = dedup.Middleware(counting)
+}
 
-	deliveries := o.Deliveries
-	if o.RollbackFirst {
-		deliveries++
-	}
+// deliverInWaves delivers copies of msg, Concurrency at a time released
+// together, and returns the deliveries' unexpected errors.
+func (r *redelivery) deliverInWaves(msg *message.Message, deliveries int) []error {
 	var (
 		mu   sync.Mutex
 		errs []error
 	)
 	for done := 0; done < deliveries; {
-		wave := min(o.Concurrency, deliveries-done)
+		wave := min(r.o.Concurrency, deliveries-done)
 		start := make(chan struct{})
 		var wg sync.WaitGroup
 		for range wave {
 			wg.Go(func() {
 				m := msg.Copy()
-				m.SetContext(ctx)
+				m.SetContext(r.ctx)
 				<-start
-				_, err := wrapped(m)
-				if o.TakeOverFirst && errors.Is(err, idem.ErrLeaseLost) {
-					takenOver.Add(1)
+				_, err := r.wrapped(m)
+				if r.o.TakeOverFirst && errors.Is(err, idem.ErrLeaseLost) {
+					r.takenOver.Add(1)
 					err = nil
 				}
 				if err != nil && !errors.Is(err, errInjectedRollback) {
@@ -245,38 +287,20 @@ func RunWithRedelivery(ctx context.Context, tb testing.TB, dedup *idem.Dedup, h 
 		wg.Wait()
 		done += wave
 	}
-	if len(errs) > 0 {
-		tb.Fatalf("idemtest: %d of %d deliveries failed: %v", len(errs), deliveries, errors.Join(errs...))
-	}
-	res := RedeliveryResult{
-		Deliveries:        deliveries,
-		HandlerRuns:       int(runs.Load()),
-		Committed:         int(committed.Load()),
-		InjectedRollbacks: int(injected.Load()),
-		TakenOver:         int(takenOver.Load()),
-	}
-	if o.TakeOverFirst && res.TakenOver != 1 {
-		tb.Fatalf("idemtest: TakeOverFirst: the first run's completion was not refused with idem.ErrLeaseLost (is the middleware in lease mode?)")
-	}
-	res.Deliveries += res.TakenOver // the takeover's own delivery
-	res.Duplicates = res.Deliveries - res.HandlerRuns
-	if res.Committed != 1 {
-		tb.Fatalf("idemtest: the handler committed %d times over %d deliveries, want exactly 1 (runs %d, injected rollbacks %d)",
-			res.Committed, res.Deliveries, res.HandlerRuns, res.InjectedRollbacks)
-	}
-	res.EventID, _ = eventID.Load().(uuid.UUID)
+	return errs
+}
 
-	// One more delivery proves the claim is committed: it must be skipped.
+// deliverOnceMore proves the claim is committed: one more delivery must be
+// skipped.
+func (r *redelivery) deliverOnceMore(tb testing.TB, msg *message.Message, id uuid.UUID) {
+	tb.Helper()
 	m := msg.Copy()
-	m.SetContext(ctx)
-	before := runs.Load()
-	if _, err := wrapped(m); err != nil {
+	m.SetContext(r.ctx)
+	before := r.runs.Load()
+	if _, err := r.wrapped(m); err != nil {
 		tb.Fatalf("idemtest: delivery after the commit failed: %v", err)
 	}
-	if runs.Load() != before {
-		tb.Fatalf("idemtest: a delivery after the commit ran the handler again: the claim of event %s is not committed", res.EventID)
+	if r.runs.Load() != before {
+		tb.Fatalf("idemtest: a delivery after the commit ran the handler again: the claim of event %s is not committed", id)
 	}
-	res.Deliveries++
-	res.Duplicates++
-	return res
 }
