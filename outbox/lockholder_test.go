@@ -13,53 +13,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/testkit/netfault"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
-
-// blackhole dials connections that it can cut as a host does that
-// vanishes without a reset (a frozen VM, a pulled cable, a dropped route):
-// once cut, nothing is sent and nothing arrives, and every read and write
-// blocks until the test ends. The server sees a silent peer, not a closed
-// connection.
-type blackhole struct {
-	cut  atomic.Bool
-	done chan struct{}
-}
-
-func newBlackhole() *blackhole { return &blackhole{done: make(chan struct{})} }
-
-// release ends the blocked reads and writes, with an error.
-func (b *blackhole) release() { close(b.done) }
-
-func (b *blackhole) dial(ctx context.Context, network, addr string) (net.Conn, error) {
-	c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-	if err != nil {
-		return nil, err
-	}
-	return &blackholeConn{Conn: c, b: b}, nil
-}
-
-type blackholeConn struct {
-	net.Conn
-	b *blackhole
-}
-
-func (c *blackholeConn) Read(p []byte) (int, error) {
-	n, err := c.Conn.Read(p)
-	if c.b.cut.Load() {
-		<-c.b.done
-		return 0, net.ErrClosed
-	}
-	return n, err
-}
-
-func (c *blackholeConn) Write(p []byte) (int, error) {
-	if c.b.cut.Load() {
-		<-c.b.done
-		return 0, net.ErrClosed
-	}
-	return c.Conn.Write(p)
-}
 
 // pool opens a pool on e's schema with params as the sessions' settings
 // and, when dial is not nil, connections dialled by it.
@@ -96,8 +52,8 @@ func TestForwarder_VanishedHolderReleasesThePositionLock(t *testing.T) {
 	// A: behind a connection that is cut once A holds the lock. Its
 	// SendTimeout (8 s: released after 13 s) is longer than B's lock wait
 	// (10 s), so B logs the holder once before it gets the lock.
-	bh := newBlackhole()
-	poolA := e.pool(t, map[string]string{"application_name": "forwarder-a"}, bh.dial)
+	bh := netfault.NewBlackhole()
+	poolA := e.pool(t, map[string]string{"application_name": "forwarder-a"}, bh.Dial)
 	a, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: poolA, Outbox: e.outbox, Producer: e.producer(t),
 		Topics: []string{topic}, PollInterval: 10 * time.Millisecond, SendTimeout: 8 * time.Second}, watermill.NopLogger{})
 	require.NoError(t, err)
@@ -105,7 +61,7 @@ func TestForwarder_VanishedHolderReleasesThePositionLock(t *testing.T) {
 	var once atomic.Bool
 	outbox.SetHook(a, func(step string) {
 		if step == "locked" && once.CompareAndSwap(false, true) {
-			bh.cut.Store(true)
+			bh.Cut()
 			close(locked)
 		}
 	})
@@ -114,7 +70,7 @@ func TestForwarder_VanishedHolderReleasesThePositionLock(t *testing.T) {
 	go func() { doneA <- a.Run(ctxA) }()
 	// A never returns while its connection hangs: release it first.
 	t.Cleanup(func() {
-		bh.release()
+		bh.Release()
 		cancelA()
 		<-doneA
 	})
