@@ -5,9 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -16,7 +13,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
-	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // The parallel subscriber's stats: one message of key a in flight (not
@@ -27,16 +23,7 @@ func TestMetricsExportSubscriber(t *testing.T) {
 	t.Parallel()
 	b := kafkatest.Start(t)
 	topic := b.Topic(t, "otel-sub", 1)
-	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: b.Addrs})
-	require.NoError(t, err)
-	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
-	for range 3 {
-		m := message.NewMessage(watermill.NewUUID(), nil)
-		publisher.WithPartitionKey(m, "a")
-		require.NoError(t, pub.Publish(topic, m))
-	}
+	b.ProduceKeyed(t, topic, "a", 3)
 	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: b.Addrs, RevokeTimeout: 5 * time.Second}, ConsumerGroup: "billing", MaxInFlight: 8,
 		StallTimeout: time.Millisecond}, nil)
 	require.NoError(t, err)
@@ -92,16 +79,7 @@ func TestMetricsExportSpilled(t *testing.T) {
 	t.Parallel()
 	b := kafkatest.Start(t)
 	topic := b.Topic(t, "otel-spill", 1)
-	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: b.Addrs})
-	require.NoError(t, err)
-	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
-	for range 12 {
-		m := message.NewMessage(watermill.NewUUID(), nil)
-		publisher.WithPartitionKey(m, "a")
-		require.NoError(t, pub.Publish(topic, m))
-	}
+	b.ProduceKeyed(t, topic, "a", 12)
 	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: b.Addrs, RevokeTimeout: 5 * time.Second}, ConsumerGroup: "billing", PartitionWindow: 4}, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())

@@ -6,9 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
@@ -17,7 +14,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
-	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // The parallel subscriber's stats: one message of key a in flight (not
@@ -28,16 +24,7 @@ func TestCollectorExportsSubscriber(t *testing.T) {
 	t.Parallel()
 	b := kafkatest.Start(t)
 	topic := b.Topic(t, "prom-sub", 1)
-	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: b.Addrs})
-	require.NoError(t, err)
-	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
-	for range 3 {
-		m := message.NewMessage(watermill.NewUUID(), nil)
-		publisher.WithPartitionKey(m, "a")
-		require.NoError(t, pub.Publish(topic, m))
-	}
+	b.ProduceKeyed(t, topic, "a", 3)
 	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: b.Addrs, RevokeTimeout: 5 * time.Second}, ConsumerGroup: "billing", MaxInFlight: 8,
 		StallTimeout: time.Millisecond}, nil)
 	require.NoError(t, err)
@@ -105,16 +92,7 @@ func TestCollectorExportsSpilled(t *testing.T) {
 	t.Parallel()
 	b := kafkatest.Start(t)
 	topic := b.Topic(t, "prom-spill", 1)
-	pc, err := idemkafka.WatermillPublisherConfig(idemkafka.ClientConfig{Brokers: b.Addrs})
-	require.NoError(t, err)
-	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pub.Close() })
-	for range 12 {
-		m := message.NewMessage(watermill.NewUUID(), nil)
-		publisher.WithPartitionKey(m, "a")
-		require.NoError(t, pub.Publish(topic, m))
-	}
+	b.ProduceKeyed(t, topic, "a", 12)
 	sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: b.Addrs, RevokeTimeout: 5 * time.Second}, ConsumerGroup: "billing", PartitionWindow: 4}, nil)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())

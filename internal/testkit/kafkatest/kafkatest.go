@@ -94,3 +94,27 @@ func CreateTopic(brokers []string, topic string, partitions int32) error {
 	}
 	return err
 }
+
+// ProduceKeyed writes n empty records of key to topic, each with a fresh
+// Watermill message UUID header, as watermill-kafka's publisher writes a
+// message with that partition key.
+func (b *Broker) ProduceKeyed(tb testing.TB, topic, key string, n int) {
+	tb.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Producer.Return.Successes = true
+	cfg.Producer.RequiredAcks = sarama.WaitForAll
+	p, err := sarama.NewSyncProducer(b.Addrs, cfg)
+	if err != nil {
+		tb.Fatalf("kafkatest: producer: %v", err)
+	}
+	defer p.Close()
+	for range n {
+		id := make([]byte, 16)
+		_, _ = rand.Read(id)
+		_, _, err := p.SendMessage(&sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(key), Value: sarama.ByteEncoder(nil),
+			Headers: []sarama.RecordHeader{{Key: []byte("_watermill_message_uuid"), Value: []byte(hex.EncodeToString(id))}}})
+		if err != nil {
+			tb.Fatalf("kafkatest: produce to %s: %v", topic, err)
+		}
+	}
+}
