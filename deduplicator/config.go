@@ -5,13 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
-)
-
-// Defaults.
-const (
-	defaultSchema = "public"
-	defaultTable  = "processed_event"
 )
 
 // TableConfig describes the processed_event table: its name, layout and
@@ -40,12 +35,7 @@ type TableConfig struct {
 }
 
 func (c *TableConfig) setDefaults() {
-	if c.Schema == "" {
-		c.Schema = defaultSchema
-	}
-	if c.Table == "" {
-		c.Table = defaultTable
-	}
+	c.Schema, c.Table = claimsql.Names(c.Schema, c.Table)
 }
 
 // Validate reports the first invalid field, after applying the defaults to

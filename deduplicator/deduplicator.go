@@ -9,7 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
@@ -28,7 +27,6 @@ type Deduplicator struct {
 	claimSQL       string
 	claimBatchSQL  string
 	processedAtSQL string
-	lease          leaseSQL
 }
 
 // New returns a Deduplicator. It does not touch the database; migrate [MigrationLine] up
@@ -49,7 +47,6 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
 		claimSQL:       claimsql.Claim(t),
 		claimBatchSQL:  claimsql.ClaimBatch(t),
 		processedAtSQL: "SELECT processed_at FROM " + t + " WHERE event_id = $1 AND consumer_group = $2",
-		lease:          newLeaseSQL(cfg.Schema, cfg.Table),
 	}, nil
 }
 
@@ -84,7 +81,7 @@ func (d *Deduplicator) Claim(ctx context.Context, tx migrate.DBTX, eventID uuid.
 // an error and nothing to release. A duplicate's claim inserts nothing, so
 // its transaction gets no transaction id and its ROLLBACK writes no WAL.
 func (d *Deduplicator) BeginClaim(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, eventID uuid.UUID) (tx pgx.Tx, first bool, err error) {
-	tx, err = beginPipelined(ctx, db, opts, func(b *pgx.Batch) {
+	tx, err = dbx.BeginPipelined(ctx, db, opts, func(b *pgx.Batch) {
 		b.Queue(d.claimSQL, dbx.UUID(eventID), d.cfg.ConsumerGroup)
 	}, func(br pgx.BatchResults) error {
 		tag, err := br.Exec()
@@ -107,7 +104,7 @@ func (d *Deduplicator) BeginClaim(ctx context.Context, db migrate.Beginner, opts
 // The same rules for tx apply.
 func (d *Deduplicator) BeginClaimBatch(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, eventIDs []uuid.UUID) (tx pgx.Tx, first []uuid.UUID, err error) {
 	ids := sortedUnique(eventIDs)
-	tx, err = beginPipelined(ctx, db, opts, func(b *pgx.Batch) {
+	tx, err = dbx.BeginPipelined(ctx, db, opts, func(b *pgx.Batch) {
 		b.Queue(d.claimBatchSQL, dbx.UUIDs(ids), d.cfg.ConsumerGroup)
 	}, func(br pgx.BatchResults) error {
 		rows, err := br.Query()
@@ -125,52 +122,6 @@ func (d *Deduplicator) BeginClaimBatch(ctx context.Context, db migrate.Beginner,
 	}
 	slices.SortFunc(first, compareUUID)
 	return tx, first, nil
-}
-
-// beginPipelined begins a transaction on db and runs one claim in it: with a
-// pool or a conn as one pipelined batch (queue adds the claim, read reads
-// its result), otherwise BEGIN then inTx. The returned tx is non-nil
-// whenever BEGIN may have happened, also with an error.
-func beginPipelined(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, queue func(*pgx.Batch), read func(pgx.BatchResults) error, inTx func(pgx.Tx) error) (pgx.Tx, error) {
-	var send func(context.Context, *pgx.Batch) pgx.BatchResults
-	switch db := db.(type) {
-	case *pgxpool.Pool:
-		send = db.SendBatch
-	case *pgx.Conn:
-		send = db.SendBatch
-	}
-	if send == nil {
-		// Other Beginners (a pgx.Tx: savepoints) take two round trips.
-		var (
-			tx  pgx.Tx
-			err error
-		)
-		if b, ok := db.(interface {
-			BeginTx(context.Context, pgx.TxOptions) (pgx.Tx, error)
-		}); ok && opts != (pgx.TxOptions{}) {
-			tx, err = b.BeginTx(ctx, opts)
-		} else {
-			tx, err = db.Begin(ctx)
-		}
-		if err != nil {
-			return nil, fmt.Errorf("begin: %w", err)
-		}
-		return tx, inTx(tx)
-	}
-	b := &pgx.Batch{}
-	b.BeginTx(opts)
-	queue(b)
-	br := send(ctx, b)
-	tx := br.Tx()
-	if _, err := br.Exec(); err != nil {
-		_ = br.Close()
-		return tx, fmt.Errorf("begin: %w", err)
-	}
-	err := read(br)
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	return tx, err
 }
 
 // ClaimBatch claims several ids in one statement and returns those claimed

@@ -43,3 +43,11 @@ func LeaseCompletionsQueued(d *Dedup) int {
 	defer d.lease.completes.mu.Unlock()
 	return len(d.lease.completes.queue)
 }
+
+// LeaseTakesQueued returns how many takes wait for a batch in d's lease
+// mode.
+func LeaseTakesQueued(d *Dedup) int {
+	d.lease.takes.mu.Lock()
+	defer d.lease.takes.mu.Unlock()
+	return len(d.lease.takes.queue)
+}

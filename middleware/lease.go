@@ -15,9 +15,10 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -35,29 +36,36 @@ type leaseMode struct {
 	d         *Dedup
 	cfg       LeaseConfig
 	db        dbx.Pool // Config.DB: concurrent phase transactions and one-round-trip batches
+	proto     *leasesql.Protocol
 	takes     *batcher[takeReq]
 	completes *batcher[completeReq]
 	// hook, set by tests, runs at each phase boundary: "taken" (the lease
-	// is committed, the handler not run yet), "called" (the handler
-	// returned nil, the completion not sent), "completing" (inside the
-	// completion's transaction: token checked and claim inserted, not
-	// committed), "renewed" (a renewal succeeded).
+	// is committed, or on the fast path its transaction holds the event;
+	// the handler not run yet), "called" (the handler returned nil, the
+	// completion not sent), "completing" (inside the completion's
+	// transaction, or the fast path's: claim inserted, not committed),
+	// "leased" (a fast-path handler still running at FastPath got its
+	// lease row, committed), "busy" (a take found another delivery's
+	// lease or fast-path transaction, and waits), "renewed" (a renewal
+	// succeeded).
 	hook func(point string, id uuid.UUID)
 }
 
 func newLeaseMode(d *Dedup, cfg LeaseConfig) *leaseMode {
-	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(dbx.Pool), hook: func(string, uuid.UUID) {}}
+	schema, table := claimsql.Names(d.cfg.Table.Schema, d.cfg.Table.Table)
+	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(dbx.Pool), proto: leasesql.New(schema, table, d.cfg.ConsumerGroup), hook: func(string, uuid.UUID) {}}
 	l.takes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runTakes)
 	l.completes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runCompletes)
 	return l
 }
 
 type takeReq struct {
-	ctx  context.Context
-	req  deduplicator.LeaseRequest
-	res  deduplicator.LeaseTake
-	err  error
-	done chan struct{}
+	ctx    context.Context
+	req    leasesql.Request
+	res    leasesql.Take
+	member *fastMember // an owned event on the fast path: no lease row yet
+	err    error
+	done   chan struct{}
 }
 
 type completeReq struct {
@@ -68,7 +76,7 @@ type completeReq struct {
 	writes   []CompleteFunc
 	produced []*message.Message
 
-	result deduplicator.CompleteResult
+	result leasesql.Result
 	out    []*message.Message
 	err    error
 	done   chan struct{}
@@ -82,11 +90,12 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 	fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
 	token := uuid.New()
 
-	if owned, outcome, err := l.takeOne(origCtx, id, token, span, fields); !owned {
+	owned, member, outcome, err := l.takeOne(origCtx, id, token, span, fields)
+	if !owned {
 		return nil, outcome, err
 	}
 
-	// The call: no transaction, no connection.
+	// The call: no transaction, no connection of its own.
 	hctx, cancel := context.WithCancelCause(origCtx)
 	defer cancel(nil)
 	state := &leaseState{}
@@ -94,17 +103,40 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 		EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
 		CorrelationID: msg.Metadata.Get(publisher.MetadataCorrelationID),
 	}), state)
-	stopRenew := l.renewWhileCalling(id, token, cancel)
+	ren := &renewal{}
+	startRenewing := func() { ren.begin(func() func() { return l.renewWhileCalling(id, token, cancel) }) }
+	if member == nil {
+		startRenewing()
+	} else {
+		member.attach(startRenewing, cancel)
+	}
 	completed := false
 	defer func() {
-		stopRenew()
+		ren.end()
 		if !completed { // a handler error or panic, a failed completion
 			l.release(origCtx, id, token, fields)
 		}
 	}()
 	msg.SetContext(hctx)
 	produced, err = h(msg)
-	stopRenew()
+	var c *completeReq
+	if err == nil {
+		l.hook("called", id)
+		c = &completeReq{origCtx: origCtx, msg: msg, id: id, token: token, writes: state.writes(), produced: produced, done: make(chan struct{})}
+	}
+	reported := time.Now()
+	if member != nil && member.report(c) {
+		// Settled on the fast path: completed in its take's transaction,
+		// or failed there; no lease row was written either way.
+		completed = true
+		if err != nil {
+			d.stats.failed.Add(1)
+			return nil, outcomeFailed, err
+		}
+		l.phaseSpan(span, origCtx, "complete", trace.WithTimestamp(reported))(c.err, attribute.Bool("idem.lease.fast_path", true))
+		return l.settle(c, fields, true)
+	}
+	ren.end()
 	if err != nil {
 		d.stats.failed.Add(1)
 		return nil, outcomeFailed, err
@@ -114,10 +146,7 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 		d.stats.leasesLost.Add(1)
 		return nil, outcomeLeaseLost, fmt.Errorf("dedup: event %s: %w (renewal found it taken over while the handler ran)", id, ErrLeaseLost)
 	}
-	l.hook("called", id)
-
-	c := &completeReq{origCtx: origCtx, msg: msg, id: id, token: token, writes: state.writes(), produced: produced, done: make(chan struct{})}
-	produced, outcome, err = l.complete(c, span, fields)
+	produced, outcome, err = l.complete(c, span)
 	// Only a failed completion leaves the lease to release.
 	completed = outcome != outcomeFailed
 	return produced, outcome, err
@@ -125,23 +154,25 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 
 // takeOne takes id's lease with token; owned is false when the event is
 // done (a duplicate), busy or the take failed, with that outcome and error.
-func (l *leaseMode) takeOne(ctx context.Context, id, token uuid.UUID, span *msgSpan, fields watermill.LogFields) (owned bool, outcome string, err error) {
+// m is the event's place in a fast-path transaction, nil when it has its
+// lease row.
+func (l *leaseMode) takeOne(ctx context.Context, id, token uuid.UUID, span *msgSpan, fields watermill.LogFields) (owned bool, m *fastMember, outcome string, err error) {
 	d := l.d
 	start := time.Now()
-	lt, err := l.take(ctx, id, token, span)
+	lt, m, err := l.take(ctx, id, token, span)
 	d.stats.claimed(time.Since(start))
 	if err != nil {
 		d.stats.claimErrors.Add(1)
-		return false, outcomeClaimError, fmt.Errorf("dedup: %w", err)
+		return false, nil, outcomeClaimError, fmt.Errorf("dedup: %w", err)
 	}
 	switch lt.State {
-	case deduplicator.LeaseDone:
+	case leasesql.Done:
 		d.stats.duplicates.Add(1)
 		d.logger.Debug("Duplicate event skipped", fields)
-		return false, outcomeDuplicate, nil
-	case deduplicator.LeaseBusy:
+		return false, nil, outcomeDuplicate, nil
+	case leasesql.Busy:
 		d.stats.leasesBusy.Add(1)
-		return false, outcomeLeaseBusy, fmt.Errorf("dedup: event %s: %w (it lives for up to %s more)", id, ErrLeaseBusy, lt.Remaining.Round(time.Millisecond))
+		return false, nil, outcomeLeaseBusy, fmt.Errorf("dedup: event %s: %w (it lives for up to %s more)", id, ErrLeaseBusy, lt.Remaining.Round(time.Millisecond))
 	}
 	d.stats.leasesTaken.Add(1)
 	if lt.TakenOver {
@@ -149,73 +180,92 @@ func (l *leaseMode) takeOne(ctx context.Context, id, token uuid.UUID, span *msgS
 		d.logger.Info("Expired lease taken over", fields.Add(watermill.LogFields{"attempts": lt.Attempts}))
 	}
 	l.hook("taken", id)
-	return true, "", nil
+	return true, m, "", nil
 }
 
 // complete runs c (the claim, the writes and the messages produced, in one
 // transaction, with others) and returns what the message's handling gives.
-func (l *leaseMode) complete(c *completeReq, span *msgSpan, fields watermill.LogFields) ([]*message.Message, string, error) {
-	d := l.d
+func (l *leaseMode) complete(c *completeReq, span *msgSpan) ([]*message.Message, string, error) {
 	end := l.phaseSpan(span, c.origCtx, "complete")
 	cstart := time.Now()
 	l.completes.do(c, c.done)
 	end(c.err)
+	if c.err == nil && c.result == leasesql.Completed {
+		l.d.stats.txNanos.Add(uint64(time.Since(cstart)))
+	}
+	return l.settle(c, watermill.LogFields{"event_id": c.id.String(), "message_uuid": c.msg.UUID}, false)
+}
+
+// settle turns c's completion into the message's outcome; fast says it
+// completed on the fast path.
+func (l *leaseMode) settle(c *completeReq, fields watermill.LogFields, fast bool) ([]*message.Message, string, error) {
+	d := l.d
 	switch {
 	case c.err != nil:
 		d.stats.failed.Add(1)
 		return nil, outcomeFailed, c.err
-	case c.result == deduplicator.CompleteLost:
+	case c.result == leasesql.Lost:
 		d.stats.leasesLost.Add(1)
 		d.logger.Info("Lease lost before completion: nothing written", fields)
 		return nil, outcomeLeaseLost, fmt.Errorf("dedup: event %s: %w (it expired and another delivery took it over, or an operator released it); nothing was written", c.id, ErrLeaseLost)
-	case c.result == deduplicator.CompleteDuplicate:
+	case c.result == leasesql.Duplicate:
 		d.stats.duplicates.Add(1)
 		return nil, outcomeDuplicate, nil
 	}
 	d.stats.processed.Add(1)
-	d.stats.txNanos.Add(uint64(time.Since(cstart)))
+	if fast {
+		d.stats.leasesFastPath.Add(1)
+	}
 	d.logger.Trace("Event processed", fields)
 	return c.out, outcomeProcessed, nil
 }
 
 // take takes the lease of id with token, waiting up to BusyWait while
 // another delivery holds it.
-func (l *leaseMode) take(ctx context.Context, id, token uuid.UUID, span *msgSpan) (deduplicator.LeaseTake, error) {
+func (l *leaseMode) take(ctx context.Context, id, token uuid.UUID, span *msgSpan) (leasesql.Take, *fastMember, error) {
 	end := l.phaseSpan(span, ctx, "lease")
 	deadline := time.Now().Add(l.cfg.BusyWait)
 	step := busyPollFirst
 	for {
-		t := &takeReq{ctx: ctx, req: deduplicator.LeaseRequest{EventID: id, Token: token}, done: make(chan struct{})}
+		t := &takeReq{ctx: ctx, req: leasesql.Request{EventID: id, Token: token}, done: make(chan struct{})}
 		l.takes.do(t, t.done)
 		left := time.Until(deadline)
-		if t.err != nil || t.res.State != deduplicator.LeaseBusy || left <= 0 {
-			end(t.err, attribute.String("idem.lease", t.res.State.String()), attribute.Bool("idem.lease.taken_over", t.res.TakenOver))
-			return t.res, t.err
+		if t.err != nil || t.res.State != leasesql.Busy || left <= 0 {
+			end(t.err, attribute.String("idem.lease", t.res.State.String()), attribute.Bool("idem.lease.taken_over", t.res.TakenOver),
+				attribute.Bool("idem.lease.fast_path", t.member != nil))
+			return t.res, t.member, t.err
 		}
-		pause := min(t.res.Remaining, left, step)
+		// Remaining is 0 when unknown (a fast-path transaction holds the
+		// event): poll.
+		pause := min(left, step)
+		if t.res.Remaining > 0 {
+			pause = min(pause, t.res.Remaining)
+		}
+		l.hook("busy", id)
 		step = min(2*step, busyPollMax)
 		if err := wait.Sleep(ctx, pause); err != nil {
 			end(err)
-			return deduplicator.LeaseTake{}, err
+			return leasesql.Take{}, nil, err
 		}
 	}
 }
 
-func (l *leaseMode) runTakes(batch []*takeReq) {
+func (l *leaseMode) runTakes(batch []*takeReq, release func()) {
+	if l.cfg.FastPath > 0 {
+		l.openFast(batch, release)
+		return
+	}
+	defer release()
 	defer func() {
 		for _, t := range batch {
 			close(t.done)
 		}
 	}()
-	reqs := make([]deduplicator.LeaseRequest, len(batch))
-	for i, t := range batch {
-		reqs[i] = t.req
-	}
 	// Bounded by a lease: a take that has not answered by then (a server
 	// gone without a TCP reset) would hand out leases already expired.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(batch[0].ctx), l.cfg.Duration)
 	defer cancel()
-	res, err := l.d.dedup.TakeLeases(ctx, l.db, reqs, l.cfg.Duration, l.cfg.Owner)
+	res, err := l.proto.Take(ctx, l.db, takeRequests(batch), l.cfg.Duration, l.cfg.Owner)
 	for i, t := range batch {
 		if err != nil {
 			t.err = fmt.Errorf("take lease: %w", err)
@@ -223,6 +273,15 @@ func (l *leaseMode) runTakes(batch []*takeReq) {
 		}
 		t.res = res[i]
 	}
+}
+
+// takeRequests returns the requests of batch.
+func takeRequests(batch []*takeReq) []leasesql.Request {
+	reqs := make([]leasesql.Request, len(batch))
+	for i, t := range batch {
+		reqs[i] = t.req
+	}
+	return reqs
 }
 
 // renewWhileCalling renews the lease every RenewInterval until stop is
@@ -246,7 +305,7 @@ func (l *leaseMode) renewWhileCalling(id, token uuid.UUID, cancel context.Cancel
 		mu.Unlock()
 		defer running.Done()
 		ctx, done := context.WithTimeout(context.Background(), l.cfg.RenewInterval)
-		ok, err := l.d.dedup.RenewLease(ctx, l.db, id, token, l.cfg.Duration)
+		ok, err := l.proto.Renew(ctx, l.db, id, token, l.cfg.Duration)
 		done()
 		switch {
 		case err != nil: // the next tick tries again; the completion tells
@@ -284,7 +343,7 @@ func (l *leaseMode) renewWhileCalling(id, token uuid.UUID, cancel context.Cancel
 func (l *leaseMode) release(ctx context.Context, id, token uuid.UUID, fields watermill.LogFields) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.Duration)
 	defer cancel()
-	if _, err := l.d.dedup.ReleaseLease(ctx, l.db, id, token); err != nil {
+	if _, err := l.proto.Release(ctx, l.db, id, token); err != nil {
 		l.d.logger.Error("Lease release failed: the event waits for the lease to expire", err, fields)
 	}
 }
@@ -294,7 +353,8 @@ func (l *leaseMode) release(ctx context.Context, id, token uuid.UUID, fields wat
 // pay for it.
 var errMemberFailed = errors.New("a completion of the batch failed")
 
-func (l *leaseMode) runCompletes(batch []*completeReq) {
+func (l *leaseMode) runCompletes(batch []*completeReq, release func()) {
+	defer release()
 	defer func() {
 		for _, c := range batch {
 			close(c.done)
@@ -313,7 +373,6 @@ func (l *leaseMode) runCompletes(batch []*completeReq) {
 // writes fail rolls it back: alone, that member gets the error; in a batch
 // of several, completeBatch returns errMemberFailed and sets nothing.
 func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
-	d := l.d
 	// Bounded by a lease, like the take: past it the tokens may be taken
 	// over anyway, and a server gone without a TCP reset must not hold the
 	// batch's messages for good. A cut COMMIT is an unknown outcome: the
@@ -331,7 +390,7 @@ func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 	for i, c := range batch {
 		ids[i], toks[i] = c.id, c.token
 	}
-	tx, res, err := d.dedup.BeginCompleteLeases(ctx, l.db, ids, toks)
+	tx, res, err := l.proto.BeginComplete(ctx, l.db, ids, toks)
 	committed := false
 	defer func() {
 		if !committed && tx != nil {
@@ -344,7 +403,7 @@ func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 	hooks := &idemctx.Hooks{Tx: tx}
 	for i, c := range batch {
 		c.result = res[i]
-		if res[i] != deduplicator.Completed {
+		if res[i] != leasesql.Completed {
 			continue
 		}
 		if werr := l.write(c, tx, hooks); werr != nil {
@@ -395,7 +454,7 @@ func (l *leaseMode) write(c *completeReq, tx pgx.Tx, hooks *idemctx.Hooks) (err 
 
 // phaseSpan starts a child span of the message's span for one phase and
 // returns its end; a no-op without a message span.
-func (l *leaseMode) phaseSpan(span *msgSpan, ctx context.Context, name string) func(err error, attrs ...attribute.KeyValue) {
+func (l *leaseMode) phaseSpan(span *msgSpan, ctx context.Context, name string, opts ...trace.SpanStartOption) func(err error, attrs ...attribute.KeyValue) {
 	if span == nil {
 		return func(error, ...attribute.KeyValue) {}
 	}
@@ -403,7 +462,7 @@ func (l *leaseMode) phaseSpan(span *msgSpan, ctx context.Context, name string) f
 	if tr == nil {
 		return func(error, ...attribute.KeyValue) {}
 	}
-	_, s := tr.Start(trace.ContextWithSpan(ctx, span.span), name, trace.WithSpanKind(trace.SpanKindInternal))
+	_, s := tr.Start(trace.ContextWithSpan(ctx, span.span), name, append(opts, trace.WithSpanKind(trace.SpanKindInternal))...)
 	return func(err error, attrs ...attribute.KeyValue) {
 		s.SetAttributes(attrs...)
 		if err != nil {

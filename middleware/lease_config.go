@@ -13,6 +13,7 @@ const (
 	defaultLeaseBusyWait    = time.Second
 	defaultLeaseMaxBatch    = 64
 	defaultLeaseConcurrency = 4
+	defaultLeaseFastPath    = 20 * time.Millisecond
 )
 
 // LeaseConfig turns on lease mode: the handler runs with no transaction and
@@ -42,6 +43,16 @@ const (
 // group, as in transaction mode; the call is made at least once, always
 // with the same Idempotency-Key. docs/guarantees.md lists every
 // interleaving and the test that shows it.
+//
+// The fast path spares a quick handler the lease row: the take's
+// transaction stays open for up to FastPath while the batch's handlers
+// run, holding each event by an advisory lock instead of a row (another
+// delivery's take waits for it). A handler that returns within FastPath
+// completes in that transaction, with one commit, as group commit would;
+// one still running then gets its lease row, committed with the others'
+// claims, and goes on as above. So a session is idle in transaction for
+// FastPath at most, and a batch holds one connection meanwhile, whatever
+// its size.
 //
 // Lease mode needs a *pgxpool.Pool as [Config.DB]. It batches its own
 // phases, so it does not combine with [Config.GroupCommit].
@@ -77,6 +88,14 @@ type LeaseConfig struct {
 	// Owner is recorded with each lease for operators (idemctl dedup
 	// leases). Defaults to "<hostname>:<pid>".
 	Owner string
+	// FastPath is how long a take's transaction stays open for its
+	// batch's handlers: those that return within it complete in that
+	// transaction, without a lease row; the others are given theirs then.
+	// It bounds how long lease mode keeps a session idle in transaction,
+	// and must be shorter than RenewInterval. Defaults to 20 ms; a negative
+	// value turns the fast path off (every event takes a lease row first,
+	// and no transaction stays open while a handler runs).
+	FastPath time.Duration
 }
 
 func (c *LeaseConfig) setDefaults() {
@@ -94,6 +113,9 @@ func (c *LeaseConfig) setDefaults() {
 	}
 	if c.Concurrency == 0 {
 		c.Concurrency = defaultLeaseConcurrency
+	}
+	if c.FastPath == 0 {
+		c.FastPath = defaultLeaseFastPath
 	}
 	if c.Owner == "" {
 		host, _ := os.Hostname()
@@ -113,6 +135,8 @@ func (c LeaseConfig) validate() error {
 		return errors.New("Lease.MaxBatch: must be positive")
 	case c.Concurrency < 1:
 		return errors.New("Lease.Concurrency: must be positive")
+	case c.FastPath >= c.RenewInterval:
+		return fmt.Errorf("Lease.FastPath: %s must be shorter than Lease.RenewInterval (%s): it is the longest a take's transaction stays open", c.FastPath, c.RenewInterval)
 	}
 	return nil
 }

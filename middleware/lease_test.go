@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -80,7 +81,7 @@ func (f *ledgerFixture) leases(t *testing.T) int {
 func TestLease_HandlerHoldsNoConnection(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{})
+	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: -1})
 	provider := newKeyServer(t)
 	var calls atomic.Int32
 	var held int32 = -1
@@ -186,7 +187,7 @@ func TestLease_LiveLeaseOfAnotherDelivery(t *testing.T) {
 func TestLease_TakenOverWhileTheFirstOwnerCalls(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
-	slow := f.leaseDedup(t, idem.LeaseConfig{Duration: time.Hour, RenewInterval: 59 * time.Minute})
+	slow := f.leaseDedup(t, idem.LeaseConfig{Duration: time.Hour, RenewInterval: 59 * time.Minute, FastPath: -1})
 	other := f.leaseDedup(t, idem.LeaseConfig{})
 	provider := newKeyServer(t)
 	var calls atomic.Int32
@@ -223,11 +224,9 @@ func TestLease_CrashedOwnerIsTakenOver(t *testing.T) {
 	ctx := context.Background()
 	f := newLedgerFixture(t)
 	d := f.leaseDedup(t, idem.LeaseConfig{BusyWait: -1})
-	dd, err := deduplicator.New(deduplicator.Config{TableConfig: deduplicator.TableConfig{Schema: f.db.Schema}, ConsumerGroup: "billing"}, nil)
-	require.NoError(t, err)
 	id := publisher.NewEventID()
 	// The crashed process took the lease, then vanished.
-	_, err = dd.TakeLeases(ctx, f.pool, []deduplicator.LeaseRequest{{EventID: id, Token: uuid.New()}}, time.Hour, "gone:1")
+	_, err := leasesql.New(f.db.Schema, "processed_event", "billing").Take(ctx, f.pool, []leasesql.Request{{EventID: id, Token: uuid.New()}}, time.Hour, "gone:1")
 	require.NoError(t, err)
 	provider := newKeyServer(t)
 	var calls atomic.Int32
@@ -249,7 +248,7 @@ func TestLease_CrashedOwnerIsTakenOver(t *testing.T) {
 func TestLease_RenewalKeepsALongCallsLease(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{Duration: time.Minute, RenewInterval: 20 * time.Millisecond})
+	d := f.leaseDedup(t, idem.LeaseConfig{Duration: time.Minute, RenewInterval: 20 * time.Millisecond, FastPath: -1})
 	var renewals atomic.Int32
 	renewed := make(chan struct{}, 100)
 	idem.SetLeaseHook(d, func(point string, _ uuid.UUID) {
@@ -286,7 +285,7 @@ func TestLease_RenewalFindsTheLeaseGone(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newLedgerFixture(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{Duration: time.Minute, RenewInterval: 10 * time.Millisecond})
+	d := f.leaseDedup(t, idem.LeaseConfig{Duration: time.Minute, RenewInterval: 10 * time.Millisecond, FastPath: -1})
 	id := publisher.NewEventID()
 	taken := make(chan struct{})
 	idem.SetLeaseHook(d, func(point string, _ uuid.UUID) {
@@ -324,14 +323,14 @@ func TestLease_RenewalFindsTheLeaseGone(t *testing.T) {
 func TestLease_DeliveryDuringTheCompletion(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{})
+	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: -1})
 	g := newGate()
 	idem.SetLeaseHook(d, func(point string, _ uuid.UUID) {
 		if point == "completing" {
 			g.pass()
 		}
 	})
-	other := f.leaseDedup(t, idem.LeaseConfig{BusyWait: time.Hour})
+	other := f.leaseDedup(t, idem.LeaseConfig{BusyWait: time.Hour, FastPath: -1})
 	provider := newKeyServer(t)
 	var calls atomic.Int32
 	id := publisher.NewEventID()
@@ -367,7 +366,7 @@ func TestLease_DeliveryDuringTheCompletion(t *testing.T) {
 func TestLease_BatchesAndAFailingWrite(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{Concurrency: 1})
+	d := f.leaseDedup(t, idem.LeaseConfig{Concurrency: 1, FastPath: -1})
 	const n = 40
 	ids := append(newIDs(n), publisher.NewEventID())
 	opener, bad := ids[0], ids[n]
@@ -469,22 +468,28 @@ func (fakeTxBeginner) Begin(context.Context) (pgx.Tx, error) { return nil, error
 // span; the outcome of a lost lease is recorded on it.
 func TestLease_SpanPerPhase(t *testing.T) {
 	t.Parallel()
-	f := newLedgerFixture(t)
-	tr := newTraced(t)
-	d := f.dedup(t, "billing", func(c *idem.Config) { c.Lease = &idem.LeaseConfig{}; c.TracerProvider = tr.tp })
-	provider := newKeyServer(t)
-	var calls atomic.Int32
-	_, err := d.Middleware(chargeHandler(t, provider, &calls, nil))(f.msg(publisher.NewEventID()))
-	require.NoError(t, err)
-	proc := tr.spans("process")
-	require.Len(t, proc, 1)
-	require.Equal(t, "processed", attr(proc[0], "idem.outcome").AsString())
-	for _, name := range []string{"lease", "complete"} {
-		s := tr.spans(name)
-		require.Len(t, s, 1, name)
-		require.Equal(t, proc[0].SpanContext.SpanID(), s[0].Parent.SpanID(), "%s is a child of the message's span", name)
+	for name, fastPath := range map[string]time.Duration{"fast path": 0, "lease row": -1} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			f := newLedgerFixture(t)
+			tr := newTraced(t)
+			d := f.dedup(t, "billing", func(c *idem.Config) { c.Lease = &idem.LeaseConfig{FastPath: fastPath}; c.TracerProvider = tr.tp })
+			provider := newKeyServer(t)
+			var calls atomic.Int32
+			_, err := d.Middleware(chargeHandler(t, provider, &calls, nil))(f.msg(publisher.NewEventID()))
+			require.NoError(t, err)
+			proc := tr.spans("process")
+			require.Len(t, proc, 1)
+			require.Equal(t, "processed", attr(proc[0], "idem.outcome").AsString())
+			for _, name := range []string{"lease", "complete"} {
+				s := tr.spans(name)
+				require.Len(t, s, 1, name)
+				require.Equal(t, proc[0].SpanContext.SpanID(), s[0].Parent.SpanID(), "%s is a child of the message's span", name)
+			}
+			require.Equal(t, "owned", attr(tr.spans("lease")[0], "idem.lease").AsString())
+			require.Equal(t, fastPath == 0, attr(tr.spans("lease")[0], "idem.lease.fast_path").AsBool())
+		})
 	}
-	require.Equal(t, "owned", attr(tr.spans("lease")[0], "idem.lease").AsString())
 }
 
 // A transaction-mode handler put in lease mode fails loudly, with a hint.

@@ -48,9 +48,11 @@ type Stats struct {
 	// LeasesRenewed renewals succeeded; LeasesLost deliveries found their
 	// lease taken over or released and wrote nothing ([ErrLeaseLost]);
 	// LeasesBusy deliveries gave up on another delivery's live lease
-	// ([ErrLeaseBusy]). A completion batch that fell back to one
-	// transaction per message counts in GroupFallbacks.
-	LeasesTaken, LeasesTakenOver, LeasesRenewed, LeasesLost, LeasesBusy uint64
+	// ([ErrLeaseBusy]); LeasesFastPath of the leases taken completed on
+	// the fast path (in their take's transaction, no lease row written). A
+	// completion batch that fell back to one transaction per message
+	// counts in GroupFallbacks.
+	LeasesTaken, LeasesTakenOver, LeasesRenewed, LeasesLost, LeasesBusy, LeasesFastPath uint64
 }
 
 // RejectedStats counts refused messages by reason.
@@ -108,6 +110,7 @@ func (s Stats) Add(o Stats) Stats {
 	s.LeasesRenewed += o.LeasesRenewed
 	s.LeasesLost += o.LeasesLost
 	s.LeasesBusy += o.LeasesBusy
+	s.LeasesFastPath += o.LeasesFastPath
 	return s
 }
 
@@ -136,7 +139,7 @@ type counters struct {
 	claimNanos, claimCount, txNanos             atomic.Uint64
 	groups, grouped, groupFallbacks, alone      atomic.Uint64
 	leasesTaken, leasesTakenOver, leasesRenewed atomic.Uint64
-	leasesLost, leasesBusy                      atomic.Uint64
+	leasesLost, leasesBusy, leasesFastPath      atomic.Uint64
 }
 
 func (c *counters) rejected(err error) {
@@ -183,5 +186,6 @@ func (c *counters) snapshot() Stats {
 		LeasesRenewed:   c.leasesRenewed.Load(),
 		LeasesLost:      c.leasesLost.Load(),
 		LeasesBusy:      c.leasesBusy.Load(),
+		LeasesFastPath:  c.leasesFastPath.Load(),
 	}
 }

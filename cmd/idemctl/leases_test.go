@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 )
 
 type leasesJSON struct {
@@ -21,10 +22,9 @@ func TestDedupLeasesAndRelease(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := migrated(t, "plain")
-	d, err := deduplicator.New(deduplicator.Config{TableConfig: deduplicator.TableConfig{Schema: db.Schema}, ConsumerGroup: "billing"}, nil)
-	require.NoError(t, err)
-	live, dead := deduplicator.LeaseRequest{EventID: v7At(time.Now()), Token: uuid.New()}, deduplicator.LeaseRequest{EventID: v7At(time.Now()), Token: uuid.New()}
-	_, err = d.TakeLeases(ctx, db.Pool, []deduplicator.LeaseRequest{live, dead}, time.Hour, "host-a:42")
+	p := leasesql.New(db.Schema, "processed_event", "billing")
+	live, dead := leasesql.Request{EventID: v7At(time.Now()), Token: uuid.New()}, leasesql.Request{EventID: v7At(time.Now()), Token: uuid.New()}
+	_, err := p.Take(ctx, db.Pool, []leasesql.Request{live, dead}, time.Hour, "host-a:42")
 	require.NoError(t, err)
 	db.Exec(t, "UPDATE processed_event_lease SET expires_at = now() - interval '1 minute' WHERE event_id = $1", dead.EventID)
 

@@ -23,7 +23,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/leasetest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -556,10 +558,9 @@ func TestServeLeases(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := consoleDB(t, "plain")
-	d, err := deduplicator.New(deduplicator.Config{TableConfig: deduplicator.TableConfig{Schema: db.Schema}, ConsumerGroup: "billing"}, nil)
-	require.NoError(t, err)
-	live := deduplicator.LeaseRequest{EventID: v7At(time.Now()), Token: uuid.New()}
-	_, err = d.TakeLeases(ctx, db.Pool, []deduplicator.LeaseRequest{live}, time.Hour, "host-a:42")
+	p := leasesql.New(db.Schema, "processed_event", "billing")
+	live := leasesql.Request{EventID: v7At(time.Now()), Token: uuid.New()}
+	_, err := p.Take(ctx, db.Pool, []leasesql.Request{live}, time.Hour, "host-a:42")
 	require.NoError(t, err)
 	base := startServe(t, db, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
 
@@ -596,16 +597,6 @@ func TestServeLeases(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode, string(body))
 	require.Contains(t, string(body), "released the lease of "+live.EventID.String())
 	require.Zero(t, db.Count(t, "SELECT 1 FROM processed_event_lease"))
-	res := complete(t, db, d, live)
-	require.Equal(t, deduplicator.CompleteLost, res, "the released owner's completion writes nothing")
-}
-
-func complete(t *testing.T, db *pgtest.DB, d *deduplicator.Deduplicator, r deduplicator.LeaseRequest) deduplicator.CompleteResult {
-	t.Helper()
-	tx, err := db.Pool.Begin(context.Background())
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(context.Background()) }()
-	res, err := d.CompleteLeases(context.Background(), tx, []uuid.UUID{r.EventID}, []uuid.UUID{r.Token})
-	require.NoError(t, err)
-	return res[0]
+	res := leasetest.Complete(t, db, p, live)
+	require.Equal(t, []leasesql.Result{leasesql.Lost}, res, "the released owner's completion writes nothing")
 }

@@ -257,7 +257,7 @@ func (m *Metrics) observeDedups(o metric.Observer, dedups []*idem.Dedup) {
 		o.ObserveInt64(m.grouped, int64(s.GroupedMessages), set)
 		o.ObserveInt64(m.groupFallbacks, int64(s.GroupFallbacks), set)
 		o.ObserveInt64(m.alone, int64(s.Alone), set)
-		for ev, n := range map[string]uint64{"taken": s.LeasesTaken, "taken_over": s.LeasesTakenOver, "renewed": s.LeasesRenewed, "lost": s.LeasesLost, "busy": s.LeasesBusy} {
+		for ev, n := range map[string]uint64{"taken": s.LeasesTaken, "taken_over": s.LeasesTakenOver, "renewed": s.LeasesRenewed, "lost": s.LeasesLost, "busy": s.LeasesBusy, "fast_path": s.LeasesFastPath} {
 			o.ObserveInt64(m.leases, int64(n), metric.WithAttributeSet(attribute.NewSet(group, attribute.String("idem.lease.event", ev))))
 		}
 	}

@@ -20,3 +20,21 @@ func ClaimBatch(table string) string {
 		"SELECT id, $2 FROM unnest($1::uuid[]) AS u(id) ORDER BY id " +
 		"ON CONFLICT (event_id, consumer_group) DO NOTHING RETURNING event_id"
 }
+
+// The claim table's name when a TableConfig leaves it empty: one
+// definition for deduplicator and the middleware's lease mode.
+const (
+	DefaultSchema = "public"
+	DefaultTable  = "processed_event"
+)
+
+// Names returns schema and table with the defaults for the empty ones.
+func Names(schema, table string) (string, string) {
+	if schema == "" {
+		schema = DefaultSchema
+	}
+	if table == "" {
+		table = DefaultTable
+	}
+	return schema, table
+}

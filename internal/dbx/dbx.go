@@ -6,6 +6,8 @@
 package dbx
 
 import (
+	"fmt"
+
 	"context"
 
 	"github.com/google/uuid"
@@ -68,3 +70,49 @@ func UUID(id uuid.UUID) pgtype.UUID { return pgtype.UUID{Bytes: id, Valid: true}
 // UUIDDest is where a uuid column scans natively (not through uuid.UUID's
 // sql.Scanner and its text form).
 func UUIDDest(id *uuid.UUID) *[16]byte { return (*[16]byte)(id) }
+
+// BeginPipelined begins a transaction on db and runs one claim in it: with a
+// pool or a conn as one pipelined batch (queue adds the claim, read reads
+// its result), otherwise BEGIN then inTx. The returned tx is non-nil
+// whenever BEGIN may have happened, also with an error.
+func BeginPipelined(ctx context.Context, db Beginner, opts pgx.TxOptions, queue func(*pgx.Batch), read func(pgx.BatchResults) error, inTx func(pgx.Tx) error) (pgx.Tx, error) {
+	var send func(context.Context, *pgx.Batch) pgx.BatchResults
+	switch db := db.(type) {
+	case *pgxpool.Pool:
+		send = db.SendBatch
+	case *pgx.Conn:
+		send = db.SendBatch
+	}
+	if send == nil {
+		// Other Beginners (a pgx.Tx: savepoints) take two round trips.
+		var (
+			tx  pgx.Tx
+			err error
+		)
+		if b, ok := db.(interface {
+			BeginTx(context.Context, pgx.TxOptions) (pgx.Tx, error)
+		}); ok && opts != (pgx.TxOptions{}) {
+			tx, err = b.BeginTx(ctx, opts)
+		} else {
+			tx, err = db.Begin(ctx)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("begin: %w", err)
+		}
+		return tx, inTx(tx)
+	}
+	b := &pgx.Batch{}
+	b.BeginTx(opts)
+	queue(b)
+	br := send(ctx, b)
+	tx := br.Tx()
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		return tx, fmt.Errorf("begin: %w", err)
+	}
+	err := read(br)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return tx, err
+}
