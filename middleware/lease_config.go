@@ -92,9 +92,9 @@ type LeaseConfig struct {
 	// batch's handlers: those that return within it complete in that
 	// transaction, without a lease row; the others are given theirs then.
 	// It bounds how long lease mode keeps a session idle in transaction,
-	// and must be shorter than RenewInterval. Defaults to 20 ms; a negative
-	// value turns the fast path off (every event takes a lease row first,
-	// and no transaction stays open while a handler runs).
+	// and must be shorter than RenewInterval. A negative value turns the
+	// fast path off: every event takes a lease row first, and no
+	// transaction stays open while a handler runs. Defaults to 20 ms.
 	FastPath time.Duration
 }
 

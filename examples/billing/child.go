@@ -148,7 +148,10 @@ func runChild(cfg childConfig) error {
 	}
 	dedup, err := idem.NewDedup(idem.Config{
 		DB: pool, ConsumerGroup: cfg.Group, Table: deduplicator.TableConfig{Schema: cfg.Schema}, Outbox: ob,
-		Lease: &idem.LeaseConfig{Duration: cfg.Lease, RenewInterval: cfg.RenewInterval, Concurrency: 1, Owner: cfg.ClientID + fmt.Sprintf(" (pid %d)", os.Getpid())},
+		// FastPath off: these children show a crash and a freeze between
+		// the phases, with a lease row for the demo's billing to take over
+		// (inside the fast path they would leave an aborted transaction).
+		Lease: &idem.LeaseConfig{Duration: cfg.Lease, RenewInterval: cfg.RenewInterval, Concurrency: 1, Owner: cfg.ClientID + fmt.Sprintf(" (pid %d)", os.Getpid()), FastPath: -1},
 	}, logger)
 	if err != nil {
 		return err

@@ -6,10 +6,12 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -140,7 +142,20 @@ func takeOver(ctx context.Context, tb testing.TB, o RedeliveryOpts, dedup *idem.
 		table.Schema = "public"
 	}
 	lease := pgx.Identifier{table.Schema, table.Table + "_lease"}.Sanitize()
-	tag, err := o.DB.Exec(ctx, "UPDATE "+lease+" SET expires_at = now() - interval '1 second' WHERE event_id = $1 AND consumer_group = $2", id, dedup.ConsumerGroup())
+	// On the fast path (idem.LeaseConfig.FastPath) the run has no lease row
+	// until its batch's FastPath has passed: this run stalls until then, as
+	// an owner stalled past its lease would.
+	expire := "UPDATE " + lease + " SET expires_at = now() - interval '1 second' WHERE event_id = $1 AND consumer_group = $2"
+	var (
+		tag pgconn.CommandTag
+		err error
+	)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		tag, err = o.DB.Exec(ctx, expire, id, dedup.ConsumerGroup())
+		if err != nil || tag.RowsAffected() == 1 || time.Now().After(deadline) {
+			break
+		}
+	}
 	if err != nil || tag.RowsAffected() != 1 {
 		tb.Errorf("idemtest: TakeOverFirst: expire the lease of %s: %v (rows %d; is the middleware in lease mode?)", id, err, tag.RowsAffected())
 		return

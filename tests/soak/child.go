@@ -251,7 +251,11 @@ func runConsumer(cfg childConfig) error {
 			// 2 x 1 + 1 connections, and the process's soak pools, stay
 			// within the suite's connection budget. Owner: the lease table
 			// tells which process held a lease that was taken over.
-			dcfg.Lease = &idem.LeaseConfig{Duration: cfg.LeaseDuration, Concurrency: 1, Owner: cfg.Instance}
+			// FastPath off: the run's kills between the phases are to leave
+			// lease rows for the next owner to take over (a kill inside
+			// the fast path leaves an aborted transaction instead; the
+			// middleware's TestFastPath_* tests show that case).
+			dcfg.Lease = &idem.LeaseConfig{Duration: cfg.LeaseDuration, Concurrency: 1, Owner: cfg.Instance, FastPath: -1}
 		}
 		dedup, err = idem.NewDedup(dcfg, logger)
 		return err
