@@ -110,8 +110,11 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 	} else {
 		member.attach(startRenewing, cancel)
 	}
-	completed := false
+	completed, reported := false, false
 	defer func() {
+		if member != nil && !reported {
+			member.report(nil) // a panic: the batch must not wait for it, nor lease it
+		}
 		ren.end()
 		if !completed { // a handler error or panic, a failed completion
 			l.release(origCtx, id, token, fields)
@@ -124,7 +127,8 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 		l.hook("called", id)
 		c = &completeReq{origCtx: origCtx, msg: msg, id: id, token: token, writes: state.writes(), produced: produced, done: make(chan struct{})}
 	}
-	reported := time.Now()
+	reportedAt := time.Now()
+	reported = true
 	if member != nil && member.report(c) {
 		// Settled on the fast path: completed in its take's transaction,
 		// or failed there; no lease row was written either way.
@@ -133,7 +137,7 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 			d.stats.failed.Add(1)
 			return nil, outcomeFailed, err
 		}
-		l.phaseSpan(span, origCtx, "complete", trace.WithTimestamp(reported))(c.err, attribute.Bool("idem.lease.fast_path", true))
+		l.phaseSpan(span, origCtx, "complete", trace.WithTimestamp(reportedAt))(c.err, attribute.Bool("idem.lease.fast_path", true))
 		return l.settle(c, fields, true)
 	}
 	ren.end()

@@ -364,3 +364,32 @@ func TestFastPath_LateHandlerIsRenewed(t *testing.T) {
 	require.Equal(t, 1, f.ledgerRows(t))
 	require.GreaterOrEqual(t, d.Stats().LeasesRenewed, uint64(1))
 }
+
+// A handler that panics on the fast path leaves nothing behind: its batch
+// neither waits for it nor gives it a lease row, and the redelivery runs
+// at once.
+func TestFastPath_HandlerPanicLeavesNothing(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	inserts := f.countLeaseInserts(t)
+	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: 5 * time.Second, BusyWait: -1})
+	var calls atomic.Int32
+	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		if calls.Add(1) == 1 {
+			panic("handler bug")
+		}
+		return nil, idem.Complete(m.Context(), func(ctx context.Context, tx pgx.Tx) error {
+			id, _ := idem.EventIDFromContext(ctx)
+			_, err := tx.Exec(ctx, "INSERT INTO ledger (event_id, consumer_group, amount) VALUES ($1, 'billing', 1)", id)
+			return err
+		})
+	})
+	id := publisher.NewEventID()
+	require.Panics(t, func() { _, _ = h(f.msg(id)) })
+	require.Zero(t, inserts(), "the batch finished without waiting for its deadline (which would lease it)")
+	require.Zero(t, f.leases(t))
+	require.Zero(t, f.claims(t))
+	_, err := h(f.msg(id))
+	require.NoError(t, err)
+	require.Equal(t, 1, f.ledgerRows(t))
+}
