@@ -2,7 +2,6 @@ package middleware_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -92,11 +91,7 @@ func TestFastPath_SlowHandlerGetsALeaseRowAtTheDeadline(t *testing.T) {
 	var calls atomic.Int32
 	g := newGate()
 	id := publisher.NewEventID()
-	done := make(chan error, 1)
-	go func() {
-		_, err := d.Middleware(chargeHandler(t, provider, &calls, func(context.Context) { g.pass() }))(f.msg(id))
-		done <- err
-	}()
+	done := deliverAsync(d.Middleware(chargeHandler(t, provider, &calls, func(context.Context) { g.pass() })), f.msg(id))
 	<-g.reached
 	<-leased
 	require.Equal(t, 1, f.leases(t), "the running handler has its lease row")
@@ -136,17 +131,9 @@ func TestFastPath_AnotherDeliveryWaitsForTheOpenTransaction(t *testing.T) {
 			var calls atomic.Int32
 			g := newGate()
 			id := publisher.NewEventID()
-			done := make(chan error, 1)
-			go func() {
-				_, err := d.Middleware(chargeHandler(t, provider, &calls, func(context.Context) { g.pass() }))(f.msg(id))
-				done <- err
-			}()
+			done := deliverAsync(d.Middleware(chargeHandler(t, provider, &calls, func(context.Context) { g.pass() })), f.msg(id))
 			<-g.reached
-			otherDone := make(chan error, 1)
-			go func() {
-				_, err := other.Middleware(chargeHandler(t, provider, &calls, nil))(f.msg(id))
-				otherDone <- err
-			}()
+			otherDone := deliverAsync(other.Middleware(chargeHandler(t, provider, &calls, nil)), f.msg(id))
 			<-polled // found the event held by the fast path's lock, and polls
 			<-polled
 			select {
@@ -163,40 +150,6 @@ func TestFastPath_AnotherDeliveryWaitsForTheOpenTransaction(t *testing.T) {
 			require.Equal(t, 1, f.ledgerRows(t))
 		})
 	}
-}
-
-// A handler error on the fast path writes nothing, no lease row either:
-// the redelivery runs at once.
-func TestFastPath_HandlerErrorWritesNothing(t *testing.T) {
-	t.Parallel()
-	f := newLedgerFixture(t)
-	inserts := f.countLeaseInserts(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: 5 * time.Second, BusyWait: -1})
-	provider := newKeyServer(t)
-	var calls atomic.Int32
-	charge := chargeHandler(t, provider, &calls, nil)
-	boom := errors.New("provider said 503")
-	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
-		if _, err := charge(m); err != nil {
-			return nil, err
-		}
-		if calls.Load() == 1 {
-			return nil, boom
-		}
-		return nil, nil
-	})
-	id := publisher.NewEventID()
-	_, err := h(f.msg(id))
-	require.ErrorIs(t, err, boom)
-	require.Zero(t, f.claims(t))
-	require.Zero(t, f.ledgerRows(t))
-	_, err = h(f.msg(id))
-	require.NoError(t, err)
-	require.Equal(t, 1, f.ledgerRows(t))
-	require.Zero(t, inserts())
-	keys := provider.Keys()
-	require.Len(t, keys, 2)
-	require.Equal(t, keys[0], keys[1], "both attempts called with the same Idempotency-Key")
 }
 
 // A crashed owner's expired lease is taken over on the fast path: the
@@ -235,11 +188,7 @@ func TestFastPath_TransactionModeClaimMeanwhile(t *testing.T) {
 	var calls atomic.Int32
 	g := newGate()
 	id := publisher.NewEventID()
-	done := make(chan error, 1)
-	go func() {
-		_, err := d.Middleware(chargeHandler(t, provider, &calls, func(context.Context) { g.pass() }))(f.msg(id))
-		done <- err
-	}()
+	done := deliverAsync(d.Middleware(chargeHandler(t, provider, &calls, func(context.Context) { g.pass() })), f.msg(id))
 	<-g.reached
 	_, err := txMode.Middleware(f.insertHandler(1, &calls))(f.msg(id))
 	require.NoError(t, err)
@@ -392,4 +341,15 @@ func TestFastPath_HandlerPanicLeavesNothing(t *testing.T) {
 	_, err := h(f.msg(id))
 	require.NoError(t, err)
 	require.Equal(t, 1, f.ledgerRows(t))
+}
+
+// deliverAsync delivers m to h in a goroutine of its own; the delivery's
+// error comes on the channel.
+func deliverAsync(h message.HandlerFunc, m *message.Message) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		_, err := h(m)
+		done <- err
+	}()
+	return done
 }

@@ -109,38 +109,51 @@ func TestLease_HandlerHoldsNoConnection(t *testing.T) {
 	require.EqualValues(t, 1, st.LeasesTaken)
 }
 
-// A handler error releases the lease at once: the redelivery takes a new
-// lease (no takeover, no wait) and runs; the failed attempt wrote nothing.
+// A handler error releases the lease at once (on the fast path it never
+// had a row): the redelivery takes a new lease (no takeover, no wait) and
+// runs with the same key; the failed attempt wrote nothing.
 func TestLease_HandlerErrorReleasesTheLease(t *testing.T) {
 	t.Parallel()
-	f := newLedgerFixture(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{BusyWait: -1})
-	provider := newKeyServer(t)
-	var calls atomic.Int32
-	charge := chargeHandler(t, provider, &calls, nil)
-	boom := errors.New("provider said 503")
-	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
-		if _, err := charge(m); err != nil {
-			return nil, err
-		}
-		if calls.Load() == 1 {
-			return nil, boom
-		}
-		return nil, nil
-	})
-	id := publisher.NewEventID()
-	_, err := h(f.msg(id))
-	require.ErrorIs(t, err, boom)
-	require.Zero(t, f.leases(t), "released at once")
-	require.Zero(t, f.ledgerRows(t), "the registered write was not run")
+	for name, fastPath := range map[string]time.Duration{"fast path": 5 * time.Second, "lease row": -1} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			f := newLedgerFixture(t)
+			inserts := f.countLeaseInserts(t)
+			d := f.leaseDedup(t, idem.LeaseConfig{BusyWait: -1, FastPath: fastPath})
+			provider := newKeyServer(t)
+			var calls atomic.Int32
+			charge := chargeHandler(t, provider, &calls, nil)
+			boom := errors.New("provider said 503")
+			h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+				if _, err := charge(m); err != nil {
+					return nil, err
+				}
+				if calls.Load() == 1 {
+					return nil, boom
+				}
+				return nil, nil
+			})
+			id := publisher.NewEventID()
+			_, err := h(f.msg(id))
+			require.ErrorIs(t, err, boom)
+			require.Zero(t, f.leases(t), "released at once")
+			require.Zero(t, f.claims(t))
+			require.Zero(t, f.ledgerRows(t), "the registered write was not run")
 
-	_, err = h(f.msg(id))
-	require.NoError(t, err)
-	require.Equal(t, 1, f.ledgerRows(t))
-	keys := provider.Keys()
-	require.Len(t, keys, 2)
-	require.Equal(t, keys[0], keys[1], "both attempts called with the same Idempotency-Key")
-	require.Zero(t, d.Stats().LeasesTakenOver)
+			_, err = h(f.msg(id))
+			require.NoError(t, err)
+			require.Equal(t, 1, f.ledgerRows(t))
+			keys := provider.Keys()
+			require.Len(t, keys, 2)
+			require.Equal(t, keys[0], keys[1], "both attempts called with the same Idempotency-Key")
+			require.Zero(t, d.Stats().LeasesTakenOver)
+			if fastPath > 0 {
+				require.Zero(t, inserts(), "no lease row on the fast path")
+			} else {
+				require.Equal(t, 2, inserts(), "one lease row per attempt")
+			}
+		})
+	}
 }
 
 // A live lease of another delivery: the second delivery does not run the
