@@ -38,58 +38,31 @@ type known struct {
 //
 // A position from another cluster is given to fail, and the loop returns.
 func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct{}, fail func(error)) {
-	logger := f.logger.With(watermill.LogFields{"topic": topic})
-	tables := f.cfg.Outbox.tables(topic)
-	var cache cutCache
-	var last known
-	idle := min(minPollInterval, f.cfg.PollInterval)
-	// woken restarts the doubling: a wake-up says rows are on their way
-	// (a NOTIFY: committed; a write in this process: committing), so the
-	// reads after it start again at minPollInterval.
-	woken := func() { idle = min(minPollInterval, f.cfg.PollInterval) / 2 }
-	// busy is whether the last transaction forwarded rows: the next one
-	// then starts without asking first (while rows keep coming, the
-	// question costs a round trip and nearly always says yes).
-	busy := false
-	var holder int32 // the pid of the last holder of the position's lock logged
-	for {
-		if stopCtx.Err() != nil {
-			return
-		}
+	r := &relay{
+		f:      f,
+		topic:  topic,
+		logger: f.logger.With(watermill.LogFields{"topic": topic}),
+		tables: f.cfg.Outbox.tables(topic),
+		wake:   wake,
+		idle:   min(minPollInterval, f.cfg.PollInterval),
+	}
+	for stopCtx.Err() == nil {
 		// A wake-up that came before this read is answered by it.
 		select {
 		case <-wake:
-			woken()
+			r.woken()
 		default:
+		}
+		forward, err := r.askForCut(stopCtx)
+		if !forward {
+			continue
 		}
 		var (
 			n    int
 			more bool
-			err  error
-			wait time.Duration
 		)
-		if last.ok && last.pos.Cut == nil && !busy {
-			f.polls.Add(1)
-			var has bool
-			f.mark(topic, relaystep.Poll)
-			has, err = tables.HasRows(stopCtx, f.cfg.DB, last.pos, f.cfg.Name)
-			f.mark(topic, relaystep.Polled)
-			if stopCtx.Err() != nil {
-				return
-			}
-			if err == nil && !has {
-				idle = f.backoff(idle)
-				if f.sleep(stopCtx, topic, wake, idle) {
-					woken()
-				}
-				continue
-			}
-			if err != nil {
-				err = fmt.Errorf("look for a cut: %w", err)
-			}
-		}
 		if err == nil {
-			n, more, err = f.forwardTx(stopCtx, tables, topic, logger, &cache, &last)
+			n, more, err = f.forwardTx(stopCtx, r.tables, topic, r.logger, &r.cache, &r.last)
 		}
 		if errors.Is(err, ErrPositionFromOtherCluster) {
 			f.errs.Add(1)
@@ -97,52 +70,121 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 			return
 		}
 		if errors.Is(err, errLockBusy) {
-			cache, last = cutCache{}, known{}
-			f.logHolder(stopCtx, tables, logger, &holder)
+			r.forget()
+			f.logHolder(stopCtx, r.tables, r.logger, &r.holder)
 			continue
 		}
 		if errors.Is(err, outboxsql.ErrNoPosition) {
-			cache, last = cutCache{}, known{}
-			if err = f.recreatePosition(stopCtx, topic, logger); err == nil {
+			r.forget()
+			if err = f.recreatePosition(stopCtx, topic, r.logger); err == nil {
 				continue
 			}
 		}
-		retry := false
-		busy = err == nil && n > 0
-		switch {
-		case err != nil:
-			f.errs.Add(1)
-			retry = true
-			cache, last = cutCache{}, known{}
-			if isSerializationFailure(err) {
-				logger.Debug("Outbox batch conflicted with another forwarder, retrying", watermill.LogFields{"err": err.Error()})
-			} else {
-				logger.Error("Outbox batch failed, retrying", err, watermill.LogFields{"retry_in": f.cfg.RetryInterval.String()})
-				wait = f.cfg.RetryInterval
-			}
-		case more:
-		case n > 0:
-			idle = min(minPollInterval, f.cfg.PollInterval)
-			wait = idle
-			if len(wake) > 0 && !f.serial {
-				// A write committed (or a NOTIFY came) during this
-				// transaction, perhaps after its cut: read at once.
-				wait = 0
-			}
-		default:
-			idle = f.backoff(idle)
-			wait = idle
+		r.pause(stopCtx, n, more, err)
+	}
+}
+
+// relay is the state of one topic's loop between its transactions.
+type relay struct {
+	f      *Forwarder
+	topic  string
+	logger watermill.LoggerAdapter
+	tables outboxsql.Tables
+	wake   chan struct{}
+	cache  cutCache
+	last   known
+	// idle is the wait after the last read: it doubles after each read
+	// that found none, up to PollInterval.
+	idle time.Duration
+	// busy is whether the last transaction forwarded rows: the next one
+	// then starts without asking first (while rows keep coming, the
+	// question costs a round trip and nearly always says yes).
+	busy   bool
+	holder int32 // the pid of the last holder of the position's lock logged
+}
+
+// woken restarts the doubling: a wake-up says rows are on their way (a
+// NOTIFY: committed; a write in this process: committing), so the reads
+// after it start again at minPollInterval.
+func (r *relay) woken() { r.idle = min(minPollInterval, r.f.cfg.PollInterval) / 2 }
+
+// forget drops what the loop knew of the position and its cut: another
+// instance may have moved it, or the transaction that read it failed.
+func (r *relay) forget() { r.cache, r.last = cutCache{}, known{} }
+
+// askForCut asks, in one query and without a lock, whether a new cut has
+// any row, unless the last transaction forwarded rows or left its cut
+// open (then there is no question: a transaction starts). It reports
+// whether a transaction is to start now, with the question's error if it
+// failed; when the answer was no, it has waited (see sleep) first, and on
+// a stop it reports false.
+func (r *relay) askForCut(stopCtx context.Context) (forward bool, err error) {
+	if !r.last.ok || r.last.pos.Cut != nil || r.busy {
+		return true, nil
+	}
+	f := r.f
+	f.polls.Add(1)
+	f.mark(r.topic, relaystep.Poll)
+	has, err := r.tables.HasRows(stopCtx, f.cfg.DB, r.last.pos, f.cfg.Name)
+	f.mark(r.topic, relaystep.Polled)
+	switch {
+	case stopCtx.Err() != nil:
+		return false, nil
+	case err != nil:
+		return true, fmt.Errorf("look for a cut: %w", err)
+	case !has:
+		r.idle = f.backoff(r.idle)
+		if f.sleep(stopCtx, r.topic, r.wake, r.idle) {
+			r.woken()
 		}
-		if retry {
-			// A failed transaction waits its RetryInterval whatever
-			// writers do.
-			f.sleep(stopCtx, topic, nil, wait)
-		} else if f.sleep(stopCtx, topic, wake, wait) {
-			woken()
+		return false, nil
+	}
+	return true, nil
+}
+
+// pause waits after a transaction that forwarded n rows (more: its cut
+// has pages left) or failed with err. A failed transaction is counted,
+// logged and waits its RetryInterval whatever writers do (a serialization
+// failure, a race with another forwarder, is retried at once).
+func (r *relay) pause(stopCtx context.Context, n int, more bool, err error) {
+	f := r.f
+	r.busy = err == nil && n > 0
+	if err != nil {
+		f.errs.Add(1)
+		r.forget()
+		wait := time.Duration(0)
+		if isSerializationFailure(err) {
+			r.logger.Debug("Outbox batch conflicted with another forwarder, retrying", watermill.LogFields{"err": err.Error()})
+		} else {
+			r.logger.Error("Outbox batch failed, retrying", err, watermill.LogFields{"retry_in": f.cfg.RetryInterval.String()})
+			wait = f.cfg.RetryInterval
 		}
-		if stopCtx.Err() != nil {
-			return
+		f.sleep(stopCtx, r.topic, nil, wait)
+		return
+	}
+	if f.sleep(stopCtx, r.topic, r.wake, r.nextWait(n, more)) {
+		r.woken()
+	}
+}
+
+// nextWait is the wait after a transaction that forwarded n rows: none
+// while its cut has pages left, minPollInterval after one that forwarded
+// rows (none when a wake-up came while it ran), else twice the last wait.
+func (r *relay) nextWait(n int, more bool) time.Duration {
+	switch {
+	case more:
+		return 0
+	case n > 0:
+		r.idle = min(minPollInterval, r.f.cfg.PollInterval)
+		if len(r.wake) > 0 && !r.f.serial {
+			// A write committed (or a NOTIFY came) during this
+			// transaction, perhaps after its cut: read at once.
+			return 0
 		}
+		return r.idle
+	default:
+		r.idle = r.f.backoff(r.idle)
+		return r.idle
 	}
 }
 
@@ -182,267 +224,4 @@ func (f *Forwarder) sleep(stopCtx context.Context, topic string, wake chan struc
 
 func isSerializationFailure(err error) bool {
 	return pgerr.Has(err, pgerrcode.SerializationFailure, pgerrcode.DeadlockDetected)
-}
-
-// cutCache keeps the pages of a cut that did not fit in one transaction, so
-// that the next transaction continues it without reading its keys again,
-// and the first of those pages already read (ahead), so that the next
-// transaction starts sending at once.
-type cutCache struct {
-	cut   outboxsql.Cut
-	next  int    // index of the first page not yet forwarded
-	ahead *batch // cut.Pages[next], read by the previous transaction, or nil
-}
-
-// pagesAfter returns the cached pages that continue p, and the first one
-// already read if it was, or false when the cache does not fit p (another
-// instance moved the position, or none).
-func (c *cutCache) pagesAfter(p outboxsql.Position) ([]outboxsql.Page, *batch, bool) {
-	if p.Cut == nil || c.next == 0 || c.next >= len(c.cut.Pages) ||
-		c.cut.From.String() != p.Snapshot.String() || c.cut.To.String() != p.Cut.String() ||
-		c.cut.Pages[c.next-1].Last != p.CutOffset {
-		return nil, nil, false
-	}
-	return c.cut.Pages[c.next:], c.ahead, true
-}
-
-// forwardTx forwards up to BatchesPerTransaction pages of topic in one
-// transaction and reports whether the cut it worked on has pages left.
-//
-// The transaction locks the forwarder's position row (READ COMMITTED: every
-// statement after the lock sees at least what the previous holder
-// committed), reads the pages of the cut that continues the position, or of
-// a new cut ending at the read's own snapshot (with its first page, in the
-// same round trip), then sends page k while it moves the position past it
-// and reads page k+1; after a cut's last page, page k+1 is the first of the
-// next cut, read with the position update (see sendPages). Page k+1 is
-// sent only once page k was acknowledged, which keeps the order. The
-// position commits when every page of the transaction was sent; if any
-// send fails, the transaction rolls back and all of them are sent again
-// later.
-func (f *Forwarder) forwardTx(stopCtx context.Context, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter, cache *cutCache, last *known) (n int, more bool, err error) {
-	// The transaction itself is not cancelled by a stop: it gets
-	// ShutdownTimeout to finish, so a graceful stop does not resend.
-	ctx, cancel := context.WithCancel(context.WithoutCancel(stopCtx))
-	defer cancel()
-	stopWatch := context.AfterFunc(stopCtx, func() { time.AfterFunc(f.cfg.ShutdownTimeout, cancel) })
-	defer stopWatch()
-	f.step("begin")
-	f.mark(topic, relaystep.Begin)
-
-	conn, err := f.cfg.DB.Acquire(ctx)
-	if err != nil {
-		return 0, false, fmt.Errorf("acquire a connection: %w", err)
-	}
-	defer conn.Release()
-	// The wait for the lock ends at once on a stop: nothing was sent yet.
-	lockCtx, stopLock := context.WithCancel(ctx)
-	defer stopLock()
-	unwatch := context.AfterFunc(stopCtx, stopLock)
-	tx, pos, err := tables.BeginLock(lockCtx, conn.Conn(), f.cfg.Name, f.cfg.limits())
-	unwatch()
-	if err != nil {
-		if stopCtx.Err() != nil && lockCtx.Err() != nil {
-			return 0, false, nil
-		}
-		if outboxsql.IsLockTimeout(err) {
-			return 0, false, errLockBusy
-		}
-		if pe := positionError(err, topic); pe != err {
-			return 0, false, pe
-		}
-		return 0, false, fmt.Errorf("begin and lock position: %w", err)
-	}
-	defer tx.Rollback(context.WithoutCancel(ctx))
-
-	*last = known{pos: pos, ok: true}
-	f.polls.Add(1)
-	f.step("locked")
-	f.mark(topic, relaystep.Locked)
-	pages, ahead, dead, first, err := f.readCut(ctx, tx, tables, pos, cache)
-	if err != nil {
-		return 0, false, err
-	}
-	f.step("cut")
-	f.mark(topic, relaystep.Cut)
-	if len(pages) == 0 {
-		if pos.Cut == nil {
-			return 0, false, nil
-		}
-		// A cut with nothing left to send (a position of watermill-sql's
-		// kind that had passed its transaction's last row): close it.
-		closed := outboxsql.Position{Snapshot: *pos.Cut}
-		if err := tables.Ack(ctx, tx, f.cfg.Name, closed); err != nil {
-			return 0, false, fmt.Errorf("advance position: %w", err)
-		}
-		if err := f.commit(ctx, tx, topic, 0); err != nil {
-			return 0, false, err
-		}
-		*last = known{pos: closed, ok: true}
-		return 0, false, nil
-	}
-
-	if dead == nil {
-		var err error
-		if dead, err = tables.DeadKeys(ctx, tx); err != nil {
-			return 0, false, fmt.Errorf("read dead keys: %w", err)
-		}
-	}
-	b := ahead
-	if b == nil {
-		if first != nil {
-			b, err = f.makeBatch(ctx, tx, tables, topic, first, dead, logger)
-		} else {
-			b, err = f.readPage(ctx, tx, tables, topic, pages[0], dead, logger)
-		}
-		if err != nil {
-			return 0, false, err
-		}
-		f.mark(topic, relaystep.Read)
-	}
-	n, pos, err = f.sendPages(ctx, stopCtx, tx, tables, topic, logger, cache, pages, b, dead)
-	if err != nil {
-		return 0, false, err
-	}
-	if err := f.commit(ctx, tx, topic, n); err != nil {
-		cache.ahead = nil
-		return 0, false, err
-	}
-	*last = known{pos: pos, ok: true}
-	logger.Debug("Outbox messages forwarded", watermill.LogFields{"messages": n, "position": pos.Snapshot.String(), "cut_offset": pos.CutOffset})
-	return n, pos.Cut != nil, nil
-}
-
-// sendPages sends b, the first of pages (of cache.cut), then the pages
-// after it, each once the previous one was acknowledged, which keeps the
-// order. While the broker works on a page it moves the position past that
-// page and reads the next one: the cut's next page, or after the cut's
-// last page the first page of a new cut, read in the same round trip as
-// the position update (a transaction goes on from cut to cut while rows
-// keep coming). It stops after BatchesPerTransaction pages, at a stop, or
-// when the new cut is empty, and returns the rows sent and the position
-// reached. cache is left holding the cut worked on, the index of its first
-// page not sent and that page when it was read ahead.
-func (f *Forwarder) sendPages(ctx, stopCtx context.Context, tx *outboxsql.Tx, tables outboxsql.Tables, topic string, logger watermill.LoggerAdapter,
-	cache *cutCache, pages []outboxsql.Page, b *batch, dead map[string]int64) (n int, pos outboxsql.Position, err error) {
-	cut := cache.cut
-	for sentPages, i := 1, 0; ; sentPages, i = sentPages+1, i+1 {
-		// Stop is read once per page: whether this page ends the
-		// transaction and whether the next one is read ahead must agree,
-		// or a stop between the two would leave no page to send next.
-		stopping := stopCtx.Err() != nil
-		sent := f.startSend(topic, b)
-
-		// While the broker works: move the position past this page and
-		// read the next one, even when this transaction ends with this
-		// page (the next transaction then starts by sending it).
-		last := i == len(pages)-1
-		if last {
-			pos = outboxsql.Position{Snapshot: cut.To}
-		} else {
-			pos = outboxsql.Position{Snapshot: cut.From, Cut: &cut.To, CutOffset: pages[i].Last}
-		}
-		final := sentPages == f.cfg.BatchesPerTransaction || stopping
-		var (
-			next   *batch
-			newCut outboxsql.Cut
-			first  []outboxsql.Row
-		)
-		f.mark(topic, relaystep.Update)
-		if last && !final && !f.serial {
-			var newDead map[string]int64
-			if newCut, newDead, first, err = tables.AckAndReadCut(ctx, tx, f.cfg.Name, pos, f.cfg.BatchSize); err == nil {
-				dead = newDead
-			}
-		} else {
-			err = tables.Ack(ctx, tx, f.cfg.Name, pos)
-		}
-		f.step("acked")
-		switch {
-		case err != nil:
-			err = fmt.Errorf("advance position: %w", err)
-		case !last && !stopping:
-			next, err = f.readPage(ctx, tx, tables, topic, pages[i+1], dead, logger)
-		case len(newCut.Pages) > 0 && first != nil:
-			next, err = f.makeBatch(ctx, tx, tables, topic, first, dead, logger)
-		case len(newCut.Pages) > 0:
-			next, err = f.readPage(ctx, tx, tables, topic, newCut.Pages[0], dead, logger)
-		}
-		f.mark(topic, relaystep.Acked)
-		if sendErr := <-sent; sendErr != nil {
-			return 0, pos, fmt.Errorf("send %d messages: %w", b.size(), sendErr)
-		}
-		f.step("sent")
-		if err != nil {
-			return 0, pos, err
-		}
-		n += b.size()
-		if final || last && len(newCut.Pages) == 0 {
-			cache.next = len(cut.Pages) - len(pages) + i + 1
-			cache.ahead = next
-			return n, pos, nil
-		}
-		if last { // go on with the new cut
-			*cache = cutCache{cut: newCut}
-			cut, pages, i = newCut, newCut.Pages, -1
-		}
-		b = next
-	}
-}
-
-// startSend sends b to the broker in a goroutine of its own, and returns
-// where the outcome arrives.
-func (f *Forwarder) startSend(topic string, b *batch) <-chan error {
-	sent := make(chan error, 1)
-	if b.size() == 0 { // the page's rows were deleted meanwhile
-		sent <- nil
-		return sent
-	}
-	f.mark(topic, relaystep.SendStart)
-	go func() {
-		err := f.send(topic, b)
-		f.mark(topic, relaystep.SendEnd)
-		sent <- err
-	}()
-	return sent
-}
-
-// readCut returns the pages of the cut that continues pos, from cache when
-// it holds them (with the first one already read ahead, or nil), else from
-// a read of the cut, which also returns the rows of its first page (or nil:
-// read it with readPage) and the keys with dead rows. The keys are read
-// after the cut: a key an operator retried (its rows moved back in one
-// commit) is no longer among them whenever its moved rows are in the cut.
-// A new cut, the keys and the first page go in one round trip.
-func (f *Forwarder) readCut(ctx context.Context, tx *outboxsql.Tx, tables outboxsql.Tables, pos outboxsql.Position, cache *cutCache) (
-	pages []outboxsql.Page, ahead *batch, dead map[string]int64, first []outboxsql.Row, err error) {
-	pages, ahead, ok := cache.pagesAfter(pos)
-	if !ok {
-		var cut outboxsql.Cut
-		if f.serial {
-			cut, dead, err = tables.ReadCutAndDeadKeys(ctx, tx, pos, f.cfg.BatchSize)
-		} else {
-			cut, dead, first, err = tables.ReadCutDeadKeysAndFirstPage(ctx, tx, pos, f.cfg.BatchSize)
-		}
-		if err != nil {
-			return nil, nil, nil, nil, fmt.Errorf("read cut: %w", err)
-		}
-		*cache = cutCache{cut: cut}
-		pages, ahead = cut.Pages, nil
-	}
-	cache.ahead = nil
-	return pages, ahead, dead, first, nil
-}
-
-func (f *Forwarder) commit(ctx context.Context, tx *outboxsql.Tx, topic string, n int) error {
-	f.step("commit")
-	f.mark(topic, relaystep.Commit)
-	err := tx.Commit(ctx)
-	f.mark(topic, relaystep.Committed)
-	if err != nil {
-		return fmt.Errorf("commit position: %w", err)
-	}
-	f.forwarded.Add(uint64(n))
-	f.commits.Add(1)
-	return nil
 }

@@ -299,11 +299,42 @@ func forwarderThroughput(ctx context.Context, o Options) (Section, error) {
 	if o.Short {
 		fastReps = 1
 	}
-	subjects := []struct {
-		name string
-		fast bool
-		run  func(context.Context) (float64, error)
-	}{
+	subjects := fwdSubjects(r, n)
+	fr := newFwdRates(len(subjects))
+	for round := 0; round < rounds; round++ {
+		for rep := 0; rep < fastReps; rep++ {
+			got, err := fwdRepetition(ctx, subjects, round, rep)
+			if err != nil {
+				return Section{}, err
+			}
+			fr.add(got)
+			o.Logf("bench: forwarder round %d.%d: %v msg/s", round+1, rep+1, got)
+		}
+	}
+	var rows [][]string
+	for i, s := range subjects {
+		rs := Summarise(fr.rates[i])
+		rows = append(rows, []string{s.name, fmt.Sprintf("%.0f (%.0f–%.0f)", rs.Median, rs.Min, rs.Max), Summarise(fr.ratios[i]).String(), Summarise(fr.ratiosBatched[i]).String(), Summarise(fr.ratiosRelay[i]).String()})
+	}
+	return Section{Title: "Outbox forwarder vs raw idempotent producer", Markdown: fwdMarkdown(o, n, rounds, fastReps, rows)}, nil
+}
+
+// fwdSubject is one path measured by the forwarder section: run sends the
+// rig's messages and returns its rate; a fast one runs several times a round.
+type fwdSubject struct {
+	name string
+	fast bool
+	run  func(context.Context) (float64, error)
+}
+
+// fwdRelay is the index of the batching relay among fwdSubjects: the last
+// column's baseline.
+const fwdRelay = 4
+
+// fwdSubjects are the paths compared, n messages each: the two raw
+// baselines first.
+func fwdSubjects(r *fwdRig, n int) []fwdSubject {
+	return []fwdSubject{
 		{"raw idempotent Sarama SyncProducer, one SendMessages call (baseline)", true, func(ctx context.Context) (float64, error) { return r.raw(ctx, n) }},
 		{fmt.Sprintf("raw idempotent Sarama SyncProducer, SendMessages per %d (the relay's batch)", fwdBatch), true, func(ctx context.Context) (float64, error) { return r.raw(ctx, fwdBatch) }},
 		{"watermill-sql Subscriber → watermill-kafka Publisher, one message at a time", false, r.watermill},
@@ -311,44 +342,54 @@ func forwarderThroughput(ctx context.Context, o Options) (Section, error) {
 		{"outbox.Forwarder, Producer = SyncProducer (batching relay, SendMessages per batch)", true, func(ctx context.Context) (float64, error) { return r.relay(ctx, nil, r.producer) }},
 		{"outbox.Forwarder, Producer = transactional SyncProducer (one Kafka transaction per batch)", true, func(ctx context.Context) (float64, error) { return r.relay(ctx, nil, r.txn) }},
 	}
-	const relay = 4 // the batching relay: the last column's baseline
-	rates := make([][]float64, len(subjects))
-	ratios := make([][]float64, len(subjects))
-	ratiosBatched := make([][]float64, len(subjects))
-	ratiosRelay := make([][]float64, len(subjects))
-	for round := 0; round < rounds; round++ {
-		for rep := 0; rep < fastReps; rep++ {
-			got := make([]float64, len(subjects))
-			for k := range subjects {
-				i := (k + round + rep) % len(subjects) // rotate the order
-				if !subjects[i].fast && rep > 0 {
-					continue
-				}
-				rate, err := subjects[i].run(ctx)
-				if err != nil {
-					return Section{}, fmt.Errorf("%s: %w", subjects[i].name, err)
-				}
-				got[i] = rate
-			}
-			for i := range subjects {
-				if got[i] == 0 {
-					continue
-				}
-				rates[i] = append(rates[i], got[i])
-				ratios[i] = append(ratios[i], got[i]/got[0])
-				ratiosBatched[i] = append(ratiosBatched[i], got[i]/got[1])
-				if got[relay] != 0 {
-					ratiosRelay[i] = append(ratiosRelay[i], got[i]/got[relay])
-				}
-			}
-			o.Logf("bench: forwarder round %d.%d: %v msg/s", round+1, rep+1, got)
+}
+
+// fwdRepetition runs each subject once (after the first repetition of a
+// round, the fast ones only), in an order rotated by round and rep, and
+// returns their rates (0: not run).
+func fwdRepetition(ctx context.Context, subjects []fwdSubject, round, rep int) ([]float64, error) {
+	got := make([]float64, len(subjects))
+	for k := range subjects {
+		i := (k + round + rep) % len(subjects) // rotate the order
+		if !subjects[i].fast && rep > 0 {
+			continue
+		}
+		rate, err := subjects[i].run(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", subjects[i].name, err)
+		}
+		got[i] = rate
+	}
+	return got, nil
+}
+
+// fwdRates are each subject's rates and its ratios to the baselines and
+// to the batching relay, of the same repetition.
+type fwdRates struct {
+	rates, ratios, ratiosBatched, ratiosRelay [][]float64
+}
+
+func newFwdRates(n int) *fwdRates {
+	return &fwdRates{rates: make([][]float64, n), ratios: make([][]float64, n), ratiosBatched: make([][]float64, n), ratiosRelay: make([][]float64, n)}
+}
+
+// add records one repetition's rates (0: not run).
+func (fr *fwdRates) add(got []float64) {
+	for i := range got {
+		if got[i] == 0 {
+			continue
+		}
+		fr.rates[i] = append(fr.rates[i], got[i])
+		fr.ratios[i] = append(fr.ratios[i], got[i]/got[0])
+		fr.ratiosBatched[i] = append(fr.ratiosBatched[i], got[i]/got[1])
+		if got[fwdRelay] != 0 {
+			fr.ratiosRelay[i] = append(fr.ratiosRelay[i], got[i]/got[fwdRelay])
 		}
 	}
-	var rows [][]string
-	for i, s := range subjects {
-		rs := Summarise(rates[i])
-		rows = append(rows, []string{s.name, fmt.Sprintf("%.0f (%.0f–%.0f)", rs.Median, rs.Min, rs.Max), Summarise(ratios[i]).String(), Summarise(ratiosBatched[i]).String(), Summarise(ratiosRelay[i]).String()})
-	}
+}
+
+// fwdMarkdown is the section's text: its table and what it measures.
+func fwdMarkdown(o Options, n, rounds, fastReps int, rows [][]string) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%d messages (~150 B, %d aggregates as keys, %d partitions) sent to Kafka (%s) with the idempotent producer "+
 		"(acks=all, MaxOpenRequests=1). The baselines send them, stamped and marshalled beforehand, straight from memory. The "+
@@ -362,5 +403,5 @@ func forwarderThroughput(ctx context.Context, o Options) (Section, error) {
 		"through a partial send failure; its last column is what that costs against the batching relay.\n\n",
 		n, fwdAggregates, fwdPartitions, kafkaDesc(o.Brokers), fwdBatch, fwdBatchesPerTx, fwdBatch, rounds, fastReps)
 	b.WriteString(Table([]string{"path", "msg/s median (min–max)", "ratio to raw producer (one call)", "ratio to raw producer (batched)", "ratio to the batching relay"}, rows))
-	return Section{Title: "Outbox forwarder vs raw idempotent producer", Markdown: b.String()}, nil
+	return b.String()
 }

@@ -95,25 +95,7 @@ func (r *parRig) holRun(ctx context.Context, topic string, others int, slow bool
 	}
 	done := newSpan(others)
 	var first atomic.Int64
-	mw := d.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		ctx := msg.Context()
-		if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
-			return nil, err
-		}
-		if key, _ := kafka.MessageKeyFromCtx(ctx); string(key) == holKey {
-			if !slow {
-				return nil, errHolFails
-			}
-			t := time.NewTimer(holSlowCall)
-			defer t.Stop()
-			select {
-			case <-t.C:
-			case <-ctx.Done():
-				return nil, ctx.Err()
-			}
-		}
-		return nil, nil
-	})
+	mw := d.Middleware(holHandler(slow))
 	var unexpected atomic.Pointer[error]
 	failed := make(chan struct{})
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
@@ -163,6 +145,31 @@ func (r *parRig) holRun(ctx context.Context, topic string, others int, slow bool
 	}
 	// From the first record handled, the hot key's included.
 	return float64(others) / time.Duration(done.last.Load()-first.Load()).Seconds(), nil
+}
+
+// holHandler is the head-of-line run's business handler: a business row
+// each; holKey's records then wait holSlowCall in their transaction (slow)
+// or fail (!slow).
+func holHandler(slow bool) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
+			return nil, err
+		}
+		if key, _ := kafka.MessageKeyFromCtx(ctx); string(key) == holKey {
+			if !slow {
+				return nil, errHolFails
+			}
+			t := time.NewTimer(holSlowCall)
+			defer t.Stop()
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+		}
+		return nil, nil
+	}
 }
 
 func holIsolation(ctx context.Context, o Options) (Section, error) {

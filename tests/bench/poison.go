@@ -64,59 +64,123 @@ func (r *fwdRig) poisonRun(ctx context.Context, n int, poison bool) (poisonResul
 	go func() { done <- f.Run(ctx) }()
 	defer func() { _ = f.Close(); <-done }()
 
-	// The consumer: every partition from the start, each record's arrival
-	// against the publish time in its payload.
 	c, err := sarama.NewConsumer(r.brokers, idemkafka.SaramaConsumerConfig(nil))
 	if err != nil {
 		return res, err
 	}
 	defer c.Close()
-	var (
-		mu   sync.Mutex
-		ids  = map[string]bool{}
-		stop = make(chan struct{})
-		wg   sync.WaitGroup
-	)
+	pr := &poisonReader{res: &res, ids: map[string]bool{}, stop: make(chan struct{})}
+	if err := pr.start(c, topic); err != nil {
+		return res, err
+	}
+	defer pr.close()
+
+	if poison {
+		if err := r.insertPoison(ctx, topic); err != nil {
+			return res, err
+		}
+	}
+	if err := r.publishPoisonRun(topic, n, poison, &res); err != nil {
+		return res, err
+	}
+	if err := pr.waitForOthers(time.Minute); err != nil {
+		return res, err
+	}
+	b, err := r.outbox.Backlog(ctx, r.db.Pool, &outbox.BacklogOpts{Topics: []string{topic}})
+	if err != nil {
+		return res, err
+	}
+	res.dead = b[0].Dead
+	st := f.Stats()
+	res.quarantined, res.forwarderErrs = st.Quarantined, st.Errors
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	res.distinct = len(pr.ids)
+	return res, nil
+}
+
+// poisonReader consumes every partition of a poison run's topic from the
+// start, each record's arrival against the publish time in its payload.
+type poisonReader struct {
+	mu   sync.Mutex
+	res  *poisonResult // sent and lat, under mu
+	ids  map[string]bool
+	stop chan struct{}
+	wg   sync.WaitGroup
+}
+
+// start consumes topic's partitions on c until close.
+func (pr *poisonReader) start(c sarama.Consumer, topic string) error {
 	for p := range int32(fwdPartitions) {
 		pc, err := c.ConsumePartition(topic, p, sarama.OffsetOldest)
 		if err != nil {
-			close(stop)
-			wg.Wait()
-			return res, err
+			pr.close()
+			return err
 		}
-		wg.Go(func() {
+		pr.wg.Go(func() {
 			defer pc.Close()
 			for {
 				select {
-				case <-stop:
+				case <-pr.stop:
 					return
 				case m := <-pc.Messages():
-					at := time.Now()
-					var body struct {
-						Key string `json:"key"`
-						At  int64  `json:"at"`
-					}
-					_ = json.Unmarshal(m.Value, &body)
-					mu.Lock()
-					res.sent++
-					if body.Key != poisonKey {
-						res.lat = append(res.lat, at.Sub(time.Unix(0, body.At)))
-						ids[string(m.Value)] = true
-					}
-					mu.Unlock()
+					pr.got(m, time.Now())
 				}
 			}
 		})
 	}
-	defer func() { close(stop); wg.Wait() }()
+	return nil
+}
 
-	if poison {
-		big := fmt.Sprintf(`{"key":%q,"pad":"%s"}`, poisonKey, strings.Repeat("x", idemkafka.DefaultMaxMessageBytes))
-		if _, err := r.db.Pool.Exec(ctx, `INSERT INTO `+r.outbox.MessagesTable(topic)+` (uuid, payload, metadata, transaction_id)
-			VALUES ($1, $2, $3, pg_current_xact_id())`, uuid.NewString(), []byte(big), []byte(`{"partition_key":"`+poisonKey+`"}`)); err != nil {
-			return res, err
-		}
+// got counts m, arrived at at.
+func (pr *poisonReader) got(m *sarama.ConsumerMessage, at time.Time) {
+	var body struct {
+		Key string `json:"key"`
+		At  int64  `json:"at"`
 	}
+	_ = json.Unmarshal(m.Value, &body)
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	pr.res.sent++
+	if body.Key != poisonKey {
+		pr.res.lat = append(pr.res.lat, at.Sub(time.Unix(0, body.At)))
+		pr.ids[string(m.Value)] = true
+	}
+}
+
+// waitForOthers waits until every row of the other keys reached Kafka, at
+// most d.
+func (pr *poisonReader) waitForOthers(d time.Duration) error {
+	deadline := time.Now().Add(d)
+	for {
+		pr.mu.Lock()
+		got := len(pr.res.lat)
+		pr.mu.Unlock()
+		if got >= pr.res.others {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("only %d of %d rows of the other keys reached Kafka within a minute", got, pr.res.others)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func (pr *poisonReader) close() { close(pr.stop); pr.wg.Wait() }
+
+// insertPoison writes the poison row to topic's outbox: larger than the
+// broker accepts, under poisonKey.
+func (r *fwdRig) insertPoison(ctx context.Context, topic string) error {
+	big := fmt.Sprintf(`{"key":%q,"pad":"%s"}`, poisonKey, strings.Repeat("x", idemkafka.DefaultMaxMessageBytes))
+	_, err := r.db.Pool.Exec(ctx, `INSERT INTO `+r.outbox.MessagesTable(topic)+` (uuid, payload, metadata, transaction_id)
+			VALUES ($1, $2, $3, pg_current_xact_id())`, uuid.NewString(), []byte(big), []byte(`{"partition_key":"`+poisonKey+`"}`))
+	return err
+}
+
+// publishPoisonRun publishes n rows to topic at poisonRate, one per
+// transaction, every poisonEvery-th under poisonKey when poison is set;
+// it counts the others in res.
+func (r *fwdRig) publishPoisonRun(topic string, n int, poison bool, res *poisonResult) error {
 	pub := r.outbox.PoolPublisher(r.db.Pool)
 	tick := time.NewTicker(time.Second / poisonRate)
 	defer tick.Stop()
@@ -130,33 +194,10 @@ func (r *fwdRig) poisonRun(ctx context.Context, n int, poison bool) (poisonResul
 		}
 		m := message.NewMessage(uuid.NewString(), fmt.Appendf(nil, `{"key":%q,"seq":%d,"at":%d}`, key, i, time.Now().UnixNano()))
 		if err := pub.Publish(topic, publisher.WithPartitionKey(m, key)); err != nil {
-			return res, err
+			return err
 		}
 	}
-	deadline := time.Now().Add(time.Minute)
-	for {
-		mu.Lock()
-		got := len(res.lat)
-		mu.Unlock()
-		if got >= res.others {
-			break
-		}
-		if time.Now().After(deadline) {
-			return res, fmt.Errorf("only %d of %d rows of the other keys reached Kafka within a minute", got, res.others)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	b, err := r.outbox.Backlog(ctx, r.db.Pool, &outbox.BacklogOpts{Topics: []string{topic}})
-	if err != nil {
-		return res, err
-	}
-	res.dead = b[0].Dead
-	st := f.Stats()
-	res.quarantined, res.forwarderErrs = st.Quarantined, st.Errors
-	mu.Lock()
-	defer mu.Unlock()
-	res.distinct = len(ids)
-	return res, nil
+	return nil
 }
 
 func poisonRow(ctx context.Context, o Options) (Section, error) {

@@ -61,14 +61,50 @@ func retention(ctx context.Context, o Options) (Section, error) {
 	// Day-aligned: the data covers [D-14d, D) and the cleaners run at D with
 	// a 7-day retention, so all three remove exactly the same rows.
 	d := time.Now().UTC().Truncate(24 * time.Hour)
+	strategies := retentionStrategies(db, d, rows)
+	rounds := min(max(o.Rounds, 1), 2) // each round loads 3 × rows: ~1 min for 2 rounds of 2M
+	if o.Short {
+		rounds = 1
+	}
+	results := make([][]retentionResult, len(strategies)) // [strategy][round]
+	for round := range rounds {
+		for k := range strategies {
+			i := (k + round) % len(strategies) // rotate the order each round
+			r, err := retentionRound(ctx, o, db, strategies[i], fmt.Sprintf("pe_%d_%d", round, i), d, rows)
+			if err != nil {
+				return Section{}, err
+			}
+			o.Logf("bench: retention: round %d, %s: %s, %d B WAL, p99 claim %s over %d claims", round+1, r.name, r.elapsed, r.walBytes, r.p99, r.claims)
+			results[i] = append(results[i], r)
+		}
+	}
+	tbl := retentionTable(results)
+	md := fmt.Sprintf("%d processed_event rows over 14 days of UUIDv7 ids (one consumer group), %d of them older than the 7-day retention. "+
+		"Each strategy runs on its own freshly loaded table, after a CHECKPOINT, while %d workers claim new events (BEGIN; claim; COMMIT), "+
+		"%d round(s), the order rotated each round; cells are the median ratio to DROP in the same round (min–max over rounds), "+
+		"then the median raw figure. WAL is the server-wide pg_current_wal_lsn() difference "+
+		"(other sessions on the server add noise); size is the table with its indexes right after, without VACUUM; "+
+		"claim p99 covers the claims that ran during the operation (at least 1 s). The last column is the VACUUM the DELETE strategies "+
+		"still owe (autovacuum would run it; it makes the space reusable but does not shrink the files), median raw figures.\n\n",
+		rows, rows/2, retentionWorkers, rounds)
+	md += Table([]string{"strategy", "time", "WAL", "size after", "claim p99", "then VACUUM: time, WAL"}, tbl)
+	return Section{Title: "Retention: DROP partition vs DELETE vs batched Cleaner", Markdown: md}, nil
+}
+
+// retentionStrategy is one way of removing the rows past retention: run
+// removes them from tc and returns how many it removed.
+type retentionStrategy struct {
+	name   string
+	layout deduplicator.Layout
+	run    func(ctx context.Context, tc deduplicator.TableConfig) (int64, error)
+}
+
+// retentionStrategies are the strategies compared on db at d (the cleaners'
+// clock), rows loaded per table.
+func retentionStrategies(db *DB, d time.Time, rows int) []retentionStrategy {
 	retention := deduplicator.DefaultRetention
 	clock := func() time.Time { return d }
-
-	strategies := []struct {
-		name   string
-		layout deduplicator.Layout
-		run    func(ctx context.Context, tc deduplicator.TableConfig) (int64, error)
-	}{
+	return []retentionStrategy{
 		{"DROP partitions (partitioned layout, Cleaner)", deduplicator.LayoutPartitioned, func(ctx context.Context, tc deduplicator.TableConfig) (int64, error) {
 			c, err := deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: clock}, nil)
 			if err != nil {
@@ -93,53 +129,36 @@ func retention(ctx context.Context, o Options) (Section, error) {
 			return res.Deleted, err
 		}},
 	}
-	rounds := min(max(o.Rounds, 1), 2) // each round loads 3 × rows: ~1 min for 2 rounds of 2M
-	if o.Short {
-		rounds = 1
-	}
-	results := make([][]retentionResult, len(strategies)) // [strategy][round]
-	for round := range rounds {
-		for k := range strategies {
-			i := (k + round) % len(strategies) // rotate the order each round
-			s := strategies[i]
-			tc := deduplicator.TableConfig{Schema: db.Schema, Table: fmt.Sprintf("pe_%d_%d", round, i), Layout: s.layout}
-			o.Logf("bench: retention: loading %d rows for %s", rows, s.name)
-			if err := loadRetentionTable(ctx, db.Pool, tc, d, rows); err != nil {
-				return Section{}, fmt.Errorf("%s: load: %w", s.name, err)
-			}
-			r, err := measureRetention(ctx, db.Pool, tc, s.run)
-			if err != nil {
-				return Section{}, fmt.Errorf("%s: %w", s.name, err)
-			}
-			if r.deleted != int64(rows/2) {
-				return Section{}, fmt.Errorf("%s: deleted %d rows, want %d", s.name, r.deleted, rows/2)
-			}
-			r.name = s.name
-			o.Logf("bench: retention: round %d, %s: %s, %d B WAL, p99 claim %s over %d claims", round+1, s.name, r.elapsed, r.walBytes, r.p99, r.claims)
-			results[i] = append(results[i], r)
-			if _, err := db.Pool.Exec(ctx, "DROP TABLE "+tc.Table); err != nil {
-				return Section{}, err
-			}
-		}
-	}
+}
 
-	// Per round, each strategy's figure over DROP's in the same round.
-	drops := results[0]
-	cell := func(rs []retentionResult, get func(retentionResult) float64, raw func(float64) string) string {
-		var ratios, raws []float64
-		for j, r := range rs {
-			raws = append(raws, get(r))
-			if base := get(drops[j]); base > 0 {
-				ratios = append(ratios, get(r)/base)
-			}
-		}
-		st := Summarise(ratios)
-		if len(ratios) == 1 {
-			return fmt.Sprintf("%.1f× (%s)", st.Median, raw(Summarise(raws).Median))
-		}
-		return fmt.Sprintf("%.1f× (%.1f–%.1f) (%s)", st.Median, st.Min, st.Max, raw(Summarise(raws).Median))
+// retentionRound loads a fresh table named table, measures s on it and
+// drops it.
+func retentionRound(ctx context.Context, o Options, db *DB, s retentionStrategy, table string, d time.Time, rows int) (retentionResult, error) {
+	tc := deduplicator.TableConfig{Schema: db.Schema, Table: table, Layout: s.layout}
+	o.Logf("bench: retention: loading %d rows for %s", rows, s.name)
+	if err := loadRetentionTable(ctx, db.Pool, tc, d, rows); err != nil {
+		return retentionResult{}, fmt.Errorf("%s: load: %w", s.name, err)
 	}
+	r, err := measureRetention(ctx, db.Pool, tc, s.run)
+	if err != nil {
+		return retentionResult{}, fmt.Errorf("%s: %w", s.name, err)
+	}
+	if r.deleted != int64(rows/2) {
+		return retentionResult{}, fmt.Errorf("%s: deleted %d rows, want %d", s.name, r.deleted, rows/2)
+	}
+	r.name = s.name
+	if _, err := db.Pool.Exec(ctx, "DROP TABLE "+tc.Table); err != nil {
+		return retentionResult{}, err
+	}
+	return r, nil
+}
+
+// retentionTable is the section's table: per strategy, each figure over
+// DROP's (results[0]) in the same round.
+func retentionTable(results [][]retentionResult) [][]string {
+	drops := results[0]
 	dur := func(f float64) string { return time.Duration(f).Round(time.Millisecond).String() }
+	size := func(f float64) string { return mib(int64(f)) }
 	var tbl [][]string
 	for _, rs := range results {
 		claims := 0
@@ -148,25 +167,33 @@ func retention(ctx context.Context, o Options) (Section, error) {
 		}
 		tbl = append(tbl, []string{
 			rs[0].name,
-			cell(rs, func(r retentionResult) float64 { return float64(r.elapsed) }, dur),
-			cell(rs, func(r retentionResult) float64 { return float64(r.walBytes) }, func(f float64) string { return mib(int64(f)) }),
-			cell(rs, func(r retentionResult) float64 { return float64(r.sizeAfter) }, func(f float64) string { return mib(int64(f)) }),
-			cell(rs, func(r retentionResult) float64 { return float64(r.p99) }, func(f float64) string {
+			retentionCell(rs, drops, func(r retentionResult) float64 { return float64(r.elapsed) }, dur),
+			retentionCell(rs, drops, func(r retentionResult) float64 { return float64(r.walBytes) }, size),
+			retentionCell(rs, drops, func(r retentionResult) float64 { return float64(r.sizeAfter) }, size),
+			retentionCell(rs, drops, func(r retentionResult) float64 { return float64(r.p99) }, func(f float64) string {
 				return time.Duration(f).Round(10*time.Microsecond).String() + fmt.Sprintf(", %d claims", claims)
 			}),
 			vacuumCell(rs),
 		})
 	}
-	md := fmt.Sprintf("%d processed_event rows over 14 days of UUIDv7 ids (one consumer group), %d of them older than the 7-day retention. "+
-		"Each strategy runs on its own freshly loaded table, after a CHECKPOINT, while %d workers claim new events (BEGIN; claim; COMMIT), "+
-		"%d round(s), the order rotated each round; cells are the median ratio to DROP in the same round (min–max over rounds), "+
-		"then the median raw figure. WAL is the server-wide pg_current_wal_lsn() difference "+
-		"(other sessions on the server add noise); size is the table with its indexes right after, without VACUUM; "+
-		"claim p99 covers the claims that ran during the operation (at least 1 s). The last column is the VACUUM the DELETE strategies "+
-		"still owe (autovacuum would run it; it makes the space reusable but does not shrink the files), median raw figures.\n\n",
-		rows, rows/2, retentionWorkers, rounds)
-	md += Table([]string{"strategy", "time", "WAL", "size after", "claim p99", "then VACUUM: time, WAL"}, tbl)
-	return Section{Title: "Retention: DROP partition vs DELETE vs batched Cleaner", Markdown: md}, nil
+	return tbl
+}
+
+// retentionCell is one figure (get) of rs: the median ratio to drops' in
+// the same round (min–max over rounds), then the median raw figure.
+func retentionCell(rs, drops []retentionResult, get func(retentionResult) float64, raw func(float64) string) string {
+	var ratios, raws []float64
+	for j, r := range rs {
+		raws = append(raws, get(r))
+		if base := get(drops[j]); base > 0 {
+			ratios = append(ratios, get(r)/base)
+		}
+	}
+	st := Summarise(ratios)
+	if len(ratios) == 1 {
+		return fmt.Sprintf("%.1f× (%s)", st.Median, raw(Summarise(raws).Median))
+	}
+	return fmt.Sprintf("%.1f× (%.1f–%.1f) (%s)", st.Median, st.Min, st.Max, raw(Summarise(raws).Median))
 }
 
 func vacuumCell(rs []retentionResult) string {
@@ -252,8 +279,52 @@ func measureRetention(ctx context.Context, pool *pgxpool.Pool, tc deduplicator.T
 	if err != nil {
 		return r, err
 	}
-	claimCtx, stopClaims := context.WithCancel(ctx)
+	stopClaims := claimWhile(ctx, pool, dd)
 	defer stopClaims()
+	lsn0, err := currentLSN(ctx, pool)
+	if err != nil {
+		return r, err
+	}
+	start := time.Now()
+	r.deleted, err = op(ctx, tc)
+	r.elapsed = time.Since(start)
+	if err != nil {
+		return r, err
+	}
+	if r.walBytes, err = walSince(ctx, pool, lsn0); err != nil {
+		return r, err
+	}
+	if rest := time.Second - r.elapsed; rest > 0 {
+		time.Sleep(rest)
+	}
+	latencies, err := stopClaims()
+	if err != nil {
+		return r, fmt.Errorf("concurrent claim: %w", err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT CASE WHEN c.relkind = 'p'
+	THEN (SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(c.oid))
+	ELSE pg_total_relation_size(c.oid) END::bigint
+FROM pg_class c WHERE c.oid = to_regclass($1)`, tc.Table).Scan(&r.sizeAfter); err != nil {
+		return r, err
+	}
+	if tc.Layout == deduplicator.LayoutPlain {
+		if err := vacuumRetention(ctx, pool, tc, &r); err != nil {
+			return r, err
+		}
+	}
+	slices.Sort(latencies)
+	r.claims = len(latencies)
+	if n := len(latencies); n > 0 {
+		r.p99 = latencies[min(n-1, n*99/100)]
+	}
+	return r, nil
+}
+
+// claimWhile runs retentionWorkers workers claiming new events with dd
+// until stop, which returns the claims' latencies and the first error a
+// claim met (stopping twice is harmless).
+func claimWhile(ctx context.Context, pool *pgxpool.Pool, dd *deduplicator.Deduplicator) (stop func() ([]time.Duration, error)) {
+	claimCtx, stopClaims := context.WithCancel(ctx)
 	var (
 		mu        sync.Mutex
 		latencies []time.Duration
@@ -284,54 +355,41 @@ func measureRetention(ctx context.Context, pool *pgxpool.Pool, tc deduplicator.T
 			}
 		}()
 	}
+	return func() ([]time.Duration, error) {
+		stopClaims()
+		wg.Wait()
+		return latencies, claimErr
+	}
+}
 
-	var lsn0 string
-	if err := pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&lsn0); err != nil {
-		return r, err
-	}
-	start := time.Now()
-	r.deleted, err = op(ctx, tc)
-	r.elapsed = time.Since(start)
+// vacuumRetention runs the VACUUM a DELETE strategy still owes on tc and
+// records its time, its WAL and the dead tuples it left in r.
+func vacuumRetention(ctx context.Context, pool *pgxpool.Pool, tc deduplicator.TableConfig, r *retentionResult) error {
+	lsn0, err := currentLSN(ctx, pool)
 	if err != nil {
-		return r, err
+		return err
 	}
-	if err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint", lsn0).Scan(&r.walBytes); err != nil {
-		return r, err
+	t0 := time.Now()
+	if _, err := pool.Exec(ctx, "VACUUM "+tc.Table); err != nil {
+		return err
 	}
-	if rest := time.Second - r.elapsed; rest > 0 {
-		time.Sleep(rest)
+	r.vacuum = time.Since(t0)
+	if r.vacuumWAL, err = walSince(ctx, pool, lsn0); err != nil {
+		return err
 	}
-	stopClaims()
-	wg.Wait()
-	if claimErr != nil {
-		return r, fmt.Errorf("concurrent claim: %w", claimErr)
-	}
-	if err := pool.QueryRow(ctx, `SELECT CASE WHEN c.relkind = 'p'
-	THEN (SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(c.oid))
-	ELSE pg_total_relation_size(c.oid) END::bigint
-FROM pg_class c WHERE c.oid = to_regclass($1)`, tc.Table).Scan(&r.sizeAfter); err != nil {
-		return r, err
-	}
-	if tc.Layout == deduplicator.LayoutPlain {
-		if err := pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&lsn0); err != nil {
-			return r, err
-		}
-		t0 := time.Now()
-		if _, err := pool.Exec(ctx, "VACUUM "+tc.Table); err != nil {
-			return r, err
-		}
-		r.vacuum = time.Since(t0)
-		if err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint", lsn0).Scan(&r.vacuumWAL); err != nil {
-			return r, err
-		}
-		if err := pool.QueryRow(ctx, "SELECT pg_stat_get_dead_tuples(to_regclass($1))", tc.Table).Scan(&r.deadLeft); err != nil {
-			return r, err
-		}
-	}
-	slices.Sort(latencies)
-	r.claims = len(latencies)
-	if n := len(latencies); n > 0 {
-		r.p99 = latencies[min(n-1, n*99/100)]
-	}
-	return r, nil
+	return pool.QueryRow(ctx, "SELECT pg_stat_get_dead_tuples(to_regclass($1))", tc.Table).Scan(&r.deadLeft)
+}
+
+// currentLSN is the server's WAL position.
+func currentLSN(ctx context.Context, pool *pgxpool.Pool) (string, error) {
+	var lsn string
+	err := pool.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&lsn)
+	return lsn, err
+}
+
+// walSince is the WAL written on the server since lsn, in bytes.
+func walSince(ctx context.Context, pool *pgxpool.Pool, lsn string) (int64, error) {
+	var n int64
+	err := pool.QueryRow(ctx, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint", lsn).Scan(&n)
+	return n, err
 }

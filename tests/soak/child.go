@@ -2,21 +2,16 @@ package soak
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"log"
 	"net/http"
-	"net/http/httptrace"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"runtime/pprof"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -28,19 +23,14 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
-	"github.com/idemkit/watermill-idempotency/internal/handlertracer"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
-	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // ConsumerEnv names the environment variable that makes [RunConsumerIfChild]
@@ -203,63 +193,16 @@ func runConsumer(cfg childConfig) error {
 	defer stop()
 	dumpGoroutinesOnSIGUSR1(cfg.Instance)
 	c := &child{cfg: cfg}
-	go func() {
-		in := bufio.NewScanner(os.Stdin)
-		for in.Scan() {
-			switch in.Text() {
-			case cmdKillMid:
-				c.armed.Store(pendingKillMid)
-			case cmdKillCommit:
-				c.armed.Store(pendingKillCommit)
-			case cmdKillCall:
-				c.armed.Store(pendingKillMidCall)
-			}
-		}
-		stop() // the soak closed our input, or is gone
-	}()
+	go c.readCommands(stop)
+	logger := childLogger(cfg)
 
-	var logger watermill.LoggerAdapter = errorLogger{watermill.NewStdLoggerWithOut(os.Stderr, false, false)}
-	if cfg.Verbose {
-		logger = watermill.NewStdLoggerWithOut(os.Stderr, false, false)
-		sarama.Logger = log.New(os.Stderr, "[sarama] ", log.LstdFlags|log.Lmicroseconds)
-	}
-	logger = logger.With(watermill.LogFields{"instance": cfg.Instance})
-
-	var err error
-	if c.pool, err = pgPool(ctx, cfg.DatabaseURL, cfg.Database, cfg.Schema, cfg.AppName, cfg.MaxConns); err != nil {
+	closePools, err := c.openPools(ctx)
+	if err != nil {
 		return err
 	}
-	defer c.pool.Close()
-	if c.downPool, err = pgPool(ctx, cfg.DatabaseURL, cfg.Database, cfg.Schema, cfg.AppName, 2); err != nil {
-		return err
-	}
-	defer c.downPool.Close()
-	// The database may be refusing connections (a disruption): retry.
-	var dedup *idem.Dedup
-	if err := retry(ctx, "dedup middleware", func() error {
-		dcfg := idem.Config{DB: c.pool, ConsumerGroup: cfg.Group, Table: tableConfig(cfg.Schema)}
-		if cfg.Parallel {
-			// Every topic's subscriber hands out up to its MaxInFlight
-			// messages at once.
-			dcfg.Concurrency = ParallelMaxInFlight + len(cfg.RetryTopics)*ParallelRetryMaxInFlight
-		}
-		if cfg.GroupCommit {
-			dcfg.GroupCommit = &idem.GroupCommitConfig{}
-		}
-		if cfg.Lease {
-			// One transaction at a time per phase (batched): the pool's
-			// 2 x 1 + 1 connections, and the process's soak pools, stay
-			// within the suite's connection budget. Owner: the lease table
-			// tells which process held a lease that was taken over.
-			// FastPath off: the run's kills between the phases are to leave
-			// lease rows for the next owner to take over (a kill inside
-			// the fast path leaves an aborted transaction instead; the
-			// middleware's TestFastPath_* tests show that case).
-			dcfg.Lease = &idem.LeaseConfig{Duration: cfg.LeaseDuration, Concurrency: 1, Owner: cfg.Instance, FastPath: -1}
-		}
-		dedup, err = idem.NewDedup(dcfg, logger)
-		return err
-	}); err != nil {
+	defer closePools()
+	dedup, err := c.newDedup(ctx, logger)
+	if err != nil {
 		return err
 	}
 	if cfg.Lease {
@@ -290,20 +233,7 @@ func runConsumer(cfg childConfig) error {
 		return err
 	}
 	defer stopForwarder()
-	// The retry topics as docs/retry.md wires them, with KeyOrder (the
-	// soak checks each aggregate's order): its parked-keys check reads the
-	// database, which may be refusing connections.
-	if err := retry(ctx, "retry-topic middleware", func() error {
-		c.rt, err = retrytopic.New(retrytopic.Config{
-			Publisher:   tapPublisher{Publisher: pub, c: c},
-			Topics:      cfg.RetryTopics,
-			PoisonTopic: cfg.PoisonTopic,
-			MaxAttempts: retryMaxAttempts,
-			Backoff:     retrytopic.Backoff{Initial: retryInitialDelay, Max: retryMaxDelay},
-			KeyOrder:    &retrytopic.KeyOrder{DB: c.pool, Outbox: ob, ConsumerGroup: cfg.Group, Table: parkedTable(cfg.Schema)},
-		}, logger)
-		return err
-	}); err != nil {
+	if err := c.newRetryTopic(ctx, pub, ob, logger); err != nil {
 		return err
 	}
 	inProcess := middleware.Retry{
@@ -334,6 +264,99 @@ func runConsumer(cfg childConfig) error {
 		}
 	}()
 	return router.Run(ctx) // until SIGTERM: Close leaves the group, in-flight messages are not acked
+}
+
+// readCommands arms the kills the soak writes to the process's input,
+// and calls stop when the soak closed it or is gone.
+func (c *child) readCommands(stop func()) {
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		switch in.Text() {
+		case cmdKillMid:
+			c.armed.Store(pendingKillMid)
+		case cmdKillCommit:
+			c.armed.Store(pendingKillCommit)
+		case cmdKillCall:
+			c.armed.Store(pendingKillMidCall)
+		}
+	}
+	stop() // the soak closed our input, or is gone
+}
+
+// childLogger is the process's logger: errors only unless Verbose (then
+// Sarama's log too), each line naming the instance.
+func childLogger(cfg childConfig) watermill.LoggerAdapter {
+	var logger watermill.LoggerAdapter = errorLogger{watermill.NewStdLoggerWithOut(os.Stderr, false, false)}
+	if cfg.Verbose {
+		logger = watermill.NewStdLoggerWithOut(os.Stderr, false, false)
+		sarama.Logger = log.New(os.Stderr, "[sarama] ", log.LstdFlags|log.Lmicroseconds)
+	}
+	return logger.With(watermill.LogFields{"instance": cfg.Instance})
+}
+
+// openPools opens the process's pools: the middleware's and the small one
+// of the "downstream", and returns how to close them.
+func (c *child) openPools(ctx context.Context) (closePools func(), err error) {
+	cfg := c.cfg
+	if c.pool, err = pgPool(ctx, cfg.DatabaseURL, cfg.Database, cfg.Schema, cfg.AppName, cfg.MaxConns); err != nil {
+		return nil, err
+	}
+	if c.downPool, err = pgPool(ctx, cfg.DatabaseURL, cfg.Database, cfg.Schema, cfg.AppName, 2); err != nil {
+		c.pool.Close()
+		return nil, err
+	}
+	return func() { c.downPool.Close(); c.pool.Close() }, nil
+}
+
+// newDedup is the dedup middleware in the run's mode. The database may be
+// refusing connections (a disruption): it retries.
+func (c *child) newDedup(ctx context.Context, logger watermill.LoggerAdapter) (dedup *idem.Dedup, err error) {
+	cfg := c.cfg
+	err = retry(ctx, "dedup middleware", func() error {
+		dcfg := idem.Config{DB: c.pool, ConsumerGroup: cfg.Group, Table: tableConfig(cfg.Schema)}
+		if cfg.Parallel {
+			// Every topic's subscriber hands out up to its MaxInFlight
+			// messages at once.
+			dcfg.Concurrency = ParallelMaxInFlight + len(cfg.RetryTopics)*ParallelRetryMaxInFlight
+		}
+		if cfg.GroupCommit {
+			dcfg.GroupCommit = &idem.GroupCommitConfig{}
+		}
+		if cfg.Lease {
+			// One transaction at a time per phase (batched): the pool's
+			// 2 x 1 + 1 connections, and the process's soak pools, stay
+			// within the suite's connection budget. Owner: the lease table
+			// tells which process held a lease that was taken over.
+			// FastPath off: the run's kills between the phases are to leave
+			// lease rows for the next owner to take over (a kill inside
+			// the fast path leaves an aborted transaction instead; the
+			// middleware's TestFastPath_* tests show that case).
+			dcfg.Lease = &idem.LeaseConfig{Duration: cfg.LeaseDuration, Concurrency: 1, Owner: cfg.Instance, FastPath: -1}
+		}
+		dedup, err = idem.NewDedup(dcfg, logger)
+		return err
+	})
+	return dedup, err
+}
+
+// newRetryTopic sets c.rt: the retry topics as docs/retry.md wires them,
+// publishing on pub, with KeyOrder (the soak checks each aggregate's
+// order) handing keys on through ob. Its parked-keys check reads the
+// database, which may be refusing connections: it retries.
+func (c *child) newRetryTopic(ctx context.Context, pub message.Publisher, ob *outbox.Outbox, logger watermill.LoggerAdapter) error {
+	cfg := c.cfg
+	return retry(ctx, "retry-topic middleware", func() error {
+		var err error
+		c.rt, err = retrytopic.New(retrytopic.Config{
+			Publisher:   tapPublisher{Publisher: pub, c: c},
+			Topics:      cfg.RetryTopics,
+			PoisonTopic: cfg.PoisonTopic,
+			MaxAttempts: retryMaxAttempts,
+			Backoff:     retrytopic.Backoff{Initial: retryInitialDelay, Max: retryMaxDelay},
+			KeyOrder:    &retrytopic.KeyOrder{DB: c.pool, Outbox: ob, ConsumerGroup: cfg.Group, Table: parkedTable(cfg.Schema)},
+		}, logger)
+		return err
+	})
 }
 
 // addHandlers consumes the main topic and each retry topic with
@@ -467,299 +490,6 @@ func (c *child) forwardHandoffs(ctx context.Context, ob *outbox.Outbox, logger w
 		_ = producer.Close()
 		fpool.Close()
 	}, nil
-}
-
-// outer sits outside the retry-topic middleware: it reports deliveries,
-// applied messages, absorbed duplicates and messages sent along the retry
-// path, copies the first group's applied DLQ events to the dead-letter
-// topic, and dies after COMMIT when armed.
-func (c *child) outer(ctx context.Context) message.HandlerMiddleware {
-	return func(next message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			d := &delivery{}
-			msg.SetContext(context.WithValue(msg.Context(), stateKey{}, d))
-			onRetry := c.isRetryTopic(message.SubscribeTopicFromCtx(msg.Context()))
-			if onRetry {
-				c.emit(lineDeliveryRetry)
-			} else {
-				c.emit(lineDelivery)
-				n := c.handlers.Add(1)
-				defer c.handlers.Add(-1)
-				if m := c.maxHandlers.Load(); n > m && c.maxHandlers.CompareAndSwap(m, n) {
-					c.emit(lineHandlers + strconv.FormatInt(n, 10))
-				}
-			}
-			produced, err := next(msg)
-			switch {
-			case err != nil:
-				c.emit(lineFailed)
-				return nil, err
-			case !d.reached:
-				// KeyOrder: sent behind its key's parked event, or already
-				// on the retry path.
-				c.emit(lineDeferred)
-				return produced, nil
-			case d.err != nil:
-				// The retry-topic middleware acked a failure (the handler
-				// may have run, its transaction did not commit, or its
-				// COMMIT's outcome is unknown): moved to the retry topic of
-				// the next attempt, or poisoned.
-				if _, poisoned := c.poisoned.LoadAndDelete(msg.UUID); !poisoned {
-					attempt, _ := strconv.Atoi(msg.Metadata.Get(retrytopic.MetadataAttempt))
-					if !onRetry {
-						attempt = 0
-					}
-					topic := message.SubscribeTopicFromCtx(msg.Context())
-					c.emit(lineEscalated + strconv.Itoa(attempt+1) + " " + msg.Metadata.Get(publisher.MetadataEventID) + " " + topic + ": " + oneLine(d.err.Error()))
-				}
-				return produced, nil
-			case d.ran && onRetry:
-				c.emit(lineAppliedRetry)
-			case d.ran:
-				c.emit(lineApplied)
-			default:
-				c.emit(lineDuplicate)
-				return produced, nil
-			}
-			if c.dlqPub != nil && msg.Metadata.Get(metaDLQ) == "1" {
-				// As a dead-letter replay does (poison.Replay): without the
-				// retry headers of the copy that was applied.
-				m := message.NewMessage(watermill.NewUUID(), msg.Payload)
-				for k, v := range msg.Metadata {
-					if k != metaDLQ && !slices.Contains(retrytopic.Headers(), k) {
-						m.Metadata.Set(k, v)
-					}
-				}
-				if err := retry(ctx, "publish to dlq", func() error { return c.dlqPub.Publish(c.cfg.DLQ, m) }); err == nil {
-					c.emit(lineDLQ + msg.Metadata.Get(publisher.MetadataEventID))
-				}
-			}
-			if c.allJoined.Load() && c.armed.CompareAndSwap(pendingKillCommit, pendingNone) {
-				// COMMIT happened, the ack will not: the next owner gets the
-				// message again and must absorb it as a duplicate.
-				c.die(faultKillCommit)
-			}
-			return produced, nil
-		}
-	}
-}
-
-// attempt wraps each in-process attempt (inside watermill's Retry): the
-// outer middleware learns whether the chain ran and how its last attempt
-// ended.
-func (c *child) attempt(next message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		d, _ := msg.Context().Value(stateKey{}).(*delivery)
-		if d != nil {
-			d.reached, d.ran = true, false
-		}
-		produced, err := next(msg)
-		if d != nil {
-			d.err = err
-		}
-		return produced, err
-	}
-}
-
-// tapPublisher is the retry-topic middleware's publisher: it reports each
-// message published to the poison topic.
-type tapPublisher struct {
-	message.Publisher
-	c *child
-}
-
-func (t tapPublisher) Publish(topic string, msgs ...*message.Message) error {
-	if err := t.Publisher.Publish(topic, msgs...); err != nil {
-		return err
-	}
-	if topic == t.c.cfg.PoisonTopic {
-		for _, m := range msgs {
-			t.c.poisoned.Store(m.UUID, true)
-			t.c.emit(linePoisoned + m.Metadata.Get(publisher.MetadataEventID) + " " + oneLine(m.Metadata.Get(middleware.ReasonForPoisonedKey)))
-		}
-	}
-	return nil
-}
-
-// handler applies the event: one ledger row, registered with
-// idem.Complete (in transaction mode it is written at once in the
-// middleware's transaction; in lease mode in the completing transaction,
-// after the handler returned), or, for the broken handler of the checker's
-// own test, written through the pool; in lease mode a call to the fake
-// provider; then, for an event planned to fail, the call to a downstream
-// that is down for it until it has failed as often as planned.
-func (c *child) handler(msg *message.Message) error {
-	ctx := msg.Context()
-	var p payload
-	if err := json.Unmarshal(msg.Payload, &p); err != nil {
-		return idem.Permanent(fmt.Errorf("%w: %v", idem.ErrMalformedPayload, err))
-	}
-	id, _ := idem.EventIDFromContext(ctx)
-	d, _ := ctx.Value(stateKey{}).(*delivery)
-	ledger := func(ctx context.Context, db interface {
-		Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
-	}) error {
-		_, err := db.Exec(ctx, `INSERT INTO soak_ledger (grp, event_id, aggregate, seq, amount, topic, attempt, instance) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
-			c.cfg.Group, id, p.Aggregate, p.Seq, p.Amount, message.SubscribeTopicFromCtx(ctx), msg.Metadata.Get(retrytopic.MetadataAttempt), c.cfg.Instance)
-		return err
-	}
-	if c.cfg.Unsafe {
-		if err := ledger(ctx, c.pool); err != nil {
-			return err
-		}
-	} else if err := idem.Complete(ctx, func(ctx context.Context, tx pgx.Tx) error {
-		if err := ledger(ctx, tx); err != nil {
-			return err
-		}
-		if c.cfg.Lease && d != nil {
-			d.ran = true // in the completing transaction: the lease was still ours
-		}
-		return nil
-	}); err != nil {
-		return err
-	}
-	if c.cfg.Lease {
-		// Lease mode: no transaction, no connection held during the call.
-		if err := c.charge(ctx, id, p); err != nil {
-			return err
-		}
-	}
-	if p.Fail > 0 {
-		// After the ledger row: the failure rolls it back (in lease mode,
-		// it is never written).
-		if err := c.downstream(ctx, id, p.Fail); err != nil {
-			return err
-		}
-	}
-	if c.allJoined.Load() && c.armed.CompareAndSwap(pendingKillMid, pendingNone) {
-		if c.cfg.Lease {
-			// Between the phases: the call returned, the provider charged,
-			// the write is registered; the lease is held and nothing is
-			// completed. The next delivery takes the lease over once it
-			// expires and calls again with the same key.
-			c.die(faultKillAfterCall)
-		}
-		// Inside the transaction: business row written, not committed.
-		c.die(faultKillMid)
-	}
-	if !c.cfg.Lease && d != nil {
-		d.ran = true
-	}
-	return nil
-}
-
-// charge calls the fake provider for the event, with its Idempotency-Key
-// (the "charge" operation of the group). Armed with a mid-call kill, the
-// process dies once the request is sent and the provider is half-way
-// through executing it: the charge is made, the lease stays held, and the
-// caller never learns the answer.
-func (c *child) charge(ctx context.Context, id uuid.UUID, p payload) error {
-	body, _ := json.Marshal(chargeRequest{Group: c.cfg.Group, EventID: id.String(), Amount: p.Amount})
-	if c.allJoined.Load() && c.armed.CompareAndSwap(pendingKillMidCall, pendingNone) {
-		wrote := make(chan struct{})
-		var once sync.Once
-		tctx := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{WroteRequest: func(httptrace.WroteRequestInfo) { once.Do(func() { close(wrote) }) }})
-		go func() { _ = c.post(tctx, body) }()
-		select {
-		case <-wrote:
-			time.Sleep(callDuration(id) / 2)
-		case <-time.After(5 * time.Second):
-		}
-		c.die(faultKillMidCall)
-	}
-	return c.post(ctx, body)
-}
-
-// post sends one charge request.
-func (c *child) post(ctx context.Context, body []byte) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.ProviderURL, bytes.NewReader(body))
-	if err != nil {
-		return err
-	}
-	req.Header.Set(headerInstance, c.cfg.Instance)
-	if c.cfg.UnstableKey {
-		req.Header.Set(idem.IdempotencyKeyHeader, uuid.NewString()) // the transport keeps a key already set
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := c.client.Do(req)
-	if err != nil {
-		return fmt.Errorf("soak: provider: %w", err)
-	}
-	defer resp.Body.Close()
-	_, _ = io.Copy(io.Discard, resp.Body)
-	switch resp.StatusCode {
-	case http.StatusOK:
-		return nil
-	case http.StatusConflict:
-		return errProviderBusy
-	}
-	return fmt.Errorf("soak: provider: %s", resp.Status)
-}
-
-// downstream fails transiently until the event has failed fail times in
-// this group. The count is kept in soak_failure, written outside the
-// handler's transaction (on downPool), so neither the rollback of the
-// failed attempt nor a kill loses it: the plan's failures happen once each,
-// on whichever delivery, copy or process comes next.
-func (c *child) downstream(ctx context.Context, id uuid.UUID, fail int) error {
-	var n int
-	err := c.downPool.QueryRow(ctx, `INSERT INTO soak_failure (grp, event_id, failures) VALUES ($1, $2, 1)
-ON CONFLICT (grp, event_id) DO UPDATE SET failures = soak_failure.failures + 1 WHERE soak_failure.failures < $3
-RETURNING failures`, c.cfg.Group, id, fail).Scan(&n)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		return nil // failed as often as planned: up again
-	case err != nil:
-		return fmt.Errorf("soak: downstream: %w", err)
-	}
-	c.emit(lineTransient)
-	return fmt.Errorf("soak: downstream unavailable for event %s (planned failure %d of %d)", id, n, fail)
-}
-
-// session records that subscriber i's consumer group has set up a session
-// (its first JoinGroup and SyncGroup are done), and reports when every
-// consumer group of the process has.
-func (c *child) session(i int) {
-	c.sessMu.Lock()
-	defer c.sessMu.Unlock()
-	if c.joined[i] {
-		return
-	}
-	c.joined[i] = true
-	if !slices.Contains(c.joined, false) {
-		c.allJoined.Store(true)
-		c.emit(lineJoined)
-	}
-}
-
-// sessionTracer wraps a subscriber's tracer (nil, or the retry topics'
-// HoldingTracer) to see its consumer group's first session start. The
-// soak's faults kill a process only once each of its three consumer groups
-// has completed its first join: kfake never expires a member killed while
-// its first JoinGroup is pending, and the group then stalls until a
-// rebalance times out (docs/soak.md, "The consumer-group livelock"). With
-// one group per process, "has consumed a message" was enough to tell; with
-// three, a process consumes its main topic while a retry group's first
-// join may still be pending. Killing a member during that join is the
-// crash-loop fault's business.
-func sessionTracer(next kafka.SaramaTracer, c *child, i int) kafka.SaramaTracer {
-	return handlertracer.New(next, func(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
-		return sessionHandler{ConsumerGroupHandler: h, c: c, i: i}
-	})
-}
-
-type sessionHandler struct {
-	sarama.ConsumerGroupHandler
-	c *child
-	i int
-}
-
-func (h sessionHandler) Setup(s sarama.ConsumerGroupSession) error {
-	err := h.ConsumerGroupHandler.Setup(s)
-	if err == nil {
-		h.c.session(h.i)
-	}
-	return err
 }
 
 func oneLine(s string) string { return strings.ReplaceAll(s, "\n", " ") }

@@ -15,8 +15,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-
-	"github.com/IBM/sarama"
 )
 
 // payload is the JSON body of a soak event.
@@ -134,51 +132,13 @@ func (g *group) start(ctx context.Context) (*instance, error) {
 	return g.startLocked(ctx)
 }
 
+// startLocked is start with g.mu held.
 func (g *group) startLocked(ctx context.Context) (*instance, error) {
 	h := g.h
 	g.next++
 	inst := &instance{g: g, id: g.next, ready: make(chan struct{}), exited: make(chan struct{}), settled: make(chan struct{}), stderr: &tailBuffer{max: 20}}
 	inst.name = fmt.Sprintf("%s-i%d", g.name, inst.id)
-	maxConns := int32(4)
-	if h.cfg.UnsafeLedgerOutsideTx {
-		// Each concurrently handled partition (of the main topic and of
-		// each retry topic) holds a transaction and needs a second
-		// connection for the unsafe write.
-		maxConns = h.cfg.Partitions*int32(1+len(h.retryTopics(g.idx))) + 2
-	}
-	if h.cfg.Parallel && !h.cfg.GroupCommit && !h.cfg.Lease {
-		// One transaction per message in flight (idem.Config.Concurrency
-		// declares it; NewDedup refuses a smaller pool). With group
-		// commit the groups' 4 connections suffice.
-		maxConns = int32(ParallelMaxInFlight + len(h.retryTopics(g.idx))*ParallelRetryMaxInFlight)
-	}
-	cc, err := json.Marshal(childConfig{
-		DatabaseURL: h.cfg.DatabaseURL,
-		Database:    h.dbName,
-		Schema:      h.schema,
-		AppName:     h.appName(inst.name),
-		Brokers:     h.brokers,
-		Topic:       h.topic,
-		DLQ:         h.dlq,
-		RetryTopics: h.retryTopics(g.idx),
-		PoisonTopic: h.poisonTopic(g.idx),
-		Retries:     inProcessRetries[g.idx%len(inProcessRetries)],
-		Group:       g.name,
-		Instance:    inst.name,
-		CopyToDLQ:   g.idx == 0 && h.cfg.DLQPercent > 0,
-		Unsafe:      h.cfg.UnsafeLedgerOutsideTx,
-		MaxConns:    maxConns,
-		Verbose:     h.cfg.ConsumerLogs,
-		GroupCommit: h.cfg.GroupCommit,
-		Parallel:    h.cfg.Parallel,
-		// Lease mode: the middleware's phases need 2 x 1 + 1 connections
-		// (Lease.Concurrency 1), whatever the messages in flight; the
-		// fourth serves KeyOrder's parked-keys checks.
-		Lease:         h.cfg.Lease,
-		LeaseDuration: h.cfg.LeaseDuration,
-		ProviderURL:   h.providerURL(),
-		UnstableKey:   h.cfg.UnstableIdempotencyKey,
-	})
+	cc, err := json.Marshal(g.childConfig(inst))
 	if err != nil {
 		return nil, err
 	}
@@ -222,6 +182,51 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		g.orphans = g.orphans[:n-1]
 	}
 	return inst, nil
+}
+
+// childConfig is the configuration of inst, a consumer process of g.
+func (g *group) childConfig(inst *instance) childConfig {
+	h := g.h
+	maxConns := int32(4)
+	if h.cfg.UnsafeLedgerOutsideTx {
+		// Each concurrently handled partition (of the main topic and of
+		// each retry topic) holds a transaction and needs a second
+		// connection for the unsafe write.
+		maxConns = h.cfg.Partitions*int32(1+len(h.retryTopics(g.idx))) + 2
+	}
+	if h.cfg.Parallel && !h.cfg.GroupCommit && !h.cfg.Lease {
+		// One transaction per message in flight (idem.Config.Concurrency
+		// declares it; NewDedup refuses a smaller pool). With group
+		// commit the groups' 4 connections suffice.
+		maxConns = int32(ParallelMaxInFlight + len(h.retryTopics(g.idx))*ParallelRetryMaxInFlight)
+	}
+	return childConfig{
+		DatabaseURL: h.cfg.DatabaseURL,
+		Database:    h.dbName,
+		Schema:      h.schema,
+		AppName:     h.appName(inst.name),
+		Brokers:     h.brokers,
+		Topic:       h.topic,
+		DLQ:         h.dlq,
+		RetryTopics: h.retryTopics(g.idx),
+		PoisonTopic: h.poisonTopic(g.idx),
+		Retries:     inProcessRetries[g.idx%len(inProcessRetries)],
+		Group:       g.name,
+		Instance:    inst.name,
+		CopyToDLQ:   g.idx == 0 && h.cfg.DLQPercent > 0,
+		Unsafe:      h.cfg.UnsafeLedgerOutsideTx,
+		MaxConns:    maxConns,
+		Verbose:     h.cfg.ConsumerLogs,
+		GroupCommit: h.cfg.GroupCommit,
+		Parallel:    h.cfg.Parallel,
+		// Lease mode: the middleware's phases need 2 x 1 + 1 connections
+		// (Lease.Concurrency 1), whatever the messages in flight; the
+		// fourth serves KeyOrder's parked-keys checks.
+		Lease:         h.cfg.Lease,
+		LeaseDuration: h.cfg.LeaseDuration,
+		ProviderURL:   h.providerURL(),
+		UnstableKey:   h.cfg.UnstableIdempotencyKey,
+	}
 }
 
 // readStdout turns the process's protocol lines into counters and faults.
@@ -415,161 +420,6 @@ func (inst *instance) stop() {
 // CloseTimeout (20 s: its handlers), with room for a rebalance the member
 // leaves in the middle of. A consumer that takes longer is a violation.
 const MaxStopWait = 45 * time.Second
-
-// rearm hands a fault that an ending instance did not execute to another
-// live instance or, when none can take it, to the next instance started
-// (see [group.orphans]). Once the run is over it counts as skipped.
-func (g *group) rearm(from *instance, p int32) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.h.closing.Load() {
-		g.h.fault(g.h.pendingKind(p), true)
-		return
-	}
-	for _, inst := range g.live {
-		if inst != from && inst.arm(p) {
-			return
-		}
-	}
-	g.orphans = append(g.orphans, p)
-}
-
-// skipOrphans counts the armed faults no instance executed before the end
-// of the run as skipped.
-func (g *group) skipOrphans() {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	for _, p := range g.orphans {
-		g.h.fault(g.h.pendingKind(p), true)
-	}
-	g.orphans = nil
-}
-
-// pendingKind is the fault kind of an armed fault. In lease mode the
-// handler has no transaction: the mid-handler kill lands after the call,
-// before the completion.
-func (h *harness) pendingKind(p int32) string {
-	switch {
-	case p == pendingKillCommit:
-		return faultKillCommit
-	case p == pendingKillMidCall:
-		return faultKillMidCall
-	case h.cfg.Lease:
-		return faultKillAfterCall
-	}
-	return faultKillMid
-}
-
-// arm hands fault p to a live instance (chosen by pick) that has none
-// pending; it executes it on its next applied message.
-func (g *group) arm(pick uint64, p int32) bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.resetting {
-		return false
-	}
-	for i := range g.live {
-		if g.live[(int(pick%uint64(len(g.live)))+i)%len(g.live)].arm(p) {
-			return true
-		}
-	}
-	return false
-}
-
-func (inst *instance) arm(p int32) bool {
-	if !inst.pending.CompareAndSwap(pendingNone, p) {
-		return false
-	}
-	cmd := cmdKillMid
-	switch p {
-	case pendingKillCommit:
-		cmd = cmdKillCommit
-	case pendingKillMidCall:
-		cmd = cmdKillCall
-	}
-	if _, err := io.WriteString(inst.stdin, cmd+"\n"); err != nil {
-		inst.pending.Store(pendingNone) // the process is ending
-		return false
-	}
-	return true
-}
-
-// killOne sends SIGKILL to a consuming instance chosen by pick, at whatever
-// point it is (fetching, inside a transaction, committing, between commit
-// and ack, holding a retry copy, rejoining during a rebalance). Instances
-// that have not consumed yet, or one of whose consumer groups has not
-// completed its first join, are not chosen: killing one that never
-// finished its first join is the crash-loop fault's business (see
-// [group.crashLoop] and [sessionTracer]). It returns the instance killed,
-// or nil when none is consuming (or an offset reset is under way).
-func (g *group) killOne(pick uint64) *instance {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	var consuming []*instance
-	for _, inst := range g.live {
-		if inst.consuming.Load() && inst.joined.Load() {
-			consuming = append(consuming, inst)
-		}
-	}
-	if g.resetting || len(consuming) == 0 {
-		return nil
-	}
-	inst := consuming[int(pick%uint64(len(consuming)))]
-	inst.kill(faultSigkill)
-	return inst
-}
-
-// crashLoopBackoff is how long an instance killed while joining stays down:
-// Kubernetes' first CrashLoopBackOff delay.
-const crashLoopBackoff = 10 * time.Second
-
-// crashLoop starts a new instance (scaling out) and kills it with SIGKILL
-// while its first JoinGroup is held by the coordinator: the group forms with
-// a member that is already dead. Its replacement starts after
-// [crashLoopBackoff] and joins while the dead member is still in the group,
-// so the coordinator holds every member's JoinGroup until the rebalance
-// timeout removes the dead one. That is the wait a consumer must sit
-// through: with a Net.ReadTimeout shorter than
-// Consumer.Group.Rebalance.Timeout the joins time out, the members leave
-// and join again, and the group does not re-form.
-//
-// It reports false when it started nothing (an offset reset is under way).
-func (g *group) crashLoop(ctx context.Context) (bool, error) {
-	inst, err := g.start(ctx)
-	if err != nil || inst == nil {
-		return false, err
-	}
-	g.killWhileJoining(ctx, inst)
-	return true, nil
-}
-
-// killWhileJoining sends SIGKILL to inst once its consumer group is
-// rebalancing, which a new member's JoinGroup starts: the process dies while
-// the coordinator holds its join. The group's state comes from the Kafka
-// admin API (DescribeGroups), so this works on any cluster. If the group is
-// not seen rebalancing within 20 s, inst is killed anyway.
-func (g *group) killWhileJoining(ctx context.Context, inst *instance) {
-	h := g.h
-	joining := false
-	admin, err := sarama.NewClusterAdmin(h.brokers, sarama.NewConfig())
-	if err == nil {
-		defer admin.Close()
-		deadline := time.Now().Add(20 * time.Second)
-		for !joining && time.Now().Before(deadline) && ctx.Err() == nil {
-			ds, err := admin.DescribeConsumerGroups([]string{g.name})
-			if err == nil && len(ds) == 1 && (ds[0].State == "PreparingRebalance" || ds[0].State == "CompletingRebalance") {
-				joining = true
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
-	if !joining {
-		h.logf("%s: crash loop: group %s not seen rebalancing (%v); killing the replacement anyway", inst.name, g.name, err)
-	}
-	inst.kill(faultCrashLoop)
-	h.markKilled(inst)
-}
 
 // tailBuffer keeps the last max lines written to it.
 type tailBuffer struct {

@@ -52,37 +52,9 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 	g := h.groups[f.group]
 	switch f.kind {
 	case faultKillMid, faultKillAfterCall, faultKillCommit, faultKillMidCall:
-		p := pendingKillMid
-		switch f.kind {
-		case faultKillCommit:
-			p = pendingKillCommit
-		case faultKillMidCall:
-			p = pendingKillMidCall
-		}
-		// Counted when the instance executes it.
-		if !waitFor(ctx, func() bool { return g.arm(f.pick, p) }) {
-			h.fault(f.kind, true)
-		}
+		h.armKill(ctx, g, f)
 	case faultSigkill:
-		// A kill and its restart: the group rebalances twice (the dead
-		// member's session expires, its replacement joins). Under the
-		// group's fault lock, so that no offset reset takes the place of
-		// the restart; the fault ends once the replacement runs, so that
-		// the run cannot end before it.
-		g.faultMu.RLock()
-		defer g.faultMu.RUnlock()
-		var killed *instance
-		if !waitFor(ctx, func() bool { killed = g.killOne(f.pick); return killed != nil }) {
-			h.fault(f.kind, true)
-			return
-		}
-		h.kills.Add(1)
-		h.fault(f.kind, false)
-		h.markKilled(killed)
-		select {
-		case <-killed.settled:
-		case <-ctx.Done():
-		}
+		h.sigkill(ctx, g, f)
 	case faultCrashLoop:
 		done, err := g.crashLoop(ctx)
 		if err != nil {
@@ -96,48 +68,15 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		h.kills.Add(1)
 		h.fault(f.kind, false)
 	case faultDisrupt:
-		if err := h.disrupt(ctx); err != nil {
-			h.violation("database disruption: %v", err)
-			return
-		}
-		h.fault(f.kind, false)
+		h.counted(f.kind, "database disruption", h.disrupt(ctx))
 	case faultJoin:
-		if !h.join(ctx, g) {
-			h.fault(f.kind, true)
-			return
-		}
-		h.fault(f.kind, false)
-		for h.progress(f) < f.until {
-			select {
-			case <-ctx.Done():
-				h.fault(faultLeave, true)
-				return
-			case <-time.After(20 * time.Millisecond):
-			}
-		}
-		if !h.leave(ctx, g) {
-			h.fault(faultLeave, true)
-			return
-		}
-		h.fault(faultLeave, false)
+		h.joinUntil(ctx, g, f)
 	case faultTermConsumer:
 		h.terminate(ctx, func(string) string { return f.kind }, []string{g.name + "-i"}, f.pick)
 	case faultTermProducer:
-		prefixes := h.prod.dbComponents()
-		h.terminate(ctx, func(target string) string {
-			for _, c := range prefixes {
-				if target == h.appName(c) {
-					return "pg-terminate-" + c
-				}
-			}
-			return f.kind
-		}, prefixes, f.pick)
+		h.terminateProducer(ctx, f)
 	case faultRestartFwd:
-		if err := h.prod.restart(ctx); err != nil {
-			h.violation("restart forwarder: %v", err)
-			return
-		}
-		h.fault(f.kind, false)
+		h.counted(f.kind, "restart forwarder", h.prod.restart(ctx))
 	case faultLeader:
 		// Every partition's leader moves at once, as after a broker
 		// restart: producers and consumers get NOT_LEADER answers and
@@ -146,29 +85,101 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 			h.fault(f.kind, true)
 			return
 		}
-		if err := h.moveLeaders(); err != nil {
-			h.violation("leader election: %v", err)
-			return
-		}
-		h.fault(f.kind, false)
+		h.counted(f.kind, "leader election", h.moveLeaders())
 	case faultOversize:
 		op, ok := h.prod.(*outboxProducer)
 		if !ok {
 			h.fault(f.kind, true)
 			return
 		}
-		if err := op.writeOversize(ctx); err != nil {
-			h.violation("oversize row: %v", err)
-			return
-		}
-		h.fault(f.kind, false)
+		h.counted(f.kind, "oversize row", op.writeOversize(ctx))
 	case faultOffsetReset:
-		if err := h.resetOffsets(ctx, g); err != nil {
-			h.violation("%s: offset reset: %v", g.name, err)
-			return
-		}
-		h.fault(f.kind, false)
+		h.counted(f.kind, g.name+": offset reset", h.resetOffsets(ctx, g))
 	}
+}
+
+// counted counts a fault of kind that was injected, or reports what
+// failed as a violation.
+func (h *harness) counted(kind, what string, err error) {
+	if err != nil {
+		h.violation("%s: %v", what, err)
+		return
+	}
+	h.fault(kind, false)
+}
+
+// armKill arms a live instance of g with the kill f asks for; it is
+// counted when the instance executes it.
+func (h *harness) armKill(ctx context.Context, g *group, f scheduled) {
+	p := pendingKillMid
+	switch f.kind {
+	case faultKillCommit:
+		p = pendingKillCommit
+	case faultKillMidCall:
+		p = pendingKillMidCall
+	}
+	if !waitFor(ctx, func() bool { return g.arm(f.pick, p) }) {
+		h.fault(f.kind, true)
+	}
+}
+
+// sigkill kills an instance of g, and its restart: the group rebalances
+// twice (the dead member's session expires, its replacement joins). Under
+// the group's fault lock, so that no offset reset takes the place of the
+// restart; the fault ends once the replacement runs, so that the run
+// cannot end before it.
+func (h *harness) sigkill(ctx context.Context, g *group, f scheduled) {
+	g.faultMu.RLock()
+	defer g.faultMu.RUnlock()
+	var killed *instance
+	if !waitFor(ctx, func() bool { killed = g.killOne(f.pick); return killed != nil }) {
+		h.fault(f.kind, true)
+		return
+	}
+	h.kills.Add(1)
+	h.fault(f.kind, false)
+	h.markKilled(killed)
+	select {
+	case <-killed.settled:
+	case <-ctx.Done():
+	}
+}
+
+// joinUntil starts an extra instance in g, and stops one once the run's
+// progress reached f.until (two rebalances).
+func (h *harness) joinUntil(ctx context.Context, g *group, f scheduled) {
+	if !h.join(ctx, g) {
+		h.fault(f.kind, true)
+		return
+	}
+	h.fault(f.kind, false)
+	for h.progress(f) < f.until {
+		select {
+		case <-ctx.Done():
+			h.fault(faultLeave, true)
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	if !h.leave(ctx, g) {
+		h.fault(faultLeave, true)
+		return
+	}
+	h.fault(faultLeave, false)
+}
+
+// terminateProducer terminates a backend of one of the producer's
+// components, counted under that component's name.
+func (h *harness) terminateProducer(ctx context.Context, f scheduled) {
+	prefixes := h.prod.dbComponents()
+	h.terminate(ctx, func(target string) string {
+		for _, c := range prefixes {
+			if target == h.appName(c) {
+				return "pg-terminate-" + c
+			}
+		}
+		return f.kind
+	}, prefixes, f.pick)
 }
 
 // join starts an extra instance in g (a rebalance), under the group's fault

@@ -31,64 +31,9 @@ func (h *harness) verify(ctx context.Context) error {
 	}
 
 	for _, g := range h.groups {
-		gr := GroupReport{Name: g.name, Deliveries: g.deliveries.Load(), Applied: g.applied.Load(), Duplicates: g.duplicates.Load(), Failed: g.failed.Load(),
-			InProcessRetries: inProcessRetries[g.idx%len(inProcessRetries)],
-			Escalated:        g.escalated.Load(), MaxAttempt: g.maxAttempt.Load(),
-			RetryDeliveries: g.retryDeliveries.Load(), AppliedFromRetry: g.appliedFromRetry.Load(), Deferred: g.deferred.Load(), Poisoned: g.poisoned.Load(),
-			MaxHandlers: g.maxHandlers.Load(),
+		if err := h.verifyGroup(ctx, g, events, sum); err != nil {
+			return err
 		}
-		g.escalatedIDs.Range(func(any, any) bool { gr.EscalatedEvents++; return true })
-		if err := h.admin.QueryRow(ctx, `SELECT count(*), coalesce(sum(failures), 0) FROM soak_failure WHERE grp = $1`, g.name).
-			Scan(&gr.FailedEvents, &gr.Failures); err != nil {
-			return fmt.Errorf("verify: %w", err)
-		}
-		if err := h.admin.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id), coalesce(sum(amount), 0) FROM soak_ledger WHERE grp = $1`, g.name).
-			Scan(&gr.LedgerRows, &gr.DistinctEvents, &gr.Sum); err != nil {
-			return fmt.Errorf("verify: %w", err)
-		}
-		if err := h.admin.QueryRow(ctx, `SELECT
-    (SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)),
-    (SELECT count(*) FROM (SELECT event_id FROM soak_ledger WHERE grp = $1 GROUP BY event_id HAVING count(*) > 1) x)`, g.name).
-			Scan(&gr.Lost, &gr.Double); err != nil {
-			return fmt.Errorf("verify: %w", err)
-		}
-		if n, err := h.records(h.poisonTopic(g.idx)); err != nil || n > 0 {
-			h.violation("%s: %d messages on the poison topic (%v)", g.name, n, err)
-		}
-		r.Groups = append(r.Groups, gr)
-		if gr.LedgerRows != events || gr.DistinctEvents != events {
-			h.violation("%s: %d ledger rows for %d distinct events, want %d of each", g.name, gr.LedgerRows, gr.DistinctEvents, events)
-		}
-		if gr.Sum != sum {
-			h.violation("%s: ledger sum %d, want %d", g.name, gr.Sum, sum)
-		}
-		checks := []struct{ what, sql string }{
-			{"events never applied", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)`},
-			{"events applied more than once", `SELECT count(*) FROM (SELECT event_id FROM soak_ledger WHERE grp = $1 GROUP BY event_id HAVING count(*) > 1) x`},
-			{"applied events the producer never committed", `SELECT count(*) FROM soak_ledger l WHERE grp = $1 AND NOT EXISTS (SELECT 1 FROM soak_event e WHERE e.event_id = l.event_id)`},
-			{"ledger rows whose data differs from the event", `SELECT count(*) FROM soak_ledger l JOIN soak_event e USING (event_id) WHERE l.grp = $1 AND (l.aggregate, l.seq, l.amount) <> (e.aggregate, e.seq, e.amount)`},
-			{"per-aggregate order breaks (seq not previous+1 in apply order)", `SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY aggregate ORDER BY applied) AS prev FROM soak_ledger WHERE grp = $1) x WHERE seq <> coalesce(prev, 0) + 1`},
-			{"events without a processed_event row", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND p.event_id = e.event_id)`},
-			{"events that did not fail as often as planned", `SELECT count(*) FROM soak_event e LEFT JOIN soak_failure f ON f.grp = $1 AND f.event_id = e.event_id WHERE coalesce(f.failures, 0) <> e.fail`},
-			{"events left parked on the retry path (retry_parked_key rows)", `SELECT count(*) FROM ` + pgx.Identifier{h.parked.Schema, "retry_parked_key"}.Sanitize() + ` WHERE consumer_group = $1`},
-			{"processed_event rows without a ledger row", `SELECT count(*) FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = p.event_id)`},
-		}
-		for _, c := range checks {
-			var n int
-			if err := h.admin.QueryRow(ctx, c.sql, g.name).Scan(&n); err != nil {
-				return fmt.Errorf("verify %s: %w", c.what, err)
-			}
-			if n > 0 {
-				h.violation("%s: %d %s", g.name, n, c.what)
-			}
-		}
-		g.mu.Lock()
-		for _, inst := range g.live {
-			if p := inst.pending.Load(); p != pendingNone {
-				h.fault(h.pendingKind(p), true)
-			}
-		}
-		g.mu.Unlock()
 	}
 	if h.cfg.Lease {
 		if err := h.verifyLease(ctx); err != nil {
@@ -99,40 +44,133 @@ func (h *harness) verify(ctx context.Context) error {
 		h.violation("outbox: %d rows not forwarded (%v)", n, err)
 	}
 	if op, ok := h.prod.(*outboxProducer); ok {
-		// Exactly the oversize rows are dead, nothing else: no planned
-		// event waits behind them.
-		keys, err := op.deadKeys(ctx)
-		if err != nil {
-			return fmt.Errorf("verify outbox dead rows: %w", err)
-		}
-		want := map[string]bool{}
-		for i := range int(op.oversize.Load()) {
-			want[oversizeKey(i)] = true
-		}
-		found := map[string]bool{}
-		for _, k := range keys {
-			if !want[k] {
-				h.violation("outbox: a row of key %s is in the dead table", k)
-			}
-			found[k] = true
-		}
-		for k := range want {
-			if !found[k] {
-				h.violation("outbox: the oversize row of key %s is not in the dead table", k)
-			}
-		}
-		var rows int
-		if err := h.admin.QueryRow(ctx, `SELECT count(*) FROM `+op.ob.MessagesTable(h.topic)).Scan(&rows); err != nil {
-			return fmt.Errorf("verify outbox: %w", err)
-		}
-		r.OutboxRows = rows
-		if want := events + r.DoublePublished; rows < want {
-			h.violation("outbox: %d rows, want at least %d (events + published twice)", rows, want)
+		if err := h.verifyOutbox(ctx, op, events); err != nil {
+			return err
 		}
 	}
 	h.mu.Lock()
 	r.Violations = append(r.Violations, h.violations...)
 	h.mu.Unlock()
+	return nil
+}
+
+// verifyGroup checks consumer group g's ledger against the events (their
+// count and amounts' sum), adds its report and counts the faults its live
+// instances were armed with but did not execute as skipped.
+func (h *harness) verifyGroup(ctx context.Context, g *group, events int, sum int64) error {
+	r := h.report
+	gr := GroupReport{Name: g.name, Deliveries: g.deliveries.Load(), Applied: g.applied.Load(), Duplicates: g.duplicates.Load(), Failed: g.failed.Load(),
+		InProcessRetries: inProcessRetries[g.idx%len(inProcessRetries)],
+		Escalated:        g.escalated.Load(), MaxAttempt: g.maxAttempt.Load(),
+		RetryDeliveries: g.retryDeliveries.Load(), AppliedFromRetry: g.appliedFromRetry.Load(), Deferred: g.deferred.Load(), Poisoned: g.poisoned.Load(),
+		MaxHandlers: g.maxHandlers.Load(),
+	}
+	g.escalatedIDs.Range(func(any, any) bool { gr.EscalatedEvents++; return true })
+	if err := h.groupLedger(ctx, g, &gr); err != nil {
+		return err
+	}
+	if n, err := h.records(h.poisonTopic(g.idx)); err != nil || n > 0 {
+		h.violation("%s: %d messages on the poison topic (%v)", g.name, n, err)
+	}
+	r.Groups = append(r.Groups, gr)
+	if gr.LedgerRows != events || gr.DistinctEvents != events {
+		h.violation("%s: %d ledger rows for %d distinct events, want %d of each", g.name, gr.LedgerRows, gr.DistinctEvents, events)
+	}
+	if gr.Sum != sum {
+		h.violation("%s: ledger sum %d, want %d", g.name, gr.Sum, sum)
+	}
+	for _, c := range h.groupChecks() {
+		var n int
+		if err := h.admin.QueryRow(ctx, c.sql, g.name).Scan(&n); err != nil {
+			return fmt.Errorf("verify %s: %w", c.what, err)
+		}
+		if n > 0 {
+			h.violation("%s: %d %s", g.name, n, c.what)
+		}
+	}
+	g.mu.Lock()
+	for _, inst := range g.live {
+		if p := inst.pending.Load(); p != pendingNone {
+			h.fault(h.pendingKind(p), true)
+		}
+	}
+	g.mu.Unlock()
+	return nil
+}
+
+// groupLedger reads g's failures and ledger figures into gr: the failed
+// events and failures, the ledger's rows, distinct events and sum, and
+// the events lost or applied twice.
+func (h *harness) groupLedger(ctx context.Context, g *group, gr *GroupReport) error {
+	if err := h.admin.QueryRow(ctx, `SELECT count(*), coalesce(sum(failures), 0) FROM soak_failure WHERE grp = $1`, g.name).
+		Scan(&gr.FailedEvents, &gr.Failures); err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
+	if err := h.admin.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id), coalesce(sum(amount), 0) FROM soak_ledger WHERE grp = $1`, g.name).
+		Scan(&gr.LedgerRows, &gr.DistinctEvents, &gr.Sum); err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
+	if err := h.admin.QueryRow(ctx, `SELECT
+    (SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)),
+    (SELECT count(*) FROM (SELECT event_id FROM soak_ledger WHERE grp = $1 GROUP BY event_id HAVING count(*) > 1) x)`, g.name).
+		Scan(&gr.Lost, &gr.Double); err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
+	return nil
+}
+
+// groupCheck is a count that must be zero for a consumer group ($1).
+type groupCheck struct{ what, sql string }
+
+// groupChecks are the counts that must be zero for every group.
+func (h *harness) groupChecks() []groupCheck {
+	return []groupCheck{
+		{"events never applied", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)`},
+		{"events applied more than once", `SELECT count(*) FROM (SELECT event_id FROM soak_ledger WHERE grp = $1 GROUP BY event_id HAVING count(*) > 1) x`},
+		{"applied events the producer never committed", `SELECT count(*) FROM soak_ledger l WHERE grp = $1 AND NOT EXISTS (SELECT 1 FROM soak_event e WHERE e.event_id = l.event_id)`},
+		{"ledger rows whose data differs from the event", `SELECT count(*) FROM soak_ledger l JOIN soak_event e USING (event_id) WHERE l.grp = $1 AND (l.aggregate, l.seq, l.amount) <> (e.aggregate, e.seq, e.amount)`},
+		{"per-aggregate order breaks (seq not previous+1 in apply order)", `SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY aggregate ORDER BY applied) AS prev FROM soak_ledger WHERE grp = $1) x WHERE seq <> coalesce(prev, 0) + 1`},
+		{"events without a processed_event row", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND p.event_id = e.event_id)`},
+		{"events that did not fail as often as planned", `SELECT count(*) FROM soak_event e LEFT JOIN soak_failure f ON f.grp = $1 AND f.event_id = e.event_id WHERE coalesce(f.failures, 0) <> e.fail`},
+		{"events left parked on the retry path (retry_parked_key rows)", `SELECT count(*) FROM ` + pgx.Identifier{h.parked.Schema, "retry_parked_key"}.Sanitize() + ` WHERE consumer_group = $1`},
+		{"processed_event rows without a ledger row", `SELECT count(*) FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = p.event_id)`},
+	}
+}
+
+// verifyOutbox checks the outbox producer's tables: exactly the oversize
+// rows are dead, nothing else (no planned event waits behind them), and
+// the messages table holds at least every event and every event published
+// twice.
+func (h *harness) verifyOutbox(ctx context.Context, op *outboxProducer, events int) error {
+	r := h.report
+	keys, err := op.deadKeys(ctx)
+	if err != nil {
+		return fmt.Errorf("verify outbox dead rows: %w", err)
+	}
+	want := map[string]bool{}
+	for i := range int(op.oversize.Load()) {
+		want[oversizeKey(i)] = true
+	}
+	found := map[string]bool{}
+	for _, k := range keys {
+		if !want[k] {
+			h.violation("outbox: a row of key %s is in the dead table", k)
+		}
+		found[k] = true
+	}
+	for k := range want {
+		if !found[k] {
+			h.violation("outbox: the oversize row of key %s is not in the dead table", k)
+		}
+	}
+	var rows int
+	if err := h.admin.QueryRow(ctx, `SELECT count(*) FROM `+op.ob.MessagesTable(h.topic)).Scan(&rows); err != nil {
+		return fmt.Errorf("verify outbox: %w", err)
+	}
+	r.OutboxRows = rows
+	if want := events + r.DoublePublished; rows < want {
+		h.violation("outbox: %d rows, want at least %d (events + published twice)", rows, want)
+	}
 	return nil
 }
 

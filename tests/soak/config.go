@@ -1,0 +1,228 @@
+package soak
+
+import (
+	"errors"
+	"io"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// Defaults of [Config].
+const (
+	DefaultEvents          = 20000
+	DefaultAggregates      = 64
+	DefaultPartitions      = 6
+	DefaultInstances       = 3
+	DefaultSecondInstances = 2
+	DefaultProducers       = 8
+	DefaultDLQPercent      = 10
+	DefaultDoublePercent   = 2
+	DefaultRetryPercent    = 5
+	DefaultTimeout         = 15 * time.Minute
+	DefaultOutage          = 3 * time.Second
+	// ParallelMaxInFlight is the main topic's MaxInFlight of a consumer
+	// process in [Config.Parallel] mode: more handlers at once than the
+	// partitions it holds.
+	ParallelMaxInFlight = 6
+	// ParallelRetryMaxInFlight is each retry topic's.
+	ParallelRetryMaxInFlight = 1
+	// DefaultLeaseDuration is the lease of the lease-mode leg
+	// ([Config.Lease]): short, so that the leases of killed processes
+	// expire and are taken over within the run.
+	DefaultLeaseDuration = 3 * time.Second
+)
+
+// Config of a soak run.
+type Config struct {
+	// Seed drives the event plan (aggregate, sequence, amount, which events
+	// are replayed from the DLQ or published twice) and the fault schedule.
+	// Timing is not reproducible (goroutines, broker), the plan is.
+	Seed uint64
+	// Events to produce. Defaults to [DefaultEvents].
+	Events int
+	// Aggregates the events are spread over; one aggregate's events share a
+	// partition key. Defaults to [DefaultAggregates].
+	Aggregates int
+	// Partitions of the topic. Defaults to [DefaultPartitions].
+	Partitions int32
+	// Instances of the first consumer group's router. Defaults to [DefaultInstances].
+	Instances int
+	// SecondInstances of the second consumer group. Defaults to [DefaultSecondInstances].
+	SecondInstances int
+	// Producers are concurrent producer workers; each owns a subset of the
+	// aggregates and produces their events in order. Defaults to [DefaultProducers].
+	Producers int
+	// DLQPercent of the events are copied to a dead-letter topic after the
+	// first group applied them, and replayed from there to the main topic.
+	// Defaults to [DefaultDLQPercent]; negative means none.
+	DLQPercent int
+	// DoublePercent of the events are published a second time, concurrently
+	// with the first. Defaults to [DefaultDoublePercent]; negative means none.
+	DoublePercent int
+	// RetryPercent of the events fail transiently 1 to 3 times (drawn from
+	// the seed) in each group's handler before they succeed: the
+	// retry-topic leg. The consumers always run the retry-topic chain of
+	// docs/retry.md (retrytopic.RetryTopic with KeyOrder outside
+	// watermill's Retry, a retry consumer per retry topic in each process);
+	// the failures make events go through it. Defaults to
+	// [DefaultRetryPercent]; negative means none.
+	RetryPercent int
+	// Faults is how many of each fault kind to inject (offset resets: per
+	// group, at most 1 by default). Defaults to [FullFaults].
+	Faults FaultCounts
+	// DirectPublish makes the producer publish to Kafka after committing
+	// the business row, instead of writing the outbox in the same
+	// transaction for the forwarder. Defaults to false (outbox + forwarder).
+	DirectPublish bool
+	// UnsafeLedgerOutsideTx makes the handler write its ledger row through
+	// the instance's pool instead of the middleware's transaction: a broken
+	// handler, to check that the soak catches double application. Defaults
+	// to false.
+	UnsafeLedgerOutsideTx bool
+	// GroupCommit runs the consumers in group-commit mode
+	// (idem.Config.GroupCommit with its defaults). Defaults to false: one
+	// transaction per message.
+	GroupCommit bool
+	// Parallel makes each consumer process consume with idemkafka's
+	// parallel subscriber (key order; [ParallelMaxInFlight] messages in
+	// flight on the main topic, [ParallelRetryMaxInFlight] on each retry
+	// topic, whose copies wait in their partition's window until their
+	// not-before time) instead of watermill-kafka's. Defaults to false.
+	Parallel bool
+	// Lease runs the consumers' dedup middleware in lease mode
+	// (idem.Config.Lease, Duration [Config.LeaseDuration]): the handler
+	// calls a fake payment provider in the soak's process with the event's
+	// Idempotency-Key, holding no transaction, and registers its ledger row
+	// with idem.Complete. The mid-handler kill then lands between the call
+	// and the completion ("sigkill-after-call"), and [FaultCounts.KillMidCall]
+	// kills a process while the provider executes its call; the run checks
+	// that every event was charged exactly once per group at the provider,
+	// and that no lease is left. Not with GroupCommit. Defaults to false.
+	Lease bool
+	// LeaseDuration is the lease's duration in lease mode. Defaults to
+	// [DefaultLeaseDuration].
+	LeaseDuration time.Duration
+	// UnstableIdempotencyKey makes the lease-mode handler send a new
+	// Idempotency-Key with each call instead of the event's: a broken
+	// handler, to check that the soak catches a double charge. Defaults to
+	// false.
+	UnstableIdempotencyKey bool
+	// Timeout bounds the whole run. Defaults to [DefaultTimeout].
+	Timeout time.Duration
+	// DatabaseURL of the PostgreSQL server. Required. The run creates its
+	// own database on that server (idem_soak_<run>, dropped afterwards), so
+	// that a disruption can refuse connections to it without touching
+	// anyone else's; the role needs CREATEDB and the right to terminate
+	// backends (a superuser, or pg_signal_backend).
+	DatabaseURL string
+	// Brokers of a real Kafka cluster; nil starts an in-process kfake broker.
+	Brokers []string
+	// KeepDatabase leaves the run's database in place for inspection. Defaults to false.
+	KeepDatabase bool
+	// Executable is the binary started for each consumer process, with
+	// [ConsumerEnv] set; its main (or TestMain) must call
+	// [RunConsumerIfChild] first. Defaults to the running binary.
+	Executable string
+	// Outage is how long a database disruption refuses connections.
+	// Defaults to [DefaultOutage].
+	Outage time.Duration
+	// Log receives progress lines. Defaults to io.Discard.
+	Log io.Writer
+	// Logger receives the in-process components' (producer, forwarder, DLQ
+	// replayer) logs. Defaults to watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+	// ConsumerLogs forwards the consumer processes' logs (info level) to
+	// Log. Defaults to false: they log errors only, kept for the report.
+	ConsumerLogs bool
+}
+
+// FaultCounts is how many faults of each kind a run injects.
+type FaultCounts struct {
+	KillMidHandler    int // consumer process SIGKILLed while its handler is inside the transaction
+	KillAfterCommit   int // consumer process SIGKILLed after COMMIT, before the ack
+	KillMidCall       int // lease mode: consumer process SIGKILLed while the provider executes its call (lease held)
+	Kill              int // consumer process SIGKILLed by the soak at a random moment
+	CrashLoop         int // a new consumer process SIGKILLed while its first JoinGroup is held (opt-in: see docs/soak.md)
+	DisruptDB         int // the run's database drops every connection and refuses new ones for Outage
+	Join              int // extra instance joins a group (rebalance), leaves later (gracefully)
+	TerminateConsumer int // pg_terminate_backend on a consumer instance's connections
+	TerminateProducer int // pg_terminate_backend on the producer's/forwarder's connections
+	RestartForwarder  int // forwarder (or producer publisher) closed and restarted
+	OffsetResetPerGrp int // a group's committed offsets reset to the beginning (full replay)
+	LeaderElection    int // every partition's leader moves to another broker (in-process broker only: it runs 3 brokers then)
+	OversizeRow       int // a row larger than the producer's limit written to the outbox table by another writer (outbox producer only)
+}
+
+// FullFaults is the default fault mix of `make soak`.
+var FullFaults = FaultCounts{KillMidHandler: 4, KillAfterCommit: 4, Kill: 4, DisruptDB: 2, Join: 4, TerminateConsumer: 8, TerminateProducer: 4, RestartForwarder: 4, OffsetResetPerGrp: 1, LeaderElection: 3, OversizeRow: 2}
+
+// ShortFaults is the mix of the short run in `make test`.
+var ShortFaults = FaultCounts{KillMidHandler: 1, KillAfterCommit: 1, Kill: 1, DisruptDB: 1, Join: 1, TerminateConsumer: 2, TerminateProducer: 1, RestartForwarder: 1, OffsetResetPerGrp: 1, LeaderElection: 1, OversizeRow: 1}
+
+// ShortLeaseFaults is the short mix of the lease-mode leg: the short mix,
+// with two kills after a call (before its completion) and two during one.
+var ShortLeaseFaults = withLeaseKills(ShortFaults, 2, 2)
+
+// FullLeaseFaults is the full mix of the lease-mode leg.
+var FullLeaseFaults = withLeaseKills(FullFaults, 4, 4)
+
+func withLeaseKills(f FaultCounts, afterCall, midCall int) FaultCounts {
+	f.KillMidHandler, f.KillMidCall = afterCall, midCall
+	return f
+}
+
+func (c *Config) setDefaults() {
+	def := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&c.Events, DefaultEvents)
+	def(&c.Aggregates, DefaultAggregates)
+	def(&c.Instances, DefaultInstances)
+	def(&c.SecondInstances, DefaultSecondInstances)
+	def(&c.Producers, DefaultProducers)
+	def(&c.DLQPercent, DefaultDLQPercent)
+	def(&c.DoublePercent, DefaultDoublePercent)
+	def(&c.RetryPercent, DefaultRetryPercent)
+	c.DLQPercent, c.DoublePercent, c.RetryPercent = max(c.DLQPercent, 0), max(c.DoublePercent, 0), max(c.RetryPercent, 0) // negative: none
+	if c.Partitions == 0 {
+		c.Partitions = DefaultPartitions
+	}
+	if c.Faults == (FaultCounts{}) {
+		c.Faults = FullFaults
+	}
+	if c.Timeout == 0 {
+		c.Timeout = DefaultTimeout
+	}
+	if c.Outage == 0 {
+		c.Outage = DefaultOutage
+	}
+	if c.LeaseDuration == 0 {
+		c.LeaseDuration = DefaultLeaseDuration
+	}
+	if c.Log == nil {
+		c.Log = io.Discard
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first invalid field.
+func (c Config) Validate() error {
+	switch {
+	case c.DatabaseURL == "":
+		return errors.New("field DatabaseURL: required")
+	case c.Events < 1, c.Aggregates < 1, c.Partitions < 1, c.Instances < 1, c.SecondInstances < 1, c.Producers < 1:
+		return errors.New("fields Events, Aggregates, Partitions, Instances, SecondInstances, Producers: must be positive")
+	case c.DLQPercent < 0 || c.DLQPercent > 100, c.DoublePercent < 0 || c.DoublePercent > 100, c.RetryPercent < 0 || c.RetryPercent > 100:
+		return errors.New("fields DLQPercent, DoublePercent, RetryPercent: must be in [0, 100]")
+	case c.Lease && c.GroupCommit:
+		return errors.New("fields Lease, GroupCommit: lease mode batches its phases itself, not with group commit")
+	case c.Faults.KillMidCall > 0 && !c.Lease:
+		return errors.New("field Faults.KillMidCall: only in lease mode (Lease), where the handler makes a call")
+	}
+	return nil
+}
