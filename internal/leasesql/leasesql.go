@@ -106,7 +106,7 @@ type statements struct {
 func newStatements(schema, table string) statements {
 	t := ident.Quote(schema, table)
 	l := ident.Quote(schema, table+"_lease")
-	return statements{
+	st := statements{
 		// A new lease for every id without a claim whose advisory lock ($6,
 		// one key per id) is free, or a takeover of an expired one; a live
 		// lease of another delivery is left alone (no row returned), and so
@@ -158,34 +158,41 @@ func newStatements(schema, table string) statements {
 		renew: "UPDATE " + l + " SET expires_at = now() + $4 * interval '1 microsecond' " +
 			"WHERE event_id = $1 AND consumer_group = $2 AND token = $3",
 		release: "DELETE FROM " + l + " WHERE event_id = $1 AND consumer_group = $2 AND token = $3",
-
-		// The fast path's advisory locks: the keys another transaction
-		// holds come back (their events are busy).
-		fastLock: "SELECT k FROM unnest($1::int8[]) AS k WHERE NOT pg_try_advisory_xact_lock(k)",
-		// The fast path's state read, under the advisory locks: a claim
-		// (done), a lease (live: busy, how long it lives; expired: to take
-		// over, its attempts so far). Joins, as state.
-		fastState: "SELECT u.id, p.event_id IS NOT NULL, l.event_id IS NOT NULL, coalesce(l.expires_at > now(), false), " +
-			"coalesce((extract(epoch FROM greatest(l.expires_at - now(), interval '0')) * 1000000)::bigint, 0), coalesce(l.attempts, 0) " +
-			"FROM unnest($1::uuid[]) AS u(id) " +
-			"LEFT JOIN " + l + " l ON l.event_id = u.id AND l.consumer_group = $2 " +
-			"LEFT JOIN " + t + " p ON p.event_id = u.id AND p.consumer_group = $2",
-		// The expired leases the fast path took over and completes: gone
-		// with the claim (their owners' completions then find them lost).
-		fastTakeOver: "DELETE FROM " + l + " WHERE event_id = ANY($1::uuid[]) AND consumer_group = $2",
-		// The fast path's claims, sorted ids: the events claimed for the
-		// first time come back.
-		fastClaim: "INSERT INTO " + t + " (event_id, consumer_group) SELECT id, $2 FROM unnest($1::uuid[]) AS u(id) ORDER BY id " +
-			"ON CONFLICT (event_id, consumer_group) DO NOTHING RETURNING event_id",
-		// The leases of the fast path's handlers still running at its
-		// deadline; an expired lease read at the open is replaced (the
-		// advisory locks kept every other take away since).
-		fastLease: "INSERT INTO " + l + " AS l (event_id, consumer_group, token, expires_at, owner) " +
-			"SELECT u.id, $3, u.tok, now() + $4 * interval '1 microsecond', $5 " +
-			"FROM unnest($1::uuid[], $2::uuid[]) AS u(id, tok) ORDER BY u.id " +
-			"ON CONFLICT (event_id, consumer_group) DO UPDATE SET token = EXCLUDED.token, " +
-			"expires_at = EXCLUDED.expires_at, owner = EXCLUDED.owner, taken_at = now(), attempts = l.attempts + 1",
 	}
+	st.fastLock, st.fastState, st.fastTakeOver, st.fastClaim, st.fastLease = fastStatements(t, l)
+	return st
+}
+
+// fastStatements returns the fast path's statements for the claim table t
+// and the lease table l (both quoted).
+func fastStatements(t, l string) (lock, state, takeOver, claim, lease string) {
+	// The advisory locks: the keys another transaction holds come back
+	// (their events are busy).
+	lock = "SELECT k FROM unnest($1::int8[]) AS k WHERE NOT pg_try_advisory_xact_lock(k)"
+	// The state read, under the advisory locks: a claim (done), a lease
+	// (live: busy, how long it lives; expired: to take over, its attempts
+	// so far). Joins, as the take's state read.
+	state = "SELECT u.id, p.event_id IS NOT NULL, l.event_id IS NOT NULL, coalesce(l.expires_at > now(), false), " +
+		"coalesce((extract(epoch FROM greatest(l.expires_at - now(), interval '0')) * 1000000)::bigint, 0), coalesce(l.attempts, 0) " +
+		"FROM unnest($1::uuid[]) AS u(id) " +
+		"LEFT JOIN " + l + " l ON l.event_id = u.id AND l.consumer_group = $2 " +
+		"LEFT JOIN " + t + " p ON p.event_id = u.id AND p.consumer_group = $2"
+	// The expired leases taken over and completed: gone with the claim
+	// (their owners' completions then find them lost).
+	takeOver = "DELETE FROM " + l + " WHERE event_id = ANY($1::uuid[]) AND consumer_group = $2"
+	// The claims, sorted ids: the events claimed for the first time come
+	// back.
+	claim = "INSERT INTO " + t + " (event_id, consumer_group) SELECT id, $2 FROM unnest($1::uuid[]) AS u(id) ORDER BY id " +
+		"ON CONFLICT (event_id, consumer_group) DO NOTHING RETURNING event_id"
+	// The leases of the handlers still running at the deadline; an expired
+	// lease read at the open is replaced (the advisory locks kept every
+	// other take away since).
+	lease = "INSERT INTO " + l + " AS l (event_id, consumer_group, token, expires_at, owner) " +
+		"SELECT u.id, $3, u.tok, now() + $4 * interval '1 microsecond', $5 " +
+		"FROM unnest($1::uuid[], $2::uuid[]) AS u(id, tok) ORDER BY u.id " +
+		"ON CONFLICT (event_id, consumer_group) DO UPDATE SET token = EXCLUDED.token, " +
+		"expires_at = EXCLUDED.expires_at, owner = EXCLUDED.owner, taken_at = now(), attempts = l.attempts + 1"
+	return lock, state, takeOver, claim, lease
 }
 
 // LockKey is the advisory lock key of id's lease for the protocol's table
