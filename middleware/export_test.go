@@ -51,3 +51,11 @@ func LeaseTakesQueued(d *Dedup) int {
 	defer d.lease.takes.mu.Unlock()
 	return len(d.lease.takes.queue)
 }
+
+// LeaseFastShare returns the moving share of fast-path members that were
+// done within FastPath, which decides whether takes open the fast path.
+func LeaseFastShare(d *Dedup) float64 {
+	d.lease.fast.mu.Lock()
+	defer d.lease.fast.mu.Unlock()
+	return d.lease.fast.share
+}

@@ -37,6 +37,7 @@ type leaseMode struct {
 	cfg       LeaseConfig
 	db        dbx.Pool // Config.DB: concurrent phase transactions and one-round-trip batches
 	proto     *leasesql.Protocol
+	fast      *fastGate
 	takes     *batcher[takeReq]
 	completes *batcher[completeReq]
 	// hook, set by tests, runs at each phase boundary: "taken" (the lease
@@ -53,7 +54,7 @@ type leaseMode struct {
 
 func newLeaseMode(d *Dedup, cfg LeaseConfig) *leaseMode {
 	schema, table := claimsql.Names(d.cfg.Table.Schema, d.cfg.Table.Table)
-	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(dbx.Pool), proto: leasesql.New(schema, table, d.cfg.ConsumerGroup), hook: func(string, uuid.UUID) {}}
+	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(dbx.Pool), proto: leasesql.New(schema, table, d.cfg.ConsumerGroup), fast: newFastGate(), hook: func(string, uuid.UUID) {}}
 	l.takes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runTakes)
 	l.completes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runCompletes)
 	return l
@@ -255,7 +256,7 @@ func (l *leaseMode) take(ctx context.Context, id, token uuid.UUID, span *msgSpan
 }
 
 func (l *leaseMode) runTakes(batch []*takeReq, release func()) {
-	if l.cfg.FastPath > 0 {
+	if l.cfg.FastPath > 0 && l.fast.open() {
 		l.openFast(batch, release)
 		return
 	}

@@ -60,6 +60,51 @@ type fastMember struct {
 	lost     bool
 }
 
+// fastGate decides whether a take opens the fast path. It does while most
+// members of recent fast batches completed within FastPath; when most
+// were still running at its deadline (slow handlers, for which the open
+// transaction only delays the lease rows), one take in fastProbeEvery
+// tries it, to notice when the handlers speed up again.
+type fastGate struct {
+	mu      sync.Mutex
+	share   float64 // moving average of the share of members done within FastPath
+	skipped int
+}
+
+const (
+	fastProbeEvery = 16
+	fastMinShare   = 0.5
+	fastWeight     = 0.2 // of the latest batch in the moving average
+)
+
+func newFastGate() *fastGate { return &fastGate{share: 1} }
+
+// open reports whether the next take opens the fast path.
+func (g *fastGate) open() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.share >= fastMinShare {
+		return true
+	}
+	g.skipped++
+	if g.skipped >= fastProbeEvery {
+		g.skipped = 0
+		return true
+	}
+	return false
+}
+
+// record adds a fast batch of members, of which done returned (or
+// failed) within FastPath.
+func (g *fastGate) record(done, members int) {
+	if members == 0 {
+		return
+	}
+	g.mu.Lock()
+	g.share = (1-fastWeight)*g.share + fastWeight*float64(done)/float64(members)
+	g.mu.Unlock()
+}
+
 // openFast opens a fast-path transaction for batch: the take's state read
 // under the events' advisory locks. Done and busy events are answered at
 // once; owned ones get a member and their handlers run while the
@@ -178,11 +223,16 @@ func (b *fastBatch) finish() {
 	defer b.cancel()
 	defer close(b.done)
 	var live []*fastMember
+	leased := 0
 	for _, m := range b.members {
 		if m.state == memberFinished || m.state == memberLeased {
 			live = append(live, m)
 		}
+		if m.state == memberLeased {
+			leased++
+		}
 	}
+	b.l.fast.record(len(b.members)-leased, len(b.members))
 	for {
 		failed, err := b.write(live)
 		if failed == nil {

@@ -353,3 +353,42 @@ func deliverAsync(h message.HandlerFunc, m *message.Message) <-chan error {
 	}()
 	return done
 }
+
+// Handlers that keep running past FastPath turn the fast path off (their
+// takes write lease rows at once, no transaction held open for nothing);
+// one take in 16 still tries it, and handlers that are quick again turn
+// it back on. Deliveries one at a time: each take is a batch of one.
+func TestFastPath_SlowHandlersTurnItOffQuickOnesBackOn(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	inserts := f.countLeaseInserts(t)
+	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: time.Second, Duration: time.Minute})
+	leased := make(chan uuid.UUID, 100)
+	idem.SetLeaseHook(d, func(point string, id uuid.UUID) {
+		if point == "leased" {
+			leased <- id
+		}
+	})
+	slow := true
+	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		if slow {
+			<-leased // still running at its batch's deadline
+		}
+		return nil, nil
+	})
+	for range 4 {
+		_, err := h(f.msg(publisher.NewEventID()))
+		require.NoError(t, err)
+	}
+	require.Less(t, idem.LeaseFastShare(d), 0.5, "four batches leased at their deadline")
+	require.Equal(t, 4, inserts())
+
+	slow = false
+	for range 17 {
+		_, err := h(f.msg(publisher.NewEventID()))
+		require.NoError(t, err)
+	}
+	require.Equal(t, 4+15, inserts(), "15 takes wrote lease rows at once, the 16th tried the fast path")
+	require.EqualValues(t, 2, d.Stats().LeasesFastPath, "the probe and the take after it")
+	require.GreaterOrEqual(t, idem.LeaseFastShare(d), 0.5)
+}
