@@ -264,7 +264,7 @@ func deliverAllAfter(h message.HandlerFunc, msgs []*message.Message, first int) 
 func TestFastPath_LostTransactionCancelsTheHandler(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: 100 * time.Millisecond})
+	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: 2 * time.Second})
 	idem.SetLeaseHook(d, func(point string, _ uuid.UUID) {
 		if point == "taken" {
 			require.Equal(t, 1, f.db.Count(t, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
