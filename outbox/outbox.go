@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
@@ -105,7 +104,7 @@ func (c *Config) setDefaults() {
 		c.PayloadType = defaultPayloadType
 	}
 	if c.MaxMessageBytes == 0 {
-		c.MaxMessageBytes = idemkafka.DefaultMaxMessageBytes
+		c.MaxMessageBytes = defaultMaxMessageBytes
 	}
 }
 
@@ -263,8 +262,8 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 		// Stamp put sctx's trace in the metadata; a message without a
 		// context of its own takes the write's (PublishInTx's ctx).
 		otelx.Inject(ctx, msg)
-		if err := idemkafka.CheckRecord(msg, o.cfg.MaxMessageBytes); err != nil {
-			return &RowError{Topic: topic, UUID: msg.UUID, Key: msg.Metadata.Get(publisher.MetadataPartitionKey), Size: idemkafka.RecordBytes(msg), Err: err}
+		if err := checkRecord(msg, o.cfg.MaxMessageBytes); err != nil {
+			return &RowError{Topic: topic, UUID: msg.UUID, Key: msg.Metadata.Get(publisher.MetadataPartitionKey), Size: recordBytes(msg), Err: err}
 		}
 	}
 	p, err := wsql.NewPublisher(ctxExecutor{Tx: wsql.TxFromPgx(tx), ctx: ctx}, wsql.PublisherConfig{SchemaAdapter: o.schema}, o.logger)

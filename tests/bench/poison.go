@@ -111,7 +111,7 @@ func (r *fwdRig) poisonRun(ctx context.Context, n int, poison bool) (poisonResul
 	defer func() { close(stop); wg.Wait() }()
 
 	if poison {
-		big := fmt.Sprintf(`{"key":%q,"pad":"%s"}`, poisonKey, strings.Repeat("x", idemkafka.DefaultMaxMessageBytes))
+		big := fmt.Sprintf(`{"key":%q,"pad":"%s"}`, poisonKey, strings.Repeat("x", sarama.NewConfig().Producer.MaxMessageBytes))
 		if _, err := r.db.Pool.Exec(ctx, `INSERT INTO `+r.outbox.MessagesTable(topic)+` (uuid, payload, metadata, transaction_id)
 			VALUES ($1, $2, $3, pg_current_xact_id())`, uuid.NewString(), []byte(big), []byte(`{"partition_key":"`+poisonKey+`"}`)); err != nil {
 			return res, err

@@ -187,7 +187,7 @@ func oversizeKey(n int) string { return fmt.Sprintf("soak-oversize-%d", n) }
 // table and go on.
 func (p *outboxProducer) writeOversize(ctx context.Context) error {
 	n := int(p.oversize.Add(1) - 1)
-	payload := fmt.Sprintf(`{"pad":"%s"}`, strings.Repeat("x", idemkafka.DefaultMaxMessageBytes))
+	payload := fmt.Sprintf(`{"pad":"%s"}`, strings.Repeat("x", sarama.NewConfig().Producer.MaxMessageBytes))
 	// []byte: the payload column's bytea (or JSON), and raw JSON for the
 	// metadata column. Retried as a writer would while the database drops
 	// its connections (the disruption and pg-terminate faults); a commit
