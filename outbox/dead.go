@@ -6,7 +6,6 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -95,21 +94,13 @@ func (o *Outbox) DeadRows(ctx context.Context, db migrate.DBTX, topic string, li
 	return out, nil
 }
 
-// KeyPendingError is [Outbox.RetryDead]'s refusal while rows of the key are
-// still in the messages table, not yet read by a forwarder (of any name
-// with a position in the topic): moved back now, the dead rows would be
-// sent after them, out of the key's order. The forwarder moves those rows
-// to the dead table, behind the key's dead row, as it reads them; retry
-// then.
-type KeyPendingError = outboxsql.KeyPendingError
-
 // RetryDead moves the dead rows of key back into topic's messages table, in
 // their order, in one transaction on db, and returns how many: the
 // forwarder sends them like new rows (new offsets; the same message UUID,
 // payload and metadata, so a dedup consumer applies each once). A row that
 // still cannot be sent comes back to the dead table, with the rest of the
 // key behind it. The key "" retries the rows without a partition key. It
-// returns a [*KeyPendingError], and moves nothing, while a row of the key
+// returns an error wrapping [ErrKeyPending], and moves nothing, while a row of the key
 // waits unread in the messages table.
 func (o *Outbox) RetryDead(ctx context.Context, db migrate.Beginner, topic, key string) (int64, error) {
 	if err := o.cfg.validateTopic(topic); err != nil {

@@ -161,7 +161,7 @@ func TestPublishRefusesWhatCannotBeSent(t *testing.T) {
 
 // A key's rows written after its poison row, and not yet read by the
 // forwarder, would be sent before the dead rows if the key were retried
-// then: RetryDead refuses (a *KeyPendingError) until the forwarder has
+// then: RetryDead refuses (ErrKeyPending) until the forwarder has
 // held them behind the poison row, and the retry then sends the key in
 // order.
 func TestRetryDeadWaitsForTheKeysUnreadRows(t *testing.T) {
@@ -188,10 +188,8 @@ func TestRetryDeadWaitsForTheKeysUnreadRows(t *testing.T) {
 	// b's next row, written while no forwarder runs: unread.
 	e.publishTx(t, topic, event("b", 3))
 	_, err := e.outbox.RetryDead(ctx, e.db.Pool, topic, "b")
-	var pe *outbox.KeyPendingError
-	require.ErrorAs(t, err, &pe)
-	require.Equal(t, outbox.DefaultForwarderName, pe.Forwarder)
-	require.EqualValues(t, 1, pe.Rows)
+	require.ErrorIs(t, err, outbox.ErrKeyPending)
+	require.ErrorContains(t, err, `key "b" has 1 rows not yet forwarded by `+outbox.DefaultForwarderName)
 	dead, err := e.outbox.DeadRows(ctx, e.db.Pool, topic, 0)
 	require.NoError(t, err)
 	require.Len(t, dead, 1, "nothing moved")

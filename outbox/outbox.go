@@ -39,13 +39,6 @@ const (
 // truncated by the server, so two long topics could share a table.
 const maxTableName = 63
 
-// offsetsSuffix names a topic's offsets table, deadSuffix its table of
-// poison rows (shorter: whatever fits the first fits the second).
-const (
-	offsetsSuffix = "__offsets"
-	deadSuffix    = "__dead"
-)
-
 // The errors of this package; match them with errors.Is.
 var (
 	// ErrTopicNotMigrated is returned when a topic's table does not exist:
@@ -60,6 +53,13 @@ var (
 	// type than Config.PayloadType, or an offsets table without a unique key
 	// on consumer_group alone.
 	ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 creates it")
+	// ErrKeyPending is [Outbox.RetryDead]'s refusal while rows of the key
+	// are still in the messages table, not yet read by a forwarder (of any
+	// name with a position in the topic): moved back now, the dead rows
+	// would be sent after them, out of the key's order. The forwarder moves
+	// those rows to the dead table, behind the key's dead row, as it reads
+	// them; retry then. The error's text names the forwarder and the rows.
+	ErrKeyPending = outboxsql.ErrKeyPending
 )
 
 var topicRe = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)
@@ -139,7 +139,7 @@ func (c Config) validateTopic(topic string) error {
 	if !topicRe.MatchString(topic) {
 		return fmt.Errorf("%w: %q (allowed: letters, digits and -$:._)", ErrInvalidTopic, topic)
 	}
-	if n := len(c.TablePrefix) + len(topic) + len(offsetsSuffix); n > maxTableName {
+	if n := len(c.TablePrefix) + len(topic) + len(outboxsql.OffsetsSuffix); n > maxTableName {
 		return fmt.Errorf("%w: %q makes a table name of %d bytes, over PostgreSQL's %d (shorten TablePrefix or the topic)", ErrInvalidTopic, topic, n, maxTableName)
 	}
 	return nil
@@ -180,7 +180,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 		GeneratePayloadType:       func(string) string { return payloadType },
 		InitializeSchemaLock:      wsql.DefaultSchemaInitializationLock("idemkit_outbox"),
 	}
-	o.offsets = wsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: o.OffsetsTable}
+	o.offsets = wsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: func(topic string) string { return o.tables(topic).Offsets }}
 	return o, nil
 }
 
@@ -190,19 +190,6 @@ func (o *Outbox) Config() Config { return o.cfg }
 // MessagesTable returns the quoted, schema-qualified table of topic.
 func (o *Outbox) MessagesTable(topic string) string {
 	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic)
-}
-
-// DeadTable returns the quoted, schema-qualified table of topic's poison
-// rows: the rows the forwarder could not send, and the later rows of their
-// partition keys (see [Outbox.DeadRows]).
-func (o *Outbox) DeadTable(topic string) string {
-	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic+deadSuffix)
-}
-
-// OffsetsTable returns the quoted, schema-qualified table holding the
-// forwarders' (and watermill-sql subscribers') positions in topic.
-func (o *Outbox) OffsetsTable(topic string) string {
-	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic+offsetsSuffix)
 }
 
 // notifyTrigger names the trigger of every messages table that notifies
@@ -222,9 +209,10 @@ func (o *Outbox) channel(topic string) string {
 	return ch
 }
 
-// tables returns topic's tables for the statements of outboxsql.
+// tables returns topic's tables (messages, offsets, dead rows) for the
+// statements of outboxsql.
 func (o *Outbox) tables(topic string) outboxsql.Tables {
-	return outboxsql.Tables{Messages: o.MessagesTable(topic), Offsets: o.OffsetsTable(topic), Dead: o.DeadTable(topic)}
+	return outboxsql.TopicTables(o.cfg.Schema, o.cfg.TablePrefix, topic)
 }
 
 func rollback(ctx context.Context, tx pgx.Tx) {

@@ -179,6 +179,11 @@ type KeyPendingError struct {
 	Rows           int64
 }
 
+// ErrKeyPending is inside every *KeyPendingError.
+var ErrKeyPending = errors.New("outbox: rows of the key are not yet forwarded")
+
+func (e *KeyPendingError) Unwrap() error { return ErrKeyPending }
+
 func (e *KeyPendingError) Error() string {
 	return fmt.Sprintf("key %q has %d rows not yet forwarded by %s, which would be sent before its dead rows: "+
 		"retry once the forwarder has read them (they join the dead table behind the key's dead row)", e.Key, e.Rows, e.Forwarder)
