@@ -37,6 +37,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/handlertracer"
+	"github.com/idemkit/watermill-idempotency/internal/retryheaders"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -526,7 +527,7 @@ func (c *child) outer(ctx context.Context) message.HandlerMiddleware {
 				// retry headers of the copy that was applied.
 				m := message.NewMessage(watermill.NewUUID(), msg.Payload)
 				for k, v := range msg.Metadata {
-					if k != metaDLQ && !slices.Contains(retrytopic.Headers(), k) {
+					if k != metaDLQ && !retryheaders.Has(k) {
 						m.Metadata.Set(k, v)
 					}
 				}
