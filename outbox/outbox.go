@@ -53,13 +53,6 @@ var (
 	// type than Config.PayloadType, or an offsets table without a unique key
 	// on consumer_group alone.
 	ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 creates it")
-	// ErrKeyPending is [Outbox.RetryDead]'s refusal while rows of the key
-	// are still in the messages table, not yet read by a forwarder (of any
-	// name with a position in the topic): moved back now, the dead rows
-	// would be sent after them, out of the key's order. The forwarder moves
-	// those rows to the dead table, behind the key's dead row, as it reads
-	// them; retry then. The error's text names the forwarder and the rows.
-	ErrKeyPending = outboxsql.ErrKeyPending
 )
 
 var topicRe = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)

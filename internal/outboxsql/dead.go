@@ -152,6 +152,15 @@ func (t Tables) RetryDead(ctx context.Context, db dbx.Querier, key string) (int6
 	return int64(len(ids)), nil
 }
 
+// RetryDeadTx runs [Tables.RetryDead] in a transaction of its own on db.
+func (t Tables) RetryDeadTx(ctx context.Context, db dbx.Beginner, key string) (n int64, err error) {
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		n, err = t.RetryDead(ctx, tx, key)
+		return err
+	})
+	return n, err
+}
+
 // DeadCount counts the dead rows.
 func (t Tables) DeadCount(ctx context.Context, db dbx.Querier) (int64, error) {
 	var n int64

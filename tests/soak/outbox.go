@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -211,7 +212,7 @@ func (p *outboxProducer) writeOversize(ctx context.Context) error {
 
 // deadRows returns the keys of the rows in the topic's dead table.
 func (p *outboxProducer) deadKeys(ctx context.Context) ([]string, error) {
-	rows, err := p.ob.DeadRows(ctx, p.h.admin, p.h.topic, 0)
+	rows, err := outboxsql.TopicTables(p.ob.Config().Schema, p.ob.Config().TablePrefix, p.h.topic).DeadRows(ctx, p.h.admin, nil, 0)
 	if err != nil {
 		return nil, err
 	}
