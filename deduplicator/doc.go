@@ -34,7 +34,7 @@
 // fix); [ConvertTable] converts a table keyed otherwise. A [Cleaner] keeps
 // the table bounded; the retention is recorded with the table
 // ([SetRetention], [RecordedRetention]). [Groups], [RenameGroup],
-// [ForgetGroup], [Stats] and [Partitions] are the operator's tools (idemctl
-// is built on them). docs/retention.md, docs/operations.md and
+// [ForgetGroup] and [Inspect] are the operator's tools (idemctl is built on
+// them). docs/retention.md, docs/operations.md and
 // docs/guarantees.md explain the rules and their reasons.
 package deduplicator

@@ -116,11 +116,11 @@ func ExampleRenameGroup() {
 	claim(v1, applied)
 	claim(v1, uuid.Must(uuid.NewV7()))
 
-	res, err := deduplicator.RenameGroup(ctx, pool, table, "billing-v1", "billing-v2")
+	renamed, copied, err := deduplicator.RenameGroup(ctx, pool, table, "billing-v1", "billing-v2")
 	if err != nil {
 		panic(err)
 	}
-	fmt.Println("claims copied:", res.ClaimsCopied, "namespace:", res.Group.IdempotencyNamespace)
+	fmt.Println("claims copied:", copied, "namespace:", renamed.IdempotencyNamespace)
 
 	v2 := newDedup("billing-v2")
 	fmt.Println("applied under v1, first for v2:", claim(v2, applied))

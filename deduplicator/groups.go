@@ -239,41 +239,33 @@ func (d *Deduplicator) Register(ctx context.Context, db migrate.DBTX, namespace 
 	return g, nil
 }
 
-// RenameResult reports what [RenameGroup] did.
-type RenameResult struct {
-	// ClaimsCopied is the number of claims copied to the new name.
-	ClaimsCopied int64
-	// Group is the new group as recorded: first seen and Idempotency-Key
-	// namespace are the old group's.
-	Group Group
-}
-
 // RenameGroup gives consumer group from's claims and registration to the
 // new name to, in one transaction: the claims are copied (so every event
 // from applied stays applied for to), and to takes from's first-seen time
 // and Idempotency-Key namespace, so the keys of downstream calls do not
 // change and a provider recognises a call repeated after the rename. from's
-// claims and registration are kept until [ForgetGroup] removes them.
+// claims and registration are kept until [ForgetGroup] removes them. It
+// returns the new group as recorded (first seen and Idempotency-Key
+// namespace are the old group's) and the number of claims copied.
 //
 // Run it with the consumers of both names stopped, then move the Kafka
 // offsets with Kafka's tooling and start the consumers under the new name.
 // It returns [ErrGroupNotFound] when from is not registered and
 // [ErrGroupExists] when to is registered or holds claims.
-func RenameGroup(ctx context.Context, db migrate.Beginner, cfg TableConfig, from, to string) (RenameResult, error) {
-	cfg, err := withDefaults(cfg)
+func RenameGroup(ctx context.Context, db migrate.Beginner, cfg TableConfig, from, to string) (renamed Group, claimsCopied int64, err error) {
+	cfg, err = withDefaults(cfg)
 	if err != nil {
-		return RenameResult{}, err
+		return Group{}, 0, err
 	}
 	if from == "" || to == "" || from == to {
-		return RenameResult{}, errors.New("rename group: from and to must be two different, non-empty names")
+		return Group{}, 0, errors.New("rename group: from and to must be two different, non-empty names")
 	}
 	if err := ValidateGroupName("from", from); err != nil {
-		return RenameResult{}, fmt.Errorf("rename group: %w", err)
+		return Group{}, 0, fmt.Errorf("rename group: %w", err)
 	}
 	if err := ValidateGroupName("to", to); err != nil {
-		return RenameResult{}, fmt.Errorf("rename group: %w", err)
+		return Group{}, 0, fmt.Errorf("rename group: %w", err)
 	}
-	var res RenameResult
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		grp := companion(cfg, groupSuffix)
 		// Serialise with registrations and other renames of these names.
@@ -297,19 +289,19 @@ func RenameGroup(ctx context.Context, db migrate.Beginner, cfg TableConfig, from
 		if err != nil {
 			return err
 		}
-		res.Group = g
+		renamed = g
 		tag, err := tx.Exec(ctx, "INSERT INTO "+ident.Quote(cfg.Schema, cfg.Table)+" (event_id, consumer_group, processed_at)"+
 			" SELECT event_id, $2, processed_at FROM "+ident.Quote(cfg.Schema, cfg.Table)+" WHERE consumer_group = $1 ON CONFLICT DO NOTHING", from, to)
 		if err != nil {
 			return err
 		}
-		res.ClaimsCopied = tag.RowsAffected()
+		claimsCopied = tag.RowsAffected()
 		return nil
 	})
 	if err != nil {
-		return RenameResult{}, fmt.Errorf("rename group %q to %q: %w", from, to, err)
+		return Group{}, 0, fmt.Errorf("rename group %q to %q: %w", from, to, err)
 	}
-	return res, nil
+	return renamed, claimsCopied, nil
 }
 
 // ForgetGroup deletes a consumer group's claims and registration, in one

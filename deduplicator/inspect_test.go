@@ -149,7 +149,7 @@ func TestProcessedAt(t *testing.T) {
 	require.ErrorIs(t, err, ErrTableMissing)
 }
 
-func TestPartitionsAndStatsPartitioned(t *testing.T) {
+func TestInspectPartitioned(t *testing.T) {
 	t.Parallel()
 	db, tc := retentionDB(t, LayoutPartitioned)
 	ctx := context.Background()
@@ -160,8 +160,9 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, LayoutPartitioned, layout)
 
-	parts, err := Partitions(ctx, db.Pool, tc)
+	info, err := Inspect(ctx, db.Pool, tc)
 	require.NoError(t, err)
+	parts := info.Partitions
 	require.Len(t, parts, defaultPartitionsAhead+2)
 	for i := 0; i <= defaultPartitionsAhead; i++ {
 		p := parts[i]
@@ -179,62 +180,21 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 	require.True(t, def.From.IsZero())
 	require.Equal(t, "DEFAULT", def.Bound)
 
-	d, err := New(Config{TableConfig: tc, ConsumerGroup: "a"}, nil)
-	require.NoError(t, err)
-	_, err = d.Register(ctx, db.Pool, "")
-	require.NoError(t, err)
-	d2, err := New(Config{TableConfig: tc, ConsumerGroup: "idle"}, nil)
-	require.NoError(t, err)
-	_, err = d2.Register(ctx, db.Pool, "")
-	require.NoError(t, err)
-	t1 := start.Add(-time.Hour).Truncate(time.Microsecond)
-	t2 := start.Truncate(time.Microsecond)
+	t1 := start.Truncate(time.Microsecond)
 	insertRows(t, db.Pool, tc, "a", t1, v7At(start), v7At(start))
-	insertRows(t, db.Pool, tc, "a", t2, v7At(start.AddDate(0, 0, 1)))
-	insertRows(t, db.Pool, tc, "b", t2, v7At(start.AddDate(0, 0, 30))) // DEFAULT
+	insertRows(t, db.Pool, tc, "a", t1, v7At(start.AddDate(0, 0, 1)))
+	insertRows(t, db.Pool, tc, "b", t1, v7At(start.AddDate(0, 0, 30))) // DEFAULT
 
-	st, err := Stats(ctx, db.Pool, TableConfig{Schema: tc.Schema})
-	require.NoError(t, err)
-	require.Equal(t, LayoutPartitioned, st.Layout)
-	require.Equal(t, tc.Schema, st.Schema)
-	require.Equal(t, tc.Table, st.Table)
-	require.Equal(t, DefaultRetention, st.Retention)
-	require.True(t, st.CleanedBefore.IsZero())
-	require.EqualValues(t, 4, st.Rows)
-	require.True(t, st.Oldest.Equal(t1))
-	require.True(t, st.Newest.Equal(t2))
-	require.Positive(t, st.Bytes)
-	require.Equal(t, []GroupStats{
-		{Group: "a", Registered: true, Rows: 3, Oldest: st.Groups[0].Oldest, Newest: st.Groups[0].Newest},
-		{Group: "b", Rows: 1, Oldest: st.Groups[1].Oldest, Newest: st.Groups[1].Newest},
-		{Group: "idle", Registered: true},
-	}, st.Groups)
-	require.True(t, st.Groups[0].Oldest.Equal(t1))
-	require.True(t, st.Groups[0].Newest.Equal(t2))
-	require.Len(t, st.Partitions, len(parts))
-	counts := map[string]int64{}
-	for _, p := range st.Partitions {
-		counts[p.Name] = p.Rows
-	}
-	require.Equal(t, map[string]int64{
-		partition.Name(tc.Table, today):                  2,
-		partition.Name(tc.Table, today.AddDate(0, 0, 1)): 1,
-		partition.Name(tc.Table, today.AddDate(0, 0, 2)): 0,
-		partition.Name(tc.Table, today.AddDate(0, 0, 3)): 0,
-		partition.DefaultName(tc.Table):                  1,
-	}, counts)
-	require.True(t, st.Partitions[0].Oldest.Equal(t1))
-
-	// Inspect: the same table from the catalog, without reading a row.
+	// From the catalog, without reading a row.
 	_, err = db.Pool.Exec(ctx, "ANALYZE "+tc.Schema+"."+tc.Table)
 	require.NoError(t, err)
-	info, err := Inspect(ctx, db.Pool, TableConfig{Schema: tc.Schema})
+	info, err = Inspect(ctx, db.Pool, TableConfig{Schema: tc.Schema})
 	require.NoError(t, err)
 	require.Equal(t, LayoutPartitioned, info.Layout)
 	require.Equal(t, DefaultRetention, info.Retention)
 	require.True(t, info.CleanedBefore.IsZero())
 	require.EqualValues(t, 4, info.RowsEstimate) // an ANALYZE of 4 rows counts them all
-	require.Equal(t, st.Bytes, info.Bytes)
+	require.Positive(t, info.Bytes)
 	require.Len(t, info.Partitions, len(parts))
 	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool}, nil)
 	require.NoError(t, err)
@@ -246,43 +206,25 @@ func TestPartitionsAndStatsPartitioned(t *testing.T) {
 	require.WithinDuration(t, time.Now(), info.CleanedBefore.Add(info.Retention), time.Hour) // the pass's time, on the database's clock
 }
 
-func TestPartitionsAndStatsPlain(t *testing.T) {
+func TestInspectPlain(t *testing.T) {
 	t.Parallel()
 	db, tc := retentionDB(t, LayoutPlain)
 	ctx := context.Background()
 	layout, err := tableLayout(ctx, db.Pool, tc)
 	require.NoError(t, err)
 	require.Equal(t, LayoutPlain, layout)
-	parts, err := Partitions(ctx, db.Pool, tc)
+	info, err := Inspect(ctx, db.Pool, tc)
 	require.NoError(t, err)
-	require.Empty(t, parts)
-
-	st, err := Stats(ctx, db.Pool, tc)
-	require.NoError(t, err)
-	require.Equal(t, LayoutPlain, st.Layout)
-	require.Zero(t, st.Rows)
-	require.True(t, st.Oldest.IsZero())
-	require.Empty(t, st.Groups)
-	require.Empty(t, st.Partitions)
-	require.Positive(t, st.Bytes) // the empty table's indexes
-
-	insertRows(t, db.Pool, tc, "g", time.Now(), uuid.New(), v7At(time.Now()))
-	// On the caller's transaction (a savepoint).
-	require.NoError(t, pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-		st, err = Stats(ctx, tx, tc)
-		return err
-	}))
-	require.EqualValues(t, 2, st.Rows)
-	require.Equal(t, []GroupStats{{Group: "g", Rows: 2, Oldest: st.Oldest, Newest: st.Newest}}, st.Groups)
+	require.Equal(t, LayoutPlain, info.Layout)
+	require.Empty(t, info.Partitions)
+	require.Positive(t, info.Bytes) // the empty table's indexes
 
 	missing := TableConfig{Schema: tc.Schema, Table: "nope"}
 	_, err = tableLayout(ctx, db.Pool, missing)
 	require.ErrorIs(t, err, ErrTableMissing)
-	_, err = Partitions(ctx, db.Pool, missing)
+	_, err = Inspect(ctx, db.Pool, missing)
 	require.ErrorIs(t, err, ErrTableMissing)
-	_, err = Stats(ctx, db.Pool, missing)
-	require.ErrorIs(t, err, ErrTableMissing)
-	_, err = Stats(ctx, db.Pool, TableConfig{Table: "bad name"})
+	_, err = Inspect(ctx, db.Pool, TableConfig{Table: "bad name"})
 	require.Error(t, err)
 }
 

@@ -66,9 +66,9 @@ func TestEdgeGroupNameUnstorableRefused(t *testing.T) {
 		_, err = deduplicator.New(dcfg, nil)
 		requireGroupNameError(t, err, "ConsumerGroup", "deduplicator.New")
 
-		_, err = deduplicator.RenameGroup(ctx, f.pool, table, "billing", bad)
+		_, _, err = deduplicator.RenameGroup(ctx, f.pool, table, "billing", bad)
 		requireGroupNameError(t, err, "to", "RenameGroup to")
-		_, err = deduplicator.RenameGroup(ctx, f.pool, table, bad, "billing3")
+		_, _, err = deduplicator.RenameGroup(ctx, f.pool, table, bad, "billing3")
 		requireGroupNameError(t, err, "from", "RenameGroup from")
 		_, err = deduplicator.ForgetGroup(ctx, f.pool, table, bad)
 		requireGroupNameError(t, err, "group", "ForgetGroup")

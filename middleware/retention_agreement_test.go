@@ -261,10 +261,10 @@ func TestRenameGroupKeepsIdempotencyKeys(t *testing.T) {
 	_, err = old(msgOf(pending)) // charged, then rolled back
 	require.ErrorIs(t, err, errLost)
 
-	res, err := deduplicator.RenameGroup(ctx, db.Pool, table, "billing-v1", "billing-v2")
+	g, copied, err := deduplicator.RenameGroup(ctx, db.Pool, table, "billing-v1", "billing-v2")
 	require.NoError(t, err)
-	require.EqualValues(t, 1, res.ClaimsCopied)
-	require.Equal(t, "billing-v1", res.Group.IdempotencyNamespace)
+	require.EqualValues(t, 1, copied)
+	require.Equal(t, "billing-v1", g.IdempotencyNamespace)
 
 	renamed := consumer("billing-v2")
 	_, err = renamed(msgOf(done)) // applied under the old name: a duplicate
@@ -286,7 +286,7 @@ func TestRenameGroupKeepsIdempotencyKeys(t *testing.T) {
 	_, err = idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing-v2", Table: table, IdempotencyNamespace: "billing-v2"}, nil)
 	require.ErrorIs(t, err, deduplicator.ErrNamespaceMismatch)
 	// Renaming onto a name in use is refused; the old name can be forgotten.
-	_, err = deduplicator.RenameGroup(ctx, db.Pool, table, "billing-v1", "billing-v2")
+	_, _, err = deduplicator.RenameGroup(ctx, db.Pool, table, "billing-v1", "billing-v2")
 	require.ErrorIs(t, err, deduplicator.ErrGroupExists)
 	n, err := deduplicator.ForgetGroup(ctx, db.Pool, table, "billing-v1")
 	require.NoError(t, err)

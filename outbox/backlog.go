@@ -29,8 +29,8 @@ type Backlog struct {
 	// is rather than hidden as 0.
 	OldestAge time.Duration
 	// Dead counts the rows in the topic's dead table: rows no forwarder
-	// could send and the rows held behind them ([Outbox.DeadRows]). Above
-	// zero, an operator has something to do.
+	// could send and the rows held behind them. Above zero, an operator
+	// has something to do (idemctl outbox dead list, docs/outbox.md).
 	Dead int64
 }
 

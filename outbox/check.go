@@ -11,6 +11,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -74,7 +75,7 @@ func (o *Outbox) checkShape(ctx context.Context, q dbx.Querier, topic string) er
 func (o *Outbox) checkTable(ctx context.Context, q dbx.Querier, topic string, offsets bool) error {
 	name, quoted := o.cfg.TablePrefix+topic, o.MessagesTable(topic)
 	if offsets {
-		name, quoted = name+offsetsSuffix, o.OffsetsTable(topic)
+		name, quoted = name+outboxsql.OffsetsSuffix, o.tables(topic).Offsets
 	}
 	fail := func(reason error, fix, format string, args ...any) error {
 		return &migrate.TableError{Component: "outbox: topic " + topic, Table: quoted, Problem: fmt.Sprintf(format, args...), Fix: fix, Err: reason}

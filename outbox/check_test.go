@@ -54,8 +54,8 @@ func TestCheck_MissingTables(t *testing.T) {
 	terr := requireOutboxTableError(t, err, outbox.ErrTopicNotMigrated, "payments", e.outbox.MessagesTable("payments"))
 	require.Contains(t, terr.Fix, "outbox.MigrationLine")
 
-	e.db.Exec(t, "DROP TABLE "+e.outbox.OffsetsTable("orders"))
-	requireOutboxTableError(t, e.outbox.Check(ctx, e.db.Pool), outbox.ErrTopicNotMigrated, "orders", e.outbox.OffsetsTable("orders"))
+	e.db.Exec(t, "DROP TABLE "+outbox.OffsetsTable(e.outbox, "orders"))
+	requireOutboxTableError(t, e.outbox.Check(ctx, e.db.Pool), outbox.ErrTopicNotMigrated, "orders", outbox.OffsetsTable(e.outbox, "orders"))
 
 	require.ErrorIs(t, e.outbox.Check(ctx, e.db.Pool, "bad;topic"), outbox.ErrInvalidTopic)
 }
@@ -77,16 +77,16 @@ func TestCheck_TableShape(t *testing.T) {
 		},
 		"transaction_id bigint": {
 			alter: func(o *outbox.Outbox) string {
-				return "ALTER TABLE " + o.OffsetsTable("orders") + " ALTER COLUMN last_processed_transaction_id TYPE bigint USING last_processed_transaction_id::text::bigint"
+				return "ALTER TABLE " + outbox.OffsetsTable(o, "orders") + " ALTER COLUMN last_processed_transaction_id TYPE bigint USING last_processed_transaction_id::text::bigint"
 			},
-			table:   func(o *outbox.Outbox) string { return o.OffsetsTable("orders") },
+			table:   func(o *outbox.Outbox) string { return outbox.OffsetsTable(o, "orders") },
 			problem: "last_processed_transaction_id is bigint, want xid8",
 		},
 		"offsets without key": {
 			alter: func(o *outbox.Outbox) string {
-				return "ALTER TABLE " + o.OffsetsTable("orders") + " DROP CONSTRAINT \"outbox_orders__offsets_pkey\""
+				return "ALTER TABLE " + outbox.OffsetsTable(o, "orders") + " DROP CONSTRAINT \"outbox_orders__offsets_pkey\""
 			},
-			table:   func(o *outbox.Outbox) string { return o.OffsetsTable("orders") },
+			table:   func(o *outbox.Outbox) string { return outbox.OffsetsTable(o, "orders") },
 			problem: "unique index on consumer_group",
 		},
 	} {

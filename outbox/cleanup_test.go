@@ -32,7 +32,7 @@ func TestDeleteForwarded(t *testing.T) {
 
 	// A position in the middle of a transaction's rows: exactly the rows at
 	// or before it go.
-	e.db.Exec(t, `INSERT INTO `+e.outbox.OffsetsTable(topic)+` (consumer_group, offset_acked, last_processed_transaction_id)
+	e.db.Exec(t, `INSERT INTO `+outbox.OffsetsTable(e.outbox, topic)+` (consumer_group, offset_acked, last_processed_transaction_id)
 		SELECT 'manual', "offset", transaction_id FROM `+table+` ORDER BY transaction_id, "offset" OFFSET 99 LIMIT 1`)
 	n, err = e.outbox.DeleteForwarded(ctx, e.db.Pool, &outbox.DeleteForwardedOpts{Forwarders: []string{"manual"}, Topics: []string{topic}})
 	require.NoError(t, err)
@@ -44,7 +44,7 @@ func TestDeleteForwarded(t *testing.T) {
 
 	// A second reader (a watermill-sql subscriber group) that has not read
 	// anything keeps every row, and so does one without a position.
-	e.db.Exec(t, `INSERT INTO `+e.outbox.OffsetsTable(topic)+` (consumer_group, offset_acked, last_processed_transaction_id) VALUES ('slow', 0, '0')`)
+	e.db.Exec(t, `INSERT INTO `+outbox.OffsetsTable(e.outbox, topic)+` (consumer_group, offset_acked, last_processed_transaction_id) VALUES ('slow', 0, '0')`)
 	n, err = e.outbox.DeleteForwarded(ctx, e.db.Pool, &outbox.DeleteForwardedOpts{Forwarders: []string{"fast", "slow"}, Topics: []string{topic}})
 	require.NoError(t, err)
 	require.Zero(t, n)

@@ -372,7 +372,7 @@ func TestForwarder_UpgradeFromTransactionIDPosition(t *testing.T) {
 	e.publishTx(t, topic, event("a", 3))
 	// watermill-sql's forwarder sent the first transaction and the
 	// first row of the second one.
-	e.db.Exec(t, `INSERT INTO `+e.outbox.OffsetsTable(topic)+` (consumer_group, offset_acked, last_processed_transaction_id)
+	e.db.Exec(t, `INSERT INTO `+outbox.OffsetsTable(e.outbox, topic)+` (consumer_group, offset_acked, last_processed_transaction_id)
 		SELECT $1, "offset", transaction_id FROM `+e.outbox.MessagesTable(topic)+` ORDER BY transaction_id, "offset" OFFSET 2 LIMIT 1`, outbox.DefaultForwarderName)
 
 	res, err := m.Migrate(ctx, migrate.DirectionUp, nil)

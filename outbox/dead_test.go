@@ -12,11 +12,16 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
+
+// tables returns topic's tables, for the dead-row statements idemctl runs.
+func (e *env) tables(topic string) outboxsql.Tables {
+	return outboxsql.TopicTables(e.outbox.Config().Schema, e.outbox.Config().TablePrefix, topic)
+}
 
 // rawInsert writes a row the way another writer could (watermill-sql
 // directly, a script, an older release): around the outbox's own checks.
@@ -72,7 +77,7 @@ func TestForwarder_PoisonRowsAreQuarantinedAndTheTopicGoesOn(t *testing.T) {
 	require.Zero(t, f.Stats().Errors, "no failed transaction, no resend loop")
 	require.EqualValues(t, 5, f.Stats().Quarantined)
 
-	dead, err := e.outbox.DeadRows(ctx, e.db.Pool, topic, 0)
+	dead, err := e.tables(topic).DeadRows(ctx, e.db.Pool, nil, 0)
 	require.NoError(t, err)
 	require.Len(t, dead, 5)
 	require.Equal(t, "b", dead[0].Key)
@@ -104,10 +109,10 @@ func TestForwarder_PoisonRowsAreQuarantinedAndTheTopicGoesOn(t *testing.T) {
 	require.True(t, named, "one error line for the poison row of key b")
 
 	// d: drop the poison row, retry the key: its held row goes out.
-	ok, err := e.outbox.DropDead(ctx, e.db.Pool, topic, dead[2].ID)
+	ok, err := e.tables(topic).DropDead(ctx, e.db.Pool, dead[2].ID)
 	require.NoError(t, err)
 	require.True(t, ok)
-	n, err := e.outbox.RetryDead(ctx, e.db.Pool, topic, "d")
+	n, err := e.tables(topic).RetryDeadTx(ctx, e.db.Pool, "d")
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 	sent = consume(t, e.broker.Addrs, topic, 6)
@@ -115,11 +120,11 @@ func TestForwarder_PoisonRowsAreQuarantinedAndTheTopicGoesOn(t *testing.T) {
 
 	// b: retried as is, it is still too large: back to the dead table,
 	// its held row behind it, nothing sent.
-	n, err = e.outbox.RetryDead(ctx, e.db.Pool, topic, "b")
+	n, err = e.tables(topic).RetryDeadTx(ctx, e.db.Pool, "b")
 	require.NoError(t, err)
 	require.EqualValues(t, 2, n)
 	require.Eventually(t, func() bool {
-		d, err := e.outbox.DeadRows(ctx, e.db.Pool, topic, 0)
+		d, err := e.tables(topic).DeadRows(ctx, e.db.Pool, nil, 0)
 		return err == nil && len(d) == 3
 	}, eventuallyTimeout, 10*time.Millisecond)
 	waitPolls(t, f, 3)
@@ -158,14 +163,13 @@ func TestPublishRefusesWhatCannotBeSent(t *testing.T) {
 		require.Zero(t, written, "%s: nothing of the call is written", name)
 		require.NoError(t, tx.Rollback(ctx))
 	}
-	require.True(t, errors.Is(idemkafka.CheckRecord(message.NewMessage("u", make([]byte, 4096)), 2048), publisher.ErrMessageTooLarge))
 }
 
 // A key's rows written after its poison row, and not yet read by the
 // forwarder, would be sent before the dead rows if the key were retried
-// then: RetryDead refuses (a *KeyPendingError) until the forwarder has
-// held them behind the poison row, and the retry then sends the key in
-// order.
+// then: the retry (idemctl outbox dead retry) refuses (ErrKeyPending)
+// until the forwarder has held them behind the poison row, and the retry
+// then sends the key in order.
 func TestRetryDeadWaitsForTheKeysUnreadRows(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -189,12 +193,10 @@ func TestRetryDeadWaitsForTheKeysUnreadRows(t *testing.T) {
 
 	// b's next row, written while no forwarder runs: unread.
 	e.publishTx(t, topic, event("b", 3))
-	_, err := e.outbox.RetryDead(ctx, e.db.Pool, topic, "b")
-	var pe *outbox.KeyPendingError
-	require.ErrorAs(t, err, &pe)
-	require.Equal(t, outbox.DefaultForwarderName, pe.Forwarder)
-	require.EqualValues(t, 1, pe.Rows)
-	dead, err := e.outbox.DeadRows(ctx, e.db.Pool, topic, 0)
+	_, err := e.tables(topic).RetryDeadTx(ctx, e.db.Pool, "b")
+	require.ErrorIs(t, err, outboxsql.ErrKeyPending)
+	require.ErrorContains(t, err, `key "b" has 1 rows not yet forwarded by `+outbox.DefaultForwarderName)
+	dead, err := e.tables(topic).DeadRows(ctx, e.db.Pool, nil, 0)
 	require.NoError(t, err)
 	require.Len(t, dead, 1, "nothing moved")
 
@@ -203,7 +205,7 @@ func TestRetryDeadWaitsForTheKeysUnreadRows(t *testing.T) {
 	f, stop = run(limit)
 	require.Eventually(t, func() bool { return f.Stats().Quarantined == 1 }, eventuallyTimeout, 10*time.Millisecond)
 	stop()
-	n, err := e.outbox.RetryDead(ctx, e.db.Pool, topic, "b")
+	n, err := e.tables(topic).RetryDeadTx(ctx, e.db.Pool, "b")
 	require.NoError(t, err)
 	require.EqualValues(t, 2, n)
 	_, stop = run(64 * 1024)

@@ -33,3 +33,6 @@ func Stopping(f *Forwarder) <-chan struct{} {
 	defer f.mu.Unlock()
 	return f.stopped
 }
+
+// OffsetsTable is the quoted table of the forwarders' positions in topic.
+func OffsetsTable(o *Outbox, topic string) string { return o.tables(topic).Offsets }

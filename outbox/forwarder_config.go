@@ -82,7 +82,7 @@ type ForwarderConfig struct {
 	// is unreadable or holds watermill-kafka's reserved UUID key, is never
 	// sent: it moves to the topic's dead table with its cause, the later
 	// rows of its partition key wait there behind it, and the topic goes on
-	// (see [Outbox.DeadRows]). Negative: no size check. Defaults to the
+	// (see docs/outbox.md). Negative: no size check. Defaults to the
 	// Outbox's Config.MaxMessageBytes (1 MiB).
 	MaxMessageBytes int
 	// Topics to forward; each is published to the broker topic of the same
@@ -264,6 +264,6 @@ type ForwarderStats struct {
 	// Errors counts failed batches (rolled back, retried).
 	Errors uint64
 	// Quarantined counts rows moved to the dead tables: rows that cannot
-	// be sent, and the later rows of their keys (see [Outbox.DeadRows]).
+	// be sent, and the later rows of their keys (see docs/outbox.md).
 	Quarantined uint64
 }

@@ -275,7 +275,7 @@ func TestForwarder_CrashAndRestart_DedupAppliesOnce(t *testing.T) {
 	// position of that batch is committed.
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()
-	crashing := &crashingProducer{SyncProducer: e.producer(t), pool: e.db.Pool, offsets: e.outbox.OffsetsTable(topic), crashAt: crashAfter, stop: stop}
+	crashing := &crashingProducer{SyncProducer: e.producer(t), pool: e.db.Pool, offsets: outbox.OffsetsTable(e.outbox, topic), crashAt: crashAfter, stop: stop}
 	f1, err := outbox.NewForwarder(outbox.ForwarderConfig{DB: e.db.Pool, Outbox: e.outbox, Producer: crashing, Topics: []string{topic}, BatchSize: batch}, nil)
 	require.NoError(t, err)
 	require.NoError(t, f1.Run(runCtx))

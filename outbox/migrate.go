@@ -13,6 +13,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/migtable"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -100,9 +101,9 @@ func (o *Outbox) templateData(topic string) templateData {
 	return templateData{
 		Schema:   o.cfg.Schema,
 		Messages: o.cfg.TablePrefix + topic,
-		Offsets:  o.cfg.TablePrefix + topic + offsetsSuffix,
+		Offsets:  o.cfg.TablePrefix + topic + outboxsql.OffsetsSuffix,
 		// Both fit: the offsets table's suffix is longer.
-		Dead:         o.cfg.TablePrefix + topic + deadSuffix,
+		Dead:         o.cfg.TablePrefix + topic + outboxsql.DeadSuffix,
 		DeadKeyIndex: o.cfg.TablePrefix + topic + "__dkey",
 		PayloadType:  strings.ToUpper(o.cfg.PayloadType),
 		InitLock:     o.schema.InitializeSchemaLock,

@@ -38,7 +38,7 @@ func TestForwarder_DeletedPositionIsRecreatedAndReforwards(t *testing.T) {
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == n }, eventuallyTimeout, 5*time.Millisecond)
 	waitPolls(t, f, 2)
 
-	e.db.Exec(t, `DELETE FROM `+e.outbox.OffsetsTable(topic)+` WHERE consumer_group = $1`, outbox.DefaultForwarderName)
+	e.db.Exec(t, `DELETE FROM `+outbox.OffsetsTable(e.outbox, topic)+` WHERE consumer_group = $1`, outbox.DefaultForwarderName)
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == 2*n }, eventuallyTimeout, 5*time.Millisecond)
 	e.publishTx(t, topic, event("k", n))
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == 2*n+1 }, eventuallyTimeout, 5*time.Millisecond)
@@ -46,7 +46,7 @@ func TestForwarder_DeletedPositionIsRecreatedAndReforwards(t *testing.T) {
 
 	require.EqualValues(t, 2*n+1, highWater(t, e.broker.Addrs, topic), "every row again, once, then the new one")
 	require.Zero(t, f.Stats().Errors, "no failed transaction")
-	require.Equal(t, 1, e.db.Count(t, `SELECT 1 FROM `+e.outbox.OffsetsTable(topic)))
+	require.Equal(t, 1, e.db.Count(t, `SELECT 1 FROM `+outbox.OffsetsTable(e.outbox, topic)))
 	var recreated int
 	for _, m := range logs.Captured()[watermill.InfoLogLevel] {
 		if strings.Contains(m.Msg, "position was missing") {

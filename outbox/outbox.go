@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
@@ -39,13 +38,6 @@ const (
 // maxTableName is PostgreSQL's identifier limit; longer names are silently
 // truncated by the server, so two long topics could share a table.
 const maxTableName = 63
-
-// offsetsSuffix names a topic's offsets table, deadSuffix its table of
-// poison rows (shorter: whatever fits the first fits the second).
-const (
-	offsetsSuffix = "__offsets"
-	deadSuffix    = "__dead"
-)
 
 // The errors of this package; match them with errors.Is.
 var (
@@ -105,7 +97,7 @@ func (c *Config) setDefaults() {
 		c.PayloadType = defaultPayloadType
 	}
 	if c.MaxMessageBytes == 0 {
-		c.MaxMessageBytes = idemkafka.DefaultMaxMessageBytes
+		c.MaxMessageBytes = defaultMaxMessageBytes
 	}
 }
 
@@ -140,7 +132,7 @@ func (c Config) validateTopic(topic string) error {
 	if !topicRe.MatchString(topic) {
 		return fmt.Errorf("%w: %q (allowed: letters, digits and -$:._)", ErrInvalidTopic, topic)
 	}
-	if n := len(c.TablePrefix) + len(topic) + len(offsetsSuffix); n > maxTableName {
+	if n := len(c.TablePrefix) + len(topic) + len(outboxsql.OffsetsSuffix); n > maxTableName {
 		return fmt.Errorf("%w: %q makes a table name of %d bytes, over PostgreSQL's %d (shorten TablePrefix or the topic)", ErrInvalidTopic, topic, n, maxTableName)
 	}
 	return nil
@@ -181,7 +173,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Outbox, error) {
 		GeneratePayloadType:       func(string) string { return payloadType },
 		InitializeSchemaLock:      wsql.DefaultSchemaInitializationLock("idemkit_outbox"),
 	}
-	o.offsets = wsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: o.OffsetsTable}
+	o.offsets = wsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: func(topic string) string { return o.tables(topic).Offsets }}
 	return o, nil
 }
 
@@ -191,19 +183,6 @@ func (o *Outbox) Config() Config { return o.cfg }
 // MessagesTable returns the quoted, schema-qualified table of topic.
 func (o *Outbox) MessagesTable(topic string) string {
 	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic)
-}
-
-// DeadTable returns the quoted, schema-qualified table of topic's poison
-// rows: the rows the forwarder could not send, and the later rows of their
-// partition keys (see [Outbox.DeadRows]).
-func (o *Outbox) DeadTable(topic string) string {
-	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic+deadSuffix)
-}
-
-// OffsetsTable returns the quoted, schema-qualified table holding the
-// forwarders' (and watermill-sql subscribers') positions in topic.
-func (o *Outbox) OffsetsTable(topic string) string {
-	return ident.Quote(o.cfg.Schema, o.cfg.TablePrefix+topic+offsetsSuffix)
 }
 
 // notifyTrigger names the trigger of every messages table that notifies
@@ -223,9 +202,10 @@ func (o *Outbox) channel(topic string) string {
 	return ch
 }
 
-// tables returns topic's tables for the statements of outboxsql.
+// tables returns topic's tables (messages, offsets, dead rows) for the
+// statements of outboxsql.
 func (o *Outbox) tables(topic string) outboxsql.Tables {
-	return outboxsql.Tables{Messages: o.MessagesTable(topic), Offsets: o.OffsetsTable(topic), Dead: o.DeadTable(topic)}
+	return outboxsql.TopicTables(o.cfg.Schema, o.cfg.TablePrefix, topic)
 }
 
 func rollback(ctx context.Context, tx pgx.Tx) {
@@ -263,8 +243,8 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 		// Stamp put sctx's trace in the metadata; a message without a
 		// context of its own takes the write's (PublishInTx's ctx).
 		otelx.Inject(ctx, msg)
-		if err := idemkafka.CheckRecord(msg, o.cfg.MaxMessageBytes); err != nil {
-			return &RowError{Topic: topic, UUID: msg.UUID, Key: msg.Metadata.Get(publisher.MetadataPartitionKey), Size: idemkafka.RecordBytes(msg), Err: err}
+		if err := checkRecord(msg, o.cfg.MaxMessageBytes); err != nil {
+			return &RowError{Topic: topic, UUID: msg.UUID, Key: msg.Metadata.Get(publisher.MetadataPartitionKey), Size: recordBytes(msg), Err: err}
 		}
 	}
 	p, err := wsql.NewPublisher(ctxExecutor{Tx: wsql.TxFromPgx(tx), ctx: ctx}, wsql.PublisherConfig{SchemaAdapter: o.schema}, o.logger)

@@ -27,7 +27,7 @@ func TestForwarderReadDoesNotScanTheBacklog(t *testing.T) {
 	o, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"backlog"}}, nil)
 	require.NoError(t, err)
 	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(o.Config(), "backlog")))
-	tables := outboxsql.Tables{Messages: o.MessagesTable("backlog"), Offsets: o.OffsetsTable("backlog")}
+	tables := outboxsql.Tables{Messages: o.MessagesTable("backlog"), Offsets: outbox.OffsetsTable(o, "backlog")}
 	publish := func(prefix string, n int) {
 		msgs := make([]*message.Message, n)
 		for i := range msgs {

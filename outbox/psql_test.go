@@ -129,7 +129,7 @@ func TestMigrationsAppliedWithPsql(t *testing.T) {
 		}
 	}
 	require.NoError(t, sub.Close())
-	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM "+ob.OffsetsTable(topic)+" WHERE consumer_group = 'psql-subscriber' AND offset_acked > 0"))
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM "+outbox.OffsetsTable(ob, topic)+" WHERE consumer_group = 'psql-subscriber' AND offset_acked > 0"))
 	require.NoError(t, f.Close()) // before its tables are dropped
 
 	for _, f := range downs {

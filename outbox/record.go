@@ -87,13 +87,13 @@ func (f *Forwarder) makeBatch(ctx context.Context, tx dbx.Querier, tables outbox
 		if pm == nil {
 			if msg, cause = r.Message(); cause == nil {
 				key = msg.Metadata.Get(publisher.MetadataPartitionKey)
-				if cause = idemkafka.CheckRecord(msg, 0); cause == nil && f.cfg.Producer != nil {
+				if cause = checkRecord(msg, 0); cause == nil && f.cfg.Producer != nil {
 					if pm, cause = f.cfg.Marshaler.Marshal(topic, msg); cause != nil {
 						cause = fmt.Errorf("marshal: %w", cause)
 					}
 				}
 				if pm == nil && cause == nil {
-					size = idemkafka.RecordBytes(msg)
+					size = recordBytes(msg)
 				}
 			}
 		}

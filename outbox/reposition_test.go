@@ -34,7 +34,7 @@ func TestReposition_PositionAheadOfTheCluster(t *testing.T) {
 		e.publishTx(t, topic, event("k", i))
 	}
 	forwardAll(t, e, topic, sent)
-	offsets, messages := e.outbox.OffsetsTable(topic), e.outbox.MessagesTable(topic)
+	offsets, messages := outbox.OffsetsTable(e.outbox, topic), e.outbox.MessagesTable(topic)
 
 	e.db.Exec(t, `UPDATE `+offsets+` SET position_snapshot = (`+aheadOfCluster+` || ':' || `+aheadOfCluster+` || ':')::pg_snapshot,
 		position_xmax = `+aheadOfCluster+`::xid8, cut_snapshot = NULL WHERE consumer_group = $1`, outbox.DefaultForwarderName)
@@ -94,7 +94,7 @@ func TestReposition_PositionFromAnotherSystem(t *testing.T) {
 	defer f.Close()
 	require.Eventually(t, func() bool { return f.Stats().Forwarded == sent }, eventuallyTimeout, 5*time.Millisecond)
 
-	e.db.Exec(t, `UPDATE `+e.outbox.OffsetsTable(topic)+` SET position_system_identifier = (SELECT system_identifier FROM pg_control_system()) # 1 WHERE consumer_group = $1`, outbox.DefaultForwarderName)
+	e.db.Exec(t, `UPDATE `+outbox.OffsetsTable(e.outbox, topic)+` SET position_system_identifier = (SELECT system_identifier FROM pg_control_system()) # 1 WHERE consumer_group = $1`, outbox.DefaultForwarderName)
 	var runErr error
 	select {
 	case runErr = <-done:

@@ -157,10 +157,11 @@ func partitionsList(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	parts, err := deduplicator.Partitions(ctx, a.pool, tc)
+	info, err := deduplicator.Inspect(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
+	parts := info.Partitions
 	if a.opts.json {
 		out := []jsonPartition{}
 		for _, p := range parts {

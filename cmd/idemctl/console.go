@@ -229,7 +229,7 @@ func (c *console) topic(ctx context.Context, topic string) (*topicJSON, error) {
 		return nil, err
 	}
 	out.Backlog = toJSONBacklog(c.forwarder, bl).Topics[0]
-	t := outboxsql.Tables{Messages: ob.MessagesTable(topic), Offsets: ob.OffsetsTable(topic), Dead: ob.DeadTable(topic)}
+	t := outboxsql.TopicTables(ob.Config().Schema, ob.Config().TablePrefix, topic)
 	p, err := t.Position(ctx, c.pool, c.forwarder)
 	switch {
 	case errors.Is(err, outboxsql.ErrNoPosition):

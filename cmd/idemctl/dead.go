@@ -7,11 +7,13 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
 // outboxDead is "outbox dead list|retry|drop": the rows the forwarder moved
-// to the topics' dead tables (outbox.DeadRows, RetryDead, DropDead).
+// to the topics' dead tables, read and moved with the forwarder's own
+// statements (outboxsql).
 func outboxDead(ctx context.Context, a *app, args []string) error {
 	fs := a.flags()
 	limit := fs.Int("limit", 100, "list at most `N` rows per topic (0: all)")
@@ -41,9 +43,9 @@ func outboxDead(ctx context.Context, a *app, args []string) error {
 			if !flagSet(fs, "key") {
 				return usageError("outbox dead retry needs --key K (--key '' for the rows without a partition key)")
 			}
-			n, err := ob.RetryDead(ctx, a.pool, topic, *key)
+			n, err := deadTables(ob, topic).RetryDeadTx(ctx, a.pool, *key)
 			if err != nil {
-				return err
+				return fmt.Errorf("outbox: retry dead rows of %s key %q: %w", topic, *key, err)
 			}
 			if a.opts.json {
 				return a.printJSON(struct {
@@ -58,9 +60,9 @@ func outboxDead(ctx context.Context, a *app, args []string) error {
 		if *id <= 0 {
 			return usageError("outbox dead drop needs --id N (outbox dead list shows the ids)")
 		}
-		ok, err := ob.DropDead(ctx, a.pool, topic, *id)
+		ok, err := deadTables(ob, topic).DropDead(ctx, a.pool, *id)
 		if err != nil {
-			return err
+			return fmt.Errorf("outbox: drop dead row %d of %s: %w", *id, topic, err)
 		}
 		if !ok {
 			return &exitError{code: exitFailure, err: fmt.Errorf("topic %s has no dead row %d", topic, *id)}
@@ -94,9 +96,9 @@ func deadList(ctx context.Context, a *app, ob *outbox.Outbox, topics []string, l
 		Rows []rowJSON `json:"rows"`
 	}{Rows: []rowJSON{}}
 	for _, topic := range topics {
-		rows, err := ob.DeadRows(ctx, a.pool, topic, limit)
+		rows, err := deadTables(ob, topic).DeadRows(ctx, a.pool, nil, limit)
 		if err != nil {
-			return err
+			return fmt.Errorf("outbox: dead rows of %s: %w", topic, err)
 		}
 		for _, r := range rows {
 			out.Rows = append(out.Rows, rowJSON{topic, r.ID, r.Offset, r.UUID, r.Key, r.Size, r.HeldBehind, r.Cause, r.QuarantinedAt})
@@ -119,6 +121,12 @@ func deadList(ctx context.Context, a *app, ob *outbox.Outbox, topics []string, l
 	}
 	fmt.Fprintf(a.stdout, "%d dead rows; fix the cause, then: outbox dead retry --topics T --key K --yes (or drop the poison row with outbox dead drop --topics T --id N --yes, then retry its key)\n", len(out.Rows))
 	return nil
+}
+
+// deadTables returns topic's tables in ob (the topics come from ob's
+// Config, which outbox.New validated).
+func deadTables(ob *outbox.Outbox, topic string) outboxsql.Tables {
+	return outboxsql.TopicTables(ob.Config().Schema, ob.Config().TablePrefix, topic)
 }
 
 // flagSet reports whether the flag name was given on the command line.

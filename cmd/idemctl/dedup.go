@@ -164,7 +164,7 @@ func dedupStats(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	st, err := deduplicator.Stats(ctx, a.pool, tc)
+	st, err := readStats(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
@@ -194,35 +194,35 @@ func dedupStats(ctx context.Context, a *app, args []string) error {
 			Bytes            int64       `json:"bytes"`
 			Groups           []group     `json:"groups"`
 			Partitions       []partition `json:"partitions"`
-		}{st.Schema, st.Table, st.Layout.String(), st.Retention.Seconds(), jsonTime(st.CleanedBefore), st.Rows,
-			jsonTime(st.Oldest), jsonTime(st.Newest), st.Bytes, []group{}, []partition{}}
-		for _, g := range st.Groups {
+		}{st.info.Schema, st.info.Table, st.info.Layout.String(), st.info.Retention.Seconds(), jsonTime(st.info.CleanedBefore), st.Rows,
+			jsonTime(st.Oldest), jsonTime(st.Newest), st.info.Bytes, []group{}, []partition{}}
+		for _, g := range st.groups {
 			out.Groups = append(out.Groups, group{g.Group, g.Registered, g.Rows, jsonTime(g.Oldest), jsonTime(g.Newest)})
 		}
-		for _, p := range st.Partitions {
+		for _, p := range st.partitions {
 			out.Partitions = append(out.Partitions, partition{toJSONPartition(p.Partition), p.Rows, jsonTime(p.Oldest), jsonTime(p.Newest)})
 		}
 		return a.printJSON(out)
 	}
 	fmt.Fprintf(a.stdout, "table %s.%s (%s): %d rows, %s on disk, retention %s, cleaned before %s\n",
-		st.Schema, st.Table, st.Layout, st.Rows, humanBytes(st.Bytes), humanDuration(st.Retention), humanTime(st.CleanedBefore))
+		st.info.Schema, st.info.Table, st.info.Layout, st.Rows, humanBytes(st.info.Bytes), humanDuration(st.info.Retention), humanTime(st.info.CleanedBefore))
 	fmt.Fprintf(a.stdout, "processed_at: oldest %s, newest %s\n\n", humanTime(st.Oldest), humanTime(st.Newest))
 	tw := a.table()
 	row(tw, "GROUP", "REGISTERED", "ROWS", "OLDEST", "NEWEST")
-	for _, g := range st.Groups {
+	for _, g := range st.groups {
 		row(tw, g.Group, map[bool]string{true: "yes", false: "no"}[g.Registered], g.Rows, humanTime(g.Oldest), humanTime(g.Newest))
 	}
-	if len(st.Groups) == 0 {
+	if len(st.groups) == 0 {
 		row(tw, "(none)")
 	}
 	_ = tw.Flush()
-	if len(st.Partitions) == 0 {
+	if len(st.partitions) == 0 {
 		return nil
 	}
 	fmt.Fprintln(a.stdout)
 	tw = a.table()
 	row(tw, "PARTITION", "EVENTS FROM", "TO", "ROWS", "SIZE", "OLDEST", "NEWEST")
-	for _, p := range st.Partitions {
+	for _, p := range st.partitions {
 		from, to := partitionRange(p.Partition)
 		row(tw, p.Name, from, to, p.Rows, humanBytes(p.Bytes), humanTime(p.Oldest), humanTime(p.Newest))
 	}

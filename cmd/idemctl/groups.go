@@ -84,7 +84,7 @@ func groupsRename(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	res, err := deduplicator.RenameGroup(ctx, a.pool, tc, pos[0], pos[1])
+	g, copied, err := deduplicator.RenameGroup(ctx, a.pool, tc, pos[0], pos[1])
 	if err != nil {
 		return err
 	}
@@ -95,10 +95,10 @@ func groupsRename(ctx context.Context, a *app, args []string) error {
 			ClaimsCopied         int64    `json:"claims_copied"`
 			FirstSeen            jsonTime `json:"first_seen"`
 			IdempotencyNamespace string   `json:"idempotency_namespace"`
-		}{pos[0], pos[1], res.ClaimsCopied, jsonTime(res.Group.FirstSeen), res.Group.IdempotencyNamespace})
+		}{pos[0], pos[1], copied, jsonTime(g.FirstSeen), g.IdempotencyNamespace})
 	}
 	fmt.Fprintf(a.stdout, "renamed %s to %s: %d claims copied; %s keeps the first-seen time %s and the Idempotency-Key namespace %q\n",
-		pos[0], pos[1], res.ClaimsCopied, pos[1], humanTime(res.Group.FirstSeen), res.Group.IdempotencyNamespace)
+		pos[0], pos[1], copied, pos[1], humanTime(g.FirstSeen), g.IdempotencyNamespace)
 	fmt.Fprintf(a.stdout, "%s's claims are kept: move the Kafka offsets, start the consumers as %s, then run idemctl groups forget %s --yes\n", pos[0], pos[1], pos[0])
 	return nil
 }

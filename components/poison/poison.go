@@ -13,6 +13,7 @@ import (
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
 
+	"github.com/idemkit/watermill-idempotency/internal/retryheaders"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -218,9 +219,14 @@ func restore(msg *message.Message, m Message, recordKey []byte, now time.Time) (
 		return nil, err
 	}
 	out.Metadata.Set(MetadataReasonHistory, string(b))
-	for _, k := range append([]string{wmiddleware.ReasonForPoisonedKey, wmiddleware.PoisonedTopicKey,
-		wmiddleware.PoisonedHandlerKey, wmiddleware.PoisonedSubscriberKey}, retrytopic.Headers()...) {
+	for _, k := range []string{wmiddleware.ReasonForPoisonedKey, wmiddleware.PoisonedTopicKey,
+		wmiddleware.PoisonedHandlerKey, wmiddleware.PoisonedSubscriberKey} {
 		delete(out.Metadata, k)
+	}
+	for k := range out.Metadata {
+		if retryheaders.Has(k) {
+			delete(out.Metadata, k)
+		}
 	}
 	if out.Metadata.Get(publisher.MetadataPartitionKey) == "" && len(recordKey) > 0 {
 		out.Metadata.Set(publisher.MetadataPartitionKey, string(recordKey))

@@ -72,6 +72,8 @@ func TestRestore(t *testing.T) {
 	msg.Metadata.Set(retrytopic.MetadataAttempt, "3")
 	msg.Metadata.Set(retrytopic.MetadataNotBefore, "2026-01-01T00:00:00Z")
 	msg.Metadata.Set(retrytopic.MetadataOriginalTopic, "orders")
+	msg.Metadata.Set(retrytopic.MetadataOriginalPartition, "2")
+	msg.Metadata.Set(retrytopic.MetadataOriginalOffset, "41")
 	msg.Metadata.Set(retrytopic.MetadataError, "timeout")
 	earlier := []HistoryEntry{{Reason: "first time", Topic: "orders", PoisonedAt: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)}}
 	b, _ := json.Marshal(earlier)

@@ -152,6 +152,15 @@ func (t Tables) RetryDead(ctx context.Context, db dbx.Querier, key string) (int6
 	return int64(len(ids)), nil
 }
 
+// RetryDeadTx runs [Tables.RetryDead] in a transaction of its own on db.
+func (t Tables) RetryDeadTx(ctx context.Context, db dbx.Beginner, key string) (n int64, err error) {
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		n, err = t.RetryDead(ctx, tx, key)
+		return err
+	})
+	return n, err
+}
+
 // DeadCount counts the dead rows.
 func (t Tables) DeadCount(ctx context.Context, db dbx.Querier) (int64, error) {
 	var n int64
@@ -178,6 +187,11 @@ type KeyPendingError struct {
 	Key, Forwarder string
 	Rows           int64
 }
+
+// ErrKeyPending is inside every *KeyPendingError.
+var ErrKeyPending = errors.New("outbox: rows of the key are not yet forwarded")
+
+func (e *KeyPendingError) Unwrap() error { return ErrKeyPending }
 
 func (e *KeyPendingError) Error() string {
 	return fmt.Sprintf("key %q has %d rows not yet forwarded by %s, which would be sent before its dead rows: "+

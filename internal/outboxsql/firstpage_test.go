@@ -27,7 +27,7 @@ func TestFirstPageWithTheCut(t *testing.T) {
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"orders"}}, nil)
 	require.NoError(t, err)
 	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), "orders")))
-	tables := outboxsql.Tables{Messages: ob.MessagesTable("orders"), Offsets: ob.OffsetsTable("orders"), Dead: ob.DeadTable("orders")}
+	tables := outboxsql.TopicTables(ob.Config().Schema, ob.Config().TablePrefix, "orders")
 	pub := ob.PoolPublisher(db.Pool)
 	// Two transactions: the cut holds both, in offset order.
 	require.NoError(t, pub.Publish("orders", message.NewMessage("a-1", []byte(`{}`)), message.NewMessage("a-2", []byte(`{}`)), message.NewMessage("a-3", []byte(`{}`))))

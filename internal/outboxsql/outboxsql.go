@@ -32,6 +32,7 @@ import (
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/idemkit/watermill-idempotency/internal/ident"
 )
 
 // Tables are one topic's messages and offsets tables, quoted and
@@ -40,6 +41,23 @@ type Tables struct {
 	Messages, Offsets string
 	// Dead holds the topic's poison rows (see dead.go).
 	Dead string
+}
+
+// OffsetsSuffix names a topic's offsets table, DeadSuffix its table of
+// poison rows (shorter: whatever fits the first fits the second).
+const (
+	OffsetsSuffix = "__offsets"
+	DeadSuffix    = "__dead"
+)
+
+// TopicTables returns the tables of topic in an outbox configured with
+// schema and prefix (outbox.Config's Schema and TablePrefix).
+func TopicTables(schema, prefix, topic string) Tables {
+	return Tables{
+		Messages: ident.Quote(schema, prefix+topic),
+		Offsets:  ident.Quote(schema, prefix+topic+OffsetsSuffix),
+		Dead:     ident.Quote(schema, prefix+topic+DeadSuffix),
+	}
 }
 
 // Row is a row of a messages table.

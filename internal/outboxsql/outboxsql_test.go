@@ -26,7 +26,7 @@ func TestPositionRoundTrip(t *testing.T) {
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"orders"}}, nil)
 	require.NoError(t, err)
 	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), "orders")))
-	tables := outboxsql.Tables{Messages: ob.MessagesTable("orders"), Offsets: ob.OffsetsTable("orders")}
+	tables := outboxsql.TopicTables(ob.Config().Schema, ob.Config().TablePrefix, "orders")
 	require.NoError(t, ob.PoolPublisher(db.Pool).Publish("orders",
 		message.NewMessage("m-1", []byte(`{}`)), message.NewMessage("m-2", []byte(`{}`)), message.NewMessage("m-3", []byte(`{}`))))
 
@@ -125,7 +125,7 @@ func TestLegacyPosition(t *testing.T) {
 	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"orders"}}, nil)
 	require.NoError(t, err)
 	require.NoError(t, migrate.Up(ctx, db.Pool, outbox.MigrationLine(ob.Config(), "orders")))
-	tables := outboxsql.Tables{Messages: ob.MessagesTable("orders"), Offsets: ob.OffsetsTable("orders")}
+	tables := outboxsql.TopicTables(ob.Config().Schema, ob.Config().TablePrefix, "orders")
 	pub := ob.PoolPublisher(db.Pool)
 	require.NoError(t, pub.Publish("orders", message.NewMessage("a-1", nil)))
 	require.NoError(t, pub.Publish("orders", message.NewMessage("b-1", nil), message.NewMessage("b-2", nil), message.NewMessage("b-3", nil)))

@@ -106,7 +106,7 @@ func outboxMessages(ctx context.Context, tb testing.TB, db migrate.DBTX, ob *out
 	if _, err := outbox.New(outbox.Config{Schema: ob.Config().Schema, TablePrefix: ob.Config().TablePrefix, Topics: []string{topic}}, nil); err != nil {
 		tb.Fatalf("idemtest: %v", err)
 	}
-	rows, err := outboxsql.Tables{Messages: ob.MessagesTable(topic), Offsets: ob.OffsetsTable(topic)}.ReadAll(ctx, db)
+	rows, err := outboxsql.TopicTables(ob.Config().Schema, ob.Config().TablePrefix, topic).ReadAll(ctx, db)
 	if err != nil {
 		if pgerr.Has(err, pgerrcode.UndefinedTable) {
 			tb.Fatalf("idemtest: the outbox has no table for topic %q (%s): migrate it first", topic, ob.MessagesTable(topic))

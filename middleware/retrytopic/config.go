@@ -122,7 +122,7 @@ type Config struct {
 	// the delays within a topic alike, so a copy waiting long never holds a
 	// copy due sooner behind it in its partition. Required. Subscribe to
 	// each with a Kafka consumer group of its own (not the main topic's),
-	// through [WatermillSubscriberConfig]. Retry topics belong to one dedup
+	// with [HoldingTracer] as its Tracer. Retry topics belong to one dedup
 	// consumer group: another service (another idem.Config.ConsumerGroup)
 	// that consumes the same main topic needs retry topics of its own, or
 	// its retry consumers run this group's copies, ahead of the events

@@ -18,15 +18,15 @@
 //
 //	subCfg, _ := idemkafka.WatermillSubscriberConfig(kc, "billing")
 //	sub, _ := kafka.NewSubscriber(subCfg, logger)
-//	retryCfg, _ := retrytopic.WatermillSubscriberConfig(kc, "billing-retry")
+//	retryCfg, _ := idemkafka.WatermillSubscriberConfig(kc, "billing-retry")
+//	retryCfg.Tracer = retrytopic.HoldingTracer(retryCfg.Tracer)
 //	retrySub, _ := kafka.NewSubscriber(retryCfg, logger)
 //	router.AddConsumerHandler("charge", "orders", sub, charge)
 //	router.AddConsumerHandler("charge-retry", "orders.retry", retrySub, charge)
 //
 // Both handlers use the same dedup middleware; only the Kafka consumer
 // group of the retry topic differs. [RetryTopic.Middleware] replaces
-// watermill's PoisonQueue. [WatermillSubscriberConfig] installs
-// [HoldingTracer], which holds a copy until its [MetadataNotBefore] time
+// watermill's PoisonQueue. The retry consumer's [HoldingTracer] holds a copy until its [MetadataNotBefore] time
 // inside Sarama's session, so other partitions and rebalances keep going.
 //
 // [Config.KeyOrder] keeps the events of a key in order: while a key has an

@@ -48,7 +48,7 @@ func exampleBroker(names ...string) (brokers []string, topics []string, stop fun
 }
 
 // The wiring: one router consumes the main topic and the retry topic (with
-// a Kafka consumer group of its own, through WatermillSubscriberConfig),
+// a Kafka consumer group of its own, and HoldingTracer as its Tracer),
 // and both handlers run the same chain with the same dedup consumer group.
 // A payment provider is down on the first delivery: after the in-process
 // retry the event moves to the retry topic, and is applied from there once
@@ -92,7 +92,8 @@ func Example() {
 
 	subCfg, _ := idemkafka.WatermillSubscriberConfig(kc, "billing")
 	sub, _ := kafka.NewSubscriber(subCfg, logger)
-	retrySubCfg, _ := retrytopic.WatermillSubscriberConfig(kc, "billing-retry")
+	retrySubCfg, _ := idemkafka.WatermillSubscriberConfig(kc, "billing-retry")
+	retrySubCfg.Tracer = retrytopic.HoldingTracer(retrySubCfg.Tracer) // holds each copy until its not-before time
 	retrySub, _ := kafka.NewSubscriber(retrySubCfg, logger)
 
 	applied := make(chan struct{})

@@ -185,12 +185,11 @@ func (f *fixture) run(t *testing.T, c consumer, fail failFunc) *message.Router {
 		require.NoError(t, err)
 		sub = ks
 		var retryCfg kafka.SubscriberConfig
-		if c.holdInHandler {
-			retryCfg, err = idemkafka.WatermillSubscriberConfig(kc, f.group+"-retry")
-		} else {
-			retryCfg, err = retrytopic.WatermillSubscriberConfig(kc, f.group+"-retry")
-		}
+		retryCfg, err = idemkafka.WatermillSubscriberConfig(kc, f.group+"-retry")
 		require.NoError(t, err)
+		if !c.holdInHandler {
+			retryCfg.Tracer = retrytopic.HoldingTracer(retryCfg.Tracer)
+		}
 		rs, err := kafka.NewSubscriber(retryCfg, logger)
 		require.NoError(t, err)
 		retrySub = rs

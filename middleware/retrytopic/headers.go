@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/idemkit/watermill-idempotency/internal/retryheaders"
 )
 
 // Metadata keys (Kafka headers) of a copy on a retry topic. The copy keeps
@@ -16,36 +17,27 @@ const (
 	// copy made after the first failure, 2 after the second, and so on. 0
 	// marks a follower (see [KeyOrder]): it has not failed, it waited for
 	// its key's earlier event and was handed the key.
-	MetadataAttempt = "retry_attempt"
+	MetadataAttempt = retryheaders.Attempt
 	// MetadataNotBefore is the time (RFC 3339, UTC, nanoseconds) before
 	// which the copy is not processed: the failure time plus the backoff.
-	MetadataNotBefore = "retry_not_before"
+	MetadataNotBefore = retryheaders.NotBefore
 	// MetadataOriginalTopic is the topic the event was first consumed from:
 	// a message poisoned on a retry topic names it in topic_poisoned, so a
 	// replay goes back there.
-	MetadataOriginalTopic = "retry_original_topic"
+	MetadataOriginalTopic = retryheaders.OriginalTopic
 	// MetadataOriginalPartition and MetadataOriginalOffset locate the
 	// original record (watermill-kafka's kafka.MessagePartitionFromCtx and
 	// kafka.MessagePartitionOffsetFromCtx); absent when the subscriber is
 	// not watermill-kafka.
-	MetadataOriginalPartition = "retry_original_partition"
-	MetadataOriginalOffset    = "retry_original_offset"
+	MetadataOriginalPartition = retryheaders.OriginalPartition
+	MetadataOriginalOffset    = retryheaders.OriginalOffset
 	// MetadataError is the text of the failure that sent the copy here (at
 	// most [maxErrorLen] bytes).
-	MetadataError = "retry_error"
+	MetadataError = retryheaders.Error
 )
 
 // maxErrorLen bounds the error text kept in [MetadataError].
 const maxErrorLen = 1024
-
-// retryHeaders are the keys this package adds: a copy of a copy replaces them.
-var retryHeaders = []string{MetadataAttempt, MetadataNotBefore, MetadataOriginalTopic,
-	MetadataOriginalPartition, MetadataOriginalOffset, MetadataError}
-
-// Headers returns the metadata keys a retry-topic copy carries on top of the
-// original message's, for tools that restore a message's original headers
-// (the poison replay removes them).
-func Headers() []string { return append([]string(nil), retryHeaders...) }
 
 // origin is where a message stands on the retry path.
 type origin struct {

@@ -42,7 +42,7 @@ func (f *fixture) copyOf(m *message.Message, notBefore time.Time) *message.Messa
 // the retry topic: the copies of the other partition are processed
 // meanwhile, the one behind it in its partition is not; a copy due soon is
 // processed, and not before its time. Measured with both holders: the
-// HoldingTracer of WatermillSubscriberConfig, and the middleware's own wait
+// HoldingTracer as the subscriber's Tracer, and the middleware's own wait
 // in the handler on a plain watermill-kafka subscriber (which keeps one
 // message in flight per partition). Closing the router ends the wait.
 func TestHoldBlocksOnlyItsPartition(t *testing.T) {

@@ -6,25 +6,8 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 
-	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/handlertracer"
 )
-
-// WatermillSubscriberConfig returns the watermill-kafka subscriber config of
-// a retry topic's consumer: idemkafka.WatermillSubscriberConfig (the safe
-// Sarama settings, OffsetOldest) with [HoldingTracer], which holds each
-// record until its not-before time before watermill sees it.
-// consumerGroup is the Kafka consumer group of the retry consumer; give it
-// one of its own (for example the main group + "-retry"): the dedup
-// consumer group (idem.Config.ConsumerGroup) stays the main one.
-func WatermillSubscriberConfig(cfg idemkafka.ClientConfig, consumerGroup string) (kafka.SubscriberConfig, error) {
-	sc, err := idemkafka.WatermillSubscriberConfig(cfg, consumerGroup)
-	if err != nil {
-		return sc, err
-	}
-	sc.Tracer = HoldingTracer(sc.Tracer)
-	return sc, nil
-}
 
 // HoldingTracer wraps next (nil for none; kafka.NewOTELSaramaTracer() for
 // OpenTelemetry) so that the consumer-group handler of a watermill-kafka

@@ -16,6 +16,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -246,10 +247,12 @@ func (r *fwdRig) watermill(ctx context.Context) (float64, error) {
 	// through adapters naming them.
 	schema := wsql.DefaultPostgreSQLSchema{GenerateMessagesTableName: r.outbox.MessagesTable, SubscribeBatchSize: fwdBatch}
 	sub, err := wsql.NewSubscriber(wsql.BeginnerFromPgx(r.db.Pool), wsql.SubscriberConfig{
-		ConsumerGroup:  "watermill-forwarder",
-		SchemaAdapter:  &schema,
-		OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: r.outbox.OffsetsTable},
-		PollInterval:   time.Millisecond,
+		ConsumerGroup: "watermill-forwarder",
+		SchemaAdapter: &schema,
+		OffsetsAdapter: wsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: func(topic string) string {
+			return outboxsql.TopicTables(r.outbox.Config().Schema, r.outbox.Config().TablePrefix, topic).Offsets
+		}},
+		PollInterval: time.Millisecond,
 	}, nil)
 	if err != nil {
 		return 0, err

@@ -171,7 +171,7 @@ func (pr *poisonReader) close() { close(pr.stop); pr.wg.Wait() }
 // insertPoison writes the poison row to topic's outbox: larger than the
 // broker accepts, under poisonKey.
 func (r *fwdRig) insertPoison(ctx context.Context, topic string) error {
-	big := fmt.Sprintf(`{"key":%q,"pad":"%s"}`, poisonKey, strings.Repeat("x", idemkafka.DefaultMaxMessageBytes))
+	big := fmt.Sprintf(`{"key":%q,"pad":"%s"}`, poisonKey, strings.Repeat("x", sarama.NewConfig().Producer.MaxMessageBytes))
 	_, err := r.db.Pool.Exec(ctx, `INSERT INTO `+r.outbox.MessagesTable(topic)+` (uuid, payload, metadata, transaction_id)
 			VALUES ($1, $2, $3, pg_current_xact_id())`, uuid.NewString(), []byte(big), []byte(`{"partition_key":"`+poisonKey+`"}`))
 	return err

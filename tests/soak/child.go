@@ -377,11 +377,11 @@ func (c *child) addHandlers(router *message.Router, kc idemkafka.ClientConfig, l
 	// A retry consumer per retry topic, each in a Kafka consumer group of
 	// its own; the dedup consumer group is the same.
 	for i, topic := range cfg.RetryTopics {
-		rc, err := retrytopic.WatermillSubscriberConfig(kc, retryGroup(cfg.Group, i))
+		rc, err := idemkafka.WatermillSubscriberConfig(kc, retryGroup(cfg.Group, i))
 		if err != nil {
 			return err
 		}
-		rc.Tracer = sessionTracer(rc.Tracer, c, 1+i)
+		rc.Tracer = sessionTracer(retrytopic.HoldingTracer(rc.Tracer), c, 1+i)
 		rsub, err := kafka.NewSubscriber(rc, logger)
 		if err != nil {
 			return err

@@ -9,7 +9,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptrace"
-	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -21,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/idemkit/watermill-idempotency/internal/retryheaders"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -83,7 +83,7 @@ func (c *child) outer(ctx context.Context) message.HandlerMiddleware {
 				// retry headers of the copy that was applied.
 				m := message.NewMessage(watermill.NewUUID(), msg.Payload)
 				for k, v := range msg.Metadata {
-					if k != metaDLQ && !slices.Contains(retrytopic.Headers(), k) {
+					if k != metaDLQ && !retryheaders.Has(k) {
 						m.Metadata.Set(k, v)
 					}
 				}

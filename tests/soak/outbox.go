@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -187,7 +188,7 @@ func oversizeKey(n int) string { return fmt.Sprintf("soak-oversize-%d", n) }
 // table and go on.
 func (p *outboxProducer) writeOversize(ctx context.Context) error {
 	n := int(p.oversize.Add(1) - 1)
-	payload := fmt.Sprintf(`{"pad":"%s"}`, strings.Repeat("x", idemkafka.DefaultMaxMessageBytes))
+	payload := fmt.Sprintf(`{"pad":"%s"}`, strings.Repeat("x", sarama.NewConfig().Producer.MaxMessageBytes))
 	// []byte: the payload column's bytea (or JSON), and raw JSON for the
 	// metadata column. Retried as a writer would while the database drops
 	// its connections (the disruption and pg-terminate faults); a commit
@@ -211,7 +212,7 @@ func (p *outboxProducer) writeOversize(ctx context.Context) error {
 
 // deadRows returns the keys of the rows in the topic's dead table.
 func (p *outboxProducer) deadKeys(ctx context.Context) ([]string, error) {
-	rows, err := p.ob.DeadRows(ctx, p.h.admin, p.h.topic, 0)
+	rows, err := outboxsql.TopicTables(p.ob.Config().Schema, p.ob.Config().TablePrefix, p.h.topic).DeadRows(ctx, p.h.admin, nil, 0)
 	if err != nil {
 		return nil, err
 	}

@@ -1,4 +1,4 @@
-package idemkafka
+package outbox
 
 import (
 	"encoding/binary"
@@ -10,20 +10,20 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// DefaultMaxMessageBytes is Sarama's default Producer.MaxMessageBytes (and
+// defaultMaxMessageBytes is Sarama's default Producer.MaxMessageBytes (and
 // close to Kafka's default message.max.bytes): 1 MiB.
-const DefaultMaxMessageBytes = 1024 * 1024
+const defaultMaxMessageBytes = 1024 * 1024
 
 // maximumRecordOverhead is Sarama's bound of a v2 record's framing, which
 // ProducerMessage.ByteSize adds.
 const maximumRecordOverhead = 5*binary.MaxVarintLen32 + binary.MaxVarintLen64 + 1
 
-// RecordBytes returns the size Sarama checks against
+// recordBytes returns the size Sarama checks against
 // Producer.MaxMessageBytes (ProducerMessage.ByteSize of a v2 record) for
-// the record [Marshaler] makes of msg, without building it: the payload,
+// the record idemkafka.Marshaler makes of msg, without building it: the payload,
 // the partition key, and the UUID header and one header per metadata entry,
 // with their framing.
-func RecordBytes(msg *message.Message) int {
+func recordBytes(msg *message.Message) int {
 	size := maximumRecordOverhead + len(msg.Payload)
 	size += len(kafka.UUIDHeaderKey) + len(msg.UUID) + 2*binary.MaxVarintLen32
 	for k, v := range msg.Metadata {
@@ -33,15 +33,15 @@ func RecordBytes(msg *message.Message) int {
 	return size
 }
 
-// CheckRecord reports why the broker side would refuse msg as a record of at
-// most maxBytes (RecordBytes): metadata holding watermill-kafka's reserved
+// checkRecord reports why the broker side would refuse msg as a record of at
+// most maxBytes (recordBytes): metadata holding watermill-kafka's reserved
 // UUID key ([publisher.ErrReservedMetadata]), or a record that is too large
 // ([publisher.ErrMessageTooLarge]). maxBytes ≤ 0 checks no size.
-func CheckRecord(msg *message.Message, maxBytes int) error {
+func checkRecord(msg *message.Message, maxBytes int) error {
 	if _, ok := msg.Metadata[kafka.UUIDHeaderKey]; ok {
 		return fmt.Errorf("%w: %q", publisher.ErrReservedMetadata, kafka.UUIDHeaderKey)
 	}
-	if n := RecordBytes(msg); maxBytes > 0 && n > maxBytes {
+	if n := recordBytes(msg); maxBytes > 0 && n > maxBytes {
 		return fmt.Errorf("%w: %d bytes > %d", publisher.ErrMessageTooLarge, n, maxBytes)
 	}
 	return nil

@@ -1,4 +1,4 @@
-package idemkafka_test
+package outbox
 
 import (
 	"errors"
@@ -12,7 +12,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// RecordBytes is what Sarama checks: ByteSize of the record Marshaler makes.
+// recordBytes is what Sarama checks: ByteSize of the record Marshaler makes.
 func TestRecordBytesIsSaramasByteSize(t *testing.T) {
 	t.Parallel()
 	for _, md := range []message.Metadata{
@@ -26,17 +26,17 @@ func TestRecordBytesIsSaramasByteSize(t *testing.T) {
 		}
 		pm, err := idemkafka.Marshaler{}.Marshal("t", msg)
 		require.NoError(t, err)
-		require.Equal(t, pm.ByteSize(2), idemkafka.RecordBytes(msg))
+		require.Equal(t, pm.ByteSize(2), recordBytes(msg))
 	}
 }
 
 func TestCheckRecord(t *testing.T) {
 	t.Parallel()
 	msg := message.NewMessage("u", make([]byte, 2000))
-	require.NoError(t, idemkafka.CheckRecord(msg, 0))
-	require.NoError(t, idemkafka.CheckRecord(msg, idemkafka.RecordBytes(msg)))
-	err := idemkafka.CheckRecord(msg, idemkafka.RecordBytes(msg)-1)
+	require.NoError(t, checkRecord(msg, 0))
+	require.NoError(t, checkRecord(msg, recordBytes(msg)))
+	err := checkRecord(msg, recordBytes(msg)-1)
 	require.True(t, errors.Is(err, publisher.ErrMessageTooLarge), "%v", err)
 	msg.Metadata.Set("_watermill_message_uuid", "x")
-	require.True(t, errors.Is(idemkafka.CheckRecord(msg, 0), publisher.ErrReservedMetadata))
+	require.True(t, errors.Is(checkRecord(msg, 0), publisher.ErrReservedMetadata))
 }
