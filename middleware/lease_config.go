@@ -11,7 +11,7 @@ import (
 const (
 	defaultLeaseDuration    = 30 * time.Second
 	defaultLeaseBusyWait    = time.Second
-	defaultLeaseMaxBatch    = 64
+	defaultLeaseMaxBatch    = 256
 	defaultLeaseConcurrency = 4
 	defaultLeaseFastPath    = 20 * time.Millisecond
 )
@@ -79,7 +79,10 @@ type LeaseConfig struct {
 	// MaxBatch is the most messages one phase's transaction holds: leases
 	// taken together, completions committed together. Batches gather only
 	// what arrives while the previous ones run, so a lone message waits for
-	// nothing. Defaults to 64.
+	// nothing. A fast-path take holds an advisory lock per message, so up to
+	// MaxBatch × Concurrency of PostgreSQL's shared lock table
+	// (max_locks_per_transaction × max_connections entries). Defaults to
+	// 256.
 	MaxBatch int
 	// Concurrency is how many transactions each phase runs at once, each
 	// on a connection of its own: the pool needs 2 × Concurrency connections

@@ -23,7 +23,7 @@ func init() { Register("lease", leaseMode) }
 const (
 	leaseKeys        = 20000
 	leasePoolConns   = 16
-	leaseMaxInFlight = 4096
+	leaseMaxInFlight = 8192
 	leaseLongCall    = 500 * time.Millisecond
 	// leaseFastInFlight: lease mode's messages in flight cost no
 	// connection, so its recipe for the fast handler is a larger

@@ -242,7 +242,10 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 func (r *parRig) subscriber(par bool, group string, inFlight int) (message.Subscriber, int, error) {
 	logger := watermill.NopLogger{}
 	if par {
-		s, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: r.brokers}, ConsumerGroup: group, MaxInFlight: inFlight}, logger)
+		// A partition's window holds at least its share of MaxInFlight
+		// (the default, 1,024, holds 4,096 over the rig's 4 partitions).
+		window := max(1024, inFlight/parPartitions)
+		s, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: r.brokers}, ConsumerGroup: group, MaxInFlight: inFlight, PartitionWindow: window}, logger)
 		if err != nil {
 			return nil, 0, err
 		}
