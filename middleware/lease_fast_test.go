@@ -37,41 +37,6 @@ func (f *ledgerFixture) idleInTx(t *testing.T) int {
 	return f.db.Count(t, `SELECT 1 FROM pg_stat_activity WHERE state = 'idle in transaction' AND query LIKE '%"' || $1 || '".%'`, f.db.Schema)
 }
 
-// A handler that returns within FastPath completes in its take's
-// transaction: no lease row is ever written, one commit, and the handler
-// itself still gets no transaction. A redelivery is a duplicate.
-func TestFastPath_QuickHandlerWritesNoLeaseRow(t *testing.T) {
-	t.Parallel()
-	f := newLedgerFixture(t)
-	inserts := f.countLeaseInserts(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: 5 * time.Second})
-	provider := newKeyServer(t)
-	var calls atomic.Int32
-	var held int32 = -1
-	hasTx := true
-	h := d.Middleware(chargeHandler(t, provider, &calls, func(ctx context.Context) {
-		held = f.pool.Stat().AcquiredConns()
-		_, hasTx = idem.TxFromContext(ctx)
-	}))
-	id := publisher.NewEventID()
-	_, err := h(f.msg(id))
-	require.NoError(t, err)
-	require.False(t, hasTx, "the handler gets no transaction")
-	require.EqualValues(t, 1, held, "its batch holds one connection, the take's transaction")
-	require.Equal(t, 1, f.ledgerRows(t))
-	require.Equal(t, 1, f.claims(t))
-	require.Zero(t, inserts(), "no lease row was written")
-	st := d.Stats()
-	require.EqualValues(t, 1, st.LeasesTaken)
-	require.EqualValues(t, 1, st.LeasesFastPath)
-	require.EqualValues(t, 1, st.Processed)
-
-	_, err = h(f.msg(id))
-	require.NoError(t, err)
-	require.EqualValues(t, 1, calls.Load(), "the duplicate did not run the handler")
-	require.EqualValues(t, 1, d.Stats().Duplicates)
-}
-
 // A handler still running at FastPath gets its lease row then, committed;
 // its session is no longer idle in transaction; another delivery finds the
 // live lease; the handler completes as a leased delivery.

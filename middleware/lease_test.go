@@ -76,37 +76,55 @@ func (f *ledgerFixture) leases(t *testing.T) int {
 	return f.db.Count(t, "SELECT 1 FROM processed_event_lease")
 }
 
-// The handler runs with no transaction and no connection held; its write
-// commits with the claim; a redelivery is a duplicate that runs nothing.
+// The handler runs with no transaction and no connection of its own; its
+// write commits with the claim; a redelivery is a duplicate that runs
+// nothing. With lease rows nothing is held during the call; on the fast
+// path (the handler returns within FastPath) its batch holds one
+// connection, the take's transaction, and no lease row is ever written (a
+// trigger counts the inserts).
 func TestLease_HandlerHoldsNoConnection(t *testing.T) {
 	t.Parallel()
-	f := newLedgerFixture(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: -1})
-	provider := newKeyServer(t)
-	var calls atomic.Int32
-	var held int32 = -1
-	hasTx := true
-	h := d.Middleware(chargeHandler(t, provider, &calls, func(ctx context.Context) {
-		held = f.pool.Stat().AcquiredConns()
-		_, hasTx = idem.TxFromContext(ctx)
-	}))
+	for name, fastPath := range map[string]time.Duration{"fast path": 5 * time.Second, "lease row": -1} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			f := newLedgerFixture(t)
+			inserts := f.countLeaseInserts(t)
+			d := f.leaseDedup(t, idem.LeaseConfig{FastPath: fastPath})
+			provider := newKeyServer(t)
+			var calls atomic.Int32
+			var held int32 = -1
+			hasTx := true
+			h := d.Middleware(chargeHandler(t, provider, &calls, func(ctx context.Context) {
+				held = f.pool.Stat().AcquiredConns()
+				_, hasTx = idem.TxFromContext(ctx)
+			}))
 
-	id := publisher.NewEventID()
-	_, err := h(f.msg(id))
-	require.NoError(t, err)
-	require.Zero(t, held, "no pooled connection is held while the handler calls out")
-	require.False(t, hasTx, "the handler gets no transaction")
-	require.Equal(t, 1, f.ledgerRows(t))
-	require.Equal(t, 1, f.claims(t))
-	require.Zero(t, f.leases(t), "a completed event keeps no lease")
+			id := publisher.NewEventID()
+			_, err := h(f.msg(id))
+			require.NoError(t, err)
+			require.False(t, hasTx, "the handler gets no transaction")
+			require.Equal(t, 1, f.ledgerRows(t))
+			require.Equal(t, 1, f.claims(t))
+			require.Zero(t, f.leases(t), "a completed event keeps no lease")
 
-	_, err = h(f.msg(id))
-	require.NoError(t, err)
-	require.EqualValues(t, 1, calls.Load(), "the duplicate did not run the handler")
-	st := d.Stats()
-	require.EqualValues(t, 1, st.Processed)
-	require.EqualValues(t, 1, st.Duplicates)
-	require.EqualValues(t, 1, st.LeasesTaken)
+			_, err = h(f.msg(id))
+			require.NoError(t, err)
+			require.EqualValues(t, 1, calls.Load(), "the duplicate did not run the handler")
+			st := d.Stats()
+			require.EqualValues(t, 1, st.Processed)
+			require.EqualValues(t, 1, st.Duplicates)
+			require.EqualValues(t, 1, st.LeasesTaken)
+			if fastPath > 0 {
+				require.EqualValues(t, 1, held, "its batch holds one connection, the take's transaction")
+				require.Zero(t, inserts(), "no lease row was written")
+				require.EqualValues(t, 1, st.LeasesFastPath)
+			} else {
+				require.Zero(t, held, "no pooled connection is held while the handler calls out")
+				require.Equal(t, 1, inserts())
+				require.Zero(t, st.LeasesFastPath)
+			}
+		})
+	}
 }
 
 // A handler error releases the lease at once (on the fast path it never
