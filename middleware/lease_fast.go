@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -239,7 +240,7 @@ func (b *fastBatch) finish() {
 			b.settle(live, err)
 			return
 		}
-		live = slicesDelete(live, failed)
+		live = slices.DeleteFunc(live, func(m *fastMember) bool { return m == failed })
 		if live, err = b.reopen(live); err != nil {
 			b.settle(live, err)
 			return
@@ -376,17 +377,6 @@ func (b *fastBatch) lose(m *fastMember) {
 	if cancel != nil {
 		cancel(ErrLeaseLost)
 	}
-}
-
-// slicesDelete returns ms without m.
-func slicesDelete(ms []*fastMember, m *fastMember) []*fastMember {
-	out := ms[:0:0]
-	for _, x := range ms {
-		if x != m {
-			out = append(out, x)
-		}
-	}
-	return out
 }
 
 // renewal starts a handler's lease renewals once its lease row exists (at

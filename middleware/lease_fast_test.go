@@ -327,7 +327,7 @@ func TestFastPath_SlowHandlersTurnItOffQuickOnesBackOn(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	inserts := f.countLeaseInserts(t)
-	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: time.Second, Duration: time.Minute})
+	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: 3 * time.Second, Duration: time.Minute})
 	leased := make(chan uuid.UUID, 100)
 	idem.SetLeaseHook(d, func(point string, id uuid.UUID) {
 		if point == "leased" {
