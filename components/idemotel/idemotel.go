@@ -50,7 +50,7 @@ type Metrics struct {
 	pending                                                      metric.Int64ObservableGauge
 	oldest                                                       metric.Float64ObservableGauge
 	kInFlight, kWaiting, kHeld, kMaxInFlight, kDistance, kWindow metric.Int64ObservableGauge
-	kAcked, kNacked, kSkipped, kSessions, kRefused               metric.Int64ObservableCounter
+	kAcked, kNacked, kSkipped, kRefetched, kSessions, kRefused   metric.Int64ObservableCounter
 	kStalled, kSpilled                                           metric.Int64ObservableGauge
 	kPartStalled                                                 metric.Float64ObservableGauge
 }
@@ -108,6 +108,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.kWindow = gauge("idem.kafka.partition.window", "{message}", "parallel.Subscriber: per held partition, the records held from the committed offset on (at most PartitionWindow).")
 	m.kAcked = counter("idem.kafka.acked", "{message}", "parallel.Subscriber: messages acked.")
 	m.kNacked = counter("idem.kafka.nacked", "{message}", "parallel.Subscriber: messages nacked (handed out again after NackResendSleep).")
+	m.kRefetched = counter("idem.kafka.refetched", "{message}", "parallel.Subscriber: spilled records read again from Kafka when they became their key's head (each was read twice).")
 	m.kSkipped = counter("idem.kafka.skipped", "{message}", "parallel.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.")
 	m.kSessions = counter("idem.kafka.sessions", "{session}", "parallel.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).")
 	m.kRefused = counter("idem.kafka.commits_refused", "{commit}", "parallel.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.")
@@ -129,7 +130,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 		m.processed, m.duplicates, m.failed, m.claimErrors, m.rejected, m.claims, m.claimTime, m.txTime,
 		m.groups, m.grouped, m.groupFallbacks, m.alone, m.leases,
 		m.forwarded, m.commits, m.polls, m.fwdErrors, m.quarantined, m.pending, m.oldest,
-		m.kInFlight, m.kWaiting, m.kHeld, m.kSpilled, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kSessions, m.kRefused, m.kStalled, m.kPartStalled)
+		m.kInFlight, m.kWaiting, m.kHeld, m.kSpilled, m.kMaxInFlight, m.kDistance, m.kWindow, m.kAcked, m.kNacked, m.kSkipped, m.kRefetched, m.kSessions, m.kRefused, m.kStalled, m.kPartStalled)
 	if err != nil {
 		return nil, fmt.Errorf("idemotel: register callback: %w", err)
 	}
@@ -223,6 +224,7 @@ func (m *Metrics) observeSubscribers(o metric.Observer, subs []*parallel.Subscri
 		o.ObserveInt64(m.kAcked, int64(s.Acked), set)
 		o.ObserveInt64(m.kNacked, int64(s.Nacked), set)
 		o.ObserveInt64(m.kSkipped, int64(s.Skipped), set)
+		o.ObserveInt64(m.kRefetched, int64(s.Refetched), set)
 		o.ObserveInt64(m.kSessions, int64(s.Sessions), set)
 		o.ObserveInt64(m.kRefused, int64(s.CommitsRefused), set)
 		o.ObserveInt64(m.kStalled, int64(s.StalledKeys), set)

@@ -64,6 +64,7 @@ var (
 	descKafkaSpilled     = prometheus.NewDesc("idem_kafka_spilled", "parallel.Subscriber: of the records waiting behind their key, those whose payload left a full window: read again from Kafka when they become their key's head (at most 64 × PartitionWindow per partition).", group, nil)
 	descKafkaAcked       = prometheus.NewDesc("idem_kafka_acked_total", "parallel.Subscriber: messages acked.", group, nil)
 	descKafkaNacked      = prometheus.NewDesc("idem_kafka_nacked_total", "parallel.Subscriber: messages nacked (handed out again after NackResendSleep).", group, nil)
+	descKafkaRefetched   = prometheus.NewDesc("idem_kafka_refetched_total", "parallel.Subscriber: spilled records read again from Kafka when they became their key's head (each was read twice).", group, nil)
 	descKafkaSkipped     = prometheus.NewDesc("idem_kafka_skipped_total", "parallel.Subscriber: records not handed out because the commit metadata recorded them done before a restart or rebalance.", group, nil)
 	descKafkaSessions    = prometheus.NewDesc("idem_kafka_sessions_total", "parallel.Subscriber: consumer-group sessions set up (the first join, then one per rebalance).", group, nil)
 	descKafkaRefused     = prometheus.NewDesc("idem_kafka_commits_refused_total", "parallel.Subscriber: offset commits the broker refused (OffsetMetadataTooLarge, InvalidCommitOffsetSize): the committed offset does not move while they are refused.", group, nil)
@@ -220,7 +221,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff, descOverdue,
 		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
 		descTableRows, descTableBytes, descTableRetention, descTableCleaned, descTablePartitions,
-		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaSpilled, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions, descKafkaRefused,
+		descKafkaInFlight, descKafkaWaiting, descKafkaHeld, descKafkaSpilled, descKafkaRefetched, descKafkaAcked, descKafkaNacked, descKafkaSkipped, descKafkaSessions, descKafkaRefused,
 		descKafkaDistance, descKafkaWindow, descKafkaMaxInFlight, descKafkaStalled, descKafkaPartStalled} {
 		ch <- d
 	}
@@ -399,6 +400,7 @@ func (e emitter) subscribers(subs []*parallel.Subscriber) {
 		e.counter(descKafkaAcked, float64(s.Acked), g)
 		e.counter(descKafkaNacked, float64(s.Nacked), g)
 		e.counter(descKafkaSkipped, float64(s.Skipped), g)
+		e.counter(descKafkaRefetched, float64(s.Refetched), g)
 		e.counter(descKafkaSessions, float64(s.Sessions), g)
 		e.counter(descKafkaRefused, float64(s.CommitsRefused), g)
 		e.gauge(descKafkaStalled, float64(s.StalledKeys), g)

@@ -74,7 +74,7 @@ idem_kafka_commits_refused_total{consumer_group="billing"} 0
 	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(strings.ReplaceAll(expected, "TOPIC", topic)), names...))
 	n, err := testutil.GatherAndCount(reg)
 	require.NoError(t, err)
-	require.Equal(t, 14, n) // 11 per group, 3 per partition
+	require.Equal(t, 15, n) // 12 per group, 3 per partition
 	require.Equal(t, 1.0, testutil.ToFloat64(collectorOf(c, "idem_kafka_stalled_keys")), "the first, in flight past StallTimeout")
 	require.Positive(t, testutil.ToFloat64(collectorOf(c, "idem_kafka_partition_stalled_seconds")))
 

@@ -99,17 +99,37 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 	}
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
-	q := &claimQueue{claim: claim, group: st.group, topic: st.topic}
+	// Sarama's consumer keeps a partition's pause while the partition is
+	// reassigned: one revoked with its window full would come back paused,
+	// and never be fetched again.
+	q := &claimQueue{claim: claim, group: st.group, topic: st.topic, paused: true}
+	q.resume()
+	defer q.unpause()
+	// blockAt wakes the loop when a full window's slow head would count
+	// as blocked, so that its key's records are spilled then.
+	blockAt := time.NewTimer(time.Hour)
+	blockAt.Stop()
+	defer blockAt.Stop()
 	msgs := claim.Messages()
 	done := sess.Context().Done()
 	for {
 		s.mu.Lock()
 		full := q.feed(p)
+		wait := time.Duration(-1)
+		if full {
+			wait = p.untilBlocked(time.Now())
+		}
 		s.mu.Unlock()
 		if !full {
 			q.resume()
 		}
+		if wait >= 0 {
+			blockAt.Reset(wait)
+		} else {
+			blockAt.Stop()
+		}
 		select {
+		case <-blockAt.C:
 		case m, ok := <-msgs:
 			if !ok {
 				return nil
@@ -172,7 +192,14 @@ func (q *claimQueue) hold(m *sarama.ConsumerMessage) {
 
 // resume lets the partition's fetching go on once the queue is empty.
 func (q *claimQueue) resume() {
-	if q.paused && len(q.held) == 0 {
+	if len(q.held) == 0 {
+		q.unpause()
+	}
+}
+
+// unpause lets the partition's fetching go on.
+func (q *claimQueue) unpause() {
+	if q.paused {
 		q.paused = false
 		q.group.Resume(map[string][]int32{q.topic: {q.claim.Partition()}})
 	}

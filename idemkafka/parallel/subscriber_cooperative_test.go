@@ -148,3 +148,60 @@ func TestSubscriberCooperativeReleasesAFullWindow(t *testing.T) {
 	}
 	f.verifyLedgerKeys(t, want)
 }
+
+// A partition revoked while its window was full (its fetching paused in
+// Sarama) and given back to the same member is fetched again: Sarama's
+// consumer keeps a partition's pause across a reassignment, so the new
+// claim resumes it. Under eager rebalancing too, where every partition is
+// revoked and the consumer is the same.
+func TestSubscriberResumesAPartitionItGetsBack(t *testing.T) {
+	for _, coop := range []bool{true, false} {
+		name := "eager"
+		if coop {
+			name = "cooperative"
+		}
+		t.Run(name, func(t *testing.T) {
+			const n = 40
+			f := newFixture(t, 2, 8)
+			for i := range n {
+				require.NoError(t, f.pub.Publish(f.topic, f.event(t, keyName(i), 1)))
+			}
+			cfg := f.config("back")
+			if coop {
+				cfg = cooperative(cfg)
+			}
+			cfg.Client.RevokeTimeout = time.Second
+			cfg.MaxInFlight = 2
+			cfg.PartitionWindow = 5
+			release := make(chan struct{})
+			var once sync.Once
+			open := func() { once.Do(func() { close(release) }) }
+			t.Cleanup(open)
+			a := f.subscriber(t, cfg)
+			f.router(t, a, f.db.Pool, 0, nil, ledgerHandler(func(event) error {
+				<-release
+				return nil
+			}))
+			waitFor(t, "both windows full", func() bool {
+				ps := a.Stats().Partitions
+				return len(ps) == 2 && ps[0].Window == 5 && ps[1].Window == 5
+			})
+
+			b := f.subscriber(t, cfg)
+			stopB := f.router(t, b, f.db.Pool, 0, nil, ledgerHandler(nil))
+			waitFor(t, "b owns a partition", func() bool { return len(owned(b)) == 1 && len(owned(a)) == 1 })
+			stopB()
+			waitFor(t, "a owns both partitions again", func() bool { return len(owned(a)) == 2 })
+			for i := n; i < 2*n; i++ {
+				require.NoError(t, f.pub.Publish(f.topic, f.event(t, keyName(i), 1)))
+			}
+			open()
+			f.waitApplied(t, 2*n)
+			want := map[string]int{}
+			for i := range 2 * n {
+				want[keyName(i)] = 1
+			}
+			f.verifyLedgerKeys(t, want)
+		})
+	}
+}

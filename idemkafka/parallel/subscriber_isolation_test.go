@@ -116,7 +116,7 @@ func TestSubscriberFailingKeyDoesNotStopItsPartition(t *testing.T) {
 	require.Equal(t, int64(0), st.Offset)
 	require.Equal(t, 1, s.StalledKeys, "only the stuck key: the others are done")
 	require.Equal(t, int64(0), s.Partitions[0].Committed, "the committed offset stays at the failing head")
-	require.Equal(t, 3, s.Partitions[0].Window, "the window holds only what is not done: the stuck key's three records")
+	require.Equal(t, 3, s.Partitions[0].Window+s.Spilled, "the window holds only what is not done: the stuck key's three records (its two waiting ones may be spilled: it failed while the window was full)")
 	require.Equal(t, 2, s.KeysWaiting)
 	waitFor(t, "the done records in the commit metadata", func() bool {
 		off, meta := f.committed(t, "failing")

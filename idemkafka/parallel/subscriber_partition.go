@@ -78,7 +78,8 @@ type partState struct {
 	skip     []run // done before, per the commit metadata, ascending
 	ready    []*entry
 
-	progress time.Time // the last ack, or when the window last became non-empty
+	progress time.Time     // the last ack, or when the window last became non-empty
+	typical  time.Duration // a head's typical time from release to ack (partState.observe)
 
 	next     int64 // the offset after the last record read
 	highest  int64 // the highest offset handed out, -1 for none
@@ -201,6 +202,9 @@ func (p *partState) acked(e *entry) {
 	}
 	p.settled(e)
 	s.stats.acked++
+	if !e.head.IsZero() {
+		p.observe(time.Since(e.head))
+	}
 	if p.gone {
 		e.state = stateDropped // too late for the final commit
 		return

@@ -3,27 +3,36 @@ package parallel
 import (
 	"cmp"
 	"slices"
+	"time"
 
 	"github.com/IBM/sarama"
 )
 
-// spill drops the payloads of waiting records until a quarter of the
-// window is free, as far as the spill bound allows: those of the key with
-// the most waiting records first (a failing or slow key's backlog), the
-// latest first. They stay in the window (the committed offset and the
-// commit metadata count them as not done) and in their key's chain, but
-// not in PartitionWindow, and are read again from Kafka when they become
-// their key's head. It reports whether it freed room. Called with mu held.
+// spill drops the payloads of waiting records of blocked keys until a
+// quarter of the window is free, as far as the spill bound allows: those
+// of the blocked key with the most waiting records first, the latest
+// first. They stay in the window (the committed offset and the commit
+// metadata count them as not done) and in their key's chain, but not in
+// PartitionWindow, and are read again from Kafka when they become their
+// key's head. A key whose head moves is not spilled: its records would be
+// read twice for nothing, and the window's back-pressure is right for it.
+// Nothing is spilled with OrderPartition (reading on would find only
+// records waiting behind the same head). It reports whether it freed room.
+// Called with mu held.
 func (p *partState) spill() bool {
 	s := p.st.s
+	if s.cfg.Ordering != OrderKey {
+		return false
+	}
 	target := s.cfg.PartitionWindow - max(s.cfg.PartitionWindow/4, 1)
 	limit := spillFactor * s.cfg.PartitionWindow
+	now := time.Now()
 	freed := false
 	for p.undone > target && p.spilled < limit {
 		var key string
 		var most *chain
 		for k, c := range p.chains {
-			if c.held > 0 && (most == nil || c.held > most.held) {
+			if c.held > 0 && (most == nil || c.held > most.held) && p.blocked(c.head, now) {
 				key, most = k, c
 			}
 		}
@@ -45,6 +54,66 @@ func (p *partState) spill() bool {
 		}
 	}
 	return freed
+}
+
+// A head that has not failed counts as slow, and its key as blocked, once
+// it has been its key's head for slowFactor × the partition's typical head
+// time, and at least minSlow (which is all there is before the partition's
+// first ack).
+const (
+	slowFactor = 8
+	minSlow    = 50 * time.Millisecond
+)
+
+// slowAfter is how long a head may take before it counts as slow. Called
+// with mu held.
+func (p *partState) slowAfter() time.Duration { return max(slowFactor*p.typical, minSlow) }
+
+// blocked reports whether head, a key's first record not done, holds its
+// key up: it failed (nacked, backing off, or cannot be unmarshalled), it
+// waits for its NotBeforeFunc time, or it is slow (partState.slowAfter).
+// Called with mu held.
+func (p *partState) blocked(head *entry, now time.Time) bool {
+	switch {
+	case head.state == stateBackoff || head.state == stateHeld || head.state == stateFailed || head.nacks > 0:
+		return true
+	case head.state == stateSpilled:
+		return false
+	}
+	return now.Sub(head.head) > p.slowAfter()
+}
+
+// untilBlocked is how long until the first slow head of a key with waiting
+// records counts as blocked, -1 for none to come. Called with mu held.
+func (p *partState) untilBlocked(now time.Time) time.Duration {
+	if p.st.s.cfg.Ordering != OrderKey || p.spilled >= spillFactor*p.st.s.cfg.PartitionWindow {
+		return -1
+	}
+	wait := time.Duration(-1)
+	for _, c := range p.chains {
+		if c.held == 0 || c.head.state != stateReady && c.head.state != stateInFlight {
+			continue
+		}
+		d := max(c.head.head.Add(p.slowAfter()).Sub(now), 0) + time.Millisecond
+		if wait < 0 || d < wait {
+			wait = d
+		}
+	}
+	return wait
+}
+
+// observe folds d, the time a head took from its release to its ack, into
+// the partition's typical head time: a moving average in which no sample
+// counts for more than 4 × the average, so that one slow key does not make
+// itself typical. Called with mu held.
+func (p *partState) observe(d time.Duration) {
+	if p.typical <= 0 {
+		p.typical = max(d, time.Microsecond)
+		return
+	}
+	d = min(d, 4*p.typical)
+	p.typical += (d - p.typical) / 16
+	p.typical = max(p.typical, time.Microsecond)
 }
 
 // refetch queues e, a spilled record that became its key's head, to be
@@ -123,6 +192,7 @@ func (p *partState) refilled(pass *refillPass, m *sarama.ConsumerMessage) (over 
 			e.m = m
 			p.spilled--
 			s.stats.spilled--
+			s.stats.refetched++
 			p.undone++
 			if isHead {
 				p.waiting--

@@ -15,6 +15,7 @@ import (
 type counters struct {
 	inflight, waiting, held, spilled int
 	acked, nacked, skipped, sessions uint64
+	refetched                        uint64
 	commitsRefused                   uint64
 	lastCommitRefusal                error
 }
@@ -36,6 +37,9 @@ type SubscriberStats struct {
 	// Kafka when they become their key's head (at most 64 ×
 	// PartitionWindow per partition).
 	Spilled int
+	// Refetched counts the spilled records read again from Kafka (each
+	// was read twice): with Spilled, what a blocked key's backlog costs.
+	Refetched uint64
 	// Acked and Nacked count the acks and nacks since NewSubscriber.
 	Acked, Nacked uint64
 	// Skipped counts the records not handed out because the commit
@@ -140,7 +144,7 @@ func (s *Subscriber) Stats() SubscriberStats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := SubscriberStats{
-		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.waiting, Held: s.stats.held, Spilled: s.stats.spilled,
+		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.waiting, Held: s.stats.held, Spilled: s.stats.spilled, Refetched: s.stats.refetched,
 		Acked: s.stats.acked, Nacked: s.stats.nacked, Skipped: s.stats.skipped, Sessions: s.stats.sessions,
 		CommitsRefused: s.stats.commitsRefused, LastCommitRefusal: s.stats.lastCommitRefusal,
 	}
