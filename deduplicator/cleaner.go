@@ -476,15 +476,15 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 // sweepLeases deletes the leases that expired before cutoff; a plan counts
 // them.
 func (c *Cleaner) sweepLeases(ctx context.Context, conn *pgx.Conn, cutoff time.Time) (int64, error) {
-	q := newLeaseSQL(c.cfg.Schema, c.cfg.Table)
+	l := ident.Quote(c.cfg.Schema, c.cfg.Table+"_lease")
 	if c.plan {
 		var n int64
-		if err := conn.QueryRow(ctx, q.sweepCount, cutoff).Scan(&n); err != nil {
+		if err := conn.QueryRow(ctx, "SELECT count(*) FROM "+l+" WHERE expires_at < $1", cutoff).Scan(&n); err != nil {
 			return 0, fmt.Errorf("cleaner: count long-expired leases: %w", err)
 		}
 		return n, nil
 	}
-	tag, err := conn.Exec(ctx, q.sweep, cutoff)
+	tag, err := conn.Exec(ctx, "DELETE FROM "+l+" WHERE expires_at < $1", cutoff)
 	if err != nil {
 		return 0, fmt.Errorf("cleaner: delete long-expired leases: %w", err)
 	}

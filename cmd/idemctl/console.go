@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -43,7 +44,7 @@ type overviewJSON struct {
 	Outbox jsonBacklog    `json:"outbox"`
 	Parked jsonParked     `json:"parked"`
 	// Leases are lease mode's (idem.Config.Lease), null when unreadable.
-	Leases *deduplicator.LeaseSummary `json:"leases"`
+	Leases *leasesql.Summary `json:"leases"`
 	// Kafka is null without --brokers.
 	Kafka  *kafkaJSON        `json:"kafka"`
 	Errors map[string]string `json:"errors"`
@@ -108,7 +109,7 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 	} else {
 		out.Outbox = bl
 	}
-	if ls, err := deduplicator.SummarizeLeases(ctx, c.pool, c.table); err != nil {
+	if ls, err := leasesql.Summarize(ctx, c.pool, c.table.Schema, c.table.Table); err != nil {
 		fail("leases", err)
 	} else {
 		out.Leases = &ls
@@ -317,7 +318,7 @@ const leasesPageLimit = 200
 // leasesJSON is the leases page and /api/leases: the shape of idemctl
 // dedup leases --json.
 type leasesJSON struct {
-	Leases []deduplicator.Lease `json:"leases"`
+	Leases []leasesql.Lease `json:"leases"`
 }
 
 // leases lists lease mode's leases, oldest taken first.
@@ -326,12 +327,12 @@ func (c *console) leases(ctx context.Context) (leasesJSON, error) {
 	if err != nil {
 		return leasesJSON{}, err
 	}
-	ls, err := deduplicator.ListLeases(ctx, c.pool, tc, deduplicator.LeaseFilter{Limit: leasesPageLimit})
+	ls, err := leasesql.List(ctx, c.pool, tc.Schema, tc.Table, leasesql.Filter{Limit: leasesPageLimit})
 	if err != nil {
 		return leasesJSON{}, err
 	}
 	if ls == nil {
-		ls = []deduplicator.Lease{}
+		ls = []leasesql.Lease{}
 	}
 	return leasesJSON{Leases: ls}, nil
 }
@@ -346,7 +347,7 @@ func (c *console) release(ctx context.Context, eventID, group string) (string, e
 	if err != nil {
 		return "", err
 	}
-	ok, err := deduplicator.ReleaseLeaseOf(ctx, c.pool, tc, id, group)
+	ok, err := leasesql.ForceRelease(ctx, c.pool, tc.Schema, tc.Table, id, group)
 	if err != nil {
 		return "", err
 	}
