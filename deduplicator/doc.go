@@ -32,9 +32,9 @@
 //
 // [Check] verifies a live table (a [*migrate.TableError] names the problem and the
 // fix); [ConvertTable] converts a table keyed otherwise. A [Cleaner] keeps
-// the table bounded; the retention is recorded with the table
-// ([SetRetention], [RecordedRetention]). [Groups], [RenameGroup],
-// [ForgetGroup] and [Inspect] are the operator's tools (idemctl is built on
-// them). docs/retention.md, docs/operations.md and
+// the table bounded; the retention is recorded with the table (idemctl
+// retention show and set read and change it). Listing, renaming and
+// forgetting consumer groups and the table's catalog view are the
+// operator's: idemctl groups, dedup stats and serve. docs/retention.md, docs/operations.md and
 // docs/guarantees.md explain the rules and their reasons.
 package deduplicator

@@ -1,6 +1,10 @@
 package deduplicator
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
+)
 
 // The errors of this package; match them with errors.Is.
 var (
@@ -14,7 +18,7 @@ var (
 	// [*migrate.TableError].
 
 	// ErrTableMissing: the table does not exist (or is not a table).
-	ErrTableMissing = errors.New("deduplicator: processed_event table does not exist")
+	ErrTableMissing = dedupsql.ErrTableMissing
 	// ErrTableKey: the rows are not keyed by (event_id, consumer_group)
 	// alone: another primary key, another unique key or exclusion
 	// constraint claims would also conflict on, or partitions not keyed on
@@ -31,7 +35,7 @@ var (
 	// ErrRetentionMismatch is returned when a configured [TableConfig.Retention]
 	// differs from the one recorded with the table. Every component reads the
 	// recorded retention, so the stale rule and the Cleaner cannot disagree;
-	// change it with [SetRetention].
+	// change it with idemctl retention set.
 	ErrRetentionMismatch = errors.New("deduplicator: retention does not match the table's recorded retention")
 
 	// ErrCleanerTimeout is returned (wrapped, with the server's error) when
@@ -51,10 +55,8 @@ var (
 	// for the group: the downstream keys of every event would change, and
 	// a provider would apply a call a second time.
 	ErrNamespaceMismatch = errors.New("deduplicator: idempotency namespace does not match the one recorded for the consumer group")
-	// ErrGroupExists is returned by [RenameGroup] when the new name is
-	// already registered or holds claims.
-	ErrGroupExists = errors.New("deduplicator: consumer group already exists")
-	// ErrGroupNotFound is returned by [RenameGroup] and [ForgetGroup] for a
-	// group that is not registered.
-	ErrGroupNotFound = errors.New("deduplicator: consumer group not registered")
+	// ErrGroupNotFound is returned by [Deduplicator.CheckStale] for a group
+	// not registered (call [Deduplicator.Register] first), and by idemctl
+	// groups rename and forget for a group that is not registered.
+	ErrGroupNotFound = dedupsql.ErrGroupNotFound
 )

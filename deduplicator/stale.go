@@ -71,7 +71,7 @@ type staleState struct {
 // readHorizon reads the table's recorded retention and cleanup horizon and
 // the group's first-seen time; the group must be registered. It follows
 // the table: a configured TableConfig.Retention is checked by Register at
-// start-up, not here, so a running consumer adopts a [SetRetention] change.
+// start-up, not here, so a running consumer adopts a changed retention (idemctl retention set).
 func (d *Deduplicator) readHorizon(ctx context.Context, db migrate.DBTX) (horizon, error) {
 	s, err := readSetting(ctx, db, d.cfg.TableConfig)
 	if err != nil {
@@ -81,7 +81,7 @@ func (d *Deduplicator) readHorizon(ctx context.Context, db migrate.DBTX) (horizo
 	if err != nil {
 		return horizon{}, err
 	}
-	h := horizon{retention: s.retention, cleanedBefore: s.cleanedBefore, groupFirstSeen: first, readAt: time.Now()}
+	h := horizon{retention: s.Retention, cleanedBefore: s.CleanedBefore, groupFirstSeen: first, readAt: time.Now()}
 	if d.cfg.StaleMargin >= h.retention {
 		return horizon{}, fmt.Errorf("invalid config: StaleMargin: %s must be shorter than the table's retention (%s)", d.cfg.StaleMargin, h.retention)
 	}
@@ -107,8 +107,8 @@ func (d *Deduplicator) loadHorizon(ctx context.Context, db migrate.DBTX) error {
 }
 
 // currentHorizon returns the kept horizon, re-reading it on db when it is
-// older than RetentionRefreshInterval: a retention changed with
-// SetRetention reaches running consumers within that interval, which is
+// older than RetentionRefreshInterval: a retention changed with idemctl
+// retention set reaches running consumers within that interval, which is
 // what lets the Cleaner apply a shortening safely.
 func (d *Deduplicator) currentHorizon(ctx context.Context, db migrate.Beginner) (horizon, error) {
 	if h := d.stale.h.Load(); h != nil && time.Since(h.readAt) < RetentionRefreshInterval {

@@ -103,7 +103,7 @@ type Config struct {
 	// IdempotencyNamespace is mixed into the keys of named operations
 	// ([IdempotencyKey]) in place of the group's name. It is recorded with
 	// the group at its first start and kept from then on, also across a
-	// rename (deduplicator.RenameGroup), so a downstream provider always
+	// rename (idemctl groups rename), so a downstream provider always
 	// sees the same key for the same call. Defaults to "": the recorded
 	// namespace, which is ConsumerGroup for a new group. A value that
 	// differs from the recorded one is refused (ErrNamespaceMismatch).

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -66,11 +67,12 @@ func TestEdgeGroupNameUnstorableRefused(t *testing.T) {
 		_, err = deduplicator.New(dcfg, nil)
 		requireGroupNameError(t, err, "ConsumerGroup", "deduplicator.New")
 
-		_, _, err = deduplicator.RenameGroup(ctx, f.pool, table, "billing", bad)
+		// idemctl groups rename and forget (and the console) check names so.
+		_, _, err = dedupsql.RenameGroup(ctx, f.pool, table.Schema, table.Table, "billing", bad, deduplicator.ValidateGroupName)
 		requireGroupNameError(t, err, "to", "RenameGroup to")
-		_, _, err = deduplicator.RenameGroup(ctx, f.pool, table, bad, "billing3")
+		_, _, err = dedupsql.RenameGroup(ctx, f.pool, table.Schema, table.Table, bad, "billing3", deduplicator.ValidateGroupName)
 		requireGroupNameError(t, err, "from", "RenameGroup from")
-		_, err = deduplicator.ForgetGroup(ctx, f.pool, table, bad)
+		_, err = dedupsql.ForgetGroup(ctx, f.pool, table.Schema, table.Table, bad, deduplicator.ValidateGroupName)
 		requireGroupNameError(t, err, "group", "ForgetGroup")
 		_, err = deduplicator.ConvertTable(ctx, f.pool, table, deduplicator.ConvertOptions{ConsumerGroup: bad})
 		requireGroupNameError(t, err, "ConvertOptions.ConsumerGroup", "ConvertTable")
@@ -83,7 +85,7 @@ func TestEdgeGroupNameUnstorableRefused(t *testing.T) {
 		_, err = retrytopic.SummarizeParked(ctx, f.pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, bad)
 		requireGroupNameError(t, err, "consumerGroup", "SummarizeParked")
 	}
-	groups, err := deduplicator.Groups(ctx, f.pool, table)
+	groups, err := dedupsql.Groups(ctx, f.pool, table.Schema, table.Table)
 	require.NoError(t, err)
 	require.Len(t, groups, 1, "only billing is registered")
 	require.Equal(t, "billing", groups[0].Name)

@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -111,7 +112,7 @@ func TestStaleGuardFollowsConfiguredRetention(t *testing.T) {
 	f := newStaleFixture(t, deduplicator.LayoutPlain)
 	now := time.Now()
 	// A DLQ-replayed topic: 30 days of retention, 2 hours of margin.
-	require.NoError(t, deduplicator.SetRetention(context.Background(), f.db.Pool, f.table, 30*24*time.Hour))
+	require.NoError(t, dedupsql.SetRetention(context.Background(), f.db.Pool, f.table.Schema, f.table.Table, 30*24*time.Hour))
 	h := f.handler(t, idem.Config{StaleMargin: 2 * time.Hour, NowFunc: func() time.Time { return now }}, nil)
 	_, err := h(staleMsg(staleIDAt(now.Add(-20 * 24 * time.Hour))))
 	require.NoError(t, err)
@@ -198,7 +199,7 @@ func TestReplayHorizonLongerThanRetentionIsLogged(t *testing.T) {
 
 	quiet := &staleLogCapture{}
 	f.handler(t, idem.Config{ReplayHorizon: 24 * time.Hour}, quiet)
-	require.NoError(t, deduplicator.SetRetention(context.Background(), f.db.Pool, f.table, 30*24*time.Hour))
+	require.NoError(t, dedupsql.SetRetention(context.Background(), f.db.Pool, f.table.Schema, f.table.Table, 30*24*time.Hour))
 	f.handler(t, idem.Config{ReplayHorizon: 14 * 24 * time.Hour}, quiet)
 	require.Empty(t, quiet.info)
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
@@ -92,11 +93,11 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 		Parked: jsonParked{[]jsonParkedGroup{}, []jsonParkedKey{}}, Errors: map[string]string{}}
 	fail := func(part string, err error) { out.Errors[part] = consoleError(err) }
 
-	if info, err := deduplicator.Inspect(ctx, c.pool, c.table); err != nil {
+	if info, err := dedupsql.Inspect(ctx, c.pool, c.table.Schema, c.table.Table); err != nil {
 		fail("dedup", err)
 	} else {
 		out.Dedup = toDedupOverview(info)
-		if gs, err := deduplicator.Groups(ctx, c.pool, c.table); err != nil {
+		if gs, err := dedupsql.Groups(ctx, c.pool, c.table.Schema, c.table.Table); err != nil {
 			fail("groups", err)
 		} else {
 			for _, g := range gs {
@@ -129,9 +130,9 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 	return out
 }
 
-// toDedupOverview is the overview's part of deduplicator.Inspect.
-func toDedupOverview(info *deduplicator.TableInfo) *dedupOverview {
-	d := &dedupOverview{Schema: info.Schema, Table: info.Table, Layout: info.Layout.String(), RowsEstimate: info.RowsEstimate, Bytes: info.Bytes,
+// toDedupOverview is the overview's part of dedupsql.Inspect.
+func toDedupOverview(info *dedupsql.TableInfo) *dedupOverview {
+	d := &dedupOverview{Schema: info.Schema, Table: info.Table, Layout: info.Layout, RowsEstimate: info.RowsEstimate, Bytes: info.Bytes,
 		RetentionSeconds: info.Retention.Seconds(), Partitions: []jsonPartition{}}
 	if !info.CleanedBefore.IsZero() {
 		d.LastCleaned = jsonTime(info.CleanedBefore.Add(info.Retention))
@@ -277,11 +278,11 @@ func (c *console) group(ctx context.Context, name string) (*groupJSON, error) {
 	if err != nil {
 		return nil, err
 	}
-	retention, err := deduplicator.RecordedRetention(ctx, c.pool, tc)
+	retention, err := recordedRetention(ctx, c.pool, tc)
 	if err != nil {
 		return nil, err
 	}
-	gs, err := deduplicator.Groups(ctx, c.pool, tc)
+	gs, err := dedupsql.Groups(ctx, c.pool, tc.Schema, tc.Table)
 	if err != nil {
 		return nil, err
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -188,8 +189,8 @@ func (c *Collector) AddParked(db migrate.DBTX, table retrytopic.ParkedKeysTable,
 	c.parked = append(c.parked, parkedSource{db: db, table: table, group: group})
 }
 
-// AddTable exports the dedup table named by cfg as deduplicator.Inspect
-// reads it from the catalog at each scrape (bounded by [backlogTimeout];
+// AddTable exports the dedup table named by cfg, read from the catalog
+// and the table's recorded setting at each scrape (bounded by [backlogTimeout];
 // no row of the table is read): its estimated rows, its size, its
 // retention, its partitions and when the Cleaner last ran, with the label
 // table=schema.table. Alert on the last clean: a Cleaner that stopped lets
@@ -363,11 +364,20 @@ func (e emitter) parked(parked []parkedSource) {
 	}
 }
 
+// inspect reads the dedup table t names from the catalog, after checking
+// its names.
+func inspect(ctx context.Context, t tableSource) (*dedupsql.TableInfo, error) {
+	if err := t.cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return dedupsql.Inspect(ctx, t.db, t.cfg.Schema, t.cfg.Table)
+}
+
 // tables emits each dedup table's size, retention and cleaning, read now.
 func (e emitter) tables(tables []tableSource) {
 	for _, t := range tables {
 		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
-		info, err := deduplicator.Inspect(ctx, t.db, t.cfg)
+		info, err := inspect(ctx, t)
 		cancel()
 		if err != nil {
 			e <- prometheus.NewInvalidMetric(descTableBytes, err)
