@@ -17,6 +17,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -80,9 +81,9 @@ func TestEdgeGroupNameUnstorableRefused(t *testing.T) {
 		rcfg := retrytopic.Config{Publisher: pub, Topics: []string{"orders-retry"}, PoisonTopic: "orders-poison",
 			KeyOrder: &retrytopic.KeyOrder{DB: f.pool, Outbox: handoff, ConsumerGroup: bad}}
 		requireGroupNameError(t, rcfg.Validate(), "KeyOrder.ConsumerGroup", "retrytopic KeyOrder")
-		_, err = retrytopic.ParkedKeys(ctx, f.pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, bad, 0)
+		_, err = parkedsql.Keys(ctx, f.pool, f.db.Schema, "", bad, 0, deduplicator.ValidateGroupName)
 		requireGroupNameError(t, err, "consumerGroup", "ParkedKeys")
-		_, err = retrytopic.SummarizeParked(ctx, f.pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, bad)
+		_, err = parkedsql.Summarize(ctx, f.pool, f.db.Schema, "", bad, deduplicator.ValidateGroupName)
 		requireGroupNameError(t, err, "consumerGroup", "SummarizeParked")
 	}
 	groups, err := dedupsql.Groups(ctx, f.pool, table.Schema, table.Table)

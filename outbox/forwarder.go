@@ -134,7 +134,7 @@ const maxStartupBackoff = 30 * time.Second
 // A topic whose position was not written on the running cluster (restored
 // from a dump, or moved to a logically replicated copy) stops every topic:
 // Run returns its [*PositionError], at start-up or while it runs, and
-// forwards nothing until [Outbox.Reposition] has reset the position.
+// forwards nothing until idemctl outbox reposition has reset the position.
 //
 // It starts by checking the topics' tables and registering the forwarder's
 // position in each; while that fails (the database is down or refuses the

@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -115,7 +116,7 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 	} else {
 		out.Leases = &ls
 	}
-	if sum, err := retrytopic.SummarizeParked(ctx, c.pool, c.parked, ""); err != nil {
+	if sum, err := parkedsql.Summarize(ctx, c.pool, c.parked.Schema, c.parked.Table, "", deduplicator.ValidateGroupName); err != nil {
 		fail("parked", err)
 	} else {
 		out.Parked = toJSONParked(sum, nil)
@@ -170,11 +171,11 @@ func (c *console) backlog(ctx context.Context) (jsonBacklog, error) {
 
 // parkedPage is the parked-keys page and /api/parked: retry parked --json.
 func (c *console) parkedKeys(ctx context.Context, group string, limit int) (jsonParked, error) {
-	sum, err := retrytopic.SummarizeParked(ctx, c.pool, c.parked, group)
+	sum, err := parkedsql.Summarize(ctx, c.pool, c.parked.Schema, c.parked.Table, group, deduplicator.ValidateGroupName)
 	if err != nil {
 		return jsonParked{}, err
 	}
-	keys, err := retrytopic.ParkedKeys(ctx, c.pool, c.parked, group, limit)
+	keys, err := parkedsql.Keys(ctx, c.pool, c.parked.Schema, c.parked.Table, group, limit, deduplicator.ValidateGroupName)
 	if err != nil {
 		return jsonParked{}, err
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -181,7 +182,7 @@ func (c *Collector) AddRetryTopic(group string, rt *retrytopic.RetryTopic) {
 // AddParked exports the parked keys of retrytopic.KeyOrder in table (of
 // group only, unless ""): their number, events, longest queue, the age of
 // the oldest and how long a first event's copy is overdue
-// (retrytopic.SummarizeParked), queried from db at each scrape (bounded by
+// (as idemctl retry parked sums them up), queried from db at each scrape (bounded by
 // [backlogTimeout]).
 func (c *Collector) AddParked(db migrate.DBTX, table retrytopic.ParkedKeysTable, group string) {
 	c.mu.Lock()
@@ -345,14 +346,14 @@ func (e emitter) retries(retries []retrySource) {
 func (e emitter) parked(parked []parkedSource) {
 	for _, p := range parked {
 		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
-		sum, err := retrytopic.SummarizeParked(ctx, p.db, p.table, p.group)
+		sum, err := parkedsql.Summarize(ctx, p.db, p.table.Schema, p.table.Table, p.group, deduplicator.ValidateGroupName)
 		cancel()
 		if err != nil {
 			e <- prometheus.NewInvalidMetric(descParkedKeys, err)
 			continue
 		}
 		if len(sum) == 0 && p.group != "" {
-			sum = []retrytopic.ParkedSummary{{ConsumerGroup: p.group}}
+			sum = []parkedsql.Summary{{ConsumerGroup: p.group}}
 		}
 		for _, s := range sum {
 			e.gauge(descParkedKeys, float64(s.Keys), s.ConsumerGroup)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -32,9 +33,9 @@ const (
 	defaultJitter = 0.2
 	// NoJitter, as [Backoff.Jitter], turns the jitter off (0 means the default).
 	NoJitter      = -1.0
-	defaultSchema = "public"
+	defaultSchema = parkedsql.DefaultSchema
 	// defaultTable names the parked-keys table of [KeyOrder].
-	defaultTable = "retry_parked_key"
+	defaultTable = parkedsql.DefaultTable
 	// defaultOverdueAfter is [KeyOrder.OverdueAfter].
 	defaultOverdueAfter = 2 * time.Minute
 )
