@@ -85,7 +85,7 @@ func (c *console) topics(ctx context.Context) ([]string, error) {
 	if len(c.outbox.Topics) > 0 {
 		return c.outbox.Topics, nil
 	}
-	return outbox.RecordedTopics(ctx, c.pool, c.outbox)
+	return recordedTopics(ctx, c.pool, c.outbox)
 }
 
 func (c *console) overview(ctx context.Context) *overviewJSON {
