@@ -8,8 +8,9 @@ import (
 
 // The errors of this package; match them with errors.Is.
 var (
-	// ErrStaleEvent is the reason of a [*StaleEventError]: the event's UUIDv7
-	// time is older than the dedup retention (or the Cleaner's cutoff), so its
+	// ErrStaleEvent is wrapped by the error [Deduplicator.CheckStale]
+	// returns for a stale event (its message names the event, its time and
+	// the limits it passed): the event's UUIDv7 time is older than the dedup retention (or the Cleaner's cutoff), so its
 	// claim may be gone and [Deduplicator.CheckStale] cannot vouch that it was
 	// not applied before. It is permanent: route it to a poison queue.
 	ErrStaleEvent = errors.New("event is older than the dedup retention")

@@ -14,23 +14,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// StaleEventError refuses an event whose claim the Cleaner may have
-// deleted. Unwrap returns [ErrStaleEvent].
-type StaleEventError struct {
-	// EventID is the refused event's id.
-	EventID uuid.UUID
-	// Detail names the event's time, the limits it passed and the group's
-	// first-seen time.
-	Detail string
-}
-
-func (e *StaleEventError) Error() string {
-	return ErrStaleEvent.Error() + ": " + e.EventID.String() + ": " + e.Detail
-}
-
-// Unwrap returns ErrStaleEvent.
-func (e *StaleEventError) Unwrap() error { return ErrStaleEvent }
-
 // horizon is what the stale rule needs to know about the table: which
 // events may have lost their claim to the Cleaner.
 type horizon struct {
@@ -127,7 +110,8 @@ func (d *Deduplicator) currentHorizon(ctx context.Context, db migrate.Beginner) 
 }
 
 // CheckStale applies the stale rule to a UUIDv7 event id at now: it
-// returns a [*StaleEventError] when the event's claim may have been deleted
+// returns an error wrapping [ErrStaleEvent] when the event's claim may have
+// been deleted
 // by the Cleaner, so that a redelivery could apply it again unnoticed. That
 // is an event older than the table's retention minus [Config.StaleMargin],
 // or than the Cleaner's highest cutoff plus the margin, in a consumer group
@@ -162,7 +146,6 @@ func (d *Deduplicator) CheckStale(ctx context.Context, db migrate.Beginner, even
 	if !h.groupFirstSeen.IsZero() {
 		first = h.groupFirstSeen.UTC().Format(time.RFC3339)
 	}
-	return &StaleEventError{EventID: eventID,
-		Detail: fmt.Sprintf("created %s, before %s (retention %s minus margin %s) or the cleanup horizon (%s), and consumer group first seen %s: its claim may have been cleaned",
-			created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), h.retention, margin, cleaned, first)}
+	return fmt.Errorf("%w: %s: created %s, before %s (retention %s minus margin %s) or the cleanup horizon (%s), and consumer group first seen %s: its claim may have been cleaned",
+		ErrStaleEvent, eventID, created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), h.retention, margin, cleaned, first)
 }
