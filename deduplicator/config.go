@@ -73,7 +73,7 @@ type Config struct {
 	// ConsumerGroup is the second half of the dedup key: the same event is
 	// applied once per group. Required; use the Kafka consumer group. A
 	// name PostgreSQL cannot store (a NUL byte, invalid UTF-8) is refused
-	// with a *[GroupNameError].
+	// with an error wrapping [ErrInvalidGroupName].
 	ConsumerGroup string
 
 	// StaleMargin is subtracted from the table's retention when

@@ -46,7 +46,8 @@ var (
 	// ErrInvalidGroupName is the sentinel of a consumer group name that
 	// PostgreSQL cannot store in a text column: a NUL byte, bytes that are not
 	// valid UTF-8, or (found by the server) a character the database's encoding
-	// cannot represent. It is inside a *[GroupNameError].
+	// cannot represent. The error wrapping it names the field (or argument)
+	// and the name: "ConsumerGroup: \"bill\\x00ing\" contains a NUL byte, ...".
 	ErrInvalidGroupName = errors.New("deduplicator: invalid consumer group name")
 
 	// The errors of the consumer-group registry.
@@ -56,8 +57,4 @@ var (
 	// for the group: the downstream keys of every event would change, and
 	// a provider would apply a call a second time.
 	ErrNamespaceMismatch = errors.New("deduplicator: idempotency namespace does not match the one recorded for the consumer group")
-	// ErrGroupNotFound is returned by [Deduplicator.CheckStale] for a group
-	// not registered (call [Deduplicator.Register] first), and by idemctl
-	// groups rename and forget for a group that is not registered.
-	ErrGroupNotFound = dedupsql.ErrGroupNotFound
 )

@@ -77,7 +77,7 @@ func (d *Deduplicator) groupFirstSeen(ctx context.Context, db migrate.DBTX) (tim
 	var first pgtype.Timestamptz
 	err := db.QueryRow(ctx, "SELECT first_seen_at FROM "+companion(d.cfg.TableConfig, dedupsql.GroupSuffix)+" WHERE consumer_group = $1", d.cfg.ConsumerGroup).Scan(&first)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return time.Time{}, fmt.Errorf("%w: %q (call Register first)", ErrGroupNotFound, d.cfg.ConsumerGroup)
+		return time.Time{}, fmt.Errorf("%w: %q (call Register first)", dedupsql.ErrGroupNotFound, d.cfg.ConsumerGroup)
 	}
 	if err != nil {
 		return time.Time{}, fmt.Errorf("read consumer group %q: %w", d.cfg.ConsumerGroup, notMigrated(err))

@@ -41,7 +41,7 @@ type Config struct {
 	// group). Required, never defaulted: use the Kafka consumer group of the
 	// subscriber, so two services on the same topic each apply an event once.
 	// A name PostgreSQL cannot store (a NUL byte, invalid UTF-8) is refused
-	// with a *deduplicator.GroupNameError (deduplicator.ErrInvalidGroupName).
+	// with an error wrapping deduplicator.ErrInvalidGroupName.
 	ConsumerGroup string
 
 	// Table describes the processed_event table: pass the same value to

@@ -293,5 +293,5 @@ func TestRenameGroupKeepsIdempotencyKeys(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 	_, err = dedupsql.ForgetGroup(ctx, db.Pool, table.Schema, table.Table, "billing-v1", deduplicator.ValidateGroupName)
-	require.ErrorIs(t, err, deduplicator.ErrGroupNotFound)
+	require.ErrorIs(t, err, dedupsql.ErrGroupNotFound)
 }

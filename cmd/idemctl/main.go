@@ -149,7 +149,7 @@ func missingTable(err error) error {
 // something that is not there or not allowed; nothing was changed.
 func isBadInput(err error) bool {
 	for _, target := range []error{
-		deduplicator.ErrGroupNotFound, dedupsql.ErrGroupExists,
+		dedupsql.ErrGroupNotFound, dedupsql.ErrGroupExists,
 		outbox.ErrInvalidTopic, outbox.ErrTopicNotMigrated,
 		retrytopic.ErrKeyNotParked,
 	} {

@@ -119,7 +119,7 @@ func TestRenameAndForgetGroup(t *testing.T) {
 	_, _, err = dedupsql.RenameGroup(ctx, pool, table.Schema, "", "billing-v1", "billing-v2", check)
 	require.ErrorIs(t, err, dedupsql.ErrGroupExists)
 	_, _, err = dedupsql.RenameGroup(ctx, pool, table.Schema, "", "nobody", "billing-v3", check)
-	require.ErrorIs(t, err, deduplicator.ErrGroupNotFound)
+	require.ErrorIs(t, err, dedupsql.ErrGroupNotFound)
 	_, _, err = dedupsql.RenameGroup(ctx, pool, table.Schema, "", "billing-v1", "billing-v1", check)
 	require.ErrorContains(t, err, "two different, non-empty names")
 
@@ -132,7 +132,7 @@ func TestRenameAndForgetGroup(t *testing.T) {
 	require.Len(t, groups, 1)
 	require.Equal(t, "billing-v2", groups[0].Name)
 	_, err = dedupsql.ForgetGroup(ctx, pool, table.Schema, "", "billing-v1", check)
-	require.ErrorIs(t, err, deduplicator.ErrGroupNotFound)
+	require.ErrorIs(t, err, dedupsql.ErrGroupNotFound)
 
 	// The name check runs first: a refused name reaches no statement.
 	refuse := func(field, name string) error { return errors.New(field + " refused") }

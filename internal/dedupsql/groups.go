@@ -12,7 +12,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 )
 
-// The registry's errors; deduplicator.ErrGroupNotFound is ErrGroupNotFound.
+// The registry's errors.
 var (
 	// ErrGroupExists is returned by [RenameGroup] when the new name is
 	// already registered or holds claims.
