@@ -225,7 +225,7 @@ func (f *Forwarder) start(stopCtx context.Context) error {
 		if stopCtx.Err() != nil || errors.Is(err, puddle.ErrClosedPool) {
 			return fmt.Errorf("outbox forwarder: stopped before it could start: %w", err)
 		}
-		if errors.Is(err, ErrPositionFromOtherCluster) {
+		if isPositionError(err) {
 			return err
 		}
 		f.logger.Error("Outbox forwarder cannot start, retrying", err, watermill.LogFields{"attempt": attempt, "retry_in": backoff.String()})

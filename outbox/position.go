@@ -23,9 +23,6 @@ func (f *Forwarder) recreatePosition(ctx context.Context, topic string, logger w
 	return nil
 }
 
-// ErrPositionFromOtherCluster is wrapped by every [*PositionError].
-var ErrPositionFromOtherCluster = errors.New("outbox: position from another cluster")
-
 // PositionError is returned by [Forwarder.Run], [Outbox.Backlog] and
 // [Outbox.DeleteForwarded] when a forwarder's position in a topic was not
 // written on the running PostgreSQL cluster: its system identifier is
@@ -35,7 +32,7 @@ var ErrPositionFromOtherCluster = errors.New("outbox: position from another clus
 // replicated copy, rows written on the new cluster would count as already
 // forwarded (a backlog of 0, rows deleted unsent). idemctl outbox
 // reposition resets the position so that every row still in the table is
-// forwarded again. It wraps [ErrPositionFromOtherCluster].
+// forwarded again. Match it with errors.As.
 type PositionError struct {
 	Topic, Forwarder string
 	// StoredSystemID is the system identifier stored with the position (0
@@ -58,7 +55,12 @@ func (e *PositionError) Error() string {
 		e.Forwarder, e.Topic, what)
 }
 
-func (e *PositionError) Unwrap() error { return ErrPositionFromOtherCluster }
+// isPositionError reports whether err holds a [*PositionError]: a position
+// no retry can fix.
+func isPositionError(err error) bool {
+	var pe *PositionError
+	return errors.As(err, &pe)
+}
 
 // positionError returns err as a *PositionError of topic when it holds an
 // outboxsql.ForeignError, else err.
