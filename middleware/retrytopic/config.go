@@ -87,14 +87,14 @@ func (b Backoff) validate() error {
 	return nil
 }
 
-// Delay returns the delay before retry-topic attempt (1 for the first), with
-// the defaults applied and a random jitter.
-func (b Backoff) Delay(attempt int) time.Duration {
+// randomDelay returns the delay before retry-topic attempt (1 for the
+// first), with the defaults applied and a random jitter.
+func (b Backoff) randomDelay(attempt int) time.Duration {
 	b.setDefaults()
 	return b.delay(attempt, rand.Float64())
 }
 
-// delay is Delay with the random number r in [0, 1) given.
+// delay is randomDelay with the random number r in [0, 1) given.
 func (b Backoff) delay(attempt int, r float64) time.Duration {
 	if attempt < 1 {
 		attempt = 1

@@ -185,7 +185,7 @@ func copyFor(msg *message.Message) *message.Message {
 func (r *RetryTopic) escalate(ctx context.Context, msg *message.Message, o origin, pk *parking, cause error) error {
 	next := o
 	next.attempt = o.attempt + 1
-	next.notBefore = r.cfg.NowFunc().Add(r.cfg.Backoff.Delay(next.attempt))
+	next.notBefore = r.cfg.NowFunc().Add(r.cfg.Backoff.randomDelay(next.attempt))
 	topic := r.cfg.topic(next.attempt)
 	c := copyFor(msg)
 	next.set(c.Metadata, cause)
