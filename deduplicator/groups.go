@@ -36,13 +36,8 @@ func companion(cfg TableConfig, suffix string) string {
 	return dedupsql.Companion(cfg.Schema, cfg.Table, suffix)
 }
 
-// withDefaults applies and checks cfg's defaults for the functions that take
-// a TableConfig.
-func withDefaults(cfg TableConfig) (TableConfig, error) {
-	cfg.setDefaults()
-	return cfg, cfg.validate()
-}
-
+// readSetting reads the table's recorded retention state; a missing table is
+// a [*migrate.TableError] wrapping [ErrTableMissing].
 func readSetting(ctx context.Context, db migrate.DBTX, cfg TableConfig) (dedupsql.Setting, error) {
 	st, err := dedupsql.ReadSetting(ctx, db, cfg.Schema, cfg.Table)
 	if err != nil {
