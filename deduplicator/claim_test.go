@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -228,4 +229,18 @@ func TestNewValidatesConfig(t *testing.T) {
 	require.NoError(t, deduplicator.TableConfig{Table: strings.Repeat("t", 55)}.Validate())
 	_, err = deduplicator.New(deduplicator.Config{ConsumerGroup: "g"}, nil)
 	require.NoError(t, err)
+}
+
+// CheckStale needs the group's registration (the middleware registers at
+// start-up): without it, it refuses to guess and says so.
+func TestCheckStaleNeedsTheGroupRegistered(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, d := claimDB(t, "billing")
+	err := d.CheckStale(ctx, db.Pool, publisher.NewEventID(), time.Now())
+	require.ErrorIs(t, err, dedupsql.ErrGroupNotFound)
+	require.ErrorContains(t, err, "call Register first")
+	_, err = d.Register(ctx, db.Pool, "")
+	require.NoError(t, err)
+	require.NoError(t, d.CheckStale(ctx, db.Pool, publisher.NewEventID(), time.Now()))
 }

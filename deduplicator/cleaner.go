@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
@@ -433,23 +434,23 @@ func (c *Cleaner) clock(ctx context.Context, conn *pgx.Conn, res *Result) (time.
 // registry again), and records the
 // pass's cutoff as the table's cleanup horizon before anything is deleted.
 // It refuses ([ErrRetentionMismatch]) a configured retention that differs
-// from the recorded one. After a shortening ([SetRetention]) it applies the
+// from the recorded one. After a shortening (idemctl retention set) it applies the
 // previous, longer retention until every running consumer has re-read the
 // new one (2 × [RetentionRefreshInterval]).
 func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) (time.Duration, []string, error) {
 	s, err := readSetting(ctx, conn, c.cfg.TableConfig)
 	if err == nil {
-		err = s.check(c.cfg.TableConfig)
+		err = checkRetention(s, c.cfg.TableConfig)
 	}
 	if err != nil {
 		return 0, nil, fmt.Errorf("cleaner: %w", err)
 	}
-	retention := s.retention
-	if effective := s.updatedAt.Add(2 * RetentionRefreshInterval); s.previous > retention && now.Before(effective) {
+	retention := s.Retention
+	if effective := s.UpdatedAt.Add(2 * RetentionRefreshInterval); s.Previous > retention && now.Before(effective) {
 		c.logger.Info("Retention was shortened: applying the previous one until every consumer has re-read it", watermill.LogFields{
-			"retention": s.retention.String(), "previous_retention": s.previous.String(), "effective_from": effective,
+			"retention": s.Retention.String(), "previous_retention": s.Previous.String(), "effective_from": effective,
 		})
-		retention = s.previous
+		retention = s.Previous
 	}
 	gs, err := groups(ctx, conn, c.cfg.TableConfig)
 	if err != nil {
@@ -466,7 +467,7 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 	}
 	// Consumers read it (the stale rule, CheckStale): after a lengthening, the
 	// claims of events before it stay gone, and the guard keeps refusing them.
-	if _, err := conn.Exec(ctx, "UPDATE "+companion(c.cfg.TableConfig, settingSuffix)+
+	if _, err := conn.Exec(ctx, "UPDATE "+companion(c.cfg.TableConfig, dedupsql.SettingSuffix)+
 		" SET cleaned_before = greatest(coalesce(cleaned_before, '-infinity'), $1)", now.Add(-retention)); err != nil {
 		return 0, nil, fmt.Errorf("cleaner: record cleanup horizon: %w", err)
 	}
@@ -476,15 +477,15 @@ func (c *Cleaner) retention(ctx context.Context, conn *pgx.Conn, now time.Time) 
 // sweepLeases deletes the leases that expired before cutoff; a plan counts
 // them.
 func (c *Cleaner) sweepLeases(ctx context.Context, conn *pgx.Conn, cutoff time.Time) (int64, error) {
-	q := newLeaseSQL(c.cfg.Schema, c.cfg.Table)
+	l := ident.Quote(c.cfg.Schema, c.cfg.Table+"_lease")
 	if c.plan {
 		var n int64
-		if err := conn.QueryRow(ctx, q.sweepCount, cutoff).Scan(&n); err != nil {
+		if err := conn.QueryRow(ctx, "SELECT count(*) FROM "+l+" WHERE expires_at < $1", cutoff).Scan(&n); err != nil {
 			return 0, fmt.Errorf("cleaner: count long-expired leases: %w", err)
 		}
 		return n, nil
 	}
-	tag, err := conn.Exec(ctx, q.sweep, cutoff)
+	tag, err := conn.Exec(ctx, "DELETE FROM "+l+" WHERE expires_at < $1", cutoff)
 	if err != nil {
 		return 0, fmt.Errorf("cleaner: delete long-expired leases: %w", err)
 	}

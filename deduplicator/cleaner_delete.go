@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
@@ -39,7 +40,7 @@ func (c *Cleaner) deleteV7(ctx context.Context, conn *pgx.Conn, table string, bo
 	// UPDATE: claims never lock existing rows (ON CONFLICT DO NOTHING does
 	// not), and locking would write every tuple twice.
 	old := `get_byte(uuid_send(b.event_id), 6) >> 4 = 7 AND NOT EXISTS (
-		SELECT 1 FROM ` + companion(c.cfg.TableConfig, groupSuffix) + ` g WHERE g.consumer_group = b.consumer_group AND g.first_seen_at > $5)`
+		SELECT 1 FROM ` + companion(c.cfg.TableConfig, dedupsql.GroupSuffix) + ` g WHERE g.consumer_group = b.consumer_group AND g.first_seen_at > $5)`
 	del := `DELETE FROM ` + table + ` WHERE ctid = ANY (ARRAY (SELECT b.ctid FROM batch b WHERE ` + old + `))
 	RETURNING 1`
 	if c.plan {

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -133,8 +134,9 @@ func TestCleanerRacesNewGroup(t *testing.T) {
 func raceNewGroup(t *testing.T, layout Layout, pause racePause) {
 	ctx := context.Background()
 	r := newRaceTable(t, layout)
-	ret, err := RecordedRetention(ctx, r.db.Pool, r.tc)
+	st, err := dedupsql.ReadSetting(ctx, r.db.Pool, r.tc.Schema, r.tc.Table)
 	require.NoError(t, err)
+	ret := st.Retention
 	r.veteran("veteran")
 	r.register("young") // first seen now: young during the whole pass
 
@@ -263,7 +265,7 @@ func TestCleanerShorteningUnderClockSkew(t *testing.T) {
 				r.db.Exec(t, "UPDATE "+r.tc.Table+"_setting SET retention = interval '30 days', previous_retention = NULL, updated_at = now() - interval '1 day'")
 				id := v7At(r.now.Add(-20*day + skew))
 				r.apply("billing", id)
-				require.NoError(t, SetRetention(ctx, r.db.Pool, r.tc, 7*day))
+				require.NoError(t, dedupsql.SetRetention(ctx, r.db.Pool, r.tc.Schema, r.tc.Table, 7*day))
 
 				c, err := NewCleaner(CleanerConfig{TableConfig: r.tc, DB: r.db.Pool}, nil)
 				require.NoError(t, err)

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 )
 
@@ -28,7 +29,7 @@ type TableConfig struct {
 	// creates the table (this field, or [DefaultRetention] when zero); the
 	// middleware's stale guard and the [Cleaner] read it. A non-zero value
 	// that differs from the recorded one is refused with
-	// [ErrRetentionMismatch]: change it with [SetRetention]. Topics replayed
+	// [ErrRetentionMismatch]: change it with idemctl retention set. Topics replayed
 	// from a dead-letter queue need the longest replay delay plus a margin
 	// (30 days is common). Defaults to 0: use the recorded retention.
 	Retention time.Duration
@@ -47,7 +48,7 @@ func (c TableConfig) Validate() error {
 
 // maxTableLen keeps the companion tables' names (<table>_setting,
 // <table>_group) within PostgreSQL's 63 bytes.
-const maxTableLen = 63 - len(settingSuffix)
+const maxTableLen = 63 - len(dedupsql.SettingSuffix)
 
 func (c TableConfig) validate() error {
 	if err := ident.Validate("Schema", c.Schema); err != nil {
@@ -57,7 +58,7 @@ func (c TableConfig) validate() error {
 		return err
 	}
 	if len(c.Table) > maxTableLen {
-		return fmt.Errorf("Table: %q is longer than %d bytes, too long for its companion table %s%s", c.Table, maxTableLen, c.Table, settingSuffix)
+		return fmt.Errorf("Table: %q is longer than %d bytes, too long for its companion table %s%s", c.Table, maxTableLen, c.Table, dedupsql.SettingSuffix)
 	}
 	if c.Retention < 0 {
 		return errors.New("Retention: must not be negative")
@@ -72,7 +73,7 @@ type Config struct {
 	// ConsumerGroup is the second half of the dedup key: the same event is
 	// applied once per group. Required; use the Kafka consumer group. A
 	// name PostgreSQL cannot store (a NUL byte, invalid UTF-8) is refused
-	// with a *[GroupNameError].
+	// with an error wrapping [ErrInvalidGroupName].
 	ConsumerGroup string
 
 	// StaleMargin is subtracted from the table's retention when
@@ -132,7 +133,7 @@ const (
 	// RetentionRefreshInterval is how often a running consumer re-reads the
 	// table's recorded retention and cleanup horizon for
 	// [Deduplicator.CheckStale]. A shortened retention takes effect for the
-	// [Cleaner] twice this long after [SetRetention], once every running
-	// consumer has re-read it.
-	RetentionRefreshInterval = time.Minute
+	// [Cleaner] twice this long after idemctl retention set changes it,
+	// once every running consumer has re-read it.
+	RetentionRefreshInterval = dedupsql.RefreshInterval
 )

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -104,7 +105,7 @@ func TestConvertTable_ReferencePrimaryKey(t *testing.T) {
 			require.Zero(t, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'ix_processed_event_processed_at'", db.Schema), "the old table's indexes went with it")
 			// Migration 2 registered the groups found in the converted rows
 			// as old ones (first seen unknown: their stale guard stays on).
-			groups, err := deduplicator.Groups(ctx, db.Pool, tc)
+			groups, err := dedupsql.Groups(ctx, db.Pool, tc.Schema, tc.Table)
 			require.NoError(t, err)
 			require.Len(t, groups, 2)
 			for _, g := range groups {

@@ -14,7 +14,7 @@
 //	_, err = dedup.Register(ctx, pool, "") // at start-up
 //	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 //		if err := dedup.CheckStale(ctx, pool, eventID, time.Now()); err != nil {
-//			return err // *StaleEventError: its claim may be gone
+//			return err // wraps ErrStaleEvent: its claim may be gone
 //		}
 //		first, err := dedup.Claim(ctx, tx, eventID)
 //		if err != nil || !first {
@@ -28,13 +28,13 @@
 // first and is a duplicate only if that one commits.
 // [Deduplicator.CheckStale] refuses an event older than the retention
 // (minus [Config.StaleMargin]) in a group old enough to have lost claims,
-// with a [*StaleEventError] wrapping [ErrStaleEvent].
+// with an error wrapping [ErrStaleEvent].
 //
 // [Check] verifies a live table (a [*migrate.TableError] names the problem and the
 // fix); [ConvertTable] converts a table keyed otherwise. A [Cleaner] keeps
-// the table bounded; the retention is recorded with the table
-// ([SetRetention], [RecordedRetention]). [Groups], [RenameGroup],
-// [ForgetGroup] and [Inspect] are the operator's tools (idemctl is built on
-// them). docs/retention.md, docs/operations.md and
+// the table bounded; the retention is recorded with the table (idemctl
+// retention show and set read and change it). Listing, renaming and
+// forgetting consumer groups and the table's catalog view are the
+// operator's: idemctl groups, dedup stats and serve. docs/retention.md, docs/operations.md and
 // docs/guarantees.md explain the rules and their reasons.
 package deduplicator

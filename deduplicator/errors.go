@@ -1,11 +1,16 @@
 package deduplicator
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
+)
 
 // The errors of this package; match them with errors.Is.
 var (
-	// ErrStaleEvent is the reason of a [*StaleEventError]: the event's UUIDv7
-	// time is older than the dedup retention (or the Cleaner's cutoff), so its
+	// ErrStaleEvent is wrapped by the error [Deduplicator.CheckStale]
+	// returns for a stale event (its message names the event, its time and
+	// the limits it passed): the event's UUIDv7 time is older than the dedup retention (or the Cleaner's cutoff), so its
 	// claim may be gone and [Deduplicator.CheckStale] cannot vouch that it was
 	// not applied before. It is permanent: route it to a poison queue.
 	ErrStaleEvent = errors.New("event is older than the dedup retention")
@@ -14,7 +19,7 @@ var (
 	// [*migrate.TableError].
 
 	// ErrTableMissing: the table does not exist (or is not a table).
-	ErrTableMissing = errors.New("deduplicator: processed_event table does not exist")
+	ErrTableMissing = dedupsql.ErrTableMissing
 	// ErrTableKey: the rows are not keyed by (event_id, consumer_group)
 	// alone: another primary key, another unique key or exclusion
 	// constraint claims would also conflict on, or partitions not keyed on
@@ -31,7 +36,7 @@ var (
 	// ErrRetentionMismatch is returned when a configured [TableConfig.Retention]
 	// differs from the one recorded with the table. Every component reads the
 	// recorded retention, so the stale rule and the Cleaner cannot disagree;
-	// change it with [SetRetention].
+	// change it with idemctl retention set.
 	ErrRetentionMismatch = errors.New("deduplicator: retention does not match the table's recorded retention")
 
 	// ErrCleanerTimeout is returned (wrapped, with the server's error) when
@@ -41,7 +46,8 @@ var (
 	// ErrInvalidGroupName is the sentinel of a consumer group name that
 	// PostgreSQL cannot store in a text column: a NUL byte, bytes that are not
 	// valid UTF-8, or (found by the server) a character the database's encoding
-	// cannot represent. It is inside a *[GroupNameError].
+	// cannot represent. The error wrapping it names the field (or argument)
+	// and the name: "ConsumerGroup: \"bill\\x00ing\" contains a NUL byte, ...".
 	ErrInvalidGroupName = errors.New("deduplicator: invalid consumer group name")
 
 	// The errors of the consumer-group registry.
@@ -51,10 +57,4 @@ var (
 	// for the group: the downstream keys of every event would change, and
 	// a provider would apply a call a second time.
 	ErrNamespaceMismatch = errors.New("deduplicator: idempotency namespace does not match the one recorded for the consumer group")
-	// ErrGroupExists is returned by [RenameGroup] when the new name is
-	// already registered or holds claims.
-	ErrGroupExists = errors.New("deduplicator: consumer group already exists")
-	// ErrGroupNotFound is returned by [RenameGroup] and [ForgetGroup] for a
-	// group that is not registered.
-	ErrGroupNotFound = errors.New("deduplicator: consumer group not registered")
 )

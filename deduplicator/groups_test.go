@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/stretchr/testify/require"
 )
 
@@ -16,9 +17,9 @@ func TestSetRetentionTwiceInTheWindowKeepsTheLongest(t *testing.T) {
 	ctx := context.Background()
 	db, tc := retentionDB(t, LayoutPlain)
 	day := 24 * time.Hour
-	require.NoError(t, SetRetention(ctx, db.Pool, tc, 30*day))
-	require.NoError(t, SetRetention(ctx, db.Pool, tc, 7*day))
-	require.NoError(t, SetRetention(ctx, db.Pool, tc, day))
+	require.NoError(t, dedupsql.SetRetention(ctx, db.Pool, tc.Schema, tc.Table, 30*day))
+	require.NoError(t, dedupsql.SetRetention(ctx, db.Pool, tc.Schema, tc.Table, 7*day))
+	require.NoError(t, dedupsql.SetRetention(ctx, db.Pool, tc.Schema, tc.Table, day))
 	at := func(now time.Time) time.Duration {
 		c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: func() time.Time { return now }}, nil)
 		require.NoError(t, err)

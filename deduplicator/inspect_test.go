@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -28,7 +29,7 @@ func cleanedBefore(t *testing.T, db *pgtest.DB, tc TableConfig) time.Time {
 	t.Helper()
 	s, err := readSetting(context.Background(), db.Pool, tc)
 	require.NoError(t, err)
-	return s.cleanedBefore
+	return s.CleanedBefore
 }
 
 // Plan on the plain layout counts exactly what the real pass then deletes,
@@ -156,12 +157,9 @@ func TestInspectPartitioned(t *testing.T) {
 	start := time.Now()
 	today := partition.UTCDay(start)
 
-	layout, err := tableLayout(ctx, db.Pool, TableConfig{Schema: tc.Schema})
+	info, err := dedupsql.Inspect(ctx, db.Pool, tc.Schema, "")
 	require.NoError(t, err)
-	require.Equal(t, LayoutPartitioned, layout)
-
-	info, err := Inspect(ctx, db.Pool, tc)
-	require.NoError(t, err)
+	require.Equal(t, LayoutPartitioned.String(), info.Layout)
 	parts := info.Partitions
 	require.Len(t, parts, defaultPartitionsAhead+2)
 	for i := 0; i <= defaultPartitionsAhead; i++ {
@@ -188,9 +186,9 @@ func TestInspectPartitioned(t *testing.T) {
 	// From the catalog, without reading a row.
 	_, err = db.Pool.Exec(ctx, "ANALYZE "+tc.Schema+"."+tc.Table)
 	require.NoError(t, err)
-	info, err = Inspect(ctx, db.Pool, TableConfig{Schema: tc.Schema})
+	info, err = dedupsql.Inspect(ctx, db.Pool, tc.Schema, tc.Table)
 	require.NoError(t, err)
-	require.Equal(t, LayoutPartitioned, info.Layout)
+	require.Equal(t, LayoutPartitioned.String(), info.Layout)
 	require.Equal(t, DefaultRetention, info.Retention)
 	require.True(t, info.CleanedBefore.IsZero())
 	require.EqualValues(t, 4, info.RowsEstimate) // an ANALYZE of 4 rows counts them all
@@ -200,7 +198,7 @@ func TestInspectPartitioned(t *testing.T) {
 	require.NoError(t, err)
 	res, err := c.RunOnce(ctx)
 	require.NoError(t, err)
-	info, err = Inspect(ctx, db.Pool, tc)
+	info, err = dedupsql.Inspect(ctx, db.Pool, tc.Schema, tc.Table)
 	require.NoError(t, err)
 	require.False(t, info.CleanedBefore.IsZero(), "%+v", res)
 	require.WithinDuration(t, time.Now(), info.CleanedBefore.Add(info.Retention), time.Hour) // the pass's time, on the database's clock
@@ -210,22 +208,16 @@ func TestInspectPlain(t *testing.T) {
 	t.Parallel()
 	db, tc := retentionDB(t, LayoutPlain)
 	ctx := context.Background()
-	layout, err := tableLayout(ctx, db.Pool, tc)
+	info, err := dedupsql.Inspect(ctx, db.Pool, tc.Schema, tc.Table)
 	require.NoError(t, err)
-	require.Equal(t, LayoutPlain, layout)
-	info, err := Inspect(ctx, db.Pool, tc)
-	require.NoError(t, err)
-	require.Equal(t, LayoutPlain, info.Layout)
+	require.Equal(t, LayoutPlain.String(), info.Layout)
 	require.Empty(t, info.Partitions)
 	require.Positive(t, info.Bytes) // the empty table's indexes
 
-	missing := TableConfig{Schema: tc.Schema, Table: "nope"}
-	_, err = tableLayout(ctx, db.Pool, missing)
+	_, err = dedupsql.Inspect(ctx, db.Pool, tc.Schema, "nope")
 	require.ErrorIs(t, err, ErrTableMissing)
-	_, err = Inspect(ctx, db.Pool, missing)
-	require.ErrorIs(t, err, ErrTableMissing)
-	_, err = Inspect(ctx, db.Pool, TableConfig{Table: "bad name"})
-	require.Error(t, err)
+	_, err = dedupsql.Inspect(ctx, db.Pool, tc.Schema, `bad name"; DROP TABLE processed_event; --`)
+	require.ErrorIs(t, err, ErrTableMissing, "a name is quoted, never run")
 }
 
 // Status lists every version applied or pending, and the versions recorded

@@ -16,36 +16,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// Operators list and release leases; a released lease's owner then loses
-// its completion.
-func TestLease_ListAndRelease(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	db, _ := claimDB(t, "billing")
-	p := leasesql.New(db.Schema, "processed_event", "billing")
-	tc := deduplicator.TableConfig{Schema: db.Schema}
-	live, dead := leasetest.Req(publisher.NewEventID()), leasetest.Req(publisher.NewEventID())
-	leasetest.Take(t, db, p, time.Minute, live, dead)
-	db.Exec(t, "UPDATE processed_event_lease SET expires_at = now() - interval '1 second' WHERE event_id = $1", dead.EventID)
-
-	all, err := deduplicator.ListLeases(ctx, db.Pool, tc, deduplicator.LeaseFilter{})
-	require.NoError(t, err)
-	require.Len(t, all, 2)
-	exp, err := deduplicator.ListLeases(ctx, db.Pool, tc, deduplicator.LeaseFilter{State: "expired", ConsumerGroup: "billing"})
-	require.NoError(t, err)
-	require.Len(t, exp, 1)
-	require.Equal(t, dead.EventID, exp[0].EventID)
-	require.True(t, exp[0].Expired)
-	require.Equal(t, "test", exp[0].Owner)
-	_, err = deduplicator.ListLeases(ctx, db.Pool, tc, deduplicator.LeaseFilter{State: "zombie"})
-	require.ErrorContains(t, err, "zombie")
-
-	ok, err := deduplicator.ReleaseLeaseOf(ctx, db.Pool, tc, live.EventID, "billing")
-	require.NoError(t, err)
-	require.True(t, ok)
-	require.Equal(t, []leasesql.Result{leasesql.Lost}, leasetest.Complete(t, db, p, live))
-}
-
 // A table migrated to the partitioned layout before the lease version
 // existed gets it on the next Up, below version 100.
 func TestLease_MigrationBelowAnAppliedPartitionedVersion(t *testing.T) {

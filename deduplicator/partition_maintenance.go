@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"regexp"
 	"slices"
 	"strconv"
 	"time"
@@ -14,12 +13,11 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
-
-var boundRe = regexp.MustCompile(`^FOR VALUES FROM \('([0-9a-f-]{36})'\) TO \('([0-9a-f-]{36})'\)$`)
 
 // maintainPartitions creates the partitions of today and PartitionsAhead
 // days after it, creates a partition for every day within the retention
@@ -35,13 +33,13 @@ var boundRe = regexp.MustCompile(`^FOR VALUES FROM \('([0-9a-f-]{36})'\) TO \('(
 // move and names the partitions. It returns the lowest bound of the
 // partitions it created (or would create), uuid.Nil when none.
 func (c *Cleaner) maintainPartitions(ctx context.Context, conn *pgx.Conn, now, cutoff time.Time, res *Result) (movedFrom uuid.UUID, err error) {
-	parts, err := listPartitions(ctx, conn, c.table)
+	parts, err := partition.List(ctx, conn, c.table)
 	if err != nil {
 		return uuid.Nil, fmt.Errorf("cleaner: list partitions: %w", err)
 	}
 	today := partition.UTCDay(now)
 	last := today.AddDate(0, 0, c.cfg.PartitionsAhead)
-	hasDefault := slices.ContainsFunc(parts, func(p Partition) bool { return p.Default })
+	hasDefault := slices.ContainsFunc(parts, func(p partition.Info) bool { return p.Default })
 
 	days := map[time.Time]bool{}
 	for d := today; !d.After(last); d = d.AddDate(0, 0, 1) {
@@ -93,7 +91,7 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 		}
 		res.PartitionsCreated = append(res.PartitionsCreated, partition.Name(c.cfg.Table, d))
 		res.RowsMoved += moved
-		parts = append(parts, Partition{Name: partition.Name(c.cfg.Table, d), parsed: true, from: from, to: to})
+		parts = append(parts, partition.Info{Name: partition.Name(c.cfg.Table, d), Ranged: true, FromID: from, ToID: to})
 	}
 
 	return movedFrom, c.dropOld(ctx, conn, parts, cutoff, res)
@@ -101,10 +99,10 @@ WHERE event_id >= $1 AND event_id < $2 AND get_byte(uuid_send(event_id), 6) >> 4
 
 // dropOld drops the partitions whose upper bound is at or below the
 // cutoff's floor, keeping those that hold a young group's claims.
-func (c *Cleaner) dropOld(ctx context.Context, conn *pgx.Conn, parts []Partition, cutoff time.Time, res *Result) error {
+func (c *Cleaner) dropOld(ctx context.Context, conn *pgx.Conn, parts []partition.Info, cutoff time.Time, res *Result) error {
 	boundary := partition.Floor(cutoff)
 	for _, p := range parts {
-		if p.Default || !p.parsed || bytes.Compare(p.to[:], boundary[:]) > 0 {
+		if p.Default || !p.Ranged || bytes.Compare(p.ToID[:], boundary[:]) > 0 {
 			continue
 		}
 		c.at(stepDrop, conn, 0)
@@ -139,13 +137,13 @@ func (c *Cleaner) countDefault(ctx context.Context, conn *pgx.Conn, from, to uui
 
 // overlaps reports whether [from, to) overlaps an existing partition, and
 // whether that partition has exactly these bounds.
-func overlaps(parts []Partition, from, to uuid.UUID) (covered, exact bool) {
+func overlaps(parts []partition.Info, from, to uuid.UUID) (covered, exact bool) {
 	for _, p := range parts {
-		if !p.parsed {
+		if !p.Ranged {
 			continue
 		}
-		if bytes.Compare(p.from[:], to[:]) < 0 && bytes.Compare(from[:], p.to[:]) < 0 {
-			return true, p.from == from && p.to == to
+		if bytes.Compare(p.FromID[:], to[:]) < 0 && bytes.Compare(from[:], p.ToID[:]) < 0 {
+			return true, p.FromID == from && p.ToID == to
 		}
 	}
 	return false, false
@@ -229,7 +227,7 @@ func (c *Cleaner) dropPartition(ctx context.Context, conn *pgx.Conn, name string
 	qname := ident.Quote(c.cfg.Schema, name)
 	held := `SELECT CASE WHEN cardinality(y.a) = 0 THEN false
 	ELSE EXISTS (SELECT 1 FROM ` + qname + ` WHERE consumer_group = ANY (y.a)) END
-FROM (SELECT ARRAY (SELECT consumer_group FROM ` + companion(c.cfg.TableConfig, groupSuffix) + ` WHERE first_seen_at > $1) AS a) y`
+FROM (SELECT ARRAY (SELECT consumer_group FROM ` + companion(c.cfg.TableConfig, dedupsql.GroupSuffix) + ` WHERE first_seen_at > $1) AS a) y`
 	if c.plan {
 		var keep bool
 		if err := conn.QueryRow(ctx, held, cutoff).Scan(&keep); err != nil {

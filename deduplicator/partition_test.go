@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -195,7 +196,7 @@ func TestPartitionMaintenanceRacesClaims(t *testing.T) {
 	var mu sync.Mutex
 	now := start
 	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
-	require.NoError(t, SetRetention(ctx, db.Pool, tc, 30*24*time.Hour))
+	require.NoError(t, dedupsql.SetRetention(ctx, db.Pool, tc.Schema, tc.Table, 30*24*time.Hour))
 	c, err := NewCleaner(CleanerConfig{TableConfig: tc, DB: db.Pool, NowFunc: clock, LockRetries: 50}, nil)
 	require.NoError(t, err)
 	// Old partitions for the first racing pass to drop.

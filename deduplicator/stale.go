@@ -14,23 +14,6 @@ import (
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
-// StaleEventError refuses an event whose claim the Cleaner may have
-// deleted. Unwrap returns [ErrStaleEvent].
-type StaleEventError struct {
-	// EventID is the refused event's id.
-	EventID uuid.UUID
-	// Detail names the event's time, the limits it passed and the group's
-	// first-seen time.
-	Detail string
-}
-
-func (e *StaleEventError) Error() string {
-	return ErrStaleEvent.Error() + ": " + e.EventID.String() + ": " + e.Detail
-}
-
-// Unwrap returns ErrStaleEvent.
-func (e *StaleEventError) Unwrap() error { return ErrStaleEvent }
-
 // horizon is what the stale rule needs to know about the table: which
 // events may have lost their claim to the Cleaner.
 type horizon struct {
@@ -71,7 +54,7 @@ type staleState struct {
 // readHorizon reads the table's recorded retention and cleanup horizon and
 // the group's first-seen time; the group must be registered. It follows
 // the table: a configured TableConfig.Retention is checked by Register at
-// start-up, not here, so a running consumer adopts a [SetRetention] change.
+// start-up, not here, so a running consumer adopts a changed retention (idemctl retention set).
 func (d *Deduplicator) readHorizon(ctx context.Context, db migrate.DBTX) (horizon, error) {
 	s, err := readSetting(ctx, db, d.cfg.TableConfig)
 	if err != nil {
@@ -81,7 +64,7 @@ func (d *Deduplicator) readHorizon(ctx context.Context, db migrate.DBTX) (horizo
 	if err != nil {
 		return horizon{}, err
 	}
-	h := horizon{retention: s.retention, cleanedBefore: s.cleanedBefore, groupFirstSeen: first, readAt: time.Now()}
+	h := horizon{retention: s.Retention, cleanedBefore: s.CleanedBefore, groupFirstSeen: first, readAt: time.Now()}
 	if d.cfg.StaleMargin >= h.retention {
 		return horizon{}, fmt.Errorf("invalid config: StaleMargin: %s must be shorter than the table's retention (%s)", d.cfg.StaleMargin, h.retention)
 	}
@@ -107,8 +90,8 @@ func (d *Deduplicator) loadHorizon(ctx context.Context, db migrate.DBTX) error {
 }
 
 // currentHorizon returns the kept horizon, re-reading it on db when it is
-// older than RetentionRefreshInterval: a retention changed with
-// SetRetention reaches running consumers within that interval, which is
+// older than RetentionRefreshInterval: a retention changed with idemctl
+// retention set reaches running consumers within that interval, which is
 // what lets the Cleaner apply a shortening safely.
 func (d *Deduplicator) currentHorizon(ctx context.Context, db migrate.Beginner) (horizon, error) {
 	if h := d.stale.h.Load(); h != nil && time.Since(h.readAt) < RetentionRefreshInterval {
@@ -127,7 +110,8 @@ func (d *Deduplicator) currentHorizon(ctx context.Context, db migrate.Beginner) 
 }
 
 // CheckStale applies the stale rule to a UUIDv7 event id at now: it
-// returns a [*StaleEventError] when the event's claim may have been deleted
+// returns an error wrapping [ErrStaleEvent] when the event's claim may have
+// been deleted
 // by the Cleaner, so that a redelivery could apply it again unnoticed. That
 // is an event older than the table's retention minus [Config.StaleMargin],
 // or than the Cleaner's highest cutoff plus the margin, in a consumer group
@@ -162,7 +146,6 @@ func (d *Deduplicator) CheckStale(ctx context.Context, db migrate.Beginner, even
 	if !h.groupFirstSeen.IsZero() {
 		first = h.groupFirstSeen.UTC().Format(time.RFC3339)
 	}
-	return &StaleEventError{EventID: eventID,
-		Detail: fmt.Sprintf("created %s, before %s (retention %s minus margin %s) or the cleanup horizon (%s), and consumer group first seen %s: its claim may have been cleaned",
-			created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), h.retention, margin, cleaned, first)}
+	return fmt.Errorf("%w: %s: created %s, before %s (retention %s minus margin %s) or the cleanup horizon (%s), and consumer group first seen %s: its claim may have been cleaned",
+		ErrStaleEvent, eventID, created.UTC().Format(time.RFC3339), limit.UTC().Format(time.RFC3339), h.retention, margin, cleaned, first)
 }

@@ -41,7 +41,7 @@ type Config struct {
 	// group). Required, never defaulted: use the Kafka consumer group of the
 	// subscriber, so two services on the same topic each apply an event once.
 	// A name PostgreSQL cannot store (a NUL byte, invalid UTF-8) is refused
-	// with a *deduplicator.GroupNameError (deduplicator.ErrInvalidGroupName).
+	// with an error wrapping deduplicator.ErrInvalidGroupName.
 	ConsumerGroup string
 
 	// Table describes the processed_event table: pass the same value to
@@ -103,7 +103,7 @@ type Config struct {
 	// IdempotencyNamespace is mixed into the keys of named operations
 	// ([IdempotencyKey]) in place of the group's name. It is recorded with
 	// the group at its first start and kept from then on, also across a
-	// rename (deduplicator.RenameGroup), so a downstream provider always
+	// rename (idemctl groups rename), so a downstream provider always
 	// sees the same key for the same call. Defaults to "": the recorded
 	// namespace, which is ConsumerGroup for a new group. A value that
 	// differs from the recorded one is refused (ErrNamespaceMismatch).

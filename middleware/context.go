@@ -46,14 +46,14 @@ func EventIDFromContext(ctx context.Context) (uuid.UUID, bool) {
 	return v.EventID, true
 }
 
-// CompleteFunc is a database write of a handler, run inside the
-// transaction that commits the event's claim: tx is that transaction, and
-// ctx carries it ([TxFromContext], outbox.PublisherFromContext work on it).
-type CompleteFunc func(ctx context.Context, tx pgx.Tx) error
+// completeFunc is a database write of a handler, registered with
+// [Complete].
+type completeFunc = func(ctx context.Context, tx pgx.Tx) error
 
 // Complete registers fn, the handler's database writes, to run in the
-// transaction that claims the event. Write handlers with it and they work
-// in both modes:
+// transaction that claims the event: tx is that transaction, and the ctx fn
+// gets carries it ([TxFromContext], outbox.PublisherFromContext work on
+// it). Write handlers with it and they work in both modes:
 //
 //   - lease mode ([Config.Lease]): the handler runs with no transaction;
 //     fn runs after it returns nil, in the completing transaction, once the
@@ -65,7 +65,7 @@ type CompleteFunc func(ctx context.Context, tx pgx.Tx) error
 //     Complete returns its error.
 //
 // It returns [ErrNotInHandler] when ctx comes from neither mode.
-func Complete(ctx context.Context, fn CompleteFunc) error {
+func Complete(ctx context.Context, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	if s := leaseStateFrom(ctx); s != nil {
 		s.add(fn)
 		return nil
@@ -80,16 +80,16 @@ func Complete(ctx context.Context, fn CompleteFunc) error {
 // leaseState collects a lease-mode handler's writes.
 type leaseState struct {
 	mu sync.Mutex
-	fs []CompleteFunc
+	fs []completeFunc
 }
 
-func (s *leaseState) add(fn CompleteFunc) {
+func (s *leaseState) add(fn completeFunc) {
 	s.mu.Lock()
 	s.fs = append(s.fs, fn)
 	s.mu.Unlock()
 }
 
-func (s *leaseState) writes() []CompleteFunc {
+func (s *leaseState) writes() []completeFunc {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.fs

@@ -6,6 +6,7 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sync/atomic"
 	"testing"
@@ -16,20 +17,20 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// requireGroupNameError asserts err is a *deduplicator.GroupNameError for
-// field (wrapping ErrInvalidGroupName), never a raw SQLSTATE.
-func requireGroupNameError(t *testing.T, err error, field, what string) {
+// requireGroupNameError asserts err wraps deduplicator.ErrInvalidGroupName
+// and names field and the refused name, never a raw SQLSTATE.
+func requireGroupNameError(t *testing.T, err error, field, name, what string) {
 	t.Helper()
 	require.ErrorIs(t, err, deduplicator.ErrInvalidGroupName, what)
-	var ge *deduplicator.GroupNameError
-	require.ErrorAs(t, err, &ge, what)
-	require.Equal(t, field, ge.Field, what)
+	require.Contains(t, err.Error(), field+": "+fmt.Sprintf("%q", name)+" ", what)
 	require.NotContains(t, err.Error(), "SQLSTATE", what)
 }
 
@@ -52,38 +53,39 @@ func TestEdgeGroupNameUnstorableRefused(t *testing.T) {
 	for _, bad := range []string{"bill\x00ing", "\x00", "bill\xffing", "bill\xc3", "\xed\xa0\x80"} { // NUL; invalid UTF-8: 0xff, a cut sequence, a surrogate
 		what := []byte(bad)
 		cfg := idem.Config{DB: f.pool, ConsumerGroup: bad, Table: table}
-		requireGroupNameError(t, cfg.Validate(), "ConsumerGroup", string(what))
+		requireGroupNameError(t, cfg.Validate(), "ConsumerGroup", bad, string(what))
 		_, err := idem.NewDedup(cfg, nil)
-		requireGroupNameError(t, err, "ConsumerGroup", "NewDedup")
+		requireGroupNameError(t, err, "ConsumerGroup", bad, "NewDedup")
 
 		cfg = idem.Config{DB: f.pool, ConsumerGroup: "billing2", IdempotencyNamespace: bad, Table: table}
-		requireGroupNameError(t, cfg.Validate(), "IdempotencyNamespace", "namespace")
+		requireGroupNameError(t, cfg.Validate(), "IdempotencyNamespace", bad, "namespace")
 		_, err = idem.NewDedup(cfg, nil)
-		requireGroupNameError(t, err, "IdempotencyNamespace", "NewDedup namespace")
+		requireGroupNameError(t, err, "IdempotencyNamespace", bad, "NewDedup namespace")
 
 		dcfg := deduplicator.Config{TableConfig: table, ConsumerGroup: bad}
-		requireGroupNameError(t, dcfg.Validate(), "ConsumerGroup", "deduplicator.Config")
+		requireGroupNameError(t, dcfg.Validate(), "ConsumerGroup", bad, "deduplicator.Config")
 		_, err = deduplicator.New(dcfg, nil)
-		requireGroupNameError(t, err, "ConsumerGroup", "deduplicator.New")
+		requireGroupNameError(t, err, "ConsumerGroup", bad, "deduplicator.New")
 
-		_, _, err = deduplicator.RenameGroup(ctx, f.pool, table, "billing", bad)
-		requireGroupNameError(t, err, "to", "RenameGroup to")
-		_, _, err = deduplicator.RenameGroup(ctx, f.pool, table, bad, "billing3")
-		requireGroupNameError(t, err, "from", "RenameGroup from")
-		_, err = deduplicator.ForgetGroup(ctx, f.pool, table, bad)
-		requireGroupNameError(t, err, "group", "ForgetGroup")
+		// idemctl groups rename and forget (and the console) check names so.
+		_, _, err = dedupsql.RenameGroup(ctx, f.pool, table.Schema, table.Table, "billing", bad, deduplicator.ValidateGroupName)
+		requireGroupNameError(t, err, "to", bad, "RenameGroup to")
+		_, _, err = dedupsql.RenameGroup(ctx, f.pool, table.Schema, table.Table, bad, "billing3", deduplicator.ValidateGroupName)
+		requireGroupNameError(t, err, "from", bad, "RenameGroup from")
+		_, err = dedupsql.ForgetGroup(ctx, f.pool, table.Schema, table.Table, bad, deduplicator.ValidateGroupName)
+		requireGroupNameError(t, err, "group", bad, "ForgetGroup")
 		_, err = deduplicator.ConvertTable(ctx, f.pool, table, deduplicator.ConvertOptions{ConsumerGroup: bad})
-		requireGroupNameError(t, err, "ConvertOptions.ConsumerGroup", "ConvertTable")
+		requireGroupNameError(t, err, "ConvertOptions.ConsumerGroup", bad, "ConvertTable")
 
 		rcfg := retrytopic.Config{Publisher: pub, Topics: []string{"orders-retry"}, PoisonTopic: "orders-poison",
 			KeyOrder: &retrytopic.KeyOrder{DB: f.pool, Outbox: handoff, ConsumerGroup: bad}}
-		requireGroupNameError(t, rcfg.Validate(), "KeyOrder.ConsumerGroup", "retrytopic KeyOrder")
-		_, err = retrytopic.ParkedKeys(ctx, f.pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, bad, 0)
-		requireGroupNameError(t, err, "consumerGroup", "ParkedKeys")
-		_, err = retrytopic.SummarizeParked(ctx, f.pool, retrytopic.ParkedKeysTable{Schema: f.db.Schema}, bad)
-		requireGroupNameError(t, err, "consumerGroup", "SummarizeParked")
+		requireGroupNameError(t, rcfg.Validate(), "KeyOrder.ConsumerGroup", bad, "retrytopic KeyOrder")
+		_, err = parkedsql.Keys(ctx, f.pool, f.db.Schema, "", bad, 0, deduplicator.ValidateGroupName)
+		requireGroupNameError(t, err, "consumerGroup", bad, "ParkedKeys")
+		_, err = parkedsql.Summarize(ctx, f.pool, f.db.Schema, "", bad, deduplicator.ValidateGroupName)
+		requireGroupNameError(t, err, "consumerGroup", bad, "SummarizeParked")
 	}
-	groups, err := deduplicator.Groups(ctx, f.pool, table)
+	groups, err := dedupsql.Groups(ctx, f.pool, table.Schema, table.Table)
 	require.NoError(t, err)
 	require.Len(t, groups, 1, "only billing is registered")
 	require.Equal(t, "billing", groups[0].Name)

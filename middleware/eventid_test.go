@@ -74,13 +74,13 @@ func TestHeaderPayloadMismatchIsRefusedByDefault(t *testing.T) {
 	require.Zero(t, f.db.Count(t, "SELECT 1 FROM processed_event WHERE event_id = $1", inPayload))
 }
 
-// publisher.EventIDFromMetadataFirst is the opt-out: the header wins, the payload is
+// publisher.EventIDFromMetadata(true) is the opt-out: the header wins, the payload is
 // the fallback only.
 func TestEventIDFromMetadataFirst(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	var calls atomic.Int32
-	h := f.dedup(t, "billing", func(c *idem.Config) { c.EventIDFunc = publisher.EventIDFromMetadataFirst }).Middleware(f.insertHandler(1, &calls))
+	h := f.dedup(t, "billing", func(c *idem.Config) { c.EventIDFunc = publisher.EventIDFromMetadata(true) }).Middleware(f.insertHandler(1, &calls))
 
 	header, inPayload := publisher.NewEventID(), publisher.NewEventID()
 	_, err := h(withIDs(header.String(), inPayload.String()))

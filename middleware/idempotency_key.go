@@ -26,7 +26,7 @@ var idempotencyKeyNamespace = uuid.MustParse("143bda33-98c2-4c97-9cde-adc9f5df87
 //     (143bda33-98c2-4c97-9cde-adc9f5df8776) over the
 //     name "<event id>/<len(ns)>:<ns>/<operation>", where ns is the group's
 //     recorded namespace ([Config.IdempotencyNamespace]: the group's name at
-//     its first start, kept across deduplicator.RenameGroup), e.g.
+//     its first start, kept across idemctl groups rename), e.g.
 //     "0190...-...-.../23:billing-order-confirmed/charge". Two calls made for
 //     one event (charge, then refund-fee) or two consumer groups calling the
 //     same provider for one event then never share a key, and renaming a

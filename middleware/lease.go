@@ -74,7 +74,7 @@ type completeReq struct {
 	msg      *message.Message
 	id       uuid.UUID
 	token    uuid.UUID
-	writes   []CompleteFunc
+	writes   []completeFunc
 	produced []*message.Message
 
 	result leasesql.Result

@@ -338,7 +338,7 @@ func TestLease_RenewalFindsTheLeaseGone(t *testing.T) {
 		done <- err
 	}()
 	<-taken
-	ok, err := deduplicator.ReleaseLeaseOf(ctx, f.pool, deduplicator.TableConfig{Schema: f.db.Schema}, id, "billing")
+	ok, err := leasesql.ForceRelease(ctx, f.pool, f.db.Schema, "", id, "billing")
 	require.NoError(t, err)
 	require.True(t, ok)
 	err = <-done

@@ -115,7 +115,7 @@ func TestEventIDFromMetadataIgnoresPayload(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	var calls atomic.Int32
-	h := f.dedup(t, "billing", func(c *idem.Config) { c.EventIDFunc = publisher.EventIDFromMetadata }).Middleware(f.insertHandler(1, &calls))
+	h := f.dedup(t, "billing", func(c *idem.Config) { c.EventIDFunc = publisher.EventIDFromMetadata(false) }).Middleware(f.insertHandler(1, &calls))
 
 	_, err := h(message.NewMessage(uuid.NewString(), []byte(`{"eventId":"`+publisher.NewEventID().String()+`"}`)))
 	require.ErrorIs(t, err, publisher.ErrMissingEventID)

@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -65,7 +66,7 @@ func TestRetentionHasOneSourceOfTruth(t *testing.T) {
 	// Shortening it for every component: running consumers may still guard
 	// with 7 days until they re-read it, so for two refresh intervals the
 	// Cleaner keeps applying 7 days and deletes nothing.
-	require.NoError(t, deduplicator.SetRetention(ctx, f.pool, table, 24*time.Hour))
+	require.NoError(t, dedupsql.SetRetention(ctx, f.pool, table.Schema, table.Table, 24*time.Hour))
 	setAt := time.Now() // after the change's updated_at (the database's now() of its committed transaction)
 	c, err = deduplicator.NewCleaner(deduplicator.CleanerConfig{TableConfig: table, DB: f.pool, NowFunc: clock}, nil)
 	require.NoError(t, err)
@@ -123,7 +124,7 @@ func TestLengtheningRetentionKeepsCleanedEventsStale(t *testing.T) {
 
 	// 30 days from now on: the event is inside the new retention, but its
 	// claim is gone, so the restarted consumer refuses it.
-	require.NoError(t, deduplicator.SetRetention(ctx, f.pool, table, 30*24*time.Hour))
+	require.NoError(t, dedupsql.SetRetention(ctx, f.pool, table.Schema, table.Table, 30*24*time.Hour))
 	h = f.dedup(t, group, func(c *idem.Config) { c.NowFunc = later }).Middleware(f.insertHandler(1, &calls))
 	_, err = h(f.msg(id))
 	require.ErrorIs(t, err, deduplicator.ErrStaleEvent)
@@ -261,7 +262,7 @@ func TestRenameGroupKeepsIdempotencyKeys(t *testing.T) {
 	_, err = old(msgOf(pending)) // charged, then rolled back
 	require.ErrorIs(t, err, errLost)
 
-	g, copied, err := deduplicator.RenameGroup(ctx, db.Pool, table, "billing-v1", "billing-v2")
+	g, copied, err := dedupsql.RenameGroup(ctx, db.Pool, table.Schema, table.Table, "billing-v1", "billing-v2", deduplicator.ValidateGroupName)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, copied)
 	require.Equal(t, "billing-v1", g.IdempotencyNamespace)
@@ -286,11 +287,11 @@ func TestRenameGroupKeepsIdempotencyKeys(t *testing.T) {
 	_, err = idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing-v2", Table: table, IdempotencyNamespace: "billing-v2"}, nil)
 	require.ErrorIs(t, err, deduplicator.ErrNamespaceMismatch)
 	// Renaming onto a name in use is refused; the old name can be forgotten.
-	_, _, err = deduplicator.RenameGroup(ctx, db.Pool, table, "billing-v1", "billing-v2")
-	require.ErrorIs(t, err, deduplicator.ErrGroupExists)
-	n, err := deduplicator.ForgetGroup(ctx, db.Pool, table, "billing-v1")
+	_, _, err = dedupsql.RenameGroup(ctx, db.Pool, table.Schema, table.Table, "billing-v1", "billing-v2", deduplicator.ValidateGroupName)
+	require.ErrorIs(t, err, dedupsql.ErrGroupExists)
+	n, err := dedupsql.ForgetGroup(ctx, db.Pool, table.Schema, table.Table, "billing-v1", deduplicator.ValidateGroupName)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
-	_, err = deduplicator.ForgetGroup(ctx, db.Pool, table, "billing-v1")
-	require.ErrorIs(t, err, deduplicator.ErrGroupNotFound)
+	_, err = dedupsql.ForgetGroup(ctx, db.Pool, table.Schema, table.Table, "billing-v1", deduplicator.ValidateGroupName)
+	require.ErrorIs(t, err, dedupsql.ErrGroupNotFound)
 }

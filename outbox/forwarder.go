@@ -134,7 +134,7 @@ const maxStartupBackoff = 30 * time.Second
 // A topic whose position was not written on the running cluster (restored
 // from a dump, or moved to a logically replicated copy) stops every topic:
 // Run returns its [*PositionError], at start-up or while it runs, and
-// forwards nothing until [Outbox.Reposition] has reset the position.
+// forwards nothing until idemctl outbox reposition has reset the position.
 //
 // It starts by checking the topics' tables and registering the forwarder's
 // position in each; while that fails (the database is down or refuses the
@@ -225,7 +225,7 @@ func (f *Forwarder) start(stopCtx context.Context) error {
 		if stopCtx.Err() != nil || errors.Is(err, puddle.ErrClosedPool) {
 			return fmt.Errorf("outbox forwarder: stopped before it could start: %w", err)
 		}
-		if errors.Is(err, ErrPositionFromOtherCluster) {
+		if isPositionError(err) {
 			return err
 		}
 		f.logger.Error("Outbox forwarder cannot start, retrying", err, watermill.LogFields{"attempt": attempt, "retry_in": backoff.String()})

@@ -25,7 +25,7 @@ var migrationFiles embed.FS
 // in the schema's idem_schema_migration table: "outbox:" and the topic's
 // messages table name (outbox:outbox_orders for topic orders and the
 // default prefix).
-const component = "outbox"
+const component = outboxsql.Component
 
 // MigrationLine returns the migration line of topic's tables (its messages
 // table and its offsets table, named by cfg, the value [New] gets) for a
@@ -134,31 +134,4 @@ func (o *Outbox) pendingVersions(ctx context.Context, q dbx.Querier, topic strin
 		return nil, fmt.Errorf("outbox: topic %s: %w", topic, err)
 	}
 	return versions, nil
-}
-
-// RecordedTopics returns the topics whose tables idem_schema_migration (in
-// cfg.Schema) records a migration of under cfg.TablePrefix, sorted: the
-// topics migrated in that schema with that prefix, for tools that act on
-// every topic (idemctl) without being told which. A topic's name is its
-// component's (outbox:<prefix><topic>) after the prefix, so with the
-// prefixes "outbox_" and "outbox_x_" in one schema the first also finds the
-// second's topics (as x_<topic>). It only reads.
-func RecordedTopics(ctx context.Context, db migrate.DBTX, cfg Config) ([]string, error) {
-	o, err := New(cfg, nil)
-	if err != nil {
-		return nil, err
-	}
-	prefix := o.componentKey("")
-	comps, err := migtable.Components(ctx, db, o.cfg.Schema, prefix)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: recorded topics: %w", err)
-	}
-	topics := make([]string, 0, len(comps))
-	for _, c := range comps {
-		topic := strings.TrimPrefix(c, prefix)
-		if o.cfg.validateTopic(topic) == nil {
-			topics = append(topics, topic)
-		}
-	}
-	return topics, nil
 }

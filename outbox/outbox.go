@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"regexp"
 	"strings"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -37,7 +36,7 @@ const (
 
 // maxTableName is PostgreSQL's identifier limit; longer names are silently
 // truncated by the server, so two long topics could share a table.
-const maxTableName = 63
+const maxTableName = outboxsql.MaxTableName
 
 // The errors of this package; match them with errors.Is.
 var (
@@ -55,7 +54,7 @@ var (
 	ErrTableShape = errors.New("outbox: table is not shaped as watermill-sql v4 creates it")
 )
 
-var topicRe = regexp.MustCompile(`^[A-Za-z0-9\-$:._]+$`)
+var topicRe = outboxsql.TopicRe
 
 // Config configures an [Outbox].
 type Config struct {

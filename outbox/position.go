@@ -23,9 +23,6 @@ func (f *Forwarder) recreatePosition(ctx context.Context, topic string, logger w
 	return nil
 }
 
-// ErrPositionFromOtherCluster is wrapped by every [*PositionError].
-var ErrPositionFromOtherCluster = errors.New("outbox: position from another cluster")
-
 // PositionError is returned by [Forwarder.Run], [Outbox.Backlog] and
 // [Outbox.DeleteForwarded] when a forwarder's position in a topic was not
 // written on the running PostgreSQL cluster: its system identifier is
@@ -33,9 +30,9 @@ var ErrPositionFromOtherCluster = errors.New("outbox: position from another clus
 // cluster has not reached. A position is a snapshot of one cluster's
 // transaction ids: after a pg_dump/restore, or a move to a logically
 // replicated copy, rows written on the new cluster would count as already
-// forwarded (a backlog of 0, rows deleted unsent). [Outbox.Reposition]
-// resets the position so that every row still in the table is forwarded
-// again. It wraps [ErrPositionFromOtherCluster].
+// forwarded (a backlog of 0, rows deleted unsent). idemctl outbox
+// reposition resets the position so that every row still in the table is
+// forwarded again. Match it with errors.As.
 type PositionError struct {
 	Topic, Forwarder string
 	// StoredSystemID is the system identifier stored with the position (0
@@ -54,11 +51,16 @@ func (e *PositionError) Error() string {
 	return fmt.Sprintf("outbox: position of %s in topic %s is from another cluster: %s; "+
 		"the database was restored from a dump or moved to a logically replicated copy? Rows written here would count as already forwarded, "+
 		"so nothing is forwarded, counted or deleted until the position is reset: list what would be re-sent with `idemctl outbox reposition --dry-run`, "+
-		"then run `idemctl outbox reposition` (outbox.Outbox.Reposition), which forwards every row still in the table again",
+		"then run `idemctl outbox reposition`, which forwards every row still in the table again",
 		e.Forwarder, e.Topic, what)
 }
 
-func (e *PositionError) Unwrap() error { return ErrPositionFromOtherCluster }
+// isPositionError reports whether err holds a [*PositionError]: a position
+// no retry can fix.
+func isPositionError(err error) bool {
+	var pe *PositionError
+	return errors.As(err, &pe)
+}
 
 // positionError returns err as a *PositionError of topic when it holds an
 // outboxsql.ForeignError, else err.

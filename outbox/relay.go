@@ -64,7 +64,7 @@ func (f *Forwarder) loop(stopCtx context.Context, topic string, wake chan struct
 		if err == nil {
 			n, more, err = f.forwardTx(stopCtx, r.tables, topic, r.logger, &r.cache, &r.last)
 		}
-		if errors.Is(err, ErrPositionFromOtherCluster) {
+		if isPositionError(err) {
 			f.errs.Add(1)
 			fail(err)
 			return

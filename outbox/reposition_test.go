@@ -7,8 +7,10 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -21,8 +23,8 @@ const aheadOfCluster = `(pg_snapshot_xmax(pg_current_snapshot())::text::bigint +
 // position a million ids ahead of the cluster. A row committed afterwards,
 // and a row whose transaction id is the other cluster's (restored with the
 // table), would count as forwarded: the forwarder, Backlog and
-// DeleteForwarded refuse with a *PositionError instead. Reposition (dry run
-// first) resets the position: every row still in the table reaches Kafka
+// DeleteForwarded refuse with a *PositionError instead. Reposition (idemctl
+// outbox reposition, dry run first) resets the position: every row still in the table reaches Kafka
 // again, the unsent ones included, once, and nothing was deleted unsent.
 func TestReposition_PositionAheadOfTheCluster(t *testing.T) {
 	t.Parallel()
@@ -45,20 +47,18 @@ func TestReposition_PositionAheadOfTheCluster(t *testing.T) {
 
 	requireRefused(t, e, topic)
 
-	dry, err := e.outbox.Reposition(ctx, e.db.Pool, &outbox.RepositionOpts{Topics: []string{topic}, DryRun: true})
-	require.NoError(t, err)
-	require.Len(t, dry, 1)
-	require.False(t, dry[0].Done)
-	require.EqualValues(t, rows, dry[0].Resend)
-	require.EqualValues(t, 1, dry[0].Restamped)
-	require.ErrorIs(t, dry[0].Problem, outbox.ErrPositionFromOtherCluster)
+	dry := reposition(t, e, topic, true)
+	require.False(t, dry.Done)
+	require.EqualValues(t, rows, dry.Resend)
+	require.EqualValues(t, 1, dry.Restamped)
+	require.NotNil(t, dry.Foreign)
+	require.False(t, dry.Foreign.OtherSystem(), "ahead of this cluster's ids, same system")
 	requireRefused(t, e, topic) // a dry run changes nothing
 
-	done, err := e.outbox.Reposition(ctx, e.db.Pool, &outbox.RepositionOpts{Topics: []string{topic}})
-	require.NoError(t, err)
-	require.True(t, done[0].Done)
-	require.EqualValues(t, rows, done[0].Resend)
-	require.EqualValues(t, 1, done[0].Restamped)
+	done := reposition(t, e, topic, false)
+	require.True(t, done.Done)
+	require.EqualValues(t, rows, done.Resend)
+	require.EqualValues(t, 1, done.Restamped)
 	bl, err := e.outbox.Backlog(ctx, e.db.Pool, &outbox.BacklogOpts{Topics: []string{topic}})
 	require.NoError(t, err)
 	require.EqualValues(t, rows, bl[0].Pending)
@@ -108,13 +108,27 @@ func TestReposition_PositionFromAnotherSystem(t *testing.T) {
 	e.publishTx(t, topic, event("k", sent))
 	requireRefused(t, e, topic)
 
-	r, err := e.outbox.Reposition(ctx, e.db.Pool, &outbox.RepositionOpts{Topics: []string{topic}})
-	require.NoError(t, err)
-	require.EqualValues(t, sent+1, r[0].Resend)
-	require.Zero(t, r[0].Restamped)
-	require.ErrorAs(t, r[0].Problem, &pe)
+	r := reposition(t, e, topic, false)
+	require.EqualValues(t, sent+1, r.Resend)
+	require.Zero(t, r.Restamped)
+	require.NotNil(t, r.Foreign)
+	require.True(t, r.Foreign.OtherSystem())
 	forwardAll(t, e, topic, sent+1)
 	require.EqualValues(t, 2*sent+1, highWater(t, e.broker.Addrs, topic))
+}
+
+// reposition resets the default forwarder's position in topic as idemctl
+// outbox reposition does (with dryRun, only reports), in one transaction.
+func reposition(t *testing.T, e *env, topic string, dryRun bool) outboxsql.Repositioned {
+	t.Helper()
+	ctx := context.Background()
+	cfg := e.outbox.Config()
+	var r outboxsql.Repositioned
+	require.NoError(t, pgx.BeginFunc(ctx, e.db.Pool, func(tx pgx.Tx) (err error) {
+		r, err = outboxsql.TopicTables(cfg.Schema, cfg.TablePrefix, topic).Reposition(ctx, tx, outbox.DefaultForwarderName, dryRun)
+		return err
+	}))
+	return r
 }
 
 // requireRefused requires the forwarder, Backlog and DeleteForwarded to
@@ -130,7 +144,6 @@ func requireRefused(t *testing.T, e *env, topic string) {
 	err = f.Run(ctx)
 	var pe *outbox.PositionError
 	require.ErrorAs(t, err, &pe, "the forwarder refuses")
-	require.ErrorIs(t, err, outbox.ErrPositionFromOtherCluster)
 	require.Equal(t, topic, pe.Topic)
 	require.Equal(t, outbox.DefaultForwarderName, pe.Forwarder)
 	require.Contains(t, err.Error(), "idemctl outbox reposition")

@@ -2,26 +2,34 @@ package outbox_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
 // Status lists each topic's versions applied or pending; RecordedTopics
-// finds the topics a Migrator of the schema and prefix has migrated.
+// (idemctl's topics when --topics is not given) finds the topics a
+// Migrator of the schema and prefix has migrated.
 func TestMigrator_StatusAndRecordedTopics(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
 	cfg := outbox.Config{Schema: db.Schema, Topics: []string{"orders", "orders.v2"}}
+	recorded := func(cfg outbox.Config) ([]string, error) {
+		ob, err := outbox.New(cfg, nil)
+		require.NoError(t, err)
+		return outboxsql.RecordedTopics(ctx, db.Pool, ob.Config().Schema, ob.Config().TablePrefix)
+	}
 
-	topics, err := outbox.RecordedTopics(ctx, db.Pool, cfg)
+	topics, err := recorded(cfg)
 	require.NoError(t, err)
 	require.Empty(t, topics, "no migration table yet")
 
@@ -63,12 +71,17 @@ func TestMigrator_StatusAndRecordedTopics(t *testing.T) {
 	require.WithinDuration(t, time.Now(), st[0].AppliedAt, time.Hour)
 	require.False(t, st[5].Applied)
 
-	topics, err = outbox.RecordedTopics(ctx, db.Pool, cfg)
+	topics, err = recorded(cfg)
 	require.NoError(t, err)
 	require.Equal(t, []string{"orders"}, topics)
-	topics, err = outbox.RecordedTopics(ctx, db.Pool, outbox.Config{Schema: db.Schema, TablePrefix: "ob_"})
+	topics, err = recorded(outbox.Config{Schema: db.Schema, TablePrefix: "ob_"})
 	require.NoError(t, err)
 	require.Equal(t, []string{"payments"}, topics)
-	_, err = outbox.RecordedTopics(ctx, db.Pool, outbox.Config{Schema: "bad schema"})
+	_, err = outboxsql.RecordedTopics(ctx, db.Pool, "bad schema", "outbox_")
 	require.Error(t, err)
+	// A recorded component whose topic no table name can hold is skipped.
+	db.Exec(t, "INSERT INTO idem_schema_migration (component, version, name) VALUES ($1, 1, 'topic_tables')", "outbox:outbox_"+strings.Repeat("x", 60))
+	topics, err = recorded(cfg)
+	require.NoError(t, err)
+	require.Equal(t, []string{"orders"}, topics)
 }

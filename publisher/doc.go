@@ -10,8 +10,8 @@
 // library, in the top-level JSON payload field eventId
 // ([PayloadEventIDField]). [ParseEventID] parses one string;
 // [EventIDFromMessage] reads a message (header and payload must agree when
-// both are present), [EventIDFromMetadataFirst] lets the header win,
-// [EventIDFromMetadata] reads the header only; [ValidateEventID] checks a
+// both are present), [EventIDFromMetadata] lets the header win (with or
+// without the payload as the fallback); [ValidateEventID] checks a
 // parsed id. The EventIDFrom* functions are ready-made values for the
 // middleware's Config.EventIDFunc. Every refusal is an *[EventIDError] whose Reason is one of [ErrMissingEventID],
 // [ErrInvalidEventID], [ErrNilEventID], [ErrNotUUIDv7] or

@@ -48,7 +48,7 @@ var (
 	ErrNotUUIDv7 = errors.New("event id is not a UUIDv7")
 	// ErrEventIDMismatch: the event_id metadata and the JSON payload field
 	// eventId name different ids. [EventIDFromMessage] and [Stamp] refuse to
-	// choose; [EventIDFromMetadataFirst] lets the metadata win.
+	// choose; [EventIDFromMetadata] lets the metadata win.
 	ErrEventIDMismatch = errors.New("event_id metadata and payload eventId disagree")
 )
 

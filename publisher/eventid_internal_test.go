@@ -58,7 +58,7 @@ func FuzzEventID(f *testing.F) {
 			m.Metadata.Set(MetadataEventID, header)
 		}
 		id, err := EventIDFromMessage(m)
-		hid, herr := EventIDFromMetadataFirst(m)
+		hid, herr := metadataFirst(m)
 		if err == nil {
 			// Header first is the lenient reading: it agrees whenever the
 			// strict one accepts.
@@ -68,7 +68,7 @@ func FuzzEventID(f *testing.F) {
 		if herr != nil {
 			require.Error(t, err, "header first refuses only what the strict reading refuses too")
 		}
-		if mid, merr := EventIDFromMetadata(m); hasHeader {
+		if mid, merr := metadataOnly(m); hasHeader {
 			// With a header, metadata only and header first are one reading.
 			require.Equal(t, herr, merr)
 			require.Equal(t, hid, mid)
@@ -171,7 +171,7 @@ func TestEventIDErrorValueIsTruncated(t *testing.T) {
 		"ParseEventID":         func() error { _, err := ParseEventID(long); return err },
 		"Stamp":                func() error { _, err := Stamp(t.Context(), headerMsg(long)); return err },
 		"multi-byte runes":     func() error { _, err := ParseEventID(accents); return err },
-		"multi-byte, metadata": func() error { _, err := EventIDFromMetadata(headerMsg(accents)); return err },
+		"multi-byte, metadata": func() error { _, err := metadataOnly(headerMsg(accents)); return err },
 	} {
 		err := f()
 		var e *EventIDError

@@ -40,25 +40,37 @@ func EventIDFromMessage(msg *message.Message) (uuid.UUID, error) {
 	return id, nil
 }
 
-// EventIDFromMetadataFirst reads the event id from the metadata key
-// event_id and, only when that key is absent, from the top-level JSON
-// payload field eventId. When the key is present the payload is not read,
-// so a payload eventId that differs from it (or is not a UUID at all) is
-// ignored instead of refused with ErrEventIDMismatch. Use it as the
-// middleware's EventIDFunc for producers whose payload eventId is not the
+// EventIDFromMetadata returns an extractor (an EventIDFunc for the
+// middleware) that lets the metadata key event_id win: when the key is
+// present the payload is not read, so a payload eventId that differs from
+// it (or is not a UUID at all) is ignored instead of refused with
+// ErrEventIDMismatch. Use it for producers whose payload eventId is not the
 // event's id (for example an upstream event's id copied into a new event).
-// It parses but does not validate, like [EventIDFromMessage].
-func EventIDFromMetadataFirst(msg *message.Message) (uuid.UUID, error) {
+//
+// With payloadFallback, a message without the key has its id read from the
+// top-level JSON payload field eventId, as [EventIDFromMessage] reads it;
+// without, the payload is never read and a missing key is
+// ErrMissingEventID. The extractor parses but does not validate, like
+// [EventIDFromMessage].
+func EventIDFromMetadata(payloadFallback bool) func(msg *message.Message) (uuid.UUID, error) {
+	if payloadFallback {
+		return metadataFirst
+	}
+	return metadataOnly
+}
+
+// metadataFirst reads the event id from the metadata key event_id and, only
+// when that key is absent, from the payload: [EventIDFromMetadata](true).
+func metadataFirst(msg *message.Message) (uuid.UUID, error) {
 	if v, ok := msg.Metadata[MetadataEventID]; ok {
 		return fromMetadata(v)
 	}
 	return eventIDFromPayload(msg.Payload)
 }
 
-// EventIDFromMetadata reads the event id from the metadata key event_id
-// only, never the payload: its absence is ErrMissingEventID. It parses but
-// does not validate, like [EventIDFromMessage].
-func EventIDFromMetadata(msg *message.Message) (uuid.UUID, error) {
+// metadataOnly reads the event id from the metadata key event_id only:
+// [EventIDFromMetadata](false).
+func metadataOnly(msg *message.Message) (uuid.UUID, error) {
 	v, ok := msg.Metadata[MetadataEventID]
 	if !ok {
 		return uuid.Nil, &EventIDError{Reason: ErrMissingEventID, Source: "metadata", Detail: "no event_id metadata"}

@@ -127,7 +127,7 @@ func TestEventIDFromMessage_HeaderAndPayload(t *testing.T) {
 	require.Contains(t, err.Error(), x.String())
 	require.Equal(t, 1, strings.Count(err.Error(), ErrEventIDMismatch.Error()), "the reason is stated once: %s", err)
 	// Header first: the header wins, no check.
-	got, err := EventIDFromMetadataFirst(m)
+	got, err := metadataFirst(m)
 	require.NoError(t, err)
 	require.Equal(t, x, got)
 
@@ -138,12 +138,12 @@ func TestEventIDFromMessage_HeaderAndPayload(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidEventID)
 	require.ErrorAs(t, err, &e)
 	require.Equal(t, "payload", e.Source)
-	got, err = EventIDFromMetadataFirst(m)
+	got, err = metadataFirst(m)
 	require.NoError(t, err)
 	require.Equal(t, x, got)
 
 	// A bad header is refused by both, whatever the payload says.
-	for _, f := range []func(*message.Message) (uuid.UUID, error){EventIDFromMessage, EventIDFromMetadataFirst} {
+	for _, f := range []func(*message.Message) (uuid.UUID, error){EventIDFromMessage, metadataFirst} {
 		_, err := f(msg("nope", payloadOf(x.String())))
 		require.ErrorIs(t, err, ErrInvalidEventID)
 		_, err = f(msg("", payloadOf(x.String())))
@@ -151,7 +151,7 @@ func TestEventIDFromMessage_HeaderAndPayload(t *testing.T) {
 	}
 
 	// No header: both read the payload.
-	for _, f := range []func(*message.Message) (uuid.UUID, error){EventIDFromMessage, EventIDFromMetadataFirst} {
+	for _, f := range []func(*message.Message) (uuid.UUID, error){EventIDFromMessage, metadataFirst} {
 		m := message.NewMessage("m", []byte(payloadOf(y.String())))
 		got, err := f(m)
 		require.NoError(t, err)

@@ -17,7 +17,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -321,7 +323,7 @@ func (a *app) outboxConfig(ctx context.Context, discover bool) (outbox.Config, e
 	if err != nil {
 		return cfg, err
 	}
-	topics, err := outbox.RecordedTopics(ctx, pool, cfg)
+	topics, err := recordedTopics(ctx, pool, cfg)
 	if err != nil {
 		return cfg, err
 	}
@@ -416,4 +418,19 @@ func splitList(s string) []string {
 		}
 	}
 	return out
+}
+
+// recordedTopics returns the topics migrated in cfg's schema with its
+// table prefix (outboxsql.RecordedTopics), after cfg's defaults.
+func recordedTopics(ctx context.Context, db dbx.Querier, cfg outbox.Config) ([]string, error) {
+	ob, err := outbox.New(cfg, nil)
+	if err != nil {
+		return nil, err
+	}
+	c := ob.Config()
+	topics, err := outboxsql.RecordedTopics(ctx, db, c.Schema, c.TablePrefix)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: recorded topics: %w", err)
+	}
+	return topics, nil
 }

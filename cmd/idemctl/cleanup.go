@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 )
 
 // cleanerFlags are the Cleaner settings both cleanup run and partitions
@@ -157,7 +158,7 @@ func partitionsList(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	info, err := deduplicator.Inspect(ctx, a.pool, tc)
+	info, err := dedupsql.Inspect(ctx, a.pool, tc.Schema, tc.Table)
 	if err != nil {
 		return err
 	}

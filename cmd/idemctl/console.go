@@ -11,7 +11,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
+	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -43,7 +46,7 @@ type overviewJSON struct {
 	Outbox jsonBacklog    `json:"outbox"`
 	Parked jsonParked     `json:"parked"`
 	// Leases are lease mode's (idem.Config.Lease), null when unreadable.
-	Leases *deduplicator.LeaseSummary `json:"leases"`
+	Leases *leasesql.Summary `json:"leases"`
 	// Kafka is null without --brokers.
 	Kafka  *kafkaJSON        `json:"kafka"`
 	Errors map[string]string `json:"errors"`
@@ -82,7 +85,7 @@ func (c *console) topics(ctx context.Context) ([]string, error) {
 	if len(c.outbox.Topics) > 0 {
 		return c.outbox.Topics, nil
 	}
-	return outbox.RecordedTopics(ctx, c.pool, c.outbox)
+	return recordedTopics(ctx, c.pool, c.outbox)
 }
 
 func (c *console) overview(ctx context.Context) *overviewJSON {
@@ -91,11 +94,11 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 		Parked: jsonParked{[]jsonParkedGroup{}, []jsonParkedKey{}}, Errors: map[string]string{}}
 	fail := func(part string, err error) { out.Errors[part] = consoleError(err) }
 
-	if info, err := deduplicator.Inspect(ctx, c.pool, c.table); err != nil {
+	if info, err := dedupsql.Inspect(ctx, c.pool, c.table.Schema, c.table.Table); err != nil {
 		fail("dedup", err)
 	} else {
 		out.Dedup = toDedupOverview(info)
-		if gs, err := deduplicator.Groups(ctx, c.pool, c.table); err != nil {
+		if gs, err := dedupsql.Groups(ctx, c.pool, c.table.Schema, c.table.Table); err != nil {
 			fail("groups", err)
 		} else {
 			for _, g := range gs {
@@ -108,12 +111,12 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 	} else {
 		out.Outbox = bl
 	}
-	if ls, err := deduplicator.SummarizeLeases(ctx, c.pool, c.table); err != nil {
+	if ls, err := leasesql.Summarize(ctx, c.pool, c.table.Schema, c.table.Table); err != nil {
 		fail("leases", err)
 	} else {
 		out.Leases = &ls
 	}
-	if sum, err := retrytopic.SummarizeParked(ctx, c.pool, c.parked, ""); err != nil {
+	if sum, err := parkedsql.Summarize(ctx, c.pool, c.parked.Schema, c.parked.Table, "", deduplicator.ValidateGroupName); err != nil {
 		fail("parked", err)
 	} else {
 		out.Parked = toJSONParked(sum, nil)
@@ -128,9 +131,9 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 	return out
 }
 
-// toDedupOverview is the overview's part of deduplicator.Inspect.
-func toDedupOverview(info *deduplicator.TableInfo) *dedupOverview {
-	d := &dedupOverview{Schema: info.Schema, Table: info.Table, Layout: info.Layout.String(), RowsEstimate: info.RowsEstimate, Bytes: info.Bytes,
+// toDedupOverview is the overview's part of dedupsql.Inspect.
+func toDedupOverview(info *dedupsql.TableInfo) *dedupOverview {
+	d := &dedupOverview{Schema: info.Schema, Table: info.Table, Layout: info.Layout, RowsEstimate: info.RowsEstimate, Bytes: info.Bytes,
 		RetentionSeconds: info.Retention.Seconds(), Partitions: []jsonPartition{}}
 	if !info.CleanedBefore.IsZero() {
 		d.LastCleaned = jsonTime(info.CleanedBefore.Add(info.Retention))
@@ -168,11 +171,11 @@ func (c *console) backlog(ctx context.Context) (jsonBacklog, error) {
 
 // parkedPage is the parked-keys page and /api/parked: retry parked --json.
 func (c *console) parkedKeys(ctx context.Context, group string, limit int) (jsonParked, error) {
-	sum, err := retrytopic.SummarizeParked(ctx, c.pool, c.parked, group)
+	sum, err := parkedsql.Summarize(ctx, c.pool, c.parked.Schema, c.parked.Table, group, deduplicator.ValidateGroupName)
 	if err != nil {
 		return jsonParked{}, err
 	}
-	keys, err := retrytopic.ParkedKeys(ctx, c.pool, c.parked, group, limit)
+	keys, err := parkedsql.Keys(ctx, c.pool, c.parked.Schema, c.parked.Table, group, limit, deduplicator.ValidateGroupName)
 	if err != nil {
 		return jsonParked{}, err
 	}
@@ -276,11 +279,11 @@ func (c *console) group(ctx context.Context, name string) (*groupJSON, error) {
 	if err != nil {
 		return nil, err
 	}
-	retention, err := deduplicator.RecordedRetention(ctx, c.pool, tc)
+	retention, err := recordedRetention(ctx, c.pool, tc)
 	if err != nil {
 		return nil, err
 	}
-	gs, err := deduplicator.Groups(ctx, c.pool, tc)
+	gs, err := dedupsql.Groups(ctx, c.pool, tc.Schema, tc.Table)
 	if err != nil {
 		return nil, err
 	}
@@ -317,7 +320,7 @@ const leasesPageLimit = 200
 // leasesJSON is the leases page and /api/leases: the shape of idemctl
 // dedup leases --json.
 type leasesJSON struct {
-	Leases []deduplicator.Lease `json:"leases"`
+	Leases []leasesql.Lease `json:"leases"`
 }
 
 // leases lists lease mode's leases, oldest taken first.
@@ -326,12 +329,12 @@ func (c *console) leases(ctx context.Context) (leasesJSON, error) {
 	if err != nil {
 		return leasesJSON{}, err
 	}
-	ls, err := deduplicator.ListLeases(ctx, c.pool, tc, deduplicator.LeaseFilter{Limit: leasesPageLimit})
+	ls, err := leasesql.List(ctx, c.pool, tc.Schema, tc.Table, leasesql.Filter{Limit: leasesPageLimit})
 	if err != nil {
 		return leasesJSON{}, err
 	}
 	if ls == nil {
-		ls = []deduplicator.Lease{}
+		ls = []leasesql.Lease{}
 	}
 	return leasesJSON{Leases: ls}, nil
 }
@@ -346,7 +349,7 @@ func (c *console) release(ctx context.Context, eventID, group string) (string, e
 	if err != nil {
 		return "", err
 	}
-	ok, err := deduplicator.ReleaseLeaseOf(ctx, c.pool, tc, id, group)
+	ok, err := leasesql.ForceRelease(ctx, c.pool, tc.Schema, tc.Table, id, group)
 	if err != nil {
 		return "", err
 	}

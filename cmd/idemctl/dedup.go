@@ -12,6 +12,8 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -51,7 +53,7 @@ func dedupCheck(ctx context.Context, a *app, args []string) error {
 	if groups, err = checkedGroups(ctx, a, tc, groups); err != nil {
 		return err
 	}
-	retention, err := deduplicator.RecordedRetention(ctx, a.pool, tc)
+	retention, err := recordedRetention(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
@@ -110,7 +112,7 @@ type groupCheck struct {
 // checkedGroups returns the groups to check: those asked for, each
 // registered with the table, or every registered group.
 func checkedGroups(ctx context.Context, a *app, tc deduplicator.TableConfig, groups []string) ([]string, error) {
-	registered, err := deduplicator.Groups(ctx, a.pool, tc)
+	registered, err := dedupsql.Groups(ctx, a.pool, tc.Schema, tc.Table)
 	if err != nil {
 		return nil, err
 	}
@@ -194,13 +196,13 @@ func dedupStats(ctx context.Context, a *app, args []string) error {
 			Bytes            int64       `json:"bytes"`
 			Groups           []group     `json:"groups"`
 			Partitions       []partition `json:"partitions"`
-		}{st.info.Schema, st.info.Table, st.info.Layout.String(), st.info.Retention.Seconds(), jsonTime(st.info.CleanedBefore), st.Rows,
+		}{st.info.Schema, st.info.Table, st.info.Layout, st.info.Retention.Seconds(), jsonTime(st.info.CleanedBefore), st.Rows,
 			jsonTime(st.Oldest), jsonTime(st.Newest), st.info.Bytes, []group{}, []partition{}}
 		for _, g := range st.groups {
 			out.Groups = append(out.Groups, group{g.Group, g.Registered, g.Rows, jsonTime(g.Oldest), jsonTime(g.Newest)})
 		}
 		for _, p := range st.partitions {
-			out.Partitions = append(out.Partitions, partition{toJSONPartition(p.Partition), p.Rows, jsonTime(p.Oldest), jsonTime(p.Newest)})
+			out.Partitions = append(out.Partitions, partition{toJSONPartition(p.Info), p.Rows, jsonTime(p.Oldest), jsonTime(p.Newest)})
 		}
 		return a.printJSON(out)
 	}
@@ -223,7 +225,7 @@ func dedupStats(ctx context.Context, a *app, args []string) error {
 	tw = a.table()
 	row(tw, "PARTITION", "EVENTS FROM", "TO", "ROWS", "SIZE", "OLDEST", "NEWEST")
 	for _, p := range st.partitions {
-		from, to := partitionRange(p.Partition)
+		from, to := partitionRange(p.Info)
 		row(tw, p.Name, from, to, p.Rows, humanBytes(p.Bytes), humanTime(p.Oldest), humanTime(p.Newest))
 	}
 	return tw.Flush()
@@ -239,12 +241,12 @@ type jsonPartition struct {
 	Bytes   int64    `json:"bytes"`
 }
 
-func toJSONPartition(p deduplicator.Partition) jsonPartition {
+func toJSONPartition(p partition.Info) jsonPartition {
 	return jsonPartition{p.Name, p.Default, jsonTime(p.From), jsonTime(p.To), p.Bound, p.Bytes}
 }
 
 // partitionRange prints a partition's event-time range for a table.
-func partitionRange(p deduplicator.Partition) (from, to string) {
+func partitionRange(p partition.Info) (from, to string) {
 	switch {
 	case p.Default:
 		return "(default)", "-"

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 )
 
 func groupsList(ctx context.Context, a *app, args []string) error {
@@ -13,11 +15,11 @@ func groupsList(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	gs, err := deduplicator.Groups(ctx, a.pool, tc)
+	gs, err := dedupsql.Groups(ctx, a.pool, tc.Schema, tc.Table)
 	if err != nil {
 		return err
 	}
-	retention, err := deduplicator.RecordedRetention(ctx, a.pool, tc)
+	retention, err := recordedRetention(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
@@ -60,14 +62,14 @@ type jsonGroup struct {
 	Stale                bool     `json:"stale"`
 }
 
-func toJSONGroup(g deduplicator.Group, now time.Time, retention time.Duration) jsonGroup {
+func toJSONGroup(g dedupsql.Group, now time.Time, retention time.Duration) jsonGroup {
 	return jsonGroup{g.Name, jsonTime(g.FirstSeen), g.IdempotencyNamespace, jsonTime(g.StartedAt), g.Young(now, retention), groupStale(g, now, retention)}
 }
 
 // groupStale reports whether no consumer of the group has started for
 // longer than the retention: a group that may be gone (forget it), or one
 // whose consumers have run without a restart all that time.
-func groupStale(g deduplicator.Group, now time.Time, retention time.Duration) bool {
+func groupStale(g dedupsql.Group, now time.Time, retention time.Duration) bool {
 	return retention > 0 && !g.StartedAt.IsZero() && g.StartedAt.Before(now.Add(-retention))
 }
 
@@ -84,7 +86,7 @@ func groupsRename(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	g, copied, err := deduplicator.RenameGroup(ctx, a.pool, tc, pos[0], pos[1])
+	g, copied, err := dedupsql.RenameGroup(ctx, a.pool, tc.Schema, tc.Table, pos[0], pos[1], deduplicator.ValidateGroupName)
 	if err != nil {
 		return err
 	}
@@ -114,7 +116,7 @@ func groupsForget(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	gs, err := deduplicator.Groups(ctx, a.pool, tc)
+	gs, err := dedupsql.Groups(ctx, a.pool, tc.Schema, tc.Table)
 	if err != nil {
 		return err
 	}
@@ -128,7 +130,7 @@ func groupsForget(ctx context.Context, a *app, args []string) error {
 	if !*yes {
 		return usageError("groups forget deletes every claim of %q: a consumer started again under that name applies every event it reads again; pass --yes to do it", pos[0])
 	}
-	n, err := deduplicator.ForgetGroup(ctx, a.pool, tc, pos[0])
+	n, err := dedupsql.ForgetGroup(ctx, a.pool, tc.Schema, tc.Table, pos[0], deduplicator.ValidateGroupName)
 	if err != nil {
 		return err
 	}
@@ -147,7 +149,7 @@ func retentionShow(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	r, err := deduplicator.RecordedRetention(ctx, a.pool, tc)
+	r, err := recordedRetention(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
@@ -180,14 +182,14 @@ func retentionSet(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	old, err := deduplicator.RecordedRetention(ctx, a.pool, tc)
+	old, err := recordedRetention(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
 	if d < old && !*yes {
 		return usageError("shortening the retention from %s to %s lets the cleaner delete claims sooner: a redelivery or DLQ replay older than %s is then refused as stale; pass --yes to do it", humanDuration(old), humanDuration(d), humanDuration(d))
 	}
-	if err := deduplicator.SetRetention(ctx, a.pool, tc, d); err != nil {
+	if err := dedupsql.SetRetention(ctx, a.pool, tc.Schema, tc.Table, d); err != nil {
 		return err
 	}
 	if a.opts.json {
@@ -203,4 +205,13 @@ func retentionSet(ctx context.Context, a *app, args []string) error {
 	}
 	fmt.Fprintln(a.stdout)
 	return nil
+}
+
+// recordedRetention returns the retention recorded with the table.
+func recordedRetention(ctx context.Context, db dbx.Querier, tc deduplicator.TableConfig) (time.Duration, error) {
+	s, err := dedupsql.ReadSetting(ctx, db, tc.Schema, tc.Table)
+	if err != nil {
+		return 0, fmt.Errorf("read retention of %s.%s: %w", tc.Schema, tc.Table, err)
+	}
+	return s.Retention, nil
 }

@@ -6,8 +6,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-
-	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 )
 
 // dedupLeases lists lease mode's leases: live ones are calls in flight (or
@@ -31,16 +30,16 @@ func dedupLeases(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	ls, err := deduplicator.ListLeases(ctx, a.pool, tc, deduplicator.LeaseFilter{ConsumerGroup: *group, State: *state, Limit: *limit})
+	ls, err := leasesql.List(ctx, a.pool, tc.Schema, tc.Table, leasesql.Filter{ConsumerGroup: *group, State: *state, Limit: *limit})
 	if err != nil {
 		return err
 	}
 	if a.opts.json {
 		if ls == nil {
-			ls = []deduplicator.Lease{}
+			ls = []leasesql.Lease{}
 		}
 		return a.printJSON(struct {
-			Leases []deduplicator.Lease `json:"leases"`
+			Leases []leasesql.Lease `json:"leases"`
 		}{ls})
 	}
 	if len(ls) == 0 {
@@ -83,7 +82,7 @@ func dedupRelease(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	ok, err := deduplicator.ReleaseLeaseOf(ctx, a.pool, tc, id, *group)
+	ok, err := leasesql.ForceRelease(ctx, a.pool, tc.Schema, tc.Table, id, *group)
 	if err != nil {
 		return err
 	}

@@ -8,12 +8,11 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 )
 
 type leasesJSON struct {
-	Leases []deduplicator.Lease `json:"leases"`
+	Leases []leasesql.Lease `json:"leases"`
 }
 
 // An operator lists live and expired leases and releases one; the

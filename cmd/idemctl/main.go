@@ -13,6 +13,8 @@ import (
 	"syscall"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -137,6 +139,9 @@ func missingTable(err error) error {
 	if errors.As(err, &terr) && errors.Is(terr, deduplicator.ErrTableMissing) && terr.Problem == "does not exist" {
 		return fmt.Errorf("table %s does not exist (run idemctl migrate up, or check --schema/--table)", terr.Table)
 	}
+	if table, ok := pgerr.UndefinedTable(err); ok { // from the operator's statements (internal/dedupsql)
+		return fmt.Errorf("table %s does not exist (run idemctl migrate up, or check --schema/--table)", table)
+	}
 	return err
 }
 
@@ -144,7 +149,7 @@ func missingTable(err error) error {
 // something that is not there or not allowed; nothing was changed.
 func isBadInput(err error) bool {
 	for _, target := range []error{
-		deduplicator.ErrGroupNotFound, deduplicator.ErrGroupExists,
+		dedupsql.ErrGroupNotFound, dedupsql.ErrGroupExists,
 		outbox.ErrInvalidTopic, outbox.ErrTopicNotMigrated,
 		retrytopic.ErrKeyNotParked,
 	} {

@@ -4,7 +4,10 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/outbox"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 func outboxReposition(ctx context.Context, a *app, args []string) error {
@@ -18,15 +21,17 @@ func outboxReposition(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	rs, err := ob.Reposition(ctx, a.pool, &outbox.RepositionOpts{Forwarder: *forwarder, Topics: topics, DryRun: *dryRun})
+	rs, err := reposition(ctx, a.pool, ob, *forwarder, topics, *dryRun)
 	if err != nil {
 		return err
 	}
-	problem := func(r outbox.Reposition) string {
-		if r.Problem == nil {
+	problem := func(r repositioned) string {
+		if r.Foreign == nil {
 			return ""
 		}
-		return r.Problem.Error()
+		fe := r.Foreign
+		return (&outbox.PositionError{Topic: r.topic, Forwarder: fe.Name, StoredSystemID: fe.Stored.System, SystemID: fe.Current.System,
+			StoredXmax: fe.Stored.Xmax, Xmax: fe.Current.Xmax}).Error()
 	}
 	if a.opts.json {
 		type topic struct {
@@ -44,7 +49,7 @@ func outboxReposition(ctx context.Context, a *app, args []string) error {
 			Topics    []topic `json:"topics"`
 		}{*forwarder, *dryRun, []topic{}}
 		for _, r := range rs {
-			out.Topics = append(out.Topics, topic{r.Topic, problem(r), r.Resend, r.First, r.Last, r.Restamped, r.Done})
+			out.Topics = append(out.Topics, topic{r.topic, problem(r), r.Resend, r.First, r.Last, r.Restamped, r.Done})
 		}
 		return a.printJSON(out)
 	}
@@ -53,22 +58,22 @@ func outboxReposition(ctx context.Context, a *app, args []string) error {
 	var total int64
 	for _, r := range rs {
 		pos := "this cluster's"
-		if r.Problem != nil {
+		if r.Foreign != nil {
 			pos = "another cluster's"
 		}
 		offsets := "-"
 		if r.Resend > 0 {
 			offsets = fmt.Sprintf("%d-%d", r.First, r.Last)
 		}
-		row(tw, r.Topic, pos, r.Resend, offsets, r.Restamped)
+		row(tw, r.topic, pos, r.Resend, offsets, r.Restamped)
 		total += r.Resend
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
 	for _, r := range rs {
-		if r.Problem != nil {
-			fmt.Fprintf(a.stdout, "%s: %s\n", r.Topic, problem(r))
+		if r.Foreign != nil {
+			fmt.Fprintf(a.stdout, "%s: %s\n", r.topic, problem(r))
 		}
 	}
 	if *dryRun {
@@ -77,4 +82,30 @@ func outboxReposition(ctx context.Context, a *app, args []string) error {
 	}
 	fmt.Fprintf(a.stdout, "positions of %s reset: %d rows (every row in the tables) will be forwarded again; nothing was deleted\n", *forwarder, total)
 	return nil
+}
+
+// repositioned is what reposition did, or would do, in one topic.
+type repositioned struct {
+	topic string
+	outboxsql.Repositioned
+}
+
+// reposition resets forwarder's position in each topic to the start of the
+// table, each topic in its own transaction, so that every row still in the
+// table is forwarded again; with dryRun it only reports.
+func reposition(ctx context.Context, db *pgxpool.Pool, ob *outbox.Outbox, forwarder string, topics []string, dryRun bool) ([]repositioned, error) {
+	cfg := ob.Config()
+	out := make([]repositioned, 0, len(topics))
+	for _, topic := range topics {
+		r := repositioned{topic: topic}
+		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) (err error) {
+			r.Repositioned, err = outboxsql.TopicTables(cfg.Schema, cfg.TablePrefix, topic).Reposition(ctx, tx, forwarder, dryRun)
+			return err
+		})
+		if err != nil {
+			return out, fmt.Errorf("outbox: reposition %s in %s: %w", forwarder, topic, err)
+		}
+		out = append(out, r)
+	}
+	return out, nil
 }

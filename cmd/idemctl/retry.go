@@ -8,6 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -45,11 +47,11 @@ func retryParked(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	sum, err := retrytopic.SummarizeParked(ctx, pool, t, *group)
+	sum, err := parkedsql.Summarize(ctx, pool, t.Schema, t.Table, *group, deduplicator.ValidateGroupName)
 	if err != nil {
 		return err
 	}
-	keys, err := retrytopic.ParkedKeys(ctx, pool, t, *group, *limit)
+	keys, err := parkedsql.Keys(ctx, pool, t.Schema, t.Table, *group, *limit, deduplicator.ValidateGroupName)
 	if err != nil {
 		return err
 	}
@@ -108,7 +110,7 @@ type jsonParkedGroup struct {
 	MaxHeadOverdueSeconds float64 `json:"max_head_overdue_seconds"`
 }
 
-func toJSONParked(sum []retrytopic.ParkedSummary, keys []retrytopic.ParkedKey) jsonParked {
+func toJSONParked(sum []parkedsql.Summary, keys []parkedsql.Key) jsonParked {
 	out := jsonParked{[]jsonParkedGroup{}, []jsonParkedKey{}}
 	for _, s := range sum {
 		out.Groups = append(out.Groups, jsonParkedGroup{s.ConsumerGroup, s.Keys, s.Events, s.MaxQueue, s.OldestAge.Seconds(), s.MaxHeadOverdue.Seconds()})
@@ -173,7 +175,7 @@ func retryUnblock(ctx context.Context, a *app, args []string) error {
 // copy is overdue by more than after: the recovery of a stalled retry path
 // (retrytopic.ErrHeadOverdue), one key after the other.
 func (a *app) unblockOverdue(ctx context.Context, pool *pgxpool.Pool, ob *outbox.Outbox, t retrytopic.ParkedKeysTable, group string, after time.Duration, topic string) error {
-	keys, err := retrytopic.ParkedKeys(ctx, pool, t, group, 0)
+	keys, err := parkedsql.Keys(ctx, pool, t.Schema, t.Table, group, 0, deduplicator.ValidateGroupName)
 	if err != nil {
 		return err
 	}

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -398,7 +399,7 @@ var actions = map[string]struct {
 			if _, err := c.group(ctx, f["group"]); err != nil {
 				return "", err
 			}
-			n, err := deduplicator.ForgetGroup(ctx, c.pool, tc, f["group"])
+			n, err := dedupsql.ForgetGroup(ctx, c.pool, tc.Schema, tc.Table, f["group"], deduplicator.ValidateGroupName)
 			if err != nil {
 				return "", err
 			}

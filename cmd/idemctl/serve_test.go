@@ -22,7 +22,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/leasetest"
@@ -565,7 +564,7 @@ func TestServeLeases(t *testing.T) {
 	base := startServe(t, db, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
 
 	ov, code := getJSON[struct {
-		Leases deduplicator.LeaseSummary `json:"leases"`
+		Leases leasesql.Summary `json:"leases"`
 	}](t, base+"/api/overview")
 	require.Equal(t, http.StatusOK, code)
 	require.Equal(t, 1, ov.Leases.Live)

@@ -11,14 +11,16 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/partition"
 )
 
 // tableStats is what `dedup stats` counts in a processed_event table: its
-// catalog view (deduplicator.Inspect) and its claims per consumer group and
+// catalog view (dedupsql.Inspect) and its claims per consumer group and
 // per partition.
 type tableStats struct {
-	info *deduplicator.TableInfo
+	info *dedupsql.TableInfo
 	claims
 	groups     []groupStats     // registered or holding claims, by name
 	partitions []partitionStats // in the order of info.Partitions
@@ -43,12 +45,12 @@ func (c *claims) add(n int64, oldest, newest time.Time) {
 
 type groupStats struct {
 	Group      string
-	Registered bool // in the table's registry (deduplicator.Groups)
+	Registered bool // in the table's registry (dedupsql.Groups)
 	claims
 }
 
 type partitionStats struct {
-	deduplicator.Partition
+	partition.Info
 	claims
 }
 
@@ -64,10 +66,10 @@ func readStats(ctx context.Context, db interface {
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // it only reads
 	st := &tableStats{}
-	if st.info, err = deduplicator.Inspect(ctx, tx, tc); err != nil {
+	if st.info, err = dedupsql.Inspect(ctx, tx, tc.Schema, tc.Table); err != nil {
 		return nil, err
 	}
-	registered, err := deduplicator.Groups(ctx, tx, tc)
+	registered, err := dedupsql.Groups(ctx, tx, tc.Schema, tc.Table)
 	if err != nil {
 		return nil, err
 	}
@@ -78,7 +80,7 @@ func readStats(ctx context.Context, db interface {
 	byName := map[string]*partitionStats{}
 	st.partitions = make([]partitionStats, len(st.info.Partitions))
 	for i, p := range st.info.Partitions {
-		st.partitions[i].Partition = p
+		st.partitions[i].Info = p
 		byName[p.Name] = &st.partitions[i]
 	}
 	rows, err := tx.Query(ctx, `SELECT c.relname::text, s.consumer_group, s.n, s.oldest, s.newest

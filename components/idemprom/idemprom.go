@@ -10,6 +10,8 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -181,7 +183,7 @@ func (c *Collector) AddRetryTopic(group string, rt *retrytopic.RetryTopic) {
 // AddParked exports the parked keys of retrytopic.KeyOrder in table (of
 // group only, unless ""): their number, events, longest queue, the age of
 // the oldest and how long a first event's copy is overdue
-// (retrytopic.SummarizeParked), queried from db at each scrape (bounded by
+// (as idemctl retry parked sums them up), queried from db at each scrape (bounded by
 // [backlogTimeout]).
 func (c *Collector) AddParked(db migrate.DBTX, table retrytopic.ParkedKeysTable, group string) {
 	c.mu.Lock()
@@ -189,8 +191,8 @@ func (c *Collector) AddParked(db migrate.DBTX, table retrytopic.ParkedKeysTable,
 	c.parked = append(c.parked, parkedSource{db: db, table: table, group: group})
 }
 
-// AddTable exports the dedup table named by cfg as deduplicator.Inspect
-// reads it from the catalog at each scrape (bounded by [backlogTimeout];
+// AddTable exports the dedup table named by cfg, read from the catalog
+// and the table's recorded setting at each scrape (bounded by [backlogTimeout];
 // no row of the table is read): its estimated rows, its size, its
 // retention, its partitions and when the Cleaner last ran, with the label
 // table=schema.table. Alert on the last clean: a Cleaner that stopped lets
@@ -345,14 +347,14 @@ func (e emitter) retries(retries []retrySource) {
 func (e emitter) parked(parked []parkedSource) {
 	for _, p := range parked {
 		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
-		sum, err := retrytopic.SummarizeParked(ctx, p.db, p.table, p.group)
+		sum, err := parkedsql.Summarize(ctx, p.db, p.table.Schema, p.table.Table, p.group, deduplicator.ValidateGroupName)
 		cancel()
 		if err != nil {
 			e <- prometheus.NewInvalidMetric(descParkedKeys, err)
 			continue
 		}
 		if len(sum) == 0 && p.group != "" {
-			sum = []retrytopic.ParkedSummary{{ConsumerGroup: p.group}}
+			sum = []parkedsql.Summary{{ConsumerGroup: p.group}}
 		}
 		for _, s := range sum {
 			e.gauge(descParkedKeys, float64(s.Keys), s.ConsumerGroup)
@@ -364,11 +366,20 @@ func (e emitter) parked(parked []parkedSource) {
 	}
 }
 
+// inspect reads the dedup table t names from the catalog, after checking
+// its names.
+func inspect(ctx context.Context, t tableSource) (*dedupsql.TableInfo, error) {
+	if err := t.cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return dedupsql.Inspect(ctx, t.db, t.cfg.Schema, t.cfg.Table)
+}
+
 // tables emits each dedup table's size, retention and cleaning, read now.
 func (e emitter) tables(tables []tableSource) {
 	for _, t := range tables {
 		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
-		info, err := deduplicator.Inspect(ctx, t.db, t.cfg)
+		info, err := inspect(ctx, t)
 		cancel()
 		if err != nil {
 			e <- prometheus.NewInvalidMetric(descTableBytes, err)

@@ -1,8 +1,9 @@
 // Package leasesql is lease mode's protocol on the database: the
 // statements that take, complete, renew and release a lease, and the fast
 // path's transaction that holds a batch's events while their handlers run.
-// middleware runs it; deduplicator owns the lease table (its migration),
-// lists and sweeps it.
+// middleware runs it; deduplicator owns the lease table (its migration)
+// and sweeps it. [List], [Summarize] and [ForceRelease] are the operator's
+// (idemctl dedup leases and release, and its console).
 //
 // Every take of a lease first takes the event's advisory lock
 // (pg_try_advisory_xact_lock on [Protocol.LockKey]) in its transaction: a

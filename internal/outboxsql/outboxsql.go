@@ -1,8 +1,9 @@
 // Package outboxsql holds every statement the module runs on the outbox
 // tables besides watermill-sql's own (its INSERT of messages and its CREATE
 // TABLEs): the forwarder's registration, position lock, batch reads and
-// position update, the backlog, the deletion of forwarded rows and the read
-// of a topic's messages for idemtest. It is the one place that knows the
+// position update, the backlog, the deletion of forwarded rows, the
+// operator's reposition (idemctl outbox reposition) and the read of a
+// topic's messages for idemtest. It is the one place that knows the
 // columns of the tables:
 //
 //	messages: "offset" BIGSERIAL, uuid, created_at, payload, metadata (JSON),

@@ -1,6 +1,7 @@
 // Package partition is the arithmetic of the processed_event table's daily
-// partitions: RANGE bounds on event_id computed from UUIDv7 times, and the
-// partitions' names, and whether a table is partitioned.
+// partitions: RANGE bounds on event_id computed from UUIDv7 times, the
+// partitions' names, whether a table is partitioned and its partitions as
+// the catalog lists them.
 package partition
 
 import (

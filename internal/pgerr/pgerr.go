@@ -4,7 +4,9 @@ package pgerr
 
 import (
 	"errors"
+	"strings"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -21,4 +23,22 @@ func Has(err error, codes ...string) bool {
 		}
 	}
 	return false
+}
+
+// UndefinedTable reports whether err is, or wraps, PostgreSQL's "relation
+// does not exist" (SQLSTATE 42P01), and the relation it names as the
+// statement wrote it (the message is `relation "schema.table" does not
+// exist`; the whole message when it has no quoted name).
+func UndefinedTable(err error) (table string, ok bool) {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.UndefinedTable {
+		return "", false
+	}
+	table = pgErr.Message
+	if _, rest, ok := strings.Cut(pgErr.Message, `"`); ok {
+		if name, _, ok := strings.Cut(rest, `"`); ok {
+			table = name
+		}
+	}
+	return table, true
 }

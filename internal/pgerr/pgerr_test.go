@@ -26,3 +26,19 @@ func TestHas(t *testing.T) {
 		t.Fatal("nil")
 	}
 }
+
+func TestUndefinedTable(t *testing.T) {
+	err := fmt.Errorf("read: %w", &pgconn.PgError{Code: pgerrcode.UndefinedTable, Message: `relation "s.processed_event_group" does not exist`})
+	if table, ok := pgerr.UndefinedTable(err); !ok || table != "s.processed_event_group" {
+		t.Fatalf("got %q, %v: want the relation the message names", table, ok)
+	}
+	if table, ok := pgerr.UndefinedTable(&pgconn.PgError{Code: pgerrcode.UndefinedTable, Message: "no quotes"}); !ok || table != "no quotes" {
+		t.Fatalf("got %q, %v: want the whole message", table, ok)
+	}
+	if _, ok := pgerr.UndefinedTable(&pgconn.PgError{Code: pgerrcode.UndefinedColumn, Message: `column "x" does not exist`}); ok {
+		t.Fatal("another code")
+	}
+	if _, ok := pgerr.UndefinedTable(errors.New(`relation "t" does not exist`)); ok {
+		t.Fatal("text alone is not a SQLSTATE")
+	}
+}

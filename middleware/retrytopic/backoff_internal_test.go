@@ -24,13 +24,18 @@ func TestBackoffDelay(t *testing.T) {
 	d.setDefaults()
 	require.Equal(t, Backoff{Initial: defaultInitialDelay, Multiplier: defaultMultiplier, Max: defaultMaxDelay, Jitter: defaultJitter}, d)
 	for range 1000 {
-		got := d.Delay(2)
+		got := d.randomDelay(2)
 		require.GreaterOrEqual(t, got, 1600*time.Millisecond)
 		require.LessOrEqual(t, got, 2400*time.Millisecond)
 	}
 	none := Backoff{Jitter: NoJitter}
 	none.setDefaults()
 	require.Equal(t, 4*time.Second, none.delay(3, 0), "NoJitter")
+	// The default multiplier without jitter: exponential, capped.
+	capped := Backoff{Initial: time.Second, Max: 10 * time.Second, Jitter: NoJitter}
+	for attempt, want := range []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 8 * time.Second, 10 * time.Second} {
+		require.Equal(t, want, capped.randomDelay(attempt+1), "attempt %d", attempt+1)
+	}
 }
 
 func TestConfigTopicOfAttempt(t *testing.T) {

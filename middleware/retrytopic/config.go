@@ -12,6 +12,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -32,9 +33,9 @@ const (
 	defaultJitter = 0.2
 	// NoJitter, as [Backoff.Jitter], turns the jitter off (0 means the default).
 	NoJitter      = -1.0
-	defaultSchema = "public"
+	defaultSchema = parkedsql.DefaultSchema
 	// defaultTable names the parked-keys table of [KeyOrder].
-	defaultTable = "retry_parked_key"
+	defaultTable = parkedsql.DefaultTable
 	// defaultOverdueAfter is [KeyOrder.OverdueAfter].
 	defaultOverdueAfter = 2 * time.Minute
 )
@@ -86,14 +87,14 @@ func (b Backoff) validate() error {
 	return nil
 }
 
-// Delay returns the delay before retry-topic attempt (1 for the first), with
-// the defaults applied and a random jitter.
-func (b Backoff) Delay(attempt int) time.Duration {
+// randomDelay returns the delay before retry-topic attempt (1 for the
+// first), with the defaults applied and a random jitter.
+func (b Backoff) randomDelay(attempt int) time.Duration {
 	b.setDefaults()
 	return b.delay(attempt, rand.Float64())
 }
 
-// delay is Delay with the random number r in [0, 1) given.
+// delay is randomDelay with the random number r in [0, 1) given.
 func (b Backoff) delay(attempt int, r float64) time.Duration {
 	if attempt < 1 {
 		attempt = 1

@@ -34,6 +34,7 @@
 // ([MigrationLine]) with their message. A success releases its row in the
 // handler's transaction ([RetryTopic.ReleaseMiddleware]) and hands the key
 // to the next waiting event through the outbox ([KeyOrder.Outbox]).
-// [ParkedKeys], [SummarizeParked] and [Unblock] are for operators.
+// [Unblock] is for operators (idemctl retry unblock); idemctl retry parked
+// lists the parked keys.
 // docs/retry.md explains the wiring, the failure cases and the measurements.
 package retrytopic

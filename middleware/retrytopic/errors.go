@@ -8,8 +8,10 @@ import (
 // The errors of this package; match them with errors.Is.
 var (
 	// ErrAttemptsExhausted: a transient failure outlasted the last
-	// retry-topic attempt; the message was poisoned. [ExhaustedError]
-	// unwraps to it and to the last failure.
+	// retry-topic attempt; the message was poisoned. The reason it is
+	// poisoned with wraps it and the last failure (errors.Is matches both),
+	// and reads "retry attempts exhausted after N retry-topic attempts:
+	// <last failure>" in reason_poisoned.
 	ErrAttemptsExhausted = errors.New("retry attempts exhausted")
 	// ErrInvalidHeaders: a message consumed from a retry topic lacks the
 	// retry headers or has malformed ones; it is poisoned without running
@@ -25,18 +27,8 @@ var (
 	ErrKeyOrderUnordered = errors.New("retrytopic: KeyOrder needs an ordered subscriber: parallel.Subscriber with OrderNone refused (use OrderKey or OrderPartition)")
 )
 
-// ExhaustedError is the reason given to a message poisoned because its
-// attempts ran out: reason_poisoned carries its text.
-type ExhaustedError struct {
-	// Attempts is the number of retry-topic attempts made.
-	Attempts int
-	// Err is the last failure.
-	Err error
+// exhausted is the reason given to a message poisoned because its attempts
+// ran out: it wraps ErrAttemptsExhausted and err, the last failure.
+func exhausted(attempts int, err error) error {
+	return fmt.Errorf("%w after %d retry-topic attempts: %w", ErrAttemptsExhausted, attempts, err)
 }
-
-func (e *ExhaustedError) Error() string {
-	return fmt.Sprintf("%s after %d retry-topic attempts: %v", ErrAttemptsExhausted, e.Attempts, e.Err)
-}
-
-// Unwrap returns ErrAttemptsExhausted and the last failure.
-func (e *ExhaustedError) Unwrap() []error { return []error{ErrAttemptsExhausted, e.Err} }

@@ -12,8 +12,8 @@ import (
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
-// An operator's view of KeyOrder: the parked keys with their queues, and a
-// key whose first event's copy was lost, sent again through the outbox.
+// A key whose first event's copy was lost (idemctl retry parked shows it
+// overdue), sent again through the outbox.
 func ExampleUnblock() {
 	ctx := context.Background()
 	pool, schema, cleanup := pgtest.ForExample(ctx, "retrytopic_unblock")
@@ -40,22 +40,8 @@ func ExampleUnblock() {
 		panic(err)
 	}
 
-	sum, err := retrytopic.SummarizeParked(ctx, pool, table, "billing")
-	if err != nil {
-		panic(err)
-	}
-	fmt.Printf("keys %d, events %d, longest queue %d, copy overdue: %v\n",
-		sum[0].Keys, sum[0].Events, sum[0].MaxQueue, sum[0].MaxHeadOverdue.Hours() >= 1.99)
-	keys, err := retrytopic.ParkedKeys(ctx, pool, table, "billing", 10)
-	if err != nil {
-		panic(err)
-	}
-	fmt.Println(keys[0].Key, keys[0].Events, keys[0].Head, keys[0].HeadTopic)
-
 	res, err := retrytopic.Unblock(ctx, pool, ob, table, "billing", "acct-42", nil)
 	fmt.Println(res.Head, res.Topic, res.Resent, err)
 	// Output:
-	// keys 1, events 2, longest queue 2, copy overdue: true
-	// acct-42 2 01900000-0000-7000-8000-000000000001 orders.retry
 	// 01900000-0000-7000-8000-000000000001 orders.retry true <nil>
 }

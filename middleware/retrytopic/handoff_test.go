@@ -10,6 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -91,18 +93,18 @@ func TestKeyOrderFollowersWaitWithoutMoving(t *testing.T) {
 	table := retrytopic.ParkedKeysTable{Schema: f.db.Schema}
 	ctx := context.Background()
 	eventually(t, func() bool {
-		keys, err := retrytopic.ParkedKeys(ctx, f.db.Pool, table, f.group, 0)
+		keys, err := parkedsql.Keys(ctx, f.db.Pool, table.Schema, table.Table, f.group, 0, deduplicator.ValidateGroupName)
 		require.NoError(t, err)
 		return len(keys) == 1 && keys[0].Events == int64(followers+1)
 	}, "every follower parked behind the head")
-	keys, err := retrytopic.ParkedKeys(ctx, f.db.Pool, table, f.group, 0)
+	keys, err := parkedsql.Keys(ctx, f.db.Pool, table.Schema, table.Table, f.group, 0, deduplicator.ValidateGroupName)
 	require.NoError(t, err)
 	require.Equal(t, key, keys[0].Key)
 	require.Equal(t, msgs[0].Metadata.Get(publisher.MetadataEventID), keys[0].Head.String())
 	require.Equal(t, f.retry, keys[0].HeadTopic, "only the head has a copy on the retry path")
-	sum, err := retrytopic.SummarizeParked(ctx, f.db.Pool, table, f.group)
+	sum, err := parkedsql.Summarize(ctx, f.db.Pool, table.Schema, table.Table, f.group, deduplicator.ValidateGroupName)
 	require.NoError(t, err)
-	require.Equal(t, []retrytopic.ParkedSummary{{ConsumerGroup: f.group, Keys: 1, Events: int64(followers + 1), MaxQueue: int64(followers + 1),
+	require.Equal(t, []parkedsql.Summary{{ConsumerGroup: f.group, Keys: 1, Events: int64(followers + 1), MaxQueue: int64(followers + 1),
 		OldestAge: sum[0].OldestAge, MaxHeadOverdue: sum[0].MaxHeadOverdue}}, sum)
 	require.Positive(t, sum[0].OldestAge)
 	require.Zero(t, f.rows(t, ""), "nothing applied while the head fails")

@@ -124,3 +124,5 @@ func derefF(f *float64) float64 {
 	}
 	return *f
 }
+
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

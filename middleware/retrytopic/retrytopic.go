@@ -67,7 +67,7 @@ func (r *RetryTopic) isRetryTopic(topic string) bool { return r.retry[topic] }
 //     the original topic, partition and offset, [MetadataError]), and the
 //     message is acked, so its partition moves on;
 //   - a permanent error ([Config.IsPermanentFunc]), or a transient one after
-//     the last attempt ([ExhaustedError]): the message goes to the poison
+//     the last attempt ([ErrAttemptsExhausted]): the message goes to the poison
 //     topic with watermill's poison metadata, topic_poisoned naming the
 //     original topic, and is acked;
 //   - a publish failure is returned (the message is nacked and redelivered),
@@ -123,7 +123,7 @@ func (r *RetryTopic) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, r.poison(ctx, msg, o, pk, err)
 		}
 		if o.attempt >= r.cfg.MaxAttempts {
-			return nil, r.poison(ctx, msg, o, pk, &ExhaustedError{Attempts: o.attempt, Err: err})
+			return nil, r.poison(ctx, msg, o, pk, exhausted(o.attempt, err))
 		}
 		return nil, r.escalate(ctx, msg, o, pk, err)
 	}
@@ -185,7 +185,7 @@ func copyFor(msg *message.Message) *message.Message {
 func (r *RetryTopic) escalate(ctx context.Context, msg *message.Message, o origin, pk *parking, cause error) error {
 	next := o
 	next.attempt = o.attempt + 1
-	next.notBefore = r.cfg.NowFunc().Add(r.cfg.Backoff.Delay(next.attempt))
+	next.notBefore = r.cfg.NowFunc().Add(r.cfg.Backoff.randomDelay(next.attempt))
 	topic := r.cfg.topic(next.attempt)
 	c := copyFor(msg)
 	next.set(c.Metadata, cause)
@@ -246,8 +246,7 @@ func (r *RetryTopic) poison(ctx context.Context, msg *message.Message, o origin,
 		return fmt.Errorf("retrytopic: publish to poison topic %s: %w (the message is nacked: %v)", r.cfg.PoisonTopic, err, reason)
 	}
 	r.stats.poisoned.Add(1)
-	var exhausted *ExhaustedError
-	if errors.As(reason, &exhausted) {
+	if errors.Is(reason, ErrAttemptsExhausted) {
 		r.stats.exhausted.Add(1)
 	}
 	r.logger.Error("Message poisoned", reason, watermill.LogFields{
