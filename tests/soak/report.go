@@ -16,7 +16,8 @@ type Report struct {
 	// Producer is "outbox+forwarder" or "kafka" (direct publish).
 	Producer string
 	// Consumers is "one transaction per message" or "group commit", with
-	// ", parallel subscriber" in [Config.Parallel] mode.
+	// ", parallel subscriber" in [Config.Parallel] mode and ", hostile
+	// keys (PartitionWindow 16)" with [Config.HostileKeys].
 	Consumers string
 	// Faults counts injected faults by kind; Skipped those that found no
 	// target, or were armed in a consumer but not executed before the run
