@@ -10,9 +10,12 @@
 // this same binary, re-executed. With -lease, the consumers' dedup
 // middleware runs in lease mode and the handler calls a fake payment
 // provider; processes are killed between the phases, and the run checks
-// each event was charged once per group at the provider.
+// each event was charged once per group at the provider. With -parallel
+// (not -lease) the run adds a hot key and a failing key and runs the main
+// topic's subscriber with a PartitionWindow of 16 (soak.Config.HostileKeys;
+// -hostile-keys=false leaves them out).
 //
-//	go run ./cmd/soak [-seed N] [-events N] [-timeout 10m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-parallel] [-lease [-lease-duration 3s]] [-retry-percent 5] [-keep] [-v]
+//	go run ./cmd/soak [-seed N] [-events N] [-timeout 25m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-parallel [-hostile-keys=false]] [-lease [-lease-duration 3s]] [-retry-percent 5] [-keep] [-v]
 package main
 
 import (
@@ -48,6 +51,7 @@ func main() {
 	direct := flag.Bool("direct", false, "producer publishes directly to Kafka after its commit (no outbox)")
 	groupCommit := flag.Bool("group-commit", false, "consumers in group-commit mode (idem.Config.GroupCommit, defaults)")
 	parallel := flag.Bool("parallel", false, "consumers on idemkafka's parallel subscriber (key order, more messages in flight than partitions) instead of watermill-kafka's")
+	hostile := flag.Bool("hostile-keys", true, "with -parallel (not -lease): a hot key (1 % of the events, 200-500 ms each) and a failing key (its first event nacked until 60 % of the others are applied), PartitionWindow 16")
 	lease := flag.Bool("lease", false, "consumers in lease mode (idem.Config.Lease): the handler calls a fake provider with no transaction held and registers its write with idem.Complete; kills land between the phases (not with -group-commit)")
 	leaseDuration := flag.Duration("lease-duration", soak.DefaultLeaseDuration, "the lease's duration in lease mode: how long a killed consumer's event waits before it is taken over")
 	retryPercent := flag.Int("retry-percent", soak.DefaultRetryPercent, "percent of the events that fail transiently 1-3 times and go through the retry topics (negative: none)")
@@ -66,6 +70,7 @@ func main() {
 		DirectPublish: *direct,
 		GroupCommit:   *groupCommit,
 		Parallel:      *parallel,
+		HostileKeys:   *parallel && !*lease && *hostile,
 		Lease:         *lease,
 		LeaseDuration: *leaseDuration,
 		RetryPercent:  *retryPercent,

@@ -90,6 +90,11 @@ type childConfig struct {
 	LeaseDuration time.Duration `json:"lease_duration"`
 	ProviderURL   string        `json:"provider_url"`
 	UnstableKey   bool          `json:"unstable_key"` // a new Idempotency-Key per call: the checker's own test
+	// Hostile keys ([Config.HostileKeys]): the failing key, whose messages
+	// skip the retry-topic middleware (their failures are nacked), and the
+	// main topic subscriber's PartitionWindow (0: its default).
+	FailingKey      string `json:"failing_key"`
+	PartitionWindow int    `json:"partition_window"`
 }
 
 // The consumer-to-soak protocol: one line on standard output per event.
@@ -110,6 +115,7 @@ const (
 	lineJoined        = "j"   // every consumer group of the process has had its first session
 	lineViolation     = "v "  // + description
 	lineHandlers      = "h "  // + n: a new high of main-topic messages in the handler chain at once
+	lineSpilled       = "sp " // + n: a new high of spilled records in the main topic's parallel subscriber
 	cmdKillMid        = "mid" // soak-to-consumer commands, on standard input
 	cmdKillCommit     = "commit"
 	cmdKillCall       = "call" // lease mode: die while a call to the provider is in flight
@@ -247,7 +253,7 @@ func runConsumer(cfg childConfig) error {
 	}
 	// docs/retry.md's chain, with the soak's reporting middlewares around
 	// the retry-topic middleware and around each in-process attempt.
-	router.AddMiddleware(c.outer(ctx), c.rt.Middleware, inProcess.Middleware, c.attempt, dedup.Middleware, c.rt.ReleaseMiddleware)
+	router.AddMiddleware(c.outer(ctx), c.retryPath(inProcess.Middleware, c.attempt, dedup.Middleware, c.rt.ReleaseMiddleware))
 	c.joined = make([]bool, 1+len(cfg.RetryTopics))
 	if cfg.Parallel {
 		if err := c.addParallelHandlers(ctx, router, logger); err != nil {
@@ -395,18 +401,23 @@ func (c *child) addHandlers(router *message.Router, kc idemkafka.ClientConfig, l
 // idemkafka's parallel subscriber (key order, the library's default Sarama
 // settings but for the cooperative-sticky strategy: a rebalance revokes
 // only the partitions that move); a retry topic's copies wait in their partition's window until
-// their not-before time (retrytopic.RecordNotBefore). A goroutine reports
-// each subscriber's first consumer-group session.
+// their not-before time (retrytopic.RecordNotBefore). With hostile keys the
+// main topic's PartitionWindow is small, and a goroutine reports its
+// spills. A goroutine reports each subscriber's first consumer-group
+// session.
 func (c *child) addParallelHandlers(ctx context.Context, router *message.Router, logger watermill.LoggerAdapter) error {
 	cfg := c.cfg
 	sc := sarama.NewConfig()
 	sc.Version = sarama.V2_4_0_0
 	sc.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
 	base := parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: cfg.Brokers, Sarama: sc}, ConsumerGroup: cfg.Group, MaxInFlight: ParallelMaxInFlight}
-	sub, err := parallel.NewSubscriber(base, logger)
+	mc := base
+	mc.PartitionWindow = cfg.PartitionWindow // hostile keys: small, so that it fills and spills
+	sub, err := parallel.NewSubscriber(mc, logger)
 	if err != nil {
 		return err
 	}
+	go c.watchSpill(ctx, sub)
 	subs := []*parallel.Subscriber{sub}
 	router.AddConsumerHandler("soak-"+cfg.Instance, cfg.Topic, sub, c.handler)
 	for i, topic := range cfg.RetryTopics {

@@ -144,7 +144,9 @@ func (t tapPublisher) Publish(topic string, msgs ...*message.Message) error {
 // after the handler returned), or, for the broken handler of the checker's
 // own test, written through the pool; in lease mode a call to the fake
 // provider; then, for an event planned to fail, the call to a downstream
-// that is down for it until it has failed as often as planned.
+// that is down for it until it has failed as often as planned. With hostile
+// keys, the hot key's events sleep and the failing key's first event fails
+// until the soak releases it.
 func (c *child) handler(msg *message.Message) error {
 	ctx := msg.Context()
 	var p payload
@@ -178,6 +180,18 @@ func (c *child) handler(msg *message.Message) error {
 	if c.cfg.Lease {
 		// Lease mode: no transaction, no connection held during the call.
 		if err := c.charge(ctx, id, p); err != nil {
+			return err
+		}
+	}
+	if p.SleepMS > 0 {
+		// The hot key: a slow handler, holding its transaction.
+		if err := sleep(ctx, time.Duration(p.SleepMS)*time.Millisecond); err != nil {
+			return err
+		}
+	}
+	if p.Block {
+		// The failing key's first event: nacked until released.
+		if err := c.blocked(ctx, id); err != nil {
 			return err
 		}
 	}

@@ -19,7 +19,7 @@ const (
 	DefaultDLQPercent      = 10
 	DefaultDoublePercent   = 2
 	DefaultRetryPercent    = 5
-	DefaultTimeout         = 15 * time.Minute
+	DefaultTimeout         = 25 * time.Minute
 	DefaultOutage          = 3 * time.Second
 	// ParallelMaxInFlight is the main topic's MaxInFlight of a consumer
 	// process in [Config.Parallel] mode: more handlers at once than the
@@ -90,6 +90,17 @@ type Config struct {
 	// topic, whose copies wait in their partition's window until their
 	// not-before time) instead of watermill-kafka's. Defaults to false.
 	Parallel bool
+	// HostileKeys adds two hostile partition keys to a [Config.Parallel]
+	// run: a hot key (about 1 % of the events; its handler sleeps 200 to
+	// 500 ms on each, drawn from the seed) and a failing key (about 2 %;
+	// the handler fails on its first event, which is nacked, not moved to
+	// a retry topic nor poisoned, until its group has applied 60 % of the
+	// other events), with the main topic's PartitionWindow at
+	// [HostilePartitionWindow] so that the failing key's waiting events
+	// are spilled. The run checks that both keys' events were applied once
+	// each and in order, and that the other keys flowed around them.
+	// Not in lease mode. Defaults to false.
+	HostileKeys bool
 	// Lease runs the consumers' dedup middleware in lease mode
 	// (idem.Config.Lease, Duration [Config.LeaseDuration]): the handler
 	// calls a fake payment provider in the soak's process with the event's
@@ -221,6 +232,8 @@ func (c Config) Validate() error {
 		return errors.New("fields DLQPercent, DoublePercent, RetryPercent: must be in [0, 100]")
 	case c.Lease && c.GroupCommit:
 		return errors.New("fields Lease, GroupCommit: lease mode batches its phases itself, not with group commit")
+	case c.HostileKeys && (!c.Parallel || c.Lease):
+		return errors.New("field HostileKeys: only with Parallel, not in lease mode")
 	case c.Faults.KillMidCall > 0 && !c.Lease:
 		return errors.New("field Faults.KillMidCall: only in lease mode (Lease), where the handler makes a call")
 	}

@@ -26,6 +26,12 @@ type payload struct {
 	// Fail is how many times the handler fails transiently on the event
 	// before it succeeds (the plan's failure marks; 0 for most events).
 	Fail int `json:"fail,omitempty"`
+	// SleepMS is the handler's time on the event (the hot key's events,
+	// [Config.HostileKeys]).
+	SleepMS int64 `json:"sleepMs,omitempty"`
+	// Block marks the failing key's first event: the handler fails on it
+	// until the soak releases it.
+	Block bool `json:"block,omitempty"`
 }
 
 // group is one consumer group: its live consumer processes and counters.
@@ -59,6 +65,7 @@ type group struct {
 	retryDeliveries, appliedFromRetry, deferred atomic.Int64
 	escalated, poisoned, maxAttempt             atomic.Int64
 	maxHandlers                                 atomic.Int64 // the most main-topic messages in one process's handlers at once
+	maxSpilled                                  atomic.Int64 // the most spilled records in one process's main-topic subscriber at once
 	escalatedIDs                                sync.Map     // event id → true
 	escalations                                 sync.Map     // event id → *tailBuffer: its escalations and their causes
 }
@@ -222,11 +229,30 @@ func (g *group) childConfig(inst *instance) childConfig {
 		// Lease mode: the middleware's phases need 2 x 1 + 1 connections
 		// (Lease.Concurrency 1), whatever the messages in flight; the
 		// fourth serves KeyOrder's parked-keys checks.
-		Lease:         h.cfg.Lease,
-		LeaseDuration: h.cfg.LeaseDuration,
-		ProviderURL:   h.providerURL(),
-		UnstableKey:   h.cfg.UnstableIdempotencyKey,
+		Lease:           h.cfg.Lease,
+		LeaseDuration:   h.cfg.LeaseDuration,
+		ProviderURL:     h.providerURL(),
+		UnstableKey:     h.cfg.UnstableIdempotencyKey,
+		FailingKey:      h.failingKey(),
+		PartitionWindow: h.partitionWindow(),
 	}
+}
+
+// failingKey is the failing key's partition key, "" without hostile keys.
+func (h *harness) failingKey() string {
+	if !h.cfg.HostileKeys {
+		return ""
+	}
+	return keyOf(failingAggregate(h.cfg))
+}
+
+// partitionWindow is the main topic subscriber's PartitionWindow: 0 (its
+// default) without hostile keys.
+func (h *harness) partitionWindow() int {
+	if !h.cfg.HostileKeys {
+		return 0
+	}
+	return HostilePartitionWindow
 }
 
 // readStdout turns the process's protocol lines into counters and faults.
@@ -267,6 +293,11 @@ func (inst *instance) readStdout(r io.Reader) {
 		case strings.HasPrefix(line, lineHandlers):
 			if n, err := strconv.ParseInt(strings.TrimPrefix(line, lineHandlers), 10, 64); err == nil {
 				for m := g.maxHandlers.Load(); n > m && !g.maxHandlers.CompareAndSwap(m, n); m = g.maxHandlers.Load() {
+				}
+			}
+		case strings.HasPrefix(line, lineSpilled):
+			if n, err := strconv.ParseInt(strings.TrimPrefix(line, lineSpilled), 10, 64); err == nil {
+				for m := g.maxSpilled.Load(); n > m && !g.maxSpilled.CompareAndSwap(m, n); m = g.maxSpilled.Load() {
 				}
 			}
 		case strings.HasPrefix(line, linePoisoned):

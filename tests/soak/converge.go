@@ -85,6 +85,9 @@ func (h *harness) converged(ctx context.Context) (bool, string) {
 		if g.liveCount() == 0 {
 			return false, g.name + ": no live instance"
 		}
+		if why := h.blockedReason(g); why != "" {
+			return false, why
+		}
 		n, err := h.appliedEvents(ctx, g)
 		if err != nil {
 			return false, err.Error()
@@ -134,13 +137,7 @@ func (g *group) liveCount() int {
 // and asks every live consumer process for a goroutine dump (SIGUSR1: see
 // dumpGoroutinesOnSIGUSR1), which it writes to a file and names in its log.
 func (h *harness) dumpStall() {
-	var names []string
-	for _, g := range h.groups {
-		names = append(names, g.name)
-		for i := range h.retryTopics(g.idx) {
-			names = append(names, retryGroup(g.name, i))
-		}
-	}
+	names := h.consumerGroupNames()
 	h.logf("stall: consumer groups:%s", describeGroups(h.brokers, names))
 	if h.trace != nil {
 		for _, n := range names {
@@ -168,6 +165,9 @@ func (h *harness) logStuck(ctx context.Context) {
 	for _, g := range h.groups {
 		n, err := h.appliedEvents(ctx, g)
 		h.logf("stuck: %s: %d live instances, applied %d of %d events (%v)", g.name, g.liveCount(), n, h.cfg.Events, err)
+		if why := h.blockedReason(g); why != "" {
+			h.logf("stuck: %s", why)
+		}
 	}
 	missing, sent := h.dlqMissing()
 	lag, err := h.lag("soak-dlq-replay-"+h.runID, h.dlq)

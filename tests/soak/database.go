@@ -125,6 +125,7 @@ CREATE TABLE soak_event (
     seq       int    NOT NULL,
     amount    bigint NOT NULL,
     fail      int    NOT NULL, -- planned transient failures (per group)
+    sleep_ms  int    NOT NULL, -- the handler's time on it (the hot key's events)
     UNIQUE (aggregate, seq)
 );
 -- No unique key on purpose: a double application must show up as two rows.

@@ -2,6 +2,7 @@ package soak
 
 import (
 	"fmt"
+	"maps"
 	"sort"
 	"strings"
 	"sync"
@@ -23,12 +24,15 @@ type groupTrace struct {
 	start  time.Time
 	events map[string][]string          // group → last maxTraceEvents lines
 	beats  map[string]map[string]string // group → member → its last heartbeat
+	// offered counts the JoinGroups per group and the protocols they
+	// offered (their names, comma-separated).
+	offered map[string]map[string]int
 }
 
 const maxTraceEvents = 60
 
 func newGroupTrace(c *kfake.Cluster) *groupTrace {
-	t := &groupTrace{start: time.Now(), events: map[string][]string{}, beats: map[string]map[string]string{}}
+	t := &groupTrace{start: time.Now(), events: map[string][]string{}, beats: map[string]map[string]string{}, offered: map[string]map[string]int{}}
 	observe := func(key int16) {
 		c.ControlKey(key, func(req kmsg.Request) (kmsg.Response, error, bool) {
 			c.KeepControl()
@@ -56,6 +60,14 @@ func (t *groupTrace) record(req kmsg.Request) {
 	switch r := req.(type) {
 	case *kmsg.JoinGroupRequest:
 		add(r.Group, fmt.Sprintf("JoinGroup member=%q rebalance_timeout=%dms session_timeout=%dms", r.MemberID, r.RebalanceTimeoutMillis, r.SessionTimeoutMillis))
+		names := make([]string, 0, len(r.Protocols))
+		for _, p := range r.Protocols {
+			names = append(names, p.Name)
+		}
+		if t.offered[r.Group] == nil {
+			t.offered[r.Group] = map[string]int{}
+		}
+		t.offered[r.Group][strings.Join(names, ",")]++
 	case *kmsg.SyncGroupRequest:
 		add(r.Group, fmt.Sprintf("SyncGroup member=%q generation=%d assignments=%d", r.MemberID, r.Generation, len(r.GroupAssignment)))
 	case *kmsg.LeaveGroupRequest:
@@ -117,4 +129,96 @@ func describeGroups(brokers, groups []string) string {
 		}
 	}
 	return b.String()
+}
+
+// offeredBy returns the protocols group's JoinGroups offered (names,
+// comma-separated) and how many offered each.
+func (t *groupTrace) offeredBy(group string) map[string]int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return maps.Clone(t.offered[group])
+}
+
+// consumerGroupNames are the Kafka consumer groups of the consumers: each
+// group's main one and its retry topics'.
+func (h *harness) consumerGroupNames() []string {
+	var names []string
+	for _, g := range h.groups {
+		names = append(names, g.name)
+		for i := range h.retryTopics(g.idx) {
+			names = append(names, retryGroup(g.name, i))
+		}
+	}
+	return names
+}
+
+// cooperative is the protocol name of Sarama's cooperative-sticky strategy.
+const cooperative = "cooperative-sticky"
+
+// verifyCooperative checks, in Parallel mode, that the consumers' consumer
+// groups run the cooperative-sticky strategy: the coordinator describes
+// each stable group with that protocol (any cluster; the groups may be
+// settling, so it asks for up to 10 s) and, on the in-process broker, every
+// JoinGroup offered it alone.
+func (h *harness) verifyCooperative() {
+	names := h.consumerGroupNames()
+	var last string
+	for range 20 {
+		var bad []string
+		last = ""
+		protos, err := groupProtocols(h.brokers, names)
+		for _, n := range names {
+			if protos[n] != cooperative {
+				bad = append(bad, fmt.Sprintf("%s: %q", n, protos[n]))
+			}
+		}
+		if err == nil && len(bad) == 0 {
+			break
+		}
+		last = fmt.Sprintf("%v %v", bad, err)
+		time.Sleep(500 * time.Millisecond)
+	}
+	if last != "" {
+		h.violation("consumer groups not described with protocol %s (parallel legs run cooperative-sticky): %s", cooperative, last)
+	}
+	joins := 0
+	if h.trace != nil {
+		for _, n := range names {
+			offered := h.trace.offeredBy(n)
+			for p, c := range offered {
+				if p != cooperative {
+					h.violation("%s: %d JoinGroups offered the protocols %q, want %s alone", n, c, p, cooperative)
+				}
+				joins += c
+			}
+			if len(offered) == 0 {
+				h.violation("%s: no JoinGroup recorded", n)
+			}
+		}
+	}
+	h.report.Rebalance = fmt.Sprintf("%s: %d consumer groups described so, %d JoinGroups offered it", cooperative, len(names), joins)
+	if last != "" {
+		h.report.Rebalance = "not " + cooperative + " everywhere: " + last
+	}
+}
+
+// groupProtocols returns each stable group's protocol, as the coordinator
+// describes it ("" for a group that is not stable).
+func groupProtocols(brokers, groups []string) (map[string]string, error) {
+	admin, err := sarama.NewClusterAdmin(brokers, sarama.NewConfig())
+	if err != nil {
+		return nil, err
+	}
+	defer admin.Close()
+	ds, err := admin.DescribeConsumerGroups(groups)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for _, d := range ds {
+		if d.State == "Stable" {
+			out[d.GroupId] = d.Protocol
+		}
+	}
+	return out, nil
 }

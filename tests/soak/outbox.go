@@ -154,8 +154,8 @@ func (p *outboxProducer) produce(ctx context.Context, ev event, msg *message.Mes
 	}
 	err := retry(ctx, "produce", func() error {
 		return pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-			tag, err := tx.Exec(ctx, `INSERT INTO soak_event (event_id, aggregate, seq, amount, fail) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (event_id) DO NOTHING`,
-				id, ev.aggregate, ev.seq, ev.amount, ev.fail)
+			tag, err := tx.Exec(ctx, `INSERT INTO soak_event (event_id, aggregate, seq, amount, fail, sleep_ms) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (event_id) DO NOTHING`,
+				id, ev.aggregate, ev.seq, ev.amount, ev.fail, ev.sleep.Milliseconds())
 			if err != nil {
 				return err
 			}

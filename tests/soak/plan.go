@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // event is one planned business event.
@@ -18,32 +19,46 @@ type event struct {
 	// (in each group) before it succeeds: 0, or 1 to [maxPlannedFailures]
 	// for [Config.RetryPercent] of the events. It travels in the payload.
 	fail int
+	// sleep is how long the handler takes on the event: 0, or 200 to
+	// 500 ms for the hot key's events ([Config.HostileKeys]). It travels
+	// in the payload.
+	sleep time.Duration
+	// block marks the failing key's first event ([Config.HostileKeys]):
+	// the handler fails on it, and it is nacked, until the soak releases
+	// it. It travels in the payload.
+	block bool
 }
 
 // maxPlannedFailures is the most transient failures planned for one event.
 const maxPlannedFailures = 3
 
-// makePlan derives the events from the seed. The planned failures come
-// from a stream of their own, so the rest of a seed's plan is the same with
-// or without them.
+// makePlan derives the events from the seed. The planned failures and the
+// hostile keys come from streams of their own, so the rest of a seed's
+// plan is the same with or without them (but for the events the hostile
+// keys take over: their aggregates' later sequence numbers shift).
 func makePlan(cfg Config) []event {
 	r := rand.New(rand.NewPCG(cfg.Seed, 0x5eed_e7e7))
 	rf := rand.New(rand.NewPCG(cfg.Seed, 0xfa11_5eed))
-	seqs := make([]int, cfg.Aggregates)
+	rh := rand.New(rand.NewPCG(cfg.Seed, 0x4057_11e5))
+	seqs := make([]int, cfg.Aggregates+hostileAggregates)
 	plan := make([]event, cfg.Events)
 	for i := range plan {
 		a := r.IntN(cfg.Aggregates)
-		seqs[a]++
-		plan[i] = event{
-			aggregate: a,
-			seq:       seqs[a],
-			amount:    1 + r.Int64N(1000),
-			dlq:       r.IntN(100) < cfg.DLQPercent,
-			double:    r.IntN(100) < cfg.DoublePercent,
+		ev := event{
+			amount: 1 + r.Int64N(1000),
+			dlq:    r.IntN(100) < cfg.DLQPercent,
+			double: r.IntN(100) < cfg.DoublePercent,
 		}
 		if rf.IntN(100) < cfg.RetryPercent {
-			plan[i].fail = 1 + rf.IntN(maxPlannedFailures)
+			ev.fail = 1 + rf.IntN(maxPlannedFailures)
 		}
+		if cfg.HostileKeys {
+			a = hostileKey(cfg, a, rh, &ev)
+		}
+		seqs[a]++
+		ev.aggregate, ev.seq = a, seqs[a]
+		ev.block = a == failingAggregate(cfg) && ev.seq == 1
+		plan[i] = ev
 	}
 	return plan
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"strconv"
 	"sync"
 	"time"
 
@@ -39,10 +38,10 @@ type producer interface {
 }
 
 func eventMessage(id uuid.UUID, ev event) *message.Message {
-	body, _ := json.Marshal(payload{EventID: id.String(), Aggregate: ev.aggregate, Seq: ev.seq, Amount: ev.amount, Fail: ev.fail})
+	body, _ := json.Marshal(payload{EventID: id.String(), Aggregate: ev.aggregate, Seq: ev.seq, Amount: ev.amount, Fail: ev.fail, SleepMS: ev.sleep.Milliseconds(), Block: ev.block})
 	msg := message.NewMessage(watermill.NewUUID(), body)
 	msg.Metadata.Set(publisher.MetadataEventID, id.String())
-	msg.Metadata.Set(publisher.MetadataPartitionKey, "agg-"+strconv.Itoa(ev.aggregate))
+	msg.Metadata.Set(publisher.MetadataPartitionKey, keyOf(ev.aggregate))
 	if ev.dlq {
 		msg.Metadata.Set(metaDLQ, "1")
 	}
@@ -101,8 +100,8 @@ func (p *kafkaProducer) dbComponents() []string { return []string{"producer"} }
 func (p *kafkaProducer) produce(ctx context.Context, ev event, msg *message.Message) error {
 	id := msg.Metadata.Get(publisher.MetadataEventID)
 	if err := retry(ctx, "insert event", func() error {
-		_, err := p.pool.Exec(ctx, `INSERT INTO soak_event (event_id, aggregate, seq, amount, fail) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (event_id) DO NOTHING`,
-			id, ev.aggregate, ev.seq, ev.amount, ev.fail)
+		_, err := p.pool.Exec(ctx, `INSERT INTO soak_event (event_id, aggregate, seq, amount, fail, sleep_ms) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (event_id) DO NOTHING`,
+			id, ev.aggregate, ev.seq, ev.amount, ev.fail, ev.sleep.Milliseconds())
 		return err
 	}); err != nil {
 		return err

@@ -16,7 +16,8 @@ type Report struct {
 	// Producer is "outbox+forwarder" or "kafka" (direct publish).
 	Producer string
 	// Consumers is "one transaction per message" or "group commit", with
-	// ", parallel subscriber" in [Config.Parallel] mode.
+	// ", parallel subscriber" in [Config.Parallel] mode and ", hostile
+	// keys (PartitionWindow 16)" with [Config.HostileKeys].
 	Consumers string
 	// Faults counts injected faults by kind; Skipped those that found no
 	// target, or were armed in a consumer but not executed before the run
@@ -61,6 +62,9 @@ type Report struct {
 	// group), RetryFailures the failures planned for them in all
 	// ([Config.RetryPercent]).
 	RetryEvents, RetryFailures int
+	// Rebalance says, in [Config.Parallel] mode, which rebalance protocol
+	// the consumers' groups ran (checked: cooperative-sticky).
+	Rebalance string
 	// Per consumer group.
 	Groups []GroupReport
 	// Lease is the lease-mode leg's view; nil in the other modes.
@@ -144,6 +148,9 @@ type GroupReport struct {
 	// it held with watermill-kafka's subscriber, up to
 	// [ParallelMaxInFlight] with the parallel one ([Config.Parallel]).
 	MaxHandlers int64
+	// Hostile is the hostile keys' view ([Config.HostileKeys]); nil
+	// without them.
+	Hostile *HostileReport
 }
 
 // OK reports whether the run found no violation.
@@ -176,6 +183,9 @@ func (r *Report) String() string {
 	if r.OutboxRows > 0 {
 		fmt.Fprintf(&b, "outbox rows written and forwarded: %d\n", r.OutboxRows)
 	}
+	if r.Rebalance != "" {
+		fmt.Fprintf(&b, "rebalance protocol: %s\n", r.Rebalance)
+	}
 	for _, g := range r.Groups {
 		fmt.Fprintf(&b, "group %s: lost=%d double=%d | deliveries=%d applied=%d duplicates absorbed=%d failed+redelivered=%d ledger rows=%d distinct=%d sum=%d | main-topic handlers at once in a process: up to %d\n",
 			g.Name, g.Lost, g.Double, g.Deliveries, g.Applied, g.Duplicates, g.Failed, g.LedgerRows, g.DistinctEvents, g.Sum, g.MaxHandlers)
@@ -185,6 +195,10 @@ func (r *Report) String() string {
 		}
 		fmt.Fprintf(&b, "  retry topics (in-process retries %d): failed as planned: %d events, %d times | escalated to a retry topic: %d times, %d events, attempts up to %d | deferred behind their key: %d | retry-topic deliveries=%d applied from a retry topic=%d (%.2f deliveries per event on the retry path) | poisoned=%d\n",
 			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, perEvent, g.Poisoned)
+		if x := g.Hostile; x != nil {
+			fmt.Fprintf(&b, "  hostile keys: hot %s: %d of %d events in the ledger, %d of them overlapped by other keys' applications | failing %s: %d of %d events in the ledger, its first one failed %d times over %s (nacked), %d other events applied before it (released at %d) | spilled records at once in a process: up to %d\n",
+				x.HotKey, x.HotRows, x.HotEvents, x.HotOverlapped, x.FailingKey, x.FailingRows, x.FailingEvents, x.BlockedFailures, x.BlockedFor.Round(time.Millisecond), x.AppliedBeforeHead, x.ReleaseAt, x.MaxSpilled)
+		}
 	}
 	if l := r.Lease; l != nil {
 		fmt.Fprintf(&b, "lease mode (lease %s): takeovers=%d: of leases live when their owner was SIGKILLed=%d (left by %d kills between the phases), SIGTERMed=%d, expired under a running owner=%d | leases left=%d\n",

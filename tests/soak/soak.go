@@ -49,6 +49,9 @@ type harness struct {
 	// owner).
 	provider        *provider
 	killed, stopped sync.Map
+	// hostile is the failing key's state ([Config.HostileKeys]); nil
+	// without hostile keys.
+	hostile *hostileState
 
 	mu         sync.Mutex
 	report     *Report
@@ -258,6 +261,12 @@ func (h *harness) run(ctx context.Context) error {
 		if h.cfg.Parallel {
 			h.report.Consumers += ", parallel subscriber"
 		}
+	}
+	if h.cfg.HostileKeys {
+		h.report.Consumers += fmt.Sprintf(", hostile keys (PartitionWindow %d)", HostilePartitionWindow)
+	}
+	if err := h.startHostile(ctx); err != nil {
+		return err
 	}
 	if err := h.startDLQReplayer(ctx); err != nil {
 		return err

@@ -23,8 +23,10 @@ import (
 // topics; then "every event applied exactly once per group" and each
 // aggregate's events in order. Four runs: watermill-kafka's subscriber in
 // both commit modes, and idemkafka's parallel subscriber in group commit
-// mode and in lease mode (the handler calls a fake provider between the
-// phases; processes are killed after the call and during it).
+// mode, with the hostile keys (a hot key, a failing key, PartitionWindow
+// 16: see soak.Config.HostileKeys), and in lease mode (the handler calls a
+// fake provider between the phases; processes are killed after the call and
+// during it).
 //
 // The soak tests run one at a time, not in parallel: a run holds up to ~40
 // PostgreSQL connections (its producer, forwarder, five or six consumer
@@ -40,17 +42,18 @@ func TestSoakShort(t *testing.T) {
 		groupCommit bool
 		parallel    bool
 		lease       bool
+		hostile     bool
 	}{
-		{"one transaction per message", false, false, false},
-		{"group commit", true, false, false},
-		// idemkafka's parallel subscriber, with the per-key order check;
-		// in group commit mode its processes' pools stay at 4 connections
-		// (the suite's budget), one transaction per message would need
-		// one per message in flight.
-		{"parallel subscriber, group commit", true, true, false},
+		{"one transaction per message", false, false, false, false},
+		{"group commit", true, false, false, false},
+		// idemkafka's parallel subscriber, with the per-key order check
+		// and the hostile keys; in group commit mode its processes' pools
+		// stay at 4 connections (the suite's budget), one transaction per
+		// message would need one per message in flight.
+		{"parallel subscriber, group commit, hostile keys", true, true, false, true},
 		// Lease mode: 2 x 1 + 1 connections for the middleware's phases,
 		// whatever the messages in flight.
-		{"parallel subscriber, lease mode", false, true, true},
+		{"parallel subscriber, lease mode", false, true, true, false},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
 			cfg := soak.Config{
@@ -61,7 +64,8 @@ func TestSoakShort(t *testing.T) {
 				GroupCommit: mode.groupCommit,
 				Parallel:    mode.parallel,
 				Lease:       mode.lease,
-				Timeout:     8 * time.Minute, // a bound, not a target: under -race a run takes ~1 min on an idle 2-core machine, up to 6 on a crowded one
+				HostileKeys: mode.hostile,
+				Timeout:     10 * time.Minute, // a bound, not a target: under -race a run takes 1 to 3 min on an idle 2-core machine, up to 6 on a crowded one
 				DatabaseURL: pgtest.URL(),
 				Brokers:     kafkatest.External(),
 			}
@@ -103,7 +107,35 @@ func TestSoakShort(t *testing.T) {
 			if mode.lease {
 				requireLease(t, cfg, rep)
 			}
+			if mode.parallel {
+				require.True(t, strings.HasPrefix(rep.Rebalance, "cooperative-sticky:"), "rebalance protocol: %s", rep.Rebalance)
+			}
+			if mode.hostile {
+				requireHostile(t, rep)
+			}
 		})
+	}
+}
+
+// requireHostile checks the hostile keys of a run (verify already turned
+// each of these into a violation; here they are named): both keys' events
+// applied once each, the failing key's first event failed and was applied
+// after the other keys had flowed around it, the hot key's handlers were
+// overlapped by other keys' applications, and the main topic's windows
+// spilled.
+func requireHostile(t *testing.T, rep *soak.Report) {
+	t.Helper()
+	for _, g := range rep.Groups {
+		x := g.Hostile
+		require.NotNil(t, x, g.Name)
+		require.Positive(t, x.HotEvents, "%s: hot key events", g.Name)
+		require.Equal(t, x.HotEvents, x.HotRows, "%s: hot key %s in the ledger", g.Name, x.HotKey)
+		require.Positive(t, x.FailingEvents, "%s: failing key events", g.Name)
+		require.Equal(t, x.FailingEvents, x.FailingRows, "%s: failing key %s in the ledger", g.Name, x.FailingKey)
+		require.Positive(t, x.BlockedFailures, "%s: the failing key's first event failed", g.Name)
+		require.GreaterOrEqual(t, x.AppliedBeforeHead, x.ReleaseAt, "%s: other events applied before the failing key's first", g.Name)
+		require.Positive(t, x.HotOverlapped, "%s: hot key handlers overlapped by other keys' applications", g.Name)
+		require.Positive(t, x.MaxSpilled, "%s: spilled records", g.Name)
 	}
 }
 

@@ -40,6 +40,9 @@ func (h *harness) verify(ctx context.Context) error {
 			return err
 		}
 	}
+	if h.cfg.Parallel {
+		h.verifyCooperative()
+	}
 	if n, err := h.prod.pending(ctx); err != nil || n > 0 {
 		h.violation("outbox: %d rows not forwarded (%v)", n, err)
 	}
@@ -68,6 +71,11 @@ func (h *harness) verifyGroup(ctx context.Context, g *group, events int, sum int
 	g.escalatedIDs.Range(func(any, any) bool { gr.EscalatedEvents++; return true })
 	if err := h.groupLedger(ctx, g, &gr); err != nil {
 		return err
+	}
+	if h.cfg.HostileKeys {
+		if err := h.verifyHostile(ctx, g, &gr); err != nil {
+			return err
+		}
 	}
 	if n, err := h.records(h.poisonTopic(g.idx)); err != nil || n > 0 {
 		h.violation("%s: %d messages on the poison topic (%v)", g.name, n, err)
