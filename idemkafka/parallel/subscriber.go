@@ -163,7 +163,12 @@ type stream struct {
 
 	fetchers sync.WaitGroup // the partitions' fetchLoops
 	fetchMu  sync.Mutex
-	refetchC sarama.Consumer // reads spilled records again; created on first use
+	// refetch reads spilled records again, on connections of its own: a
+	// broker answers one connection's requests in order, so behind the
+	// group's fetches, which wait up to Consumer.MaxWaitTime at the end of
+	// the partitions, each of a pass's requests would wait as long.
+	// Created on first use.
+	refetch sarama.Client
 
 	// guarded by s.mu
 	metaMax int           // the commit metadata bound: CommitMetadataMaxBytes, halved on each OffsetMetadataTooLarge
@@ -212,9 +217,9 @@ func (st *stream) run() {
 	<-dispatched
 	st.fetchers.Wait()
 	st.fetchMu.Lock()
-	if st.refetchC != nil {
-		if err := st.refetchC.Close(); err != nil {
-			st.logger.Error("Closing the consumer of spilled records", err, nil)
+	if st.refetch != nil {
+		if err := st.refetch.Close(); err != nil && !errors.Is(err, sarama.ErrClosedClient) {
+			st.logger.Error("Closing the Kafka client of spilled records", err, nil)
 		}
 	}
 	st.fetchMu.Unlock()
@@ -511,32 +516,42 @@ func (st *stream) refill(p *partState, pass *refillPass) {
 	}
 }
 
+// tryRefill reads p from pass.from on a consumer of its own: a partition
+// consumer's Close waits for its next fetch, so the pass closes it
+// asynchronously, and one consumer would refuse the next pass's partition
+// consumer ("already being consumed") until the previous one had gone.
 func (st *stream) tryRefill(p *partState, pass *refillPass) error {
 	st.fetchMu.Lock()
-	if st.refetchC == nil {
-		c, err := sarama.NewConsumerFromClient(st.client)
+	if st.refetch == nil {
+		client, err := sarama.NewClient(st.s.cfg.Client.Brokers, st.client.Config())
 		if err != nil {
 			st.fetchMu.Unlock()
 			return err
 		}
-		st.refetchC = c
+		st.refetch = client
 	}
-	c := st.refetchC
+	client := st.refetch
 	st.fetchMu.Unlock()
+	c, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return err
+	}
 	pc, err := c.ConsumePartition(st.topic, p.partition, pass.from)
 	if err != nil {
+		_ = c.Close() // it does not close the shared client
 		return err
 	}
 	defer func() {
 		// Close waits for the consumer's next fetch: the refill does not.
 		pc.AsyncClose()
 		st.fetchers.Go(func() {
-			for range pc.Messages() {
+			for range pc.Errors() {
 			}
 		})
 		st.fetchers.Go(func() {
-			for range pc.Errors() {
+			for range pc.Messages() {
 			}
+			_ = c.Close()
 		})
 	}()
 	for {
