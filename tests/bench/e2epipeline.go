@@ -37,6 +37,11 @@ type e2eResult struct {
 	// COMMIT returned to the handler's middleware.
 	toCommit []time.Duration
 	stats    idem.Stats // the middleware's counters at the end
+	// cpuPerEvent is this process's CPU time (processCPU: the pipeline,
+	// the forwarder, the reader and an in-process broker; not
+	// PostgreSQL's) from the first handled event to the last forwarded
+	// record read back, per event; 0 if incomplete.
+	cpuPerEvent time.Duration
 }
 
 // pipelineSpec describes one pipeline round.
@@ -103,6 +108,9 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	res.latencies = make([]time.Duration, 0, s.n)
 	stopRead, readErr := r.readAll(out, s.n, func(sentAt, publishedAt int64, now time.Time) {
 		res.latencies = append(res.latencies, now.Sub(time.Unix(0, sentAt)))
+		if p.forwarded.count.Load() == int64(s.n)-1 { // the last one (got is called one at a time)
+			p.cpuLast.Store(int64(processCPU()))
+		}
 		p.forwarded.mark()
 	})
 	defer stopRead()
@@ -133,6 +141,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	res.forwardedNum = p.forwarded.count.Load()
 	if res.complete = res.forwardedNum == int64(s.n); res.complete {
 		res.forwarded = p.forwarded.rate()
+		res.cpuPerEvent = time.Duration(p.cpuLast.Load()-p.cpuFirst.Load()) / time.Duration(s.n)
 	}
 	return *res, nil
 }
@@ -166,8 +175,11 @@ type pipelineRound struct {
 	publishedAt         sync.Map // input message UUID → the handler's publish time
 	warmedUp            chan struct{}
 	warm                atomic.Int64 // warm-up events handled
-	toKafkaMu           sync.Mutex
-	toCommitMu          sync.Mutex
+	// cpuFirst and cpuLast are processCPU at the first measured event
+	// handled and at the last record read back.
+	cpuFirst, cpuLast atomic.Int64
+	toKafkaMu         sync.Mutex
+	toCommitMu        sync.Mutex
 }
 
 // startForwarder runs the round's forwarder of out on producer, which
@@ -234,8 +246,8 @@ func (p *pipelineRound) handler(mw message.HandlerFunc) message.HandlerFunc {
 			}
 			return out, err
 		}
-		if p.consumed.first.Load() == 0 {
-			p.consumed.first.CompareAndSwap(0, time.Now().UnixNano())
+		if p.consumed.first.Load() == 0 && p.consumed.first.CompareAndSwap(0, time.Now().UnixNano()) {
+			p.cpuFirst.Store(int64(processCPU()))
 			p.forwarded.first.CompareAndSwap(0, p.consumed.first.Load())
 		}
 		start := time.Now()
