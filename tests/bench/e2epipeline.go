@@ -42,6 +42,10 @@ type e2eResult struct {
 	// PostgreSQL's) from the first handled event to the last forwarded
 	// record read back, per event; 0 if incomplete.
 	cpuPerEvent time.Duration
+	// serverCPUPerEvent is the pool's PostgreSQL backends' CPU time
+	// (backendsCPU) over the whole round (the consumer group's join
+	// included), per event; 0 if incomplete or not readable.
+	serverCPUPerEvent time.Duration
 }
 
 // pipelineSpec describes one pipeline round.
@@ -123,6 +127,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 			return *res, err
 		}
 	}
+	serverBefore, serverOK := backendsCPU(ctx, r.db.Pool)
 	if err := r.runRouterOn(ctx, sub, s.in, group, out, h, p.stopWhenForwarded(ctx)); err != nil {
 		return *res, fmt.Errorf("%w (handled %d, forwarded %d of %d)", err, p.consumed.count.Load(), p.forwarded.count.Load(), s.n)
 	}
@@ -142,6 +147,9 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	if res.complete = res.forwardedNum == int64(s.n); res.complete {
 		res.forwarded = p.forwarded.rate()
 		res.cpuPerEvent = time.Duration(p.cpuLast.Load()-p.cpuFirst.Load()) / time.Duration(s.n)
+		if after, ok := backendsCPU(ctx, r.db.Pool); ok && serverOK {
+			res.serverCPUPerEvent = (after - serverBefore) / time.Duration(s.n)
+		}
 	}
 	return *res, nil
 }
