@@ -303,24 +303,30 @@ func (p *pipelineRound) producePaced(ctx context.Context) error {
 	return nil
 }
 
-// stopWhenForwarded is closed when everything was forwarded, or fwdWait
-// after the consuming side finished.
+// stopWhenForwarded is closed when everything was forwarded and handled,
+// or fwdWait after the consuming side finished. A record can be forwarded
+// before its handler returned (its COMMIT is done, the reply on its way):
+// stopping the router then would cancel that handler's context.
 func (p *pipelineRound) stopWhenForwarded(ctx context.Context) <-chan struct{} {
 	stop := make(chan struct{})
 	go func() {
 		defer close(stop)
 		select {
 		case <-p.forwarded.done:
-			return
 		case <-p.consumed.done:
 		case <-ctx.Done():
 			return
 		}
 		t := time.NewTimer(p.s.fwdWait)
 		defer t.Stop()
-		select {
-		case <-p.forwarded.done:
-		case <-t.C:
+		for _, done := range []chan struct{}{p.forwarded.done, p.consumed.done} {
+			select {
+			case <-done:
+			case <-t.C:
+				return
+			case <-ctx.Done():
+				return
+			}
 		}
 	}()
 	return stop
