@@ -224,8 +224,9 @@ func (o *Outbox) PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs 
 
 // write is the one way into the outbox tables: it stamps every message
 // ([publisher.Stamp] with stampCtx, or with the message's own context when
-// stampCtx is nil) and, only if all were stamped, inserts them in order
-// through watermill-sql's publisher on tx, running its statements with ctx.
+// stampCtx is nil; not when ctx says the middleware stamped them:
+// idemctx.WithStamped) and, only if all were stamped, inserts them in order
+// on tx as watermill-sql's publisher would (insertRows), with ctx.
 func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*message.Message, stampCtx context.Context) error {
 	if len(msgs) == 0 {
 		return nil
@@ -233,13 +234,18 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 	if err := o.cfg.validateTopic(topic); err != nil {
 		return err
 	}
+	// The dedup middleware's group commit stamped its messages already,
+	// each in its handler's context.
+	stamped := idemctx.Stamped(ctx)
 	for _, msg := range msgs {
 		sctx := stampCtx
 		if sctx == nil {
 			sctx = msg.Context()
 		}
-		if _, err := publisher.Stamp(sctx, msg); err != nil {
-			return fmt.Errorf("outbox: %w", err)
+		if !stamped {
+			if _, err := publisher.Stamp(sctx, msg); err != nil {
+				return fmt.Errorf("outbox: %w", err)
+			}
 		}
 		// Stamp put sctx's trace in the metadata; a message without a
 		// context of its own takes the write's (PublishInTx's ctx).

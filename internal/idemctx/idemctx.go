@@ -116,3 +116,23 @@ func (h *Hooks) Committed() {
 		f()
 	}
 }
+
+type stampedKey struct{}
+
+// WithStamped returns ctx marking the messages written with it as stamped
+// already: group commit stamps each handler's messages in that handler's
+// context, then writes the group's messages together, and the outbox need
+// not stamp them again (Stamp would change nothing). Only the middleware's
+// own write carries it, never a handler's context.
+func WithStamped(ctx context.Context) context.Context {
+	return context.WithValue(ctx, stampedKey{}, true)
+}
+
+// Stamped reports whether ctx comes from WithStamped.
+func Stamped(ctx context.Context) bool {
+	if ctx == nil {
+		return false
+	}
+	v, _ := ctx.Value(stampedKey{}).(bool)
+	return v
+}

@@ -48,3 +48,14 @@ func TestHooks(t *testing.T) {
 		t.Fatal("after Committed, OnCommit must not register")
 	}
 }
+
+func TestStamped(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	if Stamped(ctx) {
+		t.Fatal("a plain context says stamped")
+	}
+	if !Stamped(WithStamped(ctx)) || !Stamped(WithHooks(WithStamped(ctx), &Hooks{})) {
+		t.Fatal("WithStamped not seen")
+	}
+}
