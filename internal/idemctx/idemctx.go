@@ -136,3 +136,28 @@ func Stamped(ctx context.Context) bool {
 	v, _ := ctx.Value(stampedKey{}).(bool)
 	return v
 }
+
+// WithHandler returns ctx carrying v (as With) and h (as WithHooks) in one
+// context value: the context of every handler the middleware runs, built
+// once per message.
+func WithHandler(ctx context.Context, v Value, h *Hooks) context.Context {
+	return &handlerContext{Context: ctx, v: v, hooks: h}
+}
+
+// handlerContext answers From and HooksFrom; every other key, and
+// everything else, goes to its parent.
+type handlerContext struct {
+	context.Context
+	v     Value
+	hooks *Hooks
+}
+
+func (c *handlerContext) Value(k any) any {
+	switch k {
+	case key{}:
+		return &c.v
+	case hooksKey{}:
+		return c.hooks
+	}
+	return c.Context.Value(k)
+}
