@@ -8,6 +8,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -154,6 +155,35 @@ func TestBeginClaimBatch(t *testing.T) {
 		require.NoError(t, tx.Commit(ctx)) // releases the savepoint
 	})
 	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM processed_event"))
+}
+
+// The batch claim reads its ids in every pgx exec mode a pool may be
+// configured with: binary uuids (the extended protocol) and text ones
+// (the simple protocol, a PgBouncer in transaction mode).
+func TestBeginClaimBatchEveryExecMode(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, d := claimDB(t, "billing")
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		cfg, err := pgxpool.ParseConfig(db.URL)
+		require.NoError(t, err)
+		cfg.MaxConns = 1
+		cfg.ConnConfig.DefaultQueryExecMode = mode
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		a, b := publisher.NewEventID(), publisher.NewEventID()
+		tx, first, err := d.BeginClaimBatch(ctx, pool, pgx.TxOptions{}, []uuid.UUID{b, a})
+		require.NoError(t, err, mode.String())
+		require.Equal(t, []uuid.UUID{a, b}, first, mode.String())
+		require.NoError(t, tx.Commit(ctx))
+		tx, first, err = d.BeginClaimBatch(ctx, pool, pgx.TxOptions{}, []uuid.UUID{a, b})
+		require.NoError(t, err, mode.String())
+		require.Empty(t, first, mode.String())
+		require.NotNil(t, first, "%s: empty, not nil, as before", mode)
+		require.NoError(t, tx.Rollback(ctx))
+		pool.Close()
+	}
 }
 
 // Two batches sharing ids lock them in the same (sorted) order, so they can

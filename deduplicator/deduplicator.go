@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
@@ -111,7 +112,7 @@ func (d *Deduplicator) BeginClaimBatch(ctx context.Context, db migrate.Beginner,
 		if err != nil {
 			return err
 		}
-		first, err = pgx.CollectRows(rows, rowToUUID)
+		first, err = collectUUIDs(rows)
 		return err
 	}, func(tx pgx.Tx) (err error) {
 		first, err = d.ClaimBatch(ctx, tx, ids)
@@ -136,7 +137,7 @@ func (d *Deduplicator) ClaimBatch(ctx context.Context, tx migrate.DBTX, eventIDs
 	if err != nil {
 		return nil, fmt.Errorf("claim batch: %w", err)
 	}
-	first, err := pgx.CollectRows(rows, rowToUUID)
+	first, err := collectUUIDs(rows)
 	if err != nil {
 		return nil, fmt.Errorf("claim batch: %w", err)
 	}
@@ -144,12 +145,28 @@ func (d *Deduplicator) ClaimBatch(ctx context.Context, tx migrate.DBTX, eventIDs
 	return first, nil
 }
 
-// rowToUUID scans a row's one uuid column natively (binary, not through
-// uuid.UUID's sql.Scanner and its text form).
-func rowToUUID(row pgx.CollectableRow) (uuid.UUID, error) {
-	var id uuid.UUID
-	err := row.Scan(dbx.UUIDDest(&id))
-	return id, err
+// collectUUIDs reads rows of one uuid column and closes rows. A column in
+// binary format (the extended protocol's) is copied from the row's raw
+// bytes: pgx.CollectRows with Scan allocated several times per row, on
+// every claim of the group commit. Anything else (text format under the
+// simple protocol, a NULL) goes through Scan as before.
+func collectUUIDs(rows pgx.Rows) ([]uuid.UUID, error) {
+	defer rows.Close()
+	ids := []uuid.UUID{} // as pgx.CollectRows: empty, not nil, without rows
+	for rows.Next() {
+		if fd := rows.FieldDescriptions(); len(fd) == 1 && fd[0].Format == pgx.BinaryFormatCode && fd[0].DataTypeOID == pgtype.UUIDOID {
+			if v := rows.RawValues(); len(v) == 1 && len(v[0]) == 16 {
+				ids = append(ids, uuid.UUID(v[0]))
+				continue
+			}
+		}
+		var id uuid.UUID
+		if err := rows.Scan(dbx.UUIDDest(&id)); err != nil {
+			return nil, err
+		}
+		ids = append(ids, id)
+	}
+	return ids, rows.Err()
 }
 
 // sortedUnique returns a sorted copy of ids without repeats.

@@ -366,10 +366,11 @@ func (gc *groupCommit) failOne(g *claimedGroup, r *request, err error) (again []
 }
 
 // commit writes the messages the handlers returned (one multi-row INSERT
-// per topic), commits g and answers each request.
+// per topic; handle stamped them, so the outbox does not again), commits g
+// and answers each request.
 func (gc *groupCommit) commit(g *claimedGroup, hooks *idemctx.Hooks, out *groupOutbox) {
 	d := gc.d
-	if err := out.write(idemctx.WithHooks(g.ctx, hooks), d, g.tx); err != nil {
+	if err := out.write(idemctx.WithStamped(idemctx.WithHooks(g.ctx, hooks)), d, g.tx); err != nil {
 		d.rollback(g.ctx, g.tx, nil)
 		d.stats.groupFallbacks.Add(1)
 		g.span.RecordError(err)

@@ -247,10 +247,10 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 // handlerContext is the context a handler sees: origCtx with the
 // transaction and the event, and the hooks to run once tx has committed.
 func (d *Dedup) handlerContext(origCtx context.Context, tx pgx.Tx, hooks *idemctx.Hooks, msg *message.Message, id uuid.UUID) context.Context {
-	return idemctx.With(idemctx.WithHooks(origCtx, hooks), &idemctx.Value{
+	return idemctx.WithHandler(origCtx, idemctx.Value{
 		Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
 		CorrelationID: msg.Metadata.Get(publisher.MetadataCorrelationID),
-	})
+	}, hooks)
 }
 
 // toOutbox writes the messages a handler returned to [Config.Outbox] in tx

@@ -15,7 +15,7 @@ import (
 )
 
 // BenchmarkPublishInTx writes one message to the outbox in a transaction of
-// its own (BEGIN, stamp and INSERT through watermill-sql, COMMIT), against the
+// its own (BEGIN, stamp and the INSERT watermill-sql would run, COMMIT), against the
 // real PostgreSQL in a schema of its own, on one connection whose round trips
 // are counted (roundtrips/op). It runs only with -bench (make bench/go).
 func BenchmarkPublishInTx(b *testing.B) {

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -222,8 +223,9 @@ func (o *Outbox) PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs 
 
 // write is the one way into the outbox tables: it stamps every message
 // ([publisher.Stamp] with stampCtx, or with the message's own context when
-// stampCtx is nil) and, only if all were stamped, inserts them in order
-// through watermill-sql's publisher on tx, running its statements with ctx.
+// stampCtx is nil; not when ctx says the middleware stamped them:
+// idemctx.WithStamped) and, only if all were stamped, inserts them in order
+// on tx as watermill-sql's publisher would (insertRows), with ctx.
 func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*message.Message, stampCtx context.Context) error {
 	if len(msgs) == 0 {
 		return nil
@@ -231,13 +233,18 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 	if err := o.cfg.validateTopic(topic); err != nil {
 		return err
 	}
+	// The dedup middleware's group commit stamped its messages already,
+	// each in its handler's context.
+	stamped := idemctx.Stamped(ctx)
 	for _, msg := range msgs {
 		sctx := stampCtx
 		if sctx == nil {
 			sctx = msg.Context()
 		}
-		if _, err := publisher.Stamp(sctx, msg); err != nil {
-			return fmt.Errorf("outbox: %w", err)
+		if !stamped {
+			if _, err := publisher.Stamp(sctx, msg); err != nil {
+				return fmt.Errorf("outbox: %w", err)
+			}
 		}
 		// Stamp put sctx's trace in the metadata; a message without a
 		// context of its own takes the write's (PublishInTx's ctx).
@@ -246,43 +253,78 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 			return &RowError{Topic: topic, UUID: msg.UUID, Key: msg.Metadata.Get(publisher.MetadataPartitionKey), Size: recordBytes(msg), Err: err}
 		}
 	}
-	p, err := wsql.NewPublisher(ctxExecutor{Tx: wsql.TxFromPgx(tx), ctx: ctx}, wsql.PublisherConfig{SchemaAdapter: o.schema}, o.logger)
-	if err != nil {
-		return fmt.Errorf("outbox: %w", err)
-	}
-	if err := p.Publish(topic, msgs...); err != nil {
+	table := o.MessagesTable(topic)
+	if err := insertRows(ctx, tx, table, msgs); err != nil {
 		if pgerr.Has(err, pgerrcode.UndefinedTable) {
-			return fmt.Errorf("%w: topic %q (table %s): %w", ErrTopicNotMigrated, topic, o.MessagesTable(topic), err)
+			return fmt.Errorf("%w: topic %q (table %s): %w", ErrTopicNotMigrated, topic, table, err)
 		}
-		return fmt.Errorf("outbox: insert into %s: %w", o.MessagesTable(topic), err)
+		return fmt.Errorf("outbox: insert into %s: %w", table, err)
 	}
-	for _, msg := range msgs {
-		o.logger.Trace("Message written to outbox", watermill.LogFields{"topic": topic, "message_uuid": msg.UUID, "event_id": msg.Metadata.Get(publisher.MetadataEventID)})
+	if _, nop := o.logger.(watermill.NopLogger); !nop {
+		for _, msg := range msgs {
+			o.logger.Trace("Message written to outbox", watermill.LogFields{"topic": topic, "message_uuid": msg.UUID, "event_id": msg.Metadata.Get(publisher.MetadataEventID)})
+		}
 	}
 	// The rows are visible once tx commits. In a dedup handler the
 	// middleware commits tx and then wakes this process's forwarders of the
 	// table (wakers); on any other transaction they start looking now, the
 	// COMMIT usually following within milliseconds.
-	table := o.MessagesTable(topic)
 	if !idemctx.HooksFrom(ctx).OnCommit(tx, table, func() { wakers.wake(table) }) {
 		wakers.wake(table)
 	}
 	return nil
 }
 
-// ctxExecutor runs watermill-sql's statements with the caller's context
-// instead of the first message's.
-type ctxExecutor struct {
-	wsql.Tx
-	ctx context.Context
+// insertRows inserts msgs into table in order, in one statement: the
+// INSERT that watermill-sql's PostgreSQL schema adapter
+// (wsql.DefaultPostgreSQLSchema.InsertQuery) builds, with the same
+// arguments (uuid, payload, metadata as json.Marshal writes it: see
+// outboxsql.EncodeMetadata), run directly on tx with ctx.
+func insertRows(ctx context.Context, tx pgx.Tx, table string, msgs []*message.Message) error {
+	args, err := insertArgs(msgs)
+	if err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, insertQuery(table, len(msgs)), args...); err != nil {
+		return fmt.Errorf("could not insert message as row: %w", err)
+	}
+	return nil
 }
 
-func (e ctxExecutor) ExecContext(_ context.Context, query string, args ...any) (wsql.Result, error) {
-	return e.Tx.ExecContext(e.ctx, query, args...)
+// insertQuery is watermill-sql's INSERT of n rows into table.
+func insertQuery(table string, n int) string {
+	var q strings.Builder
+	q.Grow(len(table) + 64 + 40*n)
+	q.WriteString("INSERT INTO ")
+	q.WriteString(table)
+	q.WriteString(" (uuid, payload, metadata, transaction_id) VALUES ")
+	for i := range n {
+		if i > 0 {
+			q.WriteByte(',')
+		}
+		p := 3*i + 1
+		q.WriteString("($")
+		q.WriteString(strconv.Itoa(p))
+		q.WriteString(",$")
+		q.WriteString(strconv.Itoa(p + 1))
+		q.WriteString(",$")
+		q.WriteString(strconv.Itoa(p + 2))
+		q.WriteString(",pg_current_xact_id())")
+	}
+	return q.String()
 }
 
-func (e ctxExecutor) QueryContext(_ context.Context, query string, args ...any) (wsql.Rows, error) {
-	return e.Tx.QueryContext(e.ctx, query, args...)
+// insertArgs are insertQuery's arguments for msgs.
+func insertArgs(msgs []*message.Message) ([]any, error) {
+	args := make([]any, 0, 3*len(msgs))
+	for _, msg := range msgs {
+		md, err := outboxsql.EncodeMetadata(msg.Metadata)
+		if err != nil {
+			return nil, fmt.Errorf("could not marshal metadata into JSON for message %s: %w", msg.UUID, err)
+		}
+		args = append(args, msg.UUID, []byte(msg.Payload), md)
+	}
+	return args, nil
 }
 
 // Publisher returns a message.Publisher that writes to the outbox on tx.

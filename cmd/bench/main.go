@@ -26,6 +26,7 @@ func main() {
 	out := flag.String("out", "", "also write the report to this file")
 	only := flag.String("only", "", "run only sections whose name contains this")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run (broker included) to this file")
+	memProfile := flag.String("memprofile", "", "write an allocation profile of the whole run (broker included) to this file at the end")
 	jsonOut := flag.String("json", "", "also write the report's tables as JSON (bench.Report) to this file")
 	jsonFrom := flag.String("json-from", "", "run nothing: read this markdown report and write -json from it")
 	flag.Parse()
@@ -62,6 +63,12 @@ func main() {
 	writeHeader(ctx, &b, o, *short, *rounds)
 	failed := runSections(ctx, &b, o, *only)
 	fmt.Print(b.String())
+	if *memProfile != "" {
+		if err := writeMemProfile(*memProfile); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	}
 	if *out != "" {
 		if err := os.WriteFile(*out, []byte(b.String()), 0o644); err != nil {
 			fmt.Fprintln(os.Stderr, err)
@@ -125,6 +132,20 @@ func runSections(ctx context.Context, b *strings.Builder, o bench.Options, only 
 	}
 	fmt.Fprintf(b, "_All sections ran in %s._\n", time.Since(began).Round(time.Second))
 	return failed
+}
+
+// writeMemProfile writes the allocation profile (every allocation since
+// the start, sampled at the runtime's default rate) to path.
+func writeMemProfile(path string) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := pprof.Lookup("allocs").WriteTo(f, 0); err != nil {
+		_ = f.Close()
+		return err
+	}
+	return f.Close()
 }
 
 // writeJSON writes the tables of the markdown report md to path.

@@ -2,6 +2,7 @@ package parallel
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 
 	"github.com/IBM/sarama"
@@ -88,12 +89,41 @@ func RecordErrors(h message.HandlerFunc) message.HandlerFunc {
 
 // messageContext is parent with the record's partition, offset, timestamp
 // and key, as watermill-kafka sets them, the Subscriber's ordering, and
-// the attempt's error slot.
+// the attempt's error slot: one context (recordContext) answering the six
+// keys, rather than six nested context.WithValue and their boxed values.
 func messageContext(parent context.Context, m *sarama.ConsumerMessage, ordering Ordering, slot *errSlot) context.Context {
-	ctx := context.WithValue(parent, orderingKey{}, ordering)
-	ctx = context.WithValue(ctx, errSlotKey{}, slot)
-	ctx = context.WithValue(ctx, ctxKeyPartition, m.Partition)
-	ctx = context.WithValue(ctx, ctxKeyOffset, m.Offset)
-	ctx = context.WithValue(ctx, ctxKeyTimestamp, m.Timestamp)
-	return context.WithValue(ctx, ctxKeyKey, m.Key)
+	return &recordContext{Context: parent, m: m, ordering: ordering, slot: slot}
+}
+
+// recordContext answers the keys of messageContext and passes every other
+// key, and everything else, to its parent. Like context.WithValue's, its
+// keys shadow the parent's.
+type recordContext struct {
+	context.Context
+	m        *sarama.ConsumerMessage
+	ordering Ordering
+	slot     *errSlot
+}
+
+func (c *recordContext) Value(key any) any {
+	switch key {
+	case orderingKey{}:
+		return c.ordering
+	case errSlotKey{}:
+		return c.slot
+	case ctxKeyPartition:
+		return c.m.Partition
+	case ctxKeyOffset:
+		return c.m.Offset
+	case ctxKeyTimestamp:
+		return c.m.Timestamp
+	case ctxKeyKey:
+		return c.m.Key
+	}
+	return c.Context.Value(key)
+}
+
+// String names the context as context.WithValue's do, for debugging.
+func (c *recordContext) String() string {
+	return fmt.Sprintf("%v.WithRecord(%s/%d@%d)", c.Context, c.m.Topic, c.m.Partition, c.m.Offset)
 }

@@ -116,3 +116,48 @@ func (h *Hooks) Committed() {
 		f()
 	}
 }
+
+type stampedKey struct{}
+
+// WithStamped returns ctx marking the messages written with it as stamped
+// already: group commit stamps each handler's messages in that handler's
+// context, then writes the group's messages together, and the outbox need
+// not stamp them again (Stamp would change nothing). Only the middleware's
+// own write carries it, never a handler's context.
+func WithStamped(ctx context.Context) context.Context {
+	return context.WithValue(ctx, stampedKey{}, true)
+}
+
+// Stamped reports whether ctx comes from WithStamped.
+func Stamped(ctx context.Context) bool {
+	if ctx == nil {
+		return false
+	}
+	v, _ := ctx.Value(stampedKey{}).(bool)
+	return v
+}
+
+// WithHandler returns ctx carrying v (as With) and h (as WithHooks) in one
+// context value: the context of every handler the middleware runs, built
+// once per message.
+func WithHandler(ctx context.Context, v Value, h *Hooks) context.Context {
+	return &handlerContext{Context: ctx, v: v, hooks: h}
+}
+
+// handlerContext answers From and HooksFrom; every other key, and
+// everything else, goes to its parent.
+type handlerContext struct {
+	context.Context
+	v     Value
+	hooks *Hooks
+}
+
+func (c *handlerContext) Value(k any) any {
+	switch k {
+	case key{}:
+		return &c.v
+	case hooksKey{}:
+		return c.hooks
+	}
+	return c.Context.Value(k)
+}

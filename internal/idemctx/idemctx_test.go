@@ -48,3 +48,35 @@ func TestHooks(t *testing.T) {
 		t.Fatal("after Committed, OnCommit must not register")
 	}
 }
+
+func TestStamped(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	if Stamped(ctx) {
+		t.Fatal("a plain context says stamped")
+	}
+	if !Stamped(WithStamped(ctx)) || !Stamped(WithHooks(WithStamped(ctx), &Hooks{})) {
+		t.Fatal("WithStamped not seen")
+	}
+}
+
+type otherKey struct{}
+
+func TestWithHandler(t *testing.T) {
+	t.Parallel()
+	parent := context.WithValue(context.Background(), otherKey{}, "parent")
+	h := &Hooks{}
+	ctx := WithHandler(parent, Value{ConsumerGroup: "g"}, h)
+	if v := From(ctx); v == nil || v.ConsumerGroup != "g" {
+		t.Fatalf("From: %+v", v)
+	}
+	if HooksFrom(ctx) != h {
+		t.Fatal("HooksFrom: not the hooks given")
+	}
+	if ctx.Value(otherKey{}) != "parent" || ctx.Value([]int{1}) != nil {
+		t.Fatal("other keys are not the parent's")
+	}
+	if From(WithHandler(ctx, Value{ConsumerGroup: "inner"}, nil)).ConsumerGroup != "inner" {
+		t.Fatal("an inner handler context does not shadow the outer one")
+	}
+}

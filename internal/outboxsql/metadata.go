@@ -3,6 +3,7 @@ package outboxsql
 import (
 	"bytes"
 	"encoding/json"
+	"slices"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -92,4 +93,51 @@ func flatString(b []byte, i int) ([]byte, int, bool) {
 		return nil, 0, false
 	}
 	return s, i + 2 + j, true
+}
+
+// EncodeMetadata encodes md as watermill-sql writes a row's metadata:
+// json.Marshal of the map (keys sorted, compact), byte for byte. When every
+// key and value is printable ASCII that encoding/json leaves as it is (no
+// quote, backslash, <, > or &), it is written directly (marshalling the map
+// through reflection was a visible part of each outbox write); anything
+// else goes through encoding/json.
+func EncodeMetadata(md message.Metadata) ([]byte, error) {
+	if md == nil {
+		return json.Marshal(md)
+	}
+	keys := make([]string, 0, len(md))
+	size := 2
+	for k, v := range md {
+		if !plainString(k) || !plainString(v) {
+			return json.Marshal(md)
+		}
+		keys = append(keys, k)
+		size += len(k) + len(v) + 6
+	}
+	slices.Sort(keys)
+	b := make([]byte, 0, size)
+	b = append(b, '{')
+	for i, k := range keys {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = append(b, '"')
+		b = append(b, k...)
+		b = append(b, '"', ':', '"')
+		b = append(b, md[k]...)
+		b = append(b, '"')
+	}
+	return append(b, '}'), nil
+}
+
+// plainString reports whether encoding/json writes s between quotes as it
+// is.
+func plainString(s string) bool {
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c < 0x20 || c > 0x7e, c == '"', c == '\\', c == '<', c == '>', c == '&':
+			return false
+		}
+	}
+	return true
 }

@@ -51,3 +51,21 @@ func TestDecodeMetadataMatchesEncodingJSON(t *testing.T) {
 		require.Equal(t, md, got)
 	}
 }
+
+func FuzzEncodeMetadata(f *testing.F) {
+	for _, kv := range [][2]string{
+		{"event_id", "0190a0a0-0000-7000-8000-000000000000"}, {"a", `"q"`}, {"b", "<tag>&"}, {"c", "line\nbreak"},
+		{"d", "é\u2028"}, {"", ""}, {"k\\", "v"}, {"x", "\xff"}, {"~", "\x7f"},
+	} {
+		f.Add(kv[0], kv[1], "partition_key", "order-1")
+	}
+	f.Fuzz(func(t *testing.T, k1, v1, k2, v2 string) {
+		for _, md := range []message.Metadata{nil, {}, {k1: v1}, {k1: v1, k2: v2}} {
+			want, err := json.Marshal(md)
+			require.NoError(t, err)
+			got, err := EncodeMetadata(md)
+			require.NoError(t, err)
+			require.Equal(t, string(want), string(got), "metadata %q", md)
+		}
+	})
+}

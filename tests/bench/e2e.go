@@ -65,11 +65,17 @@ type e2eRun struct {
 	// complete), with NOTIFY, and the parallel subscriber's (parForwarded,
 	// against watermill-kafka's wkForwarded, 0 when incomplete).
 	forwarded, consumed, consumedNotify, parForwarded, wkForwarded []float64
-	incomplete                                                     int // rounds not forwarded within fwdWait
-	notifyRatios                                                   []float64
-	liveRate                                                       float64
-	holders                                                        []string // xminHolder before, between and after
-	rows, parTable, latRows                                        [][]string
+	// parCPU and wkCPU are the same rounds' CPU time per event
+	// (e2eResult.cpuPerEvent, 0 when incomplete).
+	parCPU, wkCPU []time.Duration
+	// parServerCPU and wkServerCPU are their PostgreSQL backends' CPU time
+	// per event (e2eResult.serverCPUPerEvent).
+	parServerCPU, wkServerCPU []time.Duration
+	incomplete                int // rounds not forwarded within fwdWait
+	notifyRatios              []float64
+	liveRate                  float64
+	holders                   []string // xminHolder before, between and after
+	rows, parTable, latRows   [][]string
 }
 
 // round is one watermill-kafka round (notify: with the outbox's notify
@@ -86,6 +92,7 @@ func (e *e2eRun) round(ctx context.Context, notify bool) func() (float64, error)
 		}
 		e.consumed = append(e.consumed, res.consumed)
 		e.wkForwarded = append(e.wkForwarded, res.forwarded)
+		e.wkCPU, e.wkServerCPU = append(e.wkCPU, res.cpuPerEvent), append(e.wkServerCPU, res.serverCPUPerEvent)
 		if res.complete {
 			e.forwarded = append(e.forwarded, res.forwarded)
 		} else {
@@ -105,6 +112,7 @@ func (e *e2eRun) parRound(ctx context.Context) (float64, error) {
 		return 0, fmt.Errorf("parallel subscriber, group commit: %w", err)
 	}
 	e.parForwarded = append(e.parForwarded, res.forwarded)
+	e.parCPU, e.parServerCPU = append(e.parCPU, res.cpuPerEvent), append(e.parServerCPU, res.serverCPUPerEvent)
 	return res.consumed, nil
 }
 
@@ -132,7 +140,7 @@ func (e *e2eRun) throughput(ctx context.Context) error {
 		e.rows = append(e.rows, []string{"… and forwarded to Kafka by the forwarder, read back",
 			fmt.Sprintf("not measured: %d of %d rounds not forwarded within %s", e.incomplete, e.rounds, e.fwdWait), "–"})
 	}
-	e.parTable = parallelE2ETable(e.wkForwarded, e.parForwarded, rates[3])
+	e.parTable = parallelE2ETable(e2eRows{e.wkForwarded, e.parForwarded, e.wkCPU, e.parCPU, e.wkServerCPU, e.parServerCPU}, rates[3])
 	e.o.Logf("  end-to-end, parallel subscriber with group commit: %s", e.parTable[0][3:])
 	return nil
 }
@@ -240,11 +248,16 @@ func (e *e2eRun) markdown() string {
 		kafkaDesc(o.Brokers), e2ePartitions, n, rounds)
 	b.WriteString("The ceiling is Kafka consumption alone (no database, no per-message transaction); the library's own cost against " +
 		"a plain transaction is the dedup-overhead section above.\n\n")
-	b.WriteString(Table([]string{"workload", "subject", "baseline", "msg/s (median)", "ratio to baseline", "target"}, parTable))
+	b.WriteString(Table([]string{"workload", "subject", "baseline", "msg/s (median)", "ratio to baseline", "target",
+		"CPU per event (subject)", "CPU per event (baseline)", "CPU per event, baseline / subject",
+		"PostgreSQL CPU per event (subject)", "PostgreSQL CPU per event (baseline)"}, parTable))
 	fmt.Fprintf(&b, "\nThe same pipeline on the parallel subscriber (MaxInFlight %d, `idem.Config.Concurrency: sub.MaxInFlight()`) with "+
 		"`Config.GroupCommit` at its defaults, in the same rotation as the rows above (same backlog, pool and forwarder); "+
 		"rate from the first handled event to the last forwarded record read back; ratio = its rate / the watermill-kafka "+
-		"row's forwarded rate of the same round (the fourth row above).\n\n", parMaxInFlight)
+		"row's forwarded rate of the same round (the fourth row above). CPU per event is this process's user + system CPU time "+
+		"(getrusage) over the same span, divided by the events: the subscriber, the middleware, the forwarder, the reader of the "+
+		"forwarded topic and %s; PostgreSQL's backends are other processes and not in it: "+
+		"PostgreSQL CPU per event is the CPU time of the pool's backends (read from /proc, n/a elsewhere) over the whole round, per event.\n\n", parMaxInFlight, brokerCPUDesc(o.Brokers))
 	fmt.Fprintf(&b, "\nThe second and third rows alternate round by round (with the ceiling): the third enables the outbox table's notify trigger, "+
 		"so every writer sends a NOTIFY, whose commit-time lock is the wake-up's cost; their ratio (with NOTIFY / without) is %s.\n\n",
 		Summarise(notifyRatios))
@@ -277,24 +290,67 @@ func kafkaDesc(brokers []string) string {
 	return strings.Join(brokers, ",")
 }
 
+// brokerCPUDesc says whether the broker's CPU time is in the process's.
+func brokerCPUDesc(brokers []string) string {
+	if len(brokers) == 0 {
+		return "the in-process kfake broker (which serves every round's reads and writes)"
+	}
+	return "not the broker (an external one)"
+}
+
+// e2eRows are the end-to-end rounds of both subscribers, round by round:
+// forwarded rates (0: not forwarded in full) and CPU time per event.
+type e2eRows struct {
+	wkForwarded, parForwarded []float64
+	wkCPU, parCPU             []time.Duration
+	wkServerCPU, parServerCPU []time.Duration
+}
+
 // parallelE2ETable is the end-to-end section's row for the parallel
-// subscriber with group commit: its forwarded rate (parConsumedRates only
-// for the log) against the watermill-kafka row's, round by round; a round
-// either side did not forward in full is left out.
-func parallelE2ETable(wkForwarded, parForwarded, parConsumedRates []float64) [][]string {
-	var wk, par, ratios []float64
-	for i := range min(len(wkForwarded), len(parForwarded)) {
-		if wkForwarded[i] > 0 && parForwarded[i] > 0 {
-			wk, par = append(wk, wkForwarded[i]), append(par, parForwarded[i])
-			ratios = append(ratios, parForwarded[i]/wkForwarded[i])
+// subscriber with group commit: its forwarded rate and CPU time per event
+// (parConsumedRates only for the log) against the watermill-kafka row's,
+// round by round; a round either side did not forward in full is left out.
+func parallelE2ETable(r e2eRows, parConsumedRates []float64) [][]string {
+	var wk, par, ratios, wkCPU, parCPU, cpuRatios, wkServer, parServer []float64
+	for i := range min(len(r.wkForwarded), len(r.parForwarded)) {
+		if r.wkForwarded[i] > 0 && r.parForwarded[i] > 0 {
+			wk, par = append(wk, r.wkForwarded[i]), append(par, r.parForwarded[i])
+			ratios = append(ratios, r.parForwarded[i]/r.wkForwarded[i])
+			w, p := micros(r.wkCPU, i), micros(r.parCPU, i)
+			wkCPU, parCPU = append(wkCPU, w), append(parCPU, p)
+			if ws, ps := micros(r.wkServerCPU, i), micros(r.parServerCPU, i); ws > 0 && ps > 0 {
+				wkServer, parServer = append(wkServer, ws), append(parServer, ps)
+			}
+			if p > 0 {
+				cpuRatios = append(cpuRatios, w/p)
+			}
 		}
 	}
 	row := []string{"Kafka → dedup → outbox → forwarder → Kafka, forwarded and read back",
 		fmt.Sprintf("parallel subscriber (MaxInFlight %d), group commit (defaults)", parMaxInFlight),
 		"watermill-kafka subscriber, one transaction per message (forwarded, read back)"}
 	if len(ratios) == 0 {
-		return [][]string{append(row, fmt.Sprintf("not measured: no round forwarded in full (committed %s msg/s)", fmtRate(parConsumedRates)), "–", "≥ 4×: not measured")}
+		return [][]string{append(row, fmt.Sprintf("not measured: no round forwarded in full (committed %s msg/s)", fmtRate(parConsumedRates)), "–", "≥ 4×: not measured", "–", "–", "–", "–", "–")}
 	}
 	st := Summarise(ratios)
-	return [][]string{append(row, fmtRate(par), st.String(), fmt.Sprintf("≥ 4× (baseline %s msg/s): %s", fmtRate(wk), pass(st.Median >= 4)))}
+	return [][]string{append(row, fmtRate(par), st.String(), fmt.Sprintf("≥ 4× (baseline %s msg/s): %s", fmtRate(wk), pass(st.Median >= 4)),
+		fmtMicros(parCPU), fmtMicros(wkCPU), Summarise(cpuRatios).String(), fmtMicros(parServer), fmtMicros(wkServer))}
+}
+
+// micros is xs[i] in microseconds, 0 past its end.
+func micros(xs []time.Duration, i int) float64 {
+	if i >= len(xs) {
+		return 0
+	}
+	return float64(xs[i]) / float64(time.Microsecond)
+}
+
+// fmtMicros formats microseconds as "median µs (min–max)", "n/a" when xs
+// is empty.
+func fmtMicros(xs []float64) string {
+	if len(xs) == 0 {
+		return "n/a"
+	}
+	s := Summarise(xs)
+	return fmt.Sprintf("%.0fµs (%.0f–%.0f)", s.Median, s.Min, s.Max)
 }

@@ -37,6 +37,15 @@ type e2eResult struct {
 	// COMMIT returned to the handler's middleware.
 	toCommit []time.Duration
 	stats    idem.Stats // the middleware's counters at the end
+	// cpuPerEvent is this process's CPU time (processCPU: the pipeline,
+	// the forwarder, the reader and an in-process broker; not
+	// PostgreSQL's) from the first handled event to the last forwarded
+	// record read back, per event; 0 if incomplete.
+	cpuPerEvent time.Duration
+	// serverCPUPerEvent is the pool's PostgreSQL backends' CPU time
+	// (backendsCPU) over the whole round (the consumer group's join
+	// included), per event; 0 if incomplete or not readable.
+	serverCPUPerEvent time.Duration
 }
 
 // pipelineSpec describes one pipeline round.
@@ -103,6 +112,9 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	res.latencies = make([]time.Duration, 0, s.n)
 	stopRead, readErr := r.readAll(out, s.n, func(sentAt, publishedAt int64, now time.Time) {
 		res.latencies = append(res.latencies, now.Sub(time.Unix(0, sentAt)))
+		if p.forwarded.count.Load() == int64(s.n)-1 { // the last one (got is called one at a time)
+			p.cpuLast.Store(int64(processCPU()))
+		}
 		p.forwarded.mark()
 	})
 	defer stopRead()
@@ -115,6 +127,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 			return *res, err
 		}
 	}
+	serverBefore, serverOK := backendsCPU(ctx, r.db.Pool)
 	if err := r.runRouterOn(ctx, sub, s.in, group, out, h, p.stopWhenForwarded(ctx)); err != nil {
 		return *res, fmt.Errorf("%w (handled %d, forwarded %d of %d)", err, p.consumed.count.Load(), p.forwarded.count.Load(), s.n)
 	}
@@ -133,6 +146,10 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	res.forwardedNum = p.forwarded.count.Load()
 	if res.complete = res.forwardedNum == int64(s.n); res.complete {
 		res.forwarded = p.forwarded.rate()
+		res.cpuPerEvent = time.Duration(p.cpuLast.Load()-p.cpuFirst.Load()) / time.Duration(s.n)
+		if after, ok := backendsCPU(ctx, r.db.Pool); ok && serverOK {
+			res.serverCPUPerEvent = (after - serverBefore) / time.Duration(s.n)
+		}
 	}
 	return *res, nil
 }
@@ -166,8 +183,11 @@ type pipelineRound struct {
 	publishedAt         sync.Map // input message UUID → the handler's publish time
 	warmedUp            chan struct{}
 	warm                atomic.Int64 // warm-up events handled
-	toKafkaMu           sync.Mutex
-	toCommitMu          sync.Mutex
+	// cpuFirst and cpuLast are processCPU at the first measured event
+	// handled and at the last record read back.
+	cpuFirst, cpuLast atomic.Int64
+	toKafkaMu         sync.Mutex
+	toCommitMu        sync.Mutex
 }
 
 // startForwarder runs the round's forwarder of out on producer, which
@@ -234,8 +254,8 @@ func (p *pipelineRound) handler(mw message.HandlerFunc) message.HandlerFunc {
 			}
 			return out, err
 		}
-		if p.consumed.first.Load() == 0 {
-			p.consumed.first.CompareAndSwap(0, time.Now().UnixNano())
+		if p.consumed.first.Load() == 0 && p.consumed.first.CompareAndSwap(0, time.Now().UnixNano()) {
+			p.cpuFirst.Store(int64(processCPU()))
 			p.forwarded.first.CompareAndSwap(0, p.consumed.first.Load())
 		}
 		start := time.Now()
@@ -283,24 +303,30 @@ func (p *pipelineRound) producePaced(ctx context.Context) error {
 	return nil
 }
 
-// stopWhenForwarded is closed when everything was forwarded, or fwdWait
-// after the consuming side finished.
+// stopWhenForwarded is closed when everything was forwarded and handled,
+// or fwdWait after the consuming side finished. A record can be forwarded
+// before its handler returned (its COMMIT is done, the reply on its way):
+// stopping the router then would cancel that handler's context.
 func (p *pipelineRound) stopWhenForwarded(ctx context.Context) <-chan struct{} {
 	stop := make(chan struct{})
 	go func() {
 		defer close(stop)
 		select {
 		case <-p.forwarded.done:
-			return
 		case <-p.consumed.done:
 		case <-ctx.Done():
 			return
 		}
 		t := time.NewTimer(p.s.fwdWait)
 		defer t.Stop()
-		select {
-		case <-p.forwarded.done:
-		case <-t.C:
+		for _, done := range []chan struct{}{p.forwarded.done, p.consumed.done} {
+			select {
+			case <-done:
+			case <-t.C:
+				return
+			case <-ctx.Done():
+				return
+			}
 		}
 	}()
 	return stop
