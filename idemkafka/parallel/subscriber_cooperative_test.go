@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
@@ -118,17 +119,7 @@ func TestSubscriberCooperativeReleasesAFullWindow(t *testing.T) {
 	}
 	cfg := cooperative(f.config("coopfull"))
 	cfg.Client.Sarama.Consumer.Group.Rebalance.Timeout = 20 * time.Second
-	cfg.Client.RevokeTimeout = time.Second
-	cfg.MaxInFlight = 2
-	cfg.PartitionWindow = 5
-	release := make(chan struct{})
-	var once sync.Once
-	open := func() { once.Do(func() { close(release) }) }
-	t.Cleanup(open)
-	blocked := ledgerHandler(func(event) error {
-		<-release
-		return nil
-	})
+	blocked, open := fullWindows(t, &cfg)
 	a := f.subscriber(t, cfg)
 	f.router(t, a, f.db.Pool, 0, nil, blocked)
 	waitFor(t, "both windows full", func() bool {
@@ -170,18 +161,9 @@ func TestSubscriberResumesAPartitionItGetsBack(t *testing.T) {
 			if coop {
 				cfg = cooperative(cfg)
 			}
-			cfg.Client.RevokeTimeout = time.Second
-			cfg.MaxInFlight = 2
-			cfg.PartitionWindow = 5
-			release := make(chan struct{})
-			var once sync.Once
-			open := func() { once.Do(func() { close(release) }) }
-			t.Cleanup(open)
+			blocked, open := fullWindows(t, &cfg)
 			a := f.subscriber(t, cfg)
-			f.router(t, a, f.db.Pool, 0, nil, ledgerHandler(func(event) error {
-				<-release
-				return nil
-			}))
+			f.router(t, a, f.db.Pool, 0, nil, blocked)
 			waitFor(t, "both windows full", func() bool {
 				ps := a.Stats().Partitions
 				return len(ps) == 2 && ps[0].Window == 5 && ps[1].Window == 5
@@ -204,4 +186,21 @@ func TestSubscriberResumesAPartitionItGetsBack(t *testing.T) {
 			f.verifyLedgerKeys(t, want)
 		})
 	}
+}
+
+// fullWindows sets cfg for windows that fill at once (a window of 5, two
+// messages in flight, a revocation given a second) and returns a handler
+// that blocks until open is called (at the latest when the test ends).
+func fullWindows(t *testing.T, cfg *parallel.SubscriberConfig) (blocked message.HandlerFunc, open func()) {
+	cfg.Client.RevokeTimeout = time.Second
+	cfg.MaxInFlight = 2
+	cfg.PartitionWindow = 5
+	release := make(chan struct{})
+	var once sync.Once
+	open = func() { once.Do(func() { close(release) }) }
+	t.Cleanup(open)
+	return ledgerHandler(func(event) error {
+		<-release
+		return nil
+	}), open
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/watermill-idempotency/internal/retryheaders"
+	"github.com/idemkit/watermill-idempotency/internal/wait"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -185,7 +186,7 @@ func (c *child) handler(msg *message.Message) error {
 	}
 	if p.SleepMS > 0 {
 		// The hot key: a slow handler, holding its transaction.
-		if err := sleep(ctx, time.Duration(p.SleepMS)*time.Millisecond); err != nil {
+		if err := wait.Sleep(ctx, time.Duration(p.SleepMS)*time.Millisecond); err != nil {
 			return err
 		}
 	}

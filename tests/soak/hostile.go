@@ -214,18 +214,6 @@ WHERE grp = $1 AND released_at IS NULL RETURNING failures`, c.cfg.Group).Scan(&n
 	return fmt.Errorf("soak: failing key: event %s fails until the soak releases it (failure %d)", id, n)
 }
 
-// sleep is the hot key's handler time: d, or until ctx ends.
-func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
 // HostileReport is what a group's ledger shows of the hostile keys
 // ([Config.HostileKeys]).
 type HostileReport struct {
