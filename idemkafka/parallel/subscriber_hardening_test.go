@@ -153,6 +153,7 @@ func TestSubscriberTrimsRecordsDoneAtTheWindowStart(t *testing.T) {
 		}
 		return nil
 	}))
+	t.Cleanup(g.releaseAll)
 	f.waitApplied(t, 5)
 	waitFor(t, "the done offsets in the commit metadata", func() bool {
 		off, meta := f.committed(t, "trim")

@@ -160,6 +160,7 @@ func TestSubscriberSlowKeyDoesNotHoldItsPartition(t *testing.T) {
 		}
 		return nil
 	}))
+	t.Cleanup(g.releaseAll)
 	f.waitApplied(t, keys*perKey)
 	require.Zero(t, f.db.Count(t, "SELECT 1 FROM ledger WHERE key = 'hot'"))
 

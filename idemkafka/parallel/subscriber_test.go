@@ -99,7 +99,32 @@ func (g *gate) ch(ev event) chan struct{} {
 // block makes ev's handler wait until release(ev).
 func (g *gate) block(ev event) { g.ch(ev) }
 
-func (g *gate) release(ev event) { close(g.ch(ev)) }
+// release lets ev's handler go on (again: a no-op).
+func (g *gate) release(ev event) {
+	c := g.ch(ev)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	select {
+	case <-c:
+	default:
+		close(c)
+	}
+}
+
+// releaseAll releases every gate: a test registers it after its router, so
+// that a test failing while a handler is held still stops its router
+// (cleanups run last registered first).
+func (g *gate) releaseAll() {
+	g.mu.Lock()
+	evs := make([]event, 0, len(g.open))
+	for ev := range g.open {
+		evs = append(evs, ev)
+	}
+	g.mu.Unlock()
+	for _, ev := range evs {
+		g.release(ev)
+	}
+}
 
 func (g *gate) fail(blocked map[event]bool) func(event) error {
 	return func(ev event) error {
@@ -132,12 +157,15 @@ func TestSubscriberOrderingModes(t *testing.T) {
 			cfg.Ordering = tc.ordering
 			sub := f.subscriber(t, cfg)
 			f.router(t, sub, f.db.Pool, 0, nil, ledgerHandler(g.fail(map[event]bool{a1: true})))
+			t.Cleanup(g.releaseAll)
 
 			first := <-g.started
 			if tc.bPasses {
 				second := <-g.started
 				require.ElementsMatch(t, []event{a1, b1}, []event{first, second}, "b passes the blocked a")
 				f.waitApplied(t, 1)
+				// b1's ack follows its COMMIT: its row can be seen first.
+				waitFor(t, "b1 acked", func() bool { return sub.Stats().Acked == 1 })
 				st := sub.Stats()
 				require.Equal(t, 1, st.InFlight)
 				require.Equal(t, 1, st.KeysWaiting, "a2 waits for a1")
@@ -257,6 +285,7 @@ func TestSubscriberCommitsBelowLowestUnacked(t *testing.T) {
 		}
 		return nil
 	}))
+	t.Cleanup(g.releaseAll)
 	f.waitApplied(t, 5)
 	committed := func() (int64, string) {
 		admin := f.admin(t)
