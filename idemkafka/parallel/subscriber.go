@@ -330,17 +330,19 @@ func (st *stream) dispatch() {
 		}
 		select {
 		case st.out <- msg:
-			go st.await(e, msg)
+			go st.await(e, msg, e.cancel)
 		case <-e.p.ctx.Done():
 			// Revoked past its timeout before the router took it.
 			s.mu.Lock()
 			e.p.drop(e)
 			s.mu.Unlock()
+			e.cancel()
 			<-s.slots
 		case <-st.ctx.Done():
 			s.mu.Lock()
 			e.p.drop(e)
 			s.mu.Unlock()
+			e.cancel()
 			<-s.slots
 			return
 		}
@@ -411,15 +413,20 @@ func (st *stream) handOut(e *entry) (*message.Message, error) {
 	}
 	e.start = time.Now()
 	e.slot = &errSlot{}
-	msg.SetContext(messageContext(p.ctx, e.m, s.cfg.Ordering, e.slot))
+	// As Watermill's subscribers do, a message's context ends with its ack
+	// or nack (await), and when its partition is abandoned.
+	ctx, cancel := context.WithCancel(p.ctx)
+	e.cancel = cancel
+	msg.SetContext(messageContext(ctx, e.m, s.cfg.Ordering, e.slot))
 	return msg, nil
 }
 
 // await waits for msg's ack or nack. Its slot is freed only then (or when
 // the Subscriber has closed), even after its partition was revoked, so
 // MaxInFlight bounds the handlers running at once.
-func (st *stream) await(e *entry, msg *message.Message) {
+func (st *stream) await(e *entry, msg *message.Message, cancel context.CancelFunc) {
 	s := st.s
+	defer cancel()
 	select {
 	case <-msg.Acked():
 		s.mu.Lock()

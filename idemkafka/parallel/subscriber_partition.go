@@ -34,6 +34,8 @@ type entry struct {
 	state entryState
 	next  *entry      // the next record of its key (OrderKey, OrderPartition)
 	timer *time.Timer // while held or backing off; stopped on revoke
+	// cancel ends the context of the attempt handed out last.
+	cancel context.CancelFunc
 
 	// For stall detection.
 	head    time.Time // when it became its key's head (released)
