@@ -119,13 +119,7 @@ func TestSubscriberCooperativeReleasesAFullWindow(t *testing.T) {
 	}
 	cfg := cooperative(f.config("coopfull"))
 	cfg.Client.Sarama.Consumer.Group.Rebalance.Timeout = 20 * time.Second
-	blocked, open := fullWindows(t, &cfg)
-	a := f.subscriber(t, cfg)
-	f.router(t, a, f.db.Pool, 0, nil, blocked)
-	waitFor(t, "both windows full", func() bool {
-		ps := a.Stats().Partitions
-		return len(ps) == 2 && ps[0].Window == 5 && ps[1].Window == 5
-	})
+	a, blocked, open := f.fullMember(t, &cfg)
 
 	b := f.subscriber(t, cfg)
 	f.router(t, b, f.db.Pool, 0, nil, blocked)
@@ -161,13 +155,7 @@ func TestSubscriberResumesAPartitionItGetsBack(t *testing.T) {
 			if coop {
 				cfg = cooperative(cfg)
 			}
-			blocked, open := fullWindows(t, &cfg)
-			a := f.subscriber(t, cfg)
-			f.router(t, a, f.db.Pool, 0, nil, blocked)
-			waitFor(t, "both windows full", func() bool {
-				ps := a.Stats().Partitions
-				return len(ps) == 2 && ps[0].Window == 5 && ps[1].Window == 5
-			})
+			a, _, open := f.fullMember(t, &cfg)
 
 			b := f.subscriber(t, cfg)
 			stopB := f.router(t, b, f.db.Pool, 0, nil, ledgerHandler(nil))
@@ -203,4 +191,17 @@ func fullWindows(t *testing.T, cfg *parallel.SubscriberConfig) (blocked message.
 		<-release
 		return nil
 	}), open
+}
+
+// fullMember starts a member on cfg (set by fullWindows) whose handlers
+// block, and waits until both of its partitions' windows are full.
+func (f *fixture) fullMember(t *testing.T, cfg *parallel.SubscriberConfig) (a *parallel.Subscriber, blocked message.HandlerFunc, open func()) {
+	blocked, open = fullWindows(t, cfg)
+	a = f.subscriber(t, *cfg)
+	f.router(t, a, f.db.Pool, 0, nil, blocked)
+	waitFor(t, "both windows full", func() bool {
+		ps := a.Stats().Partitions
+		return len(ps) == 2 && ps[0].Window == 5 && ps[1].Window == 5
+	})
+	return a, blocked, open
 }
