@@ -217,11 +217,13 @@ var lowerBetter = []string{"p50", "p99", "latency", "idle", "oldest", "time", "c
 // column has no direction (counts, group sizes).
 func verdict(column, unit string, r float64) string {
 	col := strings.ToLower(column)
-	lower := unit == "ms" || unit == "µs" || unit == "s"
+	// A ratio (to a baseline, of speeds) is higher-better whatever else
+	// its header names ("ratio with BEGIN and claim as 2 round trips").
+	higher := strings.Contains(col, "ratio") || strings.Contains(col, "msg/s") || unit == "×"
+	lower := !higher && (unit == "ms" || unit == "µs" || unit == "s")
 	for _, w := range lowerBetter {
-		lower = lower || strings.Contains(col, w)
+		lower = lower || (!higher && strings.Contains(col, w))
 	}
-	higher := !lower && (strings.Contains(col, "msg/s") || strings.Contains(col, "ratio") || unit == "×")
 	switch {
 	case higher && r < tolerance:
 		return "**slower**"

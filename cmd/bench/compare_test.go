@@ -32,6 +32,9 @@ func TestCompareMarkdownMatchesCellsAndNamesWhatBaseLacks(t *testing.T) {
 			t.Errorf("missing %q in:\n%s", want, md)
 		}
 	}
+	if verdict("ratio with BEGIN and claim as 2 round trips (before)", "", 1.3) != "" || verdict("ratio with BEGIN and claim as 2 round trips (before)", "", 0.5) == "" {
+		t.Error("a ratio column is higher-better whatever else its header names")
+	}
 	if strings.Contains(md, "| 0 | 1 | workers |") {
 		t.Errorf("a row's label cell compared as a figure:\n%s", md)
 	}
