@@ -1,12 +1,12 @@
-package main
+package console
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -20,18 +20,18 @@ import (
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
-// console reads what the pages of idemctl serve show, with the library's
+// reader reads what the pages of idemctl serve show, with the library's
 // functions and idemctl's own queries. Each method is one page: a fixed
 // number of queries, whatever the number of rows, keys or groups (the
 // outbox adds a fixed number per topic).
-type console struct {
+type reader struct {
 	pool      *pgxpool.Pool
 	table     deduplicator.TableConfig // Layout read at each page
 	layout    string                   // --layout
 	outbox    outbox.Config            // Topics: --topics, else discovered at each page
 	parked    retrytopic.ParkedKeysTable
 	forwarder string
-	kafka     *kafkaView // nil without --brokers
+	kafka     *KafkaView // nil without --brokers
 }
 
 // overviewJSON is the overview page and /api/overview. Its parts have the
@@ -40,11 +40,11 @@ type console struct {
 // Errors (by part: groups, dedup, outbox, parked), so that one missing
 // table does not hide the rest.
 type overviewJSON struct {
-	Now    jsonTime       `json:"now"`
-	Groups []jsonGroup    `json:"groups"`
+	Now    ops.Time       `json:"now"`
+	Groups []ops.Group    `json:"groups"`
 	Dedup  *dedupOverview `json:"dedup"`
-	Outbox jsonBacklog    `json:"outbox"`
-	Parked jsonParked     `json:"parked"`
+	Outbox ops.Backlog    `json:"outbox"`
+	Parked ops.Parked     `json:"parked"`
 	// Leases are lease mode's (idem.Config.Lease), null when unreadable.
 	Leases *leasesql.Summary `json:"leases"`
 	// Kafka is null without --brokers.
@@ -62,36 +62,35 @@ type dedupOverview struct {
 	RowsEstimate     int64           `json:"rows_estimate"`
 	Bytes            int64           `json:"bytes"`
 	RetentionSeconds float64         `json:"retention_seconds"`
-	Partitions       []jsonPartition `json:"partitions"`
+	Partitions       []ops.Partition `json:"partitions"`
 	// NextDrop is when the oldest daily partition becomes wholly older than
 	// the retention, so that the Cleaner's next pass after it drops it
 	// (null for a plain table, which the Cleaner deletes from in batches,
 	// or without a daily partition). A young group's claims can keep it
 	// longer.
-	NextDrop          jsonTime `json:"next_drop"`
+	NextDrop          ops.Time `json:"next_drop"`
 	NextDropPartition string   `json:"next_drop_partition"`
 	// LastCleaned is when the Cleaner's last pass ran (null: never), from
 	// the cutoff it recorded.
-	LastCleaned jsonTime `json:"last_cleaned"`
+	LastCleaned ops.Time `json:"last_cleaned"`
 }
 
-func (c *console) tableConfig(ctx context.Context) (deduplicator.TableConfig, error) {
-	a := &app{opts: options{schema: c.table.Schema, table: c.table.Table, layout: c.layout}, pool: c.pool}
-	return a.tableConfig(ctx, false)
+func (c *reader) tableConfig(ctx context.Context) (deduplicator.TableConfig, error) {
+	return ops.ResolveTable(ctx, c.pool, c.table.Schema, c.table.Table, c.layout, false)
 }
 
 // topics returns the outbox topics: --topics, else those recorded.
-func (c *console) topics(ctx context.Context) ([]string, error) {
+func (c *reader) topics(ctx context.Context) ([]string, error) {
 	if len(c.outbox.Topics) > 0 {
 		return c.outbox.Topics, nil
 	}
-	return recordedTopics(ctx, c.pool, c.outbox)
+	return ops.RecordedTopics(ctx, c.pool, c.outbox)
 }
 
-func (c *console) overview(ctx context.Context) *overviewJSON {
+func (c *reader) overview(ctx context.Context) *overviewJSON {
 	now := time.Now()
-	out := &overviewJSON{Now: jsonTime(now), Groups: []jsonGroup{}, Outbox: jsonBacklog{Forwarder: c.forwarder, Topics: []jsonBacklogTopic{}},
-		Parked: jsonParked{[]jsonParkedGroup{}, []jsonParkedKey{}}, Errors: map[string]string{}}
+	out := &overviewJSON{Now: ops.Time(now), Groups: []ops.Group{}, Outbox: ops.Backlog{Forwarder: c.forwarder, Topics: []ops.BacklogTopic{}},
+		Parked: ops.ToParked(nil, nil), Errors: map[string]string{}}
 	fail := func(part string, err error) { out.Errors[part] = consoleError(err) }
 
 	if info, err := dedupsql.Inspect(ctx, c.pool, c.table.Schema, c.table.Table); err != nil {
@@ -102,7 +101,7 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 			fail("groups", err)
 		} else {
 			for _, g := range gs {
-				out.Groups = append(out.Groups, toJSONGroup(g, now, info.Retention))
+				out.Groups = append(out.Groups, ops.ToGroup(g, now, info.Retention))
 			}
 		}
 	}
@@ -119,7 +118,7 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 	if sum, err := parkedsql.Summarize(ctx, c.pool, c.parked.Schema, c.parked.Table, "", deduplicator.ValidateGroupName); err != nil {
 		fail("parked", err)
 	} else {
-		out.Parked = toJSONParked(sum, nil)
+		out.Parked = ops.ToParked(sum, nil)
 	}
 	if c.kafka != nil {
 		if k, err := c.kafka.read(); err != nil {
@@ -134,59 +133,46 @@ func (c *console) overview(ctx context.Context) *overviewJSON {
 // toDedupOverview is the overview's part of dedupsql.Inspect.
 func toDedupOverview(info *dedupsql.TableInfo) *dedupOverview {
 	d := &dedupOverview{Schema: info.Schema, Table: info.Table, Layout: info.Layout, RowsEstimate: info.RowsEstimate, Bytes: info.Bytes,
-		RetentionSeconds: info.Retention.Seconds(), Partitions: []jsonPartition{}}
+		RetentionSeconds: info.Retention.Seconds(), Partitions: []ops.Partition{}}
 	if !info.CleanedBefore.IsZero() {
-		d.LastCleaned = jsonTime(info.CleanedBefore.Add(info.Retention))
+		d.LastCleaned = ops.Time(info.CleanedBefore.Add(info.Retention))
 	}
 	for _, p := range info.Partitions {
-		d.Partitions = append(d.Partitions, toJSONPartition(p))
+		d.Partitions = append(d.Partitions, ops.ToPartition(p))
 		if p.Default || p.To.IsZero() {
 			continue
 		}
 		if drop := p.To.Add(info.Retention); time.Time(d.NextDrop).IsZero() || drop.Before(time.Time(d.NextDrop)) {
-			d.NextDrop, d.NextDropPartition = jsonTime(drop), p.Name
+			d.NextDrop, d.NextDropPartition = ops.Time(drop), p.Name
 		}
 	}
 	return d
 }
 
-func (c *console) backlog(ctx context.Context) (jsonBacklog, error) {
+func (c *reader) backlog(ctx context.Context) (ops.Backlog, error) {
 	topics, err := c.topics(ctx)
 	if err != nil {
-		return jsonBacklog{}, err
+		return ops.Backlog{}, err
 	}
 	if len(topics) == 0 {
-		return toJSONBacklog(c.forwarder, nil), nil
+		return ops.ToBacklog(c.forwarder, nil), nil
 	}
 	ob, err := outbox.New(c.outbox, nil)
 	if err != nil {
-		return jsonBacklog{}, err
+		return ops.Backlog{}, err
 	}
 	bl, err := ob.Backlog(ctx, c.pool, &outbox.BacklogOpts{Forwarder: c.forwarder, Topics: topics})
 	if err != nil {
-		return jsonBacklog{}, err
+		return ops.Backlog{}, err
 	}
-	return toJSONBacklog(c.forwarder, bl), nil
-}
-
-// parkedPage is the parked-keys page and /api/parked: retry parked --json.
-func (c *console) parkedKeys(ctx context.Context, group string, limit int) (jsonParked, error) {
-	sum, err := parkedsql.Summarize(ctx, c.pool, c.parked.Schema, c.parked.Table, group, deduplicator.ValidateGroupName)
-	if err != nil {
-		return jsonParked{}, err
-	}
-	keys, err := parkedsql.Keys(ctx, c.pool, c.parked.Schema, c.parked.Table, group, limit, deduplicator.ValidateGroupName)
-	if err != nil {
-		return jsonParked{}, err
-	}
-	return toJSONParked(sum, keys), nil
+	return ops.ToBacklog(c.forwarder, bl), nil
 }
 
 // topicJSON is one outbox topic's page and /api/outbox/{topic}.
 type topicJSON struct {
 	Topic     string           `json:"topic"`
 	Forwarder string           `json:"forwarder"`
-	Backlog   jsonBacklogTopic `json:"backlog"`
+	Backlog   ops.BacklogTopic `json:"backlog"`
 	// Position is the forwarder's position: the snapshot whose
 	// transactions' rows it has forwarded ("" when it has none yet), and
 	// the cut it is part way through.
@@ -202,7 +188,7 @@ type jsonListRow struct {
 	UUID      string   `json:"uuid"`
 	EventID   string   `json:"event_id"`
 	Key       string   `json:"key"`
-	CreatedAt jsonTime `json:"created_at"`
+	CreatedAt ops.Time `json:"created_at"`
 	Pending   bool     `json:"pending"`
 }
 
@@ -210,7 +196,7 @@ type jsonListRow struct {
 // pending.
 const pageRows = 20
 
-func (c *console) topic(ctx context.Context, topic string) (*topicJSON, error) {
+func (c *reader) topic(ctx context.Context, topic string) (*topicJSON, error) {
 	topics, err := c.topics(ctx)
 	if err != nil {
 		return nil, err
@@ -220,7 +206,7 @@ func (c *console) topic(ctx context.Context, topic string) (*topicJSON, error) {
 		known = known || t == topic
 	}
 	if !known {
-		return nil, errNotFound
+		return nil, ops.ErrNotFound
 	}
 	ob, err := outbox.New(c.outbox, nil)
 	if err != nil {
@@ -231,7 +217,7 @@ func (c *console) topic(ctx context.Context, topic string) (*topicJSON, error) {
 	if err != nil {
 		return nil, err
 	}
-	out.Backlog = toJSONBacklog(c.forwarder, bl).Topics[0]
+	out.Backlog = ops.ToBacklog(c.forwarder, bl).Topics[0]
 	t := outboxsql.TopicTables(ob.Config().Schema, ob.Config().TablePrefix, topic)
 	p, err := t.Position(ctx, c.pool, c.forwarder)
 	switch {
@@ -251,7 +237,7 @@ func (c *console) topic(ctx context.Context, topic string) (*topicJSON, error) {
 			return nil, fmt.Errorf("rows of %s: %w", topic, err)
 		}
 		for _, r := range rows {
-			jr := jsonListRow{r.Offset, r.UUID, r.EventID, r.Key, jsonTime(r.CreatedAt), r.Pending}
+			jr := jsonListRow{r.Offset, r.UUID, r.EventID, r.Key, ops.Time(r.CreatedAt), r.Pending}
 			if pendingOnly {
 				out.Pending = append(out.Pending, jr)
 			} else {
@@ -264,22 +250,22 @@ func (c *console) topic(ctx context.Context, topic string) (*topicJSON, error) {
 
 // groupJSON is one consumer group's page and /api/groups/{group}.
 type groupJSON struct {
-	Group            jsonGroup `json:"group"`
+	Group            ops.Group `json:"group"`
 	RetentionSeconds float64   `json:"retention_seconds"`
 	// StaleHorizon: the group's consumers refuse as stale
 	// (ErrStaleEvent) an event created before it, less the consumers'
 	// StaleMargin; null while the group is young (it has lost no claim).
-	StaleHorizon jsonTime `json:"stale_horizon"`
+	StaleHorizon ops.Time `json:"stale_horizon"`
 	// YoungUntil is when the group stops being young.
-	YoungUntil jsonTime `json:"young_until"`
+	YoungUntil ops.Time `json:"young_until"`
 }
 
-func (c *console) group(ctx context.Context, name string) (*groupJSON, error) {
+func (c *reader) group(ctx context.Context, name string) (*groupJSON, error) {
 	tc, err := c.tableConfig(ctx)
 	if err != nil {
 		return nil, err
 	}
-	retention, err := recordedRetention(ctx, c.pool, tc)
+	retention, err := ops.RecordedRetention(ctx, c.pool, tc)
 	if err != nil {
 		return nil, err
 	}
@@ -292,26 +278,24 @@ func (c *console) group(ctx context.Context, name string) (*groupJSON, error) {
 		if g.Name != name {
 			continue
 		}
-		out := &groupJSON{Group: toJSONGroup(g, now, retention), RetentionSeconds: retention.Seconds()}
+		out := &groupJSON{Group: ops.ToGroup(g, now, retention), RetentionSeconds: retention.Seconds()}
 		if !g.FirstSeen.IsZero() {
-			out.YoungUntil = jsonTime(g.FirstSeen.Add(retention))
+			out.YoungUntil = ops.Time(g.FirstSeen.Add(retention))
 		}
 		if !g.Young(now, retention) {
-			out.StaleHorizon = jsonTime(now.Add(-retention))
+			out.StaleHorizon = ops.Time(now.Add(-retention))
 		}
 		return out, nil
 	}
-	return nil, errNotFound
+	return nil, ops.ErrNotFound
 }
-
-var errNotFound = errors.New("not found")
 
 // consoleError words err for a page: a missing grant says which.
 func consoleError(err error) string {
 	if pgerr.Has(err, pgerrcode.InsufficientPrivilege) {
 		return "the database role lacks a grant for this (docs/security.md, idemctl): " + err.Error()
 	}
-	return missingTable(err).Error()
+	return ops.MissingTable(err).Error()
 }
 
 // leasesPageLimit is the most leases the leases page lists.
@@ -324,7 +308,7 @@ type leasesJSON struct {
 }
 
 // leases lists lease mode's leases, oldest taken first.
-func (c *console) leases(ctx context.Context) (leasesJSON, error) {
+func (c *reader) leases(ctx context.Context) (leasesJSON, error) {
 	tc, err := c.tableConfig(ctx)
 	if err != nil {
 		return leasesJSON{}, err
@@ -337,24 +321,4 @@ func (c *console) leases(ctx context.Context) (leasesJSON, error) {
 		ls = []leasesql.Lease{}
 	}
 	return leasesJSON{Leases: ls}, nil
-}
-
-// release is the leases page's release (idemctl dedup release).
-func (c *console) release(ctx context.Context, eventID, group string) (string, error) {
-	id, err := uuid.Parse(eventID)
-	if err != nil {
-		return "", usageError("invalid event id %q: %v", eventID, err)
-	}
-	tc, err := c.tableConfig(ctx)
-	if err != nil {
-		return "", err
-	}
-	ok, err := leasesql.ForceRelease(ctx, c.pool, tc.Schema, tc.Table, id, group)
-	if err != nil {
-		return "", err
-	}
-	if !ok {
-		return "", fmt.Errorf("no lease of %s for %s (completed, released, or never taken): %w", id, group, errNotFound)
-	}
-	return fmt.Sprintf("released the lease of %s for %s", id, group), nil
 }
