@@ -70,7 +70,12 @@ func serve(ctx context.Context, a *app, args []string) error {
 		}
 		defer cfg.Kafka.Close()
 	}
-	ln, err := net.Listen("tcp", *listen)
+	return listenAndServe(ctx, a, cfg, *listen)
+}
+
+// listenAndServe serves the console of cfg on listen until ctx ends.
+func listenAndServe(ctx context.Context, a *app, cfg console.Config, listen string) error {
+	ln, err := net.Listen("tcp", listen)
 	if err != nil {
 		return usageError("--listen: %v", err)
 	}
@@ -83,7 +88,7 @@ func serve(ctx context.Context, a *app, args []string) error {
 		return err
 	}
 	mode := "read-only (start with --allow-actions to allow actions)"
-	if *allow {
+	if cfg.AllowActions {
 		mode = "actions allowed, with the token"
 	}
 	fmt.Fprintf(a.stdout, "idemctl serve: listening on http://%s, %s\n", ln.Addr(), mode)
