@@ -2,7 +2,6 @@ package main_test
 
 import (
 	"encoding/json"
-	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -21,20 +20,7 @@ var (
 	buildFlags []string
 )
 
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "idemctl-test-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	if bin, err = ctltest.Build(dir, ".", buildFlags...); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	code := m.Run()
-	_ = os.RemoveAll(dir)
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(ctltest.Main(m, &bin, ".", buildFlags...)) }
 
 // result is one run of the binary.
 type result = ctltest.Result

@@ -1,7 +1,6 @@
 package browser_test
 
 import (
-	"fmt"
 	"os"
 	"testing"
 
@@ -15,16 +14,5 @@ var (
 )
 
 func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "idemctl-browser-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	if bin, err = ctltest.Build(dir, "github.com/idemkit/watermill-idempotency/cmd/idemctl", buildFlags...); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	code := m.Run()
-	_ = os.RemoveAll(dir)
-	os.Exit(code)
+	os.Exit(ctltest.Main(m, &bin, "github.com/idemkit/watermill-idempotency/cmd/idemctl", buildFlags...))
 }

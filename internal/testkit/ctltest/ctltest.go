@@ -54,6 +54,23 @@ func Build(dir, pkg string, flags ...string) (Binary, error) {
 	return Binary(bin), nil
 }
 
+// Main is a TestMain's body: it builds pkg into a temporary directory with
+// flags, sets *bin, runs the tests and removes the directory. It returns
+// the exit code (1 when the build fails).
+func Main(m *testing.M, bin *Binary, pkg string, flags ...string) int {
+	dir, err := os.MkdirTemp("", "idemctl-test-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	if *bin, err = Build(dir, pkg, flags...); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return m.Run()
+}
+
 // Result is one run of the binary.
 type Result struct {
 	Stdout, Stderr string
