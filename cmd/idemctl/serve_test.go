@@ -20,7 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
-	"github.com/idemkit/watermill-idempotency/internal/testkit/ctltest"
+	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/leasetest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"

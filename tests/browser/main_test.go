@@ -4,7 +4,7 @@ import (
 	"os"
 	"testing"
 
-	"github.com/idemkit/watermill-idempotency/internal/testkit/ctltest"
+	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 )
 
 // bin is the idemctl binary the tests drive, built once with buildFlags.

@@ -3,8 +3,9 @@
 // builds the binary once, runs it on a test's schema, starts `idemctl serve`,
 // and seeds the tables the console shows.
 //
-// It imports the library's public packages to seed tables, so it stands on
-// the commands' floor (docs/floors.md), not on internal's.
+// It imports the library's public packages to seed tables, so it stands
+// with the harnesses in tests/ (the top floor of docs/floors.md), not in
+// internal/.
 package ctltest
 
 import (
