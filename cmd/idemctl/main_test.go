@@ -10,8 +10,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 )
 
 // bin is the idemctl binary built once for every test, with buildFlags.

@@ -20,11 +20,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
-	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/leasetest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/publisher"
+	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 )
 
 // testToken is the actions' token of the tests.

@@ -21,9 +21,9 @@ import (
 	"github.com/chromedp/chromedp"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/outbox"
+	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 )
 
 var updateScreenshots = flag.Bool("update-screenshots", false, "write the console's screenshots to docs/ (make screenshots)")

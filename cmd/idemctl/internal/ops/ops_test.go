@@ -8,10 +8,10 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
+	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 )
 
 // ForgetGroup refuses a group that is not registered (bad input, nothing
