@@ -41,7 +41,7 @@ func readFloors(t *testing.T, path string) []floorPattern {
 	t.Helper()
 	b, err := os.ReadFile(path)
 	require.NoError(t, err)
-	row := regexp.MustCompile("^\\|\\s*(\\d+)\\s*\\|([^|]*)\\|")
+	row := regexp.MustCompile(`^\|\s*(\d+)\s*\|([^|]*)\|`)
 	quoted := regexp.MustCompile("`([^`]+)`")
 	var out []floorPattern
 	sc := bufio.NewScanner(bytes.NewReader(b))
