@@ -107,6 +107,7 @@ func TestCollectorScrapesShareOneDatabaseRead(t *testing.T) {
 	require.Equal(t, metricNames(alone), metricNames(got[0]))
 	require.Equal(t, metricNames(alone), metricNames(got[1]))
 	require.Equal(t, perScrape, rt.Load(), "two scrapes, one read")
+	t.Logf("one scrape of a backlog, a parked table and a dedup table: %d round trips; two at once: %d", perScrape, rt.Load())
 }
 
 // A scrape's database readings share one deadline: when the parked keys'
