@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/console"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -65,7 +66,7 @@ func serve(ctx context.Context, a *app, args []string) error {
 		if err != nil {
 			return err
 		}
-		if cfg.Kafka, err = console.NewKafkaView(kc.Brokers, kc.Sarama, splitList(*kafkaTopics), splitList(*kafkaGroups)); err != nil {
+		if cfg.Kafka, err = ops.NewKafkaView(kc.Brokers, kc.Sarama, splitList(*kafkaTopics), splitList(*kafkaGroups)); err != nil {
 			return err
 		}
 		defer cfg.Kafka.Close()

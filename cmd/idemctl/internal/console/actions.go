@@ -14,15 +14,15 @@ import (
 var actions = map[string]struct {
 	fields   []string
 	question func(f map[string]string) string
-	run      func(ctx context.Context, c *reader, f map[string]string) (string, error)
+	run      func(ctx context.Context, c *ops.Reader, f map[string]string) (string, error)
 }{
 	"unblock": {
 		fields: []string{"group", "key"},
 		question: func(f map[string]string) string {
 			return fmt.Sprintf("Send the first event of key %q (consumer group %q) to the retry path again? A copy still on its way then runs as a duplicate, which the claim absorbs.", f["key"], f["group"])
 		},
-		run: func(ctx context.Context, c *reader, f map[string]string) (string, error) {
-			return c.unblock(ctx, f["group"], f["key"], false)
+		run: func(ctx context.Context, c *ops.Reader, f map[string]string) (string, error) {
+			return unblock(ctx, c, f["group"], f["key"], false)
 		},
 	},
 	"skip": {
@@ -30,8 +30,8 @@ var actions = map[string]struct {
 		question: func(f map[string]string) string {
 			return fmt.Sprintf("Remove the first event of key %q (consumer group %q) unapplied and hand the key to its next event? The removed event is neither applied nor poisoned: replay it.", f["key"], f["group"])
 		},
-		run: func(ctx context.Context, c *reader, f map[string]string) (string, error) {
-			return c.unblock(ctx, f["group"], f["key"], true)
+		run: func(ctx context.Context, c *ops.Reader, f map[string]string) (string, error) {
+			return unblock(ctx, c, f["group"], f["key"], true)
 		},
 	},
 	"release": {
@@ -39,8 +39,8 @@ var actions = map[string]struct {
 		question: func(f map[string]string) string {
 			return fmt.Sprintf("Release the lease of event %q (consumer group %q)? Its next delivery then runs at once; an owner still calling writes nothing (its call stands, under the same Idempotency-Key).", f["event_id"], f["group"])
 		},
-		run: func(ctx context.Context, c *reader, f map[string]string) (string, error) {
-			return c.release(ctx, f["event_id"], f["group"])
+		run: func(ctx context.Context, c *ops.Reader, f map[string]string) (string, error) {
+			return release(ctx, c, f["event_id"], f["group"])
 		},
 	},
 	"forget": {
@@ -48,12 +48,12 @@ var actions = map[string]struct {
 		question: func(f map[string]string) string {
 			return fmt.Sprintf("Delete every claim and the registration of consumer group %q? A consumer started again under that name applies every event it reads again.", f["group"])
 		},
-		run: func(ctx context.Context, c *reader, f map[string]string) (string, error) {
-			tc, err := c.tableConfig(ctx)
+		run: func(ctx context.Context, c *ops.Reader, f map[string]string) (string, error) {
+			tc, err := c.TableConfig(ctx)
 			if err != nil {
 				return "", err
 			}
-			n, err := ops.ForgetGroup(ctx, c.pool, tc, f["group"])
+			n, err := ops.ForgetGroup(ctx, c.Pool, tc, f["group"])
 			if err != nil {
 				return "", err
 			}
@@ -63,12 +63,12 @@ var actions = map[string]struct {
 }
 
 // unblock is the parked page's unblock and skip (idemctl retry unblock).
-func (c *reader) unblock(ctx context.Context, group, key string, skip bool) (string, error) {
-	ob, err := outbox.New(c.outbox, nil)
+func unblock(ctx context.Context, c *ops.Reader, group, key string, skip bool) (string, error) {
+	ob, err := outbox.New(c.Outbox, nil)
 	if err != nil {
 		return "", err
 	}
-	res, err := retrytopic.Unblock(ctx, c.pool, ob, c.parked, group, key, &retrytopic.UnblockOpts{Skip: skip})
+	res, err := retrytopic.Unblock(ctx, c.Pool, ob, c.Parked, group, key, &retrytopic.UnblockOpts{Skip: skip})
 	if err != nil {
 		return "", err
 	}
@@ -76,12 +76,12 @@ func (c *reader) unblock(ctx context.Context, group, key string, skip bool) (str
 }
 
 // release is the leases page's release (idemctl dedup release).
-func (c *reader) release(ctx context.Context, eventID, group string) (string, error) {
-	tc, err := c.tableConfig(ctx)
+func release(ctx context.Context, c *ops.Reader, eventID, group string) (string, error) {
+	tc, err := c.TableConfig(ctx)
 	if err != nil {
 		return "", err
 	}
-	id, ok, err := ops.ReleaseLease(ctx, c.pool, tc, eventID, group)
+	id, ok, err := ops.ReleaseLease(ctx, c.Pool, tc, eventID, group)
 	if err != nil {
 		return "", err
 	}

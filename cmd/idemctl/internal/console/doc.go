@@ -1,7 +1,8 @@
 // Package console is idemctl serve's web console: its HTTP handler
 // ([Server]), its pages and their JSON twins, its templates and assets
-// (embedded from web/), and its actions, which call the operations layer
-// (cmd/idemctl/internal/ops) as the command's subcommands do.
+// (embedded from web/), and its actions. What a page shows and what an
+// action changes come from the operations layer (cmd/idemctl/internal/ops),
+// which the command's subcommands call too; the console itself runs no SQL.
 //
 // It keeps the console's security: read-only unless [Config.AllowActions];
 // every action needs the session's CSRF token, a request from the

@@ -141,7 +141,7 @@ func BenchmarkConsoleOverview(b *testing.B) {
 	began := time.Now()
 	srv, rt, _ := consoleFixture(b, claims, 10, 100)
 	b.Logf("fixture: %d claims, 10 topics, 100 parked keys loaded in %s", claims, time.Since(began).Round(time.Second))
-	ov := srv.c.overview(context.Background())
+	ov := srv.c.Overview(context.Background())
 	require.Empty(b, ov.Errors)
 	require.InEpsilon(b, claims, ov.Dedup.RowsEstimate, 0.05, "ANALYZE's estimate") // from a sample of the rows
 	b.Logf("overview: %d rows estimated, %d partitions, %s", ov.Dedup.RowsEstimate, len(ov.Dedup.Partitions), ops.HumanBytes(ov.Dedup.Bytes))

@@ -62,7 +62,7 @@ type Config struct {
 	Forwarder string
 	// Kafka, when set, adds the poison and retry topics' depth and lag to
 	// the overview.
-	Kafka *KafkaView
+	Kafka *ops.KafkaView
 	// AllowActions allows the actions (unblock or skip a parked key,
 	// release a lease, forget a group), each with Token and a
 	// confirmation; the console is read-only otherwise.
@@ -84,7 +84,7 @@ type Config struct {
 
 // Server is the console's HTTP handler.
 type Server struct {
-	c     *reader
+	c     *ops.Reader
 	cfg   Config
 	token []byte
 	key   []byte // HMAC key of the CSRF tokens, new at each start
@@ -99,7 +99,7 @@ func New(cfg Config) (*Server, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{
-		c:   &reader{pool: cfg.Pool, table: cfg.Table, layout: cfg.Layout, outbox: cfg.Outbox, parked: cfg.Parked, forwarder: cfg.Forwarder, kafka: cfg.Kafka},
+		c:   &ops.Reader{Pool: cfg.Pool, Table: cfg.Table, Layout: cfg.Layout, Outbox: cfg.Outbox, Parked: cfg.Parked, Forwarder: cfg.Forwarder, Kafka: cfg.Kafka},
 		cfg: cfg, token: []byte(cfg.Token), key: make([]byte, 32), log: cfg.Logger, tmpl: map[string]*template.Template{}, mux: http.NewServeMux(),
 	}
 	if _, err := rand.Read(s.key); err != nil {
@@ -138,22 +138,22 @@ func (s *Server) parseTemplates() error {
 func (s *Server) routes() {
 	static, _ := fs.Sub(webFS, "web/static") // a directory of the embedded tree: cannot fail
 	s.mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
-	overview := func(r *http.Request) (any, error) { return s.c.overview(r.Context()), nil }
+	overview := func(r *http.Request) (any, error) { return s.c.Overview(r.Context()), nil }
 	s.mux.HandleFunc("GET /{$}", s.page("overview", overview))
 	s.mux.HandleFunc("GET /api/overview", s.api(overview))
 	parked := func(r *http.Request) (any, error) {
-		sum, keys, err := ops.ReadParked(r.Context(), s.c.pool, s.c.parked, r.URL.Query().Get("group"), parkedPageLimit)
+		sum, keys, err := ops.ReadParked(r.Context(), s.c.Pool, s.c.Parked, r.URL.Query().Get("group"), parkedPageLimit)
 		return ops.ToParked(sum, keys), err
 	}
 	s.mux.HandleFunc("GET /parked", s.page("parked", parked))
 	s.mux.HandleFunc("GET /api/parked", s.api(parked))
-	leases := func(r *http.Request) (any, error) { return s.c.leases(r.Context()) }
+	leases := func(r *http.Request) (any, error) { return s.c.Leases(r.Context()) }
 	s.mux.HandleFunc("GET /leases", s.page("leases", leases))
 	s.mux.HandleFunc("GET /api/leases", s.api(leases))
-	topic := func(r *http.Request) (any, error) { return s.c.topic(r.Context(), r.PathValue("topic")) }
+	topic := func(r *http.Request) (any, error) { return s.c.Topic(r.Context(), r.PathValue("topic")) }
 	s.mux.HandleFunc("GET /outbox/{topic}", s.page("topic", topic))
 	s.mux.HandleFunc("GET /api/outbox/{topic}", s.api(topic))
-	group := func(r *http.Request) (any, error) { return s.c.group(r.Context(), r.PathValue("group")) }
+	group := func(r *http.Request) (any, error) { return s.c.Group(r.Context(), r.PathValue("group")) }
 	s.mux.HandleFunc("GET /groups/{group}", s.page("group", group))
 	s.mux.HandleFunc("GET /api/groups/{group}", s.api(group))
 	s.mux.HandleFunc("POST /actions/{action}", s.action)
@@ -230,7 +230,7 @@ func pageError(err error) (int, string) {
 	if errors.Is(err, ops.ErrNotFound) {
 		return http.StatusNotFound, "not found"
 	}
-	return http.StatusInternalServerError, consoleError(err)
+	return http.StatusInternalServerError, ops.Describe(err)
 }
 
 // view starts a page's view, giving the browser a session (and so a CSRF
@@ -383,7 +383,7 @@ func (s *Server) action(w http.ResponseWriter, r *http.Request) {
 		if errors.Is(err, ops.ErrNotFound) || ops.IsBadInput(err) {
 			status = http.StatusNotFound
 		}
-		v.Error = name + " failed: " + consoleError(err)
+		v.Error = name + " failed: " + ops.Describe(err)
 	} else {
 		v.Message = msg
 	}
