@@ -8,8 +8,10 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/tests/bench"
@@ -55,7 +57,11 @@ func compareMain(base, only string, rounds, inner int, short bool, out string) e
 	if c.rounds < 1 {
 		return fmt.Errorf("-compare-rounds: must be at least 1")
 	}
-	md, err := runCompare(context.Background(), c)
+	// Interrupted, the run stops its processes and still removes the
+	// temporary worktree.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	md, err := runCompare(ctx, c)
 	if err != nil {
 		return err
 	}
