@@ -96,7 +96,13 @@ func compareMarkdown(c compareConfig, headDesc, base, load string, runs []compar
 			continue
 		}
 		fmt.Fprintf(&b, "## %s\n\n| table | row | column | head | base | head / base | |\n|---|---|---|---|---|---|---|\n", sec)
-		var onlyHead []string
+		var onlyHead, onlyHeadCols []string
+		rowInBase := map[string]bool{}
+		for _, k := range keys {
+			if k.section == sec && len(cells[k].base) > 0 {
+				rowInBase[fmt.Sprint(k.table, k.row)] = true
+			}
+		}
 		for _, k := range keys {
 			if k.section != sec {
 				continue
@@ -104,8 +110,14 @@ func compareMarkdown(c compareConfig, headDesc, base, load string, runs []compar
 			v := cells[k]
 			ratios := roundRatios(v)
 			if len(ratios) == 0 {
-				if len(v.base) == 0 && !slices.Contains(onlyHead, k.row) {
-					onlyHead = append(onlyHead, k.row)
+				switch {
+				case len(v.base) > 0: // a zero base: no ratio
+				case !rowInBase[fmt.Sprint(k.table, k.row)]:
+					if !slices.Contains(onlyHead, k.row) {
+						onlyHead = append(onlyHead, k.row)
+					}
+				case !slices.Contains(onlyHeadCols, k.column):
+					onlyHeadCols = append(onlyHeadCols, k.column)
 				}
 				continue
 			}
@@ -119,6 +131,9 @@ func compareMarkdown(c compareConfig, headDesc, base, load string, runs []compar
 		}
 		if len(onlyHead) > 0 {
 			fmt.Fprintf(&b, "\nRows only head printed (new, or renamed since base): %s.\n", strings.Join(onlyHead, "; "))
+		}
+		if len(onlyHeadCols) > 0 {
+			fmt.Fprintf(&b, "\nColumns only head printed (new since base): %s.\n", strings.Join(onlyHeadCols, "; "))
 		}
 		b.WriteString("\n")
 	}

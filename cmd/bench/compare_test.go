@@ -9,7 +9,7 @@ import (
 
 func TestCompareMarkdownMatchesCellsAndNamesWhatBaseLacks(t *testing.T) {
 	t.Parallel()
-	head := "## Speed\n\n| workers | plain (msg/s, median) | p99 |\n|---|---|---|\n| 1 | 80 | 12ms |\n| 4 | 200 | 5ms |\n\n## New\n\n| a | b (msg/s) |\n|---|---|\n| x | 5 |\n"
+	head := "## Speed\n\n| workers | plain (msg/s, median) | p99 | re-read |\n|---|---|---|---|\n| 1 | 80 | 12ms | 3 |\n| 4 | 200 | 5ms | 0 |\n| 8 | 300 | 4ms | 0 |\n\n## New\n\n| a | b (msg/s) |\n|---|---|\n| x | 5 |\n"
 	base := "## Speed\n\n| workers | plain (msg/s, median) | p99 |\n|---|---|---|\n| 1 | 100 | 10ms |\n| 4 | 200 | 5ms |\n"
 	var runs []compareRun
 	for r := range 2 {
@@ -27,6 +27,8 @@ func TestCompareMarkdownMatchesCellsAndNamesWhatBaseLacks(t *testing.T) {
 		"base printed no section for `-only gone`",
 		`section "New" (-only`,
 		"**Marked (2):**",
+		"Rows only head printed (new, or renamed since base): 8.",
+		"Columns only head printed (new since base): re-read.",
 	} {
 		if !strings.Contains(md, want) {
 			t.Errorf("missing %q in:\n%s", want, md)
