@@ -1,0 +1,158 @@
+package franz
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+)
+
+// GroupProtocol is the consumer group protocol a [Subscriber] joins with.
+type GroupProtocol int
+
+const (
+	// ProtocolClassic (the default) is the classic client-driven protocol
+	// (JoinGroup/SyncGroup) with the cooperative-sticky balancer: only the
+	// partitions that move are revoked.
+	ProtocolClassic GroupProtocol = iota
+	// ProtocolConsumer is KIP-848's next-generation protocol
+	// (ConsumerGroupHeartbeat v1, Kafka 4.0+): the broker assigns the
+	// partitions, with no group-wide rebalance barrier. Subscribe refuses
+	// it with an [*UnsupportedError] when the broker does not speak it.
+	ProtocolConsumer
+)
+
+func (p GroupProtocol) String() string {
+	switch p {
+	case ProtocolClassic:
+		return "classic"
+	case ProtocolConsumer:
+		return "consumer"
+	}
+	return fmt.Sprintf("GroupProtocol(%d)", int(p))
+}
+
+// UnsupportedError reports a broker that does not speak what the
+// configuration asks for (the KIP-848 consumer protocol, share groups).
+type UnsupportedError struct {
+	// Feature is what was asked for, e.g. "KIP-848 consumer group protocol".
+	Feature string
+	// API is the Kafka request the broker lacks, e.g. "ConsumerGroupHeartbeat v1".
+	API string
+}
+
+func (e *UnsupportedError) Error() string {
+	return "franz: the broker does not support the " + e.Feature + " (" + e.API + "): use a Kafka 4.0+ cluster or another setting"
+}
+
+// Defaults of [SubscriberConfig].
+const (
+	defaultMaxInFlight     = 64
+	defaultPartitionWindow = 1024
+	defaultNackResendSleep = 100 * time.Millisecond
+	defaultRevokeTimeout   = 10 * time.Second
+	defaultCommitInterval  = time.Second
+	defaultPollRecords     = 500
+)
+
+// SubscriberConfig configures a [Subscriber].
+type SubscriberConfig struct {
+	// Brokers are the seed brokers. Required.
+	Brokers []string
+	// ConsumerGroup is the Kafka consumer group. Required.
+	ConsumerGroup string
+	// GroupProtocol is the group protocol: [ProtocolClassic]
+	// (cooperative-sticky) or [ProtocolConsumer] (KIP-848). Defaults to
+	// ProtocolClassic.
+	GroupProtocol GroupProtocol
+	// Ordering is which earlier messages a message waits for, as for
+	// idemkafka/parallel's Subscriber. Defaults to parallel.OrderKey.
+	Ordering parallel.Ordering
+	// MaxInFlight is how many messages this Subscriber (all its Subscribe
+	// calls together) has handed out and not yet seen acked or nacked. With
+	// the dedup middleware in one-transaction-per-message mode each holds a
+	// database connection. Defaults to 64.
+	MaxInFlight int
+	// PartitionWindow is how many records a partition holds that are not
+	// done (ready, in flight, backing off, waiting for an earlier record of
+	// their key). When it is reached the partition's fetching is paused
+	// until a record is done; the other partitions keep flowing. A
+	// partition may exceed it by one poll (PollRecords). Defaults to 1024.
+	PartitionWindow int
+	// PollRecords is the most records one poll takes from the client.
+	// Defaults to 500.
+	PollRecords int
+	// NackResendSleep is how long a nacked message waits before it is
+	// handed out again; the later messages of its key wait behind it.
+	// Defaults to 100 ms.
+	NackResendSleep time.Duration
+	// RevokeTimeout is how long the messages in flight of a revoked
+	// partition (rebalance, Close) get to be acked before its offset is
+	// committed and they are abandoned (their contexts are cancelled; the
+	// next owner gets them again). Keep it below the rebalance timeout.
+	// Defaults to 10 s.
+	RevokeTimeout time.Duration
+	// CommitInterval is how often the offsets below the lowest record not
+	// done are committed; a revocation and Close commit at once. Defaults
+	// to 1 s.
+	CommitInterval time.Duration
+	// ClientOpts are more franz-go options (TLS, SASL, ClientID, session
+	// and rebalance timeouts...). The Subscriber sets the seed brokers, the
+	// group, the topic, the balancer, DisableAutoCommit,
+	// BlockRebalanceOnPoll and the partition callbacks after them.
+	// Defaults to none.
+	ClientOpts []kgo.Opt
+}
+
+func (c *SubscriberConfig) setDefaults() {
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = defaultMaxInFlight
+	}
+	if c.PartitionWindow == 0 {
+		c.PartitionWindow = defaultPartitionWindow
+	}
+	if c.PollRecords == 0 {
+		c.PollRecords = defaultPollRecords
+	}
+	if c.NackResendSleep == 0 {
+		c.NackResendSleep = defaultNackResendSleep
+	}
+	if c.RevokeTimeout == 0 {
+		c.RevokeTimeout = defaultRevokeTimeout
+	}
+	if c.CommitInterval == 0 {
+		c.CommitInterval = defaultCommitInterval
+	}
+}
+
+// Validate reports the first bad field: its error starts with the field's
+// name.
+func (c SubscriberConfig) Validate() error {
+	bad := func(field, problem string) error { return errors.New(field + ": " + problem) }
+	switch {
+	case len(c.Brokers) == 0:
+		return bad("Brokers", "required")
+	case c.ConsumerGroup == "":
+		return bad("ConsumerGroup", "required (without a group nothing is committed)")
+	case c.GroupProtocol < ProtocolClassic || c.GroupProtocol > ProtocolConsumer:
+		return bad("GroupProtocol", fmt.Sprintf("unknown value %d", int(c.GroupProtocol)))
+	case c.Ordering < parallel.OrderKey || c.Ordering > parallel.OrderNone:
+		return bad("Ordering", fmt.Sprintf("unknown value %d", int(c.Ordering)))
+	case c.MaxInFlight < 1:
+		return bad("MaxInFlight", "must be positive")
+	case c.PartitionWindow < 1:
+		return bad("PartitionWindow", "must be positive")
+	case c.PollRecords < 1:
+		return bad("PollRecords", "must be positive")
+	case c.NackResendSleep < 0:
+		return bad("NackResendSleep", "must not be negative")
+	case c.RevokeTimeout < 0:
+		return bad("RevokeTimeout", "must not be negative")
+	case c.CommitInterval < 0:
+		return bad("CommitInterval", "must not be negative")
+	}
+	return nil
+}
