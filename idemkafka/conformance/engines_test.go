@@ -46,7 +46,6 @@ func saramaEngine() engine {
 			sc := sarama.NewConfig()
 			sc.Consumer.Group.Heartbeat.Interval = 500 * time.Millisecond
 			sc.Consumer.Group.Rebalance.Timeout = 3 * time.Second
-			sc.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategySticky()}
 			sub, err := parallel.NewSubscriber(parallel.SubscriberConfig{
 				Client:        idemkafka.ClientConfig{Brokers: brokers, Sarama: sc, RevokeTimeout: o.revokeTimeout},
 				ConsumerGroup: group, NackResendSleep: 10 * time.Millisecond,
