@@ -56,6 +56,8 @@ const (
 	defaultRevokeTimeout   = 10 * time.Second
 	defaultCommitInterval  = time.Second
 	defaultPollRecords     = 500
+	defaultMaxDeliveries   = 4
+	defaultShareReset      = "earliest"
 )
 
 // SubscriberConfig configures a [Subscriber].
@@ -99,6 +101,32 @@ type SubscriberConfig struct {
 	// done are committed; a revocation and Close commit at once. Defaults
 	// to 1 s.
 	CommitInterval time.Duration
+	// ShareGroup, when set, makes the Subscriber a member of this KIP-932
+	// share group instead of a consumer group (set only one of the two):
+	// the broker hands each record to one member and takes per-record
+	// acknowledgements (an ack accepts, a nack releases the record for
+	// redelivery, a nack with a permanent error rejects it), so
+	// concurrency is not bounded by partitions, and no order is kept: it
+	// requires Ordering parallel.OrderNone, and only handlers that need no
+	// order (each event stands alone; effectively once through the dedup
+	// claim) may use it. See docs/engines.md. Defaults to "" (a consumer
+	// group).
+	ShareGroup string
+	// MaxDeliveries is, with ShareGroup, the delivery of a record from
+	// which a failing handler's error is made permanent by
+	// [RecordErrors] (idem.Permanent), so that a poison queue filtered by
+	// idem.IsPermanent takes the message; without a poison queue the
+	// record is rejected. Keep it at or below the group's
+	// share.delivery.count.limit (5 by default), past which the broker
+	// archives the record unseen. Defaults to 4.
+	MaxDeliveries int
+	// ShareOffsetReset is, with ShareGroup, the share group's
+	// share.auto.offset.reset, set by Subscribe (IncrementalAlterConfigs on
+	// the group): "earliest" delivers the records already in the topic
+	// when the group is new, as the consumer-group subscribers do; "latest"
+	// only later ones; "none" leaves the group's setting alone. Defaults to
+	// "earliest".
+	ShareOffsetReset string
 	// ClientOpts are more franz-go options (TLS, SASL, ClientID, session
 	// and rebalance timeouts...). The Subscriber sets the seed brokers, the
 	// group, the topic, the balancer, DisableAutoCommit,
@@ -126,6 +154,12 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.CommitInterval == 0 {
 		c.CommitInterval = defaultCommitInterval
 	}
+	if c.MaxDeliveries == 0 {
+		c.MaxDeliveries = defaultMaxDeliveries
+	}
+	if c.ShareOffsetReset == "" {
+		c.ShareOffsetReset = defaultShareReset
+	}
 }
 
 // Validate reports the first bad field: its error starts with the field's
@@ -135,8 +169,16 @@ func (c SubscriberConfig) Validate() error {
 	switch {
 	case len(c.Brokers) == 0:
 		return bad("Brokers", "required")
-	case c.ConsumerGroup == "":
+	case c.ConsumerGroup == "" && c.ShareGroup == "":
 		return bad("ConsumerGroup", "required (without a group nothing is committed)")
+	case c.ConsumerGroup != "" && c.ShareGroup != "":
+		return bad("ShareGroup", "set only one of ConsumerGroup and ShareGroup")
+	case c.ShareGroup != "" && c.Ordering != parallel.OrderNone:
+		return bad("Ordering", fmt.Sprintf("%s with a share group: a share group keeps no order, set parallel.OrderNone (handlers that need their key's order cannot use a share group)", c.Ordering))
+	case c.MaxDeliveries < 0:
+		return bad("MaxDeliveries", "must be positive")
+	case c.ShareOffsetReset != "" && c.ShareOffsetReset != "earliest" && c.ShareOffsetReset != "latest" && c.ShareOffsetReset != "none":
+		return bad("ShareOffsetReset", fmt.Sprintf("%q: earliest, latest or none", c.ShareOffsetReset))
 	case c.GroupProtocol < ProtocolClassic || c.GroupProtocol > ProtocolConsumer:
 		return bad("GroupProtocol", fmt.Sprintf("unknown value %d", int(c.GroupProtocol)))
 	case c.Ordering < parallel.OrderKey || c.Ordering > parallel.OrderNone:

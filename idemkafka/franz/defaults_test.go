@@ -18,5 +18,6 @@ func TestDefaultsMatchTheirDocs(t *testing.T) {
 		Described: map[string]string{
 			"Brokers":    "required",
 			"ClientOpts": "none",
+			"ShareGroup": "a consumer group",
 		}})
 }

@@ -75,8 +75,13 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, errClosed
 	default:
 	}
+	if s.cfg.ShareGroup != "" {
+		return s.subscribeShare(ctx, topic)
+	}
 	if s.cfg.GroupProtocol == ProtocolConsumer {
-		if err := s.check848(ctx); err != nil {
+		// KIP-848 as Kafka 4.0 stabilized it: ConsumerGroupHeartbeat v1.
+		if err := s.checkAPI(ctx, kmsg.NewPtrConsumerGroupHeartbeatRequest().Key(), 1,
+			"KIP-848 consumer group protocol", "ConsumerGroupHeartbeat v1"); err != nil {
 			return nil, err
 		}
 	}
@@ -131,10 +136,11 @@ func (s *Subscriber) clientOpts(st *stream) []kgo.Opt {
 	return opts
 }
 
-// check848 asks a broker for its API versions: KIP-848 needs
-// ConsumerGroupHeartbeat v1 (Kafka 4.0). franz-go would otherwise fall
-// back to the classic protocol without a word.
-func (s *Subscriber) check848(ctx context.Context) error {
+// checkAPI asks a broker for its API versions and returns an
+// [*UnsupportedError] naming feature when it lacks request key at
+// minVersion: franz-go would otherwise fall back (KIP-848 to the classic
+// protocol) or fail later without a word.
+func (s *Subscriber) checkAPI(ctx context.Context, key, minVersion int16, feature, api string) error {
 	cl, err := kgo.NewClient(append(append([]kgo.Opt(nil), s.cfg.ClientOpts...), kgo.SeedBrokers(s.cfg.Brokers...))...)
 	if err != nil {
 		return fmt.Errorf("franz: new Kafka client: %w", err)
@@ -147,13 +153,12 @@ func (s *Subscriber) check848(ctx context.Context) error {
 	if err := kerr.ErrorForCode(resp.ErrorCode); err != nil {
 		return fmt.Errorf("franz: asking the broker for its API versions: %w", err)
 	}
-	hb := kmsg.NewPtrConsumerGroupHeartbeatRequest().Key()
 	for _, k := range resp.ApiKeys {
-		if k.ApiKey == hb && k.MaxVersion >= 1 {
+		if k.ApiKey == key && k.MaxVersion >= minVersion {
 			return nil
 		}
 	}
-	return &UnsupportedError{Feature: "KIP-848 consumer group protocol", API: "ConsumerGroupHeartbeat v1"}
+	return &UnsupportedError{Feature: feature, API: api}
 }
 
 // Close leaves the groups: each partition's messages in flight get
