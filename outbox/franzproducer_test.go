@@ -46,7 +46,7 @@ func TestForwarder_FranzTransactionalProducerKeepsKeyOrder(t *testing.T) {
 		return nil, nil
 	})
 
-	real, err := franz.NewSyncProducer(franz.ProducerConfig{Brokers: e.broker.Addrs, TransactionalID: "franz-forwarder-" + topic})
+	real, err := franz.NewSyncProducer(franz.PublisherConfig{Brokers: e.broker.Addrs, TransactionalID: "franz-forwarder-" + topic})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = real.Close() })
 	require.True(t, real.IsTransactional())

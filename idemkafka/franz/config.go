@@ -10,30 +10,12 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 )
 
-// GroupProtocol is the consumer group protocol a [Subscriber] joins with.
-type GroupProtocol int
-
+// The values of [SubscriberConfig].GroupProtocol, as Kafka's consumer
+// setting group.protocol names them.
 const (
-	// ProtocolClassic (the default) is the classic client-driven protocol
-	// (JoinGroup/SyncGroup) with the cooperative-sticky balancer: only the
-	// partitions that move are revoked.
-	ProtocolClassic GroupProtocol = iota
-	// ProtocolConsumer is KIP-848's next-generation protocol
-	// (ConsumerGroupHeartbeat v1, Kafka 4.0+): the broker assigns the
-	// partitions, with no group-wide rebalance barrier. Subscribe refuses
-	// it with an [*UnsupportedError] when the broker does not speak it.
-	ProtocolConsumer
+	protocolClassic  = "classic"
+	protocolConsumer = "consumer"
 )
-
-func (p GroupProtocol) String() string {
-	switch p {
-	case ProtocolClassic:
-		return "classic"
-	case ProtocolConsumer:
-		return "consumer"
-	}
-	return fmt.Sprintf("GroupProtocol(%d)", int(p))
-}
 
 // UnsupportedError reports a broker that does not speak what the
 // configuration asks for (the KIP-848 consumer protocol, share groups).
@@ -66,10 +48,14 @@ type SubscriberConfig struct {
 	Brokers []string
 	// ConsumerGroup is the Kafka consumer group. Required.
 	ConsumerGroup string
-	// GroupProtocol is the group protocol: [ProtocolClassic]
-	// (cooperative-sticky) or [ProtocolConsumer] (KIP-848). Defaults to
-	// ProtocolClassic.
-	GroupProtocol GroupProtocol
+	// GroupProtocol is the consumer group protocol, as Kafka's consumer
+	// setting group.protocol names it: "classic" (JoinGroup/SyncGroup with
+	// the cooperative-sticky balancer: only the partitions that move are
+	// revoked) or "consumer" (KIP-848's next-generation protocol, Kafka
+	// 4.0+: the broker assigns the partitions, with no group-wide
+	// rebalance barrier; Subscribe returns an [*UnsupportedError] where
+	// the broker lacks ConsumerGroupHeartbeat v1). Defaults to "classic".
+	GroupProtocol string
 	// Ordering is which earlier messages a message waits for, as for
 	// idemkafka/parallel's Subscriber. Defaults to parallel.OrderKey.
 	Ordering parallel.Ordering
@@ -136,6 +122,9 @@ type SubscriberConfig struct {
 }
 
 func (c *SubscriberConfig) setDefaults() {
+	if c.GroupProtocol == "" {
+		c.GroupProtocol = protocolClassic
+	}
 	if c.MaxInFlight == 0 {
 		c.MaxInFlight = defaultMaxInFlight
 	}
@@ -179,8 +168,8 @@ func (c SubscriberConfig) Validate() error {
 		return bad("MaxDeliveries", "must be positive")
 	case c.ShareOffsetReset != "" && c.ShareOffsetReset != "earliest" && c.ShareOffsetReset != "latest" && c.ShareOffsetReset != "none":
 		return bad("ShareOffsetReset", fmt.Sprintf("%q: earliest, latest or none", c.ShareOffsetReset))
-	case c.GroupProtocol < ProtocolClassic || c.GroupProtocol > ProtocolConsumer:
-		return bad("GroupProtocol", fmt.Sprintf("unknown value %d", int(c.GroupProtocol)))
+	case c.GroupProtocol != "" && c.GroupProtocol != protocolClassic && c.GroupProtocol != protocolConsumer:
+		return bad("GroupProtocol", fmt.Sprintf("%q: classic or consumer", c.GroupProtocol))
 	case c.Ordering < parallel.OrderKey || c.Ordering > parallel.OrderNone:
 		return bad("Ordering", fmt.Sprintf("unknown value %d", int(c.Ordering)))
 	case c.MaxInFlight < 1:

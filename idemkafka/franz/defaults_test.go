@@ -14,7 +14,7 @@ func TestDefaultsMatchTheirDocs(t *testing.T) {
 	var sub SubscriberConfig
 	sub.setDefaults()
 	configdoc.Check(t, configdoc.Spec{Value: sub, Section: "`franz.SubscriberConfig`",
-		Names: map[string]any{"ProtocolClassic": ProtocolClassic, "parallel.OrderKey": parallel.OrderKey},
+		Names: map[string]any{"parallel.OrderKey": parallel.OrderKey},
 		Described: map[string]string{
 			"Brokers":    "required",
 			"ClientOpts": "none",

@@ -13,8 +13,11 @@
 // again after a crash or rebalance is absorbed by the dedup claims.
 //
 // The group protocol is the classic one with the cooperative-sticky
-// balancer by default; [ProtocolConsumer] selects KIP-848, and Subscribe
-// returns an [*UnsupportedError] when the broker does not speak it.
+// balancer by default; GroupProtocol "consumer" selects KIP-848, and
+// Subscribe returns an [*UnsupportedError] when the broker does not speak
+// it. With [SubscriberConfig].ShareGroup it joins a KIP-932 share group
+// instead (no order: see docs/engines.md). [NewSyncProducer] is the outbox
+// forwarder's producer on franz-go, transactional with a TransactionalID.
 //
 //	sub, err := franz.NewSubscriber(franz.SubscriberConfig{
 //		Brokers: brokers, ConsumerGroup: "billing", MaxInFlight: 64,

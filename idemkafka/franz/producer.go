@@ -10,31 +10,14 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
-// ProducerConfig configures a [SyncProducer].
-type ProducerConfig struct {
-	// Brokers are the seed brokers. Required.
-	Brokers []string
-	// TransactionalID, when set, makes the producer transactional: the
-	// outbox forwarder then sends each page as one Kafka transaction, and
-	// a page with a failed record is aborted and sent again whole, so that
-	// read_committed consumers see each key in order. franz-go speaks
-	// transaction version 2 (KIP-890) where the cluster enables it.
-	// Defaults to "" (idempotent, not transactional).
-	TransactionalID string
-	// ClientOpts are more franz-go options (TLS, SASL, linger, the
-	// transaction timeout...). The producer sets the seed brokers and the
-	// transactional id after them. Defaults to none.
-	ClientOpts []kgo.Opt
-}
-
-// SyncProducer is a Sarama SyncProducer on franz-go, for
+// syncProducer is a Sarama SyncProducer on franz-go, for
 // outbox.ForwarderConfig.Producer: the forwarder's Kafka writes on the
 // franz-go engine with the forwarder unchanged. It implements what the
 // forwarder calls (SendMessage(s), the transaction calls, TxnStatus,
 // Close); the consumer-offset calls of Sarama's exactly-once
 // read-process-write loop (AddOffsetsToTxn, AddMessageToTxn) return
-// errOffsetsInTxn. Create it with [NewSyncProducer].
-type SyncProducer struct {
+// errOffsetsInTxn. [NewSyncProducer] creates it.
+type syncProducer struct {
 	cl            *kgo.Client
 	transactional bool
 
@@ -43,29 +26,30 @@ type SyncProducer struct {
 	once   sync.Once
 }
 
-var _ sarama.SyncProducer = (*SyncProducer)(nil)
+var _ sarama.SyncProducer = (*syncProducer)(nil)
 
 // errOffsetsInTxn is what the consumer-offset calls return.
 var errOffsetsInTxn = errors.New("franz: SyncProducer does not add consumer offsets to a transaction")
 
-// NewSyncProducer validates cfg and returns a producer with its client.
-func NewSyncProducer(cfg ProducerConfig) (*SyncProducer, error) {
-	if len(cfg.Brokers) == 0 {
-		return nil, errors.New("franz: invalid config: Brokers: required")
-	}
-	opts := append(append([]kgo.Opt(nil), cfg.ClientOpts...), kgo.SeedBrokers(cfg.Brokers...))
-	if cfg.TransactionalID != "" {
-		opts = append(opts, kgo.TransactionalID(cfg.TransactionalID))
-	}
-	cl, err := kgo.NewClient(opts...)
+// NewSyncProducer validates cfg and returns a Sarama SyncProducer on
+// franz-go for outbox.ForwarderConfig.Producer, transactional when
+// cfg.TransactionalID is set: the forwarder then sends each page as one
+// Kafka transaction, and a page with a failed record is aborted and sent
+// again whole, so that read_committed consumers see each key in order. It
+// implements what the forwarder calls (SendMessage(s), the transaction
+// calls, TxnStatus, Close); the consumer-offset calls of Sarama's
+// read-process-write loop (AddOffsetsToTxn, AddMessageToTxn) return an
+// error.
+func NewSyncProducer(cfg PublisherConfig) (sarama.SyncProducer, error) {
+	cl, err := cfg.client()
 	if err != nil {
-		return nil, fmt.Errorf("franz: new Kafka client: %w", err)
+		return nil, err
 	}
-	return &SyncProducer{cl: cl, transactional: cfg.TransactionalID != "", status: sarama.ProducerTxnFlagReady}, nil
+	return &syncProducer{cl: cl, transactional: cfg.TransactionalID != "", status: sarama.ProducerTxnFlagReady}, nil
 }
 
 // SendMessage sends one record and returns where it was written.
-func (p *SyncProducer) SendMessage(msg *sarama.ProducerMessage) (int32, int64, error) {
+func (p *syncProducer) SendMessage(msg *sarama.ProducerMessage) (int32, int64, error) {
 	if err := p.SendMessages([]*sarama.ProducerMessage{msg}); err != nil {
 		var perrs sarama.ProducerErrors
 		if errors.As(err, &perrs) && len(perrs) == 1 {
@@ -79,7 +63,7 @@ func (p *SyncProducer) SendMessage(msg *sarama.ProducerMessage) (int32, int64, e
 // SendMessages sends msgs and returns when every one is written or
 // failed; the failed ones come back as sarama.ProducerErrors. Inside a
 // transaction a failure makes the transaction abortable.
-func (p *SyncProducer) SendMessages(msgs []*sarama.ProducerMessage) error {
+func (p *syncProducer) SendMessages(msgs []*sarama.ProducerMessage) error {
 	recs := make([]*kgo.Record, len(msgs))
 	for i, m := range msgs {
 		r, err := fromSarama(m)
@@ -129,19 +113,19 @@ func fromSarama(m *sarama.ProducerMessage) (*kgo.Record, error) {
 }
 
 // IsTransactional reports whether the producer has a TransactionalID.
-func (p *SyncProducer) IsTransactional() bool { return p.transactional }
+func (p *syncProducer) IsTransactional() bool { return p.transactional }
 
 // TxnStatus is the transaction state in Sarama's flags: ready, in a
 // transaction, abortable (a record or the commit failed: abort it), or
 // aborting (an abort that failed: abort again).
-func (p *SyncProducer) TxnStatus() sarama.ProducerTxnStatusFlag {
+func (p *syncProducer) TxnStatus() sarama.ProducerTxnStatusFlag {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.status
 }
 
 // BeginTxn starts a transaction.
-func (p *SyncProducer) BeginTxn() error {
+func (p *syncProducer) BeginTxn() error {
 	if err := p.cl.BeginTransaction(); err != nil {
 		return err
 	}
@@ -152,7 +136,7 @@ func (p *SyncProducer) BeginTxn() error {
 // CommitTxn flushes and commits the transaction. A failed commit leaves
 // it abortable: franz-go refuses to retry a commit whose outcome is
 // unknown, and an abort fences whatever the broker still holds of it.
-func (p *SyncProducer) CommitTxn() error {
+func (p *syncProducer) CommitTxn() error {
 	ctx := context.Background()
 	err := p.cl.Flush(ctx)
 	if err == nil {
@@ -167,7 +151,7 @@ func (p *SyncProducer) CommitTxn() error {
 }
 
 // AbortTxn drops the records not sent yet and aborts the transaction.
-func (p *SyncProducer) AbortTxn() error {
+func (p *syncProducer) AbortTxn() error {
 	ctx := context.Background()
 	err := p.cl.AbortBufferedRecords(ctx)
 	if err == nil {
@@ -181,34 +165,34 @@ func (p *SyncProducer) AbortTxn() error {
 	return nil
 }
 
-func (p *SyncProducer) set(st sarama.ProducerTxnStatusFlag) {
+func (p *syncProducer) set(st sarama.ProducerTxnStatusFlag) {
 	p.mu.Lock()
 	p.status = st
 	p.mu.Unlock()
 }
 
 // AddOffsetsToTxn is not supported: it returns an error.
-func (p *SyncProducer) AddOffsetsToTxn(map[string][]*sarama.PartitionOffsetMetadata, string) error {
+func (p *syncProducer) AddOffsetsToTxn(map[string][]*sarama.PartitionOffsetMetadata, string) error {
 	return errOffsetsInTxn
 }
 
 // AddOffsetsToTxnWithGroupMetadata is not supported: it returns an error.
-func (p *SyncProducer) AddOffsetsToTxnWithGroupMetadata(map[string][]*sarama.PartitionOffsetMetadata, *sarama.ConsumerGroupMetadata) error {
+func (p *syncProducer) AddOffsetsToTxnWithGroupMetadata(map[string][]*sarama.PartitionOffsetMetadata, *sarama.ConsumerGroupMetadata) error {
 	return errOffsetsInTxn
 }
 
 // AddMessageToTxn is not supported: it returns an error.
-func (p *SyncProducer) AddMessageToTxn(*sarama.ConsumerMessage, string, *string) error {
+func (p *syncProducer) AddMessageToTxn(*sarama.ConsumerMessage, string, *string) error {
 	return errOffsetsInTxn
 }
 
 // AddMessageToTxnWithGroupMetadata is not supported: it returns an error.
-func (p *SyncProducer) AddMessageToTxnWithGroupMetadata(*sarama.ConsumerMessage, *sarama.ConsumerGroupMetadata, *string) error {
+func (p *syncProducer) AddMessageToTxnWithGroupMetadata(*sarama.ConsumerMessage, *sarama.ConsumerGroupMetadata, *string) error {
 	return errOffsetsInTxn
 }
 
 // Close flushes (outside a transaction) and closes the client.
-func (p *SyncProducer) Close() error {
+func (p *syncProducer) Close() error {
 	p.once.Do(p.cl.Close)
 	return nil
 }

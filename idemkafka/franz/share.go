@@ -73,6 +73,7 @@ func (s *Subscriber) subscribeShare(ctx context.Context, topic string) (<-chan *
 	opts := append(append([]kgo.Opt(nil), s.cfg.ClientOpts...),
 		kgo.SeedBrokers(s.cfg.Brokers...),
 		kgo.ShareGroup(s.cfg.ShareGroup),
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		kgo.ConsumeTopics(topic),
 	)
 	cl, err := kgo.NewClient(opts...)

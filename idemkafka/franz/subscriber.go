@@ -64,7 +64,7 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 func (s *Subscriber) MaxInFlight() int { return s.cfg.MaxInFlight }
 
 // Subscribe joins the consumer group on topic and returns the channel of
-// its messages. With [ProtocolConsumer] it first asks the broker whether
+// its messages. With GroupProtocol "consumer" it first asks the broker whether
 // it speaks KIP-848, and returns an [*UnsupportedError] when not. The
 // channel closes when ctx ends or the Subscriber closes, after the
 // messages in flight were given RevokeTimeout and the offsets were
@@ -78,7 +78,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	if s.cfg.ShareGroup != "" {
 		return s.subscribeShare(ctx, topic)
 	}
-	if s.cfg.GroupProtocol == ProtocolConsumer {
+	if s.cfg.GroupProtocol == protocolConsumer {
 		// KIP-848 as Kafka 4.0 stabilized it: ConsumerGroupHeartbeat v1.
 		if err := s.checkAPI(ctx, kmsg.NewPtrConsumerGroupHeartbeatRequest().Key(), 1,
 			"KIP-848 consumer group protocol", "ConsumerGroupHeartbeat v1"); err != nil {
@@ -123,6 +123,9 @@ func (s *Subscriber) clientOpts(st *stream) []kgo.Opt {
 		kgo.ConsumerGroup(s.cfg.ConsumerGroup),
 		kgo.ConsumeTopics(st.topic),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		// Aborted transactions (the outbox forwarder's failed pages) are
+		// never handed out.
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		kgo.Balancers(kgo.CooperativeStickyBalancer()),
 		kgo.DisableAutoCommit(),
 		kgo.BlockRebalanceOnPoll(),
@@ -130,7 +133,7 @@ func (s *Subscriber) clientOpts(st *stream) []kgo.Opt {
 		kgo.OnPartitionsRevoked(st.revoked),
 		kgo.OnPartitionsLost(st.lost),
 	)
-	if s.cfg.GroupProtocol == ProtocolConsumer {
+	if s.cfg.GroupProtocol == protocolConsumer {
 		opts = append(opts, kgo.ServerSideBalancer())
 	}
 	return opts

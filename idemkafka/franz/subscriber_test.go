@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kversion"
 	"go.uber.org/goleak"
 
@@ -31,7 +32,7 @@ func TestMain(m *testing.M) {
 func TestSubscriberRefusesKIP848WhereTheBrokerLacksIt(t *testing.T) {
 	t.Parallel()
 	b := kafkatest.StartOld(t, kversion.V3_9_0())
-	sub, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "g", GroupProtocol: franz.ProtocolConsumer}, nil)
+	sub, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "g", GroupProtocol: "consumer"}, nil)
 	require.NoError(t, err)
 	defer sub.Close()
 	_, err = sub.Subscribe(context.Background(), "t")
@@ -45,7 +46,7 @@ func TestSubscriberConfigErrors(t *testing.T) {
 	for field, cfg := range map[string]franz.SubscriberConfig{
 		"Brokers":         {ConsumerGroup: "g"},
 		"ConsumerGroup":   {Brokers: []string{"x"}},
-		"GroupProtocol":   {Brokers: []string{"x"}, ConsumerGroup: "g", GroupProtocol: 7},
+		"GroupProtocol":   {Brokers: []string{"x"}, ConsumerGroup: "g", GroupProtocol: "next"},
 		"Ordering":        {Brokers: []string{"x"}, ConsumerGroup: "g", Ordering: 9},
 		"MaxInFlight":     {Brokers: []string{"x"}, ConsumerGroup: "g", MaxInFlight: -1},
 		"PartitionWindow": {Brokers: []string{"x"}, ConsumerGroup: "g", PartitionWindow: -1},
@@ -108,6 +109,39 @@ func TestSubscriberReadsWatermillKafkaRecords(t *testing.T) {
 		case <-time.After(60 * time.Second):
 			t.Fatal("the message's context outlived its ack")
 		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("no message")
+	}
+}
+
+// A transactional Publisher writes each Publish call as one transaction:
+// a call with a record the client refuses writes none of its records, and
+// the Subscriber (read_committed) never hands out the aborted ones.
+func TestTransactionalPublisherAbortsAFailedCall(t *testing.T) {
+	t.Parallel()
+	b := kafkatest.Start(t)
+	topic := b.Topic(t, "txn", 1)
+	pub, err := franz.NewPublisher(franz.PublisherConfig{Brokers: b.Addrs, TransactionalID: "txn-" + topic,
+		ClientOpts: []kgo.Opt{kgo.ProducerBatchMaxBytes(1 << 10)}}, nil)
+	require.NoError(t, err)
+	defer pub.Close()
+	aborted := message.NewMessage(watermill.NewUUID(), []byte("aborted"))
+	huge := message.NewMessage(watermill.NewUUID(), make([]byte, 4<<10))
+	require.Error(t, pub.Publish(topic, aborted, huge))
+	committed := message.NewMessage(watermill.NewUUID(), []byte("committed"))
+	require.NoError(t, pub.Publish(topic, committed))
+
+	sub, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "txn"}, nil)
+	require.NoError(t, err)
+	defer sub.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	select {
+	case got := <-ch:
+		require.Equal(t, "committed", string(got.Payload), "the aborted call's record was handed out")
+		got.Ack()
 	case <-time.After(60 * time.Second):
 		t.Fatal("no message")
 	}
