@@ -111,18 +111,6 @@ func forEach(t *testing.T, check func(t *testing.T, e engine)) {
 	}
 }
 
-// collector records what a handler saw, for the checks.
-type collector struct {
-	mu   sync.Mutex
-	seen map[string][]int // key → seqs in the order their attempts started
-	done map[string]int   // key → the highest seq acked
-	uuid map[string]int   // message UUID → deliveries
-}
-
-func newCollector() *collector {
-	return &collector{seen: map[string][]int{}, done: map[string]int{}, uuid: map[string]int{}}
-}
-
 // wait polls cond until it holds or the test's patience ends.
 func wait(t *testing.T, what string, cond func() bool) {
 	t.Helper()
