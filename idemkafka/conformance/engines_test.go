@@ -2,7 +2,6 @@ package conformance_test
 
 import (
 	"context"
-	"sync"
 	"testing"
 	"time"
 
