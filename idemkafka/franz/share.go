@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -73,6 +74,9 @@ func (s *Subscriber) subscribeShare(ctx context.Context, topic string) (<-chan *
 	opts := append(append([]kgo.Opt(nil), s.cfg.ClientOpts...),
 		kgo.SeedBrokers(s.cfg.Brokers...),
 		kgo.ShareGroup(s.cfg.ShareGroup),
+		// A poll takes up to MaxInFlight records, and the next waits for
+		// all of them: fetch as many at once.
+		kgo.ShareMaxRecords(int32(min(s.cfg.MaxInFlight, math.MaxInt32))),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		kgo.ConsumeTopics(topic),
 	)
