@@ -2,6 +2,7 @@ package conformance_test
 
 import (
 	"context"
+	"os"
 	"testing"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/idemkafka/franz"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 )
 
 // subOpts are the settings a check gives a subscriber, whatever its engine.
@@ -100,10 +102,15 @@ func engines() []engine {
 	}
 }
 
-// forEach runs check once per engine, in parallel.
+// forEach runs check once per engine, in parallel. On a real cluster
+// (KAFKA_BROKERS) the KIP-848 engine runs only when KAFKA_KIP848 says the
+// cluster speaks it (Kafka 4.0+).
 func forEach(t *testing.T, check func(t *testing.T, e engine)) {
 	for _, e := range engines() {
 		t.Run(e.name, func(t *testing.T) {
+			if e.name == "franz-kip848" && kafkatest.External() != nil && os.Getenv("KAFKA_KIP848") == "" {
+				t.Skip("KAFKA_BROKERS is set: set KAFKA_KIP848=1 too when the cluster is Kafka 4.0+")
+			}
 			t.Parallel()
 			check(t, e)
 		})

@@ -3,6 +3,7 @@ package franz_test
 import (
 	"context"
 	"errors"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -17,6 +18,16 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 )
+
+// needShareGroups skips the test on a real cluster (KAFKA_BROKERS) unless
+// KAFKA_SHARE_GROUPS says it has share groups (Kafka 4.2+); the in-process
+// broker has them.
+func needShareGroups(t *testing.T) {
+	t.Helper()
+	if kafkatest.External() != nil && os.Getenv("KAFKA_SHARE_GROUPS") == "" {
+		t.Skip("KAFKA_BROKERS is set: set KAFKA_SHARE_GROUPS=1 too when the cluster has share groups")
+	}
+}
 
 func TestShareGroupConfigRefusesKeyOrder(t *testing.T) {
 	t.Parallel()
@@ -85,6 +96,7 @@ func (r *shareRun) start(t *testing.T, b *kafkatest.Broker, group, topic string,
 // them again, only a new record.
 func TestShareGroupAcknowledgements(t *testing.T) {
 	t.Parallel()
+	needShareGroups(t)
 	b := kafkatest.Start(t)
 	topic := b.Topic(t, "share", 1)
 	pub, err := franz.NewPublisher(franz.PublisherConfig{Brokers: b.Addrs}, nil)
@@ -132,6 +144,7 @@ func TestShareGroupAcknowledgements(t *testing.T) {
 // is accepted).
 func TestShareGroupPoisonQueueAfterMaxDeliveries(t *testing.T) {
 	t.Parallel()
+	needShareGroups(t)
 	b := kafkatest.Start(t)
 	topic := b.Topic(t, "share-poison", 1)
 	poisonTopic := b.Topic(t, "share-poisoned", 1)
