@@ -106,6 +106,13 @@ type SubscriberConfig struct {
 	// share.delivery.count.limit (5 by default), past which the broker
 	// archives the record unseen. Defaults to 4.
 	MaxDeliveries int
+	// IsPermanentFunc is, with ShareGroup, what else than an error wrapped
+	// by idem.Permanent (or made permanent by [RecordErrors] at
+	// MaxDeliveries) rejects a nacked record instead of releasing it; set
+	// idem.IsPermanent to reject every error the poison queue would take
+	// (this package cannot import middleware). Defaults to nil (only
+	// idem.Permanent's mark).
+	IsPermanentFunc func(error) bool
 	// ShareOffsetReset is, with ShareGroup, the share group's
 	// share.auto.offset.reset, set by Subscribe (IncrementalAlterConfigs on
 	// the group): "earliest" delivers the records already in the topic

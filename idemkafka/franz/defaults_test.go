@@ -16,8 +16,9 @@ func TestDefaultsMatchTheirDocs(t *testing.T) {
 	configdoc.Check(t, configdoc.Spec{Value: sub, Section: "`franz.SubscriberConfig`",
 		Names: map[string]any{"parallel.OrderKey": parallel.OrderKey},
 		Described: map[string]string{
-			"Brokers":    "required",
-			"ClientOpts": "none",
-			"ShareGroup": "a consumer group",
+			"Brokers":         "required",
+			"ClientOpts":      "none",
+			"ShareGroup":      "a consumer group",
+			"IsPermanentFunc": "nil (only idem.Permanent's mark)",
 		}})
 }

@@ -15,7 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
-	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/internal/permanent"
 )
 
 // shareSlot is what a share-group message's context carries: its delivery
@@ -25,6 +25,17 @@ type shareSlot struct {
 	delivery int32
 	max      int
 	err      atomic.Pointer[error]
+}
+
+// isPermanent is IsPermanentFunc, or idem.Permanent's mark alone.
+func (s *Subscriber) isPermanent(err error) bool {
+	if err == nil {
+		return false
+	}
+	if f := s.cfg.IsPermanentFunc; f != nil && f(err) {
+		return true
+	}
+	return permanent.Marked(err)
 }
 
 type shareSlotKey struct{}
@@ -40,8 +51,9 @@ func DeliveryCount(ctx context.Context) (int32, bool) {
 }
 
 // RecordErrors is the router middleware of a share-group Subscriber: it
-// records the handler's error for the Subscriber (a nack with a permanent
-// error, idem.IsPermanent, rejects the record instead of releasing it),
+// records the handler's error for the Subscriber (a nack with an error
+// wrapped by idem.Permanent, or one IsPermanentFunc reports, rejects the
+// record instead of releasing it),
 // and from delivery MaxDeliveries on makes a failure permanent
 // (idem.Permanent), so that a poison queue filtered by idem.IsPermanent
 // added before it takes the message. Add it after the poison queue and
@@ -54,8 +66,10 @@ func RecordErrors(h message.HandlerFunc) message.HandlerFunc {
 		if err == nil || !ok {
 			return msgs, err
 		}
-		if int(slot.delivery) >= slot.max && !idem.IsPermanent(err) {
-			err = idem.Permanent(fmt.Errorf("delivery %d of at most %d failed: %w", slot.delivery, slot.max, err))
+		if int(slot.delivery) >= slot.max && !permanent.Marked(err) {
+			// idem.Permanent's mark (the leaf package: this one sits below
+			// middleware).
+			err = permanent.Mark(fmt.Errorf("delivery %d of at most %d failed: %w", slot.delivery, slot.max, err))
 		}
 		slot.err.Store(&err)
 		return msgs, err
@@ -213,7 +227,7 @@ func (st *stream) nackShare(r *kgo.Record, slot *shareSlot) {
 	if p := slot.err.Load(); p != nil {
 		err = *p
 	}
-	if idem.IsPermanent(err) {
+	if st.s.isPermanent(err) {
 		st.logger.Error("Share-group record rejected: its handler failed with a permanent error", err, watermill.LogFields{
 			"kafka_partition": r.Partition, "kafka_partition_offset": r.Offset, "delivery": slot.delivery})
 		r.Ack(kgo.AckReject)
