@@ -80,7 +80,9 @@ type SubscriberConfig struct {
 	// RevokeTimeout is how long the messages in flight of a revoked
 	// partition (rebalance, Close) get to be acked before its offset is
 	// committed and they are abandoned (their contexts are cancelled; the
-	// next owner gets them again). Keep it below the rebalance timeout.
+	// next owner gets them again). It and 1 s for the final commit must
+	// be shorter than the rebalance timeout (kgo.RebalanceTimeout in
+	// ClientOpts, 60 s by default): Validate refuses it otherwise.
 	// Defaults to 10 s.
 	RevokeTimeout time.Duration
 	// CommitInterval is how often the offsets below the lowest record not
@@ -191,6 +193,35 @@ func (c SubscriberConfig) Validate() error {
 		return bad("RevokeTimeout", "must not be negative")
 	case c.CommitInterval < 0:
 		return bad("CommitInterval", "must not be negative")
+	}
+	return c.validateClientOpts()
+}
+
+// revokeCommitAllowance is what the RevokeTimeout check gives a revoked
+// partition's final commit.
+const revokeCommitAllowance = time.Second
+
+// validateClientOpts builds a client of ClientOpts (it connects to
+// nothing) to read what they set: a revocation's RevokeTimeout and final
+// commit must end within the rebalance timeout, or the coordinator expels
+// the member.
+func (c SubscriberConfig) validateClientOpts() error {
+	if len(c.ClientOpts) == 0 || c.ShareGroup != "" {
+		return nil
+	}
+	cl, err := kgo.NewClient(append(append([]kgo.Opt(nil), c.ClientOpts...), kgo.SeedBrokers(c.Brokers...))...)
+	if err != nil {
+		return errors.New("ClientOpts: " + err.Error())
+	}
+	rebalance, _ := cl.OptValue(kgo.RebalanceTimeout).(time.Duration)
+	cl.Close()
+	revoke := c.RevokeTimeout
+	if revoke == 0 {
+		revoke = defaultRevokeTimeout
+	}
+	if rebalance > 0 && revoke+revokeCommitAllowance >= rebalance {
+		return fmt.Errorf("RevokeTimeout: %s + %s for the final commit must be shorter than the rebalance timeout of ClientOpts (%s): "+
+			"a revoked member must rejoin before it, or the coordinator expels it", revoke, revokeCommitAllowance, rebalance)
 	}
 	return nil
 }

@@ -55,7 +55,13 @@ func TestSubscriberConfigErrors(t *testing.T) {
 		_, err := franz.NewSubscriber(cfg, nil)
 		require.ErrorContains(t, err, "invalid config: "+field+":")
 	}
-	_, err := franz.NewPublisher(franz.PublisherConfig{}, nil)
+	_, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: []string{"x"}, ConsumerGroup: "g",
+		ClientOpts: []kgo.Opt{kgo.RebalanceTimeout(5 * time.Second)}}, nil)
+	require.ErrorContains(t, err, "invalid config: RevokeTimeout: 10s + 1s for the final commit must be shorter than the rebalance timeout of ClientOpts (5s)")
+	_, err = franz.NewSubscriber(franz.SubscriberConfig{Brokers: []string{"x"}, ConsumerGroup: "g", RevokeTimeout: time.Second,
+		ClientOpts: []kgo.Opt{kgo.RebalanceTimeout(5 * time.Second)}}, nil)
+	require.NoError(t, err)
+	_, err = franz.NewPublisher(franz.PublisherConfig{}, nil)
 	require.ErrorContains(t, err, "Brokers: required")
 }
 
