@@ -288,7 +288,7 @@ func (b *fastBatch) write(live []*fastMember) (failed *fastMember, err error) {
 		if werr := l.write(m.c, b.tx, hooks); werr != nil {
 			m.c.result, m.c.out, m.c.err = 0, nil, werr
 			if len(live) > 1 {
-				l.d.stats.groupFallbacks.Add(1)
+				l.s.stats.groupFallbacks.Add(1)
 			}
 			return m, nil
 		}
