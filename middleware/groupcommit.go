@@ -41,13 +41,16 @@ const (
 // the shared transaction with its own message context, one COMMIT, and only
 // then the acks. All of a group's claims and effects commit together or not
 // at all, so the guarantees of the one-message mode hold; per-partition
-// order is untouched (one message per partition per group).
+// order is untouched (one message per partition per group). A handler
+// sees its message's context values, not its cancellation: the group's
+// statements share one connection, which a cancelled statement would end.
 //
 // A handler error or panic, or a handler that leaves the transaction
 // aborted (it swallowed an SQL error: [ErrTxAborted]), rolls the group
 // back; that message (the culprit) is processed again alone, in its own
-// transaction, and the rest of the group runs again as a group (so one
-// poison message costs its group one retry); a message whose handler has
+// transaction (a panic is not run again: it is raised in the culprit's
+// own delivery, as in transaction mode), and the rest of the group runs
+// again as a group (so one poison message costs its group one retry); a message whose handler has
 // failed once is processed alone from then on (Retry's attempts,
 // redeliveries). A failed
 // COMMIT (outcome unknown) nacks every message of the group: redelivery and
