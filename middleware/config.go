@@ -160,7 +160,10 @@ type Config struct {
 	// table and registering the consumer group. Defaults to 30 s.
 	StartupTimeout time.Duration
 
-	// NowFunc returns the current time. Defaults to time.Now.
+	// NowFunc returns the current time: the clock of the stale guard, and
+	// of its cache of the table's retention (re-read every
+	// deduplicator.RetentionRefreshInterval of this clock). Defaults to
+	// time.Now.
 	NowFunc func() time.Time
 }
 

@@ -48,7 +48,9 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	dd, err := deduplicator.New(deduplicator.Config{TableConfig: cfg.Table, ConsumerGroup: cfg.ConsumerGroup, StaleMargin: cfg.StaleMargin, ReplayHorizon: cfg.ReplayHorizon}, logger)
+	dd, err := deduplicator.New(deduplicator.Config{
+		TableConfig: cfg.Table, ConsumerGroup: cfg.ConsumerGroup, StaleMargin: cfg.StaleMargin, ReplayHorizon: cfg.ReplayHorizon, NowFunc: cfg.NowFunc,
+	}, logger)
 	if err != nil {
 		return nil, fmt.Errorf("dedup: %w", err)
 	}
