@@ -5,6 +5,9 @@
 // Watermill's own middleware package:
 //
 //	import (
+//		"time"
+//
+//		"github.com/ThreeDotsLabs/watermill/message"
 //		"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 //		idem "github.com/idemkit/watermill-idempotency/middleware"
 //	)
