@@ -15,8 +15,6 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
@@ -53,9 +51,9 @@ type leaseMode struct {
 	hook func(point string, id uuid.UUID)
 }
 
-func newLeaseMode(s *steps, cfg LeaseConfig, db dbx.Pool, table deduplicator.TableConfig) *leaseMode {
-	schema, name := claimsql.Names(table.Schema, table.Table)
-	l := &leaseMode{s: s, cfg: cfg, db: db, proto: leasesql.New(schema, name, s.group), fast: newFastGate(), hook: func(string, uuid.UUID) {}}
+func newLeaseMode(s *steps, cfg LeaseConfig, db dbx.Pool) *leaseMode {
+	// The protocol on the claim table comes from its owner, deduplicator.
+	l := &leaseMode{s: s, cfg: cfg, db: db, proto: leasesql.Of(s.claims), fast: newFastGate(), hook: func(string, uuid.UUID) {}}
 	l.takes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runTakes)
 	l.completes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runCompletes)
 	return l

@@ -50,7 +50,7 @@ type steps struct {
 func newMode(s *steps, cfg Config) mode {
 	switch {
 	case cfg.Lease != nil:
-		return newLeaseMode(s, *cfg.Lease, cfg.DB.(dbx.Pool), cfg.Table)
+		return newLeaseMode(s, *cfg.Lease, cfg.DB.(dbx.Pool))
 	case cfg.GroupCommit != nil:
 		return newGroupMode(s, *cfg.GroupCommit)
 	}

@@ -86,7 +86,7 @@ func groupsRename(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	g, copied, err := dedupsql.RenameGroup(ctx, a.pool, tc.Schema, tc.Table, pos[0], pos[1], deduplicator.ValidateGroupName)
+	g, copied, err := deduplicator.RenameGroup(ctx, a.pool, tc, pos[0], pos[1])
 	if err != nil {
 		return err
 	}
@@ -130,7 +130,7 @@ func groupsForget(ctx context.Context, a *app, args []string) error {
 	if !*yes {
 		return usageError("groups forget deletes every claim of %q: a consumer started again under that name applies every event it reads again; pass --yes to do it", pos[0])
 	}
-	n, err := dedupsql.ForgetGroup(ctx, a.pool, tc.Schema, tc.Table, pos[0], deduplicator.ValidateGroupName)
+	n, err := deduplicator.ForgetGroup(ctx, a.pool, tc, pos[0])
 	if err != nil {
 		return err
 	}

@@ -22,7 +22,6 @@ import (
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -399,7 +398,7 @@ var actions = map[string]struct {
 			if _, err := c.group(ctx, f["group"]); err != nil {
 				return "", err
 			}
-			n, err := dedupsql.ForgetGroup(ctx, c.pool, tc.Schema, tc.Table, f["group"], deduplicator.ValidateGroupName)
+			n, err := deduplicator.ForgetGroup(ctx, c.pool, tc, f["group"])
 			if err != nil {
 				return "", err
 			}
