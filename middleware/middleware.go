@@ -9,8 +9,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -145,6 +150,55 @@ func (d *Dedup) process(msg *message.Message, h message.HandlerFunc, span *msgSp
 	}
 	span.eventID(id)
 	return d.mode.process(msg, h, id, span)
+}
+
+// newMode returns the strategy cfg chooses (validate has refused a Config
+// that chooses two).
+func newMode(s *steps, cfg Config) mode {
+	switch {
+	case cfg.Lease != nil:
+		return newLeaseMode(s, *cfg.Lease, cfg.DB.(dbx.Pool))
+	case cfg.GroupCommit != nil:
+		return newGroupMode(s, *cfg.GroupCommit)
+	}
+	return &txMode{s: s}
+}
+
+// start begins the consumer span of msg. Its parent is the span already in
+// msg.Context() (watermill-kafka's Sarama tracer puts one there), or else the
+// trace context the producer left in the metadata (traceparent, tracestate,
+// baggage). It returns nil when tracing is off.
+func (d *Dedup) startSpan(msg *message.Message) (context.Context, *msgSpan) {
+	tr := d.tracing.Tracer()
+	if tr == nil {
+		return msg.Context(), nil
+	}
+	return d.startSpanOn(tr, msg)
+}
+
+// startSpanOn is startSpan with tracer tr. It is apart so that, with
+// tracing off, startSpan's stack frame stays small: the router runs each
+// message in a new goroutine, whose small stack would otherwise be grown
+// (copied) for this frame alone while the message waits for its group.
+func (d *Dedup) startSpanOn(tr trace.Tracer, msg *message.Message) (context.Context, *msgSpan) {
+	ctx := msg.Context()
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		ctx = otelx.Propagator.Extract(ctx, propagation.MapCarrier(msg.Metadata))
+	}
+	topic := message.SubscribeTopicFromCtx(msg.Context())
+	name := "process"
+	if topic != "" {
+		name += " " + topic
+	}
+	attrs := []attribute.KeyValue{
+		semconv.MessagingOperationTypeProcess,
+		semconv.MessagingOperationName("process"),
+		semconv.MessagingDestinationName(topic),
+		semconv.MessagingConsumerGroupName(d.cfg.ConsumerGroup),
+		semconv.MessagingMessageID(msg.UUID),
+	}
+	ctx, span := tr.Start(ctx, name, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(append(attrs, kafkaAttributes(msg.Context(), d.cfg.TraceMessageKey)...)...))
+	return ctx, &msgSpan{span: span}
 }
 
 // admit returns msg's event id, or the outcome and error that refuse it:

@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -43,18 +42,6 @@ type steps struct {
 	stats  *counters
 	logger watermill.LoggerAdapter
 	tracer *otelx.Tracers
-}
-
-// newMode returns the strategy cfg chooses (validate has refused a Config
-// that chooses two).
-func newMode(s *steps, cfg Config) mode {
-	switch {
-	case cfg.Lease != nil:
-		return newLeaseMode(s, *cfg.Lease, cfg.DB.(dbx.Pool))
-	case cfg.GroupCommit != nil:
-		return newGroupMode(s, *cfg.GroupCommit)
-	}
-	return &txMode{s: s}
 }
 
 // handlerContext is the context a handler sees: origCtx with the
