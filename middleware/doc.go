@@ -38,7 +38,7 @@
 //
 // [IdempotencyKey] and [NewIdempotencyKeyTransport] derive the
 // Idempotency-Key of a downstream call from the event being handled.
-// Handlers that make such calls run best in lease mode ([Config.Lease],
+// Handlers that make such calls run best in lease mode ([LeaseConfig],
 // [LeaseConfig]): the handler holds no transaction and no connection
 // while it calls; its writes, registered with [Complete], commit with the
 // claim in a short transaction that first checks the delivery's lease.

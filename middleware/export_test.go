@@ -21,7 +21,7 @@ func ConsumerGroupFromContext(ctx context.Context) (string, bool) {
 // OpenGroupSize returns how many messages the open (gathering) group holds,
 // for tests that arrange a group's members deterministically.
 func OpenGroupSize(d *Dedup) int {
-	gc := d.mode.(*groupMode)
+	gc := d.strategy.(*groupMode)
 	gc.mu.Lock()
 	defer gc.mu.Unlock()
 	if gc.open == nil {
@@ -34,29 +34,29 @@ func OpenGroupSize(d *Dedup) int {
 // leaseMode.hook): tests pause one delivery there and run another. Set it
 // before the first message.
 func SetLeaseHook(d *Dedup, f func(point string, id uuid.UUID)) {
-	d.mode.(*leaseMode).hook = f
+	d.strategy.(*leaseMode).hook = f
 }
 
 // LeaseCompletionsQueued returns how many completions wait for a batch in
 // d's lease mode, for tests that arrange a batch's members.
 func LeaseCompletionsQueued(d *Dedup) int {
-	d.mode.(*leaseMode).completes.mu.Lock()
-	defer d.mode.(*leaseMode).completes.mu.Unlock()
-	return len(d.mode.(*leaseMode).completes.queue)
+	d.strategy.(*leaseMode).completes.mu.Lock()
+	defer d.strategy.(*leaseMode).completes.mu.Unlock()
+	return len(d.strategy.(*leaseMode).completes.queue)
 }
 
 // LeaseTakesQueued returns how many takes wait for a batch in d's lease
 // mode.
 func LeaseTakesQueued(d *Dedup) int {
-	d.mode.(*leaseMode).takes.mu.Lock()
-	defer d.mode.(*leaseMode).takes.mu.Unlock()
-	return len(d.mode.(*leaseMode).takes.queue)
+	d.strategy.(*leaseMode).takes.mu.Lock()
+	defer d.strategy.(*leaseMode).takes.mu.Unlock()
+	return len(d.strategy.(*leaseMode).takes.queue)
 }
 
 // LeaseFastShare returns the moving share of fast-path members that were
 // done within FastPath, which decides whether takes open the fast path.
 func LeaseFastShare(d *Dedup) float64 {
-	d.mode.(*leaseMode).fast.mu.Lock()
-	defer d.mode.(*leaseMode).fast.mu.Unlock()
-	return d.mode.(*leaseMode).fast.share
+	d.strategy.(*leaseMode).fast.mu.Lock()
+	defer d.strategy.(*leaseMode).fast.mu.Unlock()
+	return d.strategy.(*leaseMode).fast.share
 }

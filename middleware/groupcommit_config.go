@@ -76,11 +76,11 @@ func (c *GroupCommitConfig) setDefaults() {
 func (c GroupCommitConfig) validate() error {
 	switch {
 	case c.MaxMessages < 1:
-		return errors.New("GroupCommit.MaxMessages: must be positive")
+		return errors.New("Mode.MaxMessages (group commit): must be positive")
 	case c.MaxWait < 0:
-		return errors.New("GroupCommit.MaxWait: must not be negative")
+		return errors.New("Mode.MaxWait (group commit): must not be negative")
 	case c.Concurrency < 1:
-		return errors.New("GroupCommit.Concurrency: must be positive")
+		return errors.New("Mode.Concurrency (group commit): must be positive")
 	}
 	return nil
 }

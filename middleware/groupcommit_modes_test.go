@@ -29,7 +29,7 @@ func TestGroupCommit_CancelledMessageDoesNotFailItsGroup(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	d := f.dedup(t, "billing", func(c *idem.Config) {
-		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 3, MaxWait: time.Minute, Concurrency: 1}
+		c.Mode = &idem.GroupCommitConfig{MaxMessages: 3, MaxWait: time.Minute, Concurrency: 1}
 	})
 	var calls atomic.Int32
 	insert := f.insertHandler(1, &calls)
@@ -86,7 +86,7 @@ func TestGroupCommit_HandlerPanicPropagatesAsInTransactionMode(t *testing.T) {
 	f := newLedgerFixture(t)
 	for name, group := range map[string]func(*idem.Config){
 		"transaction":  nil,
-		"group commit": func(c *idem.Config) { c.GroupCommit = &idem.GroupCommitConfig{Concurrency: 1} },
+		"group commit": func(c *idem.Config) { c.Mode = &idem.GroupCommitConfig{Concurrency: 1} },
 	} {
 		t.Run(name, func(t *testing.T) {
 			d := f.dedup(t, "billing-"+name, group)

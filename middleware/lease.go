@@ -29,7 +29,7 @@ const (
 	busyPollMax   = time.Second
 )
 
-// leaseMode is lease mode ([Config.Lease]): take, call, complete, with the
+// leaseMode is lease mode ([LeaseConfig]): take, call, complete, with the
 // fast path (lease_fast.go) in front of the take.
 type leaseMode struct {
 	s         *steps

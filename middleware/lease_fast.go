@@ -22,7 +22,7 @@ import (
 // connections stay 2 × Concurrency + 1.
 type fastBatch struct {
 	l       *leaseMode
-	ctx     context.Context // bounded by Lease.Duration
+	ctx     context.Context // bounded by LeaseConfig.Duration
 	cancel  context.CancelFunc
 	tx      pgx.Tx
 	release func() // the take batcher's slot

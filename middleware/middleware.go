@@ -31,10 +31,10 @@ type Dedup struct {
 	// From the start-up check: the group as registered (first seen,
 	// Idempotency-Key namespace).
 	group deduplicator.Group
-	// mode processes the messages whose event id passed: the one strategy
-	// Config chose.
-	mode    mode
-	tracing *otelx.Tracers
+	// strategy processes the messages whose event id passed: the one
+	// Config.Mode chose.
+	strategy strategy
+	tracing  *otelx.Tracers
 }
 
 // NewDedup validates cfg, checks the table and registers the consumer group,
@@ -64,7 +64,7 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	if err := d.start(); err != nil {
 		return nil, err
 	}
-	d.mode = newMode(&steps{
+	d.strategy = newStrategy(&steps{
 		db: cfg.DB, txOpts: cfg.TxOptions, claims: dd, group: cfg.ConsumerGroup, keyNS: d.group.IdempotencyNamespace,
 		outbox: cfg.Outbox, stats: d.stats, logger: d.logger, tracer: d.tracing,
 	}, cfg)
@@ -110,7 +110,7 @@ func (d *Dedup) ConsumerGroup() string { return d.cfg.ConsumerGroup }
 //  6. messages h returned go to [Config.Outbox] in the same transaction;
 //  7. COMMIT; only then does the router ack and the offset advance.
 //
-// In lease mode ([Config.Lease]) steps 2–7 split into two short
+// In lease mode ([LeaseConfig]) steps 2–7 split into two short
 // transactions around a handler that holds none: see [LeaseConfig].
 //
 // The message's original context is restored when Middleware returns. Put
@@ -142,24 +142,23 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // process checks the message's event id (stale guard included) and hands
-// it to the mode.
+// it to the strategy of the configured mode.
 func (d *Dedup) process(msg *message.Message, h message.HandlerFunc, span *msgSpan) ([]*message.Message, string, error) {
 	id, outcome, err := d.admit(msg)
 	if err != nil {
 		return nil, outcome, err
 	}
 	span.eventID(id)
-	return d.mode.process(msg, h, id, span)
+	return d.strategy.process(msg, h, id, span)
 }
 
-// newMode returns the strategy cfg chooses (validate has refused a Config
-// that chooses two).
-func newMode(s *steps, cfg Config) mode {
-	switch {
-	case cfg.Lease != nil:
-		return newLeaseMode(s, *cfg.Lease, cfg.DB.(dbx.Pool))
-	case cfg.GroupCommit != nil:
-		return newGroupMode(s, *cfg.GroupCommit)
+// newStrategy returns the strategy cfg.Mode chooses.
+func newStrategy(s *steps, cfg Config) strategy {
+	switch m := cfg.Mode.(type) {
+	case *LeaseConfig:
+		return newLeaseMode(s, *m, cfg.DB.(dbx.Pool))
+	case *GroupCommitConfig:
+		return newGroupMode(s, *m)
 	}
 	return &txMode{s: s}
 }

@@ -17,14 +17,15 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// mode processes a message whose event id has been checked: one
-// implementation per mode (River's JobCompleter), picked once by [NewDedup].
+// strategy processes a message whose event id has been checked: one
+// implementation per mode (River's JobCompleter), picked once by [NewDedup]
+// from [Config.Mode].
 // txMode runs one transaction per message, groupMode lets concurrent
 // messages share one, leaseMode runs the handler between two short
 // transactions (and its fast path). A mode returns the messages for the
 // router, the outcome it names on the span, and the error that nacks.
 // It restores msg's context before it returns.
-type mode interface {
+type strategy interface {
 	process(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) ([]*message.Message, string, error)
 }
 

@@ -45,7 +45,7 @@ type overviewJSON struct {
 	Dedup  *dedupOverview `json:"dedup"`
 	Outbox jsonBacklog    `json:"outbox"`
 	Parked jsonParked     `json:"parked"`
-	// Leases are lease mode's (idem.Config.Lease), null when unreadable.
+	// Leases are lease mode's (idem.Config.Mode = &idem.LeaseConfig{}), null when unreadable.
 	Leases *leasesql.Summary `json:"leases"`
 	// Kafka is null without --brokers.
 	Kafka  *kafkaJSON        `json:"kafka"`
