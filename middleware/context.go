@@ -29,7 +29,7 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 	tx, ok := TxFromContext(ctx)
 	if !ok {
 		if leaseStateFrom(ctx) != nil {
-			panic(fmt.Errorf("%w: lease mode (Config.Mode = &LeaseConfig{}) runs the handler without a transaction; register its writes with idem.Complete", ErrNotInHandler))
+			panic(fmt.Errorf("%w: lease mode (Config.Mode: a *LeaseConfig) runs the handler without a transaction; register its writes with idem.Complete", ErrNotInHandler))
 		}
 		panic(ErrNotInHandler)
 	}

@@ -110,8 +110,10 @@ func (d *Dedup) ConsumerGroup() string { return d.cfg.ConsumerGroup }
 //  6. messages h returned go to [Config.Outbox] in the same transaction;
 //  7. COMMIT; only then does the router ack and the offset advance.
 //
-// In lease mode ([LeaseConfig]) steps 2–7 split into two short
-// transactions around a handler that holds none: see [LeaseConfig].
+// In lease mode ([Config.Mode] a *[LeaseConfig]) steps 2–7 split into two
+// short transactions around a handler that holds none: see [LeaseConfig].
+// With group commit (a *[GroupCommitConfig]) the messages that arrive
+// together share steps 2 and 7.
 //
 // The message's original context is restored when Middleware returns. Put
 // watermill's Retry middleware outside (before) this one, so every attempt
