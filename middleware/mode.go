@@ -29,6 +29,12 @@ type strategy interface {
 	process(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) ([]*message.Message, string, error)
 }
 
+var (
+	_ strategy = (*txMode)(nil)
+	_ strategy = (*groupMode)(nil)
+	_ strategy = (*leaseMode)(nil)
+)
+
 // steps is what every mode shares: where claims go, what a handler's
 // context holds, where returned messages go, the counters, the logger and
 // the tracer. It is built once by NewDedup and never changed; the modes
