@@ -165,6 +165,21 @@ type parConsumer struct {
 	maxInFlight int
 	pool        *pgxpool.Pool
 	handler     func(msg *message.Message) error
+	// share consumes with the franz-go subscriber in a share group (the
+	// share-group section) instead.
+	share bool
+}
+
+// mode is the middleware's mode of c: lease mode, group commit, or nil
+// (transaction mode).
+func (c parConsumer) mode() idem.Mode {
+	if c.lease != nil {
+		return c.lease
+	}
+	if c.groupCommit != nil {
+		return c.groupCommit
+	}
+	return nil
 }
 
 // parRun is one consumer over a topic, until count events committed.
@@ -213,11 +228,14 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 		handler = c.handler
 	}
 	sub, concurrency, err := r.subscriber(c.parallel, group, inFlight)
+	if c.share {
+		sub, concurrency, err = r.shareSubscriber(group, inFlight)
+	}
 	if err != nil {
 		return res, err
 	}
 	defer sub.Close()
-	d, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: group, Table: r.table, GroupCommit: c.groupCommit, Lease: c.lease, Concurrency: concurrency}, nil)
+	d, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: group, Table: r.table, Mode: c.mode(), Concurrency: concurrency}, nil)
 	if err != nil {
 		return res, err
 	}
