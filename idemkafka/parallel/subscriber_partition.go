@@ -205,7 +205,7 @@ func (p *partState) acked(e *entry) {
 	p.settled(e)
 	s.stats.acked++
 	if !e.head.IsZero() {
-		p.observe(time.Since(e.start))
+		p.observe(time.Since(e.head))
 	}
 	if p.gone {
 		e.state = stateDropped // too late for the final commit

@@ -57,12 +57,9 @@ func (p *partState) spill() bool {
 }
 
 // A head that has not failed counts as slow, and its key as blocked, once
-// its handler has run for slowFactor × the partition's typical handler
+// it has been its key's head for slowFactor × the partition's typical head
 // time, and at least minSlow (which is all there is before the partition's
-// first ack). A head still waiting for a MaxInFlight slot is not slow: the
-// whole subscriber is saturated, not its key, and spilling its key's
-// records would only read them again from Kafka (with a backlog, every
-// window holds far more ready heads than MaxInFlight).
+// first ack).
 const (
 	slowFactor = 8
 	minSlow    = 50 * time.Millisecond
@@ -74,16 +71,16 @@ func (p *partState) slowAfter() time.Duration { return max(slowFactor*p.typical,
 
 // blocked reports whether head, a key's first record not done, holds its
 // key up: it failed (nacked, backing off, or cannot be unmarshalled), it
-// waits for its NotBeforeFunc time, or its handler is slow
-// (partState.slowAfter). Called with mu held.
+// waits for its NotBeforeFunc time, or it is slow (partState.slowAfter).
+// Called with mu held.
 func (p *partState) blocked(head *entry, now time.Time) bool {
 	switch {
 	case head.state == stateBackoff || head.state == stateHeld || head.state == stateFailed || head.nacks > 0:
 		return true
-	case head.state != stateInFlight:
-		return false // spilled, or queued for a MaxInFlight slot
+	case head.state == stateSpilled:
+		return false
 	}
-	return now.Sub(head.start) > p.slowAfter()
+	return now.Sub(head.head) > p.slowAfter()
 }
 
 // untilBlocked is how long until the first slow head of a key with waiting
@@ -97,12 +94,7 @@ func (p *partState) untilBlocked(now time.Time) time.Duration {
 		if c.held == 0 || c.head.state != stateReady && c.head.state != stateInFlight {
 			continue
 		}
-		// A queued head's clock starts when it is handed out: look again
-		// a slowAfter from now.
-		d := p.slowAfter() + time.Millisecond
-		if c.head.state == stateInFlight {
-			d = max(c.head.start.Add(p.slowAfter()).Sub(now), 0) + time.Millisecond
-		}
+		d := max(c.head.head.Add(p.slowAfter()).Sub(now), 0) + time.Millisecond
 		if wait < 0 || d < wait {
 			wait = d
 		}
@@ -110,8 +102,8 @@ func (p *partState) untilBlocked(now time.Time) time.Duration {
 	return wait
 }
 
-// observe folds d, the time a head's handler took (hand-out to ack), into
-// the partition's typical handler time: a moving average in which no sample
+// observe folds d, the time a head took from its release to its ack, into
+// the partition's typical head time: a moving average in which no sample
 // counts for more than 4 × the average, so that one slow key does not make
 // itself typical. Called with mu held.
 func (p *partState) observe(d time.Duration) {
