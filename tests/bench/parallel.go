@@ -577,10 +577,10 @@ func (r *parRig) parMeasure(ctx context.Context, o Options, w parWorkload, in st
 }
 
 // readAgain is the records c's subscriber spilled and read again from
-// Kafka per run: median (min–max), "–" for watermill-kafka's. With no slow
-// or failing key there is nothing to spill: a figure above 0 here is the
-// subscriber spilling keys that only wait for a MaxInFlight slot, and
-// reading them twice (the regression of 0.78× found with make bench/compare).
+// Kafka per run: median (min–max), "–" for watermill-kafka's. No key here
+// is slow or failing: what it counts is heads queued for a MaxInFlight
+// slot taken for slow ones: a second fetch per record, which a change of
+// the spill rule should show here.
 func readAgain(c parConsumer, xs []float64) string {
 	if !c.parallel || len(xs) == 0 {
 		return "–"
@@ -612,7 +612,7 @@ func parallelMarkdown(o Options, n parSizes, rows, latRows [][]string) string {
 		kafkaDesc(o.Brokers), parPartitions, parKeys, parKeys, parPoolConns, parSlowCall, slowN, fastN, slowBase, slowN,
 		int(parPartitions*time.Second/parSlowCall), time.Duration(slowN)*parSlowCall/parPartitions, parMaxInFlight, parPartitions, parMaxInFlight/parPartitions, parMaxInFlight, rounds)
 	b.WriteString("The last column counts the records the parallel subscriber spilled and read again from Kafka in a run: no key " +
-		"here is slow or failing, so anything above 0 is a key spilled while its head only waited for a MaxInFlight slot.\n\n")
+		"here is slow or failing: what it counts are keys whose head, queued for a MaxInFlight slot behind a backlog, was taken for a slow one.\n\n")
 	fmt.Fprintf(&b, "Latency from publish to commit of each event (its wait behind earlier events of its key, and of its partition "+
 		"with watermill-kafka, included), with events published for %s at half the consumer's median rate above, on a fresh "+
 		"topic while it consumes, after %d warm-up events (the consumer group joined, the partitions fetched, connections open; "+
