@@ -31,10 +31,13 @@ const defaultStartupTimeout = 30 * time.Second
 // Config configures the dedup middleware.
 type Config struct {
 	// DB begins one transaction per message: a *pgxpool.Pool (the usual
-	// choice), a *pgx.Conn, or a pgx.Tx (each message then runs in a
-	// savepoint of it). Required. With a pool or a conn, BEGIN and the claim
-	// travel in one pipelined round trip; other Beginners take two. When it
-	// also has BeginTx (pool and conn do), [Config.TxOptions] is used.
+	// choice), a *pgx.Conn, a pgx.Tx (each message then runs in a
+	// savepoint of it), or a *sql.DB opened with pgx's stdlib driver,
+	// through [SQLDB] (handlers then get a *sql.Tx: [SQLTxFromContext]).
+	// Required. With a pool or a conn, BEGIN and the claim travel in one
+	// pipelined round trip; other Beginners, a *sql.DB included, take two.
+	// When it also has BeginTx (pool, conn and [SQLDB] do),
+	// [Config.TxOptions] is used.
 	DB migrate.Beginner
 
 	// ConsumerGroup is the second half of the dedup key (event id, consumer
@@ -235,8 +238,8 @@ func (c Config) validate() error {
 		if err := c.Lease.validate(); err != nil {
 			return err
 		}
-		if _, ok := c.DB.(dbx.Pool); !ok {
-			return fmt.Errorf("Lease: DB (%T) is not a *pgxpool.Pool: lease mode runs its phases' transactions concurrently, on connections of their own", c.DB)
+		if !concurrent(c.DB) {
+			return fmt.Errorf("Lease: DB (%T) is not a *pgxpool.Pool (or a *sql.DB through SQLDB): lease mode runs its phases' transactions concurrently, on connections of their own", c.DB)
 		}
 		if c.GroupCommit != nil {
 			return errors.New("Lease: not with GroupCommit: lease mode batches its phases itself (Lease.MaxBatch, Lease.Concurrency); use two middlewares, one per mode, for handlers of both kinds")
@@ -258,8 +261,8 @@ func (c Config) validate() error {
 
 // checkPool compares a pool's MaxConns with Concurrency.
 func (c Config) checkPool() error {
-	pool, ok := c.DB.(dbx.Pool)
-	if !ok || c.Concurrency == 0 {
+	max := maxConns(c.DB)
+	if max == 0 || c.Concurrency == 0 {
 		return nil
 	}
 	need := c.Concurrency
@@ -269,7 +272,6 @@ func (c Config) checkPool() error {
 	if c.Lease != nil {
 		need = c.Lease.leaseConns()
 	}
-	max := int(pool.Stat().MaxConns())
 	switch {
 	case max >= need:
 		return nil

@@ -35,7 +35,7 @@ const (
 type leaseMode struct {
 	d         *Dedup
 	cfg       LeaseConfig
-	db        dbx.Pool // Config.DB: concurrent phase transactions and one-round-trip batches
+	db        dbx.Concurrent // Config.DB: concurrent phase transactions and one-round-trip batches
 	proto     *leasesql.Protocol
 	fast      *fastGate
 	takes     *batcher[takeReq]
@@ -54,7 +54,7 @@ type leaseMode struct {
 
 func newLeaseMode(d *Dedup, cfg LeaseConfig) *leaseMode {
 	schema, table := claimsql.Names(d.cfg.Table.Schema, d.cfg.Table.Table)
-	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(dbx.Pool), proto: leasesql.New(schema, table, d.cfg.ConsumerGroup), fast: newFastGate(), hook: func(string, uuid.UUID) {}}
+	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(dbx.Concurrent), proto: leasesql.New(schema, table, d.cfg.ConsumerGroup), fast: newFastGate(), hook: func(string, uuid.UUID) {}}
 	l.takes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runTakes)
 	l.completes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runCompletes)
 	return l

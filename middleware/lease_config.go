@@ -54,7 +54,7 @@ const (
 // FastPath at most, and a batch holds one connection meanwhile, whatever
 // its size.
 //
-// Lease mode needs a *pgxpool.Pool as [Config.DB]. It batches its own
+// Lease mode needs a *pgxpool.Pool as [Config.DB] (or a *sql.DB: [SQLDB]). It batches its own
 // phases, so it does not combine with [Config.GroupCommit].
 type LeaseConfig struct {
 	// Duration is how long a lease lives unless renewed, on the database's
