@@ -24,9 +24,11 @@ import (
 // and in the same transaction. It costs one round trip more per
 // transaction than a *pgxpool.Pool: database/sql sends BEGIN alone.
 //
-// The value also implements migrate.DBTX and deduplicator.BatchSender. A
-// db of another driver (lib/pq) is refused with [ErrUnsupportedDriver].
-func SQLDB(db *sql.DB) (migrate.Beginner, error) {
+// The value implements migrate.Beginner, migrate.DBTX and
+// deduplicator.BatchSender (pass it where they are asked for; idemtest's
+// assertions take it too). A db of another driver (lib/pq) is refused
+// with [ErrUnsupportedDriver].
+func SQLDB(db *sql.DB) (*sqltx.DB, error) {
 	d, err := sqltx.New(db)
 	if err != nil {
 		return nil, fmt.Errorf("dedup: %w", err)
