@@ -25,6 +25,7 @@ test: test/pg ## Run every test (real Postgres + in-process Kafka broker), with 
 	@command -v chromium >/dev/null 2>&1 || [ -n "$$CHROME_PATH" ] || echo "make test: idemctl serve's browser tests skip: no chromium (apt-get install -y chromium, or set CHROME_PATH)"
 	@command -v promtool >/dev/null 2>&1 || echo "make test: the alert rules' promtool checks skip: no promtool (apt-get install -y prometheus)"
 	$(GO) test $(TEST_FLAGS) $(PKGS)
+	$(GO) test $(TEST_FLAGS) ./examples/orm/...
 
 .PHONY: test/short
 test/short: test/pg ## Run the fast tests only (-short), without -race
