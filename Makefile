@@ -42,8 +42,8 @@ test/pg: ## Check that PostgreSQL (DATABASE_URL) is reachable and accepts the su
 .PHONY: lint
 lint: ## gofmt, go vet, staticcheck
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
-	$(GO) vet $(PKGS)
-	$(GO) run $(STATICCHECK) $(PKGS)
+	$(GO) vet $(PKGS) ./examples/orm/...
+	$(GO) run $(STATICCHECK) $(PKGS) ./examples/orm/...
 
 .PHONY: bench
 bench: ## Benchmarks as ratios against same-run baselines; writes docs/benchmarks.md
