@@ -289,3 +289,24 @@ func TestSQLDBStartupChecks(t *testing.T) {
 	_, err = idem.NewDedup(idem.Config{DB: db, ConsumerGroup: "g", Table: deduplicator.TableConfig{Schema: f.db.Schema, Table: "missing"}}, nil)
 	require.Error(t, err)
 }
+
+// A handler that swallows a failed statement of its *sql.Tx and returns
+// nil is caught as on pgx: ErrTxAborted, rolled back, nothing applied.
+func TestSQLDBSwallowedErrorIsTxAborted(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	sdb := f.db.SQLDB(t, 2, nil)
+	d := f.sqlDedup(t, sdb, "g", nil)
+	var calls atomic.Int32
+	_, err := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		if _, err := sqlInsertHandler(&calls, nil)(m); err != nil {
+			return nil, err
+		}
+		_, _ = idem.MustSQLTxFromContext(m.Context()).ExecContext(m.Context(), "SELECT 1/0") // swallowed
+		return nil, nil
+	})(f.msg(publisher.NewEventID()))
+	require.ErrorIs(t, err, idem.ErrTxAborted)
+	require.Zero(t, f.ledgerRows(t))
+	require.Zero(t, f.claims(t))
+	require.Zero(t, sdb.Stats().InUse)
+}
