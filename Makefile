@@ -12,7 +12,10 @@ TEST_PARALLEL ?= 2
 TEST_CONNS    ?= 60
 TEST_FLAGS    ?= -race -count=1 -timeout 30m -p $(TEST_P) -parallel $(TEST_PARALLEL)
 BENCHTIME     ?= 500ms
-PKGS          := ./...
+# The packages of the nested modules that go.work ties to the library (each has its own go.mod, so
+# ./... stops at it): the console's browser tests, which bring chromedp and cdproto; examples/orm (GORM, bun, ent, sqlx).
+NESTED_PKGS   := ./tests/browser/... ./examples/orm/...
+PKGS          := ./... $(NESTED_PKGS)
 
 .DEFAULT_GOAL := help
 
@@ -25,7 +28,6 @@ test: test/pg ## Run every test (real Postgres + in-process Kafka broker), with 
 	@command -v chromium >/dev/null 2>&1 || [ -n "$$CHROME_PATH" ] || echo "make test: idemctl serve's browser tests skip: no chromium (apt-get install -y chromium, or set CHROME_PATH)"
 	@command -v promtool >/dev/null 2>&1 || echo "make test: the alert rules' promtool checks skip: no promtool (apt-get install -y prometheus)"
 	$(GO) test $(TEST_FLAGS) $(PKGS)
-	$(GO) test $(TEST_FLAGS) ./examples/orm/...
 
 .PHONY: test/short
 test/short: test/pg ## Run the fast tests only (-short), without -race
@@ -42,8 +44,8 @@ test/pg: ## Check that PostgreSQL (DATABASE_URL) is reachable and accepts the su
 .PHONY: lint
 lint: ## gofmt, go vet, staticcheck
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
-	$(GO) vet $(PKGS) ./examples/orm/...
-	$(GO) run $(STATICCHECK) $(PKGS) ./examples/orm/...
+	$(GO) vet $(PKGS)
+	$(GO) run $(STATICCHECK) $(PKGS)
 
 .PHONY: bench
 bench: ## Benchmarks as ratios against same-run baselines; writes docs/benchmarks.md
@@ -67,7 +69,7 @@ rules: ## Check and unit-test the Prometheus alert rules in deploy/prometheus (p
 
 .PHONY: screenshots
 screenshots: ## Rewrite docs/console-*.png (the idemctl serve pages, in headless chromium) from the browser tests
-	$(GO) test ./cmd/idemctl -run '^TestBrowserOverviewMatchesTheDatabase$$' -count=1 -args -update-screenshots
+	$(GO) test ./tests/browser -run '^TestBrowserOverviewMatchesTheDatabase$$' -count=1 -args -update-screenshots
 
 .PHONY: demo
 demo: ## Run the billing example end to end (orders, billing with Idempotency-Key, notifications) with injected faults
