@@ -62,7 +62,7 @@ func MustSQLTxFromContext(ctx context.Context) *sql.Tx {
 		panic(fmt.Errorf("%w: the middleware's Config.DB is not a *sql.DB (wrap it with idem.SQLDB); use idem.TxFromContext for its pgx.Tx", ErrNotInHandler))
 	}
 	if leaseStateFrom(ctx) != nil {
-		panic(fmt.Errorf("%w: lease mode (Config.Lease) runs the handler without a transaction; register its writes with idem.CompleteSQL", ErrNotInHandler))
+		panic(fmt.Errorf("%w: lease mode (Config.Mode: a *LeaseConfig) runs the handler without a transaction; register its writes with idem.CompleteSQL", ErrNotInHandler))
 	}
 	panic(ErrNotInHandler)
 }

@@ -169,7 +169,7 @@ func TestSQLDBGroupCommit(t *testing.T) {
 	f := newLedgerFixture(t)
 	sdb := f.db.SQLDB(t, 4, nil)
 	d := f.sqlDedup(t, sdb, "g", func(c *idem.Config) {
-		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond, Concurrency: 2}
+		c.Mode = &idem.GroupCommitConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond, Concurrency: 2}
 	})
 	var calls atomic.Int32
 	h := d.Middleware(sqlInsertHandler(&calls, nil))
@@ -204,14 +204,14 @@ func TestSQLDBLeaseMode(t *testing.T) {
 			t.Parallel()
 			f := newLedgerFixture(t)
 			sdb := f.db.SQLDB(t, 6, nil)
-			d := f.sqlDedup(t, sdb, "g", func(c *idem.Config) { c.Lease = &idem.LeaseConfig{Concurrency: 2, FastPath: fastPath} })
+			d := f.sqlDedup(t, sdb, "g", func(c *idem.Config) { c.Mode = &idem.LeaseConfig{Concurrency: 2, FastPath: fastPath} })
 			var calls atomic.Int32
 			h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
 				calls.Add(1)
 				ctx := m.Context()
 				_, ok := idem.SQLTxFromContext(ctx)
 				require.False(t, ok, "lease mode: no transaction while the handler runs")
-				require.PanicsWithError(t, idem.ErrNotInHandler.Error()+": lease mode (Config.Lease) runs the handler without a transaction; register its writes with idem.CompleteSQL", func() {
+				require.PanicsWithError(t, idem.ErrNotInHandler.Error()+": lease mode (Config.Mode: a *LeaseConfig) runs the handler without a transaction; register its writes with idem.CompleteSQL", func() {
 					idem.MustSQLTxFromContext(ctx)
 				})
 				id, _ := idem.EventIDFromContext(ctx)

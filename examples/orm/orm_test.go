@@ -68,7 +68,7 @@ func ormApplyOnce(t *testing.T, lease bool, build func(*testing.T, *sql.DB) mess
 	require.NoError(t, err)
 	cfg := idem.Config{DB: db, ConsumerGroup: "payments", Table: table}
 	if lease {
-		cfg.Lease = &idem.LeaseConfig{Concurrency: 1}
+		cfg.Mode = &idem.LeaseConfig{Concurrency: 1}
 	}
 	dedup, err := idem.NewDedup(cfg, nil)
 	require.NoError(t, err)

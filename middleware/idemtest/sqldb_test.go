@@ -42,7 +42,7 @@ func TestRunWithRedeliverySQLDB(t *testing.T) {
 			require.NoError(t, err)
 			cfg := idem.Config{DB: db, ConsumerGroup: "billing", Table: table}
 			if lease {
-				cfg.Lease = &idem.LeaseConfig{Concurrency: 2}
+				cfg.Mode = &idem.LeaseConfig{Concurrency: 2}
 			}
 			dedup, err := idem.NewDedup(cfg, nil)
 			require.NoError(t, err)
