@@ -51,8 +51,10 @@
 // (opened with pgx's stdlib driver, as gorm.io/driver/postgres does) through
 // [SQLDB]; its handlers get the message's transaction as a *sql.Tx:
 //
-//	db, err := idem.SQLDB(sqlDB) // refuses lib/pq: ErrUnsupportedDriver
-//	dedup, err := idem.NewDedup(idem.Config{DB: db, ConsumerGroup: "billing"}, logger)
+//	// sqlDB: sql.Open("pgx", url), stdlib.OpenDBFromPool(pool), or GORM's gormDB.DB()
+//	db, err := idem.SQLDB(sqlDB) // another driver (lib/pq): ErrUnsupportedDriver
+//	ledger, err := idem.NewDedup(idem.Config{DB: db, ConsumerGroup: "ledger"}, logger)
+//	router.AddMiddleware(ledger.Middleware)
 //	router.AddConsumerHandler("ledger", "payments", sub, func(msg *message.Message) error {
 //		tx := idem.MustSQLTxFromContext(msg.Context()) // gorm, bun, ent, sqlx or sqlc on it
 //		_, err := tx.ExecContext(msg.Context(), "INSERT INTO ledger (amount) VALUES ($1)", amount)
