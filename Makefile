@@ -13,8 +13,8 @@ TEST_CONNS    ?= 60
 TEST_FLAGS    ?= -race -count=1 -timeout 30m -p $(TEST_P) -parallel $(TEST_PARALLEL)
 BENCHTIME     ?= 500ms
 # The packages of the nested modules that go.work ties to the library (each has its own go.mod, so
-# ./... stops at it): the console's browser tests, which bring chromedp and cdproto.
-NESTED_PKGS   := ./tests/browser/...
+# ./... stops at it): the console's browser tests, which bring chromedp and cdproto; examples/orm (GORM, bun, ent, sqlx).
+NESTED_PKGS   := ./tests/browser/... ./examples/orm/...
 PKGS          := ./... $(NESTED_PKGS)
 
 .DEFAULT_GOAL := help
