@@ -356,6 +356,9 @@ func (st *stream) awaitReady() bool {
 	for {
 		s.mu.Lock()
 		ok := st.hasReady()
+		if !ok && s.stats.inflight < s.cfg.MaxInFlight {
+			st.kickFull() // capacity idle: full windows may spill
+		}
 		s.mu.Unlock()
 		if ok {
 			return true

@@ -204,8 +204,8 @@ func (p *partState) acked(e *entry) {
 	}
 	p.settled(e)
 	s.stats.acked++
-	if !e.head.IsZero() {
-		p.observe(time.Since(e.head))
+	if !e.start.IsZero() {
+		p.observe(time.Since(e.start))
 	}
 	if p.gone {
 		e.state = stateDropped // too late for the final commit
@@ -286,6 +286,9 @@ func (p *partState) nacked(e *entry) {
 func (p *partState) settled(e *entry) {
 	p.inflight--
 	p.st.s.stats.inflight--
+	if p.st.idle() {
+		p.st.kickFull()
+	}
 	if p.stopping && p.inflight == 0 {
 		select {
 		case p.drained <- struct{}{}:

@@ -17,11 +17,15 @@ import (
 // key's head. A key whose head moves is not spilled: its records would be
 // read twice for nothing, and the window's back-pressure is right for it.
 // Nothing is spilled with OrderPartition (reading on would find only
-// records waiting behind the same head). It reports whether it freed room.
-// Called with mu held.
+// records waiting behind the same head), nor while the stream's capacity
+// is used (stream.idle): with every MaxInFlight slot taken or a ready
+// record queued for one, the handlers are what holds the stream up, and
+// reading on would only queue more records behind them and read the
+// spilled ones twice. It reports whether it freed room. Called with mu
+// held.
 func (p *partState) spill() bool {
 	s := p.st.s
-	if s.cfg.Ordering != OrderKey {
+	if s.cfg.Ordering != OrderKey || !p.st.idle() {
 		return false
 	}
 	target := s.cfg.PartitionWindow - max(s.cfg.PartitionWindow/4, 1)
@@ -57,9 +61,10 @@ func (p *partState) spill() bool {
 }
 
 // A head that has not failed counts as slow, and its key as blocked, once
-// it has been its key's head for slowFactor × the partition's typical head
+// its handler has run for slowFactor × the partition's typical handler
 // time, and at least minSlow (which is all there is before the partition's
-// first ack).
+// first ack). A head still queued for a MaxInFlight slot is not slow: its
+// key is not what holds it up.
 const (
 	slowFactor = 8
 	minSlow    = 50 * time.Millisecond
@@ -71,30 +76,32 @@ func (p *partState) slowAfter() time.Duration { return max(slowFactor*p.typical,
 
 // blocked reports whether head, a key's first record not done, holds its
 // key up: it failed (nacked, backing off, or cannot be unmarshalled), it
-// waits for its NotBeforeFunc time, or it is slow (partState.slowAfter).
-// Called with mu held.
+// waits for its NotBeforeFunc time, or its handler is slow
+// (partState.slowAfter). Called with mu held.
 func (p *partState) blocked(head *entry, now time.Time) bool {
 	switch {
 	case head.state == stateBackoff || head.state == stateHeld || head.state == stateFailed || head.nacks > 0:
 		return true
-	case head.state == stateSpilled:
-		return false
+	case head.state != stateInFlight:
+		return false // spilled, or queued for a MaxInFlight slot
 	}
-	return now.Sub(head.head) > p.slowAfter()
+	return now.Sub(head.start) > p.slowAfter()
 }
 
-// untilBlocked is how long until the first slow head of a key with waiting
-// records counts as blocked, -1 for none to come. Called with mu held.
+// untilBlocked is how long until the first slow head in flight of a key
+// with waiting records counts as blocked, -1 for none to come or while the
+// stream's capacity is used (spill would not spill: stream.kickFull wakes
+// the partition when it is idle). Called with mu held.
 func (p *partState) untilBlocked(now time.Time) time.Duration {
-	if p.st.s.cfg.Ordering != OrderKey || p.spilled >= spillFactor*p.st.s.cfg.PartitionWindow {
+	if p.st.s.cfg.Ordering != OrderKey || p.spilled >= spillFactor*p.st.s.cfg.PartitionWindow || !p.st.idle() {
 		return -1
 	}
 	wait := time.Duration(-1)
 	for _, c := range p.chains {
-		if c.held == 0 || c.head.state != stateReady && c.head.state != stateInFlight {
+		if c.held == 0 || c.head.state != stateInFlight {
 			continue
 		}
-		d := max(c.head.head.Add(p.slowAfter()).Sub(now), 0) + time.Millisecond
+		d := max(c.head.start.Add(p.slowAfter()).Sub(now), 0) + time.Millisecond
 		if wait < 0 || d < wait {
 			wait = d
 		}
@@ -102,8 +109,8 @@ func (p *partState) untilBlocked(now time.Time) time.Duration {
 	return wait
 }
 
-// observe folds d, the time a head took from its release to its ack, into
-// the partition's typical head time: a moving average in which no sample
+// observe folds d, the time a head's handler took (hand-out to ack), into
+// the partition's typical handler time: a moving average in which no sample
 // counts for more than 4 × the average, so that one slow key does not make
 // itself typical. Called with mu held.
 func (p *partState) observe(d time.Duration) {
@@ -114,6 +121,31 @@ func (p *partState) observe(d time.Duration) {
 	d = min(d, 4*p.typical)
 	p.typical += (d - p.typical) / 16
 	p.typical = max(p.typical, time.Microsecond)
+}
+
+// idle reports whether the stream's capacity is idle: a MaxInFlight slot
+// is free and no ready record of the stream waits for one. Only then can
+// spilling a blocked key's records give a handler work. Called with mu
+// held.
+func (st *stream) idle() bool {
+	return st.s.stats.inflight < st.s.cfg.MaxInFlight && !st.hasReady()
+}
+
+// kickFull wakes the claim loops of the stream's full windows, so that
+// they spill (partState.spill) now that the capacity is idle. Called with
+// mu held.
+func (st *stream) kickFull() {
+	if st.s.cfg.Ordering != OrderKey {
+		return
+	}
+	for _, p := range st.parts {
+		if p.full() && !p.stopping {
+			select {
+			case p.space <- struct{}{}:
+			default:
+			}
+		}
+	}
 }
 
 // refetch queues e, a spilled record that became its key's head, to be
