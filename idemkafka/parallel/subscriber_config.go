@@ -124,10 +124,11 @@ type SubscriberConfig struct {
 	// offset stays at the first record not done, and the done ones above it
 	// are written to the commit metadata as runs), so a key whose head
 	// fails or runs long holds the committed offset but not its
-	// partition's other keys. When the window is full the waiting records
+	// partition's other keys. When the window is full and a MaxInFlight
+	// slot is free with no ready record queued for it, the waiting records
 	// of the blocked key (its head failed, waits for its NotBeforeFunc
-	// time, or is slow: see docs/parallel.md) with the most of them are
-	// spilled: their payload is dropped and they are read again from
+	// time, or its handler is slow: see docs/parallel.md) with the most of
+	// them are spilled: their payload is dropped and they are read again from
 	// Kafka when they become their key's head (at most 64 × PartitionWindow spilled records per
 	// partition). While a partition's window is full and nothing more can
 	// be spilled the Subscriber pauses its fetching in Sarama (it queues
