@@ -357,7 +357,7 @@ func (st *stream) awaitReady() bool {
 		s.mu.Lock()
 		ok := st.hasReady()
 		if !ok && s.stats.inflight < s.cfg.MaxInFlight {
-			st.kickFull() // capacity idle: full windows may spill
+			st.kickAll() // a slot free, nothing ready: full windows may spill
 		}
 		s.mu.Unlock()
 		if ok {
@@ -468,6 +468,7 @@ func (st *stream) pickReady() *entry {
 	best.ready = best.ready[1:]
 	if len(best.ready) == 0 {
 		best.ready = nil
+		best.kick() // its last ready record: it may spill now
 	}
 	return e
 }

@@ -124,8 +124,9 @@ type SubscriberConfig struct {
 	// offset stays at the first record not done, and the done ones above it
 	// are written to the commit metadata as runs), so a key whose head
 	// fails or runs long holds the committed offset but not its
-	// partition's other keys. When the window is full and a MaxInFlight
-	// slot is free with no ready record queued for it, the waiting records
+	// partition's other keys. When the window is full and the partition
+	// has no ready record while a MaxInFlight slot is free (nothing else
+	// ready for it) or it has fewer in flight than its share, the waiting records
 	// of the blocked key (its head failed, waits for its NotBeforeFunc
 	// time, or its handler is slow: see docs/parallel.md) with the most of
 	// them are spilled: their payload is dropped and they are read again from

@@ -286,8 +286,10 @@ func (p *partState) nacked(e *entry) {
 func (p *partState) settled(e *entry) {
 	p.inflight--
 	p.st.s.stats.inflight--
-	if p.st.idle() {
-		p.st.kickFull()
+	if p.st.hasReady() {
+		p.kick() // fewer in flight than its share, maybe
+	} else {
+		p.st.kickAll()
 	}
 	if p.stopping && p.inflight == 0 {
 		select {

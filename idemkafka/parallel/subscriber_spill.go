@@ -17,15 +17,12 @@ import (
 // key's head. A key whose head moves is not spilled: its records would be
 // read twice for nothing, and the window's back-pressure is right for it.
 // Nothing is spilled with OrderPartition (reading on would find only
-// records waiting behind the same head), nor while the stream's capacity
-// is used (stream.idle): with every MaxInFlight slot taken or a ready
-// record queued for one, the handlers are what holds the stream up, and
-// reading on would only queue more records behind them and read the
-// spilled ones twice. It reports whether it freed room. Called with mu
-// held.
+// records waiting behind the same head), nor when reading on would give
+// no handler work (partState.starved). It reports whether it freed room.
+// Called with mu held.
 func (p *partState) spill() bool {
 	s := p.st.s
-	if s.cfg.Ordering != OrderKey || !p.st.idle() {
+	if s.cfg.Ordering != OrderKey || !p.starved() {
 		return false
 	}
 	target := s.cfg.PartitionWindow - max(s.cfg.PartitionWindow/4, 1)
@@ -90,10 +87,10 @@ func (p *partState) blocked(head *entry, now time.Time) bool {
 
 // untilBlocked is how long until the first slow head in flight of a key
 // with waiting records counts as blocked, -1 for none to come or while the
-// stream's capacity is used (spill would not spill: stream.kickFull wakes
-// the partition when it is idle). Called with mu held.
+// partition is not starved (spill would not spill: partState.kick wakes
+// the partition when it is). Called with mu held.
 func (p *partState) untilBlocked(now time.Time) time.Duration {
-	if p.st.s.cfg.Ordering != OrderKey || p.spilled >= spillFactor*p.st.s.cfg.PartitionWindow || !p.st.idle() {
+	if p.st.s.cfg.Ordering != OrderKey || p.spilled >= spillFactor*p.st.s.cfg.PartitionWindow || !p.starved() {
 		return -1
 	}
 	wait := time.Duration(-1)
@@ -123,28 +120,49 @@ func (p *partState) observe(d time.Duration) {
 	p.typical = max(p.typical, time.Microsecond)
 }
 
-// idle reports whether the stream's capacity is idle: a MaxInFlight slot
-// is free and no ready record of the stream waits for one. Only then can
-// spilling a blocked key's records give a handler work. Called with mu
-// held.
-func (st *stream) idle() bool {
-	return st.s.stats.inflight < st.s.cfg.MaxInFlight && !st.hasReady()
+// starved reports whether spilling p's blocked keys could give a handler
+// work: p has no ready record of its own, and a MaxInFlight slot is free
+// with no ready record of the stream queued for it (stream.idle), or p
+// has fewer messages in flight than its share of MaxInFlight (the next
+// freed slots go to it: stream.pickReady). Otherwise the handlers hold p
+// up, not its blocked keys: with a backlog a window holds far more ready
+// heads than MaxInFlight, and spilling would only read records twice.
+// Called with mu held.
+func (p *partState) starved() bool {
+	if p.hasReady() {
+		return false
+	}
+	s := p.st.s
+	share := max(s.cfg.MaxInFlight/max(len(p.st.parts), 1), 1)
+	return p.inflight < share || s.stats.inflight < s.cfg.MaxInFlight && !p.st.hasReady()
 }
 
-// kickFull wakes the claim loops of the stream's full windows, so that
-// they spill (partState.spill) now that the capacity is idle. Called with
-// mu held.
-func (st *stream) kickFull() {
-	if st.s.cfg.Ordering != OrderKey {
-		return
-	}
-	for _, p := range st.parts {
-		if p.full() && !p.stopping {
-			select {
-			case p.space <- struct{}{}:
-			default:
-			}
+// hasReady reports whether p has a ready record. Called with mu held.
+func (p *partState) hasReady() bool {
+	for _, e := range p.ready {
+		if e.state == stateReady {
+			return true
 		}
+	}
+	return false
+}
+
+// kick wakes p's claim loop when its window is full and it is starved, so
+// that it spills (partState.spill). Called with mu held.
+func (p *partState) kick() {
+	if p.st.s.cfg.Ordering == OrderKey && !p.stopping && p.full() && p.starved() {
+		select {
+		case p.space <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// kickAll kicks the stream's partitions: a MaxInFlight slot is free and
+// nothing of the stream is ready for it. Called with mu held.
+func (st *stream) kickAll() {
+	for _, p := range st.parts {
+		p.kick()
 	}
 }
 

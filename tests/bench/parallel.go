@@ -612,7 +612,7 @@ func parallelMarkdown(o Options, n parSizes, rows, latRows [][]string) string {
 		kafkaDesc(o.Brokers), parPartitions, parKeys, parKeys, parPoolConns, parSlowCall, slowN, fastN, slowBase, slowN,
 		int(parPartitions*time.Second/parSlowCall), time.Duration(slowN)*parSlowCall/parPartitions, parMaxInFlight, parPartitions, parMaxInFlight/parPartitions, parMaxInFlight, rounds)
 	b.WriteString("The last column counts the records the parallel subscriber spilled and read again from Kafka in a run: no key " +
-		"here is slow or failing, and nothing is spilled while every MaxInFlight slot is taken or a ready record waits for one, so it should be 0 " +
+		"here is slow or failing, and a partition with ready records of its own spills nothing, so it should be 0 " +
 		"(before issue 50's fix, heads queued for a slot behind the backlog were taken for slow ones and their keys' records re-read).\n\n")
 	fmt.Fprintf(&b, "Latency from publish to commit of each event (its wait behind earlier events of its key, and of its partition "+
 		"with watermill-kafka, included), with events published for %s at half the consumer's median rate above, on a fresh "+
