@@ -281,7 +281,11 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 			panic(p)
 		}
 	}()
-	tx, first, err := d.dedup.BeginClaimBatch(ctx, d.cfg.DB, d.cfg.TxOptions, ids)
+	msgs := make([]*message.Message, len(reqs))
+	for i, r := range reqs {
+		msgs[i] = r.msg
+	}
+	tx, first, err := d.dedup.BeginClaimBatch(d.progressContext(ctx, msgs...), d.cfg.DB, d.cfg.TxOptions, ids)
 	d.stats.claimed(time.Since(start))
 	if err != nil {
 		// Each message retries its own claim, alone, and reports its own error.

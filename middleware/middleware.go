@@ -180,7 +180,7 @@ func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID
 	fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
 
 	start := time.Now()
-	tx, first, err := d.dedup.BeginClaim(origCtx, d.cfg.DB, d.cfg.TxOptions, id)
+	tx, first, err := d.dedup.BeginClaim(d.progressContext(origCtx, msg), d.cfg.DB, d.cfg.TxOptions, id)
 	d.stats.claimed(time.Since(start))
 	if err != nil {
 		err = fmt.Errorf("dedup: %w", err)

@@ -180,6 +180,20 @@ type SubscriberConfig struct {
 	// [PartitionStats].StalledFor. Records held by NotBeforeFunc are not
 	// stalled. Set -1 to report none. Defaults to 30 s.
 	StallTimeout time.Duration
+	// Progress, when set, keeps the group's position in PostgreSQL, in
+	// the claims' database: each partition's committed offset and the done
+	// runs above it, written after the acks they cover (so after their
+	// transactions committed), and read when the partition is assigned.
+	// PostgreSQL's position wins over Kafka's committed offset (which is
+	// still committed, for lag tools): after a failover to an asynchronous
+	// standby or a point-in-time restore, the events of the lost
+	// transactions are handed out again instead of being skipped
+	// (docs/guarantees.md). A write finding the server on a new timeline
+	// ends the session, so that the next one reads the positions of the
+	// new history. Not with the cooperative-sticky strategy (a partition
+	// it adds mid-session cannot be moved). Defaults to nil (Kafka's
+	// committed offset only).
+	Progress *ProgressConfig
 }
 
 func (c *SubscriberConfig) setDefaults() {
@@ -251,6 +265,16 @@ func (c SubscriberConfig) Validate() error {
 	sc := c.saramaConfig()
 	if err := sc.Validate(); err != nil {
 		return bad("Client.Sarama", err.Error())
+	}
+	if c.Progress != nil {
+		if c.Progress.DB == nil {
+			return bad("Progress.DB", "required")
+		}
+		for _, gs := range sc.Consumer.Group.Rebalance.GroupStrategies {
+			if gs.Name() == sarama.CooperativeStickyBalanceStrategyName {
+				return bad("Progress", "not with the cooperative-sticky strategy: a partition it adds mid-session cannot start from PostgreSQL's position")
+			}
+		}
 	}
 	reconnect := max(c.ReconnectRetrySleep, 0)
 	if reconnect == 0 {

@@ -1,0 +1,68 @@
+package failover_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgcluster"
+)
+
+// TestFailoverToAsyncStandby_Parallel: the parallel subscriber starts from
+// PostgreSQL's position on the promoted standby, so the events whose
+// transactions the standby never received are processed again.
+func TestFailoverToAsyncStandby_Parallel(t *testing.T) {
+	t.Parallel()
+	failover(t, parallelSub, 55432)
+}
+
+// TestFailoverToAsyncStandby_WatermillKafka: watermill-kafka's subscriber
+// cannot be told where to start; the operator's comparison finds the
+// committed offsets ahead of the promoted standby's position, and the
+// rewind moves them back before the consumers start.
+func TestFailoverToAsyncStandby_WatermillKafka(t *testing.T) {
+	t.Parallel()
+	failover(t, watermillSub, 55434)
+}
+
+// failover: events flow to a primary whose asynchronous standby follows;
+// replication is cut; more events are processed and their offsets
+// committed to Kafka; the primary dies (immediate stop); the standby is
+// promoted and the consumers move to it; every event ends up applied once.
+func failover(t *testing.T, k kind, port int) {
+	env := pgcluster.New(t)
+	r := newRig(t, k)
+	primary := env.Primary("primary", port, "")
+	r.setup(primary)
+	standby := primary.Standby("standby", port+1)
+
+	r.produce(perPhase)
+	stop := r.consume(primary)
+	r.waitApplied(primary, time.Minute)
+	r.waitProgress(primary)
+	standby.CaughtUp(primary)
+
+	standby.CutReplication()
+	r.produce(perPhase)
+	r.waitApplied(primary, time.Minute)
+	r.waitCommitted() // Kafka's offsets are past every event
+	stop()
+	primary.StopImmediate()
+	standby.Promote()
+	lost := r.total - count(t, standby, "SELECT count(*) FROM applied")
+	require.Positive(t, lost, "the cut left the standby behind")
+	t.Logf("the promoted standby lacks %d of %d events", lost, r.total)
+
+	if k == watermillSub {
+		ahead := r.moveTo(standby)
+		t.Logf("Kafka's committed offsets were %d ahead of PostgreSQL's position", ahead)
+		if !kafkaOnly { // no position in PostgreSQL to compare with
+			require.GreaterOrEqual(t, ahead, int64(lost), "the comparison shows at least the lost events")
+		}
+	}
+	r.consume(standby)
+	r.produce(keys * 5) // traffic goes on
+	r.waitApplied(standby, 45*time.Second)
+	r.check(standby)
+}
