@@ -25,8 +25,8 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgcluster"
-	"github.com/idemkit/watermill-idempotency/migrate"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 const (
@@ -42,8 +42,8 @@ var kafkaOnly = os.Getenv("IDEM_FAILOVER_PROGRESS") == "off"
 type kind int
 
 const (
-	parallelSub kind = iota // idemkafka/parallel: seeks to PostgreSQL's position
-	watermillSub            // watermill-kafka's: the operator's rewind
+	parallelSub  kind = iota // idemkafka/parallel: seeks to PostgreSQL's position
+	watermillSub             // watermill-kafka's: the operator's rewind
 )
 
 // rig is one test's topic, group and producer.

@@ -283,3 +283,30 @@ func (c *Cluster) waitTrue(query string) {
 	}
 	c.e.tb.Fatalf("pgcluster: %q never true on port %d (last error: %v)", query, c.Port, last)
 }
+
+// LSN returns the server's current WAL insert location.
+func (c *Cluster) LSN() string {
+	c.e.tb.Helper()
+	ctx := context.Background()
+	conn := c.Conn(ctx)
+	defer conn.Close(ctx)
+	var lsn string
+	if err := conn.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn); err != nil {
+		c.e.tb.Fatal(err)
+	}
+	return lsn
+}
+
+// Archived switches to a new WAL segment and waits until the finished one
+// is archived: the archive then holds everything written so far.
+func (c *Cluster) Archived() {
+	c.e.tb.Helper()
+	ctx := context.Background()
+	conn := c.Conn(ctx)
+	defer conn.Close(ctx)
+	var seg string
+	if err := conn.QueryRow(ctx, "SELECT pg_walfile_name(pg_switch_wal() - 1)").Scan(&seg); err != nil {
+		c.e.tb.Fatal(err)
+	}
+	c.waitTrue("SELECT coalesce(last_archived_wal >= '" + seg + "', false) FROM pg_stat_archiver")
+}
