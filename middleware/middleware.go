@@ -33,6 +33,9 @@ type Dedup struct {
 	// lease is lease mode, nil when Config.Lease is.
 	lease   *leaseMode
 	tracing otelx.Tracers
+	// watch checks the Kafka position of watermill-kafka's messages
+	// against PostgreSQL's (progress.go).
+	watch progressWatch
 }
 
 // NewDedup validates cfg, checks the table and registers the consumer group,

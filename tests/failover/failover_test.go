@@ -14,7 +14,7 @@ import (
 // transactions the standby never received are processed again.
 func TestFailoverToAsyncStandby_Parallel(t *testing.T) {
 	t.Parallel()
-	failover(t, parallelSub, 55432)
+	failover(t, parallelSub, false)
 }
 
 // TestFailoverToAsyncStandby_WatermillKafka: watermill-kafka's subscriber
@@ -23,22 +23,33 @@ func TestFailoverToAsyncStandby_Parallel(t *testing.T) {
 // rewind moves them back before the consumers start.
 func TestFailoverToAsyncStandby_WatermillKafka(t *testing.T) {
 	t.Parallel()
-	failover(t, watermillSub, 55434)
+	failover(t, watermillSub, false)
+}
+
+// TestFailoverToAsyncStandby_WatermillKafkaRestartedFirst: the consumers
+// restart on the promoted standby before the operator acts. The middleware
+// counts and logs the records they skipped past PostgreSQL's position and
+// keeps that position, so the rewind done afterwards still applies every
+// lost event, once. Key order is not asserted: the events that flowed
+// before the rewind were applied before the lost ones of their keys.
+func TestFailoverToAsyncStandby_WatermillKafkaRestartedFirst(t *testing.T) {
+	t.Parallel()
+	failover(t, watermillSub, true)
 }
 
 // failover: events flow to a primary whose asynchronous standby follows;
 // replication is cut; more events are processed and their offsets
 // committed to Kafka; the primary dies (immediate stop); the standby is
 // promoted and the consumers move to it; every event ends up applied once.
-func failover(t *testing.T, k kind, port int) {
+func failover(t *testing.T, k kind, restartFirst bool) {
 	env := pgcluster.New(t)
 	r := newRig(t, k)
-	primary := env.Primary("primary", port, "")
+	primary := env.Primary("primary", "")
 	r.setup(primary)
-	standby := primary.Standby("standby", port+1)
+	standby := primary.Standby("standby")
 
 	r.produce(perPhase)
-	stop := r.consume(primary)
+	stop, _ := r.consume(primary)
 	r.waitApplied(primary, time.Minute)
 	r.waitProgress(primary)
 	standby.CaughtUp(primary)
@@ -54,15 +65,8 @@ func failover(t *testing.T, k kind, port int) {
 	require.Positive(t, lost, "the cut left the standby behind")
 	t.Logf("the promoted standby lacks %d of %d events", lost, r.total)
 
-	if k == watermillSub {
-		ahead := r.moveTo(standby)
-		t.Logf("Kafka's committed offsets were %d ahead of PostgreSQL's position", ahead)
-		if !kafkaOnly { // no position in PostgreSQL to compare with
-			require.GreaterOrEqual(t, ahead, int64(lost), "the comparison shows at least the lost events")
-		}
-	}
-	r.consume(standby)
+	r.moveTo(standby, lost, restartFirst)
 	r.produce(keys * 5) // traffic goes on
 	r.waitApplied(standby, 45*time.Second)
-	r.check(standby)
+	r.check(standby, !restartFirst)
 }

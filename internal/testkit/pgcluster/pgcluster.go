@@ -12,12 +12,14 @@ package pgcluster
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"os/user"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -26,6 +28,49 @@ import (
 
 // BinDir holds the PostgreSQL 15 server programs (Debian's layout).
 const BinDir = "/usr/lib/postgresql/15/bin"
+
+// The ports the clusters listen on: FirstPort..LastPort, each taken by one
+// cluster of this process at a time.
+const (
+	FirstPort = 55432
+	LastPort  = 55449
+)
+
+var ports struct {
+	sync.Mutex
+	used map[int]bool
+}
+
+// takePort returns a port of the range that no cluster of this process
+// holds and that is free now (a client's outgoing connection may hold one
+// as its local port), held until the test ends.
+func (e *Env) takePort() int {
+	e.tb.Helper()
+	ports.Lock()
+	defer ports.Unlock()
+	if ports.used == nil {
+		ports.used = map[int]bool{}
+	}
+	for p := FirstPort; p <= LastPort; p++ {
+		if ports.used[p] {
+			continue
+		}
+		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
+		if err != nil {
+			continue
+		}
+		_ = l.Close()
+		ports.used[p] = true
+		e.tb.Cleanup(func() {
+			ports.Lock()
+			delete(ports.used, p)
+			ports.Unlock()
+		})
+		return p
+	}
+	e.tb.Fatalf("pgcluster: no free port in %d-%d", FirstPort, LastPort)
+	return 0
+}
 
 // Env is the test's set of clusters: a base directory and the OS user the
 // servers run as.
@@ -104,13 +149,14 @@ type Cluster struct {
 	e    *Env
 	Data string
 	Port int
+	conf []string // settings written at Start, before the port
 }
 
 // Primary initializes and starts a primary on port with wal_level=replica,
 // archiving its WAL segments to archive when it is not "".
-func (e *Env) Primary(name string, port int, archive string) *Cluster {
+func (e *Env) Primary(name, archive string) *Cluster {
 	e.tb.Helper()
-	c := &Cluster{e: e, Data: filepath.Join(e.Dir(name), "data"), Port: port}
+	c := &Cluster{e: e, Data: filepath.Join(e.Dir(name), "data")}
 	e.run("initdb", "-D", c.Data, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C")
 	conf := []string{
 		"wal_level = replica", "max_wal_senders = 4", "fsync = off", "full_page_writes = on",
@@ -120,19 +166,18 @@ func (e *Env) Primary(name string, port int, archive string) *Cluster {
 		conf = append(conf, "archive_mode = on", "archive_timeout = 0",
 			fmt.Sprintf("archive_command = 'cp %%p %s/%%f'", archive))
 	}
-	c.appendConf(conf...)
+	c.conf = conf
 	c.Start()
 	return c
 }
 
 // Standby takes a base backup of c (pg_basebackup -R: an asynchronous
 // streaming standby) and starts it on port.
-func (c *Cluster) Standby(name string, port int) *Cluster {
+func (c *Cluster) Standby(name string) *Cluster {
 	c.e.tb.Helper()
-	s := &Cluster{e: c.e, Data: filepath.Join(c.e.Dir(name), "data"), Port: port}
+	s := &Cluster{e: c.e, Data: filepath.Join(c.e.Dir(name), "data")}
 	c.e.run("pg_basebackup", "-h", "127.0.0.1", "-p", strconv.Itoa(c.Port), "-U", "postgres", "-D", s.Data,
 		"-R", "-X", "stream", "-c", "fast", "--no-sync")
-	s.appendConf()
 	s.Start()
 	return s
 }
@@ -150,10 +195,10 @@ func (c *Cluster) BaseBackup(name string) string {
 // Restore starts the base backup in data on port as a point-in-time
 // restore: it replays the WAL archived in archive up to targetLSN
 // (inclusive), then ends recovery on a new timeline (promote).
-func (e *Env) Restore(data string, port int, archive, targetLSN string) *Cluster {
+func (e *Env) Restore(data, archive, targetLSN string) *Cluster {
 	e.tb.Helper()
-	c := &Cluster{e: e, Data: data, Port: port}
-	c.appendConf(fmt.Sprintf("restore_command = 'cp %s/%%f %%p'", archive),
+	c := &Cluster{e: e, Data: data}
+	c.conf = append(c.conf, fmt.Sprintf("restore_command = 'cp %s/%%f %%p'", archive),
 		"recovery_target_lsn = '"+targetLSN+"'", "recovery_target_action = 'promote'", "archive_mode = off")
 	if err := os.WriteFile(filepath.Join(data, "recovery.signal"), nil, 0o600); err != nil {
 		e.tb.Fatal(err)
@@ -182,13 +227,23 @@ func (c *Cluster) appendConf(lines ...string) {
 	}
 }
 
-// Start starts the server and waits for it; the test's end stops it
-// immediately, failed or not.
+// Start starts the server on a port of the range and waits for it; the
+// test's end stops it immediately, failed or not. A port taken meanwhile
+// (by a client's outgoing connection) is replaced by another.
 func (c *Cluster) Start() {
 	c.e.tb.Helper()
 	logFile := filepath.Join(filepath.Dir(c.Data), "log")
-	if out, err := c.e.command("pg_ctl", "-D", c.Data, "-l", logFile, "-w", "-t", "120", "start").CombinedOutput(); err != nil {
+	for attempt := 1; ; attempt++ {
+		c.Port = c.e.takePort()
+		c.appendConf(c.conf...)
+		out, err := c.e.command("pg_ctl", "-D", c.Data, "-l", logFile, "-w", "-t", "120", "start").CombinedOutput()
+		if err == nil {
+			break
+		}
 		log, _ := os.ReadFile(logFile)
+		if attempt < 3 && strings.Contains(string(log), "could not bind") {
+			continue
+		}
 		c.e.tb.Fatalf("pgcluster: start the server on port %d: %v\n%s\n%s", c.Port, err, out, log)
 	}
 	c.e.tb.Cleanup(func() { _ = c.e.command("pg_ctl", "-D", c.Data, "-m", "immediate", "-w", "stop").Run() })
