@@ -96,8 +96,9 @@ func (r *rig) produce(n int) {
 	}
 }
 
-// consume runs a consumer of the group on c until the returned stop.
-func (r *rig) consume(c *pgcluster.Cluster) (stop func(), dedup *idem.Dedup) {
+// consume runs a consumer of the group on c (a cluster, or a proxy in
+// front of one) until the returned stop.
+func (r *rig) consume(c interface{ URL() string }) (stop func(), dedup *idem.Dedup) {
 	t := r.t
 	ctx := context.Background()
 	pcfg, err := pgxpool.ParseConfig(c.URL())
