@@ -25,7 +25,7 @@ func TestMigrateIsIdempotent(t *testing.T) {
 		require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)))
 	}
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'processed_event'", db.Schema))
-	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", "processed_event:processed_event"))
+	require.Equal(t, 4, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", "processed_event:processed_event"))
 	// The documented shape: primary key (event_id, consumer_group).
 	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid
 		WHERE c.relname = 'processed_event' AND c.relnamespace = $1::regnamespace AND i.indisprimary
@@ -48,7 +48,7 @@ func TestMigrateConcurrently(t *testing.T) {
 	for _, err := range errs {
 		require.NoError(t, err)
 	}
-	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
+	require.Equal(t, 4, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
 }
 
 // Custom schema and table names, created if missing, quoted everywhere, and
@@ -67,9 +67,9 @@ func TestMigrateCustomNames(t *testing.T) {
 	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(refunds)))
 	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(orders)))
 
-	require.Equal(t, 9, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", schema), "two tables, their _setting, _group and _lease, and the migration table")
+	require.Equal(t, 11, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", schema), "two tables, their _setting, _group, _lease and _progress, and the migration table")
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'Orders_seen_processed_at_idx'", schema))
-	require.Equal(t, 6, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()))
+	require.Equal(t, 8, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()))
 
 	d, err := deduplicator.New(deduplicator.Config{TableConfig: orders, ConsumerGroup: "g"}, nil)
 	require.NoError(t, err)
@@ -165,7 +165,7 @@ func TestMigratorUpValidateDown(t *testing.T) {
 	v, err := m.Validate(ctx)
 	require.NoError(t, err)
 	require.False(t, v.OK)
-	require.Len(t, v.Pending, 3)
+	require.Len(t, v.Pending, 4)
 	require.Equal(t, "processed_event:seen", v.Pending[0].Component)
 	require.Equal(t, renderMigrations(t, table), v.Pending, "pending migrations are rendered as Migrations renders them")
 	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "Validate only reads")
@@ -234,6 +234,7 @@ func TestMigratorDownFromPartitioned(t *testing.T) {
 		"processed_event:processed_event 1_processed_event",
 		"processed_event:processed_event 2_retention_and_groups",
 		"processed_event:processed_event 3_lease",
+		"processed_event:processed_event 4_progress",
 		"processed_event:processed_event 100_partition_by_event_id",
 	}, versionsOf(res))
 	db.Exec(t, "INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'g')", publisher.NewEventID())
@@ -265,7 +266,7 @@ func TestMigratorMigrateTx(t *testing.T) {
 	require.NoError(t, err)
 	res, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Len(t, res.Versions, 3)
+	require.Len(t, res.Versions, 4)
 	v, err := m.ValidateTx(ctx, tx)
 	require.NoError(t, err)
 	require.True(t, v.OK)
@@ -276,7 +277,7 @@ func TestMigratorMigrateTx(t *testing.T) {
 	inTx(t, db, func(tx pgx.Tx) {
 		res, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 		require.NoError(t, err)
-		require.Len(t, res.Versions, 3)
+		require.Len(t, res.Versions, 4)
 	})
 	require.NoError(t, deduplicator.Check(ctx, db.Pool, table))
 }

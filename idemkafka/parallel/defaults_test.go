@@ -16,6 +16,7 @@ func TestDefaultsMatchTheirDocs(t *testing.T) {
 	configdoc.Check(t, configdoc.Spec{Value: sub, Section: "`parallel.SubscriberConfig`",
 		Names: map[string]any{"idemkafka.Marshaler{}": idemkafka.Marshaler{}, "OrderKey": OrderKey},
 		Described: map[string]string{
-			"Client": "Brokers required",
+			"Client":        "Brokers required",
+			"ProgressTable": "a deduplicator.TableConfig, checked in its package (zero: public.processed_event)",
 		}})
 }

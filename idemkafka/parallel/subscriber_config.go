@@ -8,7 +8,9 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 
+	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // Ordering says which earlier messages a message waits for before the
@@ -181,7 +183,9 @@ type SubscriberConfig struct {
 	// stalled. Set -1 to report none. Defaults to 30 s.
 	StallTimeout time.Duration
 	// Progress, when set, keeps the group's position in PostgreSQL, in
-	// the claims' database: each partition's committed offset and the done
+	// the claims' database (a *pgxpool.Pool of the same cluster as the
+	// dedup middleware's, or the position would not follow the claims
+	// through a failover): each partition's committed offset and the done
 	// runs above it, written after the acks they cover (so after their
 	// transactions committed), and read when the partition is assigned.
 	// PostgreSQL's position wins over Kafka's committed offset (which is
@@ -193,7 +197,12 @@ type SubscriberConfig struct {
 	// new history. Not with the cooperative-sticky strategy (a partition
 	// it adds mid-session cannot be moved). Defaults to nil (Kafka's
 	// committed offset only).
-	Progress *ProgressConfig
+	Progress migrate.DBTX
+	// ProgressTable is the processed_event table of the claims, as the
+	// middleware gets it: deduplicator.MigrationLine creates its
+	// <table>_progress companion, where Progress is kept. Defaults to
+	// public.processed_event.
+	ProgressTable deduplicator.TableConfig
 }
 
 func (c *SubscriberConfig) setDefaults() {
@@ -267,9 +276,6 @@ func (c SubscriberConfig) Validate() error {
 		return bad("Client.Sarama", err.Error())
 	}
 	if c.Progress != nil {
-		if c.Progress.DB == nil {
-			return bad("Progress.DB", "required")
-		}
 		for _, gs := range sc.Consumer.Group.Rebalance.GroupStrategies {
 			if gs.Name() == sarama.CooperativeStickyBalanceStrategyName {
 				return bad("Progress", "not with the cooperative-sticky strategy: a partition it adds mid-session cannot start from PostgreSQL's position")

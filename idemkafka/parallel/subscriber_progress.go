@@ -8,31 +8,16 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/progresssql"
-	"github.com/idemkit/watermill-idempotency/migrate"
 )
-
-// ProgressConfig keeps the group's position in PostgreSQL, beside the
-// claims it covers (see [SubscriberConfig].Progress).
-type ProgressConfig struct {
-	// DB is the database of the dedup middleware's claims (a
-	// *pgxpool.Pool): the same PostgreSQL cluster, or the position would
-	// not follow the claims through a failover. Required.
-	DB migrate.DBTX
-	// Table is the processed_event table of the claims, as the middleware
-	// gets it (deduplicator.MigrationLine creates its <table>_progress
-	// companion). Defaults to public.processed_event.
-	Table deduplicator.TableConfig
-}
 
 // progressSaveTimeout bounds one write of the positions.
 const progressSaveTimeout = 5 * time.Second
 
 // progressTable is the quoted <table>_progress of cfg.Progress.
 func (c SubscriberConfig) progressTable() string {
-	schema, table := claimsql.Names(c.Progress.Table.Schema, c.Progress.Table.Table)
+	schema, table := claimsql.Names(c.ProgressTable.Schema, c.ProgressTable.Table)
 	return progresssql.Table(schema, table)
 }
 
@@ -47,7 +32,7 @@ func (st *stream) loadProgress(sess sarama.ConsumerGroupSession, parts []int32) 
 	s := st.s
 	ctx, cancel := context.WithTimeout(sess.Context(), progressSaveTimeout)
 	defer cancel()
-	rows, tl, err := progresssql.Load(ctx, s.cfg.Progress.DB, s.cfg.progressTable(), s.cfg.ConsumerGroup, st.topic)
+	rows, tl, err := progresssql.Load(ctx, s.cfg.Progress, s.cfg.progressTable(), s.cfg.ConsumerGroup, st.topic)
 	if err != nil {
 		return nil, err
 	}
@@ -99,7 +84,7 @@ func (p *partState) saveProgress() (fenced bool) {
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(st.ctx), progressSaveTimeout)
 	defer cancel()
-	fenced, err := progresssql.Save(ctx, s.cfg.Progress.DB, s.cfg.progressTable(), s.cfg.ConsumerGroup, tl, []progresssql.Position{pos})
+	fenced, err := progresssql.Save(ctx, s.cfg.Progress, s.cfg.progressTable(), s.cfg.ConsumerGroup, tl, []progresssql.Position{pos})
 	fields := watermill.LogFields{"kafka_partition": p.partition, "offset": pos.Next}
 	switch {
 	case err != nil:

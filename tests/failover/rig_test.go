@@ -114,7 +114,7 @@ func (r *rig) consume(c interface{ URL() string }) (stop func(), dedup *idem.Ded
 	case parallelSub:
 		cfg := parallel.SubscriberConfig{Client: client, ConsumerGroup: r.group, MaxInFlight: 8}
 		if !kafkaOnly {
-			cfg.Progress = &parallel.ProgressConfig{DB: pool}
+			cfg.Progress = pool
 		}
 		sub, err = parallel.NewSubscriber(cfg, r.logger)
 	case watermillSub:
