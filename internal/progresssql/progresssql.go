@@ -29,10 +29,19 @@ func Upsert(progressTable string) string {
 		"SET next_offset = EXCLUDED.next_offset, updated_at = now() WHERE p.next_offset < EXCLUDED.next_offset"
 }
 
+// upsertOne is Upsert for one partition: $2 topic, $3 partition, $4
+// next offset (no arrays to build and unnest: the common case, one message
+// per transaction).
+func upsertOne(progressTable string) string {
+	return "INSERT INTO " + progressTable + " AS p (consumer_group, topic, kafka_partition, next_offset) VALUES ($1, $2, $3, $4) " +
+		"ON CONFLICT (consumer_group, topic, kafka_partition) DO UPDATE " +
+		"SET next_offset = EXCLUDED.next_offset, updated_at = now() WHERE p.next_offset < EXCLUDED.next_offset"
+}
+
 // Pending is the progress write a claim transaction carries: the next
 // offset of each partition whose records it settles.
 type Pending struct {
-	sql        string
+	table      string
 	group      string
 	topics     []string
 	partitions []int32
@@ -41,7 +50,7 @@ type Pending struct {
 
 // NewPending returns an empty write for group into progressTable.
 func NewPending(progressTable, group string) *Pending {
-	return &Pending{sql: Upsert(progressTable), group: group}
+	return &Pending{table: progressTable, group: group}
 }
 
 // Add records that the transaction settles the record at offset of
@@ -65,8 +74,16 @@ func (p *Pending) Empty() bool { return p == nil || len(p.topics) == 0 }
 // claim's batch, no round trip of its own. Its result is read by Read.
 func (p *Pending) Queue(b *pgx.Batch) {
 	if !p.Empty() {
-		b.Queue(p.sql, p.group, p.topics, p.partitions, p.offsets)
+		b.Queue(p.statement())
 	}
+}
+
+// statement is p's SQL and arguments.
+func (p *Pending) statement() (string, any, any, any, any) {
+	if len(p.topics) == 1 {
+		return upsertOne(p.table), p.group, p.topics[0], p.partitions[0], p.offsets[0]
+	}
+	return Upsert(p.table), p.group, p.topics, p.partitions, p.offsets
 }
 
 // Read reads the result of the statement Queue added (nothing for an empty p).
@@ -85,7 +102,8 @@ func (p *Pending) Exec(ctx context.Context, q dbx.Querier) error {
 	if p.Empty() {
 		return nil
 	}
-	if _, err := q.Exec(ctx, p.sql, p.group, p.topics, p.partitions, p.offsets); err != nil {
+	sql, a, b, c, d := p.statement()
+	if _, err := q.Exec(ctx, sql, a, b, c, d); err != nil {
 		return fmt.Errorf("record consumer progress: %w", err)
 	}
 	return nil
