@@ -60,6 +60,8 @@ type pipelineSpec struct {
 	notify bool
 	// groupCommit, when set, is the middleware's Config.GroupCommit.
 	groupCommit *idem.GroupCommitConfig
+	// skipProgress is the middleware's Config.SkipProgress.
+	skipProgress bool
 	// inMiddleware, when set, is called with each successful message's
 	// time inside the dedup middleware (arrival to result).
 	inMiddleware func(time.Duration)
@@ -95,7 +97,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 		sub = ps
 		defer ps.Close() // runRouterOn closes it too: twice is harmless
 	}
-	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, GroupCommit: s.groupCommit, Concurrency: s.parallel}, nil)
+	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, GroupCommit: s.groupCommit, Concurrency: s.parallel, SkipProgress: s.skipProgress}, nil)
 	if err != nil {
 		return *res, err
 	}
