@@ -26,6 +26,14 @@ func TestFailoverToAsyncStandby_WatermillKafka(t *testing.T) {
 	failover(t, watermillSub, false)
 }
 
+// TestFailoverToAsyncStandby_WatermillKafkaGroupCommit: the same with the
+// middleware's group commit, whose shared transaction records the position
+// of every partition in its group.
+func TestFailoverToAsyncStandby_WatermillKafkaGroupCommit(t *testing.T) {
+	t.Parallel()
+	failover(t, watermillGroupCommit, false)
+}
+
 // TestFailoverToAsyncStandby_WatermillKafkaRestartedFirst: the consumers
 // restart on the promoted standby before the operator acts. The middleware
 // counts and logs the records they skipped past PostgreSQL's position and

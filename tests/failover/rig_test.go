@@ -42,8 +42,9 @@ var kafkaOnly = os.Getenv("IDEM_FAILOVER_PROGRESS") == "off"
 type kind int
 
 const (
-	parallelSub  kind = iota // idemkafka/parallel: seeks to PostgreSQL's position
-	watermillSub             // watermill-kafka's: the operator's rewind
+	parallelSub          kind = iota // idemkafka/parallel: seeks to PostgreSQL's position
+	watermillSub                     // watermill-kafka's: the operator's rewind
+	watermillGroupCommit             // the same with the middleware's group commit
 )
 
 // rig is one test's topic, group and producer.
@@ -106,7 +107,11 @@ func (r *rig) consume(c interface{ URL() string }) (stop func(), dedup *idem.Ded
 	pcfg.MaxConns = 10
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	require.NoError(t, err)
-	dedup, err = idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: r.group, SkipProgress: kafkaOnly, Concurrency: 8}, r.logger)
+	dcfg := idem.Config{DB: pool, ConsumerGroup: r.group, SkipProgress: kafkaOnly, Concurrency: 8}
+	if r.kind == watermillGroupCommit {
+		dcfg.GroupCommit = &idem.GroupCommitConfig{}
+	}
+	dedup, err = idem.NewDedup(dcfg, r.logger)
 	require.NoError(t, err)
 	client := idemkafka.ClientConfig{Brokers: r.broker.Addrs}
 	var sub message.Subscriber
@@ -117,7 +122,7 @@ func (r *rig) consume(c interface{ URL() string }) (stop func(), dedup *idem.Ded
 			cfg.Progress = pool
 		}
 		sub, err = parallel.NewSubscriber(cfg, r.logger)
-	case watermillSub:
+	case watermillSub, watermillGroupCommit:
 		var cfg kafka.SubscriberConfig
 		cfg, err = idemkafka.WatermillSubscriberConfig(client, r.group)
 		require.NoError(t, err)
@@ -243,7 +248,7 @@ func (r *rig) waitCommitted() {
 // position, so the operator's rewind, later, still finds them.
 func (r *rig) moveTo(c *pgcluster.Cluster, lost int, restartFirst bool) {
 	t := r.t
-	if r.kind == watermillSub && !kafkaOnly {
+	if r.kind != parallelSub && !kafkaOnly {
 		if restartFirst {
 			stop, dedup := r.consume(c)
 			before := count(t, c, "SELECT count(*) FROM applied")
