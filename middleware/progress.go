@@ -13,7 +13,28 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/progresssql"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
+
+// progressKeeper keeps the consumer group's Kafka position with the
+// claims (DESIGN §12) for the messages of watermill-kafka's subscriber.
+type progressKeeper struct {
+	db     migrate.Beginner
+	table  string // quoted <table>_progress
+	group  string
+	stats  *counters
+	logger watermill.LoggerAdapter
+	watch  progressWatch
+}
+
+// newProgressKeeper returns the keeper of cfg, nil with SkipProgress.
+func newProgressKeeper(cfg Config, stats *counters, logger watermill.LoggerAdapter) *progressKeeper {
+	if cfg.SkipProgress {
+		return nil
+	}
+	schema, table := claimsql.Names(cfg.Table.Schema, cfg.Table.Table)
+	return &progressKeeper{db: cfg.DB, table: progresssql.Table(schema, table), group: cfg.ConsumerGroup, stats: stats, logger: logger}
+}
 
 // progressContext returns ctx carrying the write of the consumer group's
 // progress that the claim transaction of msgs makes (DESIGN §12): for each
@@ -21,9 +42,9 @@ import (
 // partition, in the claim's own round trip and commit. Every mode calls it
 // on the context it claims with. Messages without a Kafka position, and
 // those of a subscriber that keeps its progress itself (the parallel
-// subscriber), add nothing; so does [Config.SkipProgress].
-func (d *Dedup) progressContext(ctx context.Context, msgs ...*message.Message) context.Context {
-	if d.cfg.SkipProgress {
+// subscriber), add nothing; so does [Config.SkipProgress] (a nil d).
+func (d *progressKeeper) progressContext(ctx context.Context, msgs ...*message.Message) context.Context {
+	if d == nil {
 		return ctx
 	}
 	var p *progresssql.Pending
@@ -42,16 +63,11 @@ func (d *Dedup) progressContext(ctx context.Context, msgs ...*message.Message) c
 			continue // PostgreSQL keeps the start of the gap, for the rewind
 		}
 		if p == nil {
-			p = progresssql.NewPending(d.progressTable(), d.cfg.ConsumerGroup)
+			p = progresssql.NewPending(d.table, d.group)
 		}
 		p.Add(topic, part, off)
 	}
 	return progresssql.With(ctx, p)
-}
-
-func (d *Dedup) progressTable() string {
-	schema, table := claimsql.Names(d.cfg.Table.Schema, d.cfg.Table.Table)
-	return progresssql.Table(schema, table)
 }
 
 // progressWatch is the last offset seen per partition of watermill-kafka's
@@ -81,7 +97,7 @@ type topicPartition struct {
 // counts them in [Stats].KafkaAhead, logs an error with the rewind to run,
 // and stops moving the partition's position (it stays at the start of
 // the gap, which the rewind reads). One query, only then.
-func (d *Dedup) checkProgress(ctx context.Context, topic string, partition int32, offset int64) (gap bool) {
+func (d *progressKeeper) checkProgress(ctx context.Context, topic string, partition int32, offset int64) (gap bool) {
 	key := topicPartition{topic, partition}
 	w := &d.watch
 	w.mu.Lock()
@@ -96,9 +112,9 @@ func (d *Dedup) checkProgress(ctx context.Context, topic string, partition int32
 		return gap
 	}
 	var next int64
-	err := pgx.BeginFunc(ctx, d.cfg.DB, func(tx pgx.Tx) error {
-		return tx.QueryRow(ctx, "SELECT next_offset FROM "+d.progressTable()+
-			" WHERE consumer_group = $1 AND topic = $2 AND kafka_partition = $3", d.cfg.ConsumerGroup, topic, partition).Scan(&next)
+	err := pgx.BeginFunc(ctx, d.db, func(tx pgx.Tx) error {
+		return tx.QueryRow(ctx, "SELECT next_offset FROM "+d.table+
+			" WHERE consumer_group = $1 AND topic = $2 AND kafka_partition = $3", d.group, topic, partition).Scan(&next)
 	})
 	fields := watermill.LogFields{"topic": topic, "kafka_partition": partition, "offset": offset}
 	switch {
@@ -116,7 +132,7 @@ func (d *Dedup) checkProgress(ctx context.Context, topic string, partition int32
 		d.stats.kafkaAhead.Add(uint64(offset - next))
 		d.logger.Error("The subscriber started past the consumer group's position in PostgreSQL: records may never be processed",
 			fmt.Errorf("offsets %d..%d of %s/%d are not covered by PostgreSQL's position (a failover to an asynchronous standby, or a restore?); "+
-				"the position stays there: stop the consumers and run idemctl groups progress %s --rewind --yes", next, offset-1, topic, partition, d.cfg.ConsumerGroup),
+				"the position stays there: stop the consumers and run idemctl groups progress %s --rewind --yes", next, offset-1, topic, partition, d.group),
 			fields.Add(watermill.LogFields{"postgres_offset": next}))
 	}
 	return gap

@@ -44,13 +44,13 @@ func TestGroupsProgressRewind(t *testing.T) {
 
 	brokers := []string{"--brokers", strings.Join(broker.Addrs, ",")}
 	r := ctl(t, db, append([]string{"groups", "progress", "g"}, brokers...)...)
-	require.Equal(t, 3, r.code, "%s", r)
-	require.Regexp(t, topic+`\s+\d\s+9\s+15\s+6`, r.stdout)
-	require.Contains(t, r.stdout, "6 records ahead of PostgreSQL's position")
+	require.Equal(t, 3, r.Code, "%s", r)
+	require.Regexp(t, topic+`\s+\d\s+9\s+15\s+6`, r.Stdout)
+	require.Contains(t, r.Stdout, "6 records ahead of PostgreSQL's position")
 	fails(t, db, 2, "add --yes", append([]string{"groups", "progress", "g", "--rewind"}, brokers...)...)
 
 	r = ok(t, db, append([]string{"groups", "progress", "g", "--rewind", "--yes"}, brokers...)...)
-	require.Contains(t, r.stdout, "rewound 1 partitions")
+	require.Contains(t, r.Stdout, "rewound 1 partitions")
 	j := decode[struct {
 		Ahead      int64 `json:"kafka_ahead"`
 		Partitions []struct {

@@ -109,7 +109,7 @@ func (r *rig) consume(c interface{ URL() string }) (stop func(), dedup *idem.Ded
 	require.NoError(t, err)
 	dcfg := idem.Config{DB: pool, ConsumerGroup: r.group, SkipProgress: kafkaOnly, Concurrency: 8}
 	if r.kind == watermillGroupCommit {
-		dcfg.GroupCommit = &idem.GroupCommitConfig{}
+		dcfg.Mode = &idem.GroupCommitConfig{}
 	}
 	dedup, err = idem.NewDedup(dcfg, r.logger)
 	require.NoError(t, err)
