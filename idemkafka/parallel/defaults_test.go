@@ -16,7 +16,6 @@ func TestDefaultsMatchTheirDocs(t *testing.T) {
 	configdoc.Check(t, configdoc.Spec{Value: sub, Section: "`parallel.SubscriberConfig`",
 		Names: map[string]any{"idemkafka.Marshaler{}": idemkafka.Marshaler{}, "OrderKey": OrderKey},
 		Described: map[string]string{
-			"Client":        "Brokers required",
-			"ProgressTable": "a deduplicator.TableConfig, checked in its package (zero: public.processed_event)",
+			"Client": "Brokers required",
 		}})
 }

@@ -8,7 +8,6 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 
-	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -198,11 +197,14 @@ type SubscriberConfig struct {
 	// it adds mid-session cannot be moved). Defaults to nil (Kafka's
 	// committed offset only).
 	Progress migrate.DBTX
-	// ProgressTable is the processed_event table of the claims, as the
-	// middleware gets it: deduplicator.MigrationLine creates its
-	// <table>_progress companion, where Progress is kept. Defaults to
-	// public.processed_event.
-	ProgressTable deduplicator.TableConfig
+	// ProgressSchema is the schema of the claims' table, as the
+	// middleware's deduplicator.TableConfig.Schema. Defaults to "" (public).
+	ProgressSchema string
+	// ProgressTable is the claims' table, as
+	// deduplicator.TableConfig.Table: deduplicator.MigrationLine creates
+	// its <table>_progress companion, where Progress is kept. Defaults to
+	// "" (processed_event).
+	ProgressTable string
 }
 
 func (c *SubscriberConfig) setDefaults() {

@@ -17,7 +17,7 @@ const progressSaveTimeout = 5 * time.Second
 
 // progressTable is the quoted <table>_progress of cfg.Progress.
 func (c SubscriberConfig) progressTable() string {
-	schema, table := claimsql.Names(c.ProgressTable.Schema, c.ProgressTable.Table)
+	schema, table := claimsql.Names(c.ProgressSchema, c.ProgressTable)
 	return progresssql.Table(schema, table)
 }
 
