@@ -64,6 +64,7 @@ const givenSource = `package gen
 
 import (
 	"context"
+	"database/sql"
 	"io"
 	"testing"
 	"time"
@@ -129,6 +130,7 @@ var (
 	since        time.Time
 	payment      any
 	applyPayment func(context.Context, pgx.Tx, any) error
+	sqlDB        *sql.DB // a database/sql user's (pgx's stdlib driver)
 )
 `
 
