@@ -69,7 +69,7 @@ func TestMigrateCustomNames(t *testing.T) {
 
 	require.Equal(t, 11, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", schema), "two tables, their _setting, _group, _lease and _progress, and the migration table")
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'Orders_seen_processed_at_non_v7_idx'", schema))
-	require.Equal(t, 8, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()))
+	require.Equal(t, 10, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()))
 
 	d, err := deduplicator.New(deduplicator.Config{TableConfig: orders, ConsumerGroup: "g"}, nil)
 	require.NoError(t, err)
@@ -190,8 +190,13 @@ func TestMigratorUpValidateDown(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, migrate.DirectionDown, res.Direction)
 	require.Equal(t, []string{"processed_event:seen 5_progress"}, versionsOf(res), "one step by default")
-	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'seen_processed_at_idx'", db.Schema), "the full index is back")
+	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'seen_progress'", db.Schema))
 	require.Equal(t, []int{5}, pendingOf(t, m))
+	res, err = m.Migrate(ctx, migrate.DirectionDown, nil)
+	require.NoError(t, err)
+	require.Equal(t, []string{"processed_event:seen 4_processed_at_index_non_v7"}, versionsOf(res))
+	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'seen_processed_at_idx'", db.Schema), "the full index is back")
+	require.Equal(t, []int{4, 5}, pendingOf(t, m))
 
 	_, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
