@@ -60,7 +60,7 @@ SELECT i, m - s * interval '1 minute', m - a * interval '1 minute' + interval '1
 		{28, 40, 0, 3, 1, 1},
 		{10, 5, 0, 0, 0, 1}, // b started within the window: from zero
 		{9, 10, 1, 0, 0, 1},
-		{4, 3, 0, 0, 0, 1},   // a restarted: from zero, not 3 - 200
+		{4, 3, 0, 0, 0, 1}, // a restarted: from zero, not 3 - 200
 	}, nonzero)
 
 	short, err := heartbeatsql.Series(ctx, db.Pool, db.Schema, 10*time.Minute, 5*time.Minute)
