@@ -182,7 +182,8 @@ type Location struct {
 	Offset    int64
 }
 
-// Disposition is the last successful action on a record.
+// Disposition is the last action done on a record: an action that failed
+// part way lists the records it did, a refused one did nothing.
 type Disposition struct {
 	AuditID int64     `json:"audit_id"`
 	Action  string    `json:"action"`
@@ -190,8 +191,8 @@ type Disposition struct {
 	At      time.Time `json:"at"`
 }
 
-// Dispositions returns, for each of locs of topic that an action handled
-// successfully, the latest such action: one query whatever the number of
+// Dispositions returns, for each of locs of topic that an action did (not
+// refused), the latest such action: one query whatever the number of
 // locations.
 func Dispositions(ctx context.Context, db dbx.Querier, schema, topic string, locs []Location) (map[Location]Disposition, error) {
 	audit, msgs, err := tables(schema)
@@ -206,7 +207,7 @@ func Dispositions(ctx context.Context, db dbx.Querier, schema, topic string, loc
 	rows, err := db.Query(ctx, `SELECT DISTINCT ON (m.kafka_partition, m.kafka_offset) m.kafka_partition, m.kafka_offset, a.id, a.action, a.actor, a.at
 FROM unnest($2::int[], $3::bigint[]) AS l(p, o)
 JOIN `+msgs+` m ON m.topic = $1 AND m.kafka_partition = l.p AND m.kafka_offset = l.o
-JOIN `+audit+` a ON a.id = m.audit_id AND a.result = 'ok'
+JOIN `+audit+` a ON a.id = m.audit_id AND a.result <> 'refused'
 ORDER BY m.kafka_partition, m.kafka_offset, a.id DESC`, topic, parts, offs)
 	if err != nil {
 		return nil, fmt.Errorf("auditsql: dispositions: %w", err)
