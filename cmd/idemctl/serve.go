@@ -56,6 +56,9 @@ func serve(ctx context.Context, a *app, args []string) error {
 	kafkaTopics := fs.String("kafka-topics", "", "with --brokers: the poison and retry `topics` whose depth and lag the overview shows (default: every topic whose name has poison or retry)")
 	kafkaGroups := fs.String("kafka-groups", "", "with --brokers: the Kafka consumer `groups` whose lag on those topics it shows (default: every group with a committed offset on them)")
 	parkedTable := a.parkedTableFlag(fs)
+	var fo failuresOptions
+	fs.StringVar(&fo.contracts, "contracts", "", "a `directory` of <event type>.json JSON Schemas (contract.JSONSchema) that edit-and-replay checks an edited payload with (default: none, edits are refused)")
+	poisonTopics := fs.String("poison-topics", "", "with --brokers: the poison `topics` the failures explorer offers (default: every topic whose name has poison)")
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}
@@ -98,6 +101,14 @@ func serve(ctx context.Context, a *app, args []string) error {
 	}
 	srv, err := newServer(c, *allow, *token, *refresh)
 	if err != nil {
+		return err
+	}
+	explorer, closeExplorer, err := a.failuresExplorer(c, fo)
+	if err != nil {
+		return err
+	}
+	defer closeExplorer()
+	if err := srv.registerFailures(explorer, splitList(*poisonTopics)); err != nil {
 		return err
 	}
 	ln, err := net.Listen("tcp", *listen)
