@@ -58,8 +58,13 @@ func newRefundsWorld(t *testing.T, n int) *refundsWorld {
 	db.Exec(t, `CREATE TABLE refund_ledger (event_id uuid NOT NULL, refund_id text NOT NULL, amount text NOT NULL)`)
 	broker := kafkatest.Start(t)
 	w := &refundsWorld{db: db, brokers: broker.Addrs}
-	w.refunds = broker.Topic(t, "payments.refund-issued", 2)
-	w.poison = broker.Topic(t, "payments.refund-issued.poison", 2)
+	w.refunds, w.poison = "payments.refund-issued", "payments.refund-issued.poison"
+	if broker.Fake == nil { // a shared cluster: names of this test's own
+		w.refunds, w.poison = broker.Topic(t, w.refunds, 2), broker.Topic(t, w.poison, 2)
+	} else { // the test's own broker: the names the screenshots show
+		require.NoError(t, kafkatest.CreateTopic(broker.Addrs, w.refunds, 2))
+		require.NoError(t, kafkatest.CreateTopic(broker.Addrs, w.poison, 2))
+	}
 	kc := idemkafka.ClientConfig{Brokers: broker.Addrs}
 	pc, err := idemkafka.WatermillPublisherConfig(kc)
 	require.NoError(t, err)
@@ -164,6 +169,7 @@ func TestBrowserFailuresExplorer(t *testing.T) {
 		do(t, ctx, click("#next-page"), chromedp.WaitVisible(chromedp.ID("records-table")))
 	}
 	require.Len(t, seen, 120)
+	screenshot(t, ctx, base+"/failures", "records-table", "console-failures.png")
 
 	// A record's page, then replay it: the consumer applies it once.
 	do(t, ctx, chromedp.Navigate(base+"/failures"), chromedp.WaitVisible(chromedp.ID("records-table")),
@@ -172,6 +178,7 @@ func TestBrowserFailuresExplorer(t *testing.T) {
 	require.Contains(t, text(t, ctx, "#payload"), id)
 	require.Equal(t, "4bf92f3577b34da6a3ce929d0e0e", text(t, ctx, "#trace-id")[:28])
 	detail := eval[string](t, ctx, `location.href`)
+	screenshot(t, ctx, detail, "payload", "console-failure-record.png")
 	applied := func() int { return w.db.Count(t, `SELECT 1 FROM refund_ledger WHERE event_id = $1`, id) }
 	for range 2 {
 		do(t, ctx, chromedp.Navigate(detail), chromedp.WaitVisible(chromedp.ID("replay")), click("#replay"))
@@ -231,5 +238,19 @@ FROM m, (VALUES (5, 1000, 10, 0), (4, 1120, 12, 1), (3, 1300, 12, 1), (2, 1360, 
 	require.Equal(t, "180", eval[string](t, ctx, `document.querySelector("svg.chart").dataset.max`))
 	require.Equal(t, len(strings.Split(values[0], ",")), eval[int](t, ctx, `document.querySelector("svg.chart polyline").getAttribute("points").split(" ").length`), "one point per value")
 	require.Equal(t, "lease", eval[string](t, ctx, `document.querySelector('tr.instance td:nth-child(3)').textContent`))
+	screenshot(t, ctx, base+"/history", "instances-table", "console-history.png")
 	require.Zero(t, dialogs.Load())
+}
+
+// screenshot opens u, waits for the element id and, with
+// -update-screenshots, writes the page to docs/name.
+func screenshot(t *testing.T, ctx context.Context, u, id, name string) {
+	t.Helper()
+	if !*updateScreenshots {
+		return
+	}
+	do(t, ctx, chromedp.Navigate(u), chromedp.WaitVisible(chromedp.ID(id)))
+	shot, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile("../../docs/"+name, shot, 0o644))
 }
