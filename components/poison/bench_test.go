@@ -37,8 +37,8 @@ func BenchmarkReadPageOf100k(b *testing.B) {
 		b.Fatalf("depth %d, %d records on the first page", first.Depth, len(first.Records))
 	}
 	middle := map[int32]int64{}
-	for _, r := range first.Partitions {
-		middle[r.Partition] = (r.Oldest + r.Newest) / 2
+	for p, oldest := range first.Oldest {
+		middle[p] = (oldest + first.Newest[p]) / 2
 	}
 	for _, bc := range []struct {
 		name string

@@ -34,6 +34,10 @@ type PageConfig struct {
 	// partition ([Page.Next] of the previous page). A partition it does not
 	// name starts at its oldest offset. Defaults to nil: the first page.
 	From map[int32]int64
+	// Partitions, when set, are the only partitions read (a record's
+	// detail: one partition, From its offset, Size 1). Defaults to nil:
+	// every partition.
+	Partitions []int32
 	// Size is the most records on the page. Defaults to 50.
 	Size int
 	// ScanLimit bounds the records read from each partition for one page,
@@ -70,6 +74,8 @@ func (c PageConfig) validate() error {
 		return fmt.Errorf("ScanLimit: %d must not be negative", c.ScanLimit)
 	case c.IdleTimeout < 0:
 		return errors.New("IdleTimeout: must not be negative")
+	case slices.ContainsFunc(c.Partitions, func(p int32) bool { return p < 0 }):
+		return fmt.Errorf("Partitions: %v holds a negative partition", c.Partitions)
 	}
 	return c.Filter.validate()
 }
@@ -86,11 +92,10 @@ type Record struct {
 	Payload  []byte           `json:"-"`
 }
 
-// PartitionRange is what a partition holds: offsets Oldest to Newest-1.
-type PartitionRange struct {
-	Partition int32 `json:"partition"`
-	Oldest    int64 `json:"oldest"`
-	Newest    int64 `json:"newest"`
+// partitionRange is what a partition holds: offsets oldest to newest-1.
+type partitionRange struct {
+	partition      int32
+	oldest, newest int64
 }
 
 // Page is one page of a poison topic.
@@ -105,10 +110,11 @@ type Page struct {
 	End bool
 	// Scanned is the number of records read.
 	Scanned int
-	// Partitions are the topic's partitions when the page was read; Depth
-	// is the records they hold.
-	Partitions []PartitionRange
-	Depth      int64
+	// Oldest and Newest are each partition's oldest offset and the offset
+	// after its newest record when the page was read; Depth is the records
+	// they hold.
+	Oldest, Newest map[int32]int64
+	Depth          int64
 }
 
 // ReadPage reads one page of the poison topic without reading it whole:
@@ -118,11 +124,6 @@ type Page struct {
 // not kept, else where its read stopped, so paging with Next never skips
 // nor repeats a record. Like [List], it reads outside any consumer group.
 func ReadPage(ctx context.Context, cfg PageConfig) (*Page, error) {
-	return readPage(ctx, cfg, -1)
-}
-
-// readPage reads the page of partition only, or of all when only < 0.
-func readPage(ctx context.Context, cfg PageConfig, only int32) (*Page, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, fmt.Errorf("poison: invalid config: %w", err)
@@ -146,24 +147,25 @@ func readPage(ctx context.Context, cfg PageConfig, only int32) (*Page, error) {
 		return nil, fmt.Errorf("poison: %w", err)
 	}
 	defer consumer.Close()
-	page := &Page{Next: map[int32]int64{}, Partitions: ranges}
+	page := &Page{Next: map[int32]int64{}, Oldest: map[int32]int64{}, Newest: map[int32]int64{}}
 	queues := make([][]Record, len(ranges))
 	nexts := make([]int64, len(ranges))
 	scanned := make([]int, len(ranges))
 	g, gctx := errgroup.WithContext(ctx)
 	for i, r := range ranges { // partitions at once: a page costs one fetch, not one per partition
-		page.Depth += r.Newest - r.Oldest
-		if only >= 0 && r.Partition != only {
+		page.Depth += r.newest - r.oldest
+		page.Oldest[r.partition], page.Newest[r.partition] = r.oldest, r.newest
+		if cfg.Partitions != nil && !slices.Contains(cfg.Partitions, r.partition) {
 			nexts[i] = -1
 			continue
 		}
-		from := r.Oldest
-		if f, ok := cfg.From[r.Partition]; ok {
-			from = max(f, r.Oldest)
+		from := r.oldest
+		if f, ok := cfg.From[r.partition]; ok {
+			from = max(f, r.oldest)
 		}
-		stop := min(r.Newest, from+int64(cfg.ScanLimit))
+		stop := min(r.newest, from+int64(cfg.ScanLimit))
 		g.Go(func() (err error) {
-			queues[i], nexts[i], err = readRange(gctx, consumer, cfg, r.Partition, from, stop, &scanned[i])
+			queues[i], nexts[i], err = readRange(gctx, consumer, cfg, r.partition, from, stop, &scanned[i])
 			return err
 		})
 	}
@@ -173,26 +175,26 @@ func readPage(ctx context.Context, cfg PageConfig, only int32) (*Page, error) {
 	for i, r := range ranges {
 		page.Scanned += scanned[i]
 		if nexts[i] >= 0 {
-			page.Next[r.Partition] = nexts[i]
+			page.Next[r.partition] = nexts[i]
 		}
 	}
 	page.Records = merge(queues, page.Next, cfg.Size)
 	page.End = true
 	for _, r := range ranges {
-		if next, ok := page.Next[r.Partition]; ok && next < r.Newest {
+		if next, ok := page.Next[r.partition]; ok && next < r.newest {
 			page.End = false
 		}
 	}
 	return page, nil
 }
 
-func partitionRanges(client sarama.Client, topic string) ([]PartitionRange, error) {
+func partitionRanges(client sarama.Client, topic string) ([]partitionRange, error) {
 	ps, err := client.Partitions(topic)
 	if err != nil {
 		return nil, fmt.Errorf("poison: partitions of %s: %w", topic, err)
 	}
 	slices.Sort(ps)
-	out := make([]PartitionRange, len(ps))
+	out := make([]partitionRange, len(ps))
 	for i, p := range ps {
 		lo, err := client.GetOffset(topic, p, sarama.OffsetOldest)
 		if err != nil {
@@ -202,7 +204,7 @@ func partitionRanges(client sarama.Client, topic string) ([]PartitionRange, erro
 		if err != nil {
 			return nil, fmt.Errorf("poison: newest offset of %s/%d: %w", topic, p, err)
 		}
-		out[i] = PartitionRange{Partition: p, Oldest: lo, Newest: hi}
+		out[i] = partitionRange{partition: p, oldest: lo, newest: hi}
 	}
 	return out, nil
 }
@@ -292,27 +294,6 @@ func before(a, b Message) bool {
 	}
 	return cmp.Or(cmp.Compare(a.Partition, b.Partition), cmp.Compare(a.Offset, b.Offset)) < 0
 }
-
-// Get reads the record at partition and offset of topic.
-func Get(ctx context.Context, kc idemkafka.ClientConfig, topic string, partition int32, offset int64) (*Record, error) {
-	if partition < 0 {
-		return nil, fmt.Errorf("poison: %w: %s/%d@%d", ErrNoRecord, topic, partition, offset)
-	}
-	p, err := readPage(ctx, PageConfig{Kafka: kc, Topic: topic, From: map[int32]int64{partition: offset}, Size: 1, ScanLimit: 1}, partition)
-	if err != nil {
-		return nil, err
-	}
-	for _, r := range p.Records {
-		if r.Partition == partition && r.Offset == offset {
-			return &r, nil
-		}
-	}
-	return nil, fmt.Errorf("poison: %w: %s/%d@%d", ErrNoRecord, topic, partition, offset)
-}
-
-// ErrNoRecord: [Get] found no record at that place (out of the
-// partition's range, or removed by the topic's retention).
-var ErrNoRecord = errors.New("no such poison record")
 
 // Republish publishes r back to its original topic as [Replay] does (the
 // same UUID, payload and headers, without the poison keys, the poisoning

@@ -99,7 +99,8 @@ func TestReadPage(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, first.Records, 25)
 	require.EqualValues(t, 120, first.Depth)
-	require.Len(t, first.Partitions, 3)
+	require.Len(t, first.Oldest, 3)
+	require.Len(t, first.Newest, 3)
 	require.False(t, first.End)
 
 	all, pages := readAll(t, poison.PageConfig{Kafka: kc, Topic: topic, Size: 25})
@@ -127,13 +128,14 @@ func TestReadPage(t *testing.T) {
 		any = r
 		break
 	}
-	rec, err := poison.Get(context.Background(), kc, topic, any.Partition, any.Offset)
-	require.NoError(t, err)
+	rec := get(t, kc, topic, any.Partition, any.Offset)
 	require.Equal(t, any.EventID, rec.EventID)
 	require.Equal(t, any.EventID, rec.Metadata.Get(publisher.MetadataEventID))
 	require.Contains(t, string(rec.Payload), any.EventID)
-	_, err = poison.Get(context.Background(), kc, topic, any.Partition, 10_000)
-	require.ErrorIs(t, err, poison.ErrNoRecord)
+	past, err := poison.ReadPage(context.Background(), poison.PageConfig{Kafka: kc, Topic: topic,
+		From: map[int32]int64{any.Partition: 10_000}, Partitions: []int32{any.Partition}})
+	require.NoError(t, err)
+	require.Empty(t, past.Records, "past the end: nothing")
 }
 
 // Republish sends a record back to its original topic without the poison
@@ -153,8 +155,7 @@ func TestRepublish(t *testing.T) {
 	m.Metadata.Set(wmiddleware.ReasonForPoisonedKey, "bad payload")
 	require.NoError(t, pub.Publish(topic, m))
 
-	rec, err := poison.Get(context.Background(), kc, topic, 0, 0)
-	require.NoError(t, err)
+	rec := get(t, kc, topic, 0, 0)
 	require.NoError(t, rec.Republish(pub, nil, time.Now()))
 	require.NoError(t, rec.Republish(pub, []byte(`{"n":2}`), time.Now()))
 
@@ -170,4 +171,16 @@ func TestRepublish(t *testing.T) {
 		require.Len(t, r.History, 1)
 		require.Equal(t, "bad payload", r.History[0].Reason)
 	}
+}
+
+// get reads the record at partition and offset: one partition, from it.
+func get(t *testing.T, kc idemkafka.ClientConfig, topic string, partition int32, offset int64) poison.Record {
+	t.Helper()
+	p, err := poison.ReadPage(context.Background(), poison.PageConfig{Kafka: kc, Topic: topic,
+		From: map[int32]int64{partition: offset}, Partitions: []int32{partition}, Size: 1, ScanLimit: 1})
+	require.NoError(t, err)
+	require.Len(t, p.Records, 1)
+	require.Equal(t, offset, p.Records[0].Offset)
+	require.Equal(t, map[int32]int64{partition: offset + 1}, p.Next, "only that partition read")
+	return p.Records[0]
 }

@@ -58,7 +58,7 @@ func (e *Explorer) EditReplay(ctx context.Context, a Action) (auditsql.Entry, er
 		return auditsql.Entry{}, err
 	}
 	l := a.Locations[0]
-	r, err := poison.Get(ctx, e.cfg.Kafka, a.Topic, l.Partition, l.Offset)
+	r, err := e.get(ctx, a.Topic, l.Partition, l.Offset)
 	if err != nil {
 		return auditsql.Entry{}, err
 	}
@@ -153,7 +153,7 @@ func (e *Explorer) selected(ctx context.Context, a Action) ([]poison.Record, err
 	if a.Filter == nil {
 		out := make([]poison.Record, 0, len(a.Locations))
 		for _, l := range a.Locations {
-			r, err := poison.Get(ctx, e.cfg.Kafka, a.Topic, l.Partition, l.Offset)
+			r, err := e.get(ctx, a.Topic, l.Partition, l.Offset)
 			if err != nil {
 				return nil, err
 			}

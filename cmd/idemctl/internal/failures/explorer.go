@@ -121,7 +121,7 @@ func (e *Explorer) dispositions(ctx context.Context, topic string, recs []poison
 
 // Detail reads one record and its disposition.
 func (e *Explorer) Detail(ctx context.Context, topic string, partition int32, offset int64) (*Row, error) {
-	r, err := poison.Get(ctx, e.cfg.Kafka, topic, partition, offset)
+	r, err := e.get(ctx, topic, partition, offset)
 	if err != nil {
 		return nil, err
 	}
@@ -155,9 +155,9 @@ func (e *Explorer) Reasons(ctx context.Context, topic string, filter poison.Filt
 		return nil, 0, err
 	}
 	from := map[int32]int64{}
-	per := int64(window / max(1, len(probe.Partitions)))
-	for _, r := range probe.Partitions {
-		from[r.Partition] = max(r.Oldest, r.Newest-per)
+	per := int64(window / max(1, len(probe.Oldest)))
+	for p, oldest := range probe.Oldest {
+		from[p] = max(oldest, probe.Newest[p]-per)
 	}
 	byReason := map[string]*Reason{}
 	for {
@@ -211,3 +211,22 @@ func maxTime(a, b time.Time) time.Time {
 }
 
 var errNoPublisher = fmt.Errorf("failures: no publisher: the console reads the poison topic only")
+
+// ErrNoRecord: no record at that place of the poison topic (out of its
+// partition's range, or removed by the topic's retention).
+var ErrNoRecord = errors.New("no such poison record")
+
+// get reads the record at partition and offset of topic.
+func (e *Explorer) get(ctx context.Context, topic string, partition int32, offset int64) (*poison.Record, error) {
+	if partition >= 0 && offset >= 0 {
+		p, err := poison.ReadPage(ctx, poison.PageConfig{Kafka: e.cfg.Kafka, Topic: topic, From: map[int32]int64{partition: offset},
+			Partitions: []int32{partition}, Size: 1, ScanLimit: 1})
+		if err != nil {
+			return nil, err
+		}
+		if len(p.Records) == 1 && p.Records[0].Offset == offset {
+			return &p.Records[0], nil
+		}
+	}
+	return nil, fmt.Errorf("failures: %w: %s/%d@%d", ErrNoRecord, topic, partition, offset)
+}

@@ -167,7 +167,7 @@ func (p *pages) status(err error) (int, string) {
 	switch {
 	case errors.Is(err, errBadRequest):
 		return http.StatusBadRequest, err.Error()
-	case errors.Is(err, poison.ErrNoRecord):
+	case errors.Is(err, failures.ErrNoRecord):
 		return http.StatusNotFound, err.Error()
 	case errors.Is(err, failures.ErrInvalidEdit):
 		return http.StatusUnprocessableEntity, err.Error()
