@@ -9,6 +9,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/failures"
@@ -96,4 +100,46 @@ func TestParseFrom(t *testing.T) {
 	}
 	require.Equal(t, "4bf92f3577b34da6a3ce929d0e0e0001", traceID("00-4bf92f3577b34da6a3ce929d0e0e0001-00f067aa0ba902b7-01"))
 	require.Empty(t, traceID("garbage"))
+}
+
+// A record's payload, headers and reason come from the message: HTML in
+// them shows as text on its page, and the page goes through the
+// console's redaction.
+func TestRecordPageEscapesAndRedacts(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t, 1)
+	require.NoError(t, migrate.Up(context.Background(), db.Pool, failures.MigrationLines(db.Schema)...))
+	broker := kafkatest.Start(t)
+	kc := idemkafka.ClientConfig{Brokers: broker.Addrs}
+	topic := broker.Topic(t, "payments.poison", 1)
+	pc, err := idemkafka.WatermillPublisherConfig(kc)
+	require.NoError(t, err)
+	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
+	require.NoError(t, err)
+	defer pub.Close()
+	m := message.NewMessage(watermill.NewUUID(), []byte(`{"note":"<img src=x onerror=alert(1)>","card":"s3cret-pan"}`))
+	m.Metadata.Set(wmiddleware.ReasonForPoisonedKey, `<script>alert(2)</script>`)
+	m.Metadata.Set(wmiddleware.PoisonedTopicKey, "payments")
+	m.Metadata.Set("x-<b>", `"><svg onload=alert(3)>`)
+	require.NoError(t, pub.Publish(topic, m))
+
+	e, err := failures.New(failures.Config{DB: db.Pool, Schema: db.Schema, Kafka: kc})
+	require.NoError(t, err)
+	mux := http.NewServeMux()
+	require.NoError(t, Register(mux, Config{Explorer: e, DB: db.Pool, Schema: db.Schema,
+		RedactFunc: func(s string) string { return strings.ReplaceAll(s, "s3cret-pan", "[redacted]") },
+		ErrorFunc:  func(err error) string { return err.Error() }}))
+	w := httptest.NewRecorder()
+	mux.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/failures/record?topic="+topic+"&partition=0&offset=0", nil))
+	require.Equal(t, http.StatusOK, w.Code, w.Body.String())
+	body := w.Body.String()
+	for _, raw := range []string{"<img", "<script>alert", "<svg", "<b>", "s3cret-pan"} {
+		require.NotContains(t, body, raw)
+	}
+	require.Contains(t, body, "&lt;img src=x onerror=alert(1)&gt;")
+	require.Contains(t, body, "[redacted]")
+
+	w = httptest.NewRecorder()
+	mux.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/failures/record?topic="+topic+"&partition=0&offset=9", nil))
+	require.Equal(t, http.StatusNotFound, w.Code)
 }
