@@ -204,6 +204,9 @@ func filterJSON(f poison.Filter) json.RawMessage {
 	if f.OriginalTopic != "" {
 		m["original_topic"] = f.OriginalTopic
 	}
+	if f.Handler != "" {
+		m["handler"] = f.Handler
+	}
 	for k, t := range map[string]time.Time{"poisoned_from": f.PoisonedFrom, "poisoned_to": f.PoisonedTo,
 		"occurred_from": f.OccurredFrom, "occurred_to": f.OccurredTo} {
 		if !t.IsZero() {

@@ -50,7 +50,7 @@ var actions = map[string]action{
 }
 
 // filterFields are the explorer's filter fields a batch action posts.
-var filterFields = []string{"reason", "exact", "original", "since", "until"}
+var filterFields = []string{"reason", "exact", "original", "handler", "since", "until"}
 
 func describe(f map[string]string) string {
 	var parts []string
@@ -154,7 +154,7 @@ func toAction(actor string, f map[string]string, batch bool) (failures.Action, e
 	a := failures.Action{Actor: actor, Topic: f["topic"]}
 	if batch {
 		filter, err := query{Reason: f["reason"], ReasonExact: f["exact"] == "1", OriginalTopic: f["original"],
-			Since: f["since"], Until: f["until"]}.filter(time.Now())
+			Handler: f["handler"], Since: f["since"], Until: f["until"]}.filter(time.Now())
 		if err != nil {
 			return a, err
 		}

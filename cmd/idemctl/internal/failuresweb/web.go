@@ -191,11 +191,12 @@ type query struct {
 	Reason        string
 	ReasonExact   bool
 	OriginalTopic string
+	Handler       string
 	Since, Until  string
 }
 
 func (q query) filter(now time.Time) (poison.Filter, error) {
-	f := poison.Filter{Reason: q.Reason, ReasonExact: q.ReasonExact && q.Reason != "", OriginalTopic: q.OriginalTopic}
+	f := poison.Filter{Reason: q.Reason, ReasonExact: q.ReasonExact && q.Reason != "", OriginalTopic: q.OriginalTopic, Handler: q.Handler}
 	var err error
 	if f.PoisonedFrom, err = parseTime(q.Since, now); err != nil {
 		return f, badRequest("since: %v", err)
@@ -225,12 +226,12 @@ func parseTime(s string, now time.Time) (time.Time, error) {
 
 func readQuery(v url.Values) query {
 	return query{Reason: v.Get("reason"), ReasonExact: v.Get("exact") == "1", OriginalTopic: v.Get("original"),
-		Since: v.Get("since"), Until: v.Get("until")}
+		Handler: v.Get("handler"), Since: v.Get("since"), Until: v.Get("until")}
 }
 
 func (q query) values(topic string) url.Values {
 	v := url.Values{"topic": {topic}}
-	for k, s := range map[string]string{"reason": q.Reason, "original": q.OriginalTopic, "since": q.Since, "until": q.Until} {
+	for k, s := range map[string]string{"reason": q.Reason, "original": q.OriginalTopic, "handler": q.Handler, "since": q.Since, "until": q.Until} {
 		if s != "" {
 			v.Set(k, s)
 		}
