@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/failures"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
@@ -32,6 +33,10 @@ type console struct {
 	parked    retrytopic.ParkedKeysTable
 	forwarder string
 	kafka     *kafkaView // nil without --brokers
+	// explorer reads and acts on the poison topics (nil without
+	// --brokers), among poisonTopicsFlag (--poison-topics).
+	explorer         *failures.Explorer
+	poisonTopicsFlag []string
 }
 
 // overviewJSON is the overview page and /api/overview. Its parts have the

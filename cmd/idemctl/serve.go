@@ -56,9 +56,7 @@ func serve(ctx context.Context, a *app, args []string) error {
 	kafkaTopics := fs.String("kafka-topics", "", "with --brokers: the poison and retry `topics` whose depth and lag the overview shows (default: every topic whose name has poison or retry)")
 	kafkaGroups := fs.String("kafka-groups", "", "with --brokers: the Kafka consumer `groups` whose lag on those topics it shows (default: every group with a committed offset on them)")
 	parkedTable := a.parkedTableFlag(fs)
-	var fo failuresOptions
-	fs.StringVar(&fo.contracts, "contracts", "", "a `directory` of <event type>.json JSON Schemas (contract.JSONSchema) that edit-and-replay checks an edited payload with (default: none, edits are refused)")
-	poisonTopics := fs.String("poison-topics", "", "with --brokers: the poison `topics` the failures explorer offers (default: every topic whose name has poison)")
+	fo := failuresFlags(fs)
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}
@@ -89,26 +87,13 @@ func serve(ctx context.Context, a *app, args []string) error {
 		return err
 	}
 	c := &console{pool: pool, table: tc, layout: a.opts.layout, outbox: ocfg, parked: pt, forwarder: *forwarder}
-	if a.opts.brokers != "" || a.getenv("KAFKA_BROKERS") != "" {
-		kc, err := a.kafkaConfig()
-		if err != nil {
-			return err
-		}
-		if c.kafka, err = newKafkaView(kc.Brokers, kc.Sarama, splitList(*kafkaTopics), splitList(*kafkaGroups)); err != nil {
-			return err
-		}
-		defer c.kafka.close()
+	closeKafka, err := a.consoleKafka(c, splitList(*kafkaTopics), splitList(*kafkaGroups), fo)
+	if err != nil {
+		return err
 	}
+	defer closeKafka()
 	srv, err := newServer(c, *allow, *token, *refresh)
 	if err != nil {
-		return err
-	}
-	explorer, closeExplorer, err := a.failuresExplorer(c, fo)
-	if err != nil {
-		return err
-	}
-	defer closeExplorer()
-	if err := srv.registerFailures(explorer, splitList(*poisonTopics)); err != nil {
 		return err
 	}
 	ln, err := net.Listen("tcp", *listen)
@@ -199,6 +184,9 @@ func newServer(c *console, allow bool, token string, refresh time.Duration) (*se
 	s.mux.HandleFunc("GET /groups/{group}", s.page("group", group))
 	s.mux.HandleFunc("GET /api/groups/{group}", s.api(group))
 	s.mux.HandleFunc("POST /actions/{action}", s.action)
+	if err := s.registerFailures(); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 

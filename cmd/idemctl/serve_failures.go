@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"errors"
+	"flag"
 	"fmt"
 	"net/http"
 	"slices"
@@ -20,50 +21,75 @@ import (
 
 // failuresOptions are serve's flags for the failures explorer.
 type failuresOptions struct {
-	contracts string // --contracts: a directory of <event type>.json schemas
+	contracts    *string // --contracts: a directory of <event type>.json schemas
+	poisonTopics *string // --poison-topics
 }
 
-// failuresExplorer opens the explorer's Kafka side: nil without brokers.
-// The returned function closes its publisher.
-func (a *app) failuresExplorer(c *console, o failuresOptions) (*failures.Explorer, func(), error) {
+func failuresFlags(fs *flag.FlagSet) failuresOptions {
+	return failuresOptions{
+		contracts:    fs.String("contracts", "", "a `directory` of <event type>.json JSON Schemas (contract.JSONSchema) that edit-and-replay checks an edited payload with (default: none, edits are refused)"),
+		poisonTopics: fs.String("poison-topics", "", "with --brokers: the poison `topics` the failures explorer offers (default: every topic whose name has poison)"),
+	}
+}
+
+// consoleKafka opens the console's Kafka side when brokers are named (else
+// it does nothing): the overview's view of the poison and retry topics, and
+// the failures explorer with its publisher. The returned function closes
+// them.
+func (a *app) consoleKafka(c *console, topics, groups []string, o failuresOptions) (func(), error) {
+	c.poisonTopicsFlag = splitList(*o.poisonTopics)
 	if a.opts.brokers == "" && a.getenv("KAFKA_BROKERS") == "" {
-		return nil, func() {}, nil
+		return func() {}, nil
 	}
 	kc, err := a.kafkaConfig()
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	var contracts failures.Contracts
-	if o.contracts != "" {
-		if contracts, err = failures.LoadContracts(o.contracts); err != nil {
-			return nil, nil, usageError("--contracts: %v", err)
+	if *o.contracts != "" {
+		if contracts, err = failures.LoadContracts(*o.contracts); err != nil {
+			return nil, usageError("--contracts: %v", err)
 		}
 	}
+	if c.kafka, err = newKafkaView(kc.Brokers, kc.Sarama, topics, groups); err != nil {
+		return nil, err
+	}
+	pub, err := newPublisher(kc)
+	if err != nil {
+		c.kafka.close()
+		return nil, err
+	}
+	if c.explorer, err = failures.New(failures.Config{DB: c.pool, Schema: c.table.Schema, Kafka: kc, Publisher: pub, Contracts: contracts}); err != nil {
+		_ = pub.Close()
+		c.kafka.close()
+		return nil, err
+	}
+	return func() { _ = pub.Close(); c.kafka.close() }, nil
+}
+
+// newPublisher is a Kafka publisher keyed by partition_key, as poison
+// replay's.
+func newPublisher(kc idemkafka.ClientConfig) (*kafka.Publisher, error) {
 	pc, err := idemkafka.WatermillPublisherConfig(kc)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	pub, err := kafka.NewPublisher(pc, watermill.NopLogger{})
 	if err != nil {
-		return nil, nil, fmt.Errorf("kafka publisher: %w", err)
+		return nil, fmt.Errorf("kafka publisher: %w", err)
 	}
-	e, err := failures.New(failures.Config{DB: c.pool, Schema: c.table.Schema, Kafka: kc, Publisher: pub, Contracts: contracts})
-	if err != nil {
-		_ = pub.Close()
-		return nil, nil, err
-	}
-	return e, func() { _ = pub.Close() }, nil
+	return pub, nil
 }
 
 // registerFailures mounts the failures explorer, history and audit pages
 // with the console's session, CSRF, origin and token checks and its
 // redaction.
-func (s *server) registerFailures(e *failures.Explorer, poisonTopics []string) error {
+func (s *server) registerFailures() error {
 	return failuresweb.Register(s.mux, failuresweb.Config{
-		Explorer:   e,
+		Explorer:   s.c.explorer,
 		DB:         s.c.pool,
 		Schema:     s.c.table.Schema,
-		TopicsFunc: func(ctx context.Context) ([]string, error) { return s.c.poisonTopics(poisonTopics) },
+		TopicsFunc: func(ctx context.Context) ([]string, error) { return s.c.poisonTopics(s.c.poisonTopicsFlag) },
 		DeadFunc: func(ctx context.Context) ([]failuresweb.DeadTopic, error) {
 			bl, err := s.c.backlog(ctx)
 			if err != nil {

@@ -179,7 +179,8 @@ func (p *pages) render(w http.ResponseWriter, status int, name string, v *view) 
 	var buf bytes.Buffer
 	if err := p.tmpl[name].Execute(&buf, v); err != nil {
 		buf.Reset()
-		buf.WriteString("<p>template error</p>")
+		buf.WriteString("<p>template error: " + template.HTMLEscapeString(err.Error()) + "</p>")
+		status = http.StatusInternalServerError
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	w.WriteHeader(status)

@@ -127,6 +127,7 @@ func TestRecordPageEscapesAndRedacts(t *testing.T) {
 	require.NoError(t, err)
 	mux := http.NewServeMux()
 	require.NoError(t, Register(mux, Config{Explorer: e, DB: db.Pool, Schema: db.Schema,
+		TopicsFunc: func(context.Context) ([]string, error) { return []string{topic}, nil },
 		RedactFunc: func(s string) string { return strings.ReplaceAll(s, "s3cret-pan", "[redacted]") },
 		ErrorFunc:  func(err error) string { return err.Error() }}))
 	w := httptest.NewRecorder()
@@ -142,4 +143,12 @@ func TestRecordPageEscapesAndRedacts(t *testing.T) {
 	w = httptest.NewRecorder()
 	mux.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/failures/record?topic="+topic+"&partition=0&offset=9", nil))
 	require.Equal(t, http.StatusNotFound, w.Code)
+
+	// The explorer's page lists it, as text too.
+	w = httptest.NewRecorder()
+	mux.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/failures?topic="+topic, nil))
+	require.Equal(t, http.StatusOK, w.Code, w.Body.String())
+	require.Contains(t, w.Body.String(), `data-partition="0" data-offset="0"`)
+	require.Contains(t, w.Body.String(), "1 records in 1 partitions")
+	require.NotContains(t, w.Body.String(), "<script>alert")
 }
