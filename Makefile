@@ -12,7 +12,10 @@ TEST_PARALLEL ?= 2
 TEST_CONNS    ?= 60
 TEST_FLAGS    ?= -race -count=1 -timeout 30m -p $(TEST_P) -parallel $(TEST_PARALLEL)
 BENCHTIME     ?= 500ms
-PKGS          := ./...
+# The packages of the nested modules that go.work ties to the library (each has its own go.mod, so
+# ./... stops at it): the console's browser tests, which bring chromedp and cdproto.
+NESTED_PKGS   := ./tests/browser/...
+PKGS          := ./... $(NESTED_PKGS)
 
 .DEFAULT_GOAL := help
 
@@ -66,7 +69,7 @@ rules: ## Check and unit-test the Prometheus alert rules in deploy/prometheus (p
 
 .PHONY: screenshots
 screenshots: ## Rewrite docs/console-*.png (the idemctl serve pages, in headless chromium) from the browser tests
-	$(GO) test ./cmd/idemctl -run '^(TestBrowserOverviewMatchesTheDatabase|TestBrowserFailuresExplorer|TestBrowserHistoryCharts)$$' -count=1 -args -update-screenshots
+	$(GO) test ./tests/browser -run '^(TestBrowserOverviewMatchesTheDatabase|TestBrowserFailuresExplorer|TestBrowserHistoryCharts)$$' -count=1 -args -update-screenshots
 
 .PHONY: demo
 demo: ## Run the billing example end to end (orders, billing with Idempotency-Key, notifications) with injected faults

@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"math"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/failures"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -17,14 +19,15 @@ import (
 )
 
 // selection is what --only names: the dedup table, the outbox topics'
-// tables, retrytopic's parked-keys table.
-type selection struct{ dedup, outbox, retry bool }
+// tables, retrytopic's parked-keys table, the console's tables (its audit
+// trail and the instances' heartbeat).
+type selection struct{ dedup, outbox, retry, console bool }
 
-// only validates --only: a comma-separated list of dedup, outbox and retry
-// ("" or "all": every one).
+// only validates --only: a comma-separated list of dedup, outbox, retry and
+// console ("" or "all": every one).
 func only(v string) (selection, error) {
 	if v == "" || v == "all" {
-		return selection{true, true, true}, nil
+		return selection{true, true, true, true}, nil
 	}
 	var s selection
 	for _, part := range splitList(v) {
@@ -35,8 +38,10 @@ func only(v string) (selection, error) {
 			s.outbox = true
 		case "retry":
 			s.retry = true
+		case "console":
+			s.console = true
 		default:
-			return s, usageError("usage: --only %q: want dedup, outbox or retry (comma-separated)", v)
+			return s, usageError("usage: --only %q: want dedup, outbox, retry or console (comma-separated)", v)
 		}
 	}
 	return s, nil
@@ -46,7 +51,7 @@ func only(v string) (selection, error) {
 // differ, so --target needs it.
 func (s selection) single() bool {
 	n := 0
-	for _, b := range []bool{s.dedup, s.outbox, s.retry} {
+	for _, b := range []bool{s.dedup, s.outbox, s.retry, s.console} {
 		if b {
 			n++
 		}
@@ -62,6 +67,8 @@ type migrators struct {
 	tc  deduplicator.TableConfig
 	ob  outbox.Config // Topics: the lines' topics
 	rt  retrytopic.ParkedKeysTable
+	// schema holds the console's tables (--schema).
+	schema string
 }
 
 // lines returns the selected lines, in the order up runs them.
@@ -77,6 +84,9 @@ func (m *migrators) lines() []migrate.Line {
 	}
 	if m.sel.retry {
 		lines = append(lines, retrytopic.MigrationLine(m.rt))
+	}
+	if m.sel.console {
+		lines = append(lines, failures.MigrationLines(m.schema)...)
 	}
 	return lines
 }
@@ -103,7 +113,7 @@ func (a *app) migrators(ctx context.Context, onlyFlag, parked, payload string, r
 	if err != nil {
 		return nil, err
 	}
-	m := &migrators{sel: sel, rt: a.parkedTable(parked)}
+	m := &migrators{sel: sel, rt: a.parkedTable(parked), schema: a.opts.schema}
 	if sel.dedup {
 		if m.tc, err = a.tableConfig(ctx, true); err != nil {
 			return nil, err
@@ -115,7 +125,7 @@ func (a *app) migrators(ctx context.Context, onlyFlag, parked, payload string, r
 			return nil, err
 		}
 		m.ob.PayloadType = payload
-		if len(m.ob.Topics) == 0 && !sel.dedup && !sel.retry {
+		if len(m.ob.Topics) == 0 && !sel.dedup && !sel.retry && !sel.console {
 			return nil, usageError("no outbox topic: none is recorded under prefix %s in %s.idem_schema_migration; pass --topics", m.ob.TablePrefix, m.ob.Schema)
 		}
 	}
@@ -127,7 +137,7 @@ type jsonVersion struct {
 	Version   int      `json:"version"`
 	Name      string   `json:"name"`
 	Status    string   `json:"status"`
-	AppliedAt jsonTime `json:"applied_at"`
+	AppliedAt ops.Time `json:"applied_at"`
 }
 
 func statusWord(s migrate.MigrationStatus) string {
@@ -147,7 +157,7 @@ type jsonCheck struct {
 }
 
 const (
-	onlyUsage   = "`tables` to act on, comma-separated: dedup, outbox, retry (default all)"
+	onlyUsage   = "`tables` to act on, comma-separated: dedup, outbox, retry, console (default all)"
 	parkedUsage = "parked-keys `table` of retry topics' KeyOrder, in --schema"
 	// parkedTableDefault is retrytopic.ParkedKeysTable.Table's default.
 	parkedTableDefault = "retry_parked_key"
@@ -203,14 +213,14 @@ func migrateStatus(ctx context.Context, a *app, args []string) error {
 			Checks   []jsonCheck   `json:"checks"`
 		}{Versions: []jsonVersion{}, Applied: counts["applied"], Pending: counts["pending"], Unknown: counts["unknown"], Checks: checks}
 		for _, s := range st {
-			out.Versions = append(out.Versions, jsonVersion{s.Component, s.Version, s.Name, statusWord(s), jsonTime(s.AppliedAt)})
+			out.Versions = append(out.Versions, jsonVersion{s.Component, s.Version, s.Name, statusWord(s), ops.Time(s.AppliedAt)})
 		}
 		return a.printJSON(out)
 	}
 	tw := a.table()
 	row(tw, "COMPONENT", "VERSION", "NAME", "STATUS", "APPLIED AT")
 	for _, s := range st {
-		row(tw, s.Component, s.Version, s.Name, statusWord(s), humanTime(s.AppliedAt))
+		row(tw, s.Component, s.Version, s.Name, statusWord(s), ops.HumanTime(s.AppliedAt))
 	}
 	_ = tw.Flush()
 	fmt.Fprintf(a.stdout, "\n%d applied, %d pending, %d unknown", counts["applied"], counts["pending"], counts["unknown"])
@@ -264,7 +274,7 @@ func (a *app) printSteps(direction migrate.Direction, dryRun bool, steps []migra
 		if dryRun {
 			row(tw, "would "+verb, s.Component, fmt.Sprintf("%03d_%s", s.Version, s.Name))
 		} else {
-			row(tw, done, s.Component, fmt.Sprintf("%03d_%s", s.Version, s.Name), humanDuration(s.Duration))
+			row(tw, done, s.Component, fmt.Sprintf("%03d_%s", s.Version, s.Name), ops.HumanDuration(s.Duration))
 		}
 	}
 	return tw.Flush()
@@ -497,7 +507,7 @@ func migrateSQL(ctx context.Context, a *app, args []string) error {
 // without connecting: the layout is --layout (auto means plain) and the
 // outbox's topics come from --topics.
 func offlineMigrations(ctx context.Context, a *app, sel selection, parked, payload string) ([]migrate.Migration, error) {
-	m := &migrators{sel: sel, rt: a.parkedTable(parked)}
+	m := &migrators{sel: sel, rt: a.parkedTable(parked), schema: a.opts.schema}
 	if sel.dedup {
 		m.tc = deduplicator.TableConfig{Schema: a.opts.schema, Table: a.opts.table}
 		switch a.opts.layout {
@@ -566,5 +576,5 @@ func checkRetention(d time.Duration, force bool) error {
 	if d > deduplicator.DefaultStaleMargin || force {
 		return nil
 	}
-	return usageError("a retention of %s is not longer than the consumers' default StaleMargin (%s): every consumer that keeps the default refuses to start (NewDedup: StaleMargin must be shorter than the retention); pass --force if every consumer sets a shorter StaleMargin", humanDuration(d), humanDuration(deduplicator.DefaultStaleMargin))
+	return usageError("a retention of %s is not longer than the consumers' default StaleMargin (%s): every consumer that keeps the default refuses to start (NewDedup: StaleMargin must be shorter than the retention); pass --force if every consumer sets a shorter StaleMargin", ops.HumanDuration(d), ops.HumanDuration(deduplicator.DefaultStaleMargin))
 }

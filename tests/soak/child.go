@@ -3,7 +3,6 @@ package soak
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"log"
 	"net/http"
@@ -28,6 +27,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+	"github.com/idemkit/watermill-idempotency/internal/childproc"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -46,22 +46,7 @@ const ConsumerEnv = "IDEM_SOAK_CONSUMER"
 // runs a soak consumer until SIGTERM (or its standard input closes: the soak
 // is gone) and exits the process. Call it first in main, or in TestMain of a
 // test binary that runs the soak.
-func RunConsumerIfChild() {
-	v, ok := os.LookupEnv(ConsumerEnv)
-	if !ok {
-		return
-	}
-	var cfg childConfig
-	if err := json.Unmarshal([]byte(v), &cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "soak consumer: %s: %v\n", ConsumerEnv, err)
-		os.Exit(2)
-	}
-	if err := runConsumer(cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "soak consumer %s: %v\n", cfg.Instance, err)
-		os.Exit(1)
-	}
-	os.Exit(0)
-}
+func RunConsumerIfChild() { childproc.RunIfSet(ConsumerEnv, "soak consumer", runConsumer) }
 
 // childConfig is what a consumer process gets from the soak, as JSON in
 // [ConsumerEnv].

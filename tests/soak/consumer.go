@@ -3,11 +3,9 @@ package soak
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -15,6 +13,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/idemkit/watermill-idempotency/internal/childproc"
 )
 
 // payload is the JSON body of a soak event.
@@ -145,26 +145,12 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 	g.next++
 	inst := &instance{g: g, id: g.next, ready: make(chan struct{}), exited: make(chan struct{}), settled: make(chan struct{}), stderr: &tailBuffer{max: 20}}
 	inst.name = fmt.Sprintf("%s-i%d", g.name, inst.id)
-	cc, err := json.Marshal(g.childConfig(inst))
+	p, err := childproc.Start(h.exe, ConsumerEnv, g.childConfig(inst))
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(h.exe)
-	cmd.Env = append(os.Environ(), ConsumerEnv+"="+string(cc))
-	if inst.stdin, err = cmd.StdinPipe(); err != nil {
-		return nil, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start consumer process %s: %w", h.exe, err)
-	}
+	cmd, stdout, stderr := p.Cmd, p.Stdout, p.Stderr
+	inst.stdin = p.Stdin
 	inst.cmd = cmd
 	var pipes sync.WaitGroup
 	pipes.Go(func() { inst.readStdout(stdout) })

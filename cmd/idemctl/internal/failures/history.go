@@ -2,10 +2,13 @@ package failures
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/heartbeatsql"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 	"github.com/idemkit/watermill-idempotency/internal/svgchart"
 )
 
@@ -25,11 +28,18 @@ type Chart struct {
 	SVG   string
 }
 
+// ErrNoHistory: the heartbeat table does not exist (its migration line
+// was not applied: no service writes a heartbeat).
+var ErrNoHistory = errors.New("failures: no heartbeat table (migrate heartbeat.MigrationLine)")
+
 // ReadHistory reads the heartbeat table of schema over the last window, by
 // step, and draws the charts: processed, duplicates, failed and rejected
 // per step.
 func ReadHistory(ctx context.Context, db dbx.Querier, schema string, window, step time.Duration) (*History, error) {
 	is, err := heartbeatsql.Instances(ctx, db, schema, window)
+	if _, missing := pgerr.UndefinedTable(err); missing {
+		return nil, fmt.Errorf("%w: %w", ErrNoHistory, err)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -1,4 +1,4 @@
-package main_test
+package browser_test
 
 import (
 	"context"
@@ -16,15 +16,14 @@ import (
 	"github.com/chromedp/chromedp"
 	"github.com/stretchr/testify/require"
 
-	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/failures"
 	"github.com/idemkit/watermill-idempotency/contract"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
-	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
+	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 )
 
 // RefundIssued is the refunds service's event in the failures tests.
@@ -53,8 +52,7 @@ type refundsWorld struct {
 func newRefundsWorld(t *testing.T, n int) *refundsWorld {
 	t.Helper()
 	ctx := context.Background()
-	db := consoleDB(t, "plain")
-	require.NoError(t, migrate.Up(ctx, db.Pool, failures.MigrationLines(db.Schema)...))
+	db := bin.ConsoleDB(t, "plain") // idemctl migrate up: the console's audit and heartbeat tables too
 	db.Exec(t, `CREATE TABLE refund_ledger (event_id uuid NOT NULL, refund_id text NOT NULL, amount text NOT NULL)`)
 	broker := kafkatest.Start(t)
 	w := &refundsWorld{db: db, brokers: broker.Addrs}
@@ -128,14 +126,14 @@ func (w *refundsWorld) consume(t *testing.T) {
 
 func (w *refundsWorld) serve(t *testing.T) string {
 	t.Helper()
-	return startServe(t, w.db, []string{"IDEMCTL_TOKEN=" + testToken, "KAFKA_BROKERS=" + strings.Join(w.brokers, ",")},
+	return bin.StartServe(t, w.db, []string{"IDEMCTL_TOKEN=" + ctltest.Token, "KAFKA_BROKERS=" + strings.Join(w.brokers, ",")},
 		"--allow-actions", "--contracts", w.contracts)
 }
 
 // confirmAs fills the confirm page with a name and the token and submits.
 func confirmAs(name string) []chromedp.Action[chromedp.Void] {
 	return []chromedp.Action[chromedp.Void]{chromedp.WaitVisible(chromedp.ID("token")),
-		chromedp.SendKeys(chromedp.ID("actor"), name), chromedp.SendKeys(chromedp.ID("token"), testToken),
+		chromedp.SendKeys(chromedp.ID("actor"), name), chromedp.SendKeys(chromedp.ID("token"), ctltest.Token),
 		click("#confirm"), chromedp.WaitVisible(chromedp.ID("result"))}
 }
 
@@ -221,13 +219,12 @@ func TestBrowserFailuresExplorer(t *testing.T) {
 func TestBrowserHistoryCharts(t *testing.T) {
 	t.Parallel()
 	ctx, dialogs := browser(t)
-	db := consoleDB(t, "plain")
-	require.NoError(t, migrate.Up(context.Background(), db.Pool, failures.MigrationLines(db.Schema)...))
+	db := bin.ConsoleDB(t, "plain")
 	db.Exec(t, `WITH m AS (SELECT date_bin('1 minute', now(), 'epoch') AS m)
 INSERT INTO idem_heartbeat (instance, started_at, at, consumer_group, mode, version, processed, duplicates, failed)
 SELECT 'refund-ledger-7f9c-1', m - interval '2 hours', m - a * interval '1 minute' + interval '5 seconds', 'refund-ledger', 'lease', 'v1.4.2', p, d, f
 FROM m, (VALUES (5, 1000, 10, 0), (4, 1120, 12, 1), (3, 1300, 12, 1), (2, 1360, 20, 4)) v(a, p, d, f)`)
-	base := startServe(t, db, nil)
+	base := bin.StartServe(t, db, nil)
 	do(t, ctx, chromedp.Navigate(base+"/history"), chromedp.WaitVisible(chromedp.CSS("svg.chart")))
 	values := eval[[]string](t, ctx, `Array.from(document.querySelectorAll("svg.chart")).map(e => e.dataset.values)`)
 	require.Len(t, values, 4)
@@ -239,6 +236,12 @@ FROM m, (VALUES (5, 1000, 10, 0), (4, 1120, 12, 1), (3, 1300, 12, 1), (2, 1360, 
 	require.Equal(t, len(strings.Split(values[0], ",")), eval[int](t, ctx, `document.querySelector("svg.chart polyline").getAttribute("points").split(" ").length`), "one point per value")
 	require.Equal(t, "lease", eval[string](t, ctx, `document.querySelector('tr.instance td:nth-child(3)').textContent`))
 	screenshot(t, ctx, base+"/history", "instances-table", "console-history.png")
+
+	// The overview draws the same charts (their peaks: a minute may turn
+	// between the two pages).
+	do(t, ctx, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.ID("history")))
+	require.Equal(t, []string{"180", "8", "3", "0"}, eval[[]string](t, ctx, `Array.from(document.querySelectorAll("#history svg.chart")).map(e => e.dataset.max)`))
+	require.Equal(t, "1 instances wrote a heartbeat in the last hour", text(t, ctx, "#history-instances"))
 	require.Zero(t, dialogs.Load())
 }
 
