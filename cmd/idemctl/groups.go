@@ -64,7 +64,7 @@ func groupsRename(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	g, copied, err := dedupsql.RenameGroup(ctx, a.pool, tc.Schema, tc.Table, pos[0], pos[1], deduplicator.ValidateGroupName)
+	g, copied, err := deduplicator.RenameGroup(ctx, a.pool, tc, pos[0], pos[1])
 	if err != nil {
 		return err
 	}

@@ -10,7 +10,7 @@
 //	c.AddOutboxBacklog(ob, pool, nil)                      // outbox lag, queried at scrape
 //	c.AddRetryTopic("billing", rt)                         // *retrytopic.RetryTopic counters
 //	c.AddParked(pool, retrytopic.ParkedKeysTable{}, "billing") // KeyOrder's parked keys, queried at scrape
-//	c.AddSubscriber(sub)                                   // *parallel.Subscriber (the parallel subscriber)
+//	c.AddSubscriber(psub)                                  // *parallel.Subscriber (the parallel subscriber)
 //	c.AddTable(pool, deduplicator.TableConfig{})           // the dedup table from the catalog, queried at scrape
 //	prometheus.MustRegister(c)
 //

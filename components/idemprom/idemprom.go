@@ -28,10 +28,10 @@ var (
 	descClaims      = prometheus.NewDesc("idem_dedup_claims_total", "Claims timed in idem_dedup_claim_seconds_total.", group, nil)
 	descTxSec       = prometheus.NewDesc("idem_dedup_tx_seconds_total", "Time from BEGIN to COMMIT of processed messages.", group, nil)
 
-	descGroups         = prometheus.NewDesc("idem_dedup_groups_total", "Group-commit transactions that claimed their messages (Config.GroupCommit).", group, nil)
+	descGroups         = prometheus.NewDesc("idem_dedup_groups_total", "Group-commit transactions that claimed their messages (Config.Mode = &GroupCommitConfig{}).", group, nil)
 	descGroupedMsgs    = prometheus.NewDesc("idem_dedup_grouped_messages_total", "Messages claimed in group-commit transactions (divided by idem_dedup_groups_total: the mean group size).", group, nil)
 	descGroupFallbacks = prometheus.NewDesc("idem_dedup_group_fallbacks_total", "Groups rolled back by a handler error or panic, their messages then processed alone.", group, nil)
-	descLeases         = prometheus.NewDesc("idem_dedup_leases_total", "Lease mode (Config.Lease), by event: taken (new or taken over), taken_over (from an expired lease), renewed, lost (taken over or released before completion: nothing written), busy (gave up on another delivery's live lease), fast_path (of the taken: completed in their take's transaction, no lease row).", []string{"consumer_group", "event"}, nil)
+	descLeases         = prometheus.NewDesc("idem_dedup_leases_total", "Lease mode (Config.Mode = &LeaseConfig{}), by event: taken (new or taken over), taken_over (from an expired lease), renewed, lost (taken over or released before completion: nothing written), busy (gave up on another delivery's live lease), fast_path (of the taken: completed in their take's transaction, no lease row).", []string{"consumer_group", "event"}, nil)
 	descAlone          = prometheus.NewDesc("idem_dedup_alone_total", "Messages processed in a transaction of their own in group-commit mode: after a group fallback, a failed group claim, or an earlier failure of their handler.", group, nil)
 
 	descForwarded   = prometheus.NewDesc("idem_outbox_forwarded_total", "Outbox rows sent to Kafka and acknowledged in the database.", fwd, nil)

@@ -137,7 +137,7 @@ func runChild(cfg childConfig) error {
 		// FastPath off: these children show a crash and a freeze between
 		// the phases, with a lease row for the demo's billing to take over
 		// (inside the fast path they would leave an aborted transaction).
-		Lease: &idem.LeaseConfig{Duration: cfg.Lease, RenewInterval: cfg.RenewInterval, Concurrency: 1, Owner: cfg.ClientID + fmt.Sprintf(" (pid %d)", os.Getpid()), FastPath: -1},
+		Mode: &idem.LeaseConfig{Duration: cfg.Lease, RenewInterval: cfg.RenewInterval, Concurrency: 1, Owner: cfg.ClientID + fmt.Sprintf(" (pid %d)", os.Getpid()), FastPath: -1},
 	}, logger)
 	if err != nil {
 		return err

@@ -69,7 +69,7 @@ type childConfig struct {
 	Verbose     bool     `json:"verbose"`
 	GroupCommit bool     `json:"group_commit"`
 	Parallel    bool     `json:"parallel"` // idemkafka's parallel subscriber on every topic
-	// Lease mode (idem.Config.Lease): the lease's duration, and the fake
+	// Lease mode (idem.Config.Mode = &idem.LeaseConfig{}): the lease's duration, and the fake
 	// provider the handler calls (docs/soak.md, "The lease-mode leg").
 	Lease         bool          `json:"lease"`
 	LeaseDuration time.Duration `json:"lease_duration"`
@@ -311,7 +311,7 @@ func (c *child) newDedup(ctx context.Context, logger watermill.LoggerAdapter) (d
 			dcfg.Concurrency = ParallelMaxInFlight + len(cfg.RetryTopics)*ParallelRetryMaxInFlight
 		}
 		if cfg.GroupCommit {
-			dcfg.GroupCommit = &idem.GroupCommitConfig{}
+			dcfg.Mode = &idem.GroupCommitConfig{}
 		}
 		if cfg.Lease {
 			// One transaction at a time per phase (batched): the pool's
@@ -322,7 +322,7 @@ func (c *child) newDedup(ctx context.Context, logger watermill.LoggerAdapter) (d
 			// lease rows for the next owner to take over (a kill inside
 			// the fast path leaves an aborted transaction instead; the
 			// middleware's TestFastPath_* tests show that case).
-			dcfg.Lease = &idem.LeaseConfig{Duration: cfg.LeaseDuration, Concurrency: 1, Owner: cfg.Instance, FastPath: -1}
+			dcfg.Mode = &idem.LeaseConfig{Duration: cfg.LeaseDuration, Concurrency: 1, Owner: cfg.Instance, FastPath: -1}
 		}
 		dedup, err = idem.NewDedup(dcfg, logger)
 		return err

@@ -213,7 +213,7 @@ func (g *group) childConfig(inst *instance) childConfig {
 		GroupCommit: h.cfg.GroupCommit,
 		Parallel:    h.cfg.Parallel,
 		// Lease mode: the middleware's phases need 2 x 1 + 1 connections
-		// (Lease.Concurrency 1), whatever the messages in flight; the
+		// (LeaseConfig.Concurrency 1), whatever the messages in flight; the
 		// fourth serves KeyOrder's parked-keys checks.
 		Lease:           h.cfg.Lease,
 		LeaseDuration:   h.cfg.LeaseDuration,

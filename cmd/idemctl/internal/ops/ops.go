@@ -107,7 +107,7 @@ func ForgetGroup(ctx context.Context, db DB, tc deduplicator.TableConfig, group 
 	if err := Registered(ctx, db, tc, group); err != nil {
 		return 0, err
 	}
-	return dedupsql.ForgetGroup(ctx, db, tc.Schema, tc.Table, group, deduplicator.ValidateGroupName)
+	return deduplicator.ForgetGroup(ctx, db, tc, group)
 }
 
 // ForgotGroup words what ForgetGroup did.

@@ -44,7 +44,7 @@ type OverviewPage struct {
 	Dedup  *DedupOverview `json:"dedup"`
 	Outbox Backlog        `json:"outbox"`
 	Parked Parked         `json:"parked"`
-	// Leases are lease mode's (idem.Config.Lease), null when unreadable.
+	// Leases are lease mode's (idem.Config.Mode = &idem.LeaseConfig{}), null when unreadable.
 	Leases *leasesql.Summary `json:"leases"`
 	// Kafka is null without --brokers.
 	Kafka  *kafkaJSON        `json:"kafka"`
