@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"errors"
+	"io/fs"
 	"net/http"
 	"time"
 
@@ -17,7 +18,12 @@ import (
 // (package failuresweb) with the console's session, CSRF, origin and token
 // checks and its redaction.
 func (s *Server) registerFailures() error {
+	layout, err := fs.ReadFile(webFS, "web/layout.html")
+	if err != nil {
+		return err
+	}
 	return failuresweb.Register(s.mux, failuresweb.Config{
+		Layout:   string(layout),
 		Explorer: s.cfg.Explorer,
 		DB:       s.cfg.Pool,
 		Schema:   s.cfg.Table.Schema,

@@ -51,6 +51,10 @@ type Config struct {
 	ErrorFunc func(error) string
 	// RefreshSeconds is the history page's refresh.
 	RefreshSeconds int
+	// Layout is the console's layout template (its layout.html, which
+	// defines the blocks "title" and "content"), so that these pages look
+	// and navigate as the others do. Required.
+	Layout string
 }
 
 // DeadTopic is an outbox topic's dead rows.
@@ -96,7 +100,10 @@ func Register(mux *http.ServeMux, cfg Config) error {
 		"svg": func(s string) template.HTML { return template.HTML(s) }, //nolint:gosec // svgchart escapes
 	}
 	for _, name := range []string{"failures", "record", "confirm", "result", "audit", "history"} {
-		t, err := template.New("layout.html").Funcs(funcs).ParseFS(webFS, "web/layout.html", "web/"+name+".html")
+		t, err := template.New("layout.html").Funcs(funcs).Parse(cfg.Layout)
+		if err == nil {
+			t, err = t.ParseFS(webFS, "web/"+name+".html")
+		}
 		if err != nil {
 			return err
 		}

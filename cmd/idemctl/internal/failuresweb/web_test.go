@@ -34,7 +34,7 @@ func TestActionRefusals(t *testing.T) {
 	require.NoError(t, err)
 	mount := func(allow bool, check error) *http.ServeMux {
 		mux := http.NewServeMux()
-		require.NoError(t, Register(mux, Config{Explorer: e, DB: db.Pool, Schema: db.Schema, AllowActions: allow,
+		require.NoError(t, Register(mux, Config{Explorer: e, DB: db.Pool, Schema: db.Schema, AllowActions: allow, Layout: testLayout,
 			SessionFunc: func(http.ResponseWriter, *http.Request) string { return "csrf" },
 			CheckFunc:   func(*http.Request) error { return check },
 			TokenFunc:   func(typed string) bool { return typed == "right" },
@@ -126,7 +126,7 @@ func TestRecordPageEscapesAndRedacts(t *testing.T) {
 	e, err := failures.New(failures.Config{DB: db.Pool, Schema: db.Schema, Kafka: kc})
 	require.NoError(t, err)
 	mux := http.NewServeMux()
-	require.NoError(t, Register(mux, Config{Explorer: e, DB: db.Pool, Schema: db.Schema,
+	require.NoError(t, Register(mux, Config{Explorer: e, DB: db.Pool, Schema: db.Schema, Layout: testLayout,
 		TopicsFunc: func(context.Context) ([]string, error) { return []string{topic}, nil },
 		RedactFunc: func(s string) string { return strings.ReplaceAll(s, "s3cret-pan", "[redacted]") },
 		ErrorFunc:  func(err error) string { return err.Error() }}))
@@ -152,3 +152,6 @@ func TestRecordPageEscapesAndRedacts(t *testing.T) {
 	require.Contains(t, w.Body.String(), "1 records in 1 partitions")
 	require.NotContains(t, w.Body.String(), "<script>alert")
 }
+
+// testLayout stands for the console's layout: the blocks the pages fill.
+const testLayout = `<main id="main">{{if .Error}}<p class="error" id="error">{{.Error}}</p>{{end}}{{block "content" .}}{{end}}</main>{{block "title" .}}{{end}}`
