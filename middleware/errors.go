@@ -6,6 +6,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/payloaderr"
+	"github.com/idemkit/watermill-idempotency/internal/permanent"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -63,12 +64,6 @@ var (
 	ErrPoolTooSmall = errors.New("pool too small for the declared concurrency")
 )
 
-// permanentError marks an error that redelivery cannot fix.
-type permanentError struct{ err error }
-
-func (e *permanentError) Error() string { return "permanent: " + e.err.Error() }
-func (e *permanentError) Unwrap() error { return e.err }
-
 // Permanent wraps err so that [IsPermanent] reports true. Handlers use it for
 // input they can never process (a payload that fails validation). A nil err
 // stays nil.
@@ -76,7 +71,7 @@ func Permanent(err error) error {
 	if err == nil {
 		return nil
 	}
-	return &permanentError{err: err}
+	return permanent.Mark(err) // the leaf internal/permanent: idemkafka/franz marks and reads it too
 }
 
 // IsPermanent reports whether err means the message can never be processed
@@ -92,8 +87,7 @@ func IsPermanent(err error) bool {
 	if err == nil {
 		return false
 	}
-	var pe *permanentError
-	if errors.As(err, &pe) {
+	if permanent.Marked(err) {
 		return true
 	}
 	for _, s := range permanentSentinels {

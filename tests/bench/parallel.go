@@ -165,6 +165,9 @@ type parConsumer struct {
 	maxInFlight int
 	pool        *pgxpool.Pool
 	handler     func(msg *message.Message) error
+	// share consumes with the franz-go subscriber in a share group (the
+	// share-group section) instead.
+	share bool
 }
 
 // mode is the middleware's mode of c: lease mode, group commit, or nil
@@ -222,6 +225,9 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 		handler = c.handler
 	}
 	sub, concurrency, err := r.subscriber(c.parallel, group, inFlight)
+	if c.share {
+		sub, concurrency, err = r.shareSubscriber(group, inFlight)
+	}
 	if err != nil {
 		return res, err
 	}

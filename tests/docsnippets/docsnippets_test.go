@@ -51,6 +51,7 @@ var knownImports = map[string]string{
 	"publisher":    module + "/publisher",
 	"idemkafka":    module + "/idemkafka",
 	"parallel":     module + "/idemkafka/parallel",
+	"franz":        module + "/idemkafka/franz",
 	"poison":       module + "/components/poison",
 	"idemprom":     module + "/components/idemprom",
 	"idemotel":     module + "/components/idemotel",

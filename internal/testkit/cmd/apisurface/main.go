@@ -40,8 +40,8 @@ import (
 // The targets -check holds the module's totals to: lower them as the API
 // shrinks, never raise them without a reason in the commit.
 const (
-	maxTopLevel    = 155
-	maxIdentifiers = 284
+	maxTopLevel    = 165
+	maxIdentifiers = 302
 )
 
 // excluded matches the import paths that are not public API.
