@@ -17,6 +17,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
+	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
 const (
@@ -46,6 +47,11 @@ type Config struct {
 	// Keep is how long samples are kept: each beat deletes older ones (of
 	// every instance). Defaults to 2 hours.
 	Keep time.Duration
+	// Outbox, when set, adds its topics' pending rows
+	// ((*outbox.Outbox).Backlog, one read per beat; DB must then also
+	// begin transactions, as a *pgxpool.Pool does) to each sample: the
+	// console draws the outbox backlog over time. Defaults to nil: none.
+	Outbox *outbox.Outbox
 }
 
 func (c *Config) setDefaults() {
@@ -81,6 +87,9 @@ func (c Config) validate() error {
 		return fmt.Errorf("Interval: %s must be positive", c.Interval)
 	case c.Keep < c.Interval:
 		return fmt.Errorf("Keep: %s must be at least Interval (%s)", c.Keep, c.Interval)
+	}
+	if _, ok := c.DB.(migrate.Beginner); c.Outbox != nil && !ok {
+		return fmt.Errorf("DB: %T cannot begin the transaction Outbox's backlog is read in (use a *pgxpool.Pool)", c.DB)
 	}
 	return ident.Validate("Schema", c.Schema)
 }
@@ -146,11 +155,23 @@ func (h *Heartbeat) beat(ctx context.Context) error {
 	for _, n := range s.Rejected.ByReason() {
 		rejected += n
 	}
-	return heartbeatsql.Beat(ctx, h.cfg.DB, h.cfg.Schema, heartbeatsql.Sample{
+	sample := heartbeatsql.Sample{
 		Instance: h.cfg.Instance, StartedAt: h.started, ConsumerGroup: h.cfg.Dedup.ConsumerGroup(),
 		Mode: h.cfg.Dedup.Mode(), Version: h.cfg.Version,
 		Processed: clamp(s.Processed), Duplicates: clamp(s.Duplicates), Failed: clamp(s.Failed), Rejected: clamp(rejected),
-	}, h.cfg.Keep)
+	}
+	if h.cfg.Outbox != nil {
+		bl, err := h.cfg.Outbox.Backlog(ctx, h.cfg.DB.(migrate.Beginner), nil)
+		if err != nil {
+			return fmt.Errorf("heartbeat: outbox backlog: %w", err)
+		}
+		var pending int64
+		for _, b := range bl {
+			pending += b.Pending
+		}
+		sample.OutboxBacklog = &pending
+	}
+	return heartbeatsql.Beat(ctx, h.cfg.DB, h.cfg.Schema, sample, h.cfg.Keep)
 }
 
 func clamp(n uint64) int64 { return int64(min(n, math.MaxInt64)) }

@@ -2,6 +2,7 @@ package heartbeat_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/migrate"
+	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -73,4 +75,36 @@ func TestNewRefuses(t *testing.T) {
 	require.ErrorContains(t, err, "DB: required")
 	line := heartbeat.MigrationLine(`bad"schema`)
 	require.Error(t, line.Err)
+}
+
+// With an Outbox, each sample carries its topics' pending rows.
+func TestRunReportsTheOutboxBacklog(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.New(t, 3)
+	table := deduplicator.TableConfig{Schema: db.Schema}
+	ob, err := outbox.New(outbox.Config{Schema: db.Schema, Topics: []string{"billing.charged", "billing.refunded"}}, nil)
+	require.NoError(t, err)
+	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(table), heartbeat.MigrationLine(db.Schema),
+		outbox.MigrationLine(ob.Config(), "billing.charged"), outbox.MigrationLine(ob.Config(), "billing.refunded")))
+	for i, topic := range []string{"billing.charged", "billing.charged", "billing.refunded"} {
+		require.NoError(t, ob.PoolPublisher(db.Pool).Publish(topic, message.NewMessage(fmt.Sprint(i), []byte(`{}`))))
+	}
+	d, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table}, nil)
+	require.NoError(t, err)
+	hb, err := heartbeat.New(heartbeat.Config{DB: db.Pool, Schema: db.Schema, Dedup: d, Instance: "billing-1",
+		Interval: 20 * time.Millisecond, Outbox: ob}, nil)
+	require.NoError(t, err)
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- hb.Run(runCtx) }()
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		is, err := heartbeatsql.Instances(ctx, db.Pool, db.Schema, time.Hour)
+		require.NoError(c, err)
+		require.Len(c, is, 1)
+		require.NotNil(c, is[0].OutboxBacklog)
+		require.EqualValues(c, 3, *is[0].OutboxBacklog)
+	}, 30*time.Second, 20*time.Millisecond)
+	stop()
+	require.NoError(t, <-done)
 }

@@ -42,6 +42,9 @@ type Sample struct {
 	Duplicates int64 `json:"duplicates"`
 	Failed     int64 `json:"failed"`
 	Rejected   int64 `json:"rejected"`
+	// OutboxBacklog is the outbox's pending rows at the beat (nil: the
+	// instance reports none).
+	OutboxBacklog *int64 `json:"outbox_backlog"`
 }
 
 func table(schema string) (string, error) {
@@ -59,9 +62,9 @@ func Beat(ctx context.Context, db dbx.Querier, schema string, s Sample, keep tim
 		return err
 	}
 	_, err = db.Exec(ctx, `WITH pruned AS (DELETE FROM `+t+` WHERE $10::interval > '0' AND at < now() - $10::interval)
-INSERT INTO `+t+` (instance, started_at, consumer_group, mode, version, processed, duplicates, failed, rejected)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (instance, at) DO NOTHING`,
-		s.Instance, s.StartedAt, s.ConsumerGroup, s.Mode, s.Version, s.Processed, s.Duplicates, s.Failed, s.Rejected, keep)
+INSERT INTO `+t+` (instance, started_at, consumer_group, mode, version, processed, duplicates, failed, rejected, outbox_backlog)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $11) ON CONFLICT (instance, at) DO NOTHING`,
+		s.Instance, s.StartedAt, s.ConsumerGroup, s.Mode, s.Version, s.Processed, s.Duplicates, s.Failed, s.Rejected, keep, s.OutboxBacklog)
 	if err != nil {
 		return fmt.Errorf("heartbeatsql: beat: %w", err)
 	}
@@ -83,7 +86,7 @@ func Instances(ctx context.Context, db dbx.Querier, schema string, since time.Du
 	}
 	rows, err := db.Query(ctx, `SELECT * FROM (
   SELECT DISTINCT ON (instance) instance, started_at, at, consumer_group, mode, version,
-         processed, duplicates, failed, rejected, now() - at AS age
+         processed, duplicates, failed, rejected, outbox_backlog, now() - at AS age
   FROM `+t+` WHERE at >= now() - $1::interval ORDER BY instance, at DESC) s
 ORDER BY at DESC, instance`, since)
 	if err != nil {
@@ -92,7 +95,7 @@ ORDER BY at DESC, instance`, since)
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Instance, error) {
 		var i Instance
 		err := r.Scan(&i.Instance, &i.StartedAt, &i.At, &i.ConsumerGroup, &i.Mode, &i.Version,
-			&i.Processed, &i.Duplicates, &i.Failed, &i.Rejected, &i.Age)
+			&i.Processed, &i.Duplicates, &i.Failed, &i.Rejected, &i.OutboxBacklog, &i.Age)
 		return i, err
 	})
 	if err != nil {
@@ -109,11 +112,15 @@ type Point struct {
 	Duplicates int64     `json:"duplicates"`
 	Failed     int64     `json:"failed"`
 	Rejected   int64     `json:"rejected"`
-	Instances  int64     `json:"instances"`
+	// OutboxBacklog is the largest outbox backlog reported in the step (a
+	// gauge, not an increase); 0 when none was.
+	OutboxBacklog int64 `json:"outbox_backlog"`
+	Instances     int64 `json:"instances"`
 }
 
 // Series returns the counters' increase per step over the last window,
-// summed over the instances, oldest step first, one point per step (zero
+// summed over the instances, and the largest outbox backlog reported in each
+// step, oldest step first, one point per step (zero
 // where nothing was written). An increase is the difference between two
 // consecutive samples of one run (instance, started_at); the first sample of
 // a run that started within the window counts from zero, so a restart never
@@ -132,12 +139,14 @@ d AS (
     processed  - coalesce(lag(processed)  OVER w, CASE WHEN started_at >= b.lo THEN 0 ELSE processed END)  AS processed,
     duplicates - coalesce(lag(duplicates) OVER w, CASE WHEN started_at >= b.lo THEN 0 ELSE duplicates END) AS duplicates,
     failed     - coalesce(lag(failed)     OVER w, CASE WHEN started_at >= b.lo THEN 0 ELSE failed END)     AS failed,
-    rejected   - coalesce(lag(rejected)   OVER w, CASE WHEN started_at >= b.lo THEN 0 ELSE rejected END)   AS rejected
+    rejected   - coalesce(lag(rejected)   OVER w, CASE WHEN started_at >= b.lo THEN 0 ELSE rejected END)   AS rejected,
+    outbox_backlog
   FROM `+t+`, bounds b WHERE at >= b.lo - $2::interval
   WINDOW w AS (PARTITION BY instance, started_at ORDER BY at)
 )
 SELECT s.t, coalesce(sum(greatest(d.processed, 0)), 0)::bigint, coalesce(sum(greatest(d.duplicates, 0)), 0)::bigint,
-  coalesce(sum(greatest(d.failed, 0)), 0)::bigint, coalesce(sum(greatest(d.rejected, 0)), 0)::bigint, count(DISTINCT d.instance)
+  coalesce(sum(greatest(d.failed, 0)), 0)::bigint, coalesce(sum(greatest(d.rejected, 0)), 0)::bigint,
+  coalesce(max(d.outbox_backlog), 0)::bigint, count(DISTINCT d.instance)
 FROM bounds b, generate_series(b.lo, now(), $2::interval) s(t)
 LEFT JOIN d ON d.at >= s.t AND d.at < s.t + $2::interval
 GROUP BY s.t ORDER BY s.t`, window, step)
@@ -146,7 +155,7 @@ GROUP BY s.t ORDER BY s.t`, window, step)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Point, error) {
 		var p Point
-		err := r.Scan(&p.At, &p.Processed, &p.Duplicates, &p.Failed, &p.Rejected, &p.Instances)
+		err := r.Scan(&p.At, &p.Processed, &p.Duplicates, &p.Failed, &p.Rejected, &p.OutboxBacklog, &p.Instances)
 		return p, err
 	})
 	if err != nil {

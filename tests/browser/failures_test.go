@@ -221,17 +221,18 @@ func TestBrowserHistoryCharts(t *testing.T) {
 	ctx, dialogs := browser(t)
 	db := bin.ConsoleDB(t, "plain")
 	db.Exec(t, `WITH m AS (SELECT date_bin('1 minute', now(), 'epoch') AS m)
-INSERT INTO idem_heartbeat (instance, started_at, at, consumer_group, mode, version, processed, duplicates, failed)
-SELECT 'refund-ledger-7f9c-1', m - interval '2 hours', m - a * interval '1 minute' + interval '5 seconds', 'refund-ledger', 'lease', 'v1.4.2', p, d, f
-FROM m, (VALUES (5, 1000, 10, 0), (4, 1120, 12, 1), (3, 1300, 12, 1), (2, 1360, 20, 4)) v(a, p, d, f)`)
+INSERT INTO idem_heartbeat (instance, started_at, at, consumer_group, mode, version, processed, duplicates, failed, outbox_backlog)
+SELECT 'refund-ledger-7f9c-1', m - interval '2 hours', m - a * interval '1 minute' + interval '5 seconds', 'refund-ledger', 'lease', 'v1.4.2', p, d, f, o
+FROM m, (VALUES (5, 1000, 10, 0, 2), (4, 1120, 12, 1, 35), (3, 1300, 12, 1, 9), (2, 1360, 20, 4, 0)) v(a, p, d, f, o)`)
 	base := bin.StartServe(t, db, nil)
 	do(t, ctx, chromedp.Navigate(base+"/history"), chromedp.WaitVisible(chromedp.CSS("svg.chart")))
 	values := eval[[]string](t, ctx, `Array.from(document.querySelectorAll("svg.chart")).map(e => e.dataset.values)`)
-	require.Len(t, values, 4)
+	require.Len(t, values, 5)
 	tail := func(s string) string { p := strings.Split(s, ","); return strings.Join(p[len(p)-5:], ",") }
 	require.Equal(t, "120,180,60,0,0", tail(values[0]), "processed per minute") // 4, 3, 2 minutes ago, then nothing
 	require.Equal(t, "2,0,8,0,0", tail(values[1]))
 	require.Equal(t, "1,0,3,0,0", tail(values[2]))
+	require.Equal(t, "35,9,0,0,0", tail(values[4]), "the outbox backlog: a gauge")
 	require.Equal(t, "180", eval[string](t, ctx, `document.querySelector("svg.chart").dataset.max`))
 	require.Equal(t, len(strings.Split(values[0], ",")), eval[int](t, ctx, `document.querySelector("svg.chart polyline").getAttribute("points").split(" ").length`), "one point per value")
 	require.Equal(t, "lease", eval[string](t, ctx, `document.querySelector('tr.instance td:nth-child(3)').textContent`))
@@ -240,7 +241,7 @@ FROM m, (VALUES (5, 1000, 10, 0), (4, 1120, 12, 1), (3, 1300, 12, 1), (2, 1360, 
 	// The overview draws the same charts (their peaks: a minute may turn
 	// between the two pages).
 	do(t, ctx, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.ID("history")))
-	require.Equal(t, []string{"180", "8", "3", "0"}, eval[[]string](t, ctx, `Array.from(document.querySelectorAll("#history svg.chart")).map(e => e.dataset.max)`))
+	require.Equal(t, []string{"180", "8", "3", "0", "35"}, eval[[]string](t, ctx, `Array.from(document.querySelectorAll("#history svg.chart")).map(e => e.dataset.max)`))
 	require.Equal(t, "1 instances wrote a heartbeat in the last hour", text(t, ctx, "#history-instances"))
 	require.Zero(t, dialogs.Load())
 }

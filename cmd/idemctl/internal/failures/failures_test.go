@@ -202,15 +202,16 @@ func TestReadHistory(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
 	require.NoError(t, migrate.Up(ctx, db.Pool, failures.MigrationLines(db.Schema)...))
-	db.Exec(t, `INSERT INTO idem_heartbeat (instance, started_at, at, mode, processed, failed) VALUES
-('billing-1', now() - interval '2 hours', now() - interval '3 minutes', 'lease', 100, 0),
-('billing-1', now() - interval '2 hours', now() - interval '2 minutes', 'lease', 130, 2)`)
+	db.Exec(t, `INSERT INTO idem_heartbeat (instance, started_at, at, mode, processed, failed, outbox_backlog) VALUES
+('billing-1', now() - interval '2 hours', now() - interval '3 minutes', 'lease', 100, 0, 17),
+('billing-1', now() - interval '2 hours', now() - interval '2 minutes', 'lease', 130, 2, 4)`)
 	h, err := failures.ReadHistory(ctx, db.Pool, db.Schema, time.Hour, time.Minute)
 	require.NoError(t, err)
 	require.Len(t, h.Instances, 1)
 	require.Equal(t, "lease", h.Instances[0].Mode)
-	require.Len(t, h.Charts, 4)
+	require.Len(t, h.Charts, 5)
 	require.Equal(t, "processed per minute", h.Charts[0].Title)
 	require.Contains(t, h.Charts[0].SVG, `data-max="30"`)
 	require.Contains(t, h.Charts[2].SVG, `data-max="2"`)
+	require.Contains(t, h.Charts[4].SVG, `data-max="17"`)
 }

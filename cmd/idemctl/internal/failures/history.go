@@ -34,7 +34,7 @@ var ErrNoHistory = errors.New("failures: no heartbeat table (migrate heartbeat.M
 
 // ReadHistory reads the heartbeat table of schema over the last window, by
 // step, and draws the charts: processed, duplicates, failed and rejected
-// per step.
+// per step, and the outbox backlog the instances reported.
 func ReadHistory(ctx context.Context, db dbx.Querier, schema string, window, step time.Duration) (*History, error) {
 	is, err := heartbeatsql.Instances(ctx, db, schema, window)
 	if _, missing := pgerr.UndefinedTable(err); missing {
@@ -57,6 +57,7 @@ func ReadHistory(ctx context.Context, db dbx.Querier, schema string, window, ste
 		{"duplicates" + per, func(p heartbeatsql.Point) int64 { return p.Duplicates }},
 		{"failed" + per, func(p heartbeatsql.Point) int64 { return p.Failed }},
 		{"rejected" + per, func(p heartbeatsql.Point) int64 { return p.Rejected }},
+		{"outbox backlog (largest reported)", func(p heartbeatsql.Point) int64 { return p.OutboxBacklog }},
 	} {
 		pts := make([]svgchart.Point, len(series))
 		for i, p := range series {
