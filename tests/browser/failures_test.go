@@ -236,6 +236,7 @@ FROM m, (VALUES (5, 1000, 10, 0, 2), (4, 1120, 12, 1, 35), (3, 1300, 12, 1, 9), 
 	require.Equal(t, "180", eval[string](t, ctx, `document.querySelector("svg.chart").dataset.max`))
 	require.Equal(t, len(strings.Split(values[0], ",")), eval[int](t, ctx, `document.querySelector("svg.chart polyline").getAttribute("points").split(" ").length`), "one point per value")
 	require.Equal(t, "lease", eval[string](t, ctx, `document.querySelector('tr.instance td:nth-child(3)').textContent`))
+	require.Equal(t, "0", text(t, ctx, "tr.instance td.backlog"), "its last sample's backlog")
 	screenshot(t, ctx, base+"/history", "instances-table", "console-history.png")
 
 	// The overview draws the same charts (their peaks: a minute may turn
