@@ -13,8 +13,8 @@ TEST_CONNS    ?= 60
 TEST_FLAGS    ?= -race -count=1 -timeout 30m -p $(TEST_P) -parallel $(TEST_PARALLEL)
 BENCHTIME     ?= 500ms
 # The packages of the nested modules that go.work ties to the library (each has its own go.mod, so
-# ./... stops at it): the console's browser tests, which bring chromedp and cdproto.
-NESTED_PKGS   := ./tests/browser/...
+# ./... stops at it): the console's browser tests, which bring chromedp and cdproto; examples/orm (GORM, bun, ent, sqlx).
+NESTED_PKGS   := ./tests/browser/... ./examples/orm/...
 PKGS          := ./... $(NESTED_PKGS)
 
 .DEFAULT_GOAL := help
@@ -50,6 +50,16 @@ lint: ## gofmt, go vet, staticcheck
 .PHONY: bench
 bench: ## Benchmarks as ratios against same-run baselines; writes docs/benchmarks.md
 	$(GO) run ./cmd/bench -out docs/benchmarks.md -json docs/benchmarks.json
+
+# The hot-path sections bench/compare runs unless SECTIONS names others
+# (comma-separated -only filters; SECTIONS= with nothing runs every section).
+SECTIONS ?= dedup-overhead,duplicate-path,group-commit-ceiling,parallel,lease
+COMPARE_ROUNDS ?= 3
+
+.PHONY: bench/compare
+bench/compare: ## Head vs BASE=<ref>: both built once, alternated round by round over SECTIONS (COMPARE_ROUNDS=3), head/base per cell
+	@test -n "$(BASE)" || { echo "usage: make bench/compare BASE=<ref> [SECTIONS=lease,parallel] [COMPARE_ROUNDS=3]"; exit 2; }
+	$(GO) run ./cmd/bench -compare $(BASE) -only "$(SECTIONS)" -compare-rounds $(COMPARE_ROUNDS)
 
 .PHONY: bench/short
 bench/short: ## A quick benchmark pass (CI smoke), prints the table only

@@ -7,6 +7,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/payloaderr"
 	"github.com/idemkit/watermill-idempotency/internal/permanent"
+	"github.com/idemkit/watermill-idempotency/internal/sqltx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -43,6 +44,12 @@ var (
 	// the value [MustTxFromContext] panics with. Use msg.Context() of the
 	// handled message, or a context derived from it.
 	ErrNotInHandler = idemctx.ErrNotInHandler
+
+	// ErrUnsupportedDriver: [SQLDB] got a *sql.DB that was not opened with
+	// pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib). The library's
+	// own statements are pgx's, run on the handler's connection, and no
+	// other driver (lib/pq) gives that connection.
+	ErrUnsupportedDriver = sqltx.ErrUnsupportedDriver
 
 	// ErrLeaseLost (lease mode): the delivery's lease was taken over by
 	// another delivery after it expired (the handler ran longer than the

@@ -65,6 +65,7 @@ const givenSource = `package gen
 
 import (
 	"context"
+	"database/sql"
 	"io"
 	"testing"
 	"time"
@@ -130,6 +131,7 @@ var (
 	since        time.Time
 	payment      any
 	applyPayment func(context.Context, pgx.Tx, any) error
+	sqlDB        *sql.DB // a database/sql user's (pgx's stdlib driver)
 )
 `
 
