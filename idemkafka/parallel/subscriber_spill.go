@@ -121,10 +121,10 @@ func (p *partState) observe(d time.Duration) {
 }
 
 // starved reports whether spilling p's blocked keys could give a handler
-// work: p has no ready record of its own, and a MaxInFlight slot is free
-// with no ready record of the stream queued for it (stream.idle), or p
-// has fewer messages in flight than its share of MaxInFlight (the next
-// freed slots go to it: stream.pickReady). Otherwise the handlers hold p
+// work: p has no ready record of its own, and p has fewer messages in
+// flight than its share of MaxInFlight (the next freed slots go to it:
+// stream.pickReady), or a MaxInFlight slot is free with no ready record
+// of the stream queued for it. Otherwise the handlers hold p
 // up, not its blocked keys: with a backlog a window holds far more ready
 // heads than MaxInFlight, and spilling would only read records twice.
 // Called with mu held.
