@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/idemkit/watermill-idempotency/internal/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 )
 

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/idemkit/watermill-idempotency/internal/kfake"
 )
 
 // Broker is a Kafka-protocol cluster for one test.
