@@ -11,7 +11,10 @@
 //     development-only dependency (chromedp, cdproto: the console's browser
 //     tests).
 //
-// Run it from the repository root: make release/check.
+// With -api it runs gorelease instead (api.go): which version the public API
+// changes since the last release need, or, before the first one, v0.1.0.
+//
+// Run it from the repository root: make release/check, make release/api.
 package main
 
 import (
@@ -38,9 +41,19 @@ var devOnly = []string{"github.com/chromedp/chromedp", "github.com/chromedp/cdpr
 func main() {
 	version := flag.String("version", "v0.1.0", "the version the working tree is served as")
 	keep := flag.Bool("keep", false, "keep the temporary directory (proxy, module cache, quickstart) and print it")
+	apiMode := flag.Bool("api", false, "run gorelease on HEAD instead: the version the API changes need")
+	base := flag.String("base", "", "with -api: the released version to compare with (default: the newest the proxy serves)")
 	flag.Parse()
 	tmp, err := os.MkdirTemp("", "idem-release-")
-	if err == nil {
+	switch {
+	case err != nil:
+	case *apiMode:
+		v := ""
+		if isFlagSet("version") {
+			v = *version
+		}
+		err = api(tmp, *base, v)
+	default:
 		err = check(tmp, *version)
 	}
 	if *keep {
@@ -52,7 +65,15 @@ func main() {
 		fmt.Fprintln(os.Stderr, "release/check: FAIL:", err)
 		os.Exit(1)
 	}
-	fmt.Println("release/check: ok")
+	if !*apiMode {
+		fmt.Println("release/check: ok")
+	}
+}
+
+func isFlagSet(name string) bool {
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }
 
 type mod struct{ path, dir string }
