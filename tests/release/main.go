@@ -7,7 +7,8 @@
 //   - installs cmd/idemctl with go install …@version (refused if the
 //     library's go.mod has a replace directive) and runs it;
 //   - builds examples/quickstart copied into a fresh module that requires the
-//     library at -version, and fails if that module's go.mod or go.sum names a
+//     library at -version, and fails if that module's go.mod, go.sum or
+//     module graph (go mod graph: what a vulnerability scan reads) names a
 //     development-only dependency (chromedp, cdproto: the console's browser
 //     tests).
 //
@@ -273,9 +274,16 @@ func buildQuickstart(tmp string, env []string, version, src string) error {
 			return fmt.Errorf("the quickstart copied into its own module: %w", err)
 		}
 	}
+	graph, err := goCmd(dir, env, "mod", "graph")
+	if err != nil {
+		return err
+	}
 	var bad []string
-	for _, name := range []string{"go.mod", "go.sum"} {
+	for _, name := range []string{"go.mod", "go.sum", "go mod graph"} {
 		data, err := os.ReadFile(filepath.Join(dir, name))
+		if name == "go mod graph" {
+			data, err = graph, nil
+		}
 		if err != nil && !errors.Is(err, os.ErrNotExist) {
 			return err
 		}
@@ -288,6 +296,6 @@ func buildQuickstart(tmp string, env []string, version, src string) error {
 	if len(bad) > 0 {
 		return fmt.Errorf("a user's module requiring %s@%s gets development-only modules: %s", library, version, strings.Join(bad, "; "))
 	}
-	fmt.Printf("release/check: the quickstart builds in a module of its own requiring %s@%s; its go.mod and go.sum name none of %s\n", library, version, strings.Join(devOnly, ", "))
+	fmt.Printf("release/check: the quickstart builds in a module of its own requiring %s@%s; its go.mod, go.sum and module graph name none of %s\n", library, version, strings.Join(devOnly, ", "))
 	return nil
 }
