@@ -4,7 +4,7 @@
 
 GO            ?= go
 STATICCHECK   := honnef.co/go/tools/cmd/staticcheck@v0.7.0
-# The suite's PostgreSQL connection budget (README, "Testing"): packages tested
+# The suite's PostgreSQL connection budget (docs/testing.md, "Connection budget"): packages tested
 # at once (-p), tests run at once within a package (-parallel), and the client
 # connections all of it may hold at once, checked against max_connections first.
 TEST_P        ?= 2
