@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+
 	"github.com/idemkit/watermill-idempotency/internal/kfake"
 )
 
