@@ -13,10 +13,11 @@ TEST_CONNS    ?= 60
 TEST_FLAGS    ?= -race -count=1 -timeout 30m -p $(TEST_P) -parallel $(TEST_PARALLEL)
 BENCHTIME     ?= 500ms
 VERSION       ?= v0.1.0
-PKGS          := ./...
-# The repository's modules: go.work lists them (the library is the first);
-# in workspace mode ./... spans them all. A new module is one line in go.work.
-MODULES       = $(shell $(GO) list -m -f '{{.Dir}}')
+# The repository's modules: go.work lists them, the library first; a new module
+# is one line there. ./... stops at a nested module's go.mod, so PKGS names
+# each module's tree: ./... ./examples/billing/... and so on.
+MODULES       := $(shell $(GO) list -m -f '{{.Dir}}')
+PKGS          := $(patsubst $(CURDIR)%,.%/...,$(MODULES))
 
 .DEFAULT_GOAL := help
 
