@@ -4,7 +4,7 @@ import (
 	"strconv"
 	"strings"
 
-	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/internal/payloaderr"
 )
 
 // Error is every refusal of [Contract.Decode] (and of [Contract.Message] for
@@ -64,4 +64,4 @@ func (e *Error) Error() string {
 
 // Unwrap returns middleware.ErrMalformedPayload: every contract refusal is
 // permanent.
-func (e *Error) Unwrap() error { return idem.ErrMalformedPayload }
+func (e *Error) Unwrap() error { return payloaderr.ErrMalformed }

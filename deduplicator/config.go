@@ -86,12 +86,21 @@ type Config struct {
 	// StaleMargin, Register logs it at Info level: events replayed from
 	// further back will be refused as stale. Defaults to 0 (no check).
 	ReplayHorizon time.Duration
+
+	// NowFunc is the clock of the stale rule's cache: a horizon read at
+	// NowFunc's t is re-read once [Deduplicator.CheckStale] is called with
+	// a now at or past t + [RetentionRefreshInterval] (or before t). Give
+	// CheckStale its now from the same clock. Defaults to time.Now.
+	NowFunc func() time.Time
 }
 
 func (c *Config) setDefaults() {
 	c.TableConfig.setDefaults()
 	if c.StaleMargin == 0 {
 		c.StaleMargin = DefaultStaleMargin
+	}
+	if c.NowFunc == nil {
+		c.NowFunc = time.Now
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -28,6 +29,9 @@ type Deduplicator struct {
 	claimSQL       string
 	claimBatchSQL  string
 	processedAtSQL string
+	// leases is lease mode's protocol on the table for the group; the
+	// middleware reaches it through leasesql.Of.
+	leases *leasesql.Protocol
 }
 
 // New returns a Deduplicator. It does not touch the database; migrate [MigrationLine] up
@@ -48,6 +52,7 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*Deduplicator, error) {
 		claimSQL:       claimsql.Claim(t),
 		claimBatchSQL:  claimsql.ClaimBatch(t),
 		processedAtSQL: "SELECT processed_at FROM " + t + " WHERE event_id = $1 AND consumer_group = $2",
+		leases:         newLeases(cfg),
 	}, nil
 }
 

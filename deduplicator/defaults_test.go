@@ -2,6 +2,7 @@ package deduplicator
 
 import (
 	"testing"
+	"time"
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/configdoc"
 )
@@ -10,7 +11,7 @@ import (
 // comments and docs/configuration.md state.
 func TestDefaultsMatchTheirDocs(t *testing.T) {
 	t.Parallel()
-	names := map[string]any{"LayoutPlain": LayoutPlain, "DefaultStaleMargin": DefaultStaleMargin}
+	names := map[string]any{"LayoutPlain": LayoutPlain, "DefaultStaleMargin": DefaultStaleMargin, "time.Now": time.Now}
 	var table TableConfig
 	table.setDefaults()
 	configdoc.Check(t, configdoc.Spec{Value: table, Section: "`deduplicator.TableConfig`", RowPrefix: "TableConfig.", Names: names})

@@ -9,7 +9,9 @@
 // transaction:
 //
 //	table := deduplicator.TableConfig{} // public.processed_event
-//	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil { ... }
+//	if err := migrate.Up(ctx, pool, deduplicator.MigrationLine(table)); err != nil {
+//		log.Fatal(err)
+//	}
 //	dedup, err := deduplicator.New(deduplicator.Config{TableConfig: table, ConsumerGroup: "billing"}, logger)
 //	_, err = dedup.Register(ctx, pool, "") // at start-up
 //	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {

@@ -52,6 +52,13 @@ var (
 
 	// The errors of the consumer-group registry.
 
+	// ErrGroupExists is returned by [RenameGroup] when the new name is
+	// already registered or holds claims.
+	ErrGroupExists = dedupsql.ErrGroupExists
+	// ErrGroupNotFound is returned by [RenameGroup] and [ForgetGroup] for a
+	// group that is not registered.
+	ErrGroupNotFound = dedupsql.ErrGroupNotFound
+
 	// ErrNamespaceMismatch is returned by [Deduplicator.Register] when the
 	// configured Idempotency-Key namespace differs from the one recorded
 	// for the group: the downstream keys of every event would change, and

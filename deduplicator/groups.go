@@ -50,7 +50,7 @@ func readSetting(ctx context.Context, db migrate.DBTX, cfg TableConfig) (dedupsq
 // recorded one.
 func checkRetention(s dedupsql.Setting, cfg TableConfig) error {
 	if cfg.Retention != 0 && cfg.Retention != s.Retention {
-		return fmt.Errorf("%w: %s records %s, configured %s (leave TableConfig.Retention zero to use the recorded value, or change it for every component with idemctl dedup retention)",
+		return fmt.Errorf("%w: %s records %s, configured %s (leave TableConfig.Retention zero to use the recorded value, or change it for every component with idemctl retention set)",
 			ErrRetentionMismatch, ident.Quote(cfg.Schema, cfg.Table), s.Retention, cfg.Retention)
 	}
 	return nil

@@ -64,7 +64,7 @@ func (d *Deduplicator) readHorizon(ctx context.Context, db migrate.DBTX) (horizo
 	if err != nil {
 		return horizon{}, err
 	}
-	h := horizon{retention: s.Retention, cleanedBefore: s.CleanedBefore, groupFirstSeen: first, readAt: time.Now()}
+	h := horizon{retention: s.Retention, cleanedBefore: s.CleanedBefore, groupFirstSeen: first, readAt: d.cfg.NowFunc()}
 	if d.cfg.StaleMargin >= h.retention {
 		return horizon{}, fmt.Errorf("invalid config: StaleMargin: %s must be shorter than the table's retention (%s)", d.cfg.StaleMargin, h.retention)
 	}
@@ -90,16 +90,17 @@ func (d *Deduplicator) loadHorizon(ctx context.Context, db migrate.DBTX) error {
 }
 
 // currentHorizon returns the kept horizon, re-reading it on db when it is
-// older than RetentionRefreshInterval: a retention changed with idemctl
+// older than RetentionRefreshInterval at now (the caller's clock, the one
+// Config.NowFunc stamps the reads with): a retention changed with idemctl
 // retention set reaches running consumers within that interval, which is
 // what lets the Cleaner apply a shortening safely.
-func (d *Deduplicator) currentHorizon(ctx context.Context, db migrate.Beginner) (horizon, error) {
-	if h := d.stale.h.Load(); h != nil && time.Since(h.readAt) < RetentionRefreshInterval {
+func (d *Deduplicator) currentHorizon(ctx context.Context, db migrate.Beginner, now time.Time) (horizon, error) {
+	if h := d.stale.h.Load(); h != nil && h.fresh(now) {
 		return *h, nil
 	}
 	d.stale.mu.Lock()
 	defer d.stale.mu.Unlock()
-	if h := d.stale.h.Load(); h != nil && time.Since(h.readAt) < RetentionRefreshInterval {
+	if h := d.stale.h.Load(); h != nil && h.fresh(now) {
 		return *h, nil
 	}
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return d.loadHorizon(ctx, tx) })
@@ -107,6 +108,13 @@ func (d *Deduplicator) currentHorizon(ctx context.Context, db migrate.Beginner) 
 		return horizon{}, fmt.Errorf("deduplicator: re-read the retention: %w", err)
 	}
 	return *d.stale.h.Load(), nil
+}
+
+// fresh reports whether h, read at h.readAt, is still to be used at now: less
+// than RetentionRefreshInterval has passed (a clock set back re-reads too).
+func (h *horizon) fresh(now time.Time) bool {
+	age := now.Sub(h.readAt)
+	return age >= 0 && age < RetentionRefreshInterval
 }
 
 // CheckStale applies the stale rule to a UUIDv7 event id at now: it
@@ -120,14 +128,14 @@ func (d *Deduplicator) currentHorizon(ctx context.Context, db migrate.Beginner) 
 //
 // It reads the table's retention and the group on db (the group must be
 // registered: [Deduplicator.Register]) at most every
-// [RetentionRefreshInterval]; an error reading them is returned as it is
+// [RetentionRefreshInterval] of now's clock ([Config.NowFunc]); an error reading them is returned as it is
 // (retry the message), never a guess. Ids that are not UUIDv7 carry no
 // time and are never stale.
 func (d *Deduplicator) CheckStale(ctx context.Context, db migrate.Beginner, eventID uuid.UUID, now time.Time) error {
 	if eventID.Version() != 7 {
 		return nil
 	}
-	h, err := d.currentHorizon(ctx, db)
+	h, err := d.currentHorizon(ctx, db, now)
 	if err != nil {
 		return err
 	}

@@ -109,21 +109,19 @@ type Config struct {
 	// differs from the recorded one is refused (ErrNamespaceMismatch).
 	IdempotencyNamespace string
 
-	// GroupCommit, when set, lets the messages that reach the middleware at
-	// the same time share one transaction; see [GroupCommitConfig]. Needs a
-	// DB that can run several transactions at once (a *pgxpool.Pool).
-	// Defaults to nil: one transaction per message.
-	GroupCommit *GroupCommitConfig
-
-	// Lease, when set, turns on lease mode for the handlers this middleware
-	// wraps: the handler runs with no transaction and no connection held,
-	// between a short transaction that takes a lease on the event and one
-	// that completes it; see [LeaseConfig]. Use it for handlers that call
-	// out (a payment provider); keep transaction mode (nil) for handlers
-	// that only write to the database. Needs a *pgxpool.Pool as DB; not
-	// with GroupCommit (lease mode batches its phases itself). Defaults to
-	// nil: transaction mode.
-	Lease *LeaseConfig
+	// Mode is how the middleware processes a message: nil is transaction
+	// mode (one transaction per message: BEGIN and the claim, the handler
+	// on it, COMMIT); a *GroupCommitConfig is group commit (the messages
+	// that reach the middleware at the same time share one transaction;
+	// needs a DB that runs several at once, a *pgxpool.Pool); a
+	// *LeaseConfig is lease mode (the handler runs with no transaction and
+	// no connection held, between a short transaction that takes a lease
+	// on the event and one that completes it: for handlers that call out;
+	// needs a *pgxpool.Pool). One field, so a Config names one mode; for
+	// handlers of two kinds, use two middlewares. A nil *GroupCommitConfig
+	// or *LeaseConfig is transaction mode too. Defaults to nil: transaction
+	// mode.
+	Mode Mode
 
 	// Concurrency is the most messages the subscriber hands the middleware
 	// at once: idemkafka's parallel Subscriber.MaxInFlight(), or, with
@@ -132,7 +130,7 @@ type Config struct {
 	// NewDedup refuses ([ErrPoolTooSmall]) a pool whose MaxConns cannot give
 	// each transaction its connection: Concurrency connections in
 	// one-transaction-per-message mode, min(Concurrency,
-	// GroupCommit.Concurrency) with group commit, 2 × Lease.Concurrency + 1
+	// Mode.Concurrency) with group commit, 2 × Mode.Concurrency + 1
 	// in lease mode (whatever Concurrency is: handlers hold none). A smaller
 	// pool makes the handlers queue for connections. Defaults to 0: not
 	// checked.
@@ -160,7 +158,10 @@ type Config struct {
 	// table and registering the consumer group. Defaults to 30 s.
 	StartupTimeout time.Duration
 
-	// NowFunc returns the current time. Defaults to time.Now.
+	// NowFunc returns the current time: the clock of the stale guard, and
+	// of its cache of the table's retention (re-read every
+	// deduplicator.RetentionRefreshInterval of this clock). Defaults to
+	// time.Now.
 	NowFunc func() time.Time
 }
 
@@ -171,15 +172,21 @@ func (c *Config) setDefaults() {
 	if c.StartupTimeout == 0 {
 		c.StartupTimeout = defaultStartupTimeout
 	}
-	if c.GroupCommit != nil {
-		gc := *c.GroupCommit // the caller's value stays as it was
-		gc.setDefaults()
-		c.GroupCommit = &gc
-	}
-	if c.Lease != nil {
-		lc := *c.Lease
-		lc.setDefaults()
-		c.Lease = &lc
+	switch m := c.Mode.(type) { // the caller's value stays as it was
+	case *GroupCommitConfig:
+		c.Mode = nil
+		if m != nil {
+			gc := *m
+			gc.setDefaults()
+			c.Mode = &gc
+		}
+	case *LeaseConfig:
+		c.Mode = nil
+		if m != nil {
+			lc := *m
+			lc.setDefaults()
+			c.Mode = &lc
+		}
 	}
 	if c.StaleMargin == 0 {
 		c.StaleMargin = deduplicator.DefaultStaleMargin
@@ -231,26 +238,23 @@ func (c Config) validate() error {
 	if c.Concurrency < 0 {
 		return errors.New("Concurrency: must not be negative")
 	}
-	if c.Lease != nil {
-		if err := c.Lease.validate(); err != nil {
+	if l := c.lease(); l != nil {
+		if err := l.validate(); err != nil {
 			return err
 		}
 		if _, ok := c.DB.(dbx.Pool); !ok {
-			return fmt.Errorf("Lease: DB (%T) is not a *pgxpool.Pool: lease mode runs its phases' transactions concurrently, on connections of their own", c.DB)
-		}
-		if c.GroupCommit != nil {
-			return errors.New("Lease: not with GroupCommit: lease mode batches its phases itself (Lease.MaxBatch, Lease.Concurrency); use two middlewares, one per mode, for handlers of both kinds")
+			return fmt.Errorf("Mode: lease mode needs a *pgxpool.Pool as DB, not %T: it runs its phases' transactions concurrently, on connections of their own", c.DB)
 		}
 	}
 	if err := c.checkPool(); err != nil {
 		return err
 	}
-	if c.GroupCommit != nil {
-		if err := c.GroupCommit.validate(); err != nil {
+	if gc := c.groupCommit(); gc != nil {
+		if err := gc.validate(); err != nil {
 			return err
 		}
 		if _, ok := c.DB.(pgx.Tx); ok {
-			return errors.New("GroupCommit: DB is a pgx.Tx, which cannot run concurrent groups (use a *pgxpool.Pool)")
+			return errors.New("Mode: group commit's DB is a pgx.Tx, which cannot run concurrent groups (use a *pgxpool.Pool)")
 		}
 	}
 	return nil
@@ -263,24 +267,47 @@ func (c Config) checkPool() error {
 		return nil
 	}
 	need := c.Concurrency
-	if c.GroupCommit != nil {
-		need = min(need, c.GroupCommit.Concurrency)
+	gc, l := c.groupCommit(), c.lease()
+	if gc != nil {
+		need = min(need, gc.Concurrency)
 	}
-	if c.Lease != nil {
-		need = c.Lease.leaseConns()
+	if l != nil {
+		need = l.leaseConns()
 	}
 	max := int(pool.Stat().MaxConns())
 	switch {
 	case max >= need:
 		return nil
-	case c.Lease != nil:
-		return fmt.Errorf("Concurrency: the pool has MaxConns %d, lease mode runs up to %d transactions at once (2 × Lease.Concurrency + 1; give the pool at least %d, or lower Lease.Concurrency): %w",
+	case l != nil:
+		return fmt.Errorf("Concurrency: the pool has MaxConns %d, lease mode runs up to %d transactions at once (2 × LeaseConfig.Concurrency + 1; give the pool at least %d, or lower LeaseConfig.Concurrency): %w",
 			max, need, need, ErrPoolTooSmall)
-	case c.GroupCommit != nil:
+	case gc != nil:
 		return fmt.Errorf("Concurrency: the pool has MaxConns %d, the %d concurrent group transactions need %d connections (give the pool at least %d): %w",
 			max, need, need, need, ErrPoolTooSmall)
 	default:
 		return fmt.Errorf("Concurrency: the pool has MaxConns %d, but up to %d messages run at once, each holding a connection for its transaction (give the pool at least %d, or lower the subscriber's MaxInFlight): %w",
 			max, c.Concurrency, need, ErrPoolTooSmall)
 	}
+}
+
+// Mode is one of the middleware's ways of processing a message, chosen by
+// [Config.Mode]: a *[GroupCommitConfig] or a *[LeaseConfig] (nil:
+// transaction mode). Only this package's configs are modes.
+type Mode interface {
+	isMode()
+}
+
+func (*GroupCommitConfig) isMode() {}
+func (*LeaseConfig) isMode()       {}
+
+// groupCommit returns the group-commit config, nil in another mode.
+func (c Config) groupCommit() *GroupCommitConfig {
+	gc, _ := c.Mode.(*GroupCommitConfig)
+	return gc
+}
+
+// lease returns the lease-mode config, nil in another mode.
+func (c Config) lease() *LeaseConfig {
+	l, _ := c.Mode.(*LeaseConfig)
+	return l
 }

@@ -29,7 +29,7 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 	tx, ok := TxFromContext(ctx)
 	if !ok {
 		if leaseStateFrom(ctx) != nil {
-			panic(fmt.Errorf("%w: lease mode (Config.Lease) runs the handler without a transaction; register its writes with idem.Complete", ErrNotInHandler))
+			panic(fmt.Errorf("%w: lease mode (Config.Mode: a *LeaseConfig) runs the handler without a transaction; register its writes with idem.Complete", ErrNotInHandler))
 		}
 		panic(ErrNotInHandler)
 	}
@@ -55,7 +55,7 @@ type completeFunc = func(ctx context.Context, tx pgx.Tx) error
 // gets carries it ([TxFromContext], outbox.PublisherFromContext work on
 // it). Write handlers with it and they work in both modes:
 //
-//   - lease mode ([Config.Lease]): the handler runs with no transaction;
+//   - lease mode ([LeaseConfig]): the handler runs with no transaction;
 //     fn runs after it returns nil, in the completing transaction, once the
 //     lease's token is checked. A lease lost meanwhile runs no fn at all.
 //     Functions run in the order registered; an error from one rolls the

@@ -5,6 +5,9 @@
 // Watermill's own middleware package:
 //
 //	import (
+//		"time"
+//
+//		"github.com/ThreeDotsLabs/watermill/message"
 //		"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 //		idem "github.com/idemkit/watermill-idempotency/middleware"
 //	)
@@ -35,8 +38,8 @@
 //
 // [IdempotencyKey] and [NewIdempotencyKeyTransport] derive the
 // Idempotency-Key of a downstream call from the event being handled.
-// Handlers that make such calls run best in lease mode ([Config.Lease],
-// [LeaseConfig]): the handler holds no transaction and no connection
+// Handlers that make such calls run best in lease mode ([Config.Mode]:
+// a *[LeaseConfig]): the handler holds no transaction and no connection
 // while it calls; its writes, registered with [Complete], commit with the
 // claim in a short transaction that first checks the delivery's lease.
 // retrytopic moves transient failures to retry topics; idemtest helps

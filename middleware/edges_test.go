@@ -68,11 +68,11 @@ func TestEdgeGroupNameUnstorableRefused(t *testing.T) {
 		requireGroupNameError(t, err, "ConsumerGroup", bad, "deduplicator.New")
 
 		// idemctl groups rename and forget (and the console) check names so.
-		_, _, err = dedupsql.RenameGroup(ctx, f.pool, table.Schema, table.Table, "billing", bad, deduplicator.ValidateGroupName)
+		_, _, err = deduplicator.RenameGroup(ctx, f.pool, table, "billing", bad)
 		requireGroupNameError(t, err, "to", bad, "RenameGroup to")
-		_, _, err = dedupsql.RenameGroup(ctx, f.pool, table.Schema, table.Table, bad, "billing3", deduplicator.ValidateGroupName)
+		_, _, err = deduplicator.RenameGroup(ctx, f.pool, table, bad, "billing3")
 		requireGroupNameError(t, err, "from", bad, "RenameGroup from")
-		_, err = dedupsql.ForgetGroup(ctx, f.pool, table.Schema, table.Table, bad, deduplicator.ValidateGroupName)
+		_, err = deduplicator.ForgetGroup(ctx, f.pool, table, bad)
 		requireGroupNameError(t, err, "group", bad, "ForgetGroup")
 		_, err = deduplicator.ConvertTable(ctx, f.pool, table, deduplicator.ConvertOptions{ConsumerGroup: bad})
 		requireGroupNameError(t, err, "ConvertOptions.ConsumerGroup", bad, "ConvertTable")

@@ -5,6 +5,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/internal/payloaderr"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -18,8 +19,9 @@ import (
 // watermill's middleware.PoisonQueueWithFilter.
 var (
 	// ErrMalformedPayload is for handlers: wrap payload decoding failures with
-	// it (or with [Permanent]) so they go to the poison queue.
-	ErrMalformedPayload = errors.New("malformed payload")
+	// it (or with [Permanent]) so they go to the poison queue. contract's
+	// refusals unwrap to this same value.
+	ErrMalformedPayload = payloaderr.ErrMalformed
 
 	// ErrTxAborted: the handler returned nil but left the message's
 	// transaction unable to commit: one of its statements failed and it

@@ -191,7 +191,7 @@ func TestGrantsConsumerAndCleanerPlain(t *testing.T) {
 
 	// Group commit: the multi-row claim with RETURNING.
 	grouped, err := idem.NewDedup(idem.Config{DB: consumer, ConsumerGroup: "billing", Table: table,
-		GroupCommit: &idem.GroupCommitConfig{MaxMessages: 8, MaxWait: 100 * time.Millisecond, Concurrency: 2}}, nil)
+		Mode: &idem.GroupCommitConfig{MaxMessages: 8, MaxWait: 100 * time.Millisecond, Concurrency: 2}}, nil)
 	require.NoError(t, err)
 	gids := newIDs(8)
 	msgs := make([]*message.Message, len(gids))
@@ -208,7 +208,7 @@ func TestGrantsConsumerAndCleanerPlain(t *testing.T) {
 
 	// Lease mode: take, renew-free call, completion, a handler error's
 	// release, a duplicate.
-	leased, err := idem.NewDedup(idem.Config{DB: consumer, ConsumerGroup: "billing", Table: table, Lease: &idem.LeaseConfig{Concurrency: 1}}, nil)
+	leased, err := idem.NewDedup(idem.Config{DB: consumer, ConsumerGroup: "billing", Table: table, Mode: &idem.LeaseConfig{Concurrency: 1}}, nil)
 	require.NoError(t, err)
 	lh := leased.Middleware(handler)
 	_, err = leased.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, errors.New("provider down") })(msg(gids[0]))

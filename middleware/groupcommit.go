@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/debug"
 	"slices"
 	"sync"
 	"time"
@@ -21,89 +22,14 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// Defaults of [GroupCommitConfig].
-const (
-	// defaultGroupMaxMessages is the largest group.
-	defaultGroupMaxMessages = 64
-	// defaultGroupMaxWait is how long a group gathers at most.
-	defaultGroupMaxWait = 5 * time.Millisecond
-	// defaultGroupConcurrency is how many groups run at once.
-	defaultGroupConcurrency = 4
-)
-
-// GroupCommitConfig turns on group commit: the messages that reach the
-// middleware at the same time (watermill-kafka keeps one message in flight
-// per partition and runs the partitions concurrently, so with many
-// partitions many arrive at once) share one transaction: BEGIN and one
-// multi-row claim of their sorted ids in one round trip, duplicates acked
-// without running their handlers, each new message's handler run in turn on
-// the shared transaction with its own message context, one COMMIT, and only
-// then the acks. All of a group's claims and effects commit together or not
-// at all, so the guarantees of the one-message mode hold; per-partition
-// order is untouched (one message per partition per group).
-//
-// A handler error or panic, or a handler that leaves the transaction
-// aborted (it swallowed an SQL error: [ErrTxAborted]), rolls the group
-// back; that message (the culprit) is processed again alone, in its own
-// transaction, and the rest of the group runs again as a group (so one
-// poison message costs its group one retry); a message whose handler has
-// failed once is processed alone from then on (Retry's attempts,
-// redeliveries). A failed
-// COMMIT (outcome unknown) nacks every message of the group: redelivery and
-// the claims settle it.
-//
-// What it costs: up to MaxWait of latency while a group gathers (a group
-// that stops receiving new messages starts sooner), the handlers of one
-// group run one after another, and one failure retries its group. Turn it on
-// when an instance consumes many partitions and the database's commit rate
-// is the limit; docs/groupcommit.md has the measurements.
-type GroupCommitConfig struct {
-	// MaxMessages is the largest group. A group runs as soon as it holds
-	// its share of the messages in flight, ceil(in flight / Concurrency),
-	// at most MaxMessages: n partitions fill Concurrency groups of about
-	// n/Concurrency, and a lone message runs at once. Defaults to 64.
-	MaxMessages int
-	// MaxWait is the longest a group gathers before it runs, for a share
-	// that does not come (messages in flight elsewhere); it also runs when
-	// no message joined it for a fifth of MaxWait. Defaults to 5 ms.
-	MaxWait time.Duration
-	// Concurrency is how many groups run at once, each on its own
-	// connection, so handler CPU is not serialized through one goroutine.
-	// While all are busy, arriving messages gather into the next group.
-	// Defaults to 4.
-	Concurrency int
-}
-
-func (c *GroupCommitConfig) setDefaults() {
-	if c.MaxMessages == 0 {
-		c.MaxMessages = defaultGroupMaxMessages
-	}
-	if c.MaxWait == 0 {
-		c.MaxWait = defaultGroupMaxWait
-	}
-	if c.Concurrency == 0 {
-		c.Concurrency = defaultGroupConcurrency
-	}
-}
-
-func (c GroupCommitConfig) validate() error {
-	switch {
-	case c.MaxMessages < 1:
-		return errors.New("GroupCommit.MaxMessages: must be positive")
-	case c.MaxWait < 0:
-		return errors.New("GroupCommit.MaxWait: must not be negative")
-	case c.Concurrency < 1:
-		return errors.New("GroupCommit.Concurrency: must be positive")
-	}
-	return nil
-}
-
-// groupCommit gathers concurrent messages into groups. There is no
-// background goroutine: the first message of a group leads it (waits for a
-// slot and for others to join, then runs it), the others wait for their
-// result.
-type groupCommit struct {
-	d     *Dedup
+// groupMode is group commit: it gathers concurrent messages into groups.
+// There is no background goroutine: the first message of a group leads it
+// (waits for a slot and for others to join, then runs it), the others wait
+// for their result. A message goes alone, in transaction mode, after its
+// handler failed once, or when its group's claim failed.
+type groupMode struct {
+	s     *steps
+	alone *txMode
 	cfg   GroupCommitConfig
 	slots chan struct{}
 
@@ -140,21 +66,45 @@ func (r *request) reply(res result) {
 }
 
 // result is a message's outcome; alone means: process it in its own
-// transaction instead.
+// transaction instead; panicked holds the value its handler panicked with
+// (the group was rolled back), to raise again in the message's own
+// goroutine.
 type result struct {
 	produced []*message.Message
 	outcome  string
 	err      error
 	alone    bool
+	panicked any
 }
 
-func newGroupCommit(d *Dedup, cfg GroupCommitConfig) *groupCommit {
-	return &groupCommit{d: d, cfg: cfg, slots: make(chan struct{}, cfg.Concurrency), failed: newFailedSet(4096)}
+func newGroupMode(s *steps, cfg GroupCommitConfig) *groupMode {
+	gc := &groupMode{s: s, cfg: cfg, slots: make(chan struct{}, cfg.Concurrency), failed: newFailedSet(4096)}
+	gc.alone = &txMode{s: s, handlerFailed: gc.failed.add}
+	return gc
+}
+
+// process runs msg in a group, or alone: after an earlier failure of its
+// handler, or when the group could not claim. A handler that panicked in
+// the group panics again here, in its message's goroutine, as it does in
+// transaction mode; it is not run a second time.
+func (gc *groupMode) process(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) ([]*message.Message, string, error) {
+	if !gc.failed.has(id) {
+		res := gc.submit(msg, h, id, span)
+		if res.panicked != nil {
+			gc.s.stats.failed.Add(1)
+			panic(res.panicked)
+		}
+		if !res.alone {
+			return res.produced, res.outcome, res.err
+		}
+	}
+	gc.s.stats.alone.Add(1)
+	return gc.alone.process(msg, h, id, span)
 }
 
 // submit adds the message to the open group (opening one, and leading it,
 // when there is none) and waits for its result.
-func (gc *groupCommit) submit(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) result {
+func (gc *groupMode) submit(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) result {
 	r := &request{msg: msg, h: h, id: id, span: span, done: make(chan result, 1)}
 	gc.mu.Lock()
 	g := gc.open
@@ -195,12 +145,12 @@ func (gc *groupCommit) submit(msg *message.Message, h message.HandlerFunc, id uu
 
 // want is the size at which the open group seals: its share of the
 // messages in flight, at most MaxMessages. Called with mu held.
-func (gc *groupCommit) want() int {
+func (gc *groupMode) want() int {
 	return min(gc.cfg.MaxMessages, (gc.inflight+gc.cfg.Concurrency-1)/gc.cfg.Concurrency)
 }
 
 // lead waits for a slot and for the group to gather, seals it and runs it.
-func (gc *groupCommit) lead(g *group) {
+func (gc *groupMode) lead(g *group) {
 	deadline := time.NewTimer(gc.cfg.MaxWait)
 	defer deadline.Stop()
 	gc.slots <- struct{}{} // while all slots are busy, the group keeps gathering
@@ -251,7 +201,7 @@ gather:
 // left unusable), that message (the culprit) and its copies go alone, and
 // the rest of the group runs again as a group, in a new transaction: each
 // round removes at least one message, so it ends.
-func (gc *groupCommit) run(reqs []*request) {
+func (gc *groupMode) run(reqs []*request) {
 	for len(reqs) > 0 {
 		reqs = gc.runOnce(reqs)
 	}
@@ -260,8 +210,8 @@ func (gc *groupCommit) run(reqs []*request) {
 // runOnce processes reqs in one transaction and hands each its result, or
 // returns the requests to run again as a group (none answered yet) after a
 // handler failure rolled the group back.
-func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
-	d := gc.d
+func (gc *groupMode) runOnce(reqs []*request) (again []*request) {
+	s := gc.s
 	// Database work outlives any single message's cancellation: a group is
 	// committed or rolled back as a whole.
 	ctx := context.WithoutCancel(reqs[0].msg.Context())
@@ -276,25 +226,25 @@ func (gc *groupCommit) runOnce(reqs []*request) (again []*request) {
 	defer func() {
 		if p := recover(); p != nil {
 			if tx != nil {
-				d.rollback(ctx, tx, nil) // closed already: ignored
+				s.rollback(ctx, tx, nil) // closed already: ignored
 			}
 			panic(p)
 		}
 	}()
-	tx, first, err := d.dedup.BeginClaimBatch(ctx, d.cfg.DB, d.cfg.TxOptions, ids)
-	d.stats.claimed(time.Since(start))
+	tx, first, err := s.claims.BeginClaimBatch(ctx, s.db, s.txOpts, ids)
+	s.stats.claimed(time.Since(start))
 	if err != nil {
 		// Each message retries its own claim, alone, and reports its own error.
 		if tx != nil {
-			d.rollback(ctx, tx, nil)
+			s.rollback(ctx, tx, nil)
 		}
-		d.logger.Info("Group claim failed, processing its messages alone", watermill.LogFields{"messages": len(reqs), "error": err.Error()})
+		s.logger.Info("Group claim failed, processing its messages alone", watermill.LogFields{"messages": len(reqs), "error": err.Error()})
 		gspan.RecordError(err)
 		gc.answer(reqs, result{alone: true})
 		return nil
 	}
-	d.stats.groups.Add(1)
-	d.stats.grouped.Add(uint64(len(reqs)))
+	s.stats.groups.Add(1)
+	s.stats.grouped.Add(uint64(len(reqs)))
 
 	g := &claimedGroup{ctx: ctx, tx: tx, span: gspan, start: start}
 	gc.sortClaimed(g, reqs, first)
@@ -323,7 +273,7 @@ type claimedGroup struct {
 // sortClaimed sorts reqs into g: the first request of a newly claimed id
 // (in first) runs; a copy of it in the same group shares its outcome; a
 // request whose claim already existed is a duplicate, acked at once.
-func (gc *groupCommit) sortClaimed(g *claimedGroup, reqs []*request, first []uuid.UUID) {
+func (gc *groupMode) sortClaimed(g *claimedGroup, reqs []*request, first []uuid.UUID) {
 	firstOf := map[uuid.UUID]bool{}
 	for _, id := range first {
 		firstOf[id] = true
@@ -333,7 +283,7 @@ func (gc *groupCommit) sortClaimed(g *claimedGroup, reqs []*request, first []uui
 		r.span.claimed(wait, firstOf[r.id])
 		switch {
 		case !firstOf[r.id]:
-			gc.d.stats.duplicates.Add(1)
+			gc.s.stats.duplicates.Add(1)
 			r.reply(result{outcome: outcomeDuplicate})
 		case slices.ContainsFunc(g.runs, func(o *request) bool { return o.id == r.id }):
 			g.copies = append(g.copies, r)
@@ -343,21 +293,27 @@ func (gc *groupCommit) sortClaimed(g *claimedGroup, reqs []*request, first []uui
 	}
 }
 
-// failOne rolls g back after r's handler failed: r is the culprit, it goes
-// alone (and stays alone on its later attempts); the others, whose work is
-// rolled back with it, are returned to run again as a group.
-func (gc *groupCommit) failOne(g *claimedGroup, r *request, err error) (again []*request) {
-	d := gc.d
-	d.rollback(g.ctx, g.tx, nil)
+// failOne rolls g back after r's handler failed: r is the culprit. After
+// an error it goes alone (and stays alone on its later attempts); after a
+// panic it panics again in its own goroutine (gc.process). The others,
+// whose work is rolled back with it, are returned to run again as a group.
+func (gc *groupMode) failOne(g *claimedGroup, r *request, err error) (again []*request) {
+	s := gc.s
+	s.rollback(g.ctx, g.tx, nil)
 	gc.failed.add(r.id)
-	d.stats.groupFallbacks.Add(1)
+	s.stats.groupFallbacks.Add(1)
 	g.span.AddEvent("rollback: a handler failed; it is processed alone, the others again as a group")
-	d.logger.Debug("Handler failed in a group: rolling the group back; it is processed alone, the others again as a group", watermill.LogFields{
+	s.logger.Debug("Handler failed in a group: rolling the group back; it is processed alone, the others again as a group", watermill.LogFields{
 		"event_id": r.id.String(), "messages": len(g.runs) + len(g.copies), "error": err.Error(),
 	})
+	culprit := result{alone: true}
+	var p *handlerPanic
+	if errors.As(err, &p) {
+		culprit = result{panicked: p.value}
+	}
 	for _, o := range append(g.runs, g.copies...) {
 		if o.id == r.id {
-			o.reply(result{alone: true})
+			o.reply(culprit)
 		} else {
 			again = append(again, o)
 		}
@@ -365,14 +321,24 @@ func (gc *groupCommit) failOne(g *claimedGroup, r *request, err error) (again []
 	return again
 }
 
+// handlerPanic is a handler's panic recovered in a group, so the group can
+// be rolled back before it is raised again in the message's goroutine.
+type handlerPanic struct {
+	value any
+}
+
+func (p *handlerPanic) Error() string {
+	return fmt.Sprintf("dedup: handler panicked in a group: %v", p.value)
+}
+
 // commit writes the messages the handlers returned (one multi-row INSERT
 // per topic; handle stamped them, so the outbox does not again), commits g
 // and answers each request.
-func (gc *groupCommit) commit(g *claimedGroup, hooks *idemctx.Hooks, out *groupOutbox) {
-	d := gc.d
-	if err := out.write(idemctx.WithStamped(idemctx.WithHooks(g.ctx, hooks)), d, g.tx); err != nil {
-		d.rollback(g.ctx, g.tx, nil)
-		d.stats.groupFallbacks.Add(1)
+func (gc *groupMode) commit(g *claimedGroup, hooks *idemctx.Hooks, out *groupOutbox) {
+	s := gc.s
+	if err := out.write(idemctx.WithStamped(idemctx.WithHooks(g.ctx, hooks)), s, g.tx); err != nil {
+		s.rollback(g.ctx, g.tx, nil)
+		s.stats.groupFallbacks.Add(1)
 		g.span.RecordError(err)
 		gc.answer(g.runs, result{alone: true})
 		gc.answer(g.copies, result{alone: true})
@@ -382,7 +348,7 @@ func (gc *groupCommit) commit(g *claimedGroup, hooks *idemctx.Hooks, out *groupO
 	if err := g.tx.Commit(g.ctx); err != nil {
 		// The outcome is unknown: nack them all; the redeliveries' claims
 		// tell which way it went.
-		d.stats.failed.Add(uint64(len(g.runs)))
+		s.stats.failed.Add(uint64(len(g.runs)))
 		err = fmt.Errorf("dedup: group commit of %d messages: %w", len(g.runs), err)
 		g.span.RecordError(err)
 		gc.answer(g.runs, result{outcome: outcomeFailed, err: err})
@@ -390,9 +356,9 @@ func (gc *groupCommit) commit(g *claimedGroup, hooks *idemctx.Hooks, out *groupO
 		return
 	}
 	hooks.Committed()
-	d.stats.processed.Add(uint64(len(g.runs)))
-	d.stats.duplicates.Add(uint64(len(g.copies)))
-	d.stats.txNanos.Add(uint64(time.Since(g.start)) * uint64(len(g.runs)))
+	s.stats.processed.Add(uint64(len(g.runs)))
+	s.stats.duplicates.Add(uint64(len(g.copies)))
+	s.stats.txNanos.Add(uint64(time.Since(g.start)) * uint64(len(g.runs)))
 	for _, r := range g.runs {
 		r.reply(result{produced: r.out, outcome: outcomeProcessed})
 	}
@@ -401,8 +367,8 @@ func (gc *groupCommit) commit(g *claimedGroup, hooks *idemctx.Hooks, out *groupO
 
 // startSpan begins the group's span, linked to its messages' spans (a group
 // has many parents). It is a no-op span when tracing is off.
-func (gc *groupCommit) startSpan(reqs []*request) trace.Span {
-	tr := gc.d.tracing.Tracer()
+func (gc *groupMode) startSpan(reqs []*request) trace.Span {
+	tr := gc.s.tracer.Tracer()
 	if tr == nil {
 		return noop.Span{}
 	}
@@ -413,36 +379,40 @@ func (gc *groupCommit) startSpan(reqs []*request) trace.Span {
 		}
 	}
 	_, span := tr.Start(context.Background(), "group commit", trace.WithLinks(links...), trace.WithAttributes(
-		semconv.MessagingConsumerGroupName(gc.d.cfg.ConsumerGroup), otelx.AttrGroupSize.Int(len(reqs)),
+		semconv.MessagingConsumerGroupName(gc.s.group), otelx.AttrGroupSize.Int(len(reqs)),
 	))
 	return span
 }
 
-func (gc *groupCommit) answer(reqs []*request, res result) {
+func (gc *groupMode) answer(reqs []*request, res result) {
 	for _, r := range reqs {
 		r.reply(res)
 	}
 }
 
 // handle runs r's handler on the group's transaction, with r's own message
-// context (restored afterwards). Messages it returns are stamped in that
-// context (event id, causation, trace) and kept for the group's outbox
-// write, or for the router without an outbox. A panic is an error here:
-// the message is processed again alone, where it panics in its own
-// goroutine. A handler that returns nil but leaves the transaction
-// unusable (it swallowed an SQL error, so PostgreSQL refuses every later
-// statement) fails with ErrTxAborted: it is the culprit, not the next
-// handler, whose statements would fail.
-func (gc *groupCommit) handle(tx pgx.Tx, hooks *idemctx.Hooks, r *request, out *groupOutbox) (err error) {
-	d := gc.d
+// context (restored afterwards) less its cancellation: the statements of
+// every handler of the group run on one connection, where a cancelled
+// statement would end the session and the whole group with it (a message
+// cancelled by a rebalance must not fail the others). Messages it returns
+// are stamped in that context (event id, causation, trace) and kept for
+// the group's outbox write, or for the router without an outbox. A panic
+// is returned as a *handlerPanic: the group is rolled back first, then the
+// message panics in its own goroutine. A handler that returns nil but
+// leaves the transaction unusable (it swallowed an SQL error, so
+// PostgreSQL refuses every later statement) fails with ErrTxAborted: it is
+// the culprit, not the next handler, whose statements would fail.
+func (gc *groupMode) handle(tx pgx.Tx, hooks *idemctx.Hooks, r *request, out *groupOutbox) (err error) {
+	s := gc.s
 	origCtx := r.msg.Context()
 	defer r.msg.SetContext(origCtx)
 	defer func() {
 		if p := recover(); p != nil {
-			err = fmt.Errorf("dedup: handler panicked in a group: %v", p)
+			s.logger.Error("Handler panicked in a group", fmt.Errorf("%v", p), watermill.LogFields{"event_id": r.id.String(), "stack": string(debug.Stack())})
+			err = &handlerPanic{value: p}
 		}
 	}()
-	r.msg.SetContext(d.handlerContext(origCtx, tx, hooks, r.msg, r.id))
+	r.msg.SetContext(s.handlerContext(context.WithoutCancel(origCtx), tx, hooks, r.msg, r.id))
 	produced, err := r.h(r.msg)
 	if err != nil {
 		return err
@@ -453,13 +423,13 @@ func (gc *groupCommit) handle(tx pgx.Tx, hooks *idemctx.Hooks, r *request, out *
 	if len(produced) == 0 {
 		return nil
 	}
-	if d.cfg.Outbox == nil {
-		r.out, err = d.toOutbox(r.msg.Context(), origCtx, tx, produced)
+	if s.outbox == nil {
+		r.out, err = s.toOutbox(r.msg.Context(), origCtx, tx, produced)
 		return err
 	}
-	topic := message.PublishTopicFromCtx(origCtx)
-	if topic == "" {
-		return errors.New("dedup: handler returned messages but has no publish topic (add it with router.AddHandler)")
+	topic, err := publishTopic(origCtx)
+	if err != nil {
+		return err
 	}
 	for _, m := range produced {
 		if _, err := publisher.Stamp(r.msg.Context(), m); err != nil {
@@ -487,10 +457,10 @@ func (o *groupOutbox) add(topic string, msgs []*message.Message) {
 	o.msgs[topic] = append(o.msgs[topic], msgs...)
 }
 
-func (o *groupOutbox) write(ctx context.Context, d *Dedup, tx pgx.Tx) error {
+func (o *groupOutbox) write(ctx context.Context, s *steps, tx pgx.Tx) error {
 	for _, topic := range o.topics {
-		if err := d.cfg.Outbox.PublishInTx(ctx, tx, topic, o.msgs[topic]...); err != nil {
-			return fmt.Errorf("dedup: write returned messages to outbox: %w", err)
+		if err := s.writeOutbox(ctx, tx, topic, o.msgs[topic]); err != nil {
+			return err
 		}
 	}
 	return nil

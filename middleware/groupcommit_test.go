@@ -1,6 +1,6 @@
 package middleware_test
 
-// Group commit (Config.GroupCommit): the failure scenarios of the
+// Group commit (Config.Mode = &GroupCommitConfig{}): the failure scenarios of the
 // one-message mode, driven with concurrent deliveries so that groups form,
 // against a real PostgreSQL schema.
 
@@ -30,7 +30,7 @@ import (
 // receiving still starts after MaxWait/5); nothing is timed.
 func groupDedup(t *testing.T, f *ledgerFixture, group string) *idem.Dedup {
 	return f.dedup(t, group, func(c *idem.Config) {
-		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 16, MaxWait: 100 * time.Millisecond, Concurrency: 2}
+		c.Mode = &idem.GroupCommitConfig{MaxMessages: 16, MaxWait: 100 * time.Millisecond, Concurrency: 2}
 	})
 }
 
@@ -271,7 +271,7 @@ func TestGroupCommit_CommitFailureNacksTheGroup(t *testing.T) {
 	// the group (its share of the six in flight) runs. A minute of MaxWait
 	// only bounds a stall.
 	d := f.dedup(t, "billing", func(c *idem.Config) {
-		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 7, MaxWait: time.Minute, Concurrency: 1}
+		c.Mode = &idem.GroupCommitConfig{MaxMessages: 7, MaxWait: time.Minute, Concurrency: 1}
 	})
 	var calls atomic.Int32
 	insert := f.insertHandler(1, &calls)
@@ -400,14 +400,14 @@ func TestGroupCommitConfigValidated(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
 	for _, gc := range []idem.GroupCommitConfig{{MaxMessages: -1}, {MaxWait: -1}, {Concurrency: -1}} {
-		err := idem.Config{DB: f.pool, ConsumerGroup: "g", GroupCommit: &gc}.Validate()
-		require.ErrorContains(t, err, "GroupCommit.")
+		err := idem.Config{DB: f.pool, ConsumerGroup: "g", Mode: &gc}.Validate()
+		require.ErrorContains(t, err, "(group commit)")
 	}
-	require.NoError(t, idem.Config{DB: f.pool, ConsumerGroup: "g", GroupCommit: &idem.GroupCommitConfig{}}.Validate())
+	require.NoError(t, idem.Config{DB: f.pool, ConsumerGroup: "g", Mode: &idem.GroupCommitConfig{}}.Validate())
 	tx, err := f.pool.Begin(context.Background())
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(context.Background()) }()
-	require.ErrorContains(t, idem.Config{DB: tx, ConsumerGroup: "g", GroupCommit: &idem.GroupCommitConfig{}}.Validate(), "GroupCommit: DB is a pgx.Tx")
+	require.ErrorContains(t, idem.Config{DB: tx, ConsumerGroup: "g", Mode: &idem.GroupCommitConfig{}}.Validate(), "group commit's DB is a pgx.Tx")
 }
 
 // panickingBeginner is a pool whose Begin panics once armed: a bug below the
@@ -436,7 +436,7 @@ func TestGroupCommit_LeaderPanicAnswersTheWholeGroup(t *testing.T) {
 	db := &panickingBeginner{pool: f.pool}
 	d := f.dedup(t, "billing", func(c *idem.Config) {
 		c.DB = db
-		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 16, MaxWait: 100 * time.Millisecond, Concurrency: 1}
+		c.Mode = &idem.GroupCommitConfig{MaxMessages: 16, MaxWait: 100 * time.Millisecond, Concurrency: 1}
 	})
 	db.armed.Store(true)
 	var calls atomic.Int32

@@ -15,12 +15,10 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/idemkit/watermill-idempotency/internal/claimsql"
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
-	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // A delivery waiting for another's live lease takes again after
@@ -31,9 +29,10 @@ const (
 	busyPollMax   = time.Second
 )
 
-// leaseMode runs the handlers of a Dedup with [Config.Lease] set.
+// leaseMode is lease mode ([LeaseConfig]): take, call, complete, with the
+// fast path (lease_fast.go) in front of the take.
 type leaseMode struct {
-	d         *Dedup
+	s         *steps
 	cfg       LeaseConfig
 	db        dbx.Pool // Config.DB: concurrent phase transactions and one-round-trip batches
 	proto     *leasesql.Protocol
@@ -52,9 +51,9 @@ type leaseMode struct {
 	hook func(point string, id uuid.UUID)
 }
 
-func newLeaseMode(d *Dedup, cfg LeaseConfig) *leaseMode {
-	schema, table := claimsql.Names(d.cfg.Table.Schema, d.cfg.Table.Table)
-	l := &leaseMode{d: d, cfg: cfg, db: d.cfg.DB.(dbx.Pool), proto: leasesql.New(schema, table, d.cfg.ConsumerGroup), fast: newFastGate(), hook: func(string, uuid.UUID) {}}
+func newLeaseMode(s *steps, cfg LeaseConfig, db dbx.Pool) *leaseMode {
+	// The protocol on the claim table comes from its owner, deduplicator.
+	l := &leaseMode{s: s, cfg: cfg, db: db, proto: leasesql.Of(s.claims), fast: newFastGate(), hook: func(string, uuid.UUID) {}}
 	l.takes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runTakes)
 	l.completes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runCompletes)
 	return l
@@ -85,7 +84,7 @@ type completeReq struct {
 
 // process runs msg in lease mode: take, call, complete.
 func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) (produced []*message.Message, outcome string, err error) {
-	d := l.d
+	s := l.s
 	origCtx := msg.Context()
 	defer msg.SetContext(origCtx)
 	fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
@@ -100,10 +99,8 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 	hctx, cancel := context.WithCancelCause(origCtx)
 	defer cancel(nil)
 	state := &leaseState{}
-	hctx = withLeaseState(idemctx.With(hctx, &idemctx.Value{
-		EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
-		CorrelationID: msg.Metadata.Get(publisher.MetadataCorrelationID),
-	}), state)
+	v := s.handlerValue(nil, msg, id)
+	hctx = withLeaseState(idemctx.With(hctx, &v), state)
 	ren := &renewal{}
 	startRenewing := func() { ren.begin(func() func() { return l.renewWhileCalling(id, token, cancel) }) }
 	if member == nil {
@@ -135,7 +132,7 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 		// or failed there; no lease row was written either way.
 		completed = true
 		if err != nil {
-			d.stats.failed.Add(1)
+			s.stats.failed.Add(1)
 			return nil, outcomeFailed, err
 		}
 		l.phaseSpan(span, origCtx, "complete", trace.WithTimestamp(reportedAt))(c.err, attribute.Bool("idem.lease.fast_path", true))
@@ -143,12 +140,12 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 	}
 	ren.end()
 	if err != nil {
-		d.stats.failed.Add(1)
+		s.stats.failed.Add(1)
 		return nil, outcomeFailed, err
 	}
 	if errors.Is(context.Cause(hctx), ErrLeaseLost) {
 		completed = true // not ours to release
-		d.stats.leasesLost.Add(1)
+		s.stats.leasesLost.Add(1)
 		return nil, outcomeLeaseLost, fmt.Errorf("dedup: event %s: %w (renewal found it taken over while the handler ran)", id, ErrLeaseLost)
 	}
 	produced, outcome, err = l.complete(c, span)
@@ -162,27 +159,27 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 // m is the event's place in a fast-path transaction, nil when it has its
 // lease row.
 func (l *leaseMode) takeOne(ctx context.Context, id, token uuid.UUID, span *msgSpan, fields watermill.LogFields) (owned bool, m *fastMember, outcome string, err error) {
-	d := l.d
+	s := l.s
 	start := time.Now()
 	lt, m, err := l.take(ctx, id, token, span)
-	d.stats.claimed(time.Since(start))
+	s.stats.claimed(time.Since(start))
 	if err != nil {
-		d.stats.claimErrors.Add(1)
+		s.stats.claimErrors.Add(1)
 		return false, nil, outcomeClaimError, fmt.Errorf("dedup: %w", err)
 	}
 	switch lt.State {
 	case leasesql.Done:
-		d.stats.duplicates.Add(1)
-		d.logger.Debug("Duplicate event skipped", fields)
+		s.stats.duplicates.Add(1)
+		s.logger.Debug("Duplicate event skipped", fields)
 		return false, nil, outcomeDuplicate, nil
 	case leasesql.Busy:
-		d.stats.leasesBusy.Add(1)
+		s.stats.leasesBusy.Add(1)
 		return false, nil, outcomeLeaseBusy, fmt.Errorf("dedup: event %s: %w (it lives for up to %s more)", id, ErrLeaseBusy, lt.Remaining.Round(time.Millisecond))
 	}
-	d.stats.leasesTaken.Add(1)
+	s.stats.leasesTaken.Add(1)
 	if lt.TakenOver {
-		d.stats.leasesTakenOver.Add(1)
-		d.logger.Info("Expired lease taken over", fields.Add(watermill.LogFields{"attempts": lt.Attempts}))
+		s.stats.leasesTakenOver.Add(1)
+		s.logger.Info("Expired lease taken over", fields.Add(watermill.LogFields{"attempts": lt.Attempts}))
 	}
 	l.hook("taken", id)
 	return true, m, "", nil
@@ -196,7 +193,7 @@ func (l *leaseMode) complete(c *completeReq, span *msgSpan) ([]*message.Message,
 	l.completes.do(c, c.done)
 	end(c.err)
 	if c.err == nil && c.result == leasesql.Completed {
-		l.d.stats.txNanos.Add(uint64(time.Since(cstart)))
+		l.s.stats.txNanos.Add(uint64(time.Since(cstart)))
 	}
 	return l.settle(c, watermill.LogFields{"event_id": c.id.String(), "message_uuid": c.msg.UUID}, false)
 }
@@ -204,24 +201,24 @@ func (l *leaseMode) complete(c *completeReq, span *msgSpan) ([]*message.Message,
 // settle turns c's completion into the message's outcome; fast says it
 // completed on the fast path.
 func (l *leaseMode) settle(c *completeReq, fields watermill.LogFields, fast bool) ([]*message.Message, string, error) {
-	d := l.d
+	s := l.s
 	switch {
 	case c.err != nil:
-		d.stats.failed.Add(1)
+		s.stats.failed.Add(1)
 		return nil, outcomeFailed, c.err
 	case c.result == leasesql.Lost:
-		d.stats.leasesLost.Add(1)
-		d.logger.Info("Lease lost before completion: nothing written", fields)
+		s.stats.leasesLost.Add(1)
+		s.logger.Info("Lease lost before completion: nothing written", fields)
 		return nil, outcomeLeaseLost, fmt.Errorf("dedup: event %s: %w (it expired and another delivery took it over, or an operator released it); nothing was written", c.id, ErrLeaseLost)
 	case c.result == leasesql.Duplicate:
-		d.stats.duplicates.Add(1)
+		s.stats.duplicates.Add(1)
 		return nil, outcomeDuplicate, nil
 	}
-	d.stats.processed.Add(1)
+	s.stats.processed.Add(1)
 	if fast {
-		d.stats.leasesFastPath.Add(1)
+		s.stats.leasesFastPath.Add(1)
 	}
-	d.logger.Trace("Event processed", fields)
+	s.logger.Trace("Event processed", fields)
 	return c.out, outcomeProcessed, nil
 }
 
@@ -314,12 +311,12 @@ func (l *leaseMode) renewWhileCalling(id, token uuid.UUID, cancel context.Cancel
 		done()
 		switch {
 		case err != nil: // the next tick tries again; the completion tells
-			l.d.logger.Error("Lease renewal failed", err, watermill.LogFields{"event_id": id.String()})
+			l.s.logger.Error("Lease renewal failed", err, watermill.LogFields{"event_id": id.String()})
 		case !ok:
 			cancel(ErrLeaseLost)
 			return
 		default:
-			l.d.stats.leasesRenewed.Add(1)
+			l.s.stats.leasesRenewed.Add(1)
 			l.hook("renewed", id)
 		}
 		mu.Lock()
@@ -349,7 +346,7 @@ func (l *leaseMode) release(ctx context.Context, id, token uuid.UUID, fields wat
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.cfg.Duration)
 	defer cancel()
 	if _, err := l.proto.Release(ctx, l.db, id, token); err != nil {
-		l.d.logger.Error("Lease release failed: the event waits for the lease to expire", err, fields)
+		l.s.logger.Error("Lease release failed: the event waits for the lease to expire", err, fields)
 	}
 }
 
@@ -366,7 +363,7 @@ func (l *leaseMode) runCompletes(batch []*completeReq, release func()) {
 		}
 	}()
 	if err := l.completeBatch(batch); errors.Is(err, errMemberFailed) {
-		l.d.stats.groupFallbacks.Add(1)
+		l.s.stats.groupFallbacks.Add(1)
 		for _, c := range batch {
 			c.result, c.out, c.err = 0, nil, nil
 			_ = l.completeBatch([]*completeReq{c})
@@ -444,7 +441,7 @@ func (l *leaseMode) write(c *completeReq, tx pgx.Tx, hooks *idemctx.Hooks) (err 
 			err = fmt.Errorf("dedup: a Complete function panicked: %v", p)
 		}
 	}()
-	wctx := l.d.handlerContext(c.origCtx, tx, hooks, c.msg, c.id)
+	wctx := l.s.handlerContext(c.origCtx, tx, hooks, c.msg, c.id)
 	for _, w := range c.writes {
 		if err := w(wctx, tx); err != nil {
 			return err
@@ -453,7 +450,7 @@ func (l *leaseMode) write(c *completeReq, tx pgx.Tx, hooks *idemctx.Hooks) (err 
 	if err := txUsable(tx); err != nil {
 		return err
 	}
-	c.out, err = l.d.toOutbox(wctx, c.origCtx, tx, c.produced)
+	c.out, err = l.s.toOutbox(wctx, c.origCtx, tx, c.produced)
 	return err
 }
 
@@ -463,7 +460,7 @@ func (l *leaseMode) phaseSpan(span *msgSpan, ctx context.Context, name string, o
 	if span == nil {
 		return func(error, ...attribute.KeyValue) {}
 	}
-	tr := l.d.tracing.Tracer()
+	tr := l.s.tracer.Tracer()
 	if tr == nil {
 		return func(error, ...attribute.KeyValue) {}
 	}

@@ -55,7 +55,7 @@ const (
 // its size.
 //
 // Lease mode needs a *pgxpool.Pool as [Config.DB]. It batches its own
-// phases, so it does not combine with [Config.GroupCommit].
+// phases, so it does not combine with [GroupCommitConfig].
 type LeaseConfig struct {
 	// Duration is how long a lease lives unless renewed, on the database's
 	// clock: how long a crashed owner's event waits before another delivery
@@ -133,17 +133,17 @@ func (c *LeaseConfig) setDefaults() {
 func (c LeaseConfig) validate() error {
 	switch {
 	case c.Duration < time.Millisecond:
-		return errors.New("Lease.Duration: must be at least 1 ms")
+		return errors.New("Mode.Duration (lease mode): must be at least 1 ms")
 	case c.RenewInterval <= 0:
-		return errors.New("Lease.RenewInterval: must be positive")
+		return errors.New("Mode.RenewInterval (lease mode): must be positive")
 	case c.RenewInterval >= c.Duration:
-		return fmt.Errorf("Lease.RenewInterval: %s must be shorter than Lease.Duration (%s), or the lease expires between renewals", c.RenewInterval, c.Duration)
+		return fmt.Errorf("Mode.RenewInterval (lease mode): %s must be shorter than Mode.Duration (%s), or the lease expires between renewals", c.RenewInterval, c.Duration)
 	case c.MaxBatch < 1:
-		return errors.New("Lease.MaxBatch: must be positive")
+		return errors.New("Mode.MaxBatch (lease mode): must be positive")
 	case c.Concurrency < 1:
-		return errors.New("Lease.Concurrency: must be positive")
+		return errors.New("Mode.Concurrency (lease mode): must be positive")
 	case c.FastPath >= c.RenewInterval:
-		return fmt.Errorf("Lease.FastPath: %s must be shorter than Lease.RenewInterval (%s): it is the longest a take's transaction stays open", c.FastPath, c.RenewInterval)
+		return fmt.Errorf("Mode.FastPath (lease mode): %s must be shorter than Mode.RenewInterval (%s): it is the longest a take's transaction stays open", c.FastPath, c.RenewInterval)
 	}
 	return nil
 }

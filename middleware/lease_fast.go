@@ -22,7 +22,7 @@ import (
 // connections stay 2 × Concurrency + 1.
 type fastBatch struct {
 	l       *leaseMode
-	ctx     context.Context // bounded by Lease.Duration
+	ctx     context.Context // bounded by LeaseConfig.Duration
 	cancel  context.CancelFunc
 	tx      pgx.Tx
 	release func() // the take batcher's slot
@@ -288,7 +288,7 @@ func (b *fastBatch) write(live []*fastMember) (failed *fastMember, err error) {
 		if werr := l.write(m.c, b.tx, hooks); werr != nil {
 			m.c.result, m.c.out, m.c.err = 0, nil, werr
 			if len(live) > 1 {
-				l.d.stats.groupFallbacks.Add(1)
+				l.s.stats.groupFallbacks.Add(1)
 			}
 			return m, nil
 		}

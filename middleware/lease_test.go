@@ -24,7 +24,7 @@ import (
 // leaseDedup is a lease-mode middleware on the fixture's pool.
 func (f *ledgerFixture) leaseDedup(t *testing.T, lc idem.LeaseConfig) *idem.Dedup {
 	t.Helper()
-	return f.dedup(t, "billing", func(c *idem.Config) { c.Lease = &lc })
+	return f.dedup(t, "billing", func(c *idem.Config) { c.Mode = &lc })
 }
 
 // chargeHandler is a lease-mode payment handler: it calls the provider
@@ -473,20 +473,20 @@ func TestLease_ConfigRefusals(t *testing.T) {
 		mod  func(*idem.Config)
 		want string
 	}{
-		"with group commit": {func(c *idem.Config) { c.GroupCommit = &idem.GroupCommitConfig{} }, "not with GroupCommit"},
-		"renew too slow":    {func(c *idem.Config) { c.Lease.RenewInterval = time.Minute; c.Lease.Duration = time.Minute }, "must be shorter than Lease.Duration"},
-		"no pool":           {func(c *idem.Config) { c.DB = fakeTxBeginner{} }, "is not a *pgxpool.Pool"},
-		"pool too small":    {func(c *idem.Config) { c.Concurrency = 1000; c.Lease.Concurrency = 10 }, "lease mode runs up to 21 transactions"},
+		// Lease mode with group commit cannot be written: Config.Mode holds one.
+		"renew too slow": {func(c *idem.Config) { lease(c).RenewInterval = time.Minute; lease(c).Duration = time.Minute }, "must be shorter than Mode.Duration"},
+		"no pool":        {func(c *idem.Config) { c.DB = fakeTxBeginner{} }, "needs a *pgxpool.Pool"},
+		"pool too small": {func(c *idem.Config) { c.Concurrency = 1000; lease(c).Concurrency = 10 }, "lease mode runs up to 21 transactions"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := base
-			cfg.Lease = &idem.LeaseConfig{}
+			cfg.Mode = &idem.LeaseConfig{}
 			c.mod(&cfg)
 			require.ErrorContains(t, cfg.Validate(), c.want)
 		})
 	}
 	cfg := base
-	cfg.Lease = &idem.LeaseConfig{Concurrency: 3}
+	cfg.Mode = &idem.LeaseConfig{Concurrency: 3}
 	cfg.Concurrency = 5000 // handlers hold no connection: MaxInFlight in the thousands on a small pool
 	require.NoError(t, cfg.Validate())
 }
@@ -504,7 +504,7 @@ func TestLease_SpanPerPhase(t *testing.T) {
 			t.Parallel()
 			f := newLedgerFixture(t)
 			tr := newTraced(t)
-			d := f.dedup(t, "billing", func(c *idem.Config) { c.Lease = &idem.LeaseConfig{FastPath: fastPath}; c.TracerProvider = tr.tp })
+			d := f.dedup(t, "billing", func(c *idem.Config) { c.Mode = &idem.LeaseConfig{FastPath: fastPath}; c.TracerProvider = tr.tp })
 			provider := newKeyServer(t)
 			var calls atomic.Int32
 			_, err := d.Middleware(chargeHandler(t, provider, &calls, nil))(f.msg(publisher.NewEventID()))
@@ -544,3 +544,6 @@ func TestLease_MustTxFromContextSaysWhy(t *testing.T) {
 	require.ErrorContains(t, perr, "register its writes with idem.Complete")
 	require.Zero(t, f.leases(t), "the failed delivery released its lease")
 }
+
+// lease returns c's lease-mode config.
+func lease(c *idem.Config) *idem.LeaseConfig { return c.Mode.(*idem.LeaseConfig) }

@@ -16,7 +16,7 @@ import (
 
 // A database server that vanishes without a reset (no RST, no FIN: a
 // frozen VM, a dropped route) in the middle of a phase holds nothing for
-// good. The phase gives up after Lease.Duration with an error (the message
+// good. The phase gives up after LeaseConfig.Duration with an error (the message
 // is nacked), and another consumer, its server reachable, completes the
 // event once the lease the take wrote (if any) has expired: one ledger
 // row, one claim, one Idempotency-Key at the provider.
@@ -38,7 +38,7 @@ func TestLease_ServerVanishesDuringAPhase(t *testing.T) {
 
 			d := f.dedup(t, "billing", func(c *idem.Config) {
 				c.DB = vanishing
-				c.Lease = &idem.LeaseConfig{Duration: time.Second}
+				c.Mode = &idem.LeaseConfig{Duration: time.Second}
 			})
 			provider := newKeyServer(t)
 			var calls atomic.Int32
@@ -54,7 +54,7 @@ func TestLease_ServerVanishesDuringAPhase(t *testing.T) {
 			require.Zero(t, f.claims(t))
 
 			other := f.dedup(t, "billing", func(c *idem.Config) {
-				c.Lease = &idem.LeaseConfig{Duration: time.Second, BusyWait: 10 * time.Second}
+				c.Mode = &idem.LeaseConfig{Duration: time.Second, BusyWait: 10 * time.Second}
 			})
 			_, err = other.Middleware(chargeHandler(t, provider, &calls, nil))(f.msg(id))
 			require.NoError(t, err)

@@ -4,15 +4,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/idemctx"
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -23,16 +26,15 @@ type Dedup struct {
 	cfg    Config
 	dedup  *deduplicator.Deduplicator
 	logger watermill.LoggerAdapter
-	stats  counters
+	stats  *counters
 
 	// From the start-up check: the group as registered (first seen,
 	// Idempotency-Key namespace).
 	group deduplicator.Group
-	// gc is the group-commit mode, nil when Config.GroupCommit is.
-	gc *groupCommit
-	// lease is lease mode, nil when Config.Lease is.
-	lease   *leaseMode
-	tracing otelx.Tracers
+	// strategy processes the messages whose event id passed: the one
+	// Config.Mode chose.
+	strategy strategy
+	tracing  *otelx.Tracers
 }
 
 // NewDedup validates cfg, checks the table and registers the consumer group,
@@ -51,21 +53,21 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
-	dd, err := deduplicator.New(deduplicator.Config{TableConfig: cfg.Table, ConsumerGroup: cfg.ConsumerGroup, StaleMargin: cfg.StaleMargin, ReplayHorizon: cfg.ReplayHorizon}, logger)
+	dd, err := deduplicator.New(deduplicator.Config{
+		TableConfig: cfg.Table, ConsumerGroup: cfg.ConsumerGroup, StaleMargin: cfg.StaleMargin, ReplayHorizon: cfg.ReplayHorizon, NowFunc: cfg.NowFunc,
+	}, logger)
 	if err != nil {
 		return nil, fmt.Errorf("dedup: %w", err)
 	}
-	d := &Dedup{cfg: cfg, dedup: dd, logger: logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup})}
-	d.tracing = otelx.Tracers{Configured: cfg.TracerProvider, Name: otelx.MiddlewareTracer}
+	d := &Dedup{cfg: cfg, dedup: dd, logger: logger.With(watermill.LogFields{"consumer_group": cfg.ConsumerGroup}), stats: &counters{}}
+	d.tracing = &otelx.Tracers{Configured: cfg.TracerProvider, Name: otelx.MiddlewareTracer}
 	if err := d.start(); err != nil {
 		return nil, err
 	}
-	if cfg.GroupCommit != nil {
-		d.gc = newGroupCommit(d, *cfg.GroupCommit)
-	}
-	if cfg.Lease != nil {
-		d.lease = newLeaseMode(d, *cfg.Lease)
-	}
+	d.strategy = newStrategy(&steps{
+		db: cfg.DB, txOpts: cfg.TxOptions, claims: dd, group: cfg.ConsumerGroup, keyNS: d.group.IdempotencyNamespace,
+		outbox: cfg.Outbox, stats: d.stats, logger: d.logger, tracer: d.tracing,
+	}, cfg)
 	return d, nil
 }
 
@@ -108,8 +110,10 @@ func (d *Dedup) ConsumerGroup() string { return d.cfg.ConsumerGroup }
 //  6. messages h returned go to [Config.Outbox] in the same transaction;
 //  7. COMMIT; only then does the router ack and the offset advance.
 //
-// In lease mode ([Config.Lease]) steps 2–7 split into two short
-// transactions around a handler that holds none: see [LeaseConfig].
+// In lease mode ([Config.Mode] a *[LeaseConfig]) steps 2–7 split into two
+// short transactions around a handler that holds none: see [LeaseConfig].
+// With group commit (a *[GroupCommitConfig]) the messages that arrive
+// together share steps 2 and 7.
 //
 // The message's original context is restored when Middleware returns. Put
 // watermill's Retry middleware outside (before) this one, so every attempt
@@ -139,168 +143,85 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// process validates the message's event id (stale guard included) and
-// processes it, in a group or alone, and names the outcome.
+// process checks the message's event id (stale guard included) and hands
+// it to the strategy of the configured mode.
 func (d *Dedup) process(msg *message.Message, h message.HandlerFunc, span *msgSpan) ([]*message.Message, string, error) {
+	id, outcome, err := d.admit(msg)
+	if err != nil {
+		return nil, outcome, err
+	}
+	span.eventID(id)
+	return d.strategy.process(msg, h, id, span)
+}
+
+// newStrategy returns the strategy cfg.Mode chooses.
+func newStrategy(s *steps, cfg Config) strategy {
+	switch m := cfg.Mode.(type) {
+	case *LeaseConfig:
+		return newLeaseMode(s, *m, cfg.DB.(dbx.Pool))
+	case *GroupCommitConfig:
+		return newGroupMode(s, *m)
+	}
+	return &txMode{s: s}
+}
+
+// start begins the consumer span of msg. Its parent is the span already in
+// msg.Context() (watermill-kafka's Sarama tracer puts one there), or else the
+// trace context the producer left in the metadata (traceparent, tracestate,
+// baggage). It returns nil when tracing is off.
+func (d *Dedup) startSpan(msg *message.Message) (context.Context, *msgSpan) {
+	tr := d.tracing.Tracer()
+	if tr == nil {
+		return msg.Context(), nil
+	}
+	return d.startSpanOn(tr, msg)
+}
+
+// startSpanOn is startSpan with tracer tr. It is apart so that, with
+// tracing off, startSpan's stack frame stays small: the router runs each
+// message in a new goroutine, whose small stack would otherwise be grown
+// (copied) for this frame alone while the message waits for its group.
+func (d *Dedup) startSpanOn(tr trace.Tracer, msg *message.Message) (context.Context, *msgSpan) {
+	ctx := msg.Context()
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		ctx = otelx.Propagator.Extract(ctx, propagation.MapCarrier(msg.Metadata))
+	}
+	topic := message.SubscribeTopicFromCtx(msg.Context())
+	name := "process"
+	if topic != "" {
+		name += " " + topic
+	}
+	attrs := []attribute.KeyValue{
+		semconv.MessagingOperationTypeProcess,
+		semconv.MessagingOperationName("process"),
+		semconv.MessagingDestinationName(topic),
+		semconv.MessagingConsumerGroupName(d.cfg.ConsumerGroup),
+		semconv.MessagingMessageID(msg.UUID),
+	}
+	ctx, span := tr.Start(ctx, name, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(append(attrs, kafkaAttributes(msg.Context(), d.cfg.TraceMessageKey)...)...))
+	return ctx, &msgSpan{span: span}
+}
+
+// admit returns msg's event id, or the outcome and error that refuse it:
+// an unusable id, a stale event (both permanent), or a failed stale check.
+func (d *Dedup) admit(msg *message.Message) (uuid.UUID, string, error) {
 	id, err := d.eventID(msg)
 	if err == nil && id.Version() == 7 && !d.cfg.ProcessStaleEvents {
 		err = d.dedup.CheckStale(msg.Context(), d.cfg.DB, id, d.cfg.NowFunc())
 		if err != nil && !errors.Is(err, deduplicator.ErrStaleEvent) {
 			d.stats.claimErrors.Add(1)
-			return nil, outcomeClaimError, fmt.Errorf("dedup: %w", err)
+			return uuid.Nil, outcomeClaimError, fmt.Errorf("dedup: %w", err)
 		}
 	}
 	if err != nil {
 		d.stats.rejected(err)
 		d.logger.Error("Refusing message: unusable event id", err, watermill.LogFields{"message_uuid": msg.UUID})
 		if errors.Is(err, deduplicator.ErrStaleEvent) {
-			return nil, outcomeStale, err
+			return uuid.Nil, outcomeStale, err
 		}
-		return nil, outcomeRejected, err
+		return uuid.Nil, outcomeRejected, err
 	}
-	span.eventID(id)
-	if d.lease != nil {
-		return d.lease.process(msg, h, id, span)
-	}
-	if d.gc != nil {
-		if !d.gc.failed.has(id) {
-			if res := d.gc.submit(msg, h, id, span); !res.alone {
-				return res.produced, res.outcome, res.err
-			}
-		}
-		d.stats.alone.Add(1)
-	}
-	return d.single(msg, h, id, span)
-}
-
-// single processes one message in its own transaction.
-func (d *Dedup) single(msg *message.Message, h message.HandlerFunc, id uuid.UUID, span *msgSpan) (produced []*message.Message, outcome string, err error) {
-	origCtx := msg.Context()
-	defer msg.SetContext(origCtx)
-	fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
-
-	start := time.Now()
-	tx, first, err := d.dedup.BeginClaim(origCtx, d.cfg.DB, d.cfg.TxOptions, id)
-	d.stats.claimed(time.Since(start))
-	if err != nil {
-		err = fmt.Errorf("dedup: %w", err)
-	} else {
-		span.claimed(time.Since(start), first)
-	}
-	if tx == nil {
-		d.stats.claimErrors.Add(1)
-		return nil, outcomeClaimError, err
-	}
-	done, handlerFailed := false, false
-	defer func() {
-		if !done { // error, duplicate or panic
-			d.rollback(origCtx, tx, fields)
-		}
-	}()
-	if err != nil {
-		d.stats.claimErrors.Add(1)
-		return nil, outcomeClaimError, err
-	}
-	if !first {
-		d.stats.duplicates.Add(1)
-		d.logger.Debug("Duplicate event skipped", fields)
-		return nil, outcomeDuplicate, nil
-	}
-	defer func() {
-		if !done { // handler error or panic, outbox or commit failure
-			d.stats.failed.Add(1)
-			if d.gc != nil && handlerFailed {
-				d.gc.failed.add(id) // stays alone on its later attempts
-			}
-		}
-	}()
-
-	hooks := &idemctx.Hooks{Tx: tx}
-	msg.SetContext(d.handlerContext(origCtx, tx, hooks, msg, id))
-	handlerFailed = true // until h returns: an error or a panic
-	produced, err = h(msg)
-	if err != nil {
-		return nil, outcomeFailed, err
-	}
-	if err := txUsable(tx); err != nil {
-		return nil, outcomeFailed, err
-	}
-	handlerFailed = false
-	if produced, err = d.toOutbox(msg.Context(), origCtx, tx, produced); err != nil {
-		return nil, outcomeFailed, err
-	}
-	span.event("commit")
-	if err := tx.Commit(origCtx); err != nil {
-		// The outcome is unknown (the COMMIT may have reached the server).
-		// Returning the error nacks the message; the redelivery's claim
-		// tells which way it went.
-		return nil, outcomeFailed, fmt.Errorf("dedup: commit: %w", err)
-	}
-	done = true
-	hooks.Committed()
-	d.stats.processed.Add(1)
-	d.stats.txNanos.Add(uint64(time.Since(start)))
-	d.logger.Trace("Event processed", fields.Add(watermill.LogFields{"tx_duration": time.Since(start).String()}))
-	return produced, outcomeProcessed, nil
-}
-
-// handlerContext is the context a handler sees: origCtx with the
-// transaction and the event, and the hooks to run once tx has committed.
-func (d *Dedup) handlerContext(origCtx context.Context, tx pgx.Tx, hooks *idemctx.Hooks, msg *message.Message, id uuid.UUID) context.Context {
-	return idemctx.WithHandler(origCtx, idemctx.Value{
-		Tx: tx, EventID: id, ConsumerGroup: d.cfg.ConsumerGroup, KeyNamespace: d.group.IdempotencyNamespace,
-		CorrelationID: msg.Metadata.Get(publisher.MetadataCorrelationID),
-	}, hooks)
-}
-
-// toOutbox writes the messages a handler returned to [Config.Outbox] in tx
-// and returns none; without an Outbox it returns them unchanged (for the
-// router, after COMMIT). The publish topic comes from the router, in
-// origCtx.
-func (d *Dedup) toOutbox(ctx, origCtx context.Context, tx pgx.Tx, produced []*message.Message) ([]*message.Message, error) {
-	if len(produced) == 0 {
-		return nil, nil
-	}
-	if d.cfg.Outbox == nil {
-		for _, m := range produced {
-			otelx.Inject(ctx, m) // the handler's trace goes on with them (no-op without a span)
-		}
-		return produced, nil
-	}
-	topic := message.PublishTopicFromCtx(origCtx)
-	if topic == "" {
-		return nil, errors.New("dedup: handler returned messages but has no publish topic (add it with router.AddHandler)")
-	}
-	if err := d.cfg.Outbox.PublishInTx(ctx, tx, topic, produced...); err != nil {
-		return nil, fmt.Errorf("dedup: write returned messages to outbox: %w", err)
-	}
-	return nil, nil
-}
-
-// txUsable returns ErrTxAborted when tx can no longer commit: a statement
-// failed in it (PostgreSQL then refuses every statement until ROLLBACK) or
-// it was ended behind the middleware's back. It reads the status of the
-// connection's last ReadyForQuery message: no round trip.
-func txUsable(tx pgx.Tx) error {
-	c := tx.Conn()
-	if c == nil || c.IsClosed() {
-		return nil // the COMMIT reports it
-	}
-	switch st := c.PgConn().TxStatus(); st {
-	case 'T':
-		return nil
-	case 'E':
-		return fmt.Errorf("dedup: %w (a statement failed and the handler returned nil)", ErrTxAborted)
-	default:
-		return fmt.Errorf("dedup: %w (the handler ended the transaction: status %q)", ErrTxAborted, st)
-	}
-}
-
-func (d *Dedup) rollback(ctx context.Context, tx pgx.Tx, fields watermill.LogFields) {
-	err := tx.Rollback(context.WithoutCancel(ctx))
-	if err != nil && !errors.Is(err, pgx.ErrTxClosed) {
-		d.logger.Error("Rollback failed", err, fields)
-	}
+	return id, "", nil
 }
 
 // eventID extracts and validates the message's id.

@@ -21,11 +21,11 @@ func TestNewDedupChecksPoolAgainstConcurrency(t *testing.T) {
 	f.dedup(t, "fits", func(c *idem.Config) { c.Concurrency = 8 })
 	f.dedup(t, "groups", func(c *idem.Config) {
 		c.Concurrency = 64
-		c.GroupCommit = &idem.GroupCommitConfig{Concurrency: 4}
+		c.Mode = &idem.GroupCommitConfig{Concurrency: 4}
 	})
 	_, err = idem.NewDedup(idemConfig(f, func(c *idem.Config) {
 		c.Concurrency = 64
-		c.GroupCommit = &idem.GroupCommitConfig{Concurrency: 12}
+		c.Mode = &idem.GroupCommitConfig{Concurrency: 12}
 	}), nil)
 	require.ErrorIs(t, err, idem.ErrPoolTooSmall)
 }

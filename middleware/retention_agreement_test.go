@@ -262,7 +262,7 @@ func TestRenameGroupKeepsIdempotencyKeys(t *testing.T) {
 	_, err = old(msgOf(pending)) // charged, then rolled back
 	require.ErrorIs(t, err, errLost)
 
-	g, copied, err := dedupsql.RenameGroup(ctx, db.Pool, table.Schema, table.Table, "billing-v1", "billing-v2", deduplicator.ValidateGroupName)
+	g, copied, err := deduplicator.RenameGroup(ctx, db.Pool, table, "billing-v1", "billing-v2")
 	require.NoError(t, err)
 	require.EqualValues(t, 1, copied)
 	require.Equal(t, "billing-v1", g.IdempotencyNamespace)
@@ -287,11 +287,11 @@ func TestRenameGroupKeepsIdempotencyKeys(t *testing.T) {
 	_, err = idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing-v2", Table: table, IdempotencyNamespace: "billing-v2"}, nil)
 	require.ErrorIs(t, err, deduplicator.ErrNamespaceMismatch)
 	// Renaming onto a name in use is refused; the old name can be forgotten.
-	_, _, err = dedupsql.RenameGroup(ctx, db.Pool, table.Schema, table.Table, "billing-v1", "billing-v2", deduplicator.ValidateGroupName)
-	require.ErrorIs(t, err, dedupsql.ErrGroupExists)
-	n, err := dedupsql.ForgetGroup(ctx, db.Pool, table.Schema, table.Table, "billing-v1", deduplicator.ValidateGroupName)
+	_, _, err = deduplicator.RenameGroup(ctx, db.Pool, table, "billing-v1", "billing-v2")
+	require.ErrorIs(t, err, deduplicator.ErrGroupExists)
+	n, err := deduplicator.ForgetGroup(ctx, db.Pool, table, "billing-v1")
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
-	_, err = dedupsql.ForgetGroup(ctx, db.Pool, table.Schema, table.Table, "billing-v1", deduplicator.ValidateGroupName)
-	require.ErrorIs(t, err, dedupsql.ErrGroupNotFound)
+	_, err = deduplicator.ForgetGroup(ctx, db.Pool, table, "billing-v1")
+	require.ErrorIs(t, err, deduplicator.ErrGroupNotFound)
 }

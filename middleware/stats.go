@@ -36,14 +36,14 @@ type Stats struct {
 	// TxDuration is the total time from BEGIN to COMMIT of processed
 	// messages (Processed of them).
 	TxDuration time.Duration
-	// Group commit ([Config.GroupCommit]): Groups transactions claimed
+	// Group commit ([GroupCommitConfig]): Groups transactions claimed
 	// GroupedMessages messages (so their mean size is the ratio);
 	// GroupFallbacks groups were rolled back by a handler failure and their
 	// messages processed alone; Alone counts the messages processed in their
 	// own transaction after a fallback, a failed group claim or an earlier
 	// failure of their handler.
 	Groups, GroupedMessages, GroupFallbacks, Alone uint64
-	// Lease mode ([Config.Lease]): LeasesTaken leases were taken (new or
+	// Lease mode ([LeaseConfig]): LeasesTaken leases were taken (new or
 	// taken over), LeasesTakenOver of them from an expired lease;
 	// LeasesRenewed renewals succeeded; LeasesLost deliveries found their
 	// lease taken over or released and wrote nothing ([ErrLeaseLost]);

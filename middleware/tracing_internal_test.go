@@ -17,7 +17,7 @@ import (
 // With no TracerProvider configured and no SDK installed globally, the
 // middleware makes no span and allocates nothing for tracing.
 func TestStartSpanWithoutProviderAllocatesNothing(t *testing.T) {
-	d := &Dedup{}
+	d := &Dedup{tracing: &otelx.Tracers{}}
 	msg := message.NewMessage(watermill.NewUUID(), nil)
 	msg.Metadata.Set("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
 	allocs := testing.AllocsPerRun(100, func() {
@@ -46,7 +46,7 @@ func BenchmarkSpan(b *testing.B) {
 		b.Run(p.name, func(b *testing.B) {
 			tp := sdktrace.NewTracerProvider(p.opt)
 			defer func() { _ = tp.Shutdown(context.Background()) }()
-			d := &Dedup{cfg: Config{ConsumerGroup: "bench"}, tracing: otelx.Tracers{Configured: tp, Name: otelx.MiddlewareTracer}}
+			d := &Dedup{cfg: Config{ConsumerGroup: "bench"}, tracing: &otelx.Tracers{Configured: tp, Name: otelx.MiddlewareTracer}}
 			id := uuid.Must(uuid.NewV7())
 			msg := message.NewMessage(id.String(), nil)
 			msg.Metadata.Set("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")

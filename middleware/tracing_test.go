@@ -168,7 +168,7 @@ func TestTracing_GroupSpanLinksItsMessages(t *testing.T) {
 	tr := newTraced(t)
 	d := f.dedup(t, "billing", func(c *idem.Config) {
 		c.TracerProvider = tr.tp
-		c.GroupCommit = &idem.GroupCommitConfig{MaxMessages: 5, MaxWait: 100 * time.Millisecond, Concurrency: 1}
+		c.Mode = &idem.GroupCommitConfig{MaxMessages: 5, MaxWait: 100 * time.Millisecond, Concurrency: 1}
 	})
 	var calls atomic.Int32
 	for _, err := range deliverAll(d.Middleware(f.insertHandler(1, &calls)), f.msgs(newIDs(5))) {

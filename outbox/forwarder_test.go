@@ -449,7 +449,7 @@ func TestForwarder_WokenAfterTheDedupCommit(t *testing.T) {
 				require.NoError(t, f.Close())
 				require.NoError(t, <-done)
 			}()
-			dedup, err := idem.NewDedup(idem.Config{DB: e.db.Pool, ConsumerGroup: "woken-" + topic, Table: table, Outbox: e.outbox, GroupCommit: mode.gc}, nil)
+			dedup, err := idem.NewDedup(idem.Config{DB: e.db.Pool, ConsumerGroup: "woken-" + topic, Table: table, Outbox: e.outbox, Mode: mode.gc}, nil)
 			require.NoError(t, err)
 			handler := dedup.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 				pub, err := e.outbox.PublisherFromContext(msg.Context())

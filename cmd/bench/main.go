@@ -103,7 +103,7 @@ func writeHeader(ctx context.Context, b *strings.Builder, o bench.Options, short
 	b.WriteString("net.Conn level): the tools for profiling (`-cpuprofile`) and for comparing two commits with benchstat. A benchmark\n")
 	b.WriteString("and its baseline run one after the other, so on a shared machine their ns/op can differ by more than the cost\n")
 	b.WriteString("being measured; the ratios on this page come from `make bench`, which interleaves them.\n")
-	b.WriteString("`BenchmarkConsoleOverview` in `cmd/idemctl` times `idemctl serve`'s overview over 10 million claims, 100 parked keys\n")
+	b.WriteString("`BenchmarkConsoleOverview` in `cmd/idemctl/internal/console` times `idemctl serve`'s overview over 10 million claims, 100 parked keys\n")
 	b.WriteString("and 10 outbox topics (loading them takes minutes): its figure is in [idemctl.md](idemctl.md#serve).\n\n")
 	fmt.Fprintf(b, "- date: %s\n- CPUs: %d (%s/%s), load average at start: %s\n- Go: %s\n- PostgreSQL: %s (synchronous_commit = %s)\n- Kafka: %s\n- mode: %s, %d rounds\n\n",
 		time.Now().UTC().Format(time.RFC3339), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, loadAvg(), runtime.Version(),

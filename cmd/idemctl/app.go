@@ -1,26 +1,20 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/redact"
 	"io"
-	"net/url"
-	"regexp"
 	"strings"
-	"sync"
 	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/dbx"
-	"github.com/idemkit/watermill-idempotency/internal/ident"
-	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
-	"github.com/idemkit/watermill-idempotency/internal/partition"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -99,7 +93,7 @@ func (o *options) register(fs *flag.FlagSet) {
 
 // app is one run of the command.
 type app struct {
-	stdout, stderr *redactor
+	stdout, stderr *redact.Writer
 	getenv         func(string) string
 	opts           options
 	path           string   // "idemctl dedup check", for messages
@@ -120,7 +114,7 @@ func (a *app) close() {
 func (a *app) secrets() []string {
 	var out []string
 	for _, u := range []string{a.opts.databaseURL, a.getenv("DATABASE_URL")} {
-		out = append(out, urlSecrets(u)...)
+		out = append(out, redact.URLSecrets(u)...)
 	}
 	if a.pool != nil && a.pool.Config().ConnConfig.Password != "" {
 		out = append(out, a.pool.Config().ConnConfig.Password)
@@ -132,93 +126,9 @@ func (a *app) secrets() []string {
 	}
 	out = append(out, a.extraSecrets...)
 	for _, b := range strings.Split(a.opts.brokers+","+a.getenv("KAFKA_BROKERS"), ",") {
-		out = append(out, urlSecrets(b)...)
+		out = append(out, redact.URLSecrets(b)...)
 	}
 	return out
-}
-
-var (
-	dsnPasswordRe = regexp.MustCompile(`(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]+)`)
-	urlUserinfoRe = regexp.MustCompile(`(://[^:/?#@\s]*:)[^@/\s]*@`)
-)
-
-// urlSecrets returns the password of a connection URL or key=value string,
-// raw and decoded.
-func urlSecrets(s string) []string {
-	var out []string
-	if u, err := url.Parse(s); err == nil && u.User != nil {
-		if p, ok := u.User.Password(); ok && p != "" {
-			out = append(out, p)
-		}
-	}
-	if m := urlUserinfoRe.FindStringSubmatch(s); m != nil {
-		raw := strings.TrimSuffix(strings.TrimPrefix(m[0], m[1]), "@")
-		if raw != "" {
-			out = append(out, raw)
-			if dec, err := url.PathUnescape(raw); err == nil && dec != raw {
-				out = append(out, dec)
-			}
-		}
-	}
-	for _, m := range dsnPasswordRe.FindAllStringSubmatch(s, -1) {
-		if p := strings.Trim(m[2], "'"); p != "" {
-			out = append(out, p, m[2])
-		}
-	}
-	return out
-}
-
-// redactor writes complete lines to w with every secret replaced by
-// "xxxxx", and passwords in URLs and key=value strings masked whatever they
-// are.
-type redactor struct {
-	mu      sync.Mutex
-	w       io.Writer
-	buf     []byte
-	secrets func() []string
-}
-
-func (r *redactor) Write(p []byte) (int, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.buf = append(r.buf, p...)
-	if i := bytes.LastIndexByte(r.buf, '\n'); i >= 0 {
-		if err := r.emit(r.buf[:i+1]); err != nil {
-			return 0, err
-		}
-		r.buf = append(r.buf[:0], r.buf[i+1:]...)
-	}
-	return len(p), nil
-}
-
-// Flush writes what is left without a final newline.
-func (r *redactor) Flush() error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if len(r.buf) == 0 {
-		return nil
-	}
-	err := r.emit(r.buf)
-	r.buf = r.buf[:0]
-	return err
-}
-
-func (r *redactor) emit(b []byte) error {
-	_, err := io.WriteString(r.w, redact(string(b), r.secrets()))
-	return err
-}
-
-const redacted = "xxxxx"
-
-func redact(s string, secrets []string) string {
-	s = urlUserinfoRe.ReplaceAllString(s, "${1}"+redacted+"@")
-	s = dsnPasswordRe.ReplaceAllString(s, "${1}"+redacted)
-	for _, sec := range secrets {
-		if len(sec) >= 3 { // shorter ones would mask ordinary output; the patterns above still mask them in URLs
-			s = strings.ReplaceAll(s, sec, redacted)
-		}
-	}
-	return s
 }
 
 // connect opens the pool once: --database-url, else $DATABASE_URL.
@@ -276,32 +186,7 @@ func (a *app) tableConfig(ctx context.Context, missingOK bool) (deduplicator.Tab
 	if err != nil {
 		return tc, err
 	}
-	switch a.opts.layout {
-	case "plain":
-		tc.Layout = deduplicator.LayoutPlain
-	case "partitioned":
-		tc.Layout = deduplicator.LayoutPartitioned
-	case "auto", "":
-		exists, partitioned, err := partition.Partitioned(ctx, pool, ident.Quote(tc.Schema, tc.Table))
-		switch {
-		case err != nil:
-			return tc, fmt.Errorf("layout of %s.%s: %w", tc.Schema, tc.Table, err)
-		case !exists && missingOK:
-			tc.Layout = deduplicator.LayoutPlain
-		case !exists:
-			return tc, fmt.Errorf("table %s.%s does not exist (run idemctl migrate up, or check --schema/--table)", tc.Schema, tc.Table)
-		case partitioned:
-			tc.Layout = deduplicator.LayoutPartitioned
-		default:
-			tc.Layout = deduplicator.LayoutPlain
-		}
-	default:
-		return tc, usageError("--layout %q: want auto, plain or partitioned", a.opts.layout)
-	}
-	if err := tc.Validate(); err != nil {
-		return tc, usageError("%v", err)
-	}
-	return tc, nil
+	return ops.ResolveTable(ctx, pool, a.opts.schema, a.opts.table, a.opts.layout, missingOK)
 }
 
 // outboxConfig is the outbox named by the flags; without --topics, the
@@ -323,7 +208,7 @@ func (a *app) outboxConfig(ctx context.Context, discover bool) (outbox.Config, e
 	if err != nil {
 		return cfg, err
 	}
-	topics, err := recordedTopics(ctx, pool, cfg)
+	topics, err := ops.RecordedTopics(ctx, pool, cfg)
 	if err != nil {
 		return cfg, err
 	}
@@ -360,55 +245,6 @@ func row(w io.Writer, cells ...any) {
 	fmt.Fprintln(w)
 }
 
-// jsonTime is a time that marshals as RFC 3339 in UTC, and null when zero.
-type jsonTime time.Time
-
-func (t jsonTime) MarshalJSON() ([]byte, error) {
-	if time.Time(t).IsZero() {
-		return []byte("null"), nil
-	}
-	return json.Marshal(time.Time(t).UTC().Format(time.RFC3339Nano))
-}
-
-// humanTime prints t in UTC to the second, "-" when zero.
-func humanTime(t time.Time) string {
-	if t.IsZero() {
-		return "-"
-	}
-	return t.UTC().Format("2006-01-02 15:04:05Z")
-}
-
-// humanDuration prints whole days as "7d", else rounded to the second (or
-// the millisecond below a second).
-func humanDuration(d time.Duration) string {
-	switch {
-	case d == 0:
-		return "0s"
-	case d%(24*time.Hour) == 0:
-		return fmt.Sprintf("%dd", d/(24*time.Hour))
-	case d >= 48*time.Hour:
-		return fmt.Sprintf("%dd%dh", d/(24*time.Hour), (d%(24*time.Hour))/time.Hour)
-	case d < time.Second:
-		return d.Round(time.Millisecond).String()
-	default:
-		return d.Round(time.Second).String()
-	}
-}
-
-// humanBytes prints n in binary units.
-func humanBytes(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	div, exp := int64(unit), 0
-	for m := n / unit; m >= unit; m /= unit {
-		div *= unit
-		exp++
-	}
-	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
-}
-
 // splitList splits a comma-separated flag value, dropping empty items.
 func splitList(s string) []string {
 	var out []string
@@ -418,19 +254,4 @@ func splitList(s string) []string {
 		}
 	}
 	return out
-}
-
-// recordedTopics returns the topics migrated in cfg's schema with its
-// table prefix (outboxsql.RecordedTopics), after cfg's defaults.
-func recordedTopics(ctx context.Context, db dbx.Querier, cfg outbox.Config) ([]string, error) {
-	ob, err := outbox.New(cfg, nil)
-	if err != nil {
-		return nil, err
-	}
-	c := ob.Config()
-	topics, err := outboxsql.RecordedTopics(ctx, db, c.Schema, c.TablePrefix)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: recorded topics: %w", err)
-	}
-	return topics, nil
 }

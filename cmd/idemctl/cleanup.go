@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"strings"
 	"time"
 
@@ -92,10 +93,10 @@ func (a *app) runCleaner(ctx context.Context, tc deduplicator.TableConfig, f cle
 		fmt.Fprintf(a.stdout, "dry run on %s.%s (%s): nothing was changed\n", tc.Schema, tc.Table, tc.Layout)
 		would = "would be "
 	} else {
-		fmt.Fprintf(a.stdout, "cleaned %s.%s (%s) in %s\n", tc.Schema, tc.Table, tc.Layout, humanDuration(res.Duration))
+		fmt.Fprintf(a.stdout, "cleaned %s.%s (%s) in %s\n", tc.Schema, tc.Table, tc.Layout, ops.HumanDuration(res.Duration))
 	}
 	tw := a.table()
-	row(tw, "retention applied", humanDuration(res.Retention))
+	row(tw, "retention applied", ops.HumanDuration(res.Retention))
 	row(tw, "rows "+would+"deleted", fmt.Sprintf("%d (batches: %d, timed out: %d)", res.Deleted, res.Batches, res.Timeouts))
 	row(tw, "expired leases "+would+"deleted", res.LeasesDeleted)
 	if tc.Layout == deduplicator.LayoutPartitioned {
@@ -164,9 +165,9 @@ func partitionsList(ctx context.Context, a *app, args []string) error {
 	}
 	parts := info.Partitions
 	if a.opts.json {
-		out := []jsonPartition{}
+		out := []ops.Partition{}
 		for _, p := range parts {
-			out = append(out, toJSONPartition(p))
+			out = append(out, ops.ToPartition(p))
 		}
 		return a.printJSON(out)
 	}
@@ -178,7 +179,7 @@ func partitionsList(ctx context.Context, a *app, args []string) error {
 	row(tw, "PARTITION", "EVENTS FROM", "TO", "SIZE")
 	for _, p := range parts {
 		from, to := partitionRange(p)
-		row(tw, p.Name, from, to, humanBytes(p.Bytes))
+		row(tw, p.Name, from, to, ops.HumanBytes(p.Bytes))
 	}
 	return tw.Flush()
 }

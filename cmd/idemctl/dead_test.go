@@ -42,10 +42,10 @@ func TestOutboxDead(t *testing.T) {
 	require.Eventually(t, func() bool { return fwd.Stats().Forwarded == 1 && fwd.Stats().Quarantined == 2 }, time.Minute, 10*time.Millisecond)
 
 	r := ok(t, db, "outbox", "dead", "list")
-	requireRow(t, r.stdout, `orders 1 1 "k"`)
-	require.Contains(t, r.stdout, "larger than the producer's limit")
-	require.Contains(t, r.stdout, "held behind dead row 1")
-	require.Contains(t, r.stdout, "2 dead rows")
+	requireRow(t, r.Stdout, `orders 1 1 "k"`)
+	require.Contains(t, r.Stdout, "larger than the producer's limit")
+	require.Contains(t, r.Stdout, "held behind dead row 1")
+	require.Contains(t, r.Stdout, "2 dead rows")
 	j := decode[struct {
 		Rows []struct {
 			ID         int64  `json:"id"`
@@ -61,8 +61,8 @@ func TestOutboxDead(t *testing.T) {
 	fails(t, db, 2, "pass --yes", "outbox", "dead", "drop", "--id", "1")
 	fails(t, db, 2, "needs --key", "outbox", "dead", "retry", "--yes")
 	fails(t, db, 1, "no dead row 99", "outbox", "dead", "drop", "--id", "99", "--yes")
-	require.Contains(t, ok(t, db, "outbox", "dead", "drop", "--id", "1", "--yes").stdout, "dead row 1 of orders deleted")
-	require.Contains(t, ok(t, db, "outbox", "dead", "retry", "--key", "k", "--yes").stdout, "1 rows of key \"k\" moved back")
+	require.Contains(t, ok(t, db, "outbox", "dead", "drop", "--id", "1", "--yes").Stdout, "dead row 1 of orders deleted")
+	require.Contains(t, ok(t, db, "outbox", "dead", "retry", "--key", "k", "--yes").Stdout, "1 rows of key \"k\" moved back")
 	require.Eventually(t, func() bool { return fwd.Stats().Forwarded == 2 }, time.Minute, 10*time.Millisecond)
-	require.Contains(t, ok(t, db, "outbox", "dead", "list").stdout, "0 dead rows")
+	require.Contains(t, ok(t, db, "outbox", "dead", "list").Stdout, "0 dead rows")
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"slices"
 	"strings"
 	"time"
@@ -53,7 +54,7 @@ func dedupCheck(ctx context.Context, a *app, args []string) error {
 	if groups, err = checkedGroups(ctx, a, tc, groups); err != nil {
 		return err
 	}
-	retention, err := recordedRetention(ctx, a.pool, tc)
+	retention, err := ops.RecordedRetention(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
@@ -76,21 +77,21 @@ func dedupCheck(ctx context.Context, a *app, args []string) error {
 			return err
 		}
 		all = all && ok
-		results = append(results, groupCheck{g, ok, jsonTime(at)})
+		results = append(results, groupCheck{g, ok, ops.Time(at)})
 	}
 	if a.opts.json {
 		err = a.printJSON(struct {
 			EventID            string       `json:"event_id"`
-			CreatedAt          jsonTime     `json:"created_at"`
+			CreatedAt          ops.Time     `json:"created_at"`
 			RetentionSeconds   float64      `json:"retention_seconds"`
 			OlderThanRetention bool         `json:"older_than_retention"`
 			Processed          bool         `json:"processed"`
 			Groups             []groupCheck `json:"groups"`
-		}{id.String(), jsonTime(created), retention.Seconds(), old, all, results})
+		}{id.String(), ops.Time(created), retention.Seconds(), old, all, results})
 	} else {
 		printCheck(a, id, created, results)
 		if !all && old {
-			fmt.Fprintf(a.stdout, "note: the event is older than the retention (%s): a claim may have been deleted by the cleaner, and the consumers refuse the event as stale (ErrStaleEvent) rather than apply it again\n", humanDuration(retention))
+			fmt.Fprintf(a.stdout, "note: the event is older than the retention (%s): a claim may have been deleted by the cleaner, and the consumers refuse the event as stale (ErrStaleEvent) rather than apply it again\n", ops.HumanDuration(retention))
 		}
 	}
 	if err != nil {
@@ -106,7 +107,7 @@ func dedupCheck(ctx context.Context, a *app, args []string) error {
 type groupCheck struct {
 	Group       string   `json:"group"`
 	Processed   bool     `json:"processed"`
-	ProcessedAt jsonTime `json:"processed_at"`
+	ProcessedAt ops.Time `json:"processed_at"`
 }
 
 // checkedGroups returns the groups to check: those asked for, each
@@ -139,7 +140,7 @@ func checkedGroups(ctx context.Context, a *app, tc deduplicator.TableConfig, gro
 func printCheck(a *app, id uuid.UUID, created time.Time, results []groupCheck) {
 	fmt.Fprintf(a.stdout, "event %s", id)
 	if !created.IsZero() {
-		fmt.Fprintf(a.stdout, ", created %s (UUIDv7 time, %s ago)", humanTime(created), humanDuration(time.Since(created)))
+		fmt.Fprintf(a.stdout, ", created %s (UUIDv7 time, %s ago)", ops.HumanTime(created), ops.HumanDuration(time.Since(created)))
 	}
 	fmt.Fprintln(a.stdout)
 	tw := a.table()
@@ -147,9 +148,9 @@ func printCheck(a *app, id uuid.UUID, created time.Time, results []groupCheck) {
 	for _, r := range results {
 		ago := "-"
 		if r.Processed {
-			ago = humanDuration(time.Since(time.Time(r.ProcessedAt)))
+			ago = ops.HumanDuration(time.Since(time.Time(r.ProcessedAt)))
 		}
-		row(tw, r.Group, map[bool]string{true: "yes", false: "no"}[r.Processed], humanTime(time.Time(r.ProcessedAt)), ago)
+		row(tw, r.Group, map[bool]string{true: "yes", false: "no"}[r.Processed], ops.HumanTime(time.Time(r.ProcessedAt)), ago)
 	}
 	_ = tw.Flush()
 }
@@ -175,44 +176,44 @@ func dedupStats(ctx context.Context, a *app, args []string) error {
 			Group      string   `json:"group"`
 			Registered bool     `json:"registered"`
 			Rows       int64    `json:"rows"`
-			Oldest     jsonTime `json:"oldest"`
-			Newest     jsonTime `json:"newest"`
+			Oldest     ops.Time `json:"oldest"`
+			Newest     ops.Time `json:"newest"`
 		}
 		type partition struct {
-			jsonPartition
+			ops.Partition
 			Rows   int64    `json:"rows"`
-			Oldest jsonTime `json:"oldest"`
-			Newest jsonTime `json:"newest"`
+			Oldest ops.Time `json:"oldest"`
+			Newest ops.Time `json:"newest"`
 		}
 		out := struct {
 			Schema           string      `json:"schema"`
 			Table            string      `json:"table"`
 			Layout           string      `json:"layout"`
 			RetentionSeconds float64     `json:"retention_seconds"`
-			CleanedBefore    jsonTime    `json:"cleaned_before"`
+			CleanedBefore    ops.Time    `json:"cleaned_before"`
 			Rows             int64       `json:"rows"`
-			Oldest           jsonTime    `json:"oldest"`
-			Newest           jsonTime    `json:"newest"`
+			Oldest           ops.Time    `json:"oldest"`
+			Newest           ops.Time    `json:"newest"`
 			Bytes            int64       `json:"bytes"`
 			Groups           []group     `json:"groups"`
 			Partitions       []partition `json:"partitions"`
-		}{st.info.Schema, st.info.Table, st.info.Layout, st.info.Retention.Seconds(), jsonTime(st.info.CleanedBefore), st.Rows,
-			jsonTime(st.Oldest), jsonTime(st.Newest), st.info.Bytes, []group{}, []partition{}}
+		}{st.info.Schema, st.info.Table, st.info.Layout, st.info.Retention.Seconds(), ops.Time(st.info.CleanedBefore), st.Rows,
+			ops.Time(st.Oldest), ops.Time(st.Newest), st.info.Bytes, []group{}, []partition{}}
 		for _, g := range st.groups {
-			out.Groups = append(out.Groups, group{g.Group, g.Registered, g.Rows, jsonTime(g.Oldest), jsonTime(g.Newest)})
+			out.Groups = append(out.Groups, group{g.Group, g.Registered, g.Rows, ops.Time(g.Oldest), ops.Time(g.Newest)})
 		}
 		for _, p := range st.partitions {
-			out.Partitions = append(out.Partitions, partition{toJSONPartition(p.Info), p.Rows, jsonTime(p.Oldest), jsonTime(p.Newest)})
+			out.Partitions = append(out.Partitions, partition{ops.ToPartition(p.Info), p.Rows, ops.Time(p.Oldest), ops.Time(p.Newest)})
 		}
 		return a.printJSON(out)
 	}
 	fmt.Fprintf(a.stdout, "table %s.%s (%s): %d rows, %s on disk, retention %s, cleaned before %s\n",
-		st.info.Schema, st.info.Table, st.info.Layout, st.Rows, humanBytes(st.info.Bytes), humanDuration(st.info.Retention), humanTime(st.info.CleanedBefore))
-	fmt.Fprintf(a.stdout, "processed_at: oldest %s, newest %s\n\n", humanTime(st.Oldest), humanTime(st.Newest))
+		st.info.Schema, st.info.Table, st.info.Layout, st.Rows, ops.HumanBytes(st.info.Bytes), ops.HumanDuration(st.info.Retention), ops.HumanTime(st.info.CleanedBefore))
+	fmt.Fprintf(a.stdout, "processed_at: oldest %s, newest %s\n\n", ops.HumanTime(st.Oldest), ops.HumanTime(st.Newest))
 	tw := a.table()
 	row(tw, "GROUP", "REGISTERED", "ROWS", "OLDEST", "NEWEST")
 	for _, g := range st.groups {
-		row(tw, g.Group, map[bool]string{true: "yes", false: "no"}[g.Registered], g.Rows, humanTime(g.Oldest), humanTime(g.Newest))
+		row(tw, g.Group, map[bool]string{true: "yes", false: "no"}[g.Registered], g.Rows, ops.HumanTime(g.Oldest), ops.HumanTime(g.Newest))
 	}
 	if len(st.groups) == 0 {
 		row(tw, "(none)")
@@ -226,23 +227,9 @@ func dedupStats(ctx context.Context, a *app, args []string) error {
 	row(tw, "PARTITION", "EVENTS FROM", "TO", "ROWS", "SIZE", "OLDEST", "NEWEST")
 	for _, p := range st.partitions {
 		from, to := partitionRange(p.Info)
-		row(tw, p.Name, from, to, p.Rows, humanBytes(p.Bytes), humanTime(p.Oldest), humanTime(p.Newest))
+		row(tw, p.Name, from, to, p.Rows, ops.HumanBytes(p.Bytes), ops.HumanTime(p.Oldest), ops.HumanTime(p.Newest))
 	}
 	return tw.Flush()
-}
-
-// jsonPartition is a partition in JSON output.
-type jsonPartition struct {
-	Name    string   `json:"name"`
-	Default bool     `json:"default"`
-	From    jsonTime `json:"from"`
-	To      jsonTime `json:"to"`
-	Bound   string   `json:"bound"`
-	Bytes   int64    `json:"bytes"`
-}
-
-func toJSONPartition(p partition.Info) jsonPartition {
-	return jsonPartition{p.Name, p.Default, jsonTime(p.From), jsonTime(p.To), p.Bound, p.Bytes}
 }
 
 // partitionRange prints a partition's event-time range for a table.
@@ -253,7 +240,7 @@ func partitionRange(p partition.Info) (from, to string) {
 	case p.From.IsZero():
 		return p.Bound, ""
 	}
-	return humanTime(p.From), humanTime(p.To)
+	return ops.HumanTime(p.From), ops.HumanTime(p.To)
 }
 
 func dedupConvert(ctx context.Context, a *app, args []string) error {

@@ -35,8 +35,8 @@ func TestDedupCheck(t *testing.T) {
 	claim(t, db, "shipping", true)
 
 	r := ok(t, db, "dedup", "check", id.String(), "--group", "billing")
-	require.Contains(t, r.stdout, "event "+id.String()+", created ")
-	require.Regexp(t, `billing\s+yes\s+\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ`, r.stdout)
+	require.Contains(t, r.Stdout, "event "+id.String()+", created ")
+	require.Regexp(t, `billing\s+yes\s+\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ`, r.Stdout)
 	ok(t, db, "dedup", "check", id.String(), "--group", "billing", "--layout", "plain")
 	c := decode[checkJSON](t, ok(t, db, "dedup", "check", "--json", "--group", "billing", id.String()))
 	require.True(t, c.Processed)
@@ -48,11 +48,11 @@ func TestDedupCheck(t *testing.T) {
 
 	// Not processed: exit 3, also when one of the groups has not.
 	r = ctl(t, db, "dedup", "check", other.String(), "--group", "billing")
-	require.Equal(t, 3, r.code, r)
-	require.Regexp(t, `billing\s+no\s+-`, r.stdout)
-	require.Empty(t, r.stderr)
+	require.Equal(t, 3, r.Code, r)
+	require.Regexp(t, `billing\s+no\s+-`, r.Stdout)
+	require.Empty(t, r.Stderr)
 	r = ctl(t, db, "dedup", "check", id.String(), "--json") // every registered group
-	require.Equal(t, 3, r.code, r)
+	require.Equal(t, 3, r.Code, r)
 	c = decode[checkJSON](t, r)
 	require.False(t, c.Processed)
 	require.Equal(t, "billing", c.Groups[0].Group)
@@ -63,8 +63,8 @@ func TestDedupCheck(t *testing.T) {
 
 	// Older than the retention and not processed: say why it matters.
 	r = ctl(t, db, "dedup", "check", old.String(), "--group", "billing,shipping")
-	require.Equal(t, 3, r.code, r)
-	require.Contains(t, r.stdout, "older than the retention (7d)")
+	require.Equal(t, 3, r.Code, r)
+	require.Contains(t, r.Stdout, "older than the retention (7d)")
 
 	// Bad input: exit 2 with the reason.
 	fails(t, db, 2, `invalid event id "not-a-uuid"`, "dedup", "check", "not-a-uuid", "--group", "billing")
@@ -102,14 +102,14 @@ func TestDedupStats(t *testing.T) {
 	claim(t, db, "idle", true)                                 // registered, no claim
 
 	r := ok(t, db, "dedup", "stats")
-	require.Contains(t, r.stdout, "table "+db.Schema+".processed_event (partitioned): 4 rows")
-	require.Contains(t, r.stdout, "retention 7d")
-	require.Regexp(t, `billing\s+yes\s+3\s`, r.stdout)
-	require.Regexp(t, `legacy\s+no\s+1\s`, r.stdout)
-	require.Regexp(t, `idle\s+yes\s+0\s`, r.stdout)
+	require.Contains(t, r.Stdout, "table "+db.Schema+".processed_event (partitioned): 4 rows")
+	require.Contains(t, r.Stdout, "retention 7d")
+	require.Regexp(t, `billing\s+yes\s+3\s`, r.Stdout)
+	require.Regexp(t, `legacy\s+no\s+1\s`, r.Stdout)
+	require.Regexp(t, `idle\s+yes\s+0\s`, r.Stdout)
 	today := partition.Name("processed_event", now)
-	require.Regexp(t, today+`\s+\d{4}-\d\d-\d\d 00:00:00Z\s+\d{4}-\d\d-\d\d 00:00:00Z\s+2\s`, r.stdout)
-	require.Regexp(t, `processed_event_default\s+\(default\)\s+-\s+1\s`, r.stdout)
+	require.Regexp(t, today+`\s+\d{4}-\d\d-\d\d 00:00:00Z\s+\d{4}-\d\d-\d\d 00:00:00Z\s+2\s`, r.Stdout)
+	require.Regexp(t, `processed_event_default\s+\(default\)\s+-\s+1\s`, r.Stdout)
 
 	st := decode[statsJSON](t, ok(t, db, "dedup", "stats", "--json"))
 	require.Equal(t, "partitioned", st.Layout)
@@ -142,7 +142,7 @@ func TestDedupStats(t *testing.T) {
 	require.Nil(t, st.Oldest)
 	require.Empty(t, st.Groups)
 	require.Empty(t, st.Partitions)
-	require.Contains(t, ok(t, plain, "dedup", "stats").stdout, "(none)")
+	require.Contains(t, ok(t, plain, "dedup", "stats").Stdout, "(none)")
 }
 
 type cleanJSON struct {
@@ -167,8 +167,8 @@ func TestCleanupRun(t *testing.T) {
 	count := func() int { return db.Count(t, "SELECT 1 FROM processed_event") }
 
 	r := ok(t, db, "cleanup", "run", "--dry-run", "--batch-size", "10")
-	require.Contains(t, r.stdout, "dry run on "+db.Schema+".processed_event (plain): nothing was changed")
-	require.Regexp(t, `rows would be deleted\s+25 \(batches: 3`, r.stdout)
+	require.Contains(t, r.Stdout, "dry run on "+db.Schema+".processed_event (plain): nothing was changed")
+	require.Regexp(t, `rows would be deleted\s+25 \(batches: 3`, r.Stdout)
 	require.Equal(t, 27, count())
 	c := decode[cleanJSON](t, ok(t, db, "cleanup", "run", "--dry-run", "--json"))
 	require.True(t, c.DryRun)
@@ -183,8 +183,8 @@ func TestCleanupRun(t *testing.T) {
 	require.EqualValues(t, 25, c.Deleted)
 	require.Equal(t, 2, count())
 	r = ok(t, db, "cleanup", "run")
-	require.Contains(t, r.stdout, "cleaned "+db.Schema+".processed_event (plain)")
-	require.Regexp(t, `rows deleted\s+0 \(batches: 1`, r.stdout)
+	require.Contains(t, r.Stdout, "cleaned "+db.Schema+".processed_event (plain)")
+	require.Regexp(t, `rows deleted\s+0 \(batches: 1`, r.Stdout)
 
 	fails(t, db, 2, "must not be negative", "cleanup", "run", "--batch-size", "-1")
 	fails(t, db, 2, "flag provided but not defined: -nope", "cleanup", "run", "--nope")
@@ -198,8 +198,8 @@ func TestPartitions(t *testing.T) {
 	claim(t, db, "g", false, v7At(now.AddDate(0, 0, 5))) // DEFAULT, moved by --ahead 6
 
 	r := ok(t, db, "partitions", "list")
-	require.Contains(t, r.stdout, partition.Name("processed_event", now))
-	require.Regexp(t, `processed_event_default\s+\(default\)`, r.stdout)
+	require.Contains(t, r.Stdout, partition.Name("processed_event", now))
+	require.Regexp(t, `processed_event_default\s+\(default\)`, r.Stdout)
 	type part struct {
 		Name    string `json:"name"`
 		Default bool   `json:"default"`
@@ -218,12 +218,12 @@ func TestPartitions(t *testing.T) {
 	require.Equal(t, before, decode[[]part](t, ok(t, db, "partitions", "list", "--json")), "a dry run creates nothing")
 
 	r = ok(t, db, "partitions", "maintain", "--ahead", "6")
-	require.Regexp(t, `partitions created\s+3: processed_event_p`, r.stdout)
-	require.Regexp(t, `rows moved from DEFAULT\s+1\n`, r.stdout)
+	require.Regexp(t, `partitions created\s+3: processed_event_p`, r.Stdout)
+	require.Regexp(t, `rows moved from DEFAULT\s+1\n`, r.Stdout)
 	require.Len(t, decode[[]part](t, ok(t, db, "partitions", "list", "--json")), len(before)+3)
 
 	plain := migrated(t, "plain")
-	require.Contains(t, ok(t, plain, "partitions", "list").stdout, "has no partitions (layout plain)")
-	require.Equal(t, "[]\n", ok(t, plain, "partitions", "list", "--json").stdout)
+	require.Contains(t, ok(t, plain, "partitions", "list").Stdout, "has no partitions (layout plain)")
+	require.Equal(t, "[]\n", ok(t, plain, "partitions", "list", "--json").Stdout)
 	fails(t, plain, 2, "is not partitioned (layout plain)", "partitions", "maintain")
 }

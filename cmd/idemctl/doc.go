@@ -28,4 +28,9 @@
 // people, JSON with --json (errors too). Exit codes: 0 done, 1 failed, 2 bad usage or input (nothing
 // changed), 3 dedup check: not processed. Passwords are masked in every line
 // it writes. See docs/idemctl.md for every command with an example.
+//
+// The package is a thin shell: flags and printing. What a command reads and
+// changes is written once in internal/ops, which the web console of
+// `idemctl serve` (internal/console: its handlers, templates and assets)
+// calls too; internal/redact masks the secrets in both.
 package main

@@ -21,11 +21,11 @@ func TestDurationsOverflow(t *testing.T) {
 	for _, d := range []string{"213504d", "106752d", "9223372037s", "99999999999999999999d"} {
 		fails(t, db, 2, "retention", "retention", "set", d, "--yes", "--force")
 	}
-	require.Contains(t, ok(t, db, "retention", "show").stdout, "keeps claims for 7d")
+	require.Contains(t, ok(t, db, "retention", "show").Stdout, "keeps claims for 7d")
 	fails(t, db, 2, "--retention", "migrate", "up", "--retention", "213504d")
 	fails(t, db, 2, "--since", "poison", "list", "--topic", "t", "--since", "213504d")
 	ok(t, db, "retention", "set", "106751d") // the longest whole-day value
-	require.Contains(t, ok(t, db, "retention", "show").stdout, "keeps claims for 106751d")
+	require.Contains(t, ok(t, db, "retention", "show").Stdout, "keeps claims for 106751d")
 }
 
 // A retention at or below the consumers' default StaleMargin (1h) would make
@@ -35,12 +35,12 @@ func TestRetentionWithinStaleMarginNeedsForce(t *testing.T) {
 	db := migrated(t, "plain")
 	for _, d := range []string{"30m", "1h"} {
 		r := fails(t, db, 2, "every consumer that keeps the default refuses to start", "retention", "set", d, "--yes")
-		require.Contains(t, r.stderr, "--force")
+		require.Contains(t, r.Stderr, "--force")
 	}
-	require.Contains(t, ok(t, db, "retention", "show").stdout, "keeps claims for 7d")
+	require.Contains(t, ok(t, db, "retention", "show").Stdout, "keeps claims for 7d")
 	ok(t, db, "retention", "set", "61m", "--yes")
 	ok(t, db, "retention", "set", "30m", "--yes", "--force")
-	require.Contains(t, ok(t, db, "retention", "show").stdout, "keeps claims for 30m0s")
+	require.Contains(t, ok(t, db, "retention", "show").Stdout, "keeps claims for 30m0s")
 
 	fresh := migrated(t, "plain", "orders")
 	fails(t, fresh, 2, "refuses to start", "migrate", "up", "--retention", "45m")
@@ -64,15 +64,15 @@ func TestJSONErrors(t *testing.T) {
 		{[]string{"--json=true", "groups", "forget", "billing"}, 2, "unknown consumer group"},
 	} {
 		r := ctl(t, db, tc.args...)
-		require.Equal(t, tc.code, r.code, r)
-		require.Empty(t, r.stderr, r)
+		require.Equal(t, tc.code, r.Code, r)
+		require.Empty(t, r.Stderr, r)
 		e := decode[errorJSON](t, r)
 		require.Equal(t, tc.code, e.Code, r)
 		require.Contains(t, e.Error, tc.msg, r)
 	}
 	// Without --json the error stays text on stderr.
 	r := fails(t, db, 2, "too long", "retention", "set", "213504d", "--yes")
-	require.Empty(t, r.stdout)
+	require.Empty(t, r.Stdout)
 }
 
 // An empty --group is refused rather than meaning every group.
@@ -93,6 +93,6 @@ func TestMissingTableNamed(t *testing.T) {
 	db := migrated(t, "plain")
 	db.Exec(t, "DROP TABLE processed_event_group")
 	r := fails(t, db, 1, "table "+db.Schema+".processed_event_group does not exist (run idemctl migrate up", "groups", "list")
-	require.NotContains(t, r.stderr, "processed_event table does not exist")
+	require.NotContains(t, r.Stderr, "processed_event table does not exist")
 	fails(t, db, 1, "processed_event_group does not exist", "dedup", "check", v7At(time.Now()).String())
 }

@@ -3,10 +3,10 @@ package main
 import (
 	"context"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"time"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
 )
 
@@ -19,15 +19,15 @@ func groupsList(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	retention, err := recordedRetention(ctx, a.pool, tc)
+	retention, err := ops.RecordedRetention(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
 	now := time.Now()
 	if a.opts.json {
-		out := []jsonGroup{}
+		out := []ops.Group{}
 		for _, g := range gs {
-			out = append(out, toJSONGroup(g, now, retention))
+			out = append(out, ops.ToGroup(g, now, retention))
 		}
 		return a.printJSON(out)
 	}
@@ -38,39 +38,17 @@ func groupsList(ctx context.Context, a *app, args []string) error {
 	tw := a.table()
 	row(tw, "GROUP", "FIRST SEEN", "IDEMPOTENCY NAMESPACE", "LAST STARTED", "YOUNG")
 	for _, g := range gs {
-		first := humanTime(g.FirstSeen)
+		first := ops.HumanTime(g.FirstSeen)
 		if g.FirstSeen.IsZero() {
 			first = "before the registry"
 		}
-		row(tw, g.Name, first, g.IdempotencyNamespace, humanTime(g.StartedAt), map[bool]string{true: "yes", false: "no"}[g.Young(now, retention)])
+		row(tw, g.Name, first, g.IdempotencyNamespace, ops.HumanTime(g.StartedAt), map[bool]string{true: "yes", false: "no"}[g.Young(now, retention)])
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(a.stdout, "(young: first seen less than the retention, %s, ago: its claims are all kept)\n", humanDuration(retention))
+	fmt.Fprintf(a.stdout, "(young: first seen less than the retention, %s, ago: its claims are all kept)\n", ops.HumanDuration(retention))
 	return nil
-}
-
-// jsonGroup is a registered group in JSON output (groups list, and the
-// console's overview and group page).
-type jsonGroup struct {
-	Group                string   `json:"group"`
-	FirstSeen            jsonTime `json:"first_seen"`
-	IdempotencyNamespace string   `json:"idempotency_namespace"`
-	StartedAt            jsonTime `json:"started_at"`
-	Young                bool     `json:"young"`
-	Stale                bool     `json:"stale"`
-}
-
-func toJSONGroup(g dedupsql.Group, now time.Time, retention time.Duration) jsonGroup {
-	return jsonGroup{g.Name, jsonTime(g.FirstSeen), g.IdempotencyNamespace, jsonTime(g.StartedAt), g.Young(now, retention), groupStale(g, now, retention)}
-}
-
-// groupStale reports whether no consumer of the group has started for
-// longer than the retention: a group that may be gone (forget it), or one
-// whose consumers have run without a restart all that time.
-func groupStale(g dedupsql.Group, now time.Time, retention time.Duration) bool {
-	return retention > 0 && !g.StartedAt.IsZero() && g.StartedAt.Before(now.Add(-retention))
 }
 
 func groupsRename(ctx context.Context, a *app, args []string) error {
@@ -86,7 +64,7 @@ func groupsRename(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	g, copied, err := dedupsql.RenameGroup(ctx, a.pool, tc.Schema, tc.Table, pos[0], pos[1], deduplicator.ValidateGroupName)
+	g, copied, err := deduplicator.RenameGroup(ctx, a.pool, tc, pos[0], pos[1])
 	if err != nil {
 		return err
 	}
@@ -95,12 +73,12 @@ func groupsRename(ctx context.Context, a *app, args []string) error {
 			From                 string   `json:"from"`
 			To                   string   `json:"to"`
 			ClaimsCopied         int64    `json:"claims_copied"`
-			FirstSeen            jsonTime `json:"first_seen"`
+			FirstSeen            ops.Time `json:"first_seen"`
 			IdempotencyNamespace string   `json:"idempotency_namespace"`
-		}{pos[0], pos[1], copied, jsonTime(g.FirstSeen), g.IdempotencyNamespace})
+		}{pos[0], pos[1], copied, ops.Time(g.FirstSeen), g.IdempotencyNamespace})
 	}
 	fmt.Fprintf(a.stdout, "renamed %s to %s: %d claims copied; %s keeps the first-seen time %s and the Idempotency-Key namespace %q\n",
-		pos[0], pos[1], copied, pos[1], humanTime(g.FirstSeen), g.IdempotencyNamespace)
+		pos[0], pos[1], copied, pos[1], ops.HumanTime(g.FirstSeen), g.IdempotencyNamespace)
 	fmt.Fprintf(a.stdout, "%s's claims are kept: move the Kafka offsets, start the consumers as %s, then run idemctl groups forget %s --yes\n", pos[0], pos[1], pos[0])
 	return nil
 }
@@ -116,21 +94,13 @@ func groupsForget(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	gs, err := dedupsql.Groups(ctx, a.pool, tc.Schema, tc.Table)
-	if err != nil {
+	if err := ops.Registered(ctx, a.pool, tc, pos[0]); err != nil {
 		return err
-	}
-	found := false
-	for _, g := range gs {
-		found = found || g.Name == pos[0]
-	}
-	if !found {
-		return usageError("unknown consumer group %q: not registered with %s.%s", pos[0], tc.Schema, tc.Table)
 	}
 	if !*yes {
 		return usageError("groups forget deletes every claim of %q: a consumer started again under that name applies every event it reads again; pass --yes to do it", pos[0])
 	}
-	n, err := dedupsql.ForgetGroup(ctx, a.pool, tc.Schema, tc.Table, pos[0], deduplicator.ValidateGroupName)
+	n, err := ops.ForgetGroup(ctx, a.pool, tc, pos[0])
 	if err != nil {
 		return err
 	}
@@ -140,7 +110,7 @@ func groupsForget(ctx context.Context, a *app, args []string) error {
 			ClaimsDeleted int64  `json:"claims_deleted"`
 		}{pos[0], n})
 	}
-	fmt.Fprintf(a.stdout, "forgot %s: %d claims deleted, registration removed\n", pos[0], n)
+	fmt.Fprintln(a.stdout, ops.ForgotGroup(pos[0], n))
 	return nil
 }
 
@@ -149,7 +119,7 @@ func retentionShow(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	r, err := recordedRetention(ctx, a.pool, tc)
+	r, err := ops.RecordedRetention(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
@@ -159,7 +129,7 @@ func retentionShow(ctx context.Context, a *app, args []string) error {
 			RetentionSeconds float64 `json:"retention_seconds"`
 		}{tc.Schema + "." + tc.Table, r.Seconds()})
 	}
-	fmt.Fprintf(a.stdout, "%s.%s keeps claims for %s\n", tc.Schema, tc.Table, humanDuration(r))
+	fmt.Fprintf(a.stdout, "%s.%s keeps claims for %s\n", tc.Schema, tc.Table, ops.HumanDuration(r))
 	return nil
 }
 
@@ -182,12 +152,12 @@ func retentionSet(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	old, err := recordedRetention(ctx, a.pool, tc)
+	old, err := ops.RecordedRetention(ctx, a.pool, tc)
 	if err != nil {
 		return err
 	}
 	if d < old && !*yes {
-		return usageError("shortening the retention from %s to %s lets the cleaner delete claims sooner: a redelivery or DLQ replay older than %s is then refused as stale; pass --yes to do it", humanDuration(old), humanDuration(d), humanDuration(d))
+		return usageError("shortening the retention from %s to %s lets the cleaner delete claims sooner: a redelivery or DLQ replay older than %s is then refused as stale; pass --yes to do it", ops.HumanDuration(old), ops.HumanDuration(d), ops.HumanDuration(d))
 	}
 	if err := dedupsql.SetRetention(ctx, a.pool, tc.Schema, tc.Table, d); err != nil {
 		return err
@@ -199,19 +169,10 @@ func retentionSet(ctx context.Context, a *app, args []string) error {
 			RetentionSeconds         float64 `json:"retention_seconds"`
 		}{tc.Schema + "." + tc.Table, old.Seconds(), d.Seconds()})
 	}
-	fmt.Fprintf(a.stdout, "%s.%s: retention %s (was %s); running consumers adopt it within %s", tc.Schema, tc.Table, humanDuration(d), humanDuration(old), humanDuration(deduplicator.RetentionRefreshInterval))
+	fmt.Fprintf(a.stdout, "%s.%s: retention %s (was %s); running consumers adopt it within %s", tc.Schema, tc.Table, ops.HumanDuration(d), ops.HumanDuration(old), ops.HumanDuration(deduplicator.RetentionRefreshInterval))
 	if d < old {
-		fmt.Fprintf(a.stdout, ", the cleaner applies it from %s on", humanDuration(2*deduplicator.RetentionRefreshInterval))
+		fmt.Fprintf(a.stdout, ", the cleaner applies it from %s on", ops.HumanDuration(2*deduplicator.RetentionRefreshInterval))
 	}
 	fmt.Fprintln(a.stdout)
 	return nil
-}
-
-// recordedRetention returns the retention recorded with the table.
-func recordedRetention(ctx context.Context, db dbx.Querier, tc deduplicator.TableConfig) (time.Duration, error) {
-	s, err := dedupsql.ReadSetting(ctx, db, tc.Schema, tc.Table)
-	if err != nil {
-		return 0, fmt.Errorf("read retention of %s.%s: %w", tc.Schema, tc.Table, err)
-	}
-	return s.Retention, nil
 }

@@ -13,28 +13,28 @@ import (
 func TestUsage(t *testing.T) {
 	t.Parallel()
 	r := run(t, nil, "--help")
-	require.Equal(t, 0, r.code, r)
-	require.Contains(t, r.stdout, "dedup check")
-	require.Contains(t, r.stdout, "Exit codes:")
+	require.Equal(t, 0, r.Code, r)
+	require.Contains(t, r.Stdout, "dedup check")
+	require.Contains(t, r.Stdout, "Exit codes:")
 	r = run(t, nil)
-	require.Equal(t, 2, r.code, r)
-	require.Contains(t, r.stdout, "Usage: idemctl")
+	require.Equal(t, 2, r.Code, r)
+	require.Contains(t, r.Stdout, "Usage: idemctl")
 	r = run(t, nil, "dedup", "check", "-h")
-	require.Equal(t, 0, r.code, r)
-	require.Contains(t, r.stdout, "Usage: idemctl dedup check EVENT_ID [--group G]...")
-	require.Contains(t, r.stdout, "-group")
+	require.Equal(t, 0, r.Code, r)
+	require.Contains(t, r.Stdout, "Usage: idemctl dedup check EVENT_ID [--group G]...")
+	require.Contains(t, r.Stdout, "-group")
 	r = run(t, nil, "dedup")
-	require.Equal(t, 2, r.code, r)
-	require.Contains(t, r.stdout, "idemctl dedup stats")
+	require.Equal(t, 2, r.Code, r)
+	require.Contains(t, r.Stdout, "idemctl dedup stats")
 	r = run(t, nil, "frobnicate")
-	require.Equal(t, 2, r.code, r)
-	require.Contains(t, r.stderr, `unknown command "frobnicate"`)
+	require.Equal(t, 2, r.Code, r)
+	require.Contains(t, r.Stderr, `unknown command "frobnicate"`)
 	r = run(t, nil, "dedup", "frobnicate")
-	require.Equal(t, 2, r.code, r)
-	require.Contains(t, r.stderr, `unknown command "dedup frobnicate"`)
+	require.Equal(t, 2, r.Code, r)
+	require.Contains(t, r.Stderr, `unknown command "dedup frobnicate"`)
 	r = run(t, nil, "dedup", "stats")
-	require.Equal(t, 2, r.code, r)
-	require.Contains(t, r.stderr, "no database: set DATABASE_URL or pass --database-url")
+	require.Equal(t, 2, r.Code, r)
+	require.Contains(t, r.Stderr, "no database: set DATABASE_URL or pass --database-url")
 }
 
 // Flags may come before the command or after it, and flags override the
@@ -43,10 +43,10 @@ func TestFlagsAnywhere(t *testing.T) {
 	t.Parallel()
 	db := migrated(t, "plain")
 	r := run(t, []string{"DATABASE_URL=postgres://nobody@127.0.0.1:1/none"}, "--database-url", db.URL, "--schema", db.Schema, "--json", "retention", "show")
-	require.Equal(t, 0, r.code, r)
-	require.Contains(t, r.stdout, `"retention_seconds": 604800`)
+	require.Equal(t, 0, r.Code, r)
+	require.Contains(t, r.Stdout, `"retention_seconds": 604800`)
 	r = run(t, nil, "retention", "--database-url", db.URL, "show") // a flag between the names is not allowed
-	require.Equal(t, 2, r.code, r)
+	require.Equal(t, 2, r.Code, r)
 }
 
 // A password in DATABASE_URL, --database-url or a key=value connection
@@ -77,15 +77,15 @@ func TestCredentialsNeverPrinted(t *testing.T) {
 	}
 	for _, c := range cases {
 		r := run(t, c.env, c.args...)
-		require.Equal(t, c.code, r.code, "%s: %s", c.name, r)
+		require.Equal(t, c.code, r.Code, "%s: %s", c.name, r)
 		for _, secret := range []string{pw, "p%40ss%2Fw0rd", "p@ss/w0rd"} {
-			require.NotContains(t, r.stdout, secret, c.name)
-			require.NotContains(t, r.stderr, secret, c.name)
+			require.NotContains(t, r.Stdout, secret, c.name)
+			require.NotContains(t, r.Stderr, secret, c.name)
 		}
 		if c.code != 0 && slices.Contains(c.args, "--json") {
-			require.Contains(t, r.stdout, `"error"`, c.name) // --json: the error is a document on stdout
+			require.Contains(t, r.Stdout, `"error"`, c.name) // --json: the error is a document on stdout
 		} else if c.code != 0 {
-			require.NotEmpty(t, r.stderr, c.name)
+			require.NotEmpty(t, r.Stderr, c.name)
 		}
 	}
 }
@@ -108,14 +108,14 @@ func TestPoisonFlags(t *testing.T) {
 		{[]string{"poison", "list", "--topic", "p", "--dry-run"}, "flag provided but not defined: -dry-run"},
 	} {
 		r := run(t, env, c.args...)
-		require.Equal(t, 2, r.code, r)
-		require.Contains(t, r.stderr, c.want)
+		require.Equal(t, 2, r.Code, r)
+		require.Contains(t, r.Stderr, c.want)
 	}
 	r := run(t, nil, "poison", "list", "--topic", "p")
-	require.Equal(t, 2, r.code, r)
-	require.Contains(t, r.stderr, "no Kafka brokers")
+	require.Equal(t, 2, r.Code, r)
+	require.Contains(t, r.Stderr, "no Kafka brokers")
 	// Valid flags reach the brokers (here none listens).
 	r = run(t, env, "poison", "replay", "--topic", "p", "--reason", "timeout", "--since", "2026-01-01T00:00:00Z", "--event-id", "0190a5d0-ac96-774b-bcce-b302099a8057", "--dry-run", "--rate", "10")
-	require.Equal(t, 1, r.code, r)
-	require.Contains(t, r.stderr, "poison: connect")
+	require.Equal(t, 1, r.Code, r)
+	require.Contains(t, r.Stderr, "poison: connect")
 }

@@ -116,7 +116,7 @@ func TestPoisonOverTLSAndSASL(t *testing.T) {
 			[]string{"--kafka-tls-ca", caFile, "--kafka-sasl-user", "plainuser"}},
 	} {
 		r := list(tc.env, tc.args...)
-		require.Equal(t, 0, r.code, "%s: %s", tc.name, r)
+		require.Equal(t, 0, r.Code, "%s: %s", tc.name, r)
 		p := decode[poisonListJSON](t, r)
 		require.Equal(t, []string{eventIDOf(msg)}, p.eventIDs(), tc.name)
 	}
@@ -138,8 +138,8 @@ func TestPoisonOverTLSAndSASL(t *testing.T) {
 		{"TLS false with a CA", 2, []string{"KAFKA_TLS=false", "KAFKA_TLS_CA=" + caFile}},
 	} {
 		r := list(tc.env)
-		require.Equal(t, tc.code, r.code, "%s: %s", tc.name, r)
-		require.NotContains(t, r.stdout+r.stderr, pw, tc.name)
+		require.Equal(t, tc.code, r.Code, "%s: %s", tc.name, r)
+		require.NotContains(t, r.Stdout+r.Stderr, pw, tc.name)
 		e := decode[errorJSON](t, r)
 		require.Equal(t, tc.code, e.Code, tc.name)
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"time"
 
 	"github.com/google/uuid"
@@ -53,7 +54,7 @@ func dedupLeases(ctx context.Context, a *app, args []string) error {
 		if l.Expired {
 			st = "expired"
 		}
-		row(tw, l.EventID.String(), l.ConsumerGroup, st, humanTime(l.TakenAt), humanTime(l.ExpiresAt), fmt.Sprint(l.Attempts), l.Owner)
+		row(tw, l.EventID.String(), l.ConsumerGroup, st, ops.HumanTime(l.TakenAt), ops.HumanTime(l.ExpiresAt), fmt.Sprint(l.Attempts), l.Owner)
 	}
 	return tw.Flush()
 }
@@ -70,7 +71,7 @@ func dedupRelease(ctx context.Context, a *app, args []string) error {
 	}
 	id, err := uuid.Parse(pos[0])
 	if err != nil {
-		return usageError("invalid event id %q: %v", pos[0], err)
+		return ops.Input("invalid event id %q: %v", pos[0], err)
 	}
 	if *group == "" {
 		return usageError("--group is required")
@@ -82,7 +83,7 @@ func dedupRelease(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	ok, err := leasesql.ForceRelease(ctx, a.pool, tc.Schema, tc.Table, id, *group)
+	_, ok, err := ops.ReleaseLease(ctx, a.pool, tc, id.String(), *group)
 	if err != nil {
 		return err
 	}
@@ -94,9 +95,9 @@ func dedupRelease(ctx context.Context, a *app, args []string) error {
 		}{id.String(), *group, ok})
 	}
 	if !ok {
-		fmt.Fprintf(a.stdout, "no lease of %s for %s (completed, released, or never taken)\n", id, *group)
+		fmt.Fprintln(a.stdout, ops.NoLease(id, *group))
 		return nil
 	}
-	fmt.Fprintf(a.stdout, "released the lease of %s for %s at %s\n", id, *group, humanTime(time.Now()))
+	fmt.Fprintf(a.stdout, "released the lease of %s for %s at %s\n", id, *group, ops.HumanTime(time.Now()))
 	return nil
 }

@@ -28,8 +28,8 @@ func TestDedupLeasesAndRelease(t *testing.T) {
 	db.Exec(t, "UPDATE processed_event_lease SET expires_at = now() - interval '1 minute' WHERE event_id = $1", dead.EventID)
 
 	r := ok(t, db, "dedup", "leases")
-	require.Regexp(t, live.EventID.String()+`\s+billing\s+live\s+.*host-a:42`, r.stdout)
-	require.Regexp(t, dead.EventID.String()+`\s+billing\s+expired`, r.stdout)
+	require.Regexp(t, live.EventID.String()+`\s+billing\s+live\s+.*host-a:42`, r.Stdout)
+	require.Regexp(t, dead.EventID.String()+`\s+billing\s+expired`, r.Stdout)
 	l := decode[leasesJSON](t, ok(t, db, "dedup", "leases", "--state", "expired", "--json"))
 	require.Len(t, l.Leases, 1)
 	require.Equal(t, dead.EventID, l.Leases[0].EventID)
@@ -37,7 +37,7 @@ func TestDedupLeasesAndRelease(t *testing.T) {
 
 	fails(t, db, 2, "--yes", "dedup", "release", live.EventID.String(), "--group", "billing")
 	r = ok(t, db, "dedup", "release", live.EventID.String(), "--group", "billing", "--yes")
-	require.Contains(t, r.stdout, "released the lease of "+live.EventID.String())
-	require.Contains(t, ok(t, db, "dedup", "release", live.EventID.String(), "--group", "billing", "--yes").stdout, "no lease of")
-	require.Equal(t, "no leases\n", ok(t, db, "dedup", "leases", "--state", "live").stdout)
+	require.Contains(t, r.Stdout, "released the lease of "+live.EventID.String())
+	require.Contains(t, ok(t, db, "dedup", "release", live.EventID.String(), "--group", "billing", "--yes").Stdout, "no lease of")
+	require.Equal(t, "no leases\n", ok(t, db, "dedup", "leases", "--state", "live").Stdout)
 }

@@ -5,19 +5,14 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/redact"
 	"io"
 	"os"
 	"os/signal"
 	"strconv"
 	"strings"
 	"syscall"
-
-	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
-	"github.com/idemkit/watermill-idempotency/internal/pgerr"
-	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
-	"github.com/idemkit/watermill-idempotency/migrate"
-	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
 func main() {
@@ -67,8 +62,8 @@ var commands = []command{
 // run runs the command line args and returns the exit code.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
 	a := &app{getenv: getenv, opts: defaultOptions(), path: "idemctl"}
-	a.stdout = &redactor{w: stdout, secrets: a.secrets}
-	a.stderr = &redactor{w: stderr, secrets: a.secrets}
+	a.stdout = redact.NewWriter(stdout, a.secrets)
+	a.stderr = redact.NewWriter(stderr, a.secrets)
 	err := a.dispatch(ctx, args)
 	code := exitOK
 	var ee *exitError
@@ -79,14 +74,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 	case errors.As(err, &ee):
 		code = ee.code
 		err = ee.err
-	case isBadInput(err):
+	case ops.IsBadInput(err):
 		code = exitUsage
 	default:
 		code = exitFailure
 	}
 	asJSON := a.opts.json || jsonRequested(args)
 	if err != nil {
-		a.report(code, missingTable(err), asJSON)
+		a.report(code, ops.MissingTable(err), asJSON)
 	}
 	if code == exitUsage && err != nil && strings.HasPrefix(err.Error(), "usage:") && !asJSON {
 		fmt.Fprintf(a.stderr, "Run '%s -h' for help.\n", a.path)
@@ -127,34 +122,6 @@ func jsonRequested(args []string) bool {
 		}
 		if b, err := strconv.ParseBool(val); err == nil {
 			return b
-		}
-	}
-	return false
-}
-
-// missingTable words a missing table for idemctl's user: which table, and
-// the command that creates it.
-func missingTable(err error) error {
-	var terr *migrate.TableError
-	if errors.As(err, &terr) && errors.Is(terr, deduplicator.ErrTableMissing) && terr.Problem == "does not exist" {
-		return fmt.Errorf("table %s does not exist (run idemctl migrate up, or check --schema/--table)", terr.Table)
-	}
-	if table, ok := pgerr.UndefinedTable(err); ok { // from the operator's statements (internal/dedupsql)
-		return fmt.Errorf("table %s does not exist (run idemctl migrate up, or check --schema/--table)", table)
-	}
-	return err
-}
-
-// isBadInput reports errors of the library that mean the input named
-// something that is not there or not allowed; nothing was changed.
-func isBadInput(err error) bool {
-	for _, target := range []error{
-		dedupsql.ErrGroupNotFound, dedupsql.ErrGroupExists,
-		outbox.ErrInvalidTopic, outbox.ErrTopicNotMigrated,
-		retrytopic.ErrKeyNotParked,
-	} {
-		if errors.Is(err, target) {
-			return true
 		}
 	}
 	return false

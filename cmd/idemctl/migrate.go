@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"math"
 	"slices"
 	"strconv"
@@ -127,7 +128,7 @@ type jsonVersion struct {
 	Version   int      `json:"version"`
 	Name      string   `json:"name"`
 	Status    string   `json:"status"`
-	AppliedAt jsonTime `json:"applied_at"`
+	AppliedAt ops.Time `json:"applied_at"`
 }
 
 func statusWord(s migrate.MigrationStatus) string {
@@ -203,14 +204,14 @@ func migrateStatus(ctx context.Context, a *app, args []string) error {
 			Checks   []jsonCheck   `json:"checks"`
 		}{Versions: []jsonVersion{}, Applied: counts["applied"], Pending: counts["pending"], Unknown: counts["unknown"], Checks: checks}
 		for _, s := range st {
-			out.Versions = append(out.Versions, jsonVersion{s.Component, s.Version, s.Name, statusWord(s), jsonTime(s.AppliedAt)})
+			out.Versions = append(out.Versions, jsonVersion{s.Component, s.Version, s.Name, statusWord(s), ops.Time(s.AppliedAt)})
 		}
 		return a.printJSON(out)
 	}
 	tw := a.table()
 	row(tw, "COMPONENT", "VERSION", "NAME", "STATUS", "APPLIED AT")
 	for _, s := range st {
-		row(tw, s.Component, s.Version, s.Name, statusWord(s), humanTime(s.AppliedAt))
+		row(tw, s.Component, s.Version, s.Name, statusWord(s), ops.HumanTime(s.AppliedAt))
 	}
 	_ = tw.Flush()
 	fmt.Fprintf(a.stdout, "\n%d applied, %d pending, %d unknown", counts["applied"], counts["pending"], counts["unknown"])
@@ -264,7 +265,7 @@ func (a *app) printSteps(direction migrate.Direction, dryRun bool, steps []migra
 		if dryRun {
 			row(tw, "would "+verb, s.Component, fmt.Sprintf("%03d_%s", s.Version, s.Name))
 		} else {
-			row(tw, done, s.Component, fmt.Sprintf("%03d_%s", s.Version, s.Name), humanDuration(s.Duration))
+			row(tw, done, s.Component, fmt.Sprintf("%03d_%s", s.Version, s.Name), ops.HumanDuration(s.Duration))
 		}
 	}
 	return tw.Flush()
@@ -566,5 +567,5 @@ func checkRetention(d time.Duration, force bool) error {
 	if d > deduplicator.DefaultStaleMargin || force {
 		return nil
 	}
-	return usageError("a retention of %s is not longer than the consumers' default StaleMargin (%s): every consumer that keeps the default refuses to start (NewDedup: StaleMargin must be shorter than the retention); pass --force if every consumer sets a shorter StaleMargin", humanDuration(d), humanDuration(deduplicator.DefaultStaleMargin))
+	return usageError("a retention of %s is not longer than the consumers' default StaleMargin (%s): every consumer that keeps the default refuses to start (NewDedup: StaleMargin must be shorter than the retention); pass --force if every consumer sets a shorter StaleMargin", ops.HumanDuration(d), ops.HumanDuration(deduplicator.DefaultStaleMargin))
 }

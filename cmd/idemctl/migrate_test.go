@@ -34,11 +34,11 @@ func TestMigrate(t *testing.T) {
 
 	// A fresh schema: everything pending, the table check names the fix.
 	r := ok(t, db, "migrate", "status", "--topics", "orders")
-	requireRow(t, r.stdout, "processed_event:processed_event 1 processed_event pending")
-	require.Contains(t, r.stdout, "outbox:outbox_orders")
-	requireRow(t, r.stdout, "retry_parked_key:retry_parked_key 1 parked_key pending")
-	require.Contains(t, r.stdout, "0 applied, 10 pending, 0 unknown")
-	require.Contains(t, r.stdout, "does not exist; fix: migrate deduplicator.MigrationLine")
+	requireRow(t, r.Stdout, "processed_event:processed_event 1 processed_event pending")
+	require.Contains(t, r.Stdout, "outbox:outbox_orders")
+	requireRow(t, r.Stdout, "retry_parked_key:retry_parked_key 1 parked_key pending")
+	require.Contains(t, r.Stdout, "0 applied, 10 pending, 0 unknown")
+	require.Contains(t, r.Stdout, "does not exist; fix: migrate deduplicator.MigrationLine")
 	st := decode[statusJSON](t, ok(t, db, "migrate", "status", "--topics", "orders", "--json"))
 	require.Equal(t, 10, st.Pending)
 	require.Zero(t, st.Applied)
@@ -47,16 +47,16 @@ func TestMigrate(t *testing.T) {
 
 	// --dry-run lists and changes nothing.
 	r = ok(t, db, "migrate", "up", "--topics", "orders", "--dry-run")
-	requireRow(t, r.stdout, "would apply processed_event:processed_event 001_processed_event")
-	requireRow(t, r.stdout, "would apply outbox:outbox_orders 001_topic_tables")
+	requireRow(t, r.Stdout, "would apply processed_event:processed_event 001_processed_event")
+	requireRow(t, r.Stdout, "would apply outbox:outbox_orders 001_topic_tables")
 	require.Zero(t, tables())
 
 	r = ok(t, db, "migrate", "up", "--topics", "orders", "--retention", "30d")
-	requireRow(t, r.stdout, "applied processed_event:processed_event 002_retention_and_groups")
-	requireRow(t, r.stdout, "applied outbox:outbox_orders")
-	require.Equal(t, "nothing to apply\n", ok(t, db, "migrate", "up").stdout, "the outbox topic is found in idem_schema_migration")
+	requireRow(t, r.Stdout, "applied processed_event:processed_event 002_retention_and_groups")
+	requireRow(t, r.Stdout, "applied outbox:outbox_orders")
+	require.Equal(t, "nothing to apply\n", ok(t, db, "migrate", "up").Stdout, "the outbox topic is found in idem_schema_migration")
 
-	requireRow(t, r.stdout, "applied retry_parked_key:retry_parked_key 001_parked_key")
+	requireRow(t, r.Stdout, "applied retry_parked_key:retry_parked_key 001_parked_key")
 	st = decode[statusJSON](t, ok(t, db, "migrate", "status", "--json"))
 	require.Equal(t, 10, st.Applied)
 	require.Zero(t, st.Pending)
@@ -65,10 +65,10 @@ func TestMigrate(t *testing.T) {
 	for _, c := range st.Checks {
 		require.True(t, c.OK, c.Problem)
 	}
-	require.Contains(t, ok(t, db, "retention", "show").stdout, "keeps claims for 30d")
+	require.Contains(t, ok(t, db, "retention", "show").Stdout, "keeps claims for 30d")
 	r = ok(t, db, "migrate", "status")
-	require.Contains(t, r.stdout, "check "+db.Schema+".processed_event (plain): ok")
-	require.Contains(t, r.stdout, "check outbox topic orders: ok")
+	require.Contains(t, r.Stdout, "check "+db.Schema+".processed_event (plain): ok")
+	require.Contains(t, r.Stdout, "check outbox topic orders: ok")
 
 	// A table migrated to the partitioned layout: auto-detected.
 	ok(t, db, "migrate", "up", "--only", "dedup", "--layout", "partitioned")
@@ -81,15 +81,15 @@ func TestMigrate(t *testing.T) {
 	require.Equal(t, "unknown", st.Versions[3].Status)
 
 	// sql: the pending ones, and every one without connecting.
-	require.Equal(t, "-- nothing pending\n", ok(t, db, "migrate", "sql", "--pending").stdout)
+	require.Equal(t, "-- nothing pending\n", ok(t, db, "migrate", "sql", "--pending").Stdout)
 	r = run(t, nil, "migrate", "sql", "--schema", "billing", "--topics", "orders")
-	require.Equal(t, 0, r.code, r)
-	require.Contains(t, r.stdout, "-- processed_event:processed_event 001_processed_event.up.sql\n")
-	require.Contains(t, r.stdout, `CREATE TABLE IF NOT EXISTS "billing"."processed_event"`)
-	require.Contains(t, r.stdout, "-- outbox:outbox_orders 001_topic_tables.up.sql\n")
-	require.NotContains(t, r.stdout, "partition_by_event_id")
+	require.Equal(t, 0, r.Code, r)
+	require.Contains(t, r.Stdout, "-- processed_event:processed_event 001_processed_event.up.sql\n")
+	require.Contains(t, r.Stdout, `CREATE TABLE IF NOT EXISTS "billing"."processed_event"`)
+	require.Contains(t, r.Stdout, "-- outbox:outbox_orders 001_topic_tables.up.sql\n")
+	require.NotContains(t, r.Stdout, "partition_by_event_id")
 	r = run(t, nil, "migrate", "sql", "--only", "dedup", "--layout", "partitioned", "--down", "--json")
-	require.Equal(t, 0, r.code, r)
+	require.Equal(t, 0, r.Code, r)
 	migs := decode[[]struct {
 		Version int    `json:"version"`
 		Down    string `json:"down"`
@@ -104,17 +104,17 @@ func TestMigrate(t *testing.T) {
 	st = decode[statusJSON](t, ok(t, db, "migrate", "status", "--json"))
 	require.Equal(t, 11, st.Applied)
 	r = ok(t, db, "migrate", "down", "--dry-run")
-	requireRow(t, r.stdout, "would revert outbox:outbox_orders 005_created_at_utc")
-	requireRow(t, r.stdout, "would revert retry_parked_key:retry_parked_key 002_parked_message")
-	requireRow(t, r.stdout, "would revert processed_event:processed_event 100_partition_by_event_id")
+	requireRow(t, r.Stdout, "would revert outbox:outbox_orders 005_created_at_utc")
+	requireRow(t, r.Stdout, "would revert retry_parked_key:retry_parked_key 002_parked_message")
+	requireRow(t, r.Stdout, "would revert processed_event:processed_event 100_partition_by_event_id")
 	fails(t, db, 2, "--target needs --only", "migrate", "down", "--target", "1", "--yes")
 	r = ok(t, db, "migrate", "down", "--only", "dedup", "--target", "2", "--yes", "--json")
-	require.Contains(t, r.stdout, `"version": 100`)
+	require.Contains(t, r.Stdout, `"version": 100`)
 	r = ok(t, db, "migrate", "down", "--all", "--yes")
-	requireRow(t, r.stdout, "reverted outbox:outbox_orders")
-	requireRow(t, r.stdout, "reverted processed_event:processed_event 001_processed_event")
+	requireRow(t, r.Stdout, "reverted outbox:outbox_orders")
+	requireRow(t, r.Stdout, "reverted processed_event:processed_event 001_processed_event")
 	require.Zero(t, tables())
-	require.Equal(t, "nothing to revert\n", ok(t, db, "migrate", "down", "--all", "--yes").stdout)
+	require.Equal(t, "nothing to revert\n", ok(t, db, "migrate", "down", "--all", "--yes").Stdout)
 
 	fails(t, db, 2, `--only "x"`, "migrate", "up", "--only", "x")
 	fails(t, db, 2, "no outbox topic", "migrate", "up", "--only", "outbox")

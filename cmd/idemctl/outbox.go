@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"strings"
 
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -49,14 +50,14 @@ func outboxBacklog(ctx context.Context, a *app, args []string) error {
 		return err
 	}
 	if a.opts.json {
-		return a.printJSON(toJSONBacklog(*forwarder, bl))
+		return a.printJSON(ops.ToBacklog(*forwarder, bl))
 	}
 	tw := a.table()
 	row(tw, "TOPIC", "PENDING", "OLDEST AGE")
 	for _, b := range bl {
 		age := "-"
 		if b.Pending > 0 {
-			age = humanDuration(b.OldestAge)
+			age = ops.HumanDuration(b.OldestAge)
 		}
 		row(tw, b.Topic, b.Pending, age)
 	}
@@ -65,28 +66,6 @@ func outboxBacklog(ctx context.Context, a *app, args []string) error {
 	}
 	fmt.Fprintf(a.stdout, "(forwarder %s; rows of transactions still open are not counted)\n", *forwarder)
 	return nil
-}
-
-// jsonBacklog is outbox backlog --json, and the outbox part of the
-// console's overview.
-type jsonBacklog struct {
-	Forwarder string             `json:"forwarder"`
-	Topics    []jsonBacklogTopic `json:"topics"`
-}
-
-type jsonBacklogTopic struct {
-	Topic            string  `json:"topic"`
-	Pending          int64   `json:"pending"`
-	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
-	Dead             int64   `json:"dead"`
-}
-
-func toJSONBacklog(forwarder string, bl []outbox.Backlog) jsonBacklog {
-	out := jsonBacklog{Forwarder: forwarder, Topics: []jsonBacklogTopic{}}
-	for _, b := range bl {
-		out.Topics = append(out.Topics, jsonBacklogTopic{b.Topic, b.Pending, b.OldestAge.Seconds(), b.Dead})
-	}
-	return out
 }
 
 func outboxPrune(ctx context.Context, a *app, args []string) error {

@@ -33,8 +33,8 @@ func TestOutboxBacklogAndPrune(t *testing.T) {
 
 	// The topics are found in idem_schema_migration.
 	r := ok(t, db, "outbox", "backlog")
-	require.Regexp(t, `orders\s+2\s+\S+`, r.stdout)
-	require.Regexp(t, `payments\s+0\s+-`, r.stdout)
+	require.Regexp(t, `orders\s+2\s+\S+`, r.Stdout)
+	require.Regexp(t, `payments\s+0\s+-`, r.Stdout)
 	b := decode[backlogJSON](t, ok(t, db, "outbox", "backlog", "--json", "--topics", "orders"))
 	require.Equal(t, outbox.DefaultForwarderName, b.Forwarder)
 	require.Len(t, b.Topics, 1)
@@ -43,7 +43,7 @@ func TestOutboxBacklogAndPrune(t *testing.T) {
 
 	// Nothing forwarded yet: prune keeps every row.
 	r = ok(t, db, "outbox", "prune")
-	require.Contains(t, r.stdout, "0 rows deleted")
+	require.Contains(t, r.Stdout, "0 rows deleted")
 	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM outbox_orders"))
 
 	// Forward them (to an in-memory publisher), then prune.
@@ -63,7 +63,7 @@ func TestOutboxBacklogAndPrune(t *testing.T) {
 	require.Zero(t, b.Topics[0].Pending)
 	// Another reader without a position keeps every row.
 	r = ok(t, db, "outbox", "prune", "--forwarders", outbox.DefaultForwarderName+",audit")
-	require.Contains(t, r.stdout, "0 rows deleted: those every one of outbox_forwarder, audit had forwarded")
+	require.Contains(t, r.Stdout, "0 rows deleted: those every one of outbox_forwarder, audit had forwarded")
 	require.Equal(t, 2, db.Count(t, "SELECT 1 FROM outbox_orders"))
 	p := decode[struct {
 		Topics []struct {
@@ -99,15 +99,15 @@ func TestGroupsAndRetention(t *testing.T) {
 	claim(t, db, "shipping", true)
 
 	r := ok(t, db, "groups", "list")
-	require.Regexp(t, `billing\s+\d{4}-\d\d-\d\d \S+\s+billing\s+\S+ \S+\s+yes`, r.stdout)
+	require.Regexp(t, `billing\s+\d{4}-\d\d-\d\d \S+\s+billing\s+\S+ \S+\s+yes`, r.Stdout)
 	gs := decode[[]groupJSON](t, ok(t, db, "groups", "list", "--json"))
 	require.Len(t, gs, 2)
 	require.Equal(t, "billing", gs[0].Group)
 	require.True(t, gs[0].Young)
 
 	r = ok(t, db, "groups", "rename", "billing", "billing-v2")
-	require.Contains(t, r.stdout, "renamed billing to billing-v2: 1 claims copied")
-	require.Contains(t, r.stdout, `namespace "billing"`)
+	require.Contains(t, r.Stdout, "renamed billing to billing-v2: 1 claims copied")
+	require.Contains(t, r.Stdout, `namespace "billing"`)
 	ok(t, db, "dedup", "check", id.String(), "--group", "billing-v2")
 	fails(t, db, 2, "consumer group already exists", "groups", "rename", "billing", "shipping")
 	fails(t, db, 2, "consumer group not registered", "groups", "rename", "nosuch", "other")
@@ -125,16 +125,16 @@ func TestGroupsAndRetention(t *testing.T) {
 	require.Equal(t, "billing", gs[0].IdempotencyNamespace)
 
 	// Retention: lengthening at once, shortening only with --yes.
-	require.Contains(t, ok(t, db, "retention", "show").stdout, "keeps claims for 7d")
+	require.Contains(t, ok(t, db, "retention", "show").Stdout, "keeps claims for 7d")
 	r = ok(t, db, "retention", "set", "30d")
-	require.Contains(t, r.stdout, "retention 30d (was 7d)")
+	require.Contains(t, r.Stdout, "retention 30d (was 7d)")
 	fails(t, db, 2, "pass --yes", "retention", "set", "48h")
-	require.Contains(t, ok(t, db, "retention", "show").stdout, "30d")
+	require.Contains(t, ok(t, db, "retention", "show").Stdout, "30d")
 	rs := decode[struct {
 		RetentionSeconds float64 `json:"retention_seconds"`
 	}](t, ok(t, db, "retention", "set", "48h", "--yes", "--json"))
 	require.EqualValues(t, 48*3600, rs.RetentionSeconds)
-	require.Contains(t, ok(t, db, "retention", "show").stdout, "2d")
+	require.Contains(t, ok(t, db, "retention", "show").Stdout, "2d")
 	fails(t, db, 2, "not a duration", "retention", "set", "forever")
 	fails(t, db, 2, "must be positive", "retention", "set", "--", "-1h")
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"io"
 	"math"
 	"slices"
@@ -263,7 +264,7 @@ func (t *poisonTable) message(m poison.Message) {
 	}
 	t.rows++
 	cells := []string{
-		strconv.Itoa(int(m.Partition)), strconv.FormatInt(m.Offset, 10), humanTime(m.PoisonedAt),
+		strconv.Itoa(int(m.Partition)), strconv.FormatInt(m.Offset, 10), ops.HumanTime(m.PoisonedAt),
 		orDash(m.EventID), orDash(m.OriginalTopic), strconv.Itoa(len(m.History)), orDash(m.Reason),
 	}
 	if t.replay {
@@ -408,10 +409,10 @@ type poisonJSON struct {
 type poisonMessageJSON struct {
 	Partition     int32               `json:"partition"`
 	Offset        int64               `json:"offset"`
-	PoisonedAt    jsonTime            `json:"poisoned_at"`
+	PoisonedAt    ops.Time            `json:"poisoned_at"`
 	UUID          string              `json:"uuid"`
 	EventID       string              `json:"event_id"`
-	OccurredAt    jsonTime            `json:"occurred_at"`
+	OccurredAt    ops.Time            `json:"occurred_at"`
 	OriginalTopic string              `json:"original_topic"`
 	Reason        string              `json:"reason"`
 	Handler       string              `json:"handler"`
@@ -427,20 +428,20 @@ type poisonHistoryJSON struct {
 	Handler    string   `json:"handler"`
 	Subscriber string   `json:"subscriber"`
 	Attempt    string   `json:"attempt"`
-	PoisonedAt jsonTime `json:"poisoned_at"`
-	ReplayedAt jsonTime `json:"replayed_at"`
+	PoisonedAt ops.Time `json:"poisoned_at"`
+	ReplayedAt ops.Time `json:"replayed_at"`
 }
 
 func toPoisonJSON(m poison.Message) poisonMessageJSON {
 	out := poisonMessageJSON{
-		Partition: m.Partition, Offset: m.Offset, PoisonedAt: jsonTime(m.PoisonedAt), UUID: m.UUID,
-		EventID: m.EventID, OccurredAt: jsonTime(m.OccurredAt), OriginalTopic: m.OriginalTopic,
+		Partition: m.Partition, Offset: m.Offset, PoisonedAt: ops.Time(m.PoisonedAt), UUID: m.UUID,
+		EventID: m.EventID, OccurredAt: ops.Time(m.OccurredAt), OriginalTopic: m.OriginalTopic,
 		Reason: m.Reason, Handler: m.Handler, Subscriber: m.Subscriber, History: []poisonHistoryJSON{},
 		Replayed: m.Replayed, Skipped: m.Skipped,
 	}
 	for _, h := range m.History {
 		out.History = append(out.History, poisonHistoryJSON{h.Reason, h.Topic, h.Handler, h.Subscriber, h.Attempt,
-			jsonTime(h.PoisonedAt), jsonTime(h.ReplayedAt)})
+			ops.Time(h.PoisonedAt), ops.Time(h.ReplayedAt)})
 	}
 	return out
 }

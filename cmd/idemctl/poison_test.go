@@ -128,7 +128,7 @@ func TestPoisonListAndReplay(t *testing.T) {
 	ctl := func(code int, args ...string) result {
 		t.Helper()
 		r := run(t, nil, append(args, "--brokers", brokers)...)
-		require.Equal(t, code, r.code, "idemctl %s\n%s", strings.Join(args, " "), r)
+		require.Equal(t, code, r.Code, "idemctl %s\n%s", strings.Join(args, " "), r)
 		return r
 	}
 	list := func(args ...string) poisonListJSON {
@@ -152,12 +152,12 @@ func TestPoisonListAndReplay(t *testing.T) {
 
 	// list: a row per message, as read, and the summary.
 	r := ctl(0, "poison", "list", "--topic", poisonTopic)
-	lines := strings.Split(strings.TrimSpace(r.stdout), "\n")
-	require.Len(t, lines, 1+5+2, r.stdout)
+	lines := strings.Split(strings.TrimSpace(r.Stdout), "\n")
+	require.Len(t, lines, 1+5+2, r.Stdout)
 	require.Regexp(t, `^PARTITION\s+OFFSET\s+POISONED AT\s+EVENT ID\s+ORIGINAL TOPIC\s+REPLAYS\s+REASON$`, lines[0])
 	require.Regexp(t, `^0\s+0\s+\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ\s+`+eventIDOf(newProduct)+`\s+`+orders+`\s+0\s+permanent: unknown product P-new$`, lines[1])
 	require.Regexp(t, `^0\s+3\s+\S+ \S+\s+`+eventIDOf(noTopic)+`\s+-\s+0\s+boom\\x1b\[2J$`, lines[4], "control characters are escaped")
-	require.NotContains(t, r.stdout, "\x1b")
+	require.NotContains(t, r.Stdout, "\x1b")
 	require.Equal(t, "5 read from "+poisonTopic+", 5 match, 1 of them cannot be replayed (no topic_poisoned metadata: the original topic is unknown)", lines[7])
 
 	p := list()
@@ -202,18 +202,18 @@ func TestPoisonListAndReplay(t *testing.T) {
 		require.Equal(t, c.want, list(c.args...).eventIDs(), "%v", c.args)
 	}
 	r = ctl(0, "poison", "list", "--topic", poisonTopic, "--limit", "2")
-	require.Contains(t, r.stdout, "2 read from "+poisonTopic+", 2 match; stopped at --limit 2\n")
+	require.Contains(t, r.Stdout, "2 read from "+poisonTopic+", 2 match; stopped at --limit 2\n")
 	r = ctl(0, "poison", "list", "--topic", poisonTopic, "--original-topic", "nosuch")
-	require.Equal(t, "5 read from "+poisonTopic+", 0 match\n", r.stdout, "no table without a match")
+	require.Equal(t, "5 read from "+poisonTopic+", 0 match\n", r.Stdout, "no table without a match")
 	r = ctl(2, "poison", "list", "--topic", "nosuch-"+uuid.NewString()[:8])
-	require.Contains(t, r.stderr, "unknown poison topic")
+	require.Contains(t, r.Stderr, "unknown poison topic")
 
 	// replay --dry-run lists what it would replay and publishes nothing.
 	r = ctl(0, "poison", "replay", "--topic", poisonTopic, "--reason", "unknown product", "--dry-run")
-	require.Regexp(t, `(?m)^STATUS\s+PARTITION\s+OFFSET\s+`, r.stdout)
-	require.Regexp(t, `(?m)^would replay\s+0\s+0\s+.*`+eventIDOf(newProduct), r.stdout)
-	require.Regexp(t, `(?m)^would replay\s+0\s+2\s+.*`+eventIDOf(payment), r.stdout)
-	require.Contains(t, r.stdout, "5 read from "+poisonTopic+", 3 match: 3 would be replayed; dry run: nothing was published\n")
+	require.Regexp(t, `(?m)^STATUS\s+PARTITION\s+OFFSET\s+`, r.Stdout)
+	require.Regexp(t, `(?m)^would replay\s+0\s+0\s+.*`+eventIDOf(newProduct), r.Stdout)
+	require.Regexp(t, `(?m)^would replay\s+0\s+2\s+.*`+eventIDOf(payment), r.Stdout)
+	require.Contains(t, r.Stdout, "5 read from "+poisonTopic+", 3 match: 3 would be replayed; dry run: nothing was published\n")
 	p = decode[poisonListJSON](t, ctl(0, "poison", "replay", "--topic", poisonTopic, "--dry-run", "--json"))
 	require.True(t, p.DryRun)
 	require.Equal(t, 5, p.Matched)
@@ -225,10 +225,10 @@ func TestPoisonListAndReplay(t *testing.T) {
 	// replay moves the matching ones back, with their headers and the
 	// poisoning in reason_poisoned_history.
 	r = ctl(0, "poison", "replay", "--topic", poisonTopic, "--reason", "unknown product", "--original-topic", orders, "--rate", "0")
-	require.Regexp(t, `(?m)^replayed\s+0\s+0\s+.*`+eventIDOf(newProduct)+`\s+`+orders+`\s+0\s+permanent: unknown product P-new$`, r.stdout)
-	require.Regexp(t, `(?m)^replayed\s+0\s+4\s+.*`+eventIDOf(late), r.stdout)
-	require.Contains(t, r.stdout, "5 read from "+poisonTopic+", 2 match: 2 replayed to their original topics\n")
-	require.Contains(t, r.stdout, "the poison topic keeps its records")
+	require.Regexp(t, `(?m)^replayed\s+0\s+0\s+.*`+eventIDOf(newProduct)+`\s+`+orders+`\s+0\s+permanent: unknown product P-new$`, r.Stdout)
+	require.Regexp(t, `(?m)^replayed\s+0\s+4\s+.*`+eventIDOf(late), r.Stdout)
+	require.Contains(t, r.Stdout, "5 read from "+poisonTopic+", 2 match: 2 replayed to their original topics\n")
+	require.Contains(t, r.Stdout, "the poison topic keeps its records")
 	back := readTopic(t, broker.Addrs, orders)
 	require.Len(t, back, 2)
 	require.Empty(t, readTopic(t, broker.Addrs, payments))
@@ -268,8 +268,8 @@ func TestPoisonListAndReplay(t *testing.T) {
 	again.Metadata.Set(wmiddleware.PoisonedTopicKey, orders)
 	require.NoError(t, pub.Publish(poisonTopic, again))
 	r = ctl(0, "poison", "list", "--topic", poisonTopic, "--event-id", eventIDOf(newProduct))
-	require.Regexp(t, `(?m)^0\s+0\s+.*`+orders+`\s+0\s+permanent: unknown product P-new$`, r.stdout)
-	require.Regexp(t, `(?m)^0\s+5\s+.*`+orders+`\s+1\s+permanent: unknown product P-new, again$`, r.stdout)
+	require.Regexp(t, `(?m)^0\s+0\s+.*`+orders+`\s+0\s+permanent: unknown product P-new$`, r.Stdout)
+	require.Regexp(t, `(?m)^0\s+5\s+.*`+orders+`\s+1\s+permanent: unknown product P-new, again$`, r.Stdout)
 	p = list("--event-id", eventIDOf(newProduct))
 	require.Len(t, p.Messages, 2)
 	require.Len(t, p.Messages[1].History, 1)
@@ -287,11 +287,11 @@ func TestPoisonListAndReplay(t *testing.T) {
 	require.Len(t, p.Messages, 3)
 	require.Equal(t, []bool{true, true, false}, []bool{p.Messages[0].Replayed, p.Messages[1].Replayed, p.Messages[2].Replayed})
 	require.Contains(t, p.Error, "publish replayed message")
-	require.Contains(t, r.stderr, "stopped after replaying 2 of the 3 matching messages")
+	require.Contains(t, r.Stderr, "stopped after replaying 2 of the 3 matching messages")
 	r = ctl(1, "poison", "replay", "--topic", poisonTopic, "--event-id", eventIDOf(lost))
-	require.Equal(t, "7 read from "+poisonTopic+", 1 matches: 0 replayed to their original topics (at most 50/s)\n", r.stdout, "the summary, without rows")
-	require.Contains(t, r.stderr, "stopped after replaying 0 of the 1 matching messages")
-	require.Contains(t, r.stderr, gone)
+	require.Equal(t, "7 read from "+poisonTopic+", 1 matches: 0 replayed to their original topics (at most 50/s)\n", r.Stdout, "the summary, without rows")
+	require.Contains(t, r.Stderr, "stopped after replaying 0 of the 1 matching messages")
+	require.Contains(t, r.Stderr, gone)
 	client, err := sarama.NewClient(broker.Addrs, sarama.NewConfig())
 	require.NoError(t, err)
 	defer func() { _ = client.Close() }()
@@ -302,8 +302,8 @@ func TestPoisonListAndReplay(t *testing.T) {
 	// Unreachable brokers: exit 1, nothing read, and with --json the error
 	// is the document.
 	r = run(t, nil, "poison", "list", "--topic", poisonTopic, "--brokers", "127.0.0.1:1", "--json")
-	require.Equal(t, 1, r.code, r)
-	require.Empty(t, r.stderr)
+	require.Equal(t, 1, r.Code, r)
+	require.Empty(t, r.Stderr)
 	e := decode[errorJSON](t, r)
 	require.Equal(t, 1, e.Code)
 	require.Contains(t, e.Error, "poison: connect")

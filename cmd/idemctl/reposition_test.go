@@ -43,9 +43,9 @@ func TestOutboxReposition(t *testing.T) {
 	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM outbox_orders"), "nothing deleted")
 
 	r := ok(t, db, "outbox", "reposition", "--dry-run")
-	require.Regexp(t, `orders\s+another cluster's\s+3\s+1-3\s+0`, r.stdout)
-	require.Contains(t, r.stdout, "orders: outbox: position of outbox_forwarder in topic orders is from another cluster")
-	require.Contains(t, r.stdout, "dry run, nothing changed: 3 rows would be forwarded again by outbox_forwarder")
+	require.Regexp(t, `orders\s+another cluster's\s+3\s+1-3\s+0`, r.Stdout)
+	require.Contains(t, r.Stdout, "orders: outbox: position of outbox_forwarder in topic orders is from another cluster")
+	require.Contains(t, r.Stdout, "dry run, nothing changed: 3 rows would be forwarded again by outbox_forwarder")
 	fails(t, db, 1, "from another cluster", "outbox", "backlog")
 	j := decode[struct {
 		Forwarder string `json:"forwarder"`
@@ -64,11 +64,11 @@ func TestOutboxReposition(t *testing.T) {
 	require.False(t, j.Topics[0].Done)
 
 	r = ok(t, db, "outbox", "reposition")
-	require.Contains(t, r.stdout, "positions of outbox_forwarder reset: 3 rows (every row in the tables) will be forwarded again; nothing was deleted")
+	require.Contains(t, r.Stdout, "positions of outbox_forwarder reset: 3 rows (every row in the tables) will be forwarded again; nothing was deleted")
 	b := decode[backlogJSON](t, ok(t, db, "outbox", "backlog", "--json"))
 	require.EqualValues(t, 3, b.Topics[0].Pending)
 	r = ok(t, db, "outbox", "reposition", "--dry-run")
-	require.Regexp(t, `orders\s+this cluster's\s+3\s+1-3\s+0`, r.stdout)
-	require.Contains(t, ok(t, db, "outbox", "prune").stdout, "0 rows deleted")
+	require.Regexp(t, `orders\s+this cluster's\s+3\s+1-3\s+0`, r.Stdout)
+	require.Contains(t, ok(t, db, "outbox", "prune").Stdout, "0 rows deleted")
 	require.Equal(t, 3, db.Count(t, "SELECT 1 FROM outbox_orders"))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -47,16 +48,12 @@ func retryParked(ctx context.Context, a *app, args []string) error {
 	if err != nil {
 		return err
 	}
-	sum, err := parkedsql.Summarize(ctx, pool, t.Schema, t.Table, *group, deduplicator.ValidateGroupName)
-	if err != nil {
-		return err
-	}
-	keys, err := parkedsql.Keys(ctx, pool, t.Schema, t.Table, *group, *limit, deduplicator.ValidateGroupName)
+	sum, keys, err := ops.ReadParked(ctx, pool, t, *group, *limit)
 	if err != nil {
 		return err
 	}
 	if a.opts.json {
-		return a.printJSON(toJSONParked(sum, keys))
+		return a.printJSON(ops.ToParked(sum, keys))
 	}
 	if len(sum) == 0 {
 		fmt.Fprintln(a.stdout, "no parked key")
@@ -65,7 +62,7 @@ func retryParked(ctx context.Context, a *app, args []string) error {
 	tw := a.table()
 	row(tw, "GROUP", "KEYS", "EVENTS", "LONGEST QUEUE", "OLDEST AGE", "MOST OVERDUE COPY")
 	for _, s := range sum {
-		row(tw, s.ConsumerGroup, s.Keys, s.Events, s.MaxQueue, humanDuration(s.OldestAge), humanDuration(s.MaxHeadOverdue))
+		row(tw, s.ConsumerGroup, s.Keys, s.Events, s.MaxQueue, ops.HumanDuration(s.OldestAge), ops.HumanDuration(s.MaxHeadOverdue))
 	}
 	row(tw)
 	row(tw, "GROUP", "KEY", "QUEUE", "FIRST EVENT", "ITS COPY ON", "OVERDUE", "OLDEST AGE")
@@ -74,51 +71,13 @@ func retryParked(ctx context.Context, a *app, args []string) error {
 		if topic == "" {
 			topic = "- (none: unblock it)"
 		}
-		row(tw, k.ConsumerGroup, k.Key, k.Events, k.Head, topic, humanDuration(k.HeadOverdue), humanDuration(k.OldestAge))
+		row(tw, k.ConsumerGroup, k.Key, k.Events, k.Head, topic, ops.HumanDuration(k.HeadOverdue), ops.HumanDuration(k.OldestAge))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
 	fmt.Fprintln(a.stdout, "(a first event whose copy is long overdue is not coming back: idemctl retry unblock)")
 	return nil
-}
-
-// jsonParked is retry parked --json, and the console's parked keys.
-type jsonParked struct {
-	Groups []jsonParkedGroup `json:"groups"`
-	Keys   []jsonParkedKey   `json:"keys"`
-}
-
-type jsonParkedKey struct {
-	ConsumerGroup      string  `json:"consumer_group"`
-	Key                string  `json:"key"`
-	Events             int64   `json:"events"`
-	Head               string  `json:"head"`
-	HeadTopic          string  `json:"head_topic"`
-	HeadOverdueSeconds float64 `json:"head_overdue_seconds"`
-	OldestAgeSeconds   float64 `json:"oldest_age_seconds"`
-	HeadAttempt        int     `json:"head_attempt"`
-	HeadError          string  `json:"head_error"`
-}
-
-type jsonParkedGroup struct {
-	ConsumerGroup         string  `json:"consumer_group"`
-	Keys                  int64   `json:"keys"`
-	Events                int64   `json:"events"`
-	MaxQueue              int64   `json:"max_queue"`
-	OldestAgeSeconds      float64 `json:"oldest_age_seconds"`
-	MaxHeadOverdueSeconds float64 `json:"max_head_overdue_seconds"`
-}
-
-func toJSONParked(sum []parkedsql.Summary, keys []parkedsql.Key) jsonParked {
-	out := jsonParked{[]jsonParkedGroup{}, []jsonParkedKey{}}
-	for _, s := range sum {
-		out.Groups = append(out.Groups, jsonParkedGroup{s.ConsumerGroup, s.Keys, s.Events, s.MaxQueue, s.OldestAge.Seconds(), s.MaxHeadOverdue.Seconds()})
-	}
-	for _, k := range keys {
-		out.Keys = append(out.Keys, jsonParkedKey{k.ConsumerGroup, k.Key, k.Events, k.Head.String(), k.HeadTopic, k.HeadOverdue.Seconds(), k.OldestAge.Seconds(), k.HeadAttempt, k.HeadError})
-	}
-	return out
 }
 
 func retryUnblock(ctx context.Context, a *app, args []string) error {
@@ -201,12 +160,5 @@ func (a *app) unblockOverdue(ctx context.Context, pool *pgxpool.Pool, ob *outbox
 }
 
 func (a *app) printUnblocked(res *retrytopic.UnblockResult) {
-	switch {
-	case res.Resent:
-		fmt.Fprintf(a.stdout, "event %s sent to %s again through the outbox (due now)\n", res.Head, res.Topic)
-	case res.HandedOff != nil:
-		fmt.Fprintf(a.stdout, "event %s removed (neither applied nor poisoned: replay it); the key is handed to event %s on %s\n", res.Head, *res.HandedOff, res.Topic)
-	default:
-		fmt.Fprintf(a.stdout, "event %s removed (neither applied nor poisoned: replay it); nothing else waits: the key is free\n", res.Head)
-	}
+	fmt.Fprintln(a.stdout, ops.Unblocked(res))
 }

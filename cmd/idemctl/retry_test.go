@@ -36,7 +36,7 @@ func TestRetryParkedAndUnblock(t *testing.T) {
 	ctx := context.Background()
 	db := migrated(t, "plain", "orders.retry")
 	require.NoError(t, migrate.Up(ctx, db.Pool, retrytopic.MigrationLine(retrytopic.ParkedKeysTable{Schema: db.Schema})))
-	require.Contains(t, ok(t, db, "retry", "parked").stdout, "no parked key")
+	require.Contains(t, ok(t, db, "retry", "parked").Stdout, "no parked key")
 
 	head, next := publisher.NewEventID(), publisher.NewEventID()
 	db.Exec(t, `INSERT INTO retry_parked_key (consumer_group, partition_key, event_id, topic, not_before, message_uuid, payload, metadata)
@@ -45,8 +45,8 @@ VALUES ('billing', 'acct-42', $1::uuid, 'orders.retry', now() - interval '2 hour
 VALUES ('billing', 'acct-42', $1::uuid, 'm1', '{}', jsonb_build_object('event_id', $1::text, 'retry_attempt', '0'))`, next.String())
 
 	r := ok(t, db, "retry", "parked")
-	require.Regexp(t, `billing\s+1\s+2\s+2\s+`, r.stdout)
-	require.Regexp(t, `billing\s+acct-42\s+2\s+`+head.String()+`\s+orders.retry\s+(1h59m|2h)`, r.stdout)
+	require.Regexp(t, `billing\s+1\s+2\s+2\s+`, r.Stdout)
+	require.Regexp(t, `billing\s+acct-42\s+2\s+`+head.String()+`\s+orders.retry\s+(1h59m|2h)`, r.Stdout)
 	p := decode[parkedJSON](t, ok(t, db, "retry", "parked", "--json", "--group", "billing"))
 	require.Len(t, p.Groups, 1)
 	require.EqualValues(t, 2, p.Groups[0].MaxQueue)
@@ -57,11 +57,11 @@ VALUES ('billing', 'acct-42', $1::uuid, 'm1', '{}', jsonb_build_object('event_id
 	fails(t, db, 2, "--yes", "retry", "unblock", "--group", "billing", "--key", "acct-42")
 	fails(t, db, 2, "key not parked", "retry", "unblock", "--group", "billing", "--key", "acct-7", "--yes")
 	r = ok(t, db, "retry", "unblock", "--group", "billing", "--key", "acct-42", "--yes")
-	require.Contains(t, r.stdout, "event "+head.String()+" sent to orders.retry again")
+	require.Contains(t, r.Stdout, "event "+head.String()+" sent to orders.retry again")
 	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM "outbox_orders.retry" WHERE metadata->>'event_id' = $1 AND metadata->>'retry_attempt' = '3'`, head.String()))
 
 	r = ok(t, db, "retry", "unblock", "--group", "billing", "--key", "acct-42", "--skip", "--yes")
-	require.Contains(t, r.stdout, "the key is handed to event "+next.String())
+	require.Contains(t, r.Stdout, "the key is handed to event "+next.String())
 	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM "outbox_orders.retry" WHERE metadata->>'event_id' = $1`, next.String()))
 	p = decode[parkedJSON](t, ok(t, db, "retry", "parked", "--json"))
 	require.Len(t, p.Keys, 1)
@@ -90,7 +90,7 @@ VALUES ('billing', $1, $2::uuid, 'orders.retry', now() - $3::interval, 'm', '{}'
 	fails(t, db, 2, "one of --key or --overdue", "retry", "unblock", "--group", "billing", "--key", "acct-1", "--overdue", "5m", "--yes")
 	fails(t, db, 2, "--skip", "retry", "unblock", "--group", "billing", "--overdue", "5m", "--skip", "--yes")
 	r := ok(t, db, "retry", "unblock", "--group", "billing", "--overdue", "5m", "--yes")
-	require.Contains(t, r.stdout, "2 keys unblocked")
+	require.Contains(t, r.Stdout, "2 keys unblocked")
 	for _, id := range []string{stalled1.String(), stalled2.String()} {
 		require.Equal(t, 1, db.Count(t, `SELECT 1 FROM "outbox_orders.retry" WHERE metadata->>'event_id' = $1`, id), id)
 	}

@@ -1,7 +1,6 @@
 package main_test
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -10,8 +9,6 @@ import (
 	"net/http"
 	"net/http/cookiejar"
 	"net/url"
-	"os"
-	"os/exec"
 	"regexp"
 	"strings"
 	"testing"
@@ -26,50 +23,18 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/leasetest"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
-	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
-	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
+	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 )
 
 // testToken is the actions' token of the tests.
-const testToken = "s3cret-token-for-tests-0123456789"
+const testToken = ctltest.Token
 
 // startServe runs idemctl serve on db's schema on a free loopback port and
 // returns its base URL; the process is stopped at the end of the test.
 func startServe(t *testing.T, db *pgtest.DB, env []string, args ...string) string {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, bin, append([]string{"serve", "--listen", "127.0.0.1:0", "--schema", db.Schema, "--refresh", "1s"}, args...)...)
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "DATABASE_URL=") && !strings.HasPrefix(kv, "KAFKA_BROKERS=") && !strings.HasPrefix(kv, "PG") && !strings.HasPrefix(kv, "IDEMCTL_TOKEN=") {
-			cmd.Env = append(cmd.Env, kv)
-		}
-	}
-	cmd.Env = append(cmd.Env, "DATABASE_URL="+db.URL)
-	cmd.Env = append(cmd.Env, env...)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(30 * time.Second): // a hang guard, not a threshold
-			cancel()
-			<-done
-		}
-		cancel()
-	})
-	line, err := bufio.NewReader(stdout).ReadString('\n')
-	require.NoError(t, err, "idemctl serve did not start: %s", stderr.String())
-	m := regexp.MustCompile(`listening on (http://\S+),`).FindStringSubmatch(line)
-	require.NotNil(t, m, line)
-	go func() { _, _ = io.Copy(io.Discard, stdout) }()
-	return m[1]
+	return bin.StartServe(t, db, env, args...)
 }
 
 func getJSON[T any](t *testing.T, u string) (T, int) {
@@ -113,21 +78,14 @@ type overviewAPI struct {
 // orders.retry is overdue, and returns that event.
 func parkKey(t *testing.T, db *pgtest.DB, group, key, reason string) string {
 	t.Helper()
-	id := publisher.NewEventID().String()
-	db.Exec(t, `INSERT INTO retry_parked_key (consumer_group, partition_key, event_id, topic, not_before, message_uuid, payload, metadata)
-VALUES ($1, $2, $3::uuid, 'orders.retry', now() - interval '10 minutes', 'm0', '{}', jsonb_build_object('event_id', $3::text, 'retry_attempt', '2', 'retry_error', $4::text))`, group, key, id, reason)
-	return id
+	return ctltest.ParkKey(t, db, group, key, reason)
 }
 
 // consoleDB is a schema with the dedup table, the outbox topics orders
 // and orders.retry, the parked-keys table, a registered group and claims.
 func consoleDB(t *testing.T, layout string) *pgtest.DB {
 	t.Helper()
-	db := migrated(t, layout, "orders", "orders.retry")
-	require.NoError(t, migrate.Up(context.Background(), db.Pool, retrytopic.MigrationLine(retrytopic.ParkedKeysTable{Schema: db.Schema})))
-	claim(t, db, "billing", true, publisher.NewEventID(), publisher.NewEventID(), publisher.NewEventID())
-	db.Exec(t, `ANALYZE processed_event`)
-	return db
+	return bin.ConsoleDB(t, layout)
 }
 
 // The JSON twins have idemctl --json's shapes, read-only refuses every
@@ -160,7 +118,7 @@ func TestServeReadOnly(t *testing.T) {
 	require.NoError(t, err)
 	var fromAPI, fromCLI map[string][]map[string]any
 	require.NoError(t, json.Unmarshal(body, &fromAPI))
-	require.NoError(t, json.Unmarshal([]byte(ok(t, db, "retry", "parked", "--json").stdout), &fromCLI))
+	require.NoError(t, json.Unmarshal([]byte(ok(t, db, "retry", "parked", "--json").Stdout), &fromCLI))
 	for _, part := range []string{"groups", "keys"} {
 		require.Len(t, fromAPI[part], 1)
 		require.Len(t, fromCLI[part], 1)
@@ -208,10 +166,10 @@ func TestServeActionsNeedAToken(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t, 1)
 	r := ctl(t, db, "serve", "--allow-actions", "--listen", "127.0.0.1:0")
-	require.Equal(t, 2, r.code, r)
-	require.Contains(t, r.stderr, "IDEMCTL_TOKEN")
+	require.Equal(t, 2, r.Code, r)
+	require.Contains(t, r.Stderr, "IDEMCTL_TOKEN")
 	r = run(t, []string{"DATABASE_URL=" + db.URL, "IDEMCTL_TOKEN=short"}, "serve", "--allow-actions", "--listen", "127.0.0.1:0")
-	require.Equal(t, 2, r.code, r)
+	require.Equal(t, 2, r.Code, r)
 }
 
 var csrfRe = regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`)

@@ -7,7 +7,7 @@
 //	m.AddDedup(dedup)                                      // *middleware.Dedup
 //	m.AddForwarder(outbox.DefaultForwarderName, forwarder) // *outbox.Forwarder, by its Name
 //	m.AddOutboxBacklog(ob, pool, nil)                      // outbox lag, queried at collection
-//	m.AddSubscriber(sub)                                   // *parallel.Subscriber (idem.kafka.*)
+//	m.AddSubscriber(psub)                                  // *parallel.Subscriber (idem.kafka.*)
 //	defer m.Close()                                        // unregisters the callback
 //
 // All instruments are observable: one callback reads the components' Stats

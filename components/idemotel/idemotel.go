@@ -87,7 +87,7 @@ func New(mp metric.MeterProvider) (*Metrics, error) {
 	m.groups = counter("idem.dedup.group.commits", "{transaction}", "Group-commit transactions claimed (idem.dedup.group.messages messages).")
 	m.grouped = counter("idem.dedup.group.messages", "{message}", "Messages claimed in group-commit transactions.")
 	m.groupFallbacks = counter("idem.dedup.group.fallbacks", "{transaction}", "Groups rolled back by a handler failure, their messages processed alone.")
-	m.leases = counter("idem.dedup.leases", "{lease}", "Lease mode (Config.Lease), by idem.lease.event: taken, taken_over, renewed, lost (nothing written), busy (gave up on another delivery's live lease).")
+	m.leases = counter("idem.dedup.leases", "{lease}", "Lease mode (Config.Mode = &LeaseConfig{}), by idem.lease.event: taken, taken_over, renewed, lost (nothing written), busy (gave up on another delivery's live lease).")
 	m.alone = counter("idem.dedup.alone", "{message}", "Messages processed in their own transaction in group-commit mode (after a fallback, a failed group claim or an earlier failure of their handler).")
 	m.forwarded = counter("idem.outbox.forwarded", "{message}", "Outbox rows sent to Kafka and acknowledged in the database.")
 	m.commits = counter("idem.outbox.forwarder.commits", "{commit}", "Committed forwarder position updates.")

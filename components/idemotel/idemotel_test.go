@@ -144,7 +144,7 @@ func TestMetricsExportDedupForwarderAndBacklog(t *testing.T) {
 
 	// A second middleware of another group, in group-commit mode.
 	gd, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "audit", Table: table,
-		GroupCommit: &idem.GroupCommitConfig{MaxMessages: 4, MaxWait: time.Millisecond, Concurrency: 1}}, nil)
+		Mode: &idem.GroupCommitConfig{MaxMessages: 4, MaxWait: time.Millisecond, Concurrency: 1}}, nil)
 	require.NoError(t, err)
 	gh := gd.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	for range 2 {

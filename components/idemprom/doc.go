@@ -10,12 +10,14 @@
 //	c.AddOutboxBacklog(ob, pool, nil)                      // outbox lag, queried at scrape
 //	c.AddRetryTopic("billing", rt)                         // *retrytopic.RetryTopic counters
 //	c.AddParked(pool, retrytopic.ParkedKeysTable{}, "billing") // KeyOrder's parked keys, queried at scrape
-//	c.AddSubscriber(sub)                                   // *parallel.Subscriber (the parallel subscriber)
+//	c.AddSubscriber(psub)                                  // *parallel.Subscriber (the parallel subscriber)
 //	c.AddTable(pool, deduplicator.TableConfig{})           // the dedup table from the catalog, queried at scrape
 //	prometheus.MustRegister(c)
 //
 // The backlog, parked and table gauges are queried from the database at scrape
-// time (bounded by 5 s), the idem_kafka gauges read from the subscriber;
+// time: one query per source per scrape at most, all under one 5 s
+// deadline, and scrapes arriving while a read is in flight share it. The
+// idem_kafka gauges read from the subscriber;
 // the counters are cumulative since the component was created. Two
 // middlewares or subscribers of one consumer group are summed.
 // docs/observability.md lists every metric and what to alert on;

@@ -1,17 +1,13 @@
 package idemprom
 
 import (
-	"context"
 	"strconv"
 	"sync"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
-	"github.com/idemkit/watermill-idempotency/internal/dedupsql"
-	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	"github.com/idemkit/watermill-idempotency/internal/statsx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
@@ -32,10 +28,10 @@ var (
 	descClaims      = prometheus.NewDesc("idem_dedup_claims_total", "Claims timed in idem_dedup_claim_seconds_total.", group, nil)
 	descTxSec       = prometheus.NewDesc("idem_dedup_tx_seconds_total", "Time from BEGIN to COMMIT of processed messages.", group, nil)
 
-	descGroups         = prometheus.NewDesc("idem_dedup_groups_total", "Group-commit transactions that claimed their messages (Config.GroupCommit).", group, nil)
+	descGroups         = prometheus.NewDesc("idem_dedup_groups_total", "Group-commit transactions that claimed their messages (Config.Mode = &GroupCommitConfig{}).", group, nil)
 	descGroupedMsgs    = prometheus.NewDesc("idem_dedup_grouped_messages_total", "Messages claimed in group-commit transactions (divided by idem_dedup_groups_total: the mean group size).", group, nil)
 	descGroupFallbacks = prometheus.NewDesc("idem_dedup_group_fallbacks_total", "Groups rolled back by a handler error or panic, their messages then processed alone.", group, nil)
-	descLeases         = prometheus.NewDesc("idem_dedup_leases_total", "Lease mode (Config.Lease), by event: taken (new or taken over), taken_over (from an expired lease), renewed, lost (taken over or released before completion: nothing written), busy (gave up on another delivery's live lease), fast_path (of the taken: completed in their take's transaction, no lease row).", []string{"consumer_group", "event"}, nil)
+	descLeases         = prometheus.NewDesc("idem_dedup_leases_total", "Lease mode (Config.Mode = &LeaseConfig{}), by event: taken (new or taken over), taken_over (from an expired lease), renewed, lost (taken over or released before completion: nothing written), busy (gave up on another delivery's live lease), fast_path (of the taken: completed in their take's transaction, no lease row).", []string{"consumer_group", "event"}, nil)
 	descAlone          = prometheus.NewDesc("idem_dedup_alone_total", "Messages processed in a transaction of their own in group-commit mode: after a group fallback, a failed group claim, or an earlier failure of their handler.", group, nil)
 
 	descForwarded   = prometheus.NewDesc("idem_outbox_forwarded_total", "Outbox rows sent to Kafka and acknowledged in the database.", fwd, nil)
@@ -89,9 +85,6 @@ var (
 	descDead    = prometheus.NewDesc("idem_outbox_dead_rows", "Rows in the topic's dead table (idemctl outbox dead list): rows that cannot be sent and the rows held behind them.", []string{"topic", "forwarder"}, nil)
 )
 
-// backlogTimeout bounds the backlog query of one scrape.
-const backlogTimeout = 5 * time.Second
-
 type parkedSource struct {
 	db    migrate.DBTX
 	table retrytopic.ParkedKeysTable
@@ -120,6 +113,7 @@ type backlogSource struct {
 type Collector struct {
 	mu sync.Mutex
 	sources
+	reads dbReads
 }
 
 // sources are the components a Collector reads.
@@ -162,8 +156,8 @@ func (c *Collector) AddForwarder(name string, f *outbox.Forwarder) {
 // reports for opts (nil: ob's topics, the forwarder named
 // outbox.DefaultForwarderName), with the labels topic and forwarder (the
 // forwarder's Name), queried from db at each scrape (bounded by
-// 5 s; a failed query fails the scrape's metric rather than
-// reporting a stale value).
+// 5 s with the other database readings of the scrape; a failed query
+// fails the scrape's metric rather than reporting a stale value).
 func (c *Collector) AddOutboxBacklog(ob *outbox.Outbox, db migrate.Beginner, opts *outbox.BacklogOpts) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -183,8 +177,8 @@ func (c *Collector) AddRetryTopic(group string, rt *retrytopic.RetryTopic) {
 // AddParked exports the parked keys of retrytopic.KeyOrder in table (of
 // group only, unless ""): their number, events, longest queue, the age of
 // the oldest and how long a first event's copy is overdue
-// (as idemctl retry parked sums them up), queried from db at each scrape (bounded by
-// [backlogTimeout]).
+// (as idemctl retry parked sums them up), queried from db at each scrape
+// (bounded by 5 s with the other database readings of the scrape).
 func (c *Collector) AddParked(db migrate.DBTX, table retrytopic.ParkedKeysTable, group string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -192,8 +186,8 @@ func (c *Collector) AddParked(db migrate.DBTX, table retrytopic.ParkedKeysTable,
 }
 
 // AddTable exports the dedup table named by cfg, read from the catalog
-// and the table's recorded setting at each scrape (bounded by [backlogTimeout];
-// no row of the table is read): its estimated rows, its size, its
+// and the table's recorded setting at each scrape (bounded by 5 s with the
+// other database readings of the scrape; no row of the table is read): its estimated rows, its size, its
 // retention, its partitions and when the Cleaner last ran, with the label
 // table=schema.table. Alert on the last clean: a Cleaner that stopped lets
 // the table grow.
@@ -235,11 +229,9 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	e := emitter(ch)
 	e.dedups(s.dedups)
 	e.forwarders(s.forwarders)
-	e.backlogs(s.backlogs)
 	e.retries(s.retries)
-	e.parked(s.parked)
-	e.tables(s.tables)
 	e.subscribers(s.subs)
+	c.reads.collect(e, s.dbReadings())
 }
 
 // snapshot copies the sources under the lock: a scrape reads them without it.
@@ -311,24 +303,6 @@ func (e emitter) forwarders(forwarders map[string]*outbox.Forwarder) {
 	}
 }
 
-// backlogs emits each outbox's backlog per topic and forwarder, read now.
-func (e emitter) backlogs(backlogs []backlogSource) {
-	for _, b := range backlogs {
-		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
-		rows, err := b.ob.Backlog(ctx, b.db, &b.opts)
-		cancel()
-		if err != nil {
-			e <- prometheus.NewInvalidMetric(descPending, err)
-			continue
-		}
-		for _, r := range rows {
-			e.gauge(descPending, float64(r.Pending), r.Topic, r.Forwarder)
-			e.gauge(descOldest, r.OldestAge.Seconds(), r.Topic, r.Forwarder)
-			e.gauge(descDead, float64(r.Dead), r.Topic, r.Forwarder)
-		}
-	}
-}
-
 // retries emits the retry topics' counters, summed per consumer group.
 func (e emitter) retries(retries []retrySource) {
 	for _, gs := range statsx.ByKey(retries, func(r retrySource) string { return r.group }, func(r retrySource) retrytopic.Stats { return r.rt.Stats() }, addRetryStats) {
@@ -340,61 +314,6 @@ func (e emitter) retries(retries []retrySource) {
 		e.counter(descReleased, float64(s.Released), g)
 		e.counter(descHandedOff, float64(s.HandedOff), g)
 		e.gauge(descOverdue, float64(s.OverdueKeys), g)
-	}
-}
-
-// parked emits each parked table's summary per consumer group, read now.
-func (e emitter) parked(parked []parkedSource) {
-	for _, p := range parked {
-		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
-		sum, err := parkedsql.Summarize(ctx, p.db, p.table.Schema, p.table.Table, p.group, deduplicator.ValidateGroupName)
-		cancel()
-		if err != nil {
-			e <- prometheus.NewInvalidMetric(descParkedKeys, err)
-			continue
-		}
-		if len(sum) == 0 && p.group != "" {
-			sum = []parkedsql.Summary{{ConsumerGroup: p.group}}
-		}
-		for _, s := range sum {
-			e.gauge(descParkedKeys, float64(s.Keys), s.ConsumerGroup)
-			e.gauge(descParkedEvents, float64(s.Events), s.ConsumerGroup)
-			e.gauge(descParkedQueue, float64(s.MaxQueue), s.ConsumerGroup)
-			e.gauge(descParkedOldest, s.OldestAge.Seconds(), s.ConsumerGroup)
-			e.gauge(descParkedOverdue, s.MaxHeadOverdue.Seconds(), s.ConsumerGroup)
-		}
-	}
-}
-
-// inspect reads the dedup table t names from the catalog, after checking
-// its names.
-func inspect(ctx context.Context, t tableSource) (*dedupsql.TableInfo, error) {
-	if err := t.cfg.Validate(); err != nil {
-		return nil, err
-	}
-	return dedupsql.Inspect(ctx, t.db, t.cfg.Schema, t.cfg.Table)
-}
-
-// tables emits each dedup table's size, retention and cleaning, read now.
-func (e emitter) tables(tables []tableSource) {
-	for _, t := range tables {
-		ctx, cancel := context.WithTimeout(context.Background(), backlogTimeout)
-		info, err := inspect(ctx, t)
-		cancel()
-		if err != nil {
-			e <- prometheus.NewInvalidMetric(descTableBytes, err)
-			continue
-		}
-		name := info.Schema + "." + info.Table
-		e.gauge(descTableRows, float64(info.RowsEstimate), name)
-		e.gauge(descTableBytes, float64(info.Bytes), name)
-		e.gauge(descTableRetention, info.Retention.Seconds(), name)
-		last := 0.0
-		if !info.CleanedBefore.IsZero() {
-			last = float64(info.CleanedBefore.Add(info.Retention).UnixNano()) / 1e9
-		}
-		e.gauge(descTableCleaned, last, name)
-		e.gauge(descTablePartitions, float64(len(info.Partitions)), name)
 	}
 }
 

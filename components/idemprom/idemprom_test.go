@@ -115,7 +115,7 @@ func TestCollectorExportsGroupCommit(t *testing.T) {
 	// (its group rolls back; its messages then go alone). How the groups
 	// form depends on timing; the export must equal the middleware's Stats.
 	d, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table,
-		GroupCommit: &idem.GroupCommitConfig{MaxWait: time.Minute, Concurrency: 2}}, nil)
+		Mode: &idem.GroupCommitConfig{MaxWait: time.Minute, Concurrency: 2}}, nil)
 	require.NoError(t, err)
 	var failOnce sync.Map // event ids whose handler fails on its first run
 	h := d.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -158,7 +158,7 @@ idem_dedup_group_fallbacks_total{consumer_group="billing"} 1
 # HELP idem_dedup_grouped_messages_total Messages claimed in group-commit transactions (divided by idem_dedup_groups_total: the mean group size).
 # TYPE idem_dedup_grouped_messages_total counter
 idem_dedup_grouped_messages_total{consumer_group="billing"} %d
-# HELP idem_dedup_groups_total Group-commit transactions that claimed their messages (Config.GroupCommit).
+# HELP idem_dedup_groups_total Group-commit transactions that claimed their messages (Config.Mode = &GroupCommitConfig{}).
 # TYPE idem_dedup_groups_total counter
 idem_dedup_groups_total{consumer_group="billing"} %d
 # HELP idem_dedup_processed_total Messages whose handler ran and whose transaction committed.

@@ -28,7 +28,7 @@ var (
 
 // BillingService charges confirmed orders. Its handler runs inside the dedup
 // middleware of group billing-order-confirmed, in lease mode
-// (idem.Config.Lease): the provider call runs with no transaction and no
+// (idem.Config.Mode = &idem.LeaseConfig{}): the provider call runs with no transaction and no
 // database connection held, so a slow provider holds neither.
 //
 //  1. the middleware takes a lease on (event, group) in a short transaction

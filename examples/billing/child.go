@@ -23,6 +23,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+	"github.com/idemkit/watermill-idempotency/internal/childproc"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -77,22 +78,7 @@ type childConfig struct {
 // runChildIfSet returns at once unless childEnv is set; then it runs a
 // child billing instance and exits the process. main and TestMain call it
 // first.
-func runChildIfSet() {
-	v, ok := os.LookupEnv(childEnv)
-	if !ok {
-		return
-	}
-	var cfg childConfig
-	if err := json.Unmarshal([]byte(v), &cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "billing child: %s: %v\n", childEnv, err)
-		os.Exit(2)
-	}
-	if err := runChild(cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "billing child %s: %v\n", cfg.ClientID, err)
-		os.Exit(1)
-	}
-	os.Exit(0)
-}
+func runChildIfSet() { childproc.RunIfSet(childEnv, "billing child", runChild) }
 
 // errNotMine nacks every message but the child's target: the child
 // processes nothing else, so the demo's accounting (which counts the
@@ -151,7 +137,7 @@ func runChild(cfg childConfig) error {
 		// FastPath off: these children show a crash and a freeze between
 		// the phases, with a lease row for the demo's billing to take over
 		// (inside the fast path they would leave an aborted transaction).
-		Lease: &idem.LeaseConfig{Duration: cfg.Lease, RenewInterval: cfg.RenewInterval, Concurrency: 1, Owner: cfg.ClientID + fmt.Sprintf(" (pid %d)", os.Getpid()), FastPath: -1},
+		Mode: &idem.LeaseConfig{Duration: cfg.Lease, RenewInterval: cfg.RenewInterval, Concurrency: 1, Owner: cfg.ClientID + fmt.Sprintf(" (pid %d)", os.Getpid()), FastPath: -1},
 	}, logger)
 	if err != nil {
 		return err
@@ -256,31 +242,11 @@ type child struct {
 // startChild starts a child billing instance and waits for its router to
 // run.
 func (d *demo) startChild(ctx context.Context, cfg childConfig) (*child, error) {
-	exe, err := os.Executable()
+	p, err := childproc.Start("", childEnv, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("child: %w", err)
-	}
-	raw, err := json.Marshal(cfg)
-	if err != nil {
-		return nil, err
-	}
-	cmd := exec.Command(exe)
-	cmd.Env = append(os.Environ(), childEnv+"="+string(raw))
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		return nil, err
-	}
-	stdin, err := cmd.StdinPipe() // closed by the demo's end: the child stops
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("child %s: %w", cfg.ClientID, err)
 	}
+	cmd, stdin, stdout, stderr := p.Cmd, p.Stdin, p.Stdout, p.Stderr // stdin: closed by the demo's end: the child stops
 	c := &child{name: cfg.ClientID, cmd: cmd, stdin: stdin, lines: make(chan string, 16), exited: make(chan struct{})}
 	var readers sync.WaitGroup
 	readers.Go(func() {

@@ -133,7 +133,7 @@ func (c *demoConfig) setDefaults() {
 	}
 }
 
-// billingConns is the size of billing's pool: 2 × Lease.Concurrency + 1 in
+// billingConns is the size of billing's pool: 2 × LeaseConfig.Concurrency + 1 in
 // lease mode, one per charge in flight in transaction mode.
 func (d *demo) billingConns() int {
 	if d.cfg.billingTxMode {
@@ -142,7 +142,7 @@ func (d *demo) billingConns() int {
 	return 2*d.cfg.LeaseConcurrency + 1
 }
 
-// leaseRenew is billing's Lease.RenewInterval.
+// leaseRenew is billing's LeaseConfig.RenewInterval.
 func (c demoConfig) leaseRenew() time.Duration { return c.LeaseDuration / 3 }
 
 // names are the topics and groups of one run.

@@ -41,7 +41,7 @@ func (d *demo) openPostgres(ctx context.Context) error {
 	// idle-in-transaction sampler reports by it). The main pool serves
 	// notification (a transaction per partition in flight), the order
 	// service (4 at once) and the demo's own queries; billing's lease mode
-	// needs 2 × Lease.Concurrency + 1, whatever its charges in flight; the
+	// needs 2 × LeaseConfig.Concurrency + 1, whatever its charges in flight; the
 	// forwarder one per topic.
 	pools := []struct {
 		p    **pgxpool.Pool

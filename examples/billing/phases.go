@@ -102,7 +102,7 @@ func (d *demo) phase1(ctx context.Context) error {
 // claim the same event id concurrently (as after a rebalance or a DLQ
 // replay). The provider is slow for these orders, so the first copy is
 // still in its call when the others arrive. In billing (lease mode) they
-// find its live lease, wait for it (Lease.BusyWait), then find the event
+// find its live lease, wait for it (LeaseConfig.BusyWait), then find the event
 // done and skip; in notification (transaction mode) their INSERT waits on
 // the unique index, then finds the committed row and skips. Then three
 // malformed events. It waits until every record is settled.

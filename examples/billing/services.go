@@ -50,15 +50,15 @@ func (d *demo) startServices(ctx context.Context) error {
 	}
 	billingCfg := idem.Config{DB: d.billingPool, ConsumerGroup: d.n.billing, Table: d.table, Outbox: d.ob, TracerProvider: d.providers[serviceBilling],
 		Concurrency: d.cfg.BillingInstances * d.cfg.BillingInFlight,
-		Lease: &idem.LeaseConfig{Duration: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(), Concurrency: d.cfg.LeaseConcurrency,
+		Mode: &idem.LeaseConfig{Duration: d.cfg.LeaseDuration, RenewInterval: d.cfg.leaseRenew(), Concurrency: d.cfg.LeaseConcurrency,
 			Owner: fmt.Sprintf("billing (demo, pid %d)", os.Getpid())}}
 	if d.cfg.billingTxMode {
-		billingCfg.Lease = nil
+		billingCfg.Mode = nil // transaction mode
 	}
 	billingSvc := NewBillingService(p.URL())
 	// Billing runs in lease mode: its provider call holds no transaction
 	// and no connection, so its pool does not grow with the charges in
-	// flight (2 × Lease.Concurrency + 1 connections for any MaxInFlight).
+	// flight (2 × LeaseConfig.Concurrency + 1 connections for any MaxInFlight).
 	d.billing, err = d.newConsumer("billing", d.cfg.BillingInstances, d.newParallelSubscriber, poison, billingCfg,
 		func(r *message.Router, handler string, sub message.Subscriber) *message.Handler {
 			// The router closes each handler's publisher on shutdown; the

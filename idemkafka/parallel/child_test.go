@@ -104,7 +104,7 @@ func runChild(cfg childConfig) error {
 	}
 	dc := idem.Config{DB: pool, ConsumerGroup: "ledger", Table: deduplicator.TableConfig{Schema: cfg.Schema}}
 	if cfg.GroupCommit {
-		dc.GroupCommit = &idem.GroupCommitConfig{Concurrency: 2}
+		dc.Mode = &idem.GroupCommitConfig{Concurrency: 2}
 	}
 	d, err := idem.NewDedup(dc, nil)
 	if err != nil {

@@ -19,7 +19,8 @@
 //	}, logger)
 //	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "billing",
 //		Concurrency: sub.MaxInFlight()}, logger)
-//	router.AddConsumerHandler("charge", "orders", sub, dedup.Middleware(charge))
+//	router.AddConsumerHandler("charge", "orders", sub, charge). // charge: a message.NoPublishHandlerFunc
+//		AddMiddleware(dedup.Middleware)
 //
 // docs/parallel.md explains the Subscriber; docs/configuration.md lists its
 // settings.

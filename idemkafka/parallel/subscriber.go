@@ -71,7 +71,7 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 // middleware in one-transaction-per-message mode each of them holds a
 // database connection for its transaction: give the pool at least this
 // many (idem.Config.Concurrency checks it at start-up). With group commit
-// the groups use GroupCommit.Concurrency connections instead.
+// the groups use GroupCommitConfig.Concurrency connections instead.
 func (s *Subscriber) MaxInFlight() int { return s.cfg.MaxInFlight }
 
 // errClosed is returned by Subscribe on a closed Subscriber.

@@ -1,8 +1,10 @@
 // Package leasesql is lease mode's protocol on the database: the
 // statements that take, complete, renew and release a lease, and the fast
 // path's transaction that holds a batch's events while their handlers run.
-// middleware runs it; deduplicator owns the lease table (its migration)
-// and sweeps it. [List], [Summarize] and [ForceRelease] are the operator's
+// deduplicator, the one writer of the claim table, builds each Protocol
+// (bound to its table and consumer group) and owns the lease table (its
+// migration, its sweep); the middleware's lease mode runs the Protocol it
+// gets from its Deduplicator through [Of]. [List], [Summarize] and [ForceRelease] are the operator's
 // (idemctl dedup leases and release, and its console).
 //
 // Every take of a lease first takes the event's advisory lock

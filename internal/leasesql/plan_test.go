@@ -1,4 +1,4 @@
-package leasesql
+package leasesql_test
 
 import (
 	"context"
@@ -9,7 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
-	"github.com/idemkit/watermill-idempotency/internal/dbx"
+	"github.com/idemkit/watermill-idempotency/internal/leasesql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
@@ -26,27 +26,13 @@ func TestStatementsReadClaimsByIndex(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.New(t, 2)
 	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(deduplicator.TableConfig{Schema: db.Schema})))
-	p := New(db.Schema, "processed_event", "billing")
+	p := leasesql.New(db.Schema, "processed_event", "billing")
 	db.Exec(t, "INSERT INTO processed_event (event_id, consumer_group) SELECT gen_random_uuid(), 'billing' FROM generate_series(1, 30000)")
 	ids, toks := make([]uuid.UUID, 64), make([]uuid.UUID, 64)
 	for i := range ids {
 		ids[i], toks[i] = publisher.NewEventID(), uuid.New()
 	}
-	pids, ptoks := dbx.UUIDs(ids), dbx.UUIDs(toks)
-	lease := int64(time.Minute / time.Microsecond)
-	statements := map[string]struct {
-		sql  string
-		args []any
-	}{
-		"take":          {p.sql.take, []any{pids, ptoks, "billing", lease, "test", p.lockKeys(ids)}},
-		"recheck":       {p.sql.doneAfterTake, []any{ptoks, "billing", pids}},
-		"state":         {p.sql.state, []any{pids, "billing", ptoks}},
-		"complete":      {p.sql.complete, []any{pids, "billing", ptoks}},
-		"fast state":    {p.sql.fastState, []any{pids, "billing"}},
-		"fast takeover": {p.sql.fastTakeOver, []any{pids, "billing"}},
-		"fast claim":    {p.sql.fastClaim, []any{pids, "billing"}},
-		"fast lease":    {p.sql.fastLease, []any{pids, ptoks, "billing", lease, "test"}},
-	}
+	statements := leasesql.Statements(p, ids, toks, time.Minute)
 	// Before the table's first ANALYZE (the planner guesses its size from
 	// its pages), then after it.
 	for _, mode := range []string{"force_custom_plan", "force_generic_plan", "analyze", "force_custom_plan", "force_generic_plan"} {
@@ -60,7 +46,7 @@ func TestStatementsReadClaimsByIndex(t *testing.T) {
 			var plan string
 			_, err = tx.Exec(ctx, "SET LOCAL plan_cache_mode = "+mode)
 			if err == nil {
-				err = tx.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+st.sql, st.args...).Scan(&plan)
+				err = tx.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+st.SQL, st.Args...).Scan(&plan)
 			}
 			_ = tx.Rollback(ctx)
 			require.NoError(t, err, name)

@@ -80,7 +80,7 @@ type RedeliveryOpts struct {
 	// Defaults to false.
 	RollbackFirst bool
 
-	// TakeOverFirst (lease mode, idem.Config.Lease) makes the first run's
+	// TakeOverFirst (lease mode, idem.Config.Mode = &idem.LeaseConfig{}) makes the first run's
 	// lease expire while its handler runs, as when its owner stalls past
 	// the lease: a second delivery then takes the lease over and completes
 	// before the first handler goes on. The first run's completion must

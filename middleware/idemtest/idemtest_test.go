@@ -188,7 +188,7 @@ func TestRunWithRedeliveryLeaseMode(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db, table, _ := setup(t, "billing")
-	dedup, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table, Lease: &idem.LeaseConfig{Concurrency: 2}}, nil)
+	dedup, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "billing", Table: table, Mode: &idem.LeaseConfig{Concurrency: 2}}, nil)
 	require.NoError(t, err)
 	leaseHandler := func(msg *message.Message) ([]*message.Message, error) {
 		if _, ok := idem.TxFromContext(msg.Context()); ok {

@@ -157,9 +157,18 @@ type Config struct {
 	// with OrderNone is refused ([ErrKeyOrderUnordered], nacked).
 	KeyOrder *KeyOrder
 
+	// StartupTimeout bounds the start-up work of [New]: with KeyOrder, the
+	// check that the parked-keys table is migrated and that the outbox has
+	// the hand-off topic's table. Defaults to 30 s.
+	StartupTimeout time.Duration
+
 	// NowFunc returns the current time. Defaults to time.Now.
 	NowFunc func() time.Time
 }
+
+// defaultStartupTimeout bounds the start-up check of [New], as
+// idem.Config.StartupTimeout's default bounds idem.NewDedup's.
+const defaultStartupTimeout = 30 * time.Second
 
 // KeyOrder configures the per-key order of [Config.KeyOrder]. The keys with
 // an event on the retry path ("parked") are recorded in a PostgreSQL table
@@ -243,6 +252,9 @@ func (c *Config) setDefaults() {
 	if c.NowFunc == nil {
 		c.NowFunc = time.Now
 	}
+	if c.StartupTimeout == 0 {
+		c.StartupTimeout = defaultStartupTimeout
+	}
 	if c.KeyOrder != nil {
 		ko := *c.KeyOrder // the caller's value stays as it was
 		ko.Table.setDefaults()
@@ -289,6 +301,9 @@ func (c Config) validate() error {
 	}
 	if err := c.Backoff.validate(); err != nil {
 		return err
+	}
+	if c.StartupTimeout < 0 {
+		return errors.New("StartupTimeout: must not be negative")
 	}
 	if ko := c.KeyOrder; ko != nil {
 		if ko.DB == nil {

@@ -289,7 +289,7 @@ func (f *fixture) newDedup(t *testing.T) *idem.Dedup {
 func (f *fixture) newLeaseDedup(t *testing.T) *idem.Dedup {
 	t.Helper()
 	d, err := idem.NewDedup(idem.Config{DB: f.db.Pool, ConsumerGroup: f.group, Table: deduplicator.TableConfig{Schema: f.db.Schema},
-		Lease: &idem.LeaseConfig{Concurrency: 1}}, nil)
+		Mode: &idem.LeaseConfig{Concurrency: 1}}, nil)
 	require.NoError(t, err)
 	return d
 }

@@ -258,7 +258,7 @@ func withRelease(ctx context.Context, pk *parking) context.Context {
 //
 //	router.AddMiddleware(rt.Middleware, retry.Middleware, dedup.Middleware, rt.ReleaseMiddleware)
 //
-// In lease mode (idem.Config.Lease) the release is registered with
+// In lease mode (idem.Config.Mode = &idem.LeaseConfig{}) the release is registered with
 // idem.Complete and commits with the completion. Without it (or when the
 // claim shows a duplicate and the handler does not run) [RetryTopic.Middleware] releases the event in a transaction of its
 // own after the handler chain returned nil, before the ack: a crash in

@@ -30,7 +30,8 @@ type RetryTopic struct {
 
 // New validates cfg and returns the middleware. With [Config.KeyOrder] it
 // checks that the parked-keys table is migrated (a *migrate.TableError
-// wrapping migrate.ErrMigrationsPending if not).
+// wrapping migrate.ErrMigrationsPending if not), bounded by
+// [Config.StartupTimeout].
 func New(cfg Config, logger watermill.LoggerAdapter) (*RetryTopic, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
@@ -45,7 +46,9 @@ func New(cfg Config, logger watermill.LoggerAdapter) (*RetryTopic, error) {
 	}
 	if cfg.KeyOrder != nil {
 		r.order = newKeyOrder(*cfg.KeyOrder, cfg.Topics[0], cfg.NowFunc, logger, &r.stats)
-		if err := r.order.check(context.Background()); err != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), cfg.StartupTimeout)
+		defer cancel()
+		if err := r.order.check(ctx); err != nil {
 			return nil, err
 		}
 	}

@@ -252,7 +252,7 @@ func (e *e2eRun) markdown() string {
 		"CPU per event (subject)", "CPU per event (baseline)", "CPU per event, baseline / subject",
 		"PostgreSQL CPU per event (subject)", "PostgreSQL CPU per event (baseline)"}, parTable))
 	fmt.Fprintf(&b, "\nThe same pipeline on the parallel subscriber (MaxInFlight %d, `idem.Config.Concurrency: sub.MaxInFlight()`) with "+
-		"`Config.GroupCommit` at its defaults, in the same rotation as the rows above (same backlog, pool and forwarder); "+
+		"`Config.Mode = &GroupCommitConfig{}` at its defaults, in the same rotation as the rows above (same backlog, pool and forwarder); "+
 		"rate from the first handled event to the last forwarded record read back; ratio = its rate / the watermill-kafka "+
 		"row's forwarded rate of the same round (the fourth row above). CPU per event is this process's user + system CPU time "+
 		"(getrusage) over the same span, divided by the events: the subscriber, the middleware, the forwarder, the reader of the "+

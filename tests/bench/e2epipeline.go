@@ -58,7 +58,7 @@ type pipelineSpec struct {
 	// notify enables the outbox table's notify trigger (the writers send
 	// NOTIFY) and the forwarder's Listen.
 	notify bool
-	// groupCommit, when set, is the middleware's Config.GroupCommit.
+	// groupCommit, when set, is the middleware's Config.Mode = &GroupCommitConfig{}.
 	groupCommit *idem.GroupCommitConfig
 	// inMiddleware, when set, is called with each successful message's
 	// time inside the dedup middleware (arrival to result).
@@ -95,7 +95,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 		sub = ps
 		defer ps.Close() // runRouterOn closes it too: twice is harmless
 	}
-	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, GroupCommit: s.groupCommit, Concurrency: s.parallel}, nil)
+	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, Mode: s.groupCommit, Concurrency: s.parallel}, nil)
 	if err != nil {
 		return *res, err
 	}

@@ -283,7 +283,7 @@ func (g *gcE2ERun) markdown() string {
 		"ratio group/single, committed", "≥ 3×", "ratio group/single, forwarded and read back"}, rows))
 	fmt.Fprintf(&b, "\nThe pipeline of the end-to-end section (Kafka → router → dedup → one business row + one outbox row → "+
 		"forwarder → Kafka) at %d and %d partitions, one router (one message in flight per partition), in three modes: single (one transaction "+
-		"per message), `Config.GroupCommit` at its defaults (MaxMessages %d, MaxWait %s, Concurrency %d), and with MaxMessages = partitions / "+
+		"per message), `Config.Mode = &GroupCommitConfig{}` at its defaults (MaxMessages %d, MaxWait %s, Concurrency %d), and with MaxMessages = partitions / "+
 		"Concurrency. Pool of %d connections in every mode. Each round drains a backlog of %d events with a new consumer group; %d rounds, "+
 		"the modes' order rotated each round; ratio = group / single of the same round; rates from the first handled event to the last "+
 		"committed one, or to the last forwarded record read back. Mean group size = GroupedMessages / Groups of the middleware's Stats.\n\n",

@@ -101,7 +101,7 @@ func (r *gcDBRig) measure(ctx context.Context, run func() (float64, error)) (cos
 // group of its own.
 func (r *gcDBRig) dedup(gc *idem.GroupCommitConfig) (*idem.Dedup, error) {
 	r.seq++
-	return idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: fmt.Sprintf("bench-%d", r.seq), Table: r.table, GroupCommit: gc}, nil)
+	return idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: fmt.Sprintf("bench-%d", r.seq), Table: r.table, Mode: gc}, nil)
 }
 
 // middleware runs fresh events through d's middleware on workers

@@ -284,7 +284,7 @@ func leaseMarkdown(o Options, n leaseSizes, rows, actRows [][]string) string {
 		"and the wait runs inside the message's transaction; in lease mode the wait runs with no transaction and the row is "+
 		"registered with `middleware.Complete`, written by the completing transaction. Transaction mode runs on the parallel "+
 		"subscriber's recipe (MaxInFlight %d, a pool of %d: a connection per message in flight); lease mode on a pool of %d "+
-		"(its phases hold 2 × Lease.Concurrency + 1 = 9 at most) with MaxInFlight %d. Transaction mode counts fewer events "+
+		"(its phases hold 2 × LeaseConfig.Concurrency + 1 = 9 at most) with MaxInFlight %d. Transaction mode counts fewer events "+
 		"(%d with the %s wait, %d with the %s one): its rate is flat, connections ÷ call time. The fast handler's lease "+
 		"handler registers both writes with `idem.Complete` (at once in transaction mode); the lease variant runs MaxInFlight %d (each message waits for two phase batches, a group-commit message for one; in flight it holds no connection). Every rate here is the steady rate, over the commits between the 10th and the 90th percentile of the run: a run starts with one call's wait before the first commit (500 ms with the long call) and ends with a tail, and neither is throughput lost to the mode. %d rounds, the variants' order rotated each round; ratios are of the same round.\n\n",
 		kafkaDesc(o.Brokers), parPartitions, leaseKeys, parMaxInFlight, parPoolConns, leasePoolConns, leaseMaxInFlight,

@@ -167,6 +167,18 @@ type parConsumer struct {
 	handler     func(msg *message.Message) error
 }
 
+// mode is the middleware's mode of c: lease mode, group commit, or nil
+// (transaction mode).
+func (c parConsumer) mode() idem.Mode {
+	if c.lease != nil {
+		return c.lease
+	}
+	if c.groupCommit != nil {
+		return c.groupCommit
+	}
+	return nil
+}
+
 // parRun is one consumer over a topic, until count events committed.
 type parRun struct {
 	topic   string
@@ -214,7 +226,7 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 		return res, err
 	}
 	defer sub.Close()
-	d, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: group, Table: r.table, GroupCommit: c.groupCommit, Lease: c.lease, Concurrency: concurrency}, nil)
+	d, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: group, Table: r.table, Mode: c.mode(), Concurrency: concurrency}, nil)
 	if err != nil {
 		return res, err
 	}

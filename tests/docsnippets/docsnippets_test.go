@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"go/ast"
+	"go/doc/comment"
 	"go/parser"
 	"go/token"
 	"os"
@@ -36,6 +37,7 @@ var knownImports = map[string]string{
 	"kafka":        "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka",
 	"pgx":          "github.com/jackc/pgx/v5",
 	"pgxpool":      "github.com/jackc/pgx/v5/pgxpool",
+	"prometheus":   "github.com/prometheus/client_golang/prometheus",
 	"otel":         "go.opentelemetry.io/otel",
 	"propagation":  "go.opentelemetry.io/otel/propagation",
 	"sdktrace":     "go.opentelemetry.io/otel/sdk/trace",
@@ -62,12 +64,15 @@ const givenSource = `package gen
 import (
 	"context"
 	"io"
+	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/sdk/resource"
@@ -76,7 +81,9 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
 
@@ -108,6 +115,19 @@ var (
 	exporter      sdktrace.SpanExporter
 	res           *resource.Resource
 	meterProvider metric.MeterProvider
+	// What the packages' doc comments use besides.
+	t            *testing.T
+	tx           pgx.Tx
+	pub          message.Publisher
+	handler      message.HandlerFunc
+	forwarder    *outbox.Forwarder
+	rt           *retrytopic.RetryTopic
+	psub         *parallel.Subscriber
+	outboxCfg    outbox.Config
+	eventID      uuid.UUID
+	since        time.Time
+	payment      any
+	applyPayment func(context.Context, pgx.Tx, any) error
 )
 `
 
@@ -296,6 +316,58 @@ func inferImports(src string) (string, error) {
 	return "import (\n" + strings.Join(paths, "") + ")\n", nil
 }
 
+// docComments returns, for every public package (outside internal/, cmd/,
+// tests/, examples/ and third_party/), the code blocks of its doc.go's
+// package comment, joined into one snippet: a package's example reads as
+// one piece (an import block, then the statements that use it).
+func docComments(t *testing.T, root string) []snippet {
+	t.Helper()
+	var out []snippet
+	err := filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, path)
+		if d.IsDir() {
+			switch first := strings.Split(filepath.ToSlash(rel), "/")[0]; {
+			case rel != "." && (strings.HasPrefix(d.Name(), ".") || strings.HasPrefix(d.Name(), "_") || d.Name() == "testdata" || d.Name() == "internal"),
+				first == "cmd", first == "tests", first == "examples", first == "third_party":
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		if d.Name() != "doc.go" {
+			return nil
+		}
+		src, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		f, err := parser.ParseFile(token.NewFileSet(), path, src, parser.ParseComments|parser.PackageClauseOnly)
+		if err != nil || f.Doc == nil {
+			return err
+		}
+		var code []string
+		for _, b := range new(comment.Parser).Parse(f.Doc.Text()).Content {
+			if c, ok := b.(*comment.Code); ok {
+				code = append(code, c.Text)
+			}
+		}
+		if len(code) == 0 {
+			return nil
+		}
+		// The line of the first block's first line, for the errors.
+		first := strings.SplitN(code[0], "\n", 2)[0]
+		line := 1 + bytes.Count(src[:max(bytes.Index(src, []byte(first)), 0)], []byte("\n"))
+		out = append(out, snippet{file: rel, line: line, code: strings.Join(code, "\n")})
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
 // markdownFiles returns README.md and docs/*.md, relative to root.
 func markdownFiles(t *testing.T, root string) []string {
 	t.Helper()
@@ -322,8 +394,9 @@ func moduleRoot(t *testing.T) string {
 	return root
 }
 
-// TestSnippetsCompile writes every Go snippet of README.md and docs/*.md into
-// one generated package inside the module and builds it with one go build.
+// TestSnippetsCompile writes every Go snippet of README.md, docs/*.md and the
+// public packages' doc comments into one generated package inside the
+// module and builds it with one go build.
 func TestSnippetsCompile(t *testing.T) {
 	root := moduleRoot(t)
 	var snippets []snippet
@@ -336,6 +409,12 @@ func TestSnippetsCompile(t *testing.T) {
 		perFile[rel] = len(s)
 		snippets = append(snippets, s...)
 	}
+	pkgDocs := docComments(t, root)
+	if len(pkgDocs) < 10 {
+		t.Fatalf("%d package doc comments with code, want at least 10: is the extraction broken?", len(pkgDocs))
+	}
+	perFile["doc.go comments"] = len(pkgDocs)
+	snippets = append(snippets, pkgDocs...)
 	if perFile["README.md"] < 3 {
 		t.Fatalf("README.md has %d Go snippets, want at least 3 (consumer, producer, money): is the extraction broken?", perFile["README.md"])
 	}

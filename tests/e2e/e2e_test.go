@@ -216,7 +216,7 @@ func exactlyOnceAcrossRebalance(t *testing.T, lease bool) {
 		cfg := idem.Config{DB: pool, ConsumerGroup: group, Table: e.table}
 		var sub message.Subscriber = e.subscriber(t, group)
 		if lease {
-			cfg.Lease = &idem.LeaseConfig{Concurrency: 1}
+			cfg.Mode = &idem.LeaseConfig{Concurrency: 1}
 			psub, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: e.broker.Addrs}, ConsumerGroup: group, MaxInFlight: 64}, e.logger)
 			require.NoError(t, err)
 			t.Cleanup(func() { _ = psub.Close() })

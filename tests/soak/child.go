@@ -3,7 +3,6 @@ package soak
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"log"
 	"net/http"
@@ -28,6 +27,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+	"github.com/idemkit/watermill-idempotency/internal/childproc"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
@@ -46,22 +46,7 @@ const ConsumerEnv = "IDEM_SOAK_CONSUMER"
 // runs a soak consumer until SIGTERM (or its standard input closes: the soak
 // is gone) and exits the process. Call it first in main, or in TestMain of a
 // test binary that runs the soak.
-func RunConsumerIfChild() {
-	v, ok := os.LookupEnv(ConsumerEnv)
-	if !ok {
-		return
-	}
-	var cfg childConfig
-	if err := json.Unmarshal([]byte(v), &cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "soak consumer: %s: %v\n", ConsumerEnv, err)
-		os.Exit(2)
-	}
-	if err := runConsumer(cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "soak consumer %s: %v\n", cfg.Instance, err)
-		os.Exit(1)
-	}
-	os.Exit(0)
-}
+func RunConsumerIfChild() { childproc.RunIfSet(ConsumerEnv, "soak consumer", runConsumer) }
 
 // childConfig is what a consumer process gets from the soak, as JSON in
 // [ConsumerEnv].
@@ -84,7 +69,7 @@ type childConfig struct {
 	Verbose     bool     `json:"verbose"`
 	GroupCommit bool     `json:"group_commit"`
 	Parallel    bool     `json:"parallel"` // idemkafka's parallel subscriber on every topic
-	// Lease mode (idem.Config.Lease): the lease's duration, and the fake
+	// Lease mode (idem.Config.Mode = &idem.LeaseConfig{}): the lease's duration, and the fake
 	// provider the handler calls (docs/soak.md, "The lease-mode leg").
 	Lease         bool          `json:"lease"`
 	LeaseDuration time.Duration `json:"lease_duration"`
@@ -326,7 +311,7 @@ func (c *child) newDedup(ctx context.Context, logger watermill.LoggerAdapter) (d
 			dcfg.Concurrency = ParallelMaxInFlight + len(cfg.RetryTopics)*ParallelRetryMaxInFlight
 		}
 		if cfg.GroupCommit {
-			dcfg.GroupCommit = &idem.GroupCommitConfig{}
+			dcfg.Mode = &idem.GroupCommitConfig{}
 		}
 		if cfg.Lease {
 			// One transaction at a time per phase (batched): the pool's
@@ -337,7 +322,7 @@ func (c *child) newDedup(ctx context.Context, logger watermill.LoggerAdapter) (d
 			// lease rows for the next owner to take over (a kill inside
 			// the fast path leaves an aborted transaction instead; the
 			// middleware's TestFastPath_* tests show that case).
-			dcfg.Lease = &idem.LeaseConfig{Duration: cfg.LeaseDuration, Concurrency: 1, Owner: cfg.Instance, FastPath: -1}
+			dcfg.Mode = &idem.LeaseConfig{Duration: cfg.LeaseDuration, Concurrency: 1, Owner: cfg.Instance, FastPath: -1}
 		}
 		dedup, err = idem.NewDedup(dcfg, logger)
 		return err

@@ -81,7 +81,7 @@ type Config struct {
 	// to false.
 	UnsafeLedgerOutsideTx bool
 	// GroupCommit runs the consumers in group-commit mode
-	// (idem.Config.GroupCommit with its defaults). Defaults to false: one
+	// (idem.Config.Mode = &idem.GroupCommitConfig{} with its defaults). Defaults to false: one
 	// transaction per message.
 	GroupCommit bool
 	// Parallel makes each consumer process consume with idemkafka's
@@ -102,7 +102,7 @@ type Config struct {
 	// Not in lease mode. Defaults to false.
 	HostileKeys bool
 	// Lease runs the consumers' dedup middleware in lease mode
-	// (idem.Config.Lease, Duration [Config.LeaseDuration]): the handler
+	// (idem.Config.Mode = &idem.LeaseConfig{}, Duration [Config.LeaseDuration]): the handler
 	// calls a fake payment provider in the soak's process with the event's
 	// Idempotency-Key, holding no transaction, and registers its ledger row
 	// with idem.Complete. The mid-handler kill then lands between the call

@@ -3,11 +3,9 @@ package soak
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -15,6 +13,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/idemkit/watermill-idempotency/internal/childproc"
 )
 
 // payload is the JSON body of a soak event.
@@ -145,26 +145,12 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 	g.next++
 	inst := &instance{g: g, id: g.next, ready: make(chan struct{}), exited: make(chan struct{}), settled: make(chan struct{}), stderr: &tailBuffer{max: 20}}
 	inst.name = fmt.Sprintf("%s-i%d", g.name, inst.id)
-	cc, err := json.Marshal(g.childConfig(inst))
+	p, err := childproc.Start(h.exe, ConsumerEnv, g.childConfig(inst))
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(h.exe)
-	cmd.Env = append(os.Environ(), ConsumerEnv+"="+string(cc))
-	if inst.stdin, err = cmd.StdinPipe(); err != nil {
-		return nil, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start consumer process %s: %w", h.exe, err)
-	}
+	cmd, stdout, stderr := p.Cmd, p.Stdout, p.Stderr
+	inst.stdin = p.Stdin
 	inst.cmd = cmd
 	var pipes sync.WaitGroup
 	pipes.Go(func() { inst.readStdout(stdout) })
@@ -227,7 +213,7 @@ func (g *group) childConfig(inst *instance) childConfig {
 		GroupCommit: h.cfg.GroupCommit,
 		Parallel:    h.cfg.Parallel,
 		// Lease mode: the middleware's phases need 2 x 1 + 1 connections
-		// (Lease.Concurrency 1), whatever the messages in flight; the
+		// (LeaseConfig.Concurrency 1), whatever the messages in flight; the
 		// fourth serves KeyOrder's parked-keys checks.
 		Lease:           h.cfg.Lease,
 		LeaseDuration:   h.cfg.LeaseDuration,

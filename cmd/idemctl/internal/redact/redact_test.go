@@ -1,4 +1,4 @@
-package main
+package redact
 
 import (
 	"bytes"
@@ -20,15 +20,15 @@ func TestRedact(t *testing.T) {
 		"PASSWORD = hunter22 in a message":              "PASSWORD = xxxxx in a message",
 		"a password= followed by a word masks the word": "a password= xxxxx by a word masks the word",
 	} {
-		require.Equal(t, want, redact(in, []string{"pw12345", "p@ss/word"}), in)
+		require.Equal(t, want, String(in, []string{"pw12345", "p@ss/word"}), in)
 	}
 
-	require.Subset(t, urlSecrets("postgres://u:p%40ss@h/db"), []string{"p%40ss", "p@ss"})
-	require.Contains(t, urlSecrets("host=h password=abc123"), "abc123")
+	require.Subset(t, URLSecrets("postgres://u:p%40ss@h/db"), []string{"p%40ss", "p@ss"})
+	require.Contains(t, URLSecrets("host=h password=abc123"), "abc123")
 
 	// Lines are redacted whole, even when a secret straddles two writes.
 	var out bytes.Buffer
-	r := &redactor{w: &out, secrets: func() []string { return []string{"s3cr3t"} }}
+	r := NewWriter(&out, func() []string { return []string{"s3cr3t"} })
 	_, _ = r.Write([]byte("error: s3c"))
 	_, _ = r.Write([]byte("r3t here\nand s3cr3t"))
 	require.NoError(t, r.Flush())

@@ -1,4 +1,4 @@
-package main
+package ops
 
 import (
 	"fmt"
@@ -9,10 +9,10 @@ import (
 	"github.com/IBM/sarama"
 )
 
-// kafkaView reads the depth of the poison and retry topics and the lag of
+// KafkaView reads the depth of the poison and retry topics and the lag of
 // the consumer groups reading them, for the overview of idemctl serve
 // --brokers. It keeps one client for the life of the server.
-type kafkaView struct {
+type KafkaView struct {
 	mu     sync.Mutex
 	client sarama.Client
 	admin  sarama.ClusterAdmin
@@ -50,7 +50,10 @@ type kafkaLagJSON struct {
 	Lag       int64  `json:"lag"`
 }
 
-func newKafkaView(brokers []string, cfg *sarama.Config, topics, groups []string) (*kafkaView, error) {
+// NewKafkaView connects to brokers with cfg; topics and groups narrow what
+// it reads (none: every topic whose name has poison or retry, every group
+// with a committed offset on them). Close it.
+func NewKafkaView(brokers []string, cfg *sarama.Config, topics, groups []string) (*KafkaView, error) {
 	client, err := sarama.NewClient(brokers, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: %w", err)
@@ -60,12 +63,13 @@ func newKafkaView(brokers []string, cfg *sarama.Config, topics, groups []string)
 		_ = client.Close()
 		return nil, fmt.Errorf("kafka: %w", err)
 	}
-	return &kafkaView{client: client, admin: admin, topics: topics, groups: groups}, nil
+	return &KafkaView{client: client, admin: admin, topics: topics, groups: groups}, nil
 }
 
-func (k *kafkaView) close() { _ = k.admin.Close() } // closes the client too
+// Close closes the view's client.
+func (k *KafkaView) Close() { _ = k.admin.Close() } // closes the client too
 
-func (k *kafkaView) read() (*kafkaJSON, error) {
+func (k *KafkaView) read() (*kafkaJSON, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if err := k.client.RefreshMetadata(); err != nil {

@@ -1,13 +1,13 @@
-package main
+package console
 
 import (
-	"bytes"
 	"context"
 	"fmt"
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"strings"
 	"testing"
 	"time"
 
@@ -26,7 +26,7 @@ import (
 // rows over the last 7 days (a daily partition each, 4 groups), topics
 // outbox topics of 100 unforwarded rows each, and parked parked keys of 2
 // events each; and a server over it whose pool counts round trips.
-func consoleFixture(tb testing.TB, claims, topics, parked int) (*server, *rtcount.Counter, *pgtest.DB) {
+func consoleFixture(tb testing.TB, claims, topics, parked int) (*Server, *rtcount.Counter, *pgtest.DB) {
 	tb.Helper()
 	ctx := context.Background()
 	db := pgtest.New(tb, 2)
@@ -34,20 +34,15 @@ func consoleFixture(tb testing.TB, claims, topics, parked int) (*server, *rtcoun
 	for i := range topics {
 		names = append(names, fmt.Sprintf("topic%02d", i))
 	}
-	args := []string{"migrate", "up", "--schema", db.Schema, "--layout", "partitioned"}
-	if topics > 0 {
-		args = append(args, "--topics", strings.Join(names, ","))
-	}
-	var out bytes.Buffer
-	code := run(ctx, args, &out, &out, func(k string) string {
-		if k == "DATABASE_URL" {
-			return db.URL
-		}
-		return ""
-	})
-	require.Equal(tb, 0, code, out.String())
-
 	tc := deduplicator.TableConfig{Schema: db.Schema, Layout: deduplicator.LayoutPartitioned}
+	pt := retrytopic.ParkedKeysTable{Schema: db.Schema}
+	ocfg := outbox.Config{Schema: db.Schema}
+	lines := []migrate.Line{deduplicator.MigrationLine(tc), retrytopic.MigrationLine(pt)}
+	for _, topic := range names {
+		lines = append(lines, outbox.MigrationLine(ocfg, topic))
+	}
+	require.NoError(tb, migrate.Up(ctx, db.Pool, lines...))
+
 	table := ident.Quote(db.Schema, "processed_event")
 	now := time.Now().UTC()
 	for d := 1; d <= 7; d++ {
@@ -75,20 +70,11 @@ FROM generate_series($1::bigint, $2::bigint) i`, start, start+n-1)
 	}
 	db.Exec(tb, `ANALYZE processed_event`)
 
-	pt := retrytopic.ParkedKeysTable{Schema: db.Schema}
-	code = run(ctx, []string{"migrate", "up", "--schema", db.Schema, "--only", "retry"}, &out, &out, func(k string) string {
-		if k == "DATABASE_URL" {
-			return db.URL
-		}
-		return ""
-	})
-	require.Equal(tb, 0, code, out.String())
 	if parked > 0 {
 		db.Exec(tb, `INSERT INTO retry_parked_key (consumer_group, partition_key, event_id, topic, not_before, payload, metadata)
 SELECT 'billing', 'key-' || (i / 2), gen_random_uuid(), 'orders.retry', now() - interval '1 minute', '{}', jsonb_build_object('retry_attempt', '1', 'retry_error', 'boom')
 FROM generate_series(0, $1::int * 2 - 1) i`, parked)
 	}
-	ocfg := outbox.Config{Schema: db.Schema}
 	for _, topic := range names {
 		db.Exec(tb, fmt.Sprintf(`INSERT INTO %s (uuid, payload, metadata, transaction_id)
 SELECT gen_random_uuid()::text, '{}', '{"event_id": "x"}', pg_current_xact_id() FROM generate_series(1, 100)`, ident.Quote(db.Schema, "outbox_"+topic)))
@@ -96,14 +82,14 @@ SELECT gen_random_uuid()::text, '{}', '{"event_id": "x"}', pg_current_xact_id() 
 
 	rt := &rtcount.Counter{}
 	pool := db.CountingPool(tb, 2, rt)
-	srv, err := newServer(&console{pool: pool, table: deduplicator.TableConfig{Schema: db.Schema, Table: "processed_event"}, layout: "auto",
-		outbox: ocfg, parked: pt, forwarder: outbox.DefaultForwarderName}, false, "", 5*time.Second)
+	srv, err := New(Config{Pool: pool, Table: deduplicator.TableConfig{Schema: db.Schema, Table: "processed_event"}, Layout: "auto",
+		Outbox: ocfg, Parked: pt, Forwarder: outbox.DefaultForwarderName, Refresh: 5 * time.Second})
 	require.NoError(tb, err)
 	return srv, rt, db
 }
 
 // get serves path and requires 200.
-func (s *server) get(tb testing.TB, path string) string {
+func (s *Server) get(tb testing.TB, path string) string {
 	tb.Helper()
 	rec := httptest.NewRecorder()
 	s.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
@@ -114,7 +100,7 @@ func (s *server) get(tb testing.TB, path string) string {
 
 // roundTrips is the round trips of one view of path, after a first one
 // (which prepares the statements).
-func roundTrips(tb testing.TB, s *server, rt *rtcount.Counter, path string) int64 {
+func roundTrips(tb testing.TB, s *Server, rt *rtcount.Counter, path string) int64 {
 	tb.Helper()
 	s.get(tb, path)
 	rt.Reset()
@@ -155,10 +141,10 @@ func BenchmarkConsoleOverview(b *testing.B) {
 	began := time.Now()
 	srv, rt, _ := consoleFixture(b, claims, 10, 100)
 	b.Logf("fixture: %d claims, 10 topics, 100 parked keys loaded in %s", claims, time.Since(began).Round(time.Second))
-	ov := srv.c.overview(context.Background())
+	ov := srv.c.Overview(context.Background())
 	require.Empty(b, ov.Errors)
 	require.InEpsilon(b, claims, ov.Dedup.RowsEstimate, 0.05, "ANALYZE's estimate") // from a sample of the rows
-	b.Logf("overview: %d rows estimated, %d partitions, %s", ov.Dedup.RowsEstimate, len(ov.Dedup.Partitions), humanBytes(ov.Dedup.Bytes))
+	b.Logf("overview: %d rows estimated, %d partitions, %s", ov.Dedup.RowsEstimate, len(ov.Dedup.Partitions), ops.HumanBytes(ov.Dedup.Bytes))
 	for _, page := range []struct{ name, path string }{{"overview", "/"}, {"api-overview", "/api/overview"}, {"parked", "/parked"}} {
 		path := page.path
 		b.Run(page.name, func(b *testing.B) {

@@ -1,4 +1,4 @@
-package main_test
+package browser_test
 
 import (
 	"bytes"
@@ -23,6 +23,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	"github.com/idemkit/watermill-idempotency/outbox"
+	"github.com/idemkit/watermill-idempotency/tests/ctltest"
 )
 
 var updateScreenshots = flag.Bool("update-screenshots", false, "write the console's screenshots to docs/ (make screenshots)")
@@ -131,14 +132,14 @@ func publishOutbox(t *testing.T, db *pgtest.DB, topic string, n int) {
 func TestBrowserOverviewMatchesTheDatabase(t *testing.T) {
 	t.Parallel()
 	ctx, dialogs := browser(t)
-	db := consoleDB(t, "partitioned")
-	ok(t, db, "partitions", "maintain", "--ahead", "2")
-	claim(t, db, "notifications", true, v7At(time.Now().Add(-time.Hour)))
+	db := bin.ConsoleDB(t, "partitioned")
+	bin.OK(t, db, "partitions", "maintain", "--ahead", "2")
+	ctltest.Claim(t, db, "notifications", true, ctltest.V7At(time.Now().Add(-time.Hour)))
 	db.Exec(t, `ANALYZE processed_event`)
 	publishOutbox(t, db, "orders", 7)
-	parkKey(t, db, "billing", "acct-1", "payment provider: 503")
-	parkKey(t, db, "billing", "acct-2", "payment provider: timeout")
-	base := startServe(t, db, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
+	ctltest.ParkKey(t, db, "billing", "acct-1", "payment provider: 503")
+	ctltest.ParkKey(t, db, "billing", "acct-2", "payment provider: timeout")
+	base := bin.StartServe(t, db, []string{"IDEMCTL_TOKEN=" + ctltest.Token}, "--allow-actions")
 
 	do(t, ctx, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.ID("dedup-rows")))
 	require.Equal(t, strconv.Itoa(db.Count(t, `SELECT 1 FROM processed_event`)), text(t, ctx, "#dedup-rows"))
@@ -187,11 +188,11 @@ func TestBrowserOverviewMatchesTheDatabase(t *testing.T) {
 func TestBrowserKeyIsText(t *testing.T) {
 	t.Parallel()
 	ctx, dialogs := browser(t)
-	db := consoleDB(t, "plain")
+	db := bin.ConsoleDB(t, "plain")
 	const key = `<img src=x onerror=alert(1)>`
 	const reason = `<script>alert(2)</script>"'><svg onload=alert(3)>`
-	parkKey(t, db, "billing", key, reason)
-	base := startServe(t, db, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
+	ctltest.ParkKey(t, db, "billing", key, reason)
+	base := bin.StartServe(t, db, []string{"IDEMCTL_TOKEN=" + ctltest.Token}, "--allow-actions")
 
 	do(t, ctx, chromedp.Navigate(base+"/parked"), chromedp.WaitVisible(chromedp.CSS("tr.parked-key")))
 	check := func() {
@@ -219,10 +220,10 @@ func TestBrowserKeyIsText(t *testing.T) {
 func TestBrowserUnblockAndRefusals(t *testing.T) {
 	t.Parallel()
 	ctx, dialogs := browser(t)
-	db := consoleDB(t, "plain")
-	resent := parkKey(t, db, "billing", "acct-1", "boom")
-	parkKey(t, db, "billing", "acct-2", "boom")
-	base := startServe(t, db, []string{"IDEMCTL_TOKEN=" + testToken}, "--allow-actions")
+	db := bin.ConsoleDB(t, "plain")
+	resent := ctltest.ParkKey(t, db, "billing", "acct-1", "boom")
+	ctltest.ParkKey(t, db, "billing", "acct-2", "boom")
+	base := bin.StartServe(t, db, []string{"IDEMCTL_TOKEN=" + ctltest.Token}, "--allow-actions")
 	row := func(key string) string { return `tr.parked-key[data-key="` + key + `"]` }
 	keys := func() int { return db.Count(t, `SELECT 1 FROM retry_parked_key`) }
 
@@ -242,7 +243,7 @@ func TestBrowserUnblockAndRefusals(t *testing.T) {
 			return
 		}
 		w.Header().Set("Content-Type", "text/html")
-		fmt.Fprintf(w, `<form method="post" action="%s/actions/skip"><input name="group" value="billing"><input name="key" value="acct-2"><input name="confirm" value="yes"><input name="token" value="%s"></form><script src="/go.js"></script>`, base, testToken)
+		fmt.Fprintf(w, `<form method="post" action="%s/actions/skip"><input name="group" value="billing"><input name="key" value="acct-2"><input name="confirm" value="yes"><input name="token" value="%s"></form><script src="/go.js"></script>`, base, ctltest.Token)
 	}))
 	defer evil.Close()
 	do(t, ctx, chromedp.Navigate(evil.URL), chromedp.WaitVisible(chromedp.ID("error")))
@@ -252,7 +253,7 @@ func TestBrowserUnblockAndRefusals(t *testing.T) {
 	// Unblock acct-1: its first event goes to the retry path again.
 	do(t, ctx, chromedp.Navigate(base+"/parked"), chromedp.WaitVisible(chromedp.CSS(row("acct-1"))),
 		click(row("acct-1")+" button.unblock"), chromedp.WaitVisible(chromedp.ID("token")),
-		chromedp.SendKeys(chromedp.ID("token"), testToken), click("#confirm"), chromedp.WaitVisible(chromedp.ID("message")))
+		chromedp.SendKeys(chromedp.ID("token"), ctltest.Token), click("#confirm"), chromedp.WaitVisible(chromedp.ID("message")))
 	require.Contains(t, text(t, ctx, "#message"), "event "+resent+" sent to orders.retry again")
 	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM "outbox_orders.retry" WHERE metadata->>'event_id' = $1`, resent))
 
@@ -264,7 +265,7 @@ func TestBrowserUnblockAndRefusals(t *testing.T) {
 
 	// Skip acct-2: its only event is removed, the key leaves the list.
 	do(t, ctx, click(row("acct-2")+" button.skip"), chromedp.WaitVisible(chromedp.ID("token")),
-		chromedp.SendKeys(chromedp.ID("token"), testToken), click("#confirm"), chromedp.WaitVisible(chromedp.ID("message")))
+		chromedp.SendKeys(chromedp.ID("token"), ctltest.Token), click("#confirm"), chromedp.WaitVisible(chromedp.ID("message")))
 	require.Contains(t, text(t, ctx, "#message"), "the key is free")
 	do(t, ctx, chromedp.Navigate(base+"/parked"), chromedp.WaitVisible(chromedp.ID("no-parked")))
 	require.Zero(t, keys())
