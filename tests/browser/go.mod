@@ -59,8 +59,5 @@ require (
 
 // Development only: this module is never required by a user. The library is
 // the checkout it sits in (go.work says the same for commands run from the
-// repository root), and its patched broker likewise.
-replace (
-	github.com/idemkit/watermill-idempotency => ../..
-	github.com/twmb/franz-go/pkg/kfake => ../../third_party/kfake
-)
+// repository root); its patched broker is the library's internal/kfake.
+replace github.com/idemkit/watermill-idempotency => ../..
