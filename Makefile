@@ -71,6 +71,16 @@ release/api: ## gorelease on HEAD: the version the API changes need since the la
 bench: ## Benchmarks as ratios against same-run baselines; writes docs/benchmarks.md
 	$(GO) run ./cmd/bench -out docs/benchmarks.md -json docs/benchmarks.json
 
+# The hot-path sections bench/compare runs unless SECTIONS names others
+# (comma-separated -only filters; SECTIONS= with nothing runs every section).
+SECTIONS ?= dedup-overhead,duplicate-path,group-commit-ceiling,parallel,lease
+COMPARE_ROUNDS ?= 3
+
+.PHONY: bench/compare
+bench/compare: ## Head vs BASE=<ref>: both built once, alternated round by round over SECTIONS (COMPARE_ROUNDS=3), head/base per cell
+	@test -n "$(BASE)" || { echo "usage: make bench/compare BASE=<ref> [SECTIONS=lease,parallel] [COMPARE_ROUNDS=3]"; exit 2; }
+	$(GO) run ./cmd/bench -compare $(BASE) -only "$(SECTIONS)" -compare-rounds $(COMPARE_ROUNDS)
+
 .PHONY: bench/short
 bench/short: ## A quick benchmark pass (CI smoke), prints the table only
 	$(GO) run ./cmd/bench -short

@@ -80,7 +80,7 @@ type CleanerConfig struct {
 
 	// DeleteNonV7 also deletes rows whose event id is not a UUIDv7 (they
 	// carry no time) by processed_at older than Retention, through the
-	// processed_at index. Set it when the middleware runs with AllowNonV7.
+	// partial processed_at index of the non-v7 rows. Set it when the middleware runs with AllowNonV7.
 	// Plain layout only. Defaults to false.
 	DeleteNonV7 bool
 

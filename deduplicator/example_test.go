@@ -45,10 +45,11 @@ func ExampleMigrationLine() {
 		fmt.Printf("%03d_%s\n", m.Version, m.Name)
 	}
 	// Output:
-	// applied versions: 3
+	// applied versions: 4
 	// 001_processed_event
 	// 002_retention_and_groups
 	// 003_lease
+	// 004_processed_at_index_non_v7
 }
 
 // Claim runs in the caller's transaction: commit it together with the

@@ -11,7 +11,8 @@ type Layout int
 
 const (
 	// LayoutPlain is one heap table with a primary key on (event_id,
-	// consumer_group) and a processed_at index; a [Cleaner] deletes old rows
+	// consumer_group) and a processed_at index over the non-v7 ids (a v7 claim
+	// writes no entry in it); a [Cleaner] deletes old rows
 	// in bounded batches. It accepts ids of any version.
 	LayoutPlain Layout = iota
 	// LayoutPartitioned RANGE-partitions the table on event_id, one partition

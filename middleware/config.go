@@ -31,10 +31,13 @@ const defaultStartupTimeout = 30 * time.Second
 // Config configures the dedup middleware.
 type Config struct {
 	// DB begins one transaction per message: a *pgxpool.Pool (the usual
-	// choice), a *pgx.Conn, or a pgx.Tx (each message then runs in a
-	// savepoint of it). Required. With a pool or a conn, BEGIN and the claim
-	// travel in one pipelined round trip; other Beginners take two. When it
-	// also has BeginTx (pool and conn do), [Config.TxOptions] is used.
+	// choice), a *pgx.Conn, a pgx.Tx (each message then runs in a
+	// savepoint of it), or a *sql.DB opened with pgx's stdlib driver,
+	// through [SQLDB] (handlers then get a *sql.Tx: [SQLTxFromContext]).
+	// Required. With a pool or a conn, BEGIN and the claim travel in one
+	// pipelined round trip; other Beginners, a *sql.DB included, take two.
+	// When it also has BeginTx (pool, conn and [SQLDB] do),
+	// [Config.TxOptions] is used.
 	DB migrate.Beginner
 
 	// ConsumerGroup is the second half of the dedup key (event id, consumer
@@ -242,8 +245,8 @@ func (c Config) validate() error {
 		if err := l.validate(); err != nil {
 			return err
 		}
-		if _, ok := c.DB.(dbx.Pool); !ok {
-			return fmt.Errorf("Mode: lease mode needs a *pgxpool.Pool as DB, not %T: it runs its phases' transactions concurrently, on connections of their own", c.DB)
+		if !concurrent(c.DB) {
+			return fmt.Errorf("Mode: lease mode needs a *pgxpool.Pool (or a *sql.DB through SQLDB) as DB, not %T: it runs its phases' transactions concurrently, on connections of their own", c.DB)
 		}
 	}
 	if err := c.checkPool(); err != nil {
@@ -262,8 +265,8 @@ func (c Config) validate() error {
 
 // checkPool compares a pool's MaxConns with Concurrency.
 func (c Config) checkPool() error {
-	pool, ok := c.DB.(dbx.Pool)
-	if !ok || c.Concurrency == 0 {
+	max := maxConns(c.DB)
+	if max == 0 || c.Concurrency == 0 {
 		return nil
 	}
 	need := c.Concurrency
@@ -274,7 +277,6 @@ func (c Config) checkPool() error {
 	if l != nil {
 		need = l.leaseConns()
 	}
-	max := int(pool.Stat().MaxConns())
 	switch {
 	case max >= need:
 		return nil

@@ -43,6 +43,28 @@
 // while it calls; its writes, registered with [Complete], commit with the
 // claim in a short transaction that first checks the delivery's lease.
 // retrytopic moves transient failures to retry topics; idemtest helps
-// test handlers. docs/guarantees.md, docs/rules.md and
+// test handlers.
+//
+// # database/sql: GORM, bun, ent, sqlx, sqlc
+//
+// A service whose data layer is written on database/sql passes its *sql.DB
+// (opened with pgx's stdlib driver, as gorm.io/driver/postgres does) through
+// [SQLDB]; its handlers get the message's transaction as a *sql.Tx:
+//
+//	// sqlDB: sql.Open("pgx", url), stdlib.OpenDBFromPool(pool), or GORM's gormDB.DB()
+//	db, err := idem.SQLDB(sqlDB) // another driver (lib/pq): ErrUnsupportedDriver
+//	ledger, err := idem.NewDedup(idem.Config{DB: db, ConsumerGroup: "ledger"}, logger)
+//	router.AddMiddleware(ledger.Middleware)
+//	router.AddConsumerHandler("ledger", "payments", sub, func(msg *message.Message) error {
+//		tx := idem.MustSQLTxFromContext(msg.Context()) // gorm, bun, ent, sqlx or sqlc on it
+//		_, err := tx.ExecContext(msg.Context(), "INSERT INTO ledger (amount) VALUES ($1)", amount)
+//		return err
+//	})
+//
+// Every mode works on it; in lease mode register the writes with
+// [CompleteSQL]. The library's own statements run on the same connection
+// and in the same transaction; it costs one round trip more per
+// transaction than a pgx pool (database/sql sends BEGIN alone).
+// examples/orm writes one handler with each of GORM, bun, ent and sqlx. docs/guarantees.md, docs/rules.md and
 // docs/configuration.md explain the rules and every setting.
 package middleware

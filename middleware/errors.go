@@ -6,6 +6,8 @@ import (
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/payloaderr"
+	"github.com/idemkit/watermill-idempotency/internal/permanent"
+	"github.com/idemkit/watermill-idempotency/internal/sqltx"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -43,6 +45,12 @@ var (
 	// handled message, or a context derived from it.
 	ErrNotInHandler = idemctx.ErrNotInHandler
 
+	// ErrUnsupportedDriver: [SQLDB] got a *sql.DB that was not opened with
+	// pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib). The library's
+	// own statements are pgx's, run on the handler's connection, and no
+	// other driver (lib/pq) gives that connection.
+	ErrUnsupportedDriver = sqltx.ErrUnsupportedDriver
+
 	// ErrLeaseLost (lease mode): the delivery's lease was taken over by
 	// another delivery after it expired (the handler ran longer than the
 	// lease and its renewals failed), or an operator released it. Nothing
@@ -63,12 +71,6 @@ var (
 	ErrPoolTooSmall = errors.New("pool too small for the declared concurrency")
 )
 
-// permanentError marks an error that redelivery cannot fix.
-type permanentError struct{ err error }
-
-func (e *permanentError) Error() string { return "permanent: " + e.err.Error() }
-func (e *permanentError) Unwrap() error { return e.err }
-
 // Permanent wraps err so that [IsPermanent] reports true. Handlers use it for
 // input they can never process (a payload that fails validation). A nil err
 // stays nil.
@@ -76,7 +78,7 @@ func Permanent(err error) error {
 	if err == nil {
 		return nil
 	}
-	return &permanentError{err: err}
+	return permanent.Mark(err) // the leaf internal/permanent: idemkafka/franz marks and reads it too
 }
 
 // IsPermanent reports whether err means the message can never be processed
@@ -92,8 +94,7 @@ func IsPermanent(err error) bool {
 	if err == nil {
 		return false
 	}
-	var pe *permanentError
-	if errors.As(err, &pe) {
+	if permanent.Marked(err) {
 		return true
 	}
 	for _, s := range permanentSentinels {

@@ -34,7 +34,7 @@ const (
 type leaseMode struct {
 	s         *steps
 	cfg       LeaseConfig
-	db        dbx.Pool // Config.DB: concurrent phase transactions and one-round-trip batches
+	db        dbx.Concurrent // Config.DB: concurrent phase transactions and one-round-trip batches
 	proto     *leasesql.Protocol
 	fast      *fastGate
 	takes     *batcher[takeReq]
@@ -51,7 +51,7 @@ type leaseMode struct {
 	hook func(point string, id uuid.UUID)
 }
 
-func newLeaseMode(s *steps, cfg LeaseConfig, db dbx.Pool) *leaseMode {
+func newLeaseMode(s *steps, cfg LeaseConfig, db dbx.Concurrent) *leaseMode {
 	// The protocol on the claim table comes from its owner, deduplicator.
 	l := &leaseMode{s: s, cfg: cfg, db: db, proto: leasesql.Of(s.claims), fast: newFastGate(), hook: func(string, uuid.UUID) {}}
 	l.takes = newBatcher(cfg.MaxBatch, cfg.Concurrency, l.runTakes)

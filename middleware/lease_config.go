@@ -54,8 +54,9 @@ const (
 // FastPath at most, and a batch holds one connection meanwhile, whatever
 // its size.
 //
-// Lease mode needs a *pgxpool.Pool as [Config.DB]. It batches its own
-// phases, so it does not combine with [GroupCommitConfig].
+// Lease mode needs a *pgxpool.Pool (or a *sql.DB: [SQLDB]) as
+// [Config.DB]. It batches its own phases, so it does not combine with
+// [GroupCommitConfig].
 type LeaseConfig struct {
 	// Duration is how long a lease lives unless renewed, on the database's
 	// clock: how long a crashed owner's event waits before another delivery

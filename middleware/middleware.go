@@ -158,7 +158,7 @@ func (d *Dedup) process(msg *message.Message, h message.HandlerFunc, span *msgSp
 func newStrategy(s *steps, cfg Config) strategy {
 	switch m := cfg.Mode.(type) {
 	case *LeaseConfig:
-		return newLeaseMode(s, *m, cfg.DB.(dbx.Pool))
+		return newLeaseMode(s, *m, cfg.DB.(dbx.Concurrent))
 	case *GroupCommitConfig:
 		return newGroupMode(s, *m)
 	}

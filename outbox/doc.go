@@ -22,7 +22,9 @@
 // [Outbox.PublisherFromContext] binds to the middleware's transaction; or
 // set the middleware's Config.Outbox to the Outbox, and the messages a
 // handler returns are written in that transaction. [Outbox.PoolPublisher]
-// opens its own transaction per Publish.
+// opens its own transaction per Publish. [Outbox.SQLPublisher] writes on a
+// *sql.Tx (a *sql.DB opened with pgx's stdlib driver: GORM, bun, ent, sqlx
+// or sqlc transactions, or the one idem.SQLTxFromContext returns).
 //
 // The [Forwarder] reads each topic's committed rows in commit order, in
 // cuts between two snapshots: a transaction still open delays only its own

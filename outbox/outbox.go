@@ -226,7 +226,7 @@ func (o *Outbox) PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs 
 // stampCtx is nil; not when ctx says the middleware stamped them:
 // idemctx.WithStamped) and, only if all were stamped, inserts them in order
 // on tx as watermill-sql's publisher would (insertRows), with ctx.
-func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*message.Message, stampCtx context.Context) error {
+func (o *Outbox) write(ctx context.Context, tx execer, topic string, msgs []*message.Message, stampCtx context.Context) error {
 	if len(msgs) == 0 {
 		return nil
 	}
@@ -269,7 +269,7 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 	// middleware commits tx and then wakes this process's forwarders of the
 	// table (wakers); on any other transaction they start looking now, the
 	// COMMIT usually following within milliseconds.
-	if !idemctx.HooksFrom(ctx).OnCommit(tx, table, func() { wakers.wake(table) }) {
+	if ptx, ok := tx.(pgx.Tx); !ok || !idemctx.HooksFrom(ctx).OnCommit(ptx, table, func() { wakers.wake(table) }) {
 		wakers.wake(table)
 	}
 	return nil
@@ -280,7 +280,7 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, topic string, msgs []*mes
 // (wsql.DefaultPostgreSQLSchema.InsertQuery) builds, with the same
 // arguments (uuid, payload, metadata as json.Marshal writes it: see
 // outboxsql.EncodeMetadata), run directly on tx with ctx.
-func insertRows(ctx context.Context, tx pgx.Tx, table string, msgs []*message.Message) error {
+func insertRows(ctx context.Context, tx execer, table string, msgs []*message.Message) error {
 	args, err := insertArgs(msgs)
 	if err != nil {
 		return err

@@ -24,12 +24,21 @@ func main() {
 	short := flag.Bool("short", false, "quick pass: fewer rounds and smaller sizes")
 	rounds := flag.Int("rounds", 5, "baseline/subject alternations per measurement")
 	out := flag.String("out", "", "also write the report to this file")
-	only := flag.String("only", "", "run only sections whose name contains this")
+	only := flag.String("only", "", "run only sections whose name contains this (or one of these, comma-separated)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run (broker included) to this file")
 	memProfile := flag.String("memprofile", "", "write an allocation profile of the whole run (broker included) to this file at the end")
 	jsonOut := flag.String("json", "", "also write the report's tables as JSON (bench.Report) to this file")
 	jsonFrom := flag.String("json-from", "", "run nothing: read this markdown report and write -json from it")
+	compare := flag.String("compare", "", "compare the working tree against this commit: build both cmd/bench (the base in a temporary git worktree), alternate them round by round over the -only sections, print head/base per cell")
+	compareRounds := flag.Int("compare-rounds", 3, "with -compare: head/base alternations (each process runs -rounds, 1 unless given)")
 	flag.Parse()
+	if *compare != "" {
+		if err := compareMain(*compare, *only, *compareRounds, *rounds, *short, *out); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *jsonFrom != "" {
 		md, err := os.ReadFile(*jsonFrom)
 		if err == nil {
@@ -116,7 +125,7 @@ func writeHeader(ctx context.Context, b *strings.Builder, o bench.Options, short
 func runSections(ctx context.Context, b *strings.Builder, o bench.Options, only string) (failed bool) {
 	began := time.Now()
 	for _, s := range bench.Sections {
-		if only != "" && !strings.Contains(s.Name, only) {
+		if !selected(s.Name, only) {
 			continue
 		}
 		o.Logf("bench: %s ...", s.Name)
@@ -132,6 +141,20 @@ func runSections(ctx context.Context, b *strings.Builder, o bench.Options, only 
 	}
 	fmt.Fprintf(b, "_All sections ran in %s._\n", time.Since(began).Round(time.Second))
 	return failed
+}
+
+// selected says whether the section name matches only: empty, or one of
+// its comma-separated parts is a substring of name.
+func selected(name, only string) bool {
+	if only == "" {
+		return true
+	}
+	for _, part := range strings.Split(only, ",") {
+		if part = strings.TrimSpace(part); part != "" && strings.Contains(name, part) {
+			return true
+		}
+	}
+	return false
 }
 
 // writeMemProfile writes the allocation profile (every allocation since

@@ -41,6 +41,14 @@ type BatchSender interface {
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
+// Concurrent runs concurrent transactions on connections of its own, and
+// batches: a *pgxpool.Pool, or a *sql.DB through internal/sqltx.
+type Concurrent interface {
+	Querier
+	Beginner
+	BatchSender
+}
+
 // Pool runs concurrent transactions on connections of its own, and
 // batches: a *pgxpool.Pool.
 type Pool interface {

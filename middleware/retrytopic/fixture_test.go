@@ -2,6 +2,7 @@ package retrytopic_test
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"fmt"
 	"sync"
@@ -44,6 +45,18 @@ type fixture struct {
 	// forwarder runs once keyOrder was called.
 	ob      *outbox.Outbox
 	fwdOnce sync.Once
+	// sqlDB, when set, is the database of the middleware and KeyOrder (a
+	// *sql.DB through idem.SQLDB), and the ledger handler writes through
+	// the *sql.Tx (idem.CompleteSQL).
+	sqlDB migrate.Beginner
+}
+
+// dbOrSQL is the middleware's and KeyOrder's database.
+func (f *fixture) dbOrSQL() migrate.Beginner {
+	if f.sqlDB != nil {
+		return f.sqlDB
+	}
+	return f.db.Pool
 }
 
 func newFixture(t *testing.T, mainPartitions, retryPartitions int32) *fixture {
@@ -138,7 +151,7 @@ func (f *fixture) retryConfig(mod func(*retrytopic.Config)) retrytopic.Config {
 // to the retry topic.
 func (f *fixture) keyOrder(t *testing.T) *retrytopic.KeyOrder {
 	f.fwdOnce.Do(func() { f.forward(t) })
-	return &retrytopic.KeyOrder{DB: f.db.Pool, Outbox: f.ob, ConsumerGroup: f.group, Table: retrytopic.ParkedKeysTable{Schema: f.db.Schema}}
+	return &retrytopic.KeyOrder{DB: f.dbOrSQL(), Outbox: f.ob, ConsumerGroup: f.group, Table: retrytopic.ParkedKeysTable{Schema: f.db.Schema}}
 }
 
 // failFunc decides whether the ledger handler fails for an event (after
@@ -263,11 +276,7 @@ func (f *fixture) ledgerHandler(fail failFunc) message.NoPublishHandlerFunc {
 		if err := json.Unmarshal(m.Payload, &ev); err != nil {
 			return idem.Permanent(err)
 		}
-		if err := idem.Complete(m.Context(), func(ctx context.Context, tx pgx.Tx) error {
-			id, _ := idem.EventIDFromContext(ctx)
-			_, err := tx.Exec(ctx, "INSERT INTO ledger (event_id, key, n) VALUES ($1, $2, $3)", id, ev.Key, ev.N)
-			return err
-		}); err != nil {
+		if err := f.complete(m.Context(), ev); err != nil {
 			return err
 		}
 		if fail != nil {
@@ -278,9 +287,27 @@ func (f *fixture) ledgerHandler(fail failFunc) message.NoPublishHandlerFunc {
 	}
 }
 
+// complete writes ev's ledger row with idem.Complete (pgx), or with
+// idem.CompleteSQL on a *sql.DB.
+func (f *fixture) complete(ctx context.Context, ev event) error {
+	const insert = "INSERT INTO ledger (event_id, key, n) VALUES ($1, $2, $3)"
+	if f.sqlDB != nil {
+		return idem.CompleteSQL(ctx, func(ctx context.Context, tx *sql.Tx) error {
+			id, _ := idem.EventIDFromContext(ctx)
+			_, err := tx.ExecContext(ctx, insert, id.String(), ev.Key, ev.N)
+			return err
+		})
+	}
+	return idem.Complete(ctx, func(ctx context.Context, tx pgx.Tx) error {
+		id, _ := idem.EventIDFromContext(ctx)
+		_, err := tx.Exec(ctx, insert, id, ev.Key, ev.N)
+		return err
+	})
+}
+
 func (f *fixture) newDedup(t *testing.T) *idem.Dedup {
 	t.Helper()
-	d, err := idem.NewDedup(idem.Config{DB: f.db.Pool, ConsumerGroup: f.group, Table: deduplicator.TableConfig{Schema: f.db.Schema}}, nil)
+	d, err := idem.NewDedup(idem.Config{DB: f.dbOrSQL(), ConsumerGroup: f.group, Table: deduplicator.TableConfig{Schema: f.db.Schema}}, nil)
 	require.NoError(t, err)
 	return d
 }
@@ -288,7 +315,7 @@ func (f *fixture) newDedup(t *testing.T) *idem.Dedup {
 // newLeaseDedup is newDedup in lease mode.
 func (f *fixture) newLeaseDedup(t *testing.T) *idem.Dedup {
 	t.Helper()
-	d, err := idem.NewDedup(idem.Config{DB: f.db.Pool, ConsumerGroup: f.group, Table: deduplicator.TableConfig{Schema: f.db.Schema},
+	d, err := idem.NewDedup(idem.Config{DB: f.dbOrSQL(), ConsumerGroup: f.group, Table: deduplicator.TableConfig{Schema: f.db.Schema},
 		Mode: &idem.LeaseConfig{Concurrency: 1}}, nil)
 	require.NoError(t, err)
 	return d

@@ -9,6 +9,7 @@ import (
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/stretchr/testify/require"
 
+	idem "github.com/idemkit/watermill-idempotency/middleware"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -68,18 +69,36 @@ func TestWithoutKeyOrderLaterEventsOvertake(t *testing.T) {
 // k2 is never held back. Every parked key is released at the end.
 func TestKeyOrderLaterEventsFollowTheRetriedOne(t *testing.T) {
 	t.Parallel()
-	keyOrderFollows(t, false)
+	keyOrderFollows(t, false, false)
+}
+
+// The same on a *sql.DB (idem.SQLDB) for the middleware and KeyOrder, the
+// handler writing through the *sql.Tx: each release commits in the
+// claim's transaction, in transaction and in lease mode.
+func TestKeyOrderLaterEventsFollowTheRetriedOne_SQLDB(t *testing.T) {
+	t.Parallel()
+	for _, lease := range []bool{false, true} {
+		t.Run(map[bool]string{false: "transaction mode", true: "lease mode"}[lease], func(t *testing.T) {
+			t.Parallel()
+			keyOrderFollows(t, lease, true)
+		})
+	}
 }
 
 // The same in lease mode: each release commits in the completing
 // transaction, with the claim.
 func TestKeyOrderLaterEventsFollowTheRetriedOne_LeaseMode(t *testing.T) {
 	t.Parallel()
-	keyOrderFollows(t, true)
+	keyOrderFollows(t, true, false)
 }
 
-func keyOrderFollows(t *testing.T, lease bool) {
+func keyOrderFollows(t *testing.T, lease, sqlDB bool) {
 	f := newFixture(t, 2, 2)
+	if sqlDB {
+		db, err := idem.SQLDB(f.db.SQLDB(t, 8, nil))
+		require.NoError(t, err)
+		f.sqlDB = db
+	}
 	rt, err := retrytopic.New(f.retryConfig(func(c *retrytopic.Config) {
 		c.MaxAttempts = 2
 		c.KeyOrder = f.keyOrder(t)

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/franz"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/relaystep"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -66,6 +67,9 @@ type pipelineSpec struct {
 	// parallel > 0 consumes with the parallel subscriber at that
 	// MaxInFlight instead of watermill-kafka's.
 	parallel int
+	// franz, with parallel > 0, consumes with the franz-go engine's
+	// subscriber (idemkafka/franz) and forwards with its producer.
+	franz bool
 	// observe, when set, gets the forwarder's steps (relaystep); committed
 	// and acked, when set, get each measured row of a paced round, by its
 	// publish time (publishedAtKey): when the dedup transaction's COMMIT
@@ -87,7 +91,15 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	}
 	group := fmt.Sprintf("bench-e2e-%d", r.seq.Add(1))
 	var sub message.Subscriber
-	if s.parallel > 0 {
+	switch {
+	case s.parallel > 0 && s.franz:
+		fs, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: s.parallel}, nil)
+		if err != nil {
+			return *res, err
+		}
+		sub = fs
+		defer fs.Close()
+	case s.parallel > 0:
 		ps, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: r.brokers}, ConsumerGroup: group, MaxInFlight: s.parallel}, nil)
 		if err != nil {
 			return *res, err
@@ -99,7 +111,12 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	if err != nil {
 		return *res, err
 	}
-	producer, err := idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: r.brokers})
+	var producer sarama.SyncProducer
+	if s.franz {
+		producer, err = franz.NewSyncProducer(franz.PublisherConfig{Brokers: r.brokers})
+	} else {
+		producer, err = idemkafka.NewSyncProducer(idemkafka.ClientConfig{Brokers: r.brokers})
+	}
 	if err != nil {
 		return *res, err
 	}

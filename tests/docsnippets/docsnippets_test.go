@@ -51,6 +51,7 @@ var knownImports = map[string]string{
 	"publisher":    module + "/publisher",
 	"idemkafka":    module + "/idemkafka",
 	"parallel":     module + "/idemkafka/parallel",
+	"franz":        module + "/idemkafka/franz",
 	"poison":       module + "/components/poison",
 	"idemprom":     module + "/components/idemprom",
 	"idemotel":     module + "/components/idemotel",
@@ -63,6 +64,7 @@ const givenSource = `package gen
 
 import (
 	"context"
+	"database/sql"
 	"io"
 	"testing"
 	"time"
@@ -128,6 +130,7 @@ var (
 	since        time.Time
 	payment      any
 	applyPayment func(context.Context, pgx.Tx, any) error
+	sqlDB        *sql.DB // a database/sql user's (pgx's stdlib driver)
 )
 `
 

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kversion"
 
 	"github.com/idemkit/watermill-idempotency/internal/kfake"
 )
@@ -118,4 +119,24 @@ func (b *Broker) ProduceKeyed(tb testing.TB, topic, key string, n int) {
 			tb.Fatalf("kafkatest: produce to %s: %v", topic, err)
 		}
 	}
+}
+
+// StartOld returns an in-process broker that speaks only the requests of
+// versions (kversion.V3_9_0() for a broker without KIP-848, say), so that a
+// test can check what a client refuses on an older cluster. It skips the
+// test when KAFKA_BROKERS names a real cluster.
+func StartOld(tb testing.TB, versions *kversion.Versions) *Broker {
+	tb.Helper()
+	if External() != nil {
+		tb.Skip("needs the in-process broker: KAFKA_BROKERS names a real cluster")
+	}
+	if os.Getenv("IDEM_UNIT") != "" {
+		tb.Skip("needs a Kafka broker: skipped in make test/unit")
+	}
+	c, err := NewFake(kfake.MaxVersions(versions))
+	if err != nil {
+		tb.Fatalf("kafkatest: start kfake: %v", err)
+	}
+	tb.Cleanup(c.Close)
+	return &Broker{Addrs: c.ListenAddrs(), Fake: c}
 }

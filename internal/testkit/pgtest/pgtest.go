@@ -6,6 +6,7 @@ package pgtest
 import (
 	"context"
 	"crypto/rand"
+	"database/sql"
 	"encoding/hex"
 	"os"
 	"strings"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/idemkit/watermill-idempotency/internal/testkit/rtcount"
 )
@@ -136,6 +138,27 @@ func (db *DB) CountingPool(tb testing.TB, maxConns int32, rt *rtcount.Counter) *
 	}
 	tb.Cleanup(pool.Close)
 	return pool
+}
+
+// SQLDB returns a *sql.DB on db's schema opened with pgx's stdlib driver
+// (what idem.SQLDB accepts), of at most maxConns connections; rt, when not
+// nil, counts its round trips. It never pings a connection it reuses (stdlib
+// does after a second idle, which would add a round trip). It is closed when
+// the test or benchmark ends.
+func (db *DB) SQLDB(tb testing.TB, maxConns int, rt *rtcount.Counter) *sql.DB {
+	tb.Helper()
+	cfg, err := pgx.ParseConfig(db.URL)
+	if err != nil {
+		tb.Fatalf("pgtest: %v", err)
+	}
+	if rt != nil {
+		cfg.DialFunc = rt.DialFunc()
+	}
+	sdb := stdlib.OpenDB(*cfg, stdlib.OptionShouldPing(func(context.Context, stdlib.ShouldPingParams) bool { return false }))
+	sdb.SetMaxOpenConns(maxConns)
+	sdb.SetMaxIdleConns(maxConns)
+	tb.Cleanup(func() { _ = sdb.Close() })
+	return sdb
 }
 
 // SchemaName turns a test name into a unique, valid schema name.

@@ -40,8 +40,8 @@ import (
 // The targets -check holds the module's totals to: lower them as the API
 // shrinks, never raise them without a reason in the commit.
 const (
-	maxTopLevel    = 150
-	maxIdentifiers = 276
+	maxTopLevel    = 164
+	maxIdentifiers = 300
 )
 
 // excluded matches the import paths that are not public API.

@@ -1,0 +1,227 @@
+package franz
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+)
+
+// The values of [SubscriberConfig].GroupProtocol, as Kafka's consumer
+// setting group.protocol names them.
+const (
+	protocolClassic  = "classic"
+	protocolConsumer = "consumer"
+)
+
+// UnsupportedError reports a broker that does not speak what the
+// configuration asks for (the KIP-848 consumer protocol, share groups).
+type UnsupportedError struct {
+	// Feature is what was asked for, e.g. "KIP-848 consumer group protocol".
+	Feature string
+	// API is the Kafka request the broker lacks, e.g. "ConsumerGroupHeartbeat v1".
+	API string
+}
+
+func (e *UnsupportedError) Error() string {
+	return "franz: the broker does not support the " + e.Feature + " (" + e.API + "): use a Kafka 4.0+ cluster or another setting"
+}
+
+// Defaults of [SubscriberConfig].
+const (
+	defaultMaxInFlight     = 64
+	defaultPartitionWindow = 1024
+	defaultNackResendSleep = 100 * time.Millisecond
+	defaultRevokeTimeout   = 10 * time.Second
+	defaultCommitInterval  = time.Second
+	defaultPollRecords     = 500
+	defaultMaxDeliveries   = 4
+	defaultShareReset      = "earliest"
+)
+
+// SubscriberConfig configures a [Subscriber].
+type SubscriberConfig struct {
+	// Brokers are the seed brokers. Required.
+	Brokers []string
+	// ConsumerGroup is the Kafka consumer group. Required.
+	ConsumerGroup string
+	// GroupProtocol is the consumer group protocol, as Kafka's consumer
+	// setting group.protocol names it: "classic" (JoinGroup/SyncGroup with
+	// the cooperative-sticky balancer: only the partitions that move are
+	// revoked) or "consumer" (KIP-848's next-generation protocol, Kafka
+	// 4.0+: the broker assigns the partitions, with no group-wide
+	// rebalance barrier; Subscribe returns an [*UnsupportedError] where
+	// the broker lacks ConsumerGroupHeartbeat v1). Defaults to "classic".
+	GroupProtocol string
+	// Ordering is which earlier messages a message waits for, as for
+	// idemkafka/parallel's Subscriber. Defaults to parallel.OrderKey.
+	Ordering parallel.Ordering
+	// MaxInFlight is how many messages this Subscriber (all its Subscribe
+	// calls together) has handed out and not yet seen acked or nacked. With
+	// the dedup middleware in one-transaction-per-message mode each holds a
+	// database connection. Defaults to 64.
+	MaxInFlight int
+	// PartitionWindow is how many records a partition holds that are not
+	// done (ready, in flight, backing off, waiting for an earlier record of
+	// their key). When it is reached the partition's fetching is paused
+	// until a record is done; the other partitions keep flowing. A
+	// partition may exceed it by one poll (PollRecords). Defaults to 1024.
+	PartitionWindow int
+	// PollRecords is the most records one poll takes from the client.
+	// Defaults to 500.
+	PollRecords int
+	// NackResendSleep is how long a nacked message waits before it is
+	// handed out again; the later messages of its key wait behind it.
+	// Defaults to 100 ms.
+	NackResendSleep time.Duration
+	// RevokeTimeout is how long the messages in flight of a revoked
+	// partition (rebalance, Close) get to be acked before its offset is
+	// committed and they are abandoned (their contexts are cancelled; the
+	// next owner gets them again). It and 1 s for the final commit must
+	// be shorter than the rebalance timeout (kgo.RebalanceTimeout in
+	// ClientOpts, 60 s by default): Validate refuses it otherwise.
+	// Defaults to 10 s.
+	RevokeTimeout time.Duration
+	// CommitInterval is how often the offsets below the lowest record not
+	// done are committed; a revocation and Close commit at once. Defaults
+	// to 1 s.
+	CommitInterval time.Duration
+	// ShareGroup, when set, makes the Subscriber a member of this KIP-932
+	// share group instead of a consumer group (set only one of the two):
+	// the broker hands each record to one member and takes per-record
+	// acknowledgements (an ack accepts, a nack releases the record for
+	// redelivery, a nack with a permanent error rejects it), so
+	// concurrency is not bounded by partitions, and no order is kept: it
+	// requires Ordering parallel.OrderNone, and only handlers that need no
+	// order (each event stands alone; effectively once through the dedup
+	// claim) may use it. See docs/engines.md. Defaults to "" (a consumer
+	// group).
+	ShareGroup string
+	// MaxDeliveries is, with ShareGroup, the delivery of a record from
+	// which a failing handler's error is made permanent by
+	// [RecordErrors] (idem.Permanent), so that a poison queue filtered by
+	// idem.IsPermanent takes the message; without a poison queue the
+	// record is rejected. Keep it at or below the group's
+	// share.delivery.count.limit (5 by default), past which the broker
+	// archives the record unseen. Defaults to 4.
+	MaxDeliveries int
+	// IsPermanentFunc is, with ShareGroup, what else than an error wrapped
+	// by idem.Permanent (or made permanent by [RecordErrors] at
+	// MaxDeliveries) rejects a nacked record instead of releasing it; set
+	// idem.IsPermanent to reject every error the poison queue would take
+	// (this package cannot import middleware). Defaults to nil (only
+	// idem.Permanent's mark).
+	IsPermanentFunc func(error) bool
+	// ShareOffsetReset is, with ShareGroup, the share group's
+	// share.auto.offset.reset, set by Subscribe (IncrementalAlterConfigs on
+	// the group): "earliest" delivers the records already in the topic
+	// when the group is new, as the consumer-group subscribers do; "latest"
+	// only later ones; "none" leaves the group's setting alone. Defaults to
+	// "earliest".
+	ShareOffsetReset string
+	// ClientOpts are more franz-go options (TLS, SASL, ClientID, session
+	// and rebalance timeouts...). The Subscriber sets the seed brokers, the
+	// group, the topic, the balancer, DisableAutoCommit,
+	// BlockRebalanceOnPoll and the partition callbacks after them.
+	// Defaults to none.
+	ClientOpts []kgo.Opt
+}
+
+func (c *SubscriberConfig) setDefaults() {
+	if c.GroupProtocol == "" {
+		c.GroupProtocol = protocolClassic
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = defaultMaxInFlight
+	}
+	if c.PartitionWindow == 0 {
+		c.PartitionWindow = defaultPartitionWindow
+	}
+	if c.PollRecords == 0 {
+		c.PollRecords = defaultPollRecords
+	}
+	if c.NackResendSleep == 0 {
+		c.NackResendSleep = defaultNackResendSleep
+	}
+	if c.RevokeTimeout == 0 {
+		c.RevokeTimeout = defaultRevokeTimeout
+	}
+	if c.CommitInterval == 0 {
+		c.CommitInterval = defaultCommitInterval
+	}
+	if c.MaxDeliveries == 0 {
+		c.MaxDeliveries = defaultMaxDeliveries
+	}
+	if c.ShareOffsetReset == "" {
+		c.ShareOffsetReset = defaultShareReset
+	}
+}
+
+// Validate reports the first bad field: its error starts with the field's
+// name.
+func (c SubscriberConfig) Validate() error {
+	bad := func(field, problem string) error { return errors.New(field + ": " + problem) }
+	switch {
+	case len(c.Brokers) == 0:
+		return bad("Brokers", "required")
+	case c.ConsumerGroup == "" && c.ShareGroup == "":
+		return bad("ConsumerGroup", "required (without a group nothing is committed)")
+	case c.ConsumerGroup != "" && c.ShareGroup != "":
+		return bad("ShareGroup", "set only one of ConsumerGroup and ShareGroup")
+	case c.ShareGroup != "" && c.Ordering != parallel.OrderNone:
+		return bad("Ordering", fmt.Sprintf("%s with a share group: a share group keeps no order, set parallel.OrderNone (handlers that need their key's order cannot use a share group)", c.Ordering))
+	case c.MaxDeliveries < 0:
+		return bad("MaxDeliveries", "must be positive")
+	case c.ShareOffsetReset != "" && c.ShareOffsetReset != "earliest" && c.ShareOffsetReset != "latest" && c.ShareOffsetReset != "none":
+		return bad("ShareOffsetReset", fmt.Sprintf("%q: earliest, latest or none", c.ShareOffsetReset))
+	case c.GroupProtocol != "" && c.GroupProtocol != protocolClassic && c.GroupProtocol != protocolConsumer:
+		return bad("GroupProtocol", fmt.Sprintf("%q: classic or consumer", c.GroupProtocol))
+	case c.Ordering < parallel.OrderKey || c.Ordering > parallel.OrderNone:
+		return bad("Ordering", fmt.Sprintf("unknown value %d", int(c.Ordering)))
+	case c.MaxInFlight < 1:
+		return bad("MaxInFlight", "must be positive")
+	case c.PartitionWindow < 1:
+		return bad("PartitionWindow", "must be positive")
+	case c.PollRecords < 1:
+		return bad("PollRecords", "must be positive")
+	case c.NackResendSleep < 0:
+		return bad("NackResendSleep", "must not be negative")
+	case c.RevokeTimeout < 0:
+		return bad("RevokeTimeout", "must not be negative")
+	case c.CommitInterval < 0:
+		return bad("CommitInterval", "must not be negative")
+	}
+	return c.validateClientOpts()
+}
+
+// revokeCommitAllowance is what the RevokeTimeout check gives a revoked
+// partition's final commit.
+const revokeCommitAllowance = time.Second
+
+// validateClientOpts builds a client of ClientOpts (it connects to
+// nothing) to read what they set: a revocation's RevokeTimeout and final
+// commit must end within the rebalance timeout, or the coordinator expels
+// the member.
+func (c SubscriberConfig) validateClientOpts() error {
+	if len(c.ClientOpts) == 0 || c.ShareGroup != "" {
+		return nil
+	}
+	cl, err := kgo.NewClient(append(append([]kgo.Opt(nil), c.ClientOpts...), kgo.SeedBrokers(c.Brokers...))...)
+	if err != nil {
+		return errors.New("ClientOpts: " + err.Error())
+	}
+	rebalance, _ := cl.OptValue(kgo.RebalanceTimeout).(time.Duration)
+	cl.Close()
+	revoke := c.RevokeTimeout
+	if revoke == 0 {
+		revoke = defaultRevokeTimeout
+	}
+	if rebalance > 0 && revoke+revokeCommitAllowance >= rebalance {
+		return fmt.Errorf("RevokeTimeout: %s + %s for the final commit must be shorter than the rebalance timeout of ClientOpts (%s): "+
+			"a revoked member must rejoin before it, or the coordinator expels it", revoke, revokeCommitAllowance, rebalance)
+	}
+	return nil
+}

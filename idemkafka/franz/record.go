@@ -1,0 +1,98 @@
+package franz
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/idemkit/watermill-idempotency/publisher"
+)
+
+// Records and messages are watermill-kafka's DefaultMarshaler's: the
+// message UUID in the _watermill_message_uuid header, the metadata as the
+// other headers, the payload as the value; the partition_key metadata
+// becomes the record key (idemkafka.Marshaler). Both engines read each
+// other's records.
+
+// toRecord turns msg into a record of topic.
+func toRecord(topic string, msg *message.Message) (*kgo.Record, error) {
+	if msg.Metadata.Get(kafka.UUIDHeaderKey) != "" {
+		return nil, fmt.Errorf("franz: metadata %s is reserved for the message UUID", kafka.UUIDHeaderKey)
+	}
+	r := &kgo.Record{Topic: topic, Value: msg.Payload}
+	r.Headers = make([]kgo.RecordHeader, 0, len(msg.Metadata)+1)
+	r.Headers = append(r.Headers, kgo.RecordHeader{Key: kafka.UUIDHeaderKey, Value: []byte(msg.UUID)})
+	for k, v := range msg.Metadata {
+		r.Headers = append(r.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
+	}
+	if key := msg.Metadata.Get(publisher.MetadataPartitionKey); key != "" {
+		r.Key = []byte(key)
+	}
+	return r, nil
+}
+
+// toMessage turns r into a message.
+func toMessage(r *kgo.Record) *message.Message {
+	var uuid string
+	md := make(message.Metadata, len(r.Headers))
+	for _, h := range r.Headers {
+		if h.Key == kafka.UUIDHeaderKey {
+			uuid = string(h.Value)
+			continue
+		}
+		md.Set(h.Key, string(h.Value))
+	}
+	msg := message.NewMessage(uuid, r.Value)
+	msg.Metadata = md
+	return msg
+}
+
+// watermill-kafka's context keys are unexported: each is found by letting
+// its accessor ask a probe context, so that middlewares reading
+// kafka.MessagePartitionFromCtx and the others work with this engine too.
+var (
+	ctxKeyPartition = keyOf(func(ctx context.Context) { kafka.MessagePartitionFromCtx(ctx) })
+	ctxKeyOffset    = keyOf(func(ctx context.Context) { kafka.MessagePartitionOffsetFromCtx(ctx) })
+	ctxKeyTimestamp = keyOf(func(ctx context.Context) { kafka.MessageTimestampFromCtx(ctx) })
+	ctxKeyKey       = keyOf(func(ctx context.Context) { kafka.MessageKeyFromCtx(ctx) })
+)
+
+type keyProbe struct {
+	context.Context
+	key any
+}
+
+func (p *keyProbe) Value(key any) any {
+	p.key = key
+	return nil
+}
+
+func keyOf(accessor func(context.Context)) any {
+	p := &keyProbe{Context: context.Background()}
+	accessor(p)
+	return p.key
+}
+
+// recordContext carries r's partition, offset, timestamp and key under
+// watermill-kafka's keys.
+type recordContext struct {
+	context.Context
+	r *kgo.Record
+}
+
+func (c *recordContext) Value(key any) any {
+	switch key {
+	case ctxKeyPartition:
+		return c.r.Partition
+	case ctxKeyOffset:
+		return c.r.Offset
+	case ctxKeyTimestamp:
+		return c.r.Timestamp
+	case ctxKeyKey:
+		return c.r.Key
+	}
+	return c.Context.Value(key)
+}

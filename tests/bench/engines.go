@@ -1,0 +1,104 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	idem "github.com/idemkit/watermill-idempotency/middleware"
+)
+
+func init() { Register("engines", engines) }
+
+// engineRound is one variant of the engines section: a pipeline round's
+// forwarded rate and CPU per event (this process's and the PostgreSQL
+// backends'), 0 when the round was not forwarded in full.
+type engineRound struct {
+	name             string
+	spec             pipelineSpec
+	fwd, cpu, server []float64
+}
+
+// engines compares the Kafka engines on the end-to-end pipeline (Kafka →
+// dedup → outbox → forwarder → Kafka, a fast handler), rounds rotated:
+// watermill-kafka's subscriber with one transaction per message, the
+// parallel subscriber (Sarama) with group commit and Sarama's forwarder
+// producer, and the franz-go engine's subscriber with group commit and its
+// forwarder producer.
+func engines(ctx context.Context, o Options) (Section, error) {
+	n, rounds, fwdWait := 6000, 3, 10*time.Second
+	if o.Short {
+		n, rounds, fwdWait = 1500, 2, 5*time.Second
+	}
+	r, err := newE2ERig(ctx, o, n)
+	if err != nil {
+		return Section{}, err
+	}
+	defer r.close()
+	base := pipelineSpec{in: r.in, n: n, fwdWait: fwdWait}
+	par := base
+	par.parallel, par.groupCommit = parMaxInFlight, &idem.GroupCommitConfig{}
+	fz := par
+	fz.franz = true
+	vs := []*engineRound{
+		{name: "watermill-kafka subscriber (Sarama), one transaction per message", spec: base},
+		{name: fmt.Sprintf("parallel subscriber (Sarama, MaxInFlight %d), group commit", parMaxInFlight), spec: par},
+		{name: fmt.Sprintf("franz-go subscriber (MaxInFlight %d), group commit, franz-go forwarder producer", parMaxInFlight), spec: fz},
+	}
+	fns := make([]func() (float64, error), len(vs))
+	for i, v := range vs {
+		fns[i] = func() (float64, error) {
+			res, err := r.pipelineWith(ctx, v.spec)
+			if err != nil {
+				return 0, fmt.Errorf("%s: %w", v.name, err)
+			}
+			if !res.complete {
+				o.Logf("  engines, %s: only %d of %d forwarded within %s", v.name, res.forwardedNum, n, fwdWait)
+				v.fwd, v.cpu, v.server = append(v.fwd, 0), append(v.cpu, 0), append(v.server, 0)
+				return res.consumed, nil
+			}
+			v.fwd = append(v.fwd, res.forwarded)
+			v.cpu = append(v.cpu, float64(res.cpuPerEvent)/float64(time.Microsecond))
+			v.server = append(v.server, float64(res.serverCPUPerEvent)/float64(time.Microsecond))
+			return res.forwarded, nil
+		}
+	}
+	if _, err := Rotate(rounds, fns...); err != nil {
+		return Section{}, err
+	}
+	rows := make([][]string, 0, len(vs))
+	for _, v := range vs {
+		rows = append(rows, []string{v.name, fmtRate(nonZero(v.fwd)), Summarise(pairRatios(vs[0].fwd, v.fwd)).String(),
+			Summarise(pairRatios(vs[1].fwd, v.fwd)).String(), fmtMicros(nonZero(v.cpu)), fmtMicros(nonZero(v.server))})
+	}
+	fzVsWK, fzVsPar := Summarise(pairRatios(vs[0].fwd, vs[2].fwd)), Summarise(pairRatios(vs[1].fwd, vs[2].fwd))
+	o.Logf("  engines: franz-go/watermill-kafka %s (target ≥ 4×), franz-go/parallel %s (target ≥ 1.2×)", fzVsWK, fzVsPar)
+	md := fmt.Sprintf("%d events per round, %d rounds rotated; the rate is from the first event handled to the last forwarded record read back; "+
+		"CPU per event is this process's (pipeline, forwarder, reader, in-process broker) and the PostgreSQL backends'. "+
+		"Targets (issue 48): franz-go ≥ 4× watermill-kafka: %s (median %.2f×); franz-go ≥ 1.2× the parallel subscriber: %s (median %.2f×).\n\n",
+		n, rounds, pass(fzVsWK.Median >= 4), fzVsWK.Median, pass(fzVsPar.Median >= 1.2), fzVsPar.Median)
+	md += Table([]string{"consumer", "forwarded msg/s", "× watermill-kafka", "× parallel (Sarama)", "CPU µs/event (process)", "CPU µs/event (PostgreSQL)"}, rows)
+	return Section{Title: "Kafka engines: Sarama against franz-go, end to end", Markdown: md}, nil
+}
+
+// nonZero is xs without its zeros (rounds not measured).
+func nonZero(xs []float64) []float64 {
+	var out []float64
+	for _, x := range xs {
+		if x > 0 {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// pairRatios are subj[i]/base[i] for the rounds where both were measured.
+func pairRatios(base, subj []float64) []float64 {
+	var out []float64
+	for i := range min(len(base), len(subj)) {
+		if base[i] > 0 && subj[i] > 0 {
+			out = append(out, subj[i]/base[i])
+		}
+	}
+	return out
+}
