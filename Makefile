@@ -99,7 +99,7 @@ rules: ## Check and unit-test the Prometheus alert rules in deploy/prometheus (p
 
 .PHONY: screenshots
 screenshots: ## Rewrite docs/console-*.png (the idemctl serve pages, in headless chromium) from the browser tests
-	$(GO) test ./tests/browser -run '^TestBrowserOverviewMatchesTheDatabase$$' -count=1 -args -update-screenshots
+	$(GO) test ./tests/browser -run '^(TestBrowserOverviewMatchesTheDatabase|TestBrowserFailuresExplorer|TestBrowserHistoryCharts)$$' -count=1 -args -update-screenshots
 
 .PHONY: demo
 demo: ## Run the billing example end to end (orders, billing with Idempotency-Key, notifications) with injected faults

@@ -15,6 +15,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/leasesql"
+	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
@@ -87,15 +88,22 @@ func (d *Deduplicator) Claim(ctx context.Context, tx migrate.DBTX, eventID uuid.
 // an error and nothing to release. A duplicate's claim inserts nothing, so
 // its transaction gets no transaction id and its ROLLBACK writes no WAL.
 func (d *Deduplicator) BeginClaim(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, eventID uuid.UUID) (tx pgx.Tx, first bool, err error) {
+	pending := progresssql.From(ctx) // the consumer's progress, in the same round trip
 	tx, err = dbx.BeginPipelined(ctx, db, opts, func(b *pgx.Batch) {
 		b.Queue(d.claimSQL, dbx.UUID(eventID), d.cfg.ConsumerGroup)
+		pending.Queue(b)
 	}, func(br pgx.BatchResults) error {
 		tag, err := br.Exec()
 		first = tag.RowsAffected() == 1
-		return err
+		if err != nil {
+			return err
+		}
+		return pending.Read(br)
 	}, func(tx pgx.Tx) (err error) {
-		first, err = d.Claim(ctx, tx, eventID)
-		return err
+		if first, err = d.Claim(ctx, tx, eventID); err != nil {
+			return err
+		}
+		return pending.Exec(ctx, tx)
 	})
 	if err != nil {
 		return tx, false, fmt.Errorf("claim event %s: %w", eventID, err)
@@ -110,18 +118,24 @@ func (d *Deduplicator) BeginClaim(ctx context.Context, db migrate.Beginner, opts
 // The same rules for tx apply.
 func (d *Deduplicator) BeginClaimBatch(ctx context.Context, db migrate.Beginner, opts pgx.TxOptions, eventIDs []uuid.UUID) (tx pgx.Tx, first []uuid.UUID, err error) {
 	ids := sortedUnique(eventIDs)
+	pending := progresssql.From(ctx) // the consumers' progress, in the same round trip
 	tx, err = dbx.BeginPipelined(ctx, db, opts, func(b *pgx.Batch) {
 		b.Queue(d.claimBatchSQL, dbx.UUIDs(ids), d.cfg.ConsumerGroup)
+		pending.Queue(b)
 	}, func(br pgx.BatchResults) error {
 		rows, err := br.Query()
 		if err != nil {
 			return err
 		}
-		first, err = collectUUIDs(rows)
-		return err
+		if first, err = collectUUIDs(rows); err != nil {
+			return err
+		}
+		return pending.Read(br)
 	}, func(tx pgx.Tx) (err error) {
-		first, err = d.ClaimBatch(ctx, tx, ids)
-		return err
+		if first, err = d.ClaimBatch(ctx, tx, ids); err != nil {
+			return err
+		}
+		return pending.Exec(ctx, tx)
 	})
 	if err != nil {
 		return tx, nil, fmt.Errorf("claim batch of %d: %w", len(ids), err)

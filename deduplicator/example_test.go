@@ -45,11 +45,12 @@ func ExampleMigrationLine() {
 		fmt.Printf("%03d_%s\n", m.Version, m.Name)
 	}
 	// Output:
-	// applied versions: 4
+	// applied versions: 5
 	// 001_processed_event
 	// 002_retention_and_groups
 	// 003_lease
 	// 004_processed_at_index_non_v7
+	// 005_progress
 }
 
 // Claim runs in the caller's transaction: commit it together with the

@@ -25,7 +25,7 @@ func TestMigrateIsIdempotent(t *testing.T) {
 		require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(tc)))
 	}
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'processed_event'", db.Schema))
-	require.Equal(t, 4, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", "processed_event:processed_event"))
+	require.Equal(t, 5, db.Count(t, "SELECT 1 FROM idem_schema_migration WHERE component = $1", "processed_event:processed_event"))
 	// The documented shape: primary key (event_id, consumer_group).
 	require.Equal(t, 1, db.Count(t, `SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid
 		WHERE c.relname = 'processed_event' AND c.relnamespace = $1::regnamespace AND i.indisprimary
@@ -48,7 +48,7 @@ func TestMigrateConcurrently(t *testing.T) {
 	for _, err := range errs {
 		require.NoError(t, err)
 	}
-	require.Equal(t, 4, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
+	require.Equal(t, 5, db.Count(t, "SELECT 1 FROM idem_schema_migration"))
 }
 
 // Custom schema and table names, created if missing, quoted everywhere, and
@@ -67,9 +67,9 @@ func TestMigrateCustomNames(t *testing.T) {
 	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(refunds)))
 	require.NoError(t, migrate.Up(ctx, db.Pool, deduplicator.MigrationLine(orders)))
 
-	require.Equal(t, 9, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", schema), "two tables, their _setting, _group and _lease, and the migration table")
+	require.Equal(t, 11, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", schema), "two tables, their _setting, _group, _lease and _progress, and the migration table")
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'Orders_seen_processed_at_non_v7_idx'", schema))
-	require.Equal(t, 8, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()))
+	require.Equal(t, 10, db.Count(t, "SELECT 1 FROM "+pgx.Identifier{schema, "idem_schema_migration"}.Sanitize()))
 
 	d, err := deduplicator.New(deduplicator.Config{TableConfig: orders, ConsumerGroup: "g"}, nil)
 	require.NoError(t, err)
@@ -165,7 +165,7 @@ func TestMigratorUpValidateDown(t *testing.T) {
 	v, err := m.Validate(ctx)
 	require.NoError(t, err)
 	require.False(t, v.OK)
-	require.Len(t, v.Pending, 4)
+	require.Len(t, v.Pending, 5)
 	require.Equal(t, "processed_event:seen", v.Pending[0].Component)
 	require.Equal(t, renderMigrations(t, table), v.Pending, "pending migrations are rendered as Migrations renders them")
 	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1", db.Schema), "Validate only reads")
@@ -174,12 +174,12 @@ func TestMigratorUpValidateDown(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, migrate.DirectionUp, res.Direction)
 	require.Equal(t, []string{"processed_event:seen 1_processed_event"}, versionsOf(res))
-	require.Equal(t, []int{2, 3, 4}, pendingOf(t, m))
+	require.Equal(t, []int{2, 3, 4, 5}, pendingOf(t, m))
 	requireTableError(t, deduplicator.Check(ctx, db.Pool, table), migrate.ErrMigrationsPending, db.Schema+".seen")
 
 	res, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Equal(t, []string{"processed_event:seen 2_retention_and_groups", "processed_event:seen 3_lease", "processed_event:seen 4_processed_at_index_non_v7"}, versionsOf(res))
+	require.Equal(t, []string{"processed_event:seen 2_retention_and_groups", "processed_event:seen 3_lease", "processed_event:seen 4_processed_at_index_non_v7", "processed_event:seen 5_progress"}, versionsOf(res))
 	res, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	require.Empty(t, res.Versions, "nothing left to apply")
@@ -189,15 +189,20 @@ func TestMigratorUpValidateDown(t *testing.T) {
 	res, err = m.Migrate(ctx, migrate.DirectionDown, nil)
 	require.NoError(t, err)
 	require.Equal(t, migrate.DirectionDown, res.Direction)
-	require.Equal(t, []string{"processed_event:seen 4_processed_at_index_non_v7"}, versionsOf(res), "one step by default")
+	require.Equal(t, []string{"processed_event:seen 5_progress"}, versionsOf(res), "one step by default")
+	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'seen_progress'", db.Schema))
+	require.Equal(t, []int{5}, pendingOf(t, m))
+	res, err = m.Migrate(ctx, migrate.DirectionDown, nil)
+	require.NoError(t, err)
+	require.Equal(t, []string{"processed_event:seen 4_processed_at_index_non_v7"}, versionsOf(res))
 	require.Equal(t, 1, db.Count(t, "SELECT 1 FROM pg_indexes WHERE schemaname = $1 AND indexname = 'seen_processed_at_idx'", db.Schema), "the full index is back")
-	require.Equal(t, []int{4}, pendingOf(t, m))
+	require.Equal(t, []int{4, 5}, pendingOf(t, m))
 
 	_, err = m.Migrate(ctx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
 	res, err = m.Migrate(ctx, migrate.DirectionDown, &migrate.MigrateOpts{TargetVersion: 1})
 	require.NoError(t, err)
-	require.Equal(t, []string{"processed_event:seen 4_processed_at_index_non_v7", "processed_event:seen 3_lease", "processed_event:seen 2_retention_and_groups"}, versionsOf(res))
+	require.Equal(t, []string{"processed_event:seen 5_progress", "processed_event:seen 4_processed_at_index_non_v7", "processed_event:seen 3_lease", "processed_event:seen 2_retention_and_groups"}, versionsOf(res))
 	require.Zero(t, db.Count(t, "SELECT 1 FROM information_schema.tables WHERE table_schema = $1 AND table_name = 'seen_setting'", db.Schema))
 	res, err = m.Migrate(ctx, migrate.DirectionDown, &migrate.MigrateOpts{TargetVersion: -1})
 	require.NoError(t, err)
@@ -208,8 +213,8 @@ func TestMigratorUpValidateDown(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, res.Versions)
 
-	_, err = m.Migrate(ctx, migrate.DirectionUp, &migrate.MigrateOpts{TargetVersion: 5})
-	require.ErrorContains(t, err, "target version 5 is not a version of processed_event:seen")
+	_, err = m.Migrate(ctx, migrate.DirectionUp, &migrate.MigrateOpts{TargetVersion: 6})
+	require.ErrorContains(t, err, "target version 6 is not a version of processed_event:seen")
 	_, err = m.Migrate(ctx, "sideways", nil)
 	require.ErrorContains(t, err, `direction "sideways"`)
 
@@ -235,6 +240,7 @@ func TestMigratorDownFromPartitioned(t *testing.T) {
 		"processed_event:processed_event 2_retention_and_groups",
 		"processed_event:processed_event 3_lease",
 		"processed_event:processed_event 4_processed_at_index_non_v7",
+		"processed_event:processed_event 5_progress",
 		"processed_event:processed_event 100_partition_by_event_id",
 	}, versionsOf(res))
 	db.Exec(t, "INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'g')", publisher.NewEventID())
@@ -266,18 +272,18 @@ func TestMigratorMigrateTx(t *testing.T) {
 	require.NoError(t, err)
 	res, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 	require.NoError(t, err)
-	require.Len(t, res.Versions, 4)
+	require.Len(t, res.Versions, 5)
 	v, err := m.ValidateTx(ctx, tx)
 	require.NoError(t, err)
 	require.True(t, v.OK)
 	require.NoError(t, deduplicator.Check(ctx, tx, table))
 	require.NoError(t, tx.Rollback(ctx))
-	require.Equal(t, []int{1, 2, 3, 4}, pendingOf(t, m), "rolled back with the caller's transaction")
+	require.Equal(t, []int{1, 2, 3, 4, 5}, pendingOf(t, m), "rolled back with the caller's transaction")
 
 	inTx(t, db, func(tx pgx.Tx) {
 		res, err := m.MigrateTx(ctx, tx, migrate.DirectionUp, nil)
 		require.NoError(t, err)
-		require.Len(t, res.Versions, 4)
+		require.Len(t, res.Versions, 5)
 	})
 	require.NoError(t, deduplicator.Check(ctx, db.Pool, table))
 }

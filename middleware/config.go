@@ -83,6 +83,17 @@ type Config struct {
 	// its handler does not run again. Set Outbox for consume→produce steps.
 	Outbox OutboxWriter
 
+	// SkipProgress turns off the record of the consumer group's Kafka
+	// position in <table>_progress that each claim transaction of a message
+	// from watermill-kafka's subscriber makes (in the claim's round trip
+	// and commit), which lets idemctl's progress command find and rewind a
+	// committed Kafka offset ahead of the database after a failover to an
+	// asynchronous standby or a point-in-time restore (docs/guarantees.md).
+	// The parallel subscriber keeps its position itself
+	// (parallel.SubscriberConfig.Progress), so this changes nothing for its
+	// messages. Defaults to false.
+	SkipProgress bool
+
 	// StaleMargin is subtracted from the table's retention when deciding
 	// that an event is stale. Defaults to deduplicator.DefaultStaleMargin (1 hour); it
 	// must be shorter than the retention.

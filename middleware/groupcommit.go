@@ -231,7 +231,11 @@ func (gc *groupMode) runOnce(reqs []*request) (again []*request) {
 			panic(p)
 		}
 	}()
-	tx, first, err := s.claims.BeginClaimBatch(ctx, s.db, s.txOpts, ids)
+	msgs := make([]*message.Message, len(reqs))
+	for i, r := range reqs {
+		msgs[i] = r.msg
+	}
+	tx, first, err := s.claims.BeginClaimBatch(s.progress.progressContext(ctx, msgs...), s.db, s.txOpts, ids)
 	s.stats.claimed(time.Since(start))
 	if err != nil {
 		// Each message retries its own claim, alone, and reports its own error.

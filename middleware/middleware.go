@@ -67,6 +67,7 @@ func NewDedup(cfg Config, logger watermill.LoggerAdapter) (*Dedup, error) {
 	d.strategy = newStrategy(&steps{
 		db: cfg.DB, txOpts: cfg.TxOptions, claims: dd, group: cfg.ConsumerGroup, keyNS: d.group.IdempotencyNamespace,
 		outbox: cfg.Outbox, stats: d.stats, logger: d.logger, tracer: d.tracing,
+		progress: newProgressKeeper(cfg, d.stats, d.logger),
 	}, cfg)
 	return d, nil
 }

@@ -49,6 +49,9 @@ type steps struct {
 	stats  *counters
 	logger watermill.LoggerAdapter
 	tracer *otelx.Tracers
+	// progress writes the group's Kafka position with the claims: every
+	// mode claims on progress.progressContext's context (nil-safe).
+	progress *progressKeeper
 }
 
 // handlerContext is the context a handler sees: origCtx with the

@@ -53,6 +53,16 @@ type Stats struct {
 	// completion batch that fell back to one transaction per message
 	// counts in GroupFallbacks.
 	LeasesTaken, LeasesTakenOver, LeasesRenewed, LeasesLost, LeasesBusy, LeasesFastPath uint64
+	// KafkaAhead counts the records that watermill-kafka's subscriber
+	// skipped past the consumer group's position in PostgreSQL: checked at
+	// the first message of each partition, and after a jump in its
+	// offsets. Records applied on a database that lost them (a failover to
+	// an asynchronous standby, a point-in-time restore) count here, and
+	// may never be processed: stop the consumers and run idemctl groups
+	// progress GROUP --rewind --yes (docs/operations.md). Records the group
+	// refused, or found duplicate, just before a restart count too (the
+	// rewind is harmless for them: their claims skip them again).
+	KafkaAhead uint64
 }
 
 // RejectedStats counts refused messages by reason.
@@ -111,6 +121,7 @@ func (s Stats) Add(o Stats) Stats {
 	s.LeasesLost += o.LeasesLost
 	s.LeasesBusy += o.LeasesBusy
 	s.LeasesFastPath += o.LeasesFastPath
+	s.KafkaAhead += o.KafkaAhead
 	return s
 }
 
@@ -140,6 +151,7 @@ type counters struct {
 	groups, grouped, groupFallbacks, alone      atomic.Uint64
 	leasesTaken, leasesTakenOver, leasesRenewed atomic.Uint64
 	leasesLost, leasesBusy, leasesFastPath      atomic.Uint64
+	kafkaAhead                                  atomic.Uint64
 }
 
 func (c *counters) rejected(err error) {
@@ -187,5 +199,6 @@ func (c *counters) snapshot() Stats {
 		LeasesLost:      c.leasesLost.Load(),
 		LeasesBusy:      c.leasesBusy.Load(),
 		LeasesFastPath:  c.leasesFastPath.Load(),
+		KafkaAhead:      c.kafkaAhead.Load(),
 	}
 }

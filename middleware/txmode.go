@@ -29,7 +29,7 @@ func (m *txMode) process(msg *message.Message, h message.HandlerFunc, id uuid.UU
 	fields := watermill.LogFields{"event_id": id.String(), "message_uuid": msg.UUID}
 
 	start := time.Now()
-	tx, first, err := s.claims.BeginClaim(origCtx, s.db, s.txOpts, id)
+	tx, first, err := s.claims.BeginClaim(s.progress.progressContext(origCtx, msg), s.db, s.txOpts, id)
 	s.stats.claimed(time.Since(start))
 	if err != nil {
 		err = fmt.Errorf("dedup: %w", err)

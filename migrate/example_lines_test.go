@@ -42,6 +42,7 @@ func ExampleNew() {
 	// processed_event:processed_event    002_retention_and_groups applied: false
 	// processed_event:processed_event    003_lease                applied: false
 	// processed_event:processed_event    004_processed_at_index_non_v7 applied: false
+	// processed_event:processed_event    005_progress             applied: false
 	// outbox:outbox_orders               001_topic_tables         applied: true
 	// outbox:outbox_orders               002_snapshot_position    applied: false
 	// outbox:outbox_orders               003_position_cluster     applied: false
@@ -92,6 +93,7 @@ func ExampleMigrator_Migrations() {
 	// processed_event:processed_event 002_retention_and_groups
 	// processed_event:processed_event 003_lease
 	// processed_event:processed_event 004_processed_at_index_non_v7
+	// processed_event:processed_event 005_progress
 	// outbox:outbox_billing.charged 001_topic_tables
 	// outbox:outbox_billing.charged 002_snapshot_position
 	// outbox:outbox_billing.charged 003_position_cluster

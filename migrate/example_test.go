@@ -42,8 +42,9 @@ func ExampleMigrator_Migrate() {
 	// processed_event:processed_event: applied 002_retention_and_groups
 	// processed_event:processed_event: applied 003_lease
 	// processed_event:processed_event: applied 004_processed_at_index_non_v7
+	// processed_event:processed_event: applied 005_progress
 	// again: 0 applied
-	// processed_event:processed_event: reverted 004_processed_at_index_non_v7
+	// processed_event:processed_event: reverted 005_progress
 }
 
 // Validate lists the versions not recorded as applied: where another
@@ -78,5 +79,6 @@ func ExampleMigrator_Validate() {
 	// pending: processed_event:processed_event 002_retention_and_groups
 	// pending: processed_event:processed_event 003_lease
 	// pending: processed_event:processed_event 004_processed_at_index_non_v7
+	// pending: processed_event:processed_event 005_progress
 	// ok: true
 }

@@ -49,6 +49,7 @@ var commands = []command{
 	{"outbox", "dead", "list | retry --topics T --key K --yes | drop --topics T --id N --yes", "rows the forwarder could not send (over the producer's limit, unreadable metadata) and the later rows of their keys, held behind them: list them, send a key's rows again, or delete a poison row", outboxDead},
 	{"groups", "list", "", "the registered consumer groups", groupsList},
 	{"groups", "rename", "FROM TO", "give FROM's claims and registration to TO (FROM's are kept)", groupsRename},
+	{"groups", "progress", "GROUP [--kafka-group K] [--topic T] [--rewind --yes]", "the group's position in PostgreSQL beside its committed Kafka offsets (exit 3 when Kafka is ahead: after a failover or a restore); --rewind sets them back to PostgreSQL's", groupsProgress},
 	{"groups", "forget", "GROUP --yes", "delete a group's claims and registration", groupsForget},
 	{"retention", "show", "", "the retention recorded with the table", retentionShow},
 	{"retention", "set", "DURATION [--yes]", "change the recorded retention (7d, 720h...); shortening needs --yes", retentionSet},

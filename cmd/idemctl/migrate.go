@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/failures"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/migrate"
@@ -18,14 +19,15 @@ import (
 )
 
 // selection is what --only names: the dedup table, the outbox topics'
-// tables, retrytopic's parked-keys table.
-type selection struct{ dedup, outbox, retry bool }
+// tables, retrytopic's parked-keys table, the console's tables (its audit
+// trail and the instances' heartbeat).
+type selection struct{ dedup, outbox, retry, console bool }
 
-// only validates --only: a comma-separated list of dedup, outbox and retry
-// ("" or "all": every one).
+// only validates --only: a comma-separated list of dedup, outbox, retry and
+// console ("" or "all": every one).
 func only(v string) (selection, error) {
 	if v == "" || v == "all" {
-		return selection{true, true, true}, nil
+		return selection{true, true, true, true}, nil
 	}
 	var s selection
 	for _, part := range splitList(v) {
@@ -36,8 +38,10 @@ func only(v string) (selection, error) {
 			s.outbox = true
 		case "retry":
 			s.retry = true
+		case "console":
+			s.console = true
 		default:
-			return s, usageError("usage: --only %q: want dedup, outbox or retry (comma-separated)", v)
+			return s, usageError("usage: --only %q: want dedup, outbox, retry or console (comma-separated)", v)
 		}
 	}
 	return s, nil
@@ -47,7 +51,7 @@ func only(v string) (selection, error) {
 // differ, so --target needs it.
 func (s selection) single() bool {
 	n := 0
-	for _, b := range []bool{s.dedup, s.outbox, s.retry} {
+	for _, b := range []bool{s.dedup, s.outbox, s.retry, s.console} {
 		if b {
 			n++
 		}
@@ -63,6 +67,8 @@ type migrators struct {
 	tc  deduplicator.TableConfig
 	ob  outbox.Config // Topics: the lines' topics
 	rt  retrytopic.ParkedKeysTable
+	// schema holds the console's tables (--schema).
+	schema string
 }
 
 // lines returns the selected lines, in the order up runs them.
@@ -78,6 +84,9 @@ func (m *migrators) lines() []migrate.Line {
 	}
 	if m.sel.retry {
 		lines = append(lines, retrytopic.MigrationLine(m.rt))
+	}
+	if m.sel.console {
+		lines = append(lines, failures.MigrationLines(m.schema)...)
 	}
 	return lines
 }
@@ -104,7 +113,7 @@ func (a *app) migrators(ctx context.Context, onlyFlag, parked, payload string, r
 	if err != nil {
 		return nil, err
 	}
-	m := &migrators{sel: sel, rt: a.parkedTable(parked)}
+	m := &migrators{sel: sel, rt: a.parkedTable(parked), schema: a.opts.schema}
 	if sel.dedup {
 		if m.tc, err = a.tableConfig(ctx, true); err != nil {
 			return nil, err
@@ -116,7 +125,7 @@ func (a *app) migrators(ctx context.Context, onlyFlag, parked, payload string, r
 			return nil, err
 		}
 		m.ob.PayloadType = payload
-		if len(m.ob.Topics) == 0 && !sel.dedup && !sel.retry {
+		if len(m.ob.Topics) == 0 && !sel.dedup && !sel.retry && !sel.console {
 			return nil, usageError("no outbox topic: none is recorded under prefix %s in %s.idem_schema_migration; pass --topics", m.ob.TablePrefix, m.ob.Schema)
 		}
 	}
@@ -148,7 +157,7 @@ type jsonCheck struct {
 }
 
 const (
-	onlyUsage   = "`tables` to act on, comma-separated: dedup, outbox, retry (default all)"
+	onlyUsage   = "`tables` to act on, comma-separated: dedup, outbox, retry, console (default all)"
 	parkedUsage = "parked-keys `table` of retry topics' KeyOrder, in --schema"
 	// parkedTableDefault is retrytopic.ParkedKeysTable.Table's default.
 	parkedTableDefault = "retry_parked_key"
@@ -498,7 +507,7 @@ func migrateSQL(ctx context.Context, a *app, args []string) error {
 // without connecting: the layout is --layout (auto means plain) and the
 // outbox's topics come from --topics.
 func offlineMigrations(ctx context.Context, a *app, sel selection, parked, payload string) ([]migrate.Migration, error) {
-	m := &migrators{sel: sel, rt: a.parkedTable(parked)}
+	m := &migrators{sel: sel, rt: a.parkedTable(parked), schema: a.opts.schema}
 	if sel.dedup {
 		m.tc = deduplicator.TableConfig{Schema: a.opts.schema, Table: a.opts.table}
 		switch a.opts.layout {

@@ -37,10 +37,12 @@ func TestMigrate(t *testing.T) {
 	requireRow(t, r.Stdout, "processed_event:processed_event 1 processed_event pending")
 	require.Contains(t, r.Stdout, "outbox:outbox_orders")
 	requireRow(t, r.Stdout, "retry_parked_key:retry_parked_key 1 parked_key pending")
-	require.Contains(t, r.Stdout, "0 applied, 11 pending, 0 unknown")
+	requireRow(t, r.Stdout, "idem_audit 1 audit pending")
+	requireRow(t, r.Stdout, "idem_heartbeat 1 heartbeat pending")
+	require.Contains(t, r.Stdout, "0 applied, 15 pending, 0 unknown")
 	require.Contains(t, r.Stdout, "does not exist; fix: migrate deduplicator.MigrationLine")
 	st := decode[statusJSON](t, ok(t, db, "migrate", "status", "--topics", "orders", "--json"))
-	require.Equal(t, 11, st.Pending)
+	require.Equal(t, 15, st.Pending)
 	require.Zero(t, st.Applied)
 	require.Nil(t, st.Versions[0].AppliedAt)
 	require.False(t, st.Checks[0].OK)
@@ -57,8 +59,10 @@ func TestMigrate(t *testing.T) {
 	require.Equal(t, "nothing to apply\n", ok(t, db, "migrate", "up").Stdout, "the outbox topic is found in idem_schema_migration")
 
 	requireRow(t, r.Stdout, "applied retry_parked_key:retry_parked_key 001_parked_key")
+	requireRow(t, r.Stdout, "applied idem_audit 001_audit")
+	requireRow(t, r.Stdout, "applied idem_heartbeat 002_outbox_backlog")
 	st = decode[statusJSON](t, ok(t, db, "migrate", "status", "--json"))
-	require.Equal(t, 11, st.Applied)
+	require.Equal(t, 15, st.Applied)
 	require.Zero(t, st.Pending)
 	require.NotNil(t, st.Versions[0].AppliedAt)
 	require.Len(t, st.Checks, 2)
@@ -73,12 +77,12 @@ func TestMigrate(t *testing.T) {
 	// A table migrated to the partitioned layout: auto-detected.
 	ok(t, db, "migrate", "up", "--only", "dedup", "--layout", "partitioned")
 	st = decode[statusJSON](t, ok(t, db, "migrate", "status", "--json"))
-	require.Equal(t, 12, st.Applied)
-	require.Equal(t, "partition_by_event_id", st.Versions[4].Name)
+	require.Equal(t, 16, st.Applied)
+	require.Equal(t, "partition_by_event_id", st.Versions[5].Name)
 	// Under the plain layout, version 100 is recorded but unknown.
 	st = decode[statusJSON](t, ok(t, db, "migrate", "status", "--only", "dedup", "--layout", "plain", "--json"))
 	require.Equal(t, 1, st.Unknown)
-	require.Equal(t, "unknown", st.Versions[4].Status)
+	require.Equal(t, "unknown", st.Versions[5].Status)
 
 	// sql: the pending ones, and every one without connecting.
 	require.Equal(t, "-- nothing pending\n", ok(t, db, "migrate", "sql", "--pending").Stdout)
@@ -94,19 +98,20 @@ func TestMigrate(t *testing.T) {
 		Version int    `json:"version"`
 		Down    string `json:"down"`
 	}](t, r)
-	require.Equal(t, []int{100, 4, 3, 2, 1}, []int{migs[0].Version, migs[1].Version, migs[2].Version, migs[3].Version, migs[4].Version})
-	require.Contains(t, migs[4].Down, "DROP TABLE")
+	require.Equal(t, []int{100, 5, 4, 3, 2, 1}, []int{migs[0].Version, migs[1].Version, migs[2].Version, migs[3].Version, migs[4].Version, migs[5].Version})
+	require.Contains(t, migs[5].Down, "DROP TABLE")
 
 	// down: refused without --yes (nothing changes), listed by --dry-run.
 	before := tables()
 	fails(t, db, 2, "pass --yes", "migrate", "down")
 	require.Equal(t, before, tables())
 	st = decode[statusJSON](t, ok(t, db, "migrate", "status", "--json"))
-	require.Equal(t, 12, st.Applied)
+	require.Equal(t, 16, st.Applied)
 	r = ok(t, db, "migrate", "down", "--dry-run")
 	requireRow(t, r.Stdout, "would revert outbox:outbox_orders 005_created_at_utc")
 	requireRow(t, r.Stdout, "would revert retry_parked_key:retry_parked_key 002_parked_message")
 	requireRow(t, r.Stdout, "would revert processed_event:processed_event 100_partition_by_event_id")
+	requireRow(t, r.Stdout, "would revert idem_audit 001_audit")
 	fails(t, db, 2, "--target needs --only", "migrate", "down", "--target", "1", "--yes")
 	r = ok(t, db, "migrate", "down", "--only", "dedup", "--target", "2", "--yes", "--json")
 	require.Contains(t, r.Stdout, `"version": 100`)

@@ -29,6 +29,7 @@ func serve(ctx context.Context, a *app, args []string) error {
 	kafkaTopics := fs.String("kafka-topics", "", "with --brokers: the poison and retry `topics` whose depth and lag the overview shows (default: every topic whose name has poison or retry)")
 	kafkaGroups := fs.String("kafka-groups", "", "with --brokers: the Kafka consumer `groups` whose lag on those topics it shows (default: every group with a committed offset on them)")
 	parkedTable := a.parkedTableFlag(fs)
+	fo := failuresFlags(fs)
 	if _, err := a.parse(fs, args); err != nil {
 		return err
 	}
@@ -70,6 +71,11 @@ func serve(ctx context.Context, a *app, args []string) error {
 			return err
 		}
 		defer cfg.Kafka.Close()
+		closeExplorer, err := fo.explorer(&cfg, kc)
+		if err != nil {
+			return err
+		}
+		defer closeExplorer()
 	}
 	return listenAndServe(ctx, a, cfg, *listen)
 }

@@ -23,6 +23,7 @@ var (
 	descDuplicates  = prometheus.NewDesc("idem_dedup_duplicates_total", "Messages acked without running the handler: already processed by this consumer group.", group, nil)
 	descFailed      = prometheus.NewDesc("idem_dedup_failed_total", "First-time messages rolled back: handler error or panic, outbox or COMMIT failure.", group, nil)
 	descClaimErrors = prometheus.NewDesc("idem_dedup_claim_errors_total", "Messages whose BEGIN or claim failed.", group, nil)
+	descKafkaAhead  = prometheus.NewDesc("idem_dedup_kafka_ahead_total", "Records watermill-kafka's subscriber skipped past the group's position in PostgreSQL (after a failover or a restore: run idemctl groups progress GROUP --rewind).", group, nil)
 	descRejected    = prometheus.NewDesc("idem_dedup_rejected_total", "Messages refused before any SQL (poison queue), by reason.", []string{"consumer_group", "reason"}, nil)
 	descClaimSec    = prometheus.NewDesc("idem_dedup_claim_seconds_total", "Time spent in BEGIN + claim, including waits on a concurrent claim of the same event.", group, nil)
 	descClaims      = prometheus.NewDesc("idem_dedup_claims_total", "Claims timed in idem_dedup_claim_seconds_total.", group, nil)
@@ -212,7 +213,7 @@ func (c *Collector) AddSubscriber(sub *parallel.Subscriber) {
 
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descRejected, descClaimSec, descClaims, descTxSec,
+	for _, d := range []*prometheus.Desc{descProcessed, descDuplicates, descFailed, descClaimErrors, descKafkaAhead, descRejected, descClaimSec, descClaims, descTxSec,
 		descGroups, descGroupedMsgs, descGroupFallbacks, descAlone, descLeases, descForwarded, descCommits, descPolls, descFwdErrors, descQuarantined, descPending, descOldest, descDead,
 		descRetried, descRecovered, descPoisoned, descFollowed, descReleased, descHandedOff, descOverdue,
 		descParkedKeys, descParkedEvents, descParkedQueue, descParkedOldest, descParkedOverdue,
@@ -272,6 +273,7 @@ func (e emitter) dedups(dedups []*idem.Dedup) {
 		e.counter(descDuplicates, float64(s.Duplicates), g)
 		e.counter(descFailed, float64(s.Failed), g)
 		e.counter(descClaimErrors, float64(s.ClaimErrors), g)
+		e.counter(descKafkaAhead, float64(s.KafkaAhead), g)
 		for reason, n := range s.Rejected.ByReason() {
 			e.counter(descRejected, float64(n), g, reason)
 		}

@@ -101,7 +101,7 @@ idem_outbox_forwarded_total{forwarder="outbox_forwarder"} 1
 		"idem_dedup_duplicates_total", "idem_dedup_processed_total", "idem_dedup_rejected_total", "idem_outbox_forwarded_total", "idem_outbox_pending_rows"))
 	n, err := testutil.GatherAndCount(reg)
 	require.NoError(t, err)
-	require.Equal(t, 31, n) // 23 dedup series (6 rejected reasons, 4 group-commit, 6 lease events) + 5 forwarder + 3 backlog series
+	require.Equal(t, 32, n) // 24 dedup series (6 rejected reasons, 4 group-commit, 6 lease events) + 5 forwarder + 3 backlog series
 }
 
 func TestCollectorExportsGroupCommit(t *testing.T) {

@@ -20,3 +20,14 @@ func TestDefaultsMatchTheirDocs(t *testing.T) {
 			"Filter": "the zero Filter, which matches every message",
 		}})
 }
+
+func TestPageDefaultsMatchTheirDocs(t *testing.T) {
+	t.Parallel()
+	var cfg PageConfig
+	cfg.setDefaults()
+	configdoc.Check(t, configdoc.Spec{Value: cfg, Section: "`poison.PageConfig`",
+		Described: map[string]string{
+			"Kafka":  "an idemkafka.ClientConfig: its Brokers are required",
+			"Filter": "the zero Filter, which matches every message",
+		}})
+}

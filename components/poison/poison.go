@@ -107,6 +107,10 @@ type Filter struct {
 	// OriginalTopic keeps only messages poisoned from this topic
 	// (topic_poisoned).
 	OriginalTopic string
+	// Handler keeps only messages poisoned by this handler
+	// (handler_poisoned): one consumer's failures when several share the
+	// poison topic.
+	Handler string
 	// PoisonedFrom and PoisonedTo bound [Message.PoisonedAt]: From
 	// included, To excluded; a zero bound is open.
 	PoisonedFrom, PoisonedTo time.Time
@@ -136,7 +140,7 @@ func (f Filter) match(m Message) bool {
 			return false
 		}
 	}
-	if f.OriginalTopic != "" && m.OriginalTopic != f.OriginalTopic {
+	if f.OriginalTopic != "" && m.OriginalTopic != f.OriginalTopic || f.Handler != "" && m.Handler != f.Handler {
 		return false
 	}
 	if len(f.EventIDs) > 0 {

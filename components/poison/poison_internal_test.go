@@ -19,7 +19,7 @@ func TestFilterMatch(t *testing.T) {
 	id := publisher.NewEventID()
 	at := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
 	m := Message{Reason: "permanent: unknown product P-7", OriginalTopic: "orders", EventID: id.String(),
-		PoisonedAt: at, OccurredAt: at.Add(-time.Hour)}
+		PoisonedAt: at, OccurredAt: at.Add(-time.Hour), Handler: "ledger"}
 	for name, tc := range map[string]struct {
 		f    Filter
 		want bool
@@ -31,6 +31,8 @@ func TestFilterMatch(t *testing.T) {
 		"reason exact partial":   {Filter{Reason: "unknown product", ReasonExact: true}, false},
 		"topic":                  {Filter{OriginalTopic: "orders"}, true},
 		"other topic":            {Filter{OriginalTopic: "payments"}, false},
+		"handler":                {Filter{Handler: "ledger"}, true},
+		"other handler":          {Filter{Handler: "shipping"}, false},
 		"event id":               {Filter{EventIDs: []uuid.UUID{publisher.NewEventID(), id}}, true},
 		"other event id":         {Filter{EventIDs: []uuid.UUID{publisher.NewEventID()}}, false},
 		"poisoned from (incl.)":  {Filter{PoisonedFrom: at}, true},

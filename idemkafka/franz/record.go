@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -93,6 +94,12 @@ func (c *recordContext) Value(key any) any {
 		return c.r.Timestamp
 	case ctxKeyKey:
 		return c.r.Key
+	case progresssql.SubscriberKey{}:
+		// Many records of a partition in flight: the dedup middleware
+		// must not record their position (a max, not a floor, and a row
+		// lock that would serialize them). This engine keeps none in
+		// PostgreSQL yet (docs/guarantees.md).
+		return true
 	}
 	return c.Context.Value(key)
 }

@@ -174,6 +174,9 @@ type stream struct {
 	metaMax int           // the commit metadata bound: CommitMetadataMaxBytes, halved on each OffsetMetadataTooLarge
 	wake    chan struct{} // an entry became ready (buffered 1)
 	parts   map[int32]*partState
+	// timeline is PostgreSQL's timeline when the session read its
+	// positions (Progress): a write on another one is fenced.
+	timeline int64
 }
 
 // run consumes the group until the stream ends, then closes out.

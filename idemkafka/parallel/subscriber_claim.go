@@ -1,6 +1,7 @@
 package parallel
 
 import (
+	"fmt"
 	"maps"
 	"sync"
 	"time"
@@ -35,7 +36,13 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 	for _, part := range parts {
 		skip[part] = nil
 	}
-	if len(parts) > 0 && h.st.s.cfg.CommitMetadataMaxBytes >= 0 {
+	if len(parts) > 0 && h.st.s.cfg.Progress != nil {
+		done, err := h.st.loadProgress(sess, parts)
+		if err != nil {
+			return fmt.Errorf("parallel: read the positions in PostgreSQL: %w", err)
+		}
+		maps.Copy(skip, done)
+	} else if len(parts) > 0 && h.st.s.cfg.CommitMetadataMaxBytes >= 0 {
 		if done, err := h.st.fetchDone(parts); err != nil {
 			// Only an optimization: the records run again, their claims absorb it.
 			h.st.logger.Info("Could not read the commit metadata, done records above the committed offsets run again", watermill.LogFields{"err": err.Error()})
@@ -146,6 +153,9 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 			s.mu.Lock()
 			p.mark()
 			s.mu.Unlock()
+			if p.saveProgress() {
+				return nil // a new timeline: the session ends, the next one reads the positions again
+			}
 			p.logStalls()
 		case <-done:
 			return nil
@@ -248,6 +258,9 @@ func (p *partState) revoke() {
 	}
 	s.mu.Lock()
 	p.mark()
+	s.mu.Unlock()
+	p.saveProgress()
+	s.mu.Lock()
 	if s.onRevoke != nil {
 		s.onRevoke(p.partition)
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // Ordering says which earlier messages a message waits for before the
@@ -180,6 +181,30 @@ type SubscriberConfig struct {
 	// [PartitionStats].StalledFor. Records held by NotBeforeFunc are not
 	// stalled. Set -1 to report none. Defaults to 30 s.
 	StallTimeout time.Duration
+	// Progress, when set, keeps the group's position in PostgreSQL, in
+	// the claims' database (a *pgxpool.Pool of the same cluster as the
+	// dedup middleware's, or the position would not follow the claims
+	// through a failover): each partition's committed offset and the done
+	// runs above it, written after the acks they cover (so after their
+	// transactions committed), and read when the partition is assigned.
+	// PostgreSQL's position wins over Kafka's committed offset (which is
+	// still committed, for lag tools): after a failover to an asynchronous
+	// standby or a point-in-time restore, the events of the lost
+	// transactions are handed out again instead of being skipped
+	// (docs/guarantees.md). A write finding the server on a new timeline
+	// ends the session, so that the next one reads the positions of the
+	// new history. Not with the cooperative-sticky strategy (a partition
+	// it adds mid-session cannot be moved). Defaults to nil (Kafka's
+	// committed offset only).
+	Progress migrate.DBTX
+	// ProgressSchema is the schema of the claims' table, as the
+	// middleware's deduplicator.TableConfig.Schema. Defaults to "" (public).
+	ProgressSchema string
+	// ProgressTable is the claims' table, as
+	// deduplicator.TableConfig.Table: deduplicator.MigrationLine creates
+	// its <table>_progress companion, where Progress is kept. Defaults to
+	// "" (processed_event).
+	ProgressTable string
 }
 
 func (c *SubscriberConfig) setDefaults() {
@@ -251,6 +276,13 @@ func (c SubscriberConfig) Validate() error {
 	sc := c.saramaConfig()
 	if err := sc.Validate(); err != nil {
 		return bad("Client.Sarama", err.Error())
+	}
+	if c.Progress != nil {
+		for _, gs := range sc.Consumer.Group.Rebalance.GroupStrategies {
+			if gs.Name() == sarama.CooperativeStickyBalanceStrategyName {
+				return bad("Progress", "not with the cooperative-sticky strategy: a partition it adds mid-session cannot start from PostgreSQL's position")
+			}
+		}
 	}
 	reconnect := max(c.ReconnectRetrySleep, 0)
 	if reconnect == 0 {

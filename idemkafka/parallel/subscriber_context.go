@@ -8,6 +8,8 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 )
 
 // The Subscriber's messages carry the same context values as
@@ -109,6 +111,8 @@ func (c *recordContext) Value(key any) any {
 	switch key {
 	case orderingKey{}:
 		return c.ordering
+	case progresssql.SubscriberKey{}:
+		return true // the Subscriber keeps its progress itself
 	case errSlotKey{}:
 		return c.slot
 	case ctxKeyPartition:

@@ -95,6 +95,9 @@ type partState struct {
 	marked  int64 // last offset given to the session
 	meta    string
 	changed bool // done set changed since the last mark
+
+	savedNext int64 // marked and meta as last written to PostgreSQL (Progress)
+	savedDone string
 }
 
 func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim, skip []run) *partState {
@@ -104,13 +107,14 @@ func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, 
 	return &partState{
 		st: st, sess: sess, partition: claim.Partition(),
 		ctx: ctx, cancel: cancel,
-		chains:  map[string]*chain{},
-		skip:    skip,
-		next:    claim.InitialOffset(),
-		highest: -1,
-		marked:  -1,
-		space:   make(chan struct{}, 1),
-		drained: make(chan struct{}, 1),
+		chains:    map[string]*chain{},
+		skip:      skip,
+		next:      claim.InitialOffset(),
+		highest:   -1,
+		marked:    -1,
+		savedNext: -1,
+		space:     make(chan struct{}, 1),
+		drained:   make(chan struct{}, 1),
 	}
 }
 

@@ -65,6 +65,9 @@ type e2eRun struct {
 	// complete), with NOTIFY, and the parallel subscriber's (parForwarded,
 	// against watermill-kafka's wkForwarded, 0 when incomplete).
 	forwarded, consumed, consumedNotify, parForwarded, wkForwarded []float64
+	// consumedNoProgress: the watermill-kafka round with
+	// Config.SkipProgress (no position kept in PostgreSQL).
+	consumedNoProgress []float64
 	// parCPU and wkCPU are the same rounds' CPU time per event
 	// (e2eResult.cpuPerEvent, 0 when incomplete).
 	parCPU, wkCPU []time.Duration
@@ -103,6 +106,19 @@ func (e *e2eRun) round(ctx context.Context, notify bool) func() (float64, error)
 	}
 }
 
+// noProgressRound is the watermill-kafka round with Config.SkipProgress:
+// the dedup transactions keep no position in PostgreSQL.
+func (e *e2eRun) noProgressRound(ctx context.Context) func() (float64, error) {
+	return func() (float64, error) {
+		res, err := e.r.pipelineWith(ctx, pipelineSpec{in: e.r.in, n: e.n, fwdWait: e.fwdWait, skipProgress: true})
+		if err != nil {
+			return 0, err
+		}
+		e.consumedNoProgress = append(e.consumedNoProgress, res.consumed)
+		return res.consumed, nil
+	}
+}
+
 // parRound is a round of the parallel subscriber with group commit,
 // forwarded and read back, against the watermill-kafka row's forwarded
 // rate of the same round (0 for a round not forwarded within fwdWait).
@@ -120,7 +136,7 @@ func (e *e2eRun) parRound(ctx context.Context) (float64, error) {
 // ceiling, and makes the throughput tables' rows.
 func (e *e2eRun) throughput(ctx context.Context) error {
 	rates, err := Rotate(e.rounds, func() (float64, error) { return e.r.ceiling(ctx) }, e.round(ctx, false), e.round(ctx, true),
-		func() (float64, error) { return e.parRound(ctx) })
+		func() (float64, error) { return e.parRound(ctx) }, e.noProgressRound(ctx))
 	if err != nil {
 		return err
 	}
@@ -140,6 +156,10 @@ func (e *e2eRun) throughput(ctx context.Context) error {
 		e.rows = append(e.rows, []string{"… and forwarded to Kafka by the forwarder, read back",
 			fmt.Sprintf("not measured: %d of %d rounds not forwarded within %s", e.incomplete, e.rounds, e.fwdWait), "–"})
 	}
+	progress := Summarise(Ratios(e.consumedNoProgress, e.consumed))
+	e.o.Logf("  end-to-end: with/without the progress record: %s", progress)
+	e.rows = append(e.rows, []string{"… dedup + business row + outbox row without the progress record (`Config.SkipProgress`); ratio: with / without",
+		fmtRate(e.consumedNoProgress), progress.String()})
 	e.parTable = parallelE2ETable(e2eRows{e.wkForwarded, e.parForwarded, e.wkCPU, e.parCPU, e.wkServerCPU, e.parServerCPU}, rates[3])
 	e.o.Logf("  end-to-end, parallel subscriber with group commit: %s", e.parTable[0][3:])
 	return nil

@@ -61,6 +61,8 @@ type pipelineSpec struct {
 	notify bool
 	// groupCommit, when set, is the middleware's Config.Mode = &GroupCommitConfig{}.
 	groupCommit *idem.GroupCommitConfig
+	// skipProgress is the middleware's Config.SkipProgress.
+	skipProgress bool
 	// inMiddleware, when set, is called with each successful message's
 	// time inside the dedup middleware (arrival to result).
 	inMiddleware func(time.Duration)
@@ -107,7 +109,7 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 		sub = ps
 		defer ps.Close() // runRouterOn closes it too: twice is harmless
 	}
-	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, Mode: s.groupCommit, Concurrency: s.parallel}, nil)
+	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, Mode: s.groupCommit, Concurrency: s.parallel, SkipProgress: s.skipProgress}, nil)
 	if err != nil {
 		return *res, err
 	}

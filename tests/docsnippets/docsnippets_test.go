@@ -55,6 +55,7 @@ var knownImports = map[string]string{
 	"poison":       module + "/components/poison",
 	"idemprom":     module + "/components/idemprom",
 	"idemotel":     module + "/components/idemotel",
+	"heartbeat":    module + "/components/heartbeat",
 }
 
 // givenSource declares, at package level of the generated package, what a

@@ -13,6 +13,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/watermill-idempotency/components/heartbeat"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
 	"github.com/idemkit/watermill-idempotency/internal/partition"
@@ -37,7 +38,7 @@ func consoleFixture(tb testing.TB, claims, topics, parked int) (*Server, *rtcoun
 	tc := deduplicator.TableConfig{Schema: db.Schema, Layout: deduplicator.LayoutPartitioned}
 	pt := retrytopic.ParkedKeysTable{Schema: db.Schema}
 	ocfg := outbox.Config{Schema: db.Schema}
-	lines := []migrate.Line{deduplicator.MigrationLine(tc), retrytopic.MigrationLine(pt)}
+	lines := []migrate.Line{deduplicator.MigrationLine(tc), retrytopic.MigrationLine(pt), heartbeat.MigrationLine(db.Schema)}
 	for _, topic := range names {
 		lines = append(lines, outbox.MigrationLine(ocfg, topic))
 	}
@@ -127,6 +128,8 @@ func TestConsolePagesMakeAFixedNumberOfQueries(t *testing.T) {
 	one, oneRT, _ := consoleFixture(t, 1, 1, 1)
 	require.Equal(t, perTopic, roundTrips(t, two, twoRT, "/")-roundTrips(t, one, oneRT, "/"))
 	t.Logf("overview: %d round trips with 3 outbox topics, %d per topic", roundTrips(t, small, smallRT, "/"), perTopic)
+	// The HTML overview adds the history's two: the instances, the series.
+	require.Equal(t, roundTrips(t, small, smallRT, "/api/overview")+2, roundTrips(t, small, smallRT, "/"))
 }
 
 // BenchmarkConsoleOverview serves the overview (HTML and JSON) over a dedup

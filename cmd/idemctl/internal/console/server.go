@@ -23,6 +23,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/failures"
 	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/ops"
 	"github.com/idemkit/watermill-idempotency/cmd/idemctl/internal/redact"
 	"github.com/idemkit/watermill-idempotency/deduplicator"
@@ -63,6 +64,11 @@ type Config struct {
 	// Kafka, when set, adds the poison and retry topics' depth and lag to
 	// the overview.
 	Kafka *ops.KafkaView
+	// Explorer, when set, reads and acts on the poison topics (the
+	// failures explorer); PoisonTopics names them (none: every topic of
+	// Kafka whose name has "poison").
+	Explorer     *failures.Explorer
+	PoisonTopics []string
 	// AllowActions allows the actions (unblock or skip a parked key,
 	// release a lease, forget a group), each with Token and a
 	// confirmation; the console is read-only otherwise.
@@ -109,6 +115,9 @@ func New(cfg Config) (*Server, error) {
 		return nil, err
 	}
 	s.routes()
+	if err := s.registerFailures(); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 
@@ -122,6 +131,9 @@ func (s *Server) parseTemplates() error {
 		"when":    ops.HumanTime,
 		"seconds": ago,
 		"yesno":   func(b bool) string { return map[bool]string{true: "yes", false: "no"}[b] },
+		// svg marks a chart of internal/svgchart, which escapes its text,
+		// as markup.
+		"svg": func(svg string) template.HTML { return template.HTML(svg) }, //nolint:gosec // svgchart escapes
 	}
 	for _, page := range []string{"overview", "parked", "leases", "topic", "group", "confirm", "message"} {
 		t, err := template.New("layout.html").Funcs(funcs).ParseFS(webFS, "web/layout.html", "web/"+page+".html")
@@ -139,7 +151,7 @@ func (s *Server) routes() {
 	static, _ := fs.Sub(webFS, "web/static") // a directory of the embedded tree: cannot fail
 	s.mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
 	overview := func(r *http.Request) (any, error) { return s.c.Overview(r.Context()), nil }
-	s.mux.HandleFunc("GET /{$}", s.page("overview", overview))
+	s.mux.HandleFunc("GET /{$}", s.page("overview", s.overviewPage))
 	s.mux.HandleFunc("GET /api/overview", s.api(overview))
 	parked := func(r *http.Request) (any, error) {
 		sum, keys, err := ops.ReadParked(r.Context(), s.c.Pool, s.c.Parked, r.URL.Query().Get("group"), parkedPageLimit)

@@ -142,3 +142,28 @@ func (k *KafkaView) read() (*kafkaJSON, error) {
 	}
 	return out, nil
 }
+
+// PoisonTopics returns the poison topics the failures explorer offers:
+// named, else every topic whose name has "poison".
+func (k *KafkaView) PoisonTopics(named []string) ([]string, error) {
+	if len(named) > 0 {
+		return named, nil
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if err := k.client.RefreshMetadata(); err != nil {
+		return nil, fmt.Errorf("kafka metadata: %w", err)
+	}
+	all, err := k.client.Topics()
+	if err != nil {
+		return nil, fmt.Errorf("kafka topics: %w", err)
+	}
+	var out []string
+	for _, t := range all {
+		if strings.Contains(t, "poison") {
+			out = append(out, t)
+		}
+	}
+	slices.Sort(out)
+	return out, nil
+}

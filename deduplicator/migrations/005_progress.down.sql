@@ -1,0 +1,1 @@
+DROP TABLE IF EXISTS {{ident .Schema (print .Table "_progress")}};
