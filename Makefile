@@ -4,7 +4,7 @@
 
 GO            ?= go
 STATICCHECK   := honnef.co/go/tools/cmd/staticcheck@v0.7.0
-# The suite's PostgreSQL connection budget (README, "Testing"): packages tested
+# The suite's PostgreSQL connection budget (docs/testing.md, "Connection budget"): packages tested
 # at once (-p), tests run at once within a package (-parallel), and the client
 # connections all of it may hold at once, checked against max_connections first.
 TEST_P        ?= 2
@@ -12,10 +12,12 @@ TEST_PARALLEL ?= 2
 TEST_CONNS    ?= 60
 TEST_FLAGS    ?= -race -count=1 -timeout 30m -p $(TEST_P) -parallel $(TEST_PARALLEL)
 BENCHTIME     ?= 500ms
-# The packages of the nested modules that go.work ties to the library (each has its own go.mod, so
-# ./... stops at it): the console's browser tests, which bring chromedp and cdproto; examples/orm (GORM, bun, ent, sqlx).
-NESTED_PKGS   := ./tests/browser/... ./examples/orm/...
-PKGS          := ./... $(NESTED_PKGS)
+VERSION       ?= v0.1.0
+# The repository's modules: go.work lists them, the library first; a new module
+# is one line there. ./... stops at a nested module's go.mod, so PKGS names
+# each module's tree: ./... ./examples/billing/... and so on.
+MODULES       := $(shell $(GO) list -m -f '{{.Dir}}')
+PKGS          := $(patsubst $(CURDIR)%,.%/...,$(MODULES))
 
 .DEFAULT_GOAL := help
 
@@ -42,10 +44,28 @@ test/pg: ## Check that PostgreSQL (DATABASE_URL) is reachable and accepts the su
 	@$(GO) run ./internal/testkit/cmd/pgbudget -budget $(TEST_CONNS)
 
 .PHONY: lint
-lint: ## gofmt, go vet, staticcheck
+lint: mod/check ## gofmt, go vet, staticcheck, tidy go.mod files, gorelease (the API against the last release)
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
 	$(GO) run $(STATICCHECK) $(PKGS)
+	$(MAKE) --no-print-directory release/api
+
+.PHONY: mod/check
+mod/check: ## Every module's go.mod and go.sum are tidy, and the library's go.mod has no replace directive
+	@for d in $(MODULES); do (cd "$$d" && GOWORK=off $(GO) mod tidy -diff) || { echo "go.mod/go.sum of $$d not tidy: cd $$d && GOWORK=off go mod tidy"; exit 1; }; done
+	@if grep -q '^replace\|^\s*replace' go.mod; then echo "go.mod: a replace directive breaks go install and users' builds"; exit 1; fi
+
+.PHONY: mod/tidy
+mod/tidy: ## go mod tidy in every module of go.work
+	@for d in $(MODULES); do echo "tidy $$d"; (cd "$$d" && GOWORK=off $(GO) mod tidy) || exit 1; done
+
+.PHONY: release/check
+release/check: ## As a user gets v0.1.0: a module proxy from the working tree, go install cmd/idemctl@v0.1.0, the quickstart in a module of its own (no chromedp)
+	$(GO) run ./tests/release -version $(VERSION)
+
+.PHONY: release/api
+release/api: ## gorelease on HEAD: the version the API changes need since the last release (v0.1.0 before the first)
+	$(GO) run ./tests/release -api
 
 .PHONY: bench
 bench: ## Benchmarks as ratios against same-run baselines; writes docs/benchmarks.md

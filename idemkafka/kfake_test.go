@@ -16,7 +16,7 @@ import (
 // The consumer-group rules of Kafka's classic protocol that the soak's
 // stalls came down to (docs/soak.md, "The consumer-group livelock"). The
 // in-process broker broke all three; the module runs a patched copy of it
-// (third_party/kfake, PATCHES.md), and these tests hold it, and any
+// (internal/kfake, PATCHES.md), and these tests hold it, and any
 // cluster named by KAFKA_BROKERS, to Kafka's behaviour:
 //
 //   - a member whose process dies while its JoinGroup is pending is expired

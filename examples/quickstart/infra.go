@@ -24,7 +24,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	"github.com/idemkit/watermill-idempotency/middleware/idemtest"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -88,20 +88,18 @@ func setUp(ctx context.Context) (_ *infra, err error) {
 		_, _ = in.pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{in.schema}.Sanitize()+" CASCADE")
 	})
 
-	where := ""
-	if in.brokers = kafkatest.External(); in.brokers != nil {
-		where = "at " + strings.Join(in.brokers, ",")
-	} else {
-		c, err := kafkatest.NewFake()
-		if err != nil {
-			return nil, fmt.Errorf("start in-process Kafka broker: %w", err)
-		}
-		in.cleanups = append(in.cleanups, c.Close)
-		in.brokers = c.ListenAddrs()
-		where = "in-process (kfake) at " + strings.Join(in.brokers, ",")
+	brokers, stopKafka, err := idemtest.StartKafka() // KAFKA_BROKERS, else an in-process broker
+	if err != nil {
+		return nil, fmt.Errorf("start in-process Kafka broker: %w", err)
+	}
+	in.cleanups = append(in.cleanups, stopKafka)
+	in.brokers = brokers
+	where := "at " + strings.Join(in.brokers, ",")
+	if os.Getenv("KAFKA_BROKERS") == "" {
+		where = "in-process (kfake) " + where
 	}
 	for _, t := range []string{in.topic, in.poisonTopic} {
-		if err := kafkatest.CreateTopic(in.brokers, t, 2); err != nil {
+		if err := createTopic(in.brokers, t, 2); err != nil {
 			return nil, fmt.Errorf("create topic %s: %w", t, err)
 		}
 	}
@@ -220,6 +218,21 @@ func (r *report) poisoned() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.nPoisoned
+}
+
+// createTopic creates topic through the Kafka admin API (on the in-process
+// broker as on a real cluster). An existing topic is not an error.
+func createTopic(brokers []string, topic string, partitions int32) error {
+	admin, err := sarama.NewClusterAdmin(brokers, sarama.NewConfig())
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	err = admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
+	if errors.Is(err, sarama.ErrTopicAlreadyExists) {
+		return nil
+	}
+	return err
 }
 
 func deleteTopics(brokers []string, topics ...string) {

@@ -23,6 +23,19 @@
 //     reads every published payload) and FORWARD (the previous reader reads
 //     the new struct's payloads), naming the field and the rule that broke.
 //
+// The kit gives a handler test its infrastructure, real and throwaway:
+//
+//   - [Schema] creates a PostgreSQL schema for the test (DATABASE_URL) and
+//     returns a pool whose search_path is that schema, dropped when the test
+//     ends;
+//   - [Kafka] returns a Kafka-protocol broker for the test: KAFKA_BROKERS
+//     when set, otherwise an in-process broker (franz-go's kfake, with the
+//     library's patches to its group coordinator) reached over TCP by the
+//     real clients; [StartKafka] is the same for a program.
+//
+// ExampleKafka is a whole handler test: the event published twice, consumed
+// through the dedup middleware, the handler run once.
+//
 // Every helper takes a testing.TB and fails it with Fatalf, like testify's
 // require.
 //

@@ -54,7 +54,6 @@ require (
 	github.com/rcrowley/go-metrics v0.0.0-20250401214520-65e299d6c5c9 // indirect
 	github.com/sony/gobreaker v1.0.0 // indirect
 	github.com/twmb/franz-go v1.22.3 // indirect
-	github.com/twmb/franz-go/pkg/kfake v0.0.0-20260918054303-01f206a7e32c // indirect
 	github.com/twmb/franz-go/pkg/kmsg v1.15.1 // indirect
 	github.com/wk8/go-ordered-map/v2 v2.1.8 // indirect
 	go.opentelemetry.io/auto/sdk v1.2.1 // indirect
@@ -73,8 +72,5 @@ require (
 
 // Development only: this module is never required by a user. The library is
 // the checkout it sits in (go.work says the same for commands run from the
-// repository root), and its patched broker likewise.
-replace (
-	github.com/idemkit/watermill-idempotency => ../..
-	github.com/twmb/franz-go/pkg/kfake => ../../third_party/kfake
-)
+// repository root); its patched broker is the library's internal/kfake.
+replace github.com/idemkit/watermill-idempotency => ../..

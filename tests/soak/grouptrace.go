@@ -9,8 +9,9 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/idemkit/watermill-idempotency/internal/kfake"
 )
 
 // groupTrace records the consumer-group requests the in-process broker

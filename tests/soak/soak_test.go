@@ -31,7 +31,7 @@ import (
 // The soak tests run one at a time, not in parallel: a run holds up to ~40
 // PostgreSQL connections (its producer, forwarder, five or six consumer
 // processes), two side by side would take the whole suite past its
-// connection budget (README, "Testing").
+// connection budget (docs/testing.md, "Connection budget").
 func TestSoakShort(t *testing.T) {
 	pgtest.SkipInUnitRun(t)
 	if testing.Short() {

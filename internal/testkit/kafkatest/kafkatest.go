@@ -13,8 +13,9 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kversion"
+
+	"github.com/idemkit/watermill-idempotency/internal/kfake"
 )
 
 // Broker is a Kafka-protocol cluster for one test.

@@ -14,7 +14,7 @@ import (
 	"strings"
 	"syscall"
 
-	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/idemkit/watermill-idempotency/internal/kfake"
 	"github.com/twmb/franz-go/pkg/kversion"
 )
 
