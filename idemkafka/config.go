@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/idemkit/watermill-idempotency/internal/saramastrategy"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -134,6 +135,7 @@ func clone(base *sarama.Config) *sarama.Config {
 	} else {
 		c := *base
 		cfg = &c
+		saramastrategy.Own(cfg) // each copy plans with strategy values of its own
 	}
 	if !cfg.Version.IsAtLeast(minKafkaVersion) {
 		cfg.Version = minKafkaVersion
@@ -148,7 +150,11 @@ type ClientConfig struct {
 	// Sarama is the base client config (TLS, SASL, ClientID, version...).
 	// Defaults to sarama.NewConfig(). The helpers copy it and override only
 	// the delivery-safety settings listed on SaramaProducerConfig and
-	// SaramaConsumerConfig.
+	// SaramaConsumerConfig. Each copy gets new values of Sarama's stateful
+	// balance strategies (sticky, cooperative-sticky), so one base may be
+	// shared by every subscriber; the parallel subscriber also gives each
+	// Subscribe call its own. watermill-kafka's Subscriber does not: give
+	// each topic a Subscriber of its own under those strategies.
 	Sarama *sarama.Config
 	// Logger receives, at info level, the corrections
 	// WatermillSubscriberConfig makes to a value the Sarama base set itself

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/idemkit/watermill-idempotency/internal/saramastrategy"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
 
@@ -89,6 +90,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	default:
 	}
 	sc := *s.sarama
+	saramastrategy.Own(&sc) // a member's sticky strategies are its own
 	tracked := trackConns(&sc)
 	client, err := sarama.NewClient(s.cfg.Client.Brokers, &sc)
 	if err != nil {

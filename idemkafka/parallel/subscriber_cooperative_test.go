@@ -1,6 +1,7 @@
 package parallel_test
 
 import (
+	"context"
 	"slices"
 	"sync"
 	"testing"
@@ -204,4 +205,44 @@ func (f *fixture) fullMember(t *testing.T, cfg *parallel.SubscriberConfig) (a *p
 		return len(ps) == 2 && ps[0].Window == 5 && ps[1].Window == 5
 	})
 	return a, blocked, open
+}
+
+// Subscribers that share one sarama.Config share its strategy values, and
+// Sarama's sticky strategies keep each Plan's state in theirs: two groups
+// led from one process would plan on one map at once (a data race, then a
+// panic inside Plan, seen in the soak with the main topic's and a retry
+// topic's subscribers). Each Subscribe plans with strategies of its own:
+// under -race, two groups joining and rebalancing at once stay quiet.
+func TestSubscribersSharingOneSaramaConfigPlanApart(t *testing.T) {
+	const parts = 4
+	f := newFixture(t, parts, 4)
+	shared := cooperative(f.config("")).Client.Sarama
+	var subs []*parallel.Subscriber
+	for _, group := range []string{"plan-a", "plan-b"} {
+		cfg := f.config(group)
+		cfg.Client.Sarama = shared
+		subs = append(subs, f.subscriber(t, cfg))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() {
+		cancel()
+		for _, s := range subs {
+			_ = s.Close()
+		}
+	})
+	// Two members per group, all four joining at once: each group's leader
+	// plans twice (the first member alone, then both).
+	var wg sync.WaitGroup
+	for range 2 {
+		for _, s := range subs {
+			wg.Go(func() {
+				_, err := s.Subscribe(ctx, f.topic)
+				require.NoError(t, err)
+			})
+		}
+	}
+	wg.Wait()
+	for _, s := range subs {
+		waitFor(t, "every partition owned in each group", func() bool { return len(s.Stats().Partitions) == parts })
+	}
 }

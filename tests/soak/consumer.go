@@ -443,11 +443,24 @@ type tailBuffer struct {
 	mu    sync.Mutex
 	max   int
 	lines []string
+	// crash is the head of a Go crash report (its "panic:" or "fatal
+	// error:" line and the frames after it), which the tail would lose to
+	// the other goroutines' stacks.
+	crash []string
 }
+
+// crashHead is how many lines of a crash report's head are kept.
+const crashHead = 16
 
 func (b *tailBuffer) add(line string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	switch {
+	case len(b.crash) == 0 && (strings.HasPrefix(line, "panic: ") || strings.HasPrefix(line, "fatal error: ")):
+		b.crash = append(b.crash, line)
+	case len(b.crash) > 0 && len(b.crash) < crashHead:
+		b.crash = append(b.crash, line)
+	}
 	b.lines = append(b.lines, line)
 	if len(b.lines) > b.max {
 		b.lines = b.lines[len(b.lines)-b.max:]
@@ -459,6 +472,9 @@ func (b *tailBuffer) String() string {
 	defer b.mu.Unlock()
 	if len(b.lines) == 0 {
 		return "(no output)"
+	}
+	if len(b.crash) > 0 {
+		return "crash: " + strings.Join(b.crash, " | ") + " || last lines: " + strings.Join(b.lines, " | ")
 	}
 	return strings.Join(b.lines, " | ")
 }
