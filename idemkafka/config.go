@@ -239,7 +239,7 @@ func WatermillSubscriberConfig(cfg ClientConfig, consumerGroup string) (kafka.Su
 		// ClientConfig.RevokeTimeout). Wrap it, do not replace it, to add
 		// a tracer of your own; watermill-kafka's OTELEnabled does not
 		// apply over it (the library's own spans: docs/observability.md).
-		Tracer: revokeBound(nil, revoke, cfg.Logger),
+		Tracer: revokeBound(nil, consumerGroup, revoke, cfg.Logger),
 	}, nil
 }
 

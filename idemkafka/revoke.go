@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 
+	"github.com/idemkit/watermill-idempotency/internal/claimstart"
 	"github.com/idemkit/watermill-idempotency/internal/handlertracer"
 )
 
@@ -34,17 +35,21 @@ import (
 // the partition's next owner receives it again and the dedup claim absorbs
 // it, or waits for it (a claim waits on the unique index until the first
 // transaction ends), so the two can never both apply it.
-func revokeBound(next kafka.SaramaTracer, timeout time.Duration, logger watermill.LoggerAdapter) kafka.SaramaTracer {
+//
+// It also records where each claim starts (internal/claimstart), under
+// group, for the dedup middleware's comparison with PostgreSQL's position.
+func revokeBound(next kafka.SaramaTracer, group string, timeout time.Duration, logger watermill.LoggerAdapter) kafka.SaramaTracer {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
 	return handlertracer.New(next, func(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
-		return &revokeBoundHandler{ConsumerGroupHandler: h, timeout: timeout, logger: logger}
+		return &revokeBoundHandler{ConsumerGroupHandler: h, group: group, timeout: timeout, logger: logger}
 	})
 }
 
 type revokeBoundHandler struct {
 	sarama.ConsumerGroupHandler
+	group   string
 	timeout time.Duration
 	logger  watermill.LoggerAdapter
 	// detached counts watermill-kafka's ConsumeClaim calls still running
@@ -80,6 +85,7 @@ type fedClaim struct {
 func (c fedClaim) Messages() <-chan *sarama.ConsumerMessage { return c.msgs }
 
 func (h *revokeBoundHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	claimstart.Record(h.group, claim.Topic(), claim.Partition(), claim.InitialOffset())
 	fed := fedClaim{ConsumerGroupClaim: claim, msgs: make(chan *sarama.ConsumerMessage)}
 	done := make(chan error, 1)
 	finished := make(chan struct{})

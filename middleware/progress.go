@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/watermill-idempotency/internal/claimsql"
+	"github.com/idemkit/watermill-idempotency/internal/claimstart"
 	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 	"github.com/idemkit/watermill-idempotency/migrate"
 )
@@ -70,11 +71,14 @@ func (d *progressKeeper) progressContext(ctx context.Context, msgs ...*message.M
 	return progresssql.With(ctx, p)
 }
 
-// progressWatch is the last offset seen per partition of watermill-kafka's
+// progressWatch is what the keeper saw per partition of watermill-kafka's
 // messages.
 type progressWatch struct {
-	mu   sync.Mutex
-	last map[topicPartition]int64
+	mu sync.Mutex
+	// last is the last offset seen; claim the claim (internal/claimstart)
+	// whose start was compared last.
+	last  map[topicPartition]int64
+	claim map[topicPartition]uint64
 	// gap holds the partitions found past PostgreSQL's position: their
 	// position is no longer written, so that it stays at the start of the
 	// gap, where idemctl's rewind takes the offsets, until this process
@@ -87,28 +91,43 @@ type topicPartition struct {
 	partition int32
 }
 
-// checkProgress compares offset with PostgreSQL's position of its
-// partition when it does not follow the last offset seen there (the
-// partition's first message in this process, or a jump: a reassignment),
-// and reports whether the partition is past it. An offset past the
-// position means that the subscriber started from a committed Kafka offset
-// ahead of the database, which a failover to an asynchronous standby or a
-// restore leaves, and the records between may never be processed: it
-// counts them in [Stats].KafkaAhead, logs an error with the rewind to run,
-// and stops moving the partition's position (it stays at the start of
-// the gap, which the rewind reads). One query, only then.
+// checkProgress compares where the subscriber started on offset's
+// partition with PostgreSQL's position there, once per claim, and reports
+// whether the partition is past it. A start past the position means that
+// the subscriber started from a committed Kafka offset ahead of the
+// database, which a failover to an asynchronous standby or a restore
+// leaves, and the records between may never be processed: it counts them
+// in [Stats].KafkaAhead, logs an error with the rewind to run, and stops
+// moving the partition's position (it stays at the start of the gap,
+// which the rewind reads). One query, only then.
+//
+// Where the subscriber started is the claim's start, which
+// idemkafka.WatermillSubscriberConfig's subscriber records
+// (internal/claimstart): a new claim is compared once. Without it, the
+// keeper compares the partition's first offset in this process and each
+// jump (offset not following the last one seen), which a topic written in
+// Kafka transactions also shows where nothing was lost (a commit marker,
+// an aborted transaction's records): such a topic then reads as ahead.
 func (d *progressKeeper) checkProgress(ctx context.Context, topic string, partition int32, offset int64) (gap bool) {
 	key := topicPartition{topic, partition}
+	start, exact := claimstart.Lookup(d.group, topic, partition)
 	w := &d.watch
 	w.mu.Lock()
-	last, seen := w.last[key]
 	if w.last == nil {
-		w.last, w.gap = map[topicPartition]int64{}, map[topicPartition]bool{}
+		w.last, w.claim, w.gap = map[topicPartition]int64{}, map[topicPartition]uint64{}, map[topicPartition]bool{}
 	}
+	last, seen := w.last[key]
 	w.last[key] = offset
+	compared := w.claim[key]
 	gap = w.gap[key]
 	w.mu.Unlock()
-	if seen && (offset == last+1 || offset <= last) {
+	from := offset
+	switch {
+	case exact && compared == start.Claim:
+		return gap // this claim's start was compared
+	case exact:
+		from = start.Offset
+	case seen && (offset == last+1 || offset <= last):
 		return gap
 	}
 	var next int64
@@ -116,23 +135,26 @@ func (d *progressKeeper) checkProgress(ctx context.Context, topic string, partit
 		return tx.QueryRow(ctx, "SELECT next_offset FROM "+d.table+
 			" WHERE consumer_group = $1 AND topic = $2 AND kafka_partition = $3", d.group, topic, partition).Scan(&next)
 	})
-	fields := watermill.LogFields{"topic": topic, "kafka_partition": partition, "offset": offset}
+	fields := watermill.LogFields{"topic": topic, "kafka_partition": partition, "offset": from}
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		next = offset // the group's first message here with progress
+		next = from // the group's first message here with progress
 	case err != nil:
 		d.logger.Info("Could not compare the Kafka position with PostgreSQL's", fields.Add(watermill.LogFields{"err": err.Error()}))
 		return gap
 	}
-	gap = offset > next
+	gap = from > next
 	w.mu.Lock()
 	w.gap[key] = gap
+	if exact {
+		w.claim[key] = start.Claim
+	}
 	w.mu.Unlock()
 	if gap {
-		d.stats.kafkaAhead.Add(uint64(offset - next))
+		d.stats.kafkaAhead.Add(uint64(from - next))
 		d.logger.Error("The subscriber started past the consumer group's position in PostgreSQL: records may never be processed",
 			fmt.Errorf("offsets %d..%d of %s/%d are not covered by PostgreSQL's position (a failover to an asynchronous standby, or a restore?); "+
-				"the position stays there: stop the consumers and run idemctl groups progress %s --rewind --yes", next, offset-1, topic, partition, d.group),
+				"the position stays there: stop the consumers and run idemctl groups progress %s --rewind --yes", next, from-1, topic, partition, d.group),
 			fields.Add(watermill.LogFields{"postgres_offset": next}))
 	}
 	return gap

@@ -1,0 +1,56 @@
+// Package claimstart records, for this process, the offset each Kafka claim
+// of a watermill-kafka subscriber started from (the group's committed
+// offset when the claim began), so that the dedup middleware can compare
+// where the subscriber started with the position PostgreSQL holds
+// (DESIGN §12) instead of guessing it from the first record's offset.
+//
+// The first record's offset is not where the subscriber started: a topic
+// written in Kafka transactions (the outbox forwarder's) holds a commit
+// marker after each transaction's records, and records of aborted
+// transactions are skipped, so offsets jump by one or more where nothing
+// was lost. The claim's start has no such gaps: it is the offset the
+// group committed, which the subscriber marks as the last record + 1, as
+// the middleware records PostgreSQL's position.
+//
+// idemkafka.WatermillSubscriberConfig's handler records each claim; a
+// subscriber configured otherwise records none, and the middleware falls
+// back to the first record's offset.
+package claimstart
+
+import "sync"
+
+// Start is where a claim began, and the claim's number in this process:
+// a new claim of the same partition (a rebalance gave it back) has a new
+// one.
+type Start struct {
+	Offset int64
+	Claim  uint64
+}
+
+type key struct {
+	group, topic string
+	partition    int32
+}
+
+var (
+	mu     sync.Mutex
+	claims uint64
+	starts = map[key]Start{}
+)
+
+// Record notes that group's claim of topic/partition starts at offset.
+func Record(group, topic string, partition int32, offset int64) {
+	mu.Lock()
+	defer mu.Unlock()
+	claims++
+	starts[key{group, topic, partition}] = Start{Offset: offset, Claim: claims}
+}
+
+// Lookup returns the start of group's latest claim of topic/partition in
+// this process, or false when none was recorded.
+func Lookup(group, topic string, partition int32) (Start, bool) {
+	mu.Lock()
+	defer mu.Unlock()
+	s, ok := starts[key{group, topic, partition}]
+	return s, ok
+}
