@@ -168,7 +168,9 @@ func (h *harness) releaseBlocked(ctx context.Context) {
 				continue
 			}
 			var failures int
+			h.dbGate.RLock() // a failover keeps the release on the standby, or after it
 			err := h.admin.QueryRow(ctx, `UPDATE soak_blocked SET released_at = clock_timestamp(), released_after = $2 WHERE grp = $1 AND failures > 0 RETURNING failures`, g.name, n).Scan(&failures)
+			h.dbGate.RUnlock()
 			if err != nil {
 				continue // not failed yet (no row), or a disruption
 			}
