@@ -52,6 +52,7 @@ func TestSoakFailover(t *testing.T) {
 				Aggregates:   32,
 				Faults:       soak.FaultCounts{Failover: 1},
 				Parallel:     mode.parallel,
+				RetryPercent: retryPercent(),
 				SkipProgress: os.Getenv("IDEM_FAILOVER_PROGRESS") == "off",
 				Timeout:      10 * time.Minute, // a bound, not a target
 				DatabaseURL:  pgtest.URL(),
@@ -74,4 +75,11 @@ func TestSoakFailover(t *testing.T) {
 			require.True(t, rep.OK(), "soak violations (seed %d):\n%s", rep.Seed, rep.String())
 		})
 	}
+}
+
+func retryPercent() int {
+	if os.Getenv("SOAK_NO_RETRY") != "" {
+		return -1
+	}
+	return 0
 }

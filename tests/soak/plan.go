@@ -154,10 +154,11 @@ func makeSchedule(cfg Config) []scheduled {
 		s = append(s, scheduled{at: int64(0.03*float64(cfg.Events)) + rl.Int64N(max(1, int64(0.87*float64(cfg.Events)))), by: byGroup, kind: faultKillMidCall, group: rl.IntN(2), pick: rl.Uint64()})
 	}
 	// The failover: a stream of its own, so the rest of a seed's schedule
-	// stays as it was; mid-run, so that events flow before and after it.
+	// stays as it was; mid-run by the events applied (the producers run
+	// ahead), so that events flow before and after it.
 	rv := rand.New(rand.NewPCG(cfg.Seed, 0xfa11_07e5))
 	for range fc.Failover {
-		s = append(s, scheduled{at: int64(0.3*float64(cfg.Events)) + rv.Int64N(max(1, int64(0.3*float64(cfg.Events)))), by: byProduced, kind: faultFailover})
+		s = append(s, scheduled{at: int64(0.6*float64(cfg.Events)) + rv.Int64N(max(1, int64(0.4*float64(cfg.Events)))), by: byApplied, kind: faultFailover})
 	}
 	for g := range 2 {
 		for range fc.OffsetResetPerGrp {
