@@ -43,17 +43,19 @@ type FailoverReport struct {
 	// Position says where the groups' position was kept.
 	Position string
 	// Unpositioned lists the partitions (Kafka group topic/partition) with
-	// an offset committed in Kafka but no position in PostgreSQL at the
-	// cut: they start from Kafka's committed offset after the failover
-	// (docs/guarantees.md's limit), and lose what they processed after the
-	// cut.
+	// an offset committed in Kafka but no position in PostgreSQL when the
+	// primary stops (read there): a partition whose first position was
+	// written after the cut has none on the promoted standby, starts from
+	// Kafka's committed offset (docs/guarantees.md's limit) and loses the
+	// events it processed after the cut. A retry topic's partition that
+	// gets its first copy then is one.
 	Unpositioned []string
 	// Took is the fault's duration, consumers stopped included.
 	Took time.Duration
 }
 
 func (f *FailoverReport) String() string {
-	return fmt.Sprintf("%s; %d events applied after the cut, %d ledger rows lost by the promotion (applied again), %d Kafka offsets rewound; position: %s; partitions without a position at the cut: %v; took %s",
+	return fmt.Sprintf("%s; %d events applied after the cut, %d ledger rows lost by the promotion (applied again), %d Kafka offsets rewound; position: %s; partitions with a Kafka offset but no position when the primary stopped: %v; took %s",
 		f.Servers, f.AppliedInWindow, f.LedgerLost, f.Rewound, f.Position, f.Unpositioned, f.Took.Round(time.Millisecond))
 }
 
@@ -149,12 +151,12 @@ func (h *harness) failover(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	fr.Unpositioned = h.unpositioned(ctx)
 	before := h.progress(scheduled{by: byApplied})
 	h.logf("failover: replication cut at %d applications; the consumers go on on the primary alone", before)
 	h.waitNoLag(ctx, 30*time.Second)
 	fr.AppliedInWindow = h.progress(scheduled{by: byApplied}) - before
 	err = h.withConsumersStopped(ctx, func() error {
+		fr.Unpositioned = h.unpositioned(ctx)
 		onPrimary, err := h.ledgerRows(ctx)
 		if err != nil {
 			return err
@@ -171,7 +173,8 @@ func (h *harness) failover(ctx context.Context) error {
 			return err
 		}
 		fr.LedgerLost = onPrimary - onStandby
-		h.logf("failover: standby promoted, address moved: %d ledger rows lost (%d applications after the cut)", fr.LedgerLost, fr.AppliedInWindow)
+		h.logf("failover: standby promoted, address moved: %d ledger rows lost (%d applications after the cut); partitions with a Kafka offset but no position when the primary stopped: %v",
+			fr.LedgerLost, fr.AppliedInWindow, fr.Unpositioned)
 		if h.cfg.Parallel || h.cfg.SkipProgress {
 			return nil
 		}
@@ -187,7 +190,7 @@ func (h *harness) failover(ctx context.Context) error {
 // one starts from Kafka's committed offset after a failover
 // (docs/guarantees.md's limit), which is not what the fault is about. The
 // retry topics are not waited for (some partitions may never get a
-// copy); [FailoverReport.Unpositioned] lists what is left at the cut.
+// copy); [FailoverReport.Unpositioned] lists what is left.
 func (h *harness) waitPositions(ctx context.Context, d time.Duration) {
 	if h.cfg.SkipProgress {
 		return
