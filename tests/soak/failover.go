@@ -43,19 +43,19 @@ type FailoverReport struct {
 	// Position says where the groups' position was kept.
 	Position string
 	// Unpositioned lists the partitions (Kafka group topic/partition) with
-	// an offset committed in Kafka but no position in PostgreSQL when the
-	// primary stops (read there): a partition whose first position was
-	// written after the cut has none on the promoted standby, starts from
-	// Kafka's committed offset (docs/guarantees.md's limit) and loses the
-	// events it processed after the cut. A retry topic's partition that
-	// gets its first copy then is one.
+	// an offset committed in Kafka but no position in PostgreSQL on the
+	// promoted standby: a partition whose first position was written
+	// after the cut starts from Kafka's committed offset
+	// (docs/guarantees.md's limit) and loses the events it processed
+	// after the cut. A retry topic's partition that got its first copy
+	// then is one.
 	Unpositioned []string
 	// Took is the fault's duration, consumers stopped included.
 	Took time.Duration
 }
 
 func (f *FailoverReport) String() string {
-	return fmt.Sprintf("%s; %d events applied after the cut, %d ledger rows lost by the promotion (applied again), %d Kafka offsets rewound; position: %s; partitions with a Kafka offset but no position when the primary stopped: %v; took %s",
+	return fmt.Sprintf("%s; %d events applied after the cut, %d ledger rows lost by the promotion (applied again), %d Kafka offsets rewound; position: %s; partitions with a Kafka offset but no position on the promoted standby: %v; took %s",
 		f.Servers, f.AppliedInWindow, f.LedgerLost, f.Rewound, f.Position, f.Unpositioned, f.Took.Round(time.Millisecond))
 }
 
@@ -156,7 +156,6 @@ func (h *harness) failover(ctx context.Context) error {
 	h.waitNoLag(ctx, 30*time.Second)
 	fr.AppliedInWindow = h.progress(scheduled{by: byApplied}) - before
 	err = h.withConsumersStopped(ctx, func() error {
-		fr.Unpositioned = h.unpositioned(ctx)
 		onPrimary, err := h.ledgerRows(ctx)
 		if err != nil {
 			return err
@@ -173,7 +172,8 @@ func (h *harness) failover(ctx context.Context) error {
 			return err
 		}
 		fr.LedgerLost = onPrimary - onStandby
-		h.logf("failover: standby promoted, address moved: %d ledger rows lost (%d applications after the cut); partitions with a Kafka offset but no position when the primary stopped: %v",
+		fr.Unpositioned = h.unpositioned(ctx)
+		h.logf("failover: standby promoted, address moved: %d ledger rows lost (%d applications after the cut); partitions with a Kafka offset but no position on the promoted standby: %v",
 			fr.LedgerLost, fr.AppliedInWindow, fr.Unpositioned)
 		if h.cfg.Parallel || h.cfg.SkipProgress {
 			return nil

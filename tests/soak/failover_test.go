@@ -84,7 +84,7 @@ func TestSoakFailover(t *testing.T) {
 				require.Zero(t, g.Double, "%s: events applied twice", g.Name)
 				require.Equal(t, cfg.Events, g.LedgerRows, g.Name)
 			}
-			require.Empty(t, rep.Failover.Unpositioned, "partitions without a position in PostgreSQL when the primary stopped")
+			require.Empty(t, rep.Failover.Unpositioned, "partitions with a Kafka offset but no position on the promoted standby")
 			require.True(t, rep.OK(), "soak violations (seed %d):\n%s", rep.Seed, rep.String())
 		})
 	}
