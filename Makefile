@@ -106,7 +106,7 @@ demo: ## Run the billing example end to end (orders, billing with Idempotency-Ke
 	$(GO) run ./examples/billing
 
 .PHONY: soak
-soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, every fault type; one transaction per message, then group commit; on watermill-kafka's subscriber, then on idemkafka's parallel one (cooperative-sticky, with a hot key, a failing key and PartitionWindow 16); then lease mode on the parallel one (kills between the phases); each run bounded by 25 min
+soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, a failover to an asynchronous standby (throwaway clusters; skipped without the PostgreSQL server programs), every fault type; one transaction per message, then group commit; on watermill-kafka's subscriber, then on idemkafka's parallel one (cooperative-sticky, with a hot key, a failing key and PartitionWindow 16); then lease mode on the parallel one (kills between the phases); each run bounded by 25 min
 	$(GO) run ./cmd/soak $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -group-commit $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -parallel $(SOAK_FLAGS)

@@ -187,33 +187,32 @@ func (h *harness) failover(ctx context.Context) error {
 
 // waitPositions waits, for up to d, until each Kafka group of the run has
 // a position in PostgreSQL for every partition of its topic (the main
-// topic's, the retry topics'): a partition without one starts from
-// Kafka's committed offset after a failover (docs/guarantees.md's limit),
-// and a partition that got its first record after the cut has none on
-// the promoted standby. The fault is about the positions the library
-// keeps, not about that limit; a retry topic's partition may also never
-// get a copy, so the wait is bounded (a long wait would let the consumers
-// drain everything before the cut), and [FailoverReport.Unpositioned]
-// lists what the limit hit.
+// topic's, the retry topics') that holds a record: a partition without one
+// starts from Kafka's committed offset after a failover
+// (docs/guarantees.md's limit). The fault is about the positions the
+// library keeps, not about that limit. A partition that gets its first
+// record after the cut has none on the promoted standby either: the wait
+// cannot prevent that, [FailoverReport.Unpositioned] lists it. The wait is
+// bounded: a long one would let the consumers drain everything before
+// the cut.
 func (h *harness) waitPositions(ctx context.Context, d time.Duration) {
 	if h.cfg.SkipProgress {
 		return
 	}
-	table := progresssql.Table(h.table.Schema, "processed_event")
+	client, err := sarama.NewClient(h.brokers, sarama.NewConfig())
+	if err != nil {
+		h.logf("failover: positions not checked: %v", err)
+		return
+	}
+	defer client.Close()
 	deadline := time.Now().Add(d)
 	var missing []string
 	for time.Now().Before(deadline) && ctx.Err() == nil {
 		missing = missing[:0]
 		for _, g := range h.groups {
 			for kg, topic := range h.kafkaGroups(g) {
-				pgGroup := g.name // watermill-kafka: the middleware's, by dedup group
-				if h.cfg.Parallel {
-					pgGroup = kg // the parallel subscriber's, by its Kafka group
-				}
-				var n int
-				err := h.admin.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE consumer_group = $1 AND topic = $2`, pgGroup, topic).Scan(&n)
-				if err != nil || n < int(h.cfg.Partitions) {
-					missing = append(missing, fmt.Sprintf("%s %s (%d of %d)", kg, topic, n, h.cfg.Partitions))
+				if m := h.missingPositions(ctx, client, g, kg, topic); m != "" {
+					missing = append(missing, m)
 				}
 			}
 		}
@@ -222,7 +221,35 @@ func (h *harness) waitPositions(ctx context.Context, d time.Duration) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	h.logf("failover: partitions still without a position in PostgreSQL after %s: %v; failing over anyway", d, missing)
+	h.logf("failover: partitions with records still without a position in PostgreSQL after %s: %v; failing over anyway", d, missing)
+}
+
+// missingPositions names the partitions of topic that hold a record but
+// have no position of kafkaGroup (of g) in PostgreSQL, "" when none.
+func (h *harness) missingPositions(ctx context.Context, client sarama.Client, g *group, kafkaGroup, topic string) string {
+	pgGroup := g.name // watermill-kafka: the middleware's, by dedup group
+	if h.cfg.Parallel {
+		pgGroup = kafkaGroup // the parallel subscriber's, by its Kafka group
+	}
+	rows, _, err := progresssql.Load(ctx, h.admin, progresssql.Table(h.table.Schema, "processed_event"), pgGroup, topic)
+	if err != nil {
+		return fmt.Sprintf("%s %s: %v", kafkaGroup, topic, err)
+	}
+	has := map[int32]bool{}
+	for _, r := range rows {
+		has[r.Partition] = true
+	}
+	var parts []int32
+	for p := range h.cfg.Partitions {
+		hw, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil || (hw > 0 && !has[p]) {
+			parts = append(parts, p)
+		}
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%s %s %v", kafkaGroup, topic, parts)
 }
 
 // unpositioned returns the partitions of the run's Kafka groups with an
