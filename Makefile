@@ -112,6 +112,12 @@ soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database 
 	$(GO) run ./cmd/soak -parallel $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -parallel -group-commit $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -parallel -lease $(SOAK_FLAGS)
+	$(MAKE) --no-print-directory soak/failover
+
+.PHONY: soak/failover
+soak/failover: ## The soak's full mix plus a failover to an asynchronous standby (throwaway clusters; skipped without the PostgreSQL server programs), no failing events (the retry path does not survive a failover yet: docs/soak.md); watermill-kafka's subscriber, then the parallel one
+	$(GO) run ./cmd/soak -faults failover=1 -retry-percent -1 $(SOAK_FLAGS)
+	$(GO) run ./cmd/soak -parallel -faults failover=1 -retry-percent -1 $(SOAK_FLAGS)
 
 .PHONY: db/reset
 db/reset: ## Drop the test schemas left behind by interrupted test runs

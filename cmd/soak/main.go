@@ -55,7 +55,7 @@ func main() {
 	lease := flag.Bool("lease", false, "consumers in lease mode (idem.Config.Mode = &idem.LeaseConfig{}): the handler calls a fake provider with no transaction held and registers its write with idem.Complete; kills land between the phases (not with -group-commit)")
 	leaseDuration := flag.Duration("lease-duration", soak.DefaultLeaseDuration, "the lease's duration in lease mode: how long a killed consumer's event waits before it is taken over")
 	retryPercent := flag.Int("retry-percent", soak.DefaultRetryPercent, "percent of the events that fail transiently 1-3 times and go through the retry topics (negative: none)")
-	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset); "none" starts from an empty mix`)
+	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset, leader-election, oversize-row, failover); "none" starts from an empty mix`)
 	flag.Parse()
 
 	cfg := soak.Config{

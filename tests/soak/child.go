@@ -80,6 +80,13 @@ type childConfig struct {
 	// main topic subscriber's PartitionWindow (0: its default).
 	FailingKey      string `json:"failing_key"`
 	PartitionWindow int    `json:"partition_window"`
+	// The failover fault's runs ([FaultCounts.Failover]): the parallel
+	// subscribers use the (eager) sticky strategy and, with Progress,
+	// start each partition from PostgreSQL's position; SkipProgress keeps
+	// the position in Kafka only (the run that shows the loss).
+	Sticky       bool `json:"sticky"`
+	Progress     bool `json:"progress"`
+	SkipProgress bool `json:"skip_progress"`
 }
 
 // The consumer-to-soak protocol: one line on standard output per event.
@@ -304,7 +311,7 @@ func (c *child) openPools(ctx context.Context) (closePools func(), err error) {
 func (c *child) newDedup(ctx context.Context, logger watermill.LoggerAdapter) (dedup *idem.Dedup, err error) {
 	cfg := c.cfg
 	err = retry(ctx, "dedup middleware", func() error {
-		dcfg := idem.Config{DB: c.pool, ConsumerGroup: cfg.Group, Table: tableConfig(cfg.Schema)}
+		dcfg := idem.Config{DB: c.pool, ConsumerGroup: cfg.Group, Table: tableConfig(cfg.Schema), SkipProgress: cfg.SkipProgress}
 		if cfg.Parallel {
 			// Every topic's subscriber hands out up to its MaxInFlight
 			// messages at once.
@@ -385,7 +392,8 @@ func (c *child) addHandlers(router *message.Router, kc idemkafka.ClientConfig, l
 // addParallelHandlers consumes the main topic and each retry topic with
 // idemkafka's parallel subscriber (key order, the library's default Sarama
 // settings but for the cooperative-sticky strategy: a rebalance revokes
-// only the partitions that move); a retry topic's copies wait in their partition's window until
+// only the partitions that move; in a run with the failover fault the
+// eager sticky one, which Progress needs); a retry topic's copies wait in their partition's window until
 // their not-before time (retrytopic.RecordNotBefore). With hostile keys the
 // main topic's PartitionWindow is small, and a goroutine reports its
 // spills. A goroutine reports each subscriber's first consumer-group
@@ -395,7 +403,13 @@ func (c *child) addParallelHandlers(ctx context.Context, router *message.Router,
 	sc := sarama.NewConfig()
 	sc.Version = sarama.V2_4_0_0
 	sc.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
+	if cfg.Sticky {
+		sc.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategySticky()}
+	}
 	base := parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: cfg.Brokers, Sarama: sc}, ConsumerGroup: cfg.Group, MaxInFlight: ParallelMaxInFlight}
+	if cfg.Progress {
+		base.Progress, base.ProgressSchema = c.pool, cfg.Schema
+	}
 	mc := base
 	mc.PartitionWindow = cfg.PartitionWindow // hostile keys: small, so that it fills and spills
 	sub, err := parallel.NewSubscriber(mc, logger)

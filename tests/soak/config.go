@@ -114,6 +114,11 @@ type Config struct {
 	// LeaseDuration is the lease's duration in lease mode. Defaults to
 	// [DefaultLeaseDuration].
 	LeaseDuration time.Duration
+	// SkipProgress keeps the consumer groups' position in Kafka only: no
+	// <table>_progress (idem.Config.SkipProgress), no Progress on the
+	// parallel subscribers, no rewind after the failover fault. The run
+	// that shows the failover's loss. Defaults to false.
+	SkipProgress bool
 	// UnstableIdempotencyKey makes the lease-mode handler send a new
 	// Idempotency-Key with each call instead of the event's: a broken
 	// handler, to check that the soak catches a double charge. Defaults to
@@ -163,12 +168,24 @@ type FaultCounts struct {
 	OffsetResetPerGrp int // a group's committed offsets reset to the beginning (full replay)
 	LeaderElection    int // every partition's leader moves to another broker (in-process broker only: it runs 3 brokers then)
 	OversizeRow       int // a row larger than the producer's limit written to the outbox table by another writer (outbox producer only)
+	// Failover runs the run's database on a throwaway primary with an
+	// asynchronous standby behind a movable address (internal/testkit/
+	// pgcluster) and fails over to the standby once, after cutting
+	// replication (see [harness.failover]). Only 1 is meaningful; it needs
+	// the PostgreSQL server programs (skipped with one line without them).
+	Failover int
 }
 
-// FullFaults is the default fault mix of `make soak`.
+// FullFaults is the default fault mix of `make soak`. It has no failover:
+// the retry path does not survive one yet (docs/soak.md, "The failover
+// fault"), so `make soak/failover` runs the full mix with the failover
+// and no failing events (-faults failover=1 -retry-percent -1), on
+// watermill-kafka's subscriber and on the parallel one.
 var FullFaults = FaultCounts{KillMidHandler: 4, KillAfterCommit: 4, Kill: 4, DisruptDB: 2, Join: 4, TerminateConsumer: 8, TerminateProducer: 4, RestartForwarder: 4, OffsetResetPerGrp: 1, LeaderElection: 3, OversizeRow: 2}
 
-// ShortFaults is the mix of the short run in `make test`.
+// ShortFaults is the mix of the short run in `make test`. It has no
+// failover: its parallel legs keep the cooperative-sticky strategy, which
+// a failover run replaces (TestSoakFailover runs the failover alone).
 var ShortFaults = FaultCounts{KillMidHandler: 1, KillAfterCommit: 1, Kill: 1, DisruptDB: 1, Join: 1, TerminateConsumer: 2, TerminateProducer: 1, RestartForwarder: 1, OffsetResetPerGrp: 1, LeaderElection: 1, OversizeRow: 1}
 
 // ShortLeaseFaults is the short mix of the lease-mode leg: the short mix,
@@ -236,6 +253,8 @@ func (c Config) Validate() error {
 		return errors.New("field HostileKeys: only with Parallel, not in lease mode")
 	case c.Faults.KillMidCall > 0 && !c.Lease:
 		return errors.New("field Faults.KillMidCall: only in lease mode (Lease), where the handler makes a call")
+	case c.Faults.Failover > 1:
+		return errors.New("field Faults.Failover: once per run (the standby is the last one)")
 	}
 	return nil
 }

@@ -221,6 +221,9 @@ func (g *group) childConfig(inst *instance) childConfig {
 		UnstableKey:     h.cfg.UnstableIdempotencyKey,
 		FailingKey:      h.failingKey(),
 		PartitionWindow: h.partitionWindow(),
+		Sticky:          h.cluster != nil,
+		Progress:        h.cluster != nil && !h.cfg.SkipProgress,
+		SkipProgress:    h.cfg.SkipProgress,
 	}
 }
 

@@ -14,5 +14,9 @@
 // [Report]: the faults injected, the duplicates the dedup middleware
 // absorbed, the events lost or applied twice per group, and the violations
 // found. `make soak` runs the full version (cmd/soak); TestSoakShort
-// runs a short one inside `make test`. See docs/soak.md.
+// runs a short one inside `make test`. The failover fault
+// ([FaultCounts].Failover, once per full run) moves the run's database to a
+// throwaway primary with an asynchronous standby (internal/testkit/
+// pgcluster), cuts replication, promotes the standby and moves the
+// consumers to it; TestSoakFailover runs it alone. See docs/soak.md.
 package soak

@@ -68,7 +68,9 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		h.kills.Add(1)
 		h.fault(f.kind, false)
 	case faultDisrupt:
+		h.dbGate.RLock()
 		h.counted(f.kind, "database disruption", h.disrupt(ctx))
+		h.dbGate.RUnlock()
 	case faultJoin:
 		h.joinUntil(ctx, g, f)
 	case faultTermConsumer:
@@ -92,9 +94,17 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 			h.fault(f.kind, true)
 			return
 		}
+		h.dbGate.RLock()
 		h.counted(f.kind, "oversize row", op.writeOversize(ctx))
+		h.dbGate.RUnlock()
 	case faultOffsetReset:
 		h.counted(f.kind, g.name+": offset reset", h.resetOffsets(ctx, g))
+	case faultFailover:
+		if h.cluster == nil {
+			h.fault(f.kind, true)
+			return
+		}
+		h.counted(f.kind, "failover", h.failover(ctx))
 	}
 }
 
@@ -238,6 +248,8 @@ func waitFor(ctx context.Context, try func() bool) bool {
 // which the fault counts as skipped (a component with no work left keeps no
 // connection).
 func (h *harness) terminate(ctx context.Context, kind func(target string) string, prefixes []string, pick uint64) {
+	h.dbGate.RLock()
+	defer h.dbGate.RUnlock()
 	like := make([]string, len(prefixes))
 	for i, p := range prefixes {
 		like[i] = h.appName(p)
@@ -336,32 +348,13 @@ func (h *harness) disrupt(ctx context.Context) error {
 func (h *harness) resetOffsets(ctx context.Context, g *group) error {
 	g.faultMu.Lock()
 	defer g.faultMu.Unlock()
-	g.mu.Lock()
-	g.resetting = true
-	live := append([]*instance(nil), g.live...)
-	// Crashed instances whose replacement has not started yet are started
-	// by the reset: their replacements would find it under way and start
-	// none, and the group would shrink for good.
-	replaced := g.replacing
-	g.replacing = 0
-	n := max(len(live)+replaced, g.base)
-	g.mu.Unlock()
-	for range replaced {
-		h.fault(faultRestart, false)
-	}
+	n := h.halt(g)
 	defer func() {
 		g.mu.Lock()
 		g.resetting = false
 		g.mu.Unlock()
 	}()
-
-	var wg sync.WaitGroup
-	for _, inst := range live {
-		wg.Go(inst.stop)
-	}
-	wg.Wait()
-
-	h.logf("%s: offset reset: %d instances stopped", g.name, len(live))
+	h.logf("%s: offset reset: instances stopped", g.name)
 	attempt := 0
 	err := retry(ctx, "commit offsets", func() error {
 		err := h.commitOffsetsToStart(g.name)
@@ -373,6 +366,35 @@ func (h *harness) resetOffsets(ctx context.Context, g *group) error {
 	if err != nil {
 		return err
 	}
+	return g.resume(ctx, n)
+}
+
+// halt stops every instance of g, the caller holding g's fault lock, and
+// returns how many [group.resume] starts again: those live and those
+// crashed whose replacement has not started yet (their replacements would
+// find the group halted and start none, and the group would shrink for
+// good), at least its base number. g stays marked resetting until then.
+func (h *harness) halt(g *group) int {
+	g.mu.Lock()
+	g.resetting = true
+	live := append([]*instance(nil), g.live...)
+	replaced := g.replacing
+	g.replacing = 0
+	n := max(len(live)+replaced, g.base)
+	g.mu.Unlock()
+	for range replaced {
+		h.fault(faultRestart, false)
+	}
+	var wg sync.WaitGroup
+	for _, inst := range live {
+		wg.Go(inst.stop)
+	}
+	wg.Wait()
+	return n
+}
+
+// resume starts instances of g, halted by [harness.halt], until n run.
+func (g *group) resume(ctx context.Context, n int) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.resetting = false

@@ -157,18 +157,24 @@ func (h *harness) releaseBlocked(ctx context.Context) {
 			if done {
 				continue
 			}
+			// The count and the release under the database gate: a failover
+			// between them would release on a count of rows it undid.
+			h.dbGate.RLock()
 			var n int
 			if err := h.admin.QueryRow(ctx, `SELECT count(DISTINCT event_id) FROM soak_ledger WHERE grp = $1 AND aggregate <> $2`, g.name, failing).Scan(&n); err != nil {
+				h.dbGate.RUnlock()
 				continue // a disruption: next tick
 			}
 			st.mu.Lock()
 			st.applied[g.name] = n
 			st.mu.Unlock()
 			if n < st.want {
+				h.dbGate.RUnlock()
 				continue
 			}
 			var failures int
 			err := h.admin.QueryRow(ctx, `UPDATE soak_blocked SET released_at = clock_timestamp(), released_after = $2 WHERE grp = $1 AND failures > 0 RETURNING failures`, g.name, n).Scan(&failures)
+			h.dbGate.RUnlock()
 			if err != nil {
 				continue // not failed yet (no row), or a disruption
 			}

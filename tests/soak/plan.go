@@ -81,6 +81,7 @@ const (
 	faultOffsetReset   = "offset-reset"
 	faultLeader        = "leader-election"
 	faultOversize      = "oversize-row"
+	faultFailover      = "failover (async standby promoted)"
 )
 
 // leaderBrokers is how many brokers the in-process cluster runs when the
@@ -152,6 +153,13 @@ func makeSchedule(cfg Config) []scheduled {
 	for range fc.KillMidCall {
 		s = append(s, scheduled{at: int64(0.03*float64(cfg.Events)) + rl.Int64N(max(1, int64(0.87*float64(cfg.Events)))), by: byGroup, kind: faultKillMidCall, group: rl.IntN(2), pick: rl.Uint64()})
 	}
+	// The failover: a stream of its own, so the rest of a seed's schedule
+	// stays as it was; mid-run by the events applied (the producers run
+	// ahead), so that events flow before and after it.
+	rv := rand.New(rand.NewPCG(cfg.Seed, 0xfa11_07e5))
+	for range fc.Failover {
+		s = append(s, scheduled{at: int64(0.6*float64(cfg.Events)) + rv.Int64N(max(1, int64(0.4*float64(cfg.Events)))), by: byApplied, kind: faultFailover})
+	}
 	for g := range 2 {
 		for range fc.OffsetResetPerGrp {
 			s = append(s, scheduled{at: at(byGroup, 0.3, 0.7), by: byGroup, kind: faultOffsetReset, group: g, pick: r.Uint64()})
@@ -178,12 +186,13 @@ var faultFlags = []struct {
 	{"offset-reset", func(f *FaultCounts) *int { return &f.OffsetResetPerGrp }},
 	{"leader-election", func(f *FaultCounts) *int { return &f.LeaderElection }},
 	{"oversize-row", func(f *FaultCounts) *int { return &f.OversizeRow }},
+	{"failover", func(f *FaultCounts) *int { return &f.Failover }},
 }
 
 // ParseFaults reads a fault mix such as "kill=3,crash-loop=1" on top of
 // base; kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join,
 // pg-consumer, pg-producer, restart-forwarder, offset-reset (per group),
-// leader-election, oversize-row.
+// leader-election, oversize-row, failover.
 func ParseFaults(base FaultCounts, spec string) (FaultCounts, error) {
 	for _, kv := range strings.Split(spec, ",") {
 		kv = strings.TrimSpace(kv)

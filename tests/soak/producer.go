@@ -165,7 +165,10 @@ func (h *harness) runProducers(ctx context.Context) error {
 					continue
 				}
 				id := publisher.NewEventID()
-				if err := h.prod.produce(ctx, ev, eventMessage(id, ev)); err != nil {
+				h.dbGate.RLock() // a failover pauses the producers
+				err := h.prod.produce(ctx, ev, eventMessage(id, ev))
+				h.dbGate.RUnlock()
+				if err != nil {
 					errs <- err
 					return
 				}

@@ -69,6 +69,8 @@ type Report struct {
 	Groups []GroupReport
 	// Lease is the lease-mode leg's view; nil in the other modes.
 	Lease *LeaseReport
+	// Failover is the failover fault's view; nil in a run without it.
+	Failover *FailoverReport
 	// Violations of the invariants; empty means the run passed.
 	Violations []string
 }
@@ -182,6 +184,9 @@ func (r *Report) String() string {
 	}
 	if r.OutboxRows > 0 {
 		fmt.Fprintf(&b, "outbox rows written and forwarded: %d\n", r.OutboxRows)
+	}
+	if r.Failover != nil {
+		fmt.Fprintf(&b, "failover: %s\n", r.Failover)
 	}
 	if r.Rebalance != "" {
 		fmt.Fprintf(&b, "rebalance protocol: %s\n", r.Rebalance)

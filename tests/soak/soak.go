@@ -52,6 +52,14 @@ type harness struct {
 	// hostile is the failing key's state ([Config.HostileKeys]); nil
 	// without hostile keys.
 	hostile *hostileState
+	// cluster is the run's database server in a run with the failover
+	// fault; nil on DatabaseURL's server.
+	cluster *dbCluster
+	// dbGate is held for writing by the failover, for reading by the
+	// producers (each event) and the faults that write to the database or
+	// kill its backends: none runs during a failover, and the standby has
+	// everything they wrote before it.
+	dbGate sync.RWMutex
 
 	mu         sync.Mutex
 	report     *Report
@@ -132,6 +140,11 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		return nil, err
 	}
 
+	stopCluster, err := h.startCluster()
+	if err != nil {
+		return nil, err
+	}
+	defer stopCluster() // after dropDB
 	defer h.dropDB()
 	if err := h.setupDB(ctx); err != nil {
 		return nil, err

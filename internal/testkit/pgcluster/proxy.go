@@ -23,19 +23,29 @@ type Proxy struct {
 // Proxy listens on a port of the range and forwards to c.
 func (e *Env) Proxy(c *Cluster) *Proxy {
 	e.tb.Helper()
-	port := e.takePort()
+	p, err := e.OpenProxy(c)
+	e.must(err)
+	return p
+}
+
+// OpenProxy is Proxy returning its error.
+func (e *Env) OpenProxy(c *Cluster) (*Proxy, error) {
+	port, err := e.takePort()
+	if err != nil {
+		return nil, err
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
 	if err != nil {
-		e.tb.Fatal(err)
+		return nil, err
 	}
 	p := &Proxy{e: e, ln: ln, Port: port, conns: map[net.Conn]struct{}{}}
 	p.PointTo(c)
 	go p.serve()
-	e.tb.Cleanup(func() {
+	e.cleanup(func() {
 		_ = ln.Close()
 		p.closeConns()
 	})
-	return p
+	return p, nil
 }
 
 // URL connects to database postgres through the proxy.

@@ -1,0 +1,91 @@
+package soak_test
+
+import (
+	"context"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgcluster"
+	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
+	"github.com/idemkit/watermill-idempotency/tests/soak"
+)
+
+// TestSoakFailover is a short soak whose only fault is the failover
+// (soak.FaultCounts.Failover): the run's database on a throwaway primary
+// with an asynchronous standby behind a movable address, replication cut,
+// the consumers going on on the primary alone with their offsets
+// committed, the primary stopped immediately, the standby promoted and
+// the address moved; then every event applied exactly once per group, in
+// each aggregate's order. On watermill-kafka's subscriber the harness
+// rewinds the groups to PostgreSQL's position (the operator's `idemctl
+// groups progress --rewind`); the parallel subscriber starts from it
+// itself (Progress). IDEM_FAILOVER_PROGRESS=off keeps the position in
+// Kafka only (soak.Config.SkipProgress): the test then fails, the events
+// applied after the cut lost.
+//
+// It uses none of the main server's connections: the run's database is on
+// the throwaway cluster.
+func TestSoakFailover(t *testing.T) {
+	pgtest.SkipInUnitRun(t)
+	if testing.Short() {
+		t.Skip("soak: skipped in -short mode")
+	}
+	if _, err := os.Stat(filepath.Join(pgcluster.BinDir, "pg_ctl")); err != nil {
+		t.Skip("needs the PostgreSQL 15 server programs in " + pgcluster.BinDir)
+	}
+	for _, mode := range []struct {
+		name     string
+		parallel bool
+	}{
+		{"watermill-kafka subscriber", false},
+		{"parallel subscriber", true},
+	} {
+		t.Run(mode.name, func(t *testing.T) {
+			cfg := soak.Config{
+				Seed:       20261205,
+				Events:     1500,
+				Aggregates: 32,
+				Faults:     soak.FaultCounts{Failover: 1},
+				Parallel:   mode.parallel,
+				// No event fails: the retry topics' partitions get no
+				// copy. One that got its first copy after the cut would
+				// have no position on the promoted standby and start from
+				// Kafka's committed offset (the limit in docs/guarantees.md:
+				// its copies applied after the cut are lost, and their keys
+				// stay parked); the report's Failover.Unpositioned lists
+				// such partitions.
+				RetryPercent: -1,
+				SkipProgress: os.Getenv("IDEM_FAILOVER_PROGRESS") == "off",
+				Timeout:      10 * time.Minute, // a bound, not a target
+				DatabaseURL:  pgtest.URL(),
+				Brokers:      kafkatest.External(),
+			}
+			if testing.Verbose() {
+				cfg.Log = os.Stderr
+			}
+			// SIGTERM ends the run with its report, and removes its clusters.
+			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+			defer stop()
+			rep, err := soak.Run(ctx, cfg)
+			require.NoError(t, err)
+			t.Log("\n" + rep.String())
+			require.NotNil(t, rep.Failover, "the run had no failover")
+			require.Equal(t, 1, rep.Faults["failover (async standby promoted)"], "failover done")
+			require.Positive(t, rep.Failover.LedgerLost, "the promotion undid no application: the cut came too late to lose anything")
+			for _, g := range rep.Groups {
+				require.Zero(t, g.Lost, "%s: events lost", g.Name)
+				require.Zero(t, g.Double, "%s: events applied twice", g.Name)
+				require.Equal(t, cfg.Events, g.LedgerRows, g.Name)
+			}
+			require.Empty(t, rep.Failover.Unpositioned, "partitions with a Kafka offset but no position on the promoted standby")
+			require.True(t, rep.OK(), "soak violations (seed %d):\n%s", rep.Seed, rep.String())
+		})
+	}
+}
