@@ -8,6 +8,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+	"github.com/idemkit/watermill-idempotency/internal/keywindow"
 )
 
 // benchWindow feeds n records over keys keys into one partition's window
@@ -56,7 +57,7 @@ func benchWindow(b *testing.B, ordering parallel.Ordering, keys, window int) {
 // benchTake hands out every ready record as the dispatcher would.
 func benchTake(st *stream, flight []*entry) []*entry {
 	for e := st.pickReady(); e != nil; e = st.pickReady() {
-		e.state = stateInFlight
+		e.State = keywindow.InFlight
 		e.p.inflight++
 		flight = append(flight, e)
 	}

@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/IBM/sarama"
+
+	"github.com/idemkit/watermill-idempotency/internal/keywindow"
 )
 
 // benchWindow feeds n records over keys keys into one partition's window
@@ -24,7 +26,7 @@ func benchWindow(b *testing.B, ordering Ordering, keys, window int) {
 	b.ReportAllocs()
 	b.ResetTimer()
 	for range b.N {
-		p := &partState{st: st, chains: map[string]*chain{}, highest: -1, marked: -1,
+		p := &partState{st: st, win: keywindow.New[*entry](keywindow.Config{Ordering: windowOrdering(ordering), Size: window}, 0, &s.stats.keys), highest: -1, marked: -1,
 			space: make(chan struct{}, 1), drained: make(chan struct{}, 1)}
 		st.parts[0] = p
 		var flight []*entry
@@ -53,7 +55,7 @@ func benchWindow(b *testing.B, ordering Ordering, keys, window int) {
 // benchTake hands out every ready record as the dispatcher would.
 func benchTake(st *stream, flight []*entry) []*entry {
 	for e := st.pickReady(); e != nil; e = st.pickReady() {
-		e.state = stateInFlight
+		e.State = keywindow.InFlight
 		e.p.inflight++
 		st.s.stats.inflight++
 		flight = append(flight, e)
