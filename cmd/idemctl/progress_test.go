@@ -10,6 +10,19 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 )
 
+// commitAt commits offset for group on one partition, as a group with no
+// member may (generation -1): what a consumer's last commit leaves.
+func commitAt(t *testing.T, client sarama.Client, group, topic string, partition int32, offset int64) {
+	t.Helper()
+	coord, err := client.Coordinator(group)
+	require.NoError(t, err)
+	req := &sarama.OffsetCommitRequest{Version: 2, ConsumerGroup: group, ConsumerGroupGeneration: -1, RetentionTime: -1}
+	req.AddBlock(topic, partition, offset, 0, "")
+	resp, err := coord.CommitOffset(req)
+	require.NoError(t, err)
+	require.Equal(t, sarama.ErrNoError, resp.Errors[topic][partition])
+}
+
 // A group whose committed Kafka offsets are ahead of its position in
 // PostgreSQL (what a failover to an asynchronous standby leaves): groups
 // progress shows it and exits 3; --rewind needs --yes, then sets the
@@ -33,13 +46,7 @@ func TestGroupsProgressRewind(t *testing.T) {
 		}
 	}
 	require.GreaterOrEqual(t, keyed, int32(0))
-	coord, err := client.Coordinator("g")
-	require.NoError(t, err)
-	req := &sarama.OffsetCommitRequest{Version: 2, ConsumerGroup: "g", ConsumerGroupGeneration: -1, RetentionTime: -1}
-	req.AddBlock(topic, keyed, 15, 0, "")
-	resp, err := coord.CommitOffset(req)
-	require.NoError(t, err)
-	require.Equal(t, sarama.ErrNoError, resp.Errors[topic][keyed])
+	commitAt(t, client, "g", topic, keyed, 15)
 	db.Exec(t, "INSERT INTO processed_event_progress (consumer_group, topic, kafka_partition, next_offset) VALUES ('g', $1, $2, 9)", topic, keyed)
 
 	brokers := []string{"--brokers", strings.Join(broker.Addrs, ",")}

@@ -557,3 +557,52 @@ func TestServeLeases(t *testing.T) {
 	res := leasetest.Complete(t, db, p, live)
 	require.Equal(t, []leasesql.Result{leasesql.Lost}, res, "the released owner's completion writes nothing")
 }
+
+// A group's page shows its position in PostgreSQL beside its committed
+// Kafka offsets: after a failover left Kafka ahead, the page says by how
+// much and names the rewind; without --brokers it shows PostgreSQL's
+// position alone.
+func TestServeGroupProgress(t *testing.T) {
+	t.Parallel()
+	broker := kafkatest.Start(t)
+	topic := broker.Topic(t, "orders", 1)
+	broker.ProduceKeyed(t, topic, "k", 20)
+	client, err := sarama.NewClient(broker.Addrs, sarama.NewConfig())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = client.Close() })
+	commitAt(t, client, "billing", topic, 0, 15)
+	db := consoleDB(t, "plain")
+	db.Exec(t, "INSERT INTO processed_event_progress (consumer_group, topic, kafka_partition, next_offset) VALUES ('billing', $1, 0, 9)", topic)
+
+	type groupAPI struct {
+		KafkaAhead int64 `json:"kafka_ahead"`
+		Progress   []struct {
+			Topic    string `json:"topic"`
+			Postgres int64  `json:"postgres_offset"`
+			Kafka    int64  `json:"kafka_offset"`
+			Ahead    int64  `json:"kafka_ahead"`
+		} `json:"progress"`
+	}
+	base := startServe(t, db, nil, "--brokers", strings.Join(broker.Addrs, ","))
+	g, code := getJSON[groupAPI](t, base+"/api/groups/billing")
+	require.Equal(t, http.StatusOK, code)
+	require.EqualValues(t, 6, g.KafkaAhead)
+	require.Len(t, g.Progress, 1)
+	require.Equal(t, topic, g.Progress[0].Topic)
+	require.EqualValues(t, 9, g.Progress[0].Postgres)
+	require.EqualValues(t, 15, g.Progress[0].Kafka)
+	resp, err := http.Get(base + "/groups/billing")
+	require.NoError(t, err)
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.Contains(t, string(page), `id="kafka-ahead"`)
+	require.Contains(t, string(page), "idemctl groups progress billing --rewind --yes")
+
+	base = startServe(t, db, nil)
+	g, _ = getJSON[groupAPI](t, base+"/api/groups/billing")
+	require.Zero(t, g.KafkaAhead)
+	require.Len(t, g.Progress, 1)
+	require.EqualValues(t, 9, g.Progress[0].Postgres)
+	require.EqualValues(t, -1, g.Progress[0].Kafka)
+}

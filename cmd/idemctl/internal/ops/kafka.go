@@ -1,12 +1,16 @@
 package ops
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"strings"
 	"sync"
 
 	"github.com/IBM/sarama"
+
+	"github.com/idemkit/watermill-idempotency/internal/dbx"
+	"github.com/idemkit/watermill-idempotency/internal/progresskafka"
 )
 
 // KafkaView reads the depth of the poison and retry topics and the lag of
@@ -64,6 +68,14 @@ func NewKafkaView(brokers []string, cfg *sarama.Config, topics, groups []string)
 		return nil, fmt.Errorf("kafka: %w", err)
 	}
 	return &KafkaView{client: client, admin: admin, topics: topics, groups: groups}, nil
+}
+
+// progress compares group's position in PostgreSQL (progressTable) with
+// the committed offsets of the Kafka consumer group of the same name.
+func (k *KafkaView) progress(ctx context.Context, db dbx.Querier, progressTable, group string) ([]progresskafka.Row, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return progresskafka.Compare(ctx, db, progressTable, group, k.client, group, "")
 }
 
 // Close closes the view's client.

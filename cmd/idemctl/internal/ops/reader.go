@@ -15,6 +15,8 @@ import (
 	"github.com/idemkit/watermill-idempotency/internal/outboxsql"
 	"github.com/idemkit/watermill-idempotency/internal/parkedsql"
 	"github.com/idemkit/watermill-idempotency/internal/pgerr"
+	"github.com/idemkit/watermill-idempotency/internal/progresskafka"
+	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 	"github.com/idemkit/watermill-idempotency/middleware/retrytopic"
 	"github.com/idemkit/watermill-idempotency/outbox"
 )
@@ -266,6 +268,26 @@ type GroupPage struct {
 	StaleHorizon Time `json:"stale_horizon"`
 	// YoungUntil is when the group stops being young.
 	YoungUntil Time `json:"young_until"`
+	// Progress is the group's position in PostgreSQL per partition (its
+	// rows in <table>_progress), beside the Kafka consumer group of the
+	// same name's committed offset when the console reads Kafka.
+	Progress []ProgressRow `json:"progress"`
+	// KafkaAhead sums how far Kafka's committed offsets are past
+	// PostgreSQL's position: records a failover or a restore may have
+	// lost (stop the consumers, idemctl groups progress GROUP --rewind).
+	KafkaAhead int64 `json:"kafka_ahead"`
+}
+
+// ProgressRow is one partition of [GroupPage.Progress].
+type ProgressRow struct {
+	Topic     string `json:"topic"`
+	Partition int32  `json:"partition"`
+	// Postgres is the next offset to process, as PostgreSQL holds it.
+	Postgres int64 `json:"postgres_offset"`
+	// Kafka is the group's committed offset: -1 when it has none or the
+	// console does not read Kafka.
+	Kafka int64 `json:"kafka_offset"`
+	Ahead int64 `json:"kafka_ahead"`
 }
 
 // Group reads one consumer group's page; ErrNotFound for a group that is
@@ -295,9 +317,45 @@ func (c *Reader) Group(ctx context.Context, name string) (*GroupPage, error) {
 		if !g.Young(now, retention) {
 			out.StaleHorizon = Time(now.Add(-retention))
 		}
+		if out.Progress, err = c.progress(ctx, tc, name); err != nil {
+			return nil, err
+		}
+		for _, r := range out.Progress {
+			out.KafkaAhead += r.Ahead
+		}
 		return out, nil
 	}
 	return nil, ErrNotFound
+}
+
+// progress reads group's position in PostgreSQL and, with Kafka, its
+// committed offsets (the Kafka consumer group of the same name, as
+// idemctl groups progress assumes by default). A table from before the
+// progress migration has no position: none.
+func (c *Reader) progress(ctx context.Context, tc deduplicator.TableConfig, group string) ([]ProgressRow, error) {
+	table := progresssql.Table(tc.Schema, tc.Table)
+	var rows []progresskafka.Row
+	var err error
+	if c.Kafka != nil {
+		rows, err = c.Kafka.progress(ctx, c.Pool, table, group)
+	} else {
+		var ps []progresssql.Position
+		ps, _, err = progresssql.Load(ctx, c.Pool, table, group, "")
+		for _, p := range ps {
+			rows = append(rows, progresskafka.Row{Topic: p.Topic, Partition: p.Partition, Postgres: p.Next, Kafka: -1})
+		}
+	}
+	if pgerr.Has(err, pgerrcode.UndefinedTable) {
+		return []ProgressRow{}, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	out := make([]ProgressRow, 0, len(rows))
+	for _, r := range rows {
+		out = append(out, ProgressRow{Topic: r.Topic, Partition: r.Partition, Postgres: r.Postgres, Kafka: r.Kafka, Ahead: r.Ahead()})
+	}
+	return out, nil
 }
 
 // Describe words err for a page: a missing grant says which.
