@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
+	"github.com/idemkit/watermill-idempotency/internal/kafkactx"
 	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/pgtest"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
@@ -18,29 +19,12 @@ import (
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
-// probe learns an unexported context key by asking its accessor.
-type probe struct {
-	context.Context
-	key any
-}
-
-func (p *probe) Value(key any) any {
-	p.key = key
-	return nil
-}
-
-func keyOf(accessor func(context.Context)) any {
-	p := &probe{Context: context.Background()}
-	accessor(p)
-	return p.key
-}
-
 // kafkaMessage is a fresh event as watermill-kafka's subscriber and the
 // router hand it out: its topic, partition and offset in its context.
 func kafkaMessage(partition int32, offset int64, kept bool) *message.Message {
-	ctx := context.WithValue(context.Background(), keyOf(func(c context.Context) { message.SubscribeTopicFromCtx(c) }), "orders")
-	ctx = context.WithValue(ctx, keyOf(func(c context.Context) { kafka.MessagePartitionFromCtx(c) }), partition)
-	ctx = context.WithValue(ctx, keyOf(func(c context.Context) { kafka.MessagePartitionOffsetFromCtx(c) }), offset)
+	ctx := context.WithValue(context.Background(), kafkactx.KeyOf(func(c context.Context) { message.SubscribeTopicFromCtx(c) }), "orders")
+	ctx = context.WithValue(ctx, kafkactx.KeyOf(func(c context.Context) { kafka.MessagePartitionFromCtx(c) }), partition)
+	ctx = context.WithValue(ctx, kafkactx.KeyOf(func(c context.Context) { kafka.MessagePartitionOffsetFromCtx(c) }), offset)
 	if kept {
 		ctx = context.WithValue(ctx, progresssql.SubscriberKey{}, true)
 	}

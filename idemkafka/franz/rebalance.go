@@ -71,6 +71,10 @@ func (st *stream) release(ctx context.Context, ids []int32, commit bool) {
 	st.mu.Lock()
 	for _, p := range parts {
 		p.end()
+		// Only the messages still in flight stay referenced (by their
+		// awaiting goroutines, up to MaxInFlight): the rest of the
+		// window goes.
+		p.win.Release()
 		if p.paused {
 			st.cl.ResumeFetchPartitions(map[string][]int32{st.topic: {p.id}})
 		}

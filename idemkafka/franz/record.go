@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/idemkit/watermill-idempotency/internal/kafkactx"
 	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -51,49 +52,18 @@ func toMessage(r *kgo.Record) *message.Message {
 	return msg
 }
 
-// watermill-kafka's context keys are unexported: each is found by letting
-// its accessor ask a probe context, so that middlewares reading
-// kafka.MessagePartitionFromCtx and the others work with this engine too.
-var (
-	ctxKeyPartition = keyOf(func(ctx context.Context) { kafka.MessagePartitionFromCtx(ctx) })
-	ctxKeyOffset    = keyOf(func(ctx context.Context) { kafka.MessagePartitionOffsetFromCtx(ctx) })
-	ctxKeyTimestamp = keyOf(func(ctx context.Context) { kafka.MessageTimestampFromCtx(ctx) })
-	ctxKeyKey       = keyOf(func(ctx context.Context) { kafka.MessageKeyFromCtx(ctx) })
-)
-
-type keyProbe struct {
-	context.Context
-	key any
-}
-
-func (p *keyProbe) Value(key any) any {
-	p.key = key
-	return nil
-}
-
-func keyOf(accessor func(context.Context)) any {
-	p := &keyProbe{Context: context.Background()}
-	accessor(p)
-	return p.key
-}
-
 // recordContext carries r's partition, offset, timestamp and key under
-// watermill-kafka's keys.
+// watermill-kafka's keys (internal/kafkactx).
 type recordContext struct {
 	context.Context
 	r *kgo.Record
 }
 
 func (c *recordContext) Value(key any) any {
+	if v, ok := (kafkactx.Record{Partition: c.r.Partition, Offset: c.r.Offset, Timestamp: c.r.Timestamp, Key: c.r.Key}).Value(key); ok {
+		return v
+	}
 	switch key {
-	case ctxKeyPartition:
-		return c.r.Partition
-	case ctxKeyOffset:
-		return c.r.Offset
-	case ctxKeyTimestamp:
-		return c.r.Timestamp
-	case ctxKeyKey:
-		return c.r.Key
 	case progresssql.SubscriberKey{}:
 		// Many records of a partition in flight: the dedup middleware
 		// must not record their position (a max, not a floor, and a row

@@ -11,6 +11,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/idemkit/watermill-idempotency/internal/keywindow"
 )
 
 // stream is one Subscribe call: a group member on one topic, its
@@ -93,7 +95,7 @@ func (st *stream) poll() {
 
 // push queues e as ready. Called with mu held.
 func (st *stream) push(e *entry) {
-	e.state = stateReady
+	e.State = keywindow.Ready
 	e.p.ready = append(e.p.ready, e)
 	select {
 	case st.wake <- struct{}{}:
@@ -140,9 +142,9 @@ func (st *stream) dispatch() {
 // undo gives back e, handed out but never taken by the router.
 func (st *stream) undo(e *entry) {
 	st.mu.Lock()
-	if e.state == stateInFlight {
+	if e.State == keywindow.InFlight {
 		e.p.settled()
-		e.state = stateDropped
+		e.State = keywindow.Dropped
 	}
 	st.mu.Unlock()
 	e.cancel()
@@ -195,7 +197,7 @@ func (st *stream) pickReady() *entry {
 func (st *stream) handOut(e *entry) *message.Message {
 	p := e.p
 	msg := toMessage(e.r)
-	e.state = stateInFlight
+	e.State = keywindow.InFlight
 	p.inflight++
 	// As Watermill's subscribers do, a message's context ends with its ack
 	// or nack, and when its partition is abandoned.

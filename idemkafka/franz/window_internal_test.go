@@ -83,7 +83,7 @@ func TestWindowPausesAFullPartition(t *testing.T) {
 	p := st.parts[0]
 	require.NotNil(t, p)
 	require.True(t, p.paused, "the full partition's fetching is paused")
-	require.LessOrEqual(t, p.undone, window+poll-1, "the window holds more than PartitionWindow + PollRecords - 1 records")
+	require.LessOrEqual(t, p.win.Undone(), window+poll-1, "the window holds more than PartitionWindow + PollRecords - 1 records")
 	st.mu.Unlock()
 	mu.Lock()
 	require.Zero(t, okBefore, "records past the full window were read")

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/idemkit/watermill-idempotency/internal/keywindow"
 	"github.com/idemkit/watermill-idempotency/internal/saramastrategy"
 	"github.com/idemkit/watermill-idempotency/internal/wait"
 )
@@ -384,7 +385,7 @@ func (st *stream) hasReady() bool {
 			continue
 		}
 		for _, e := range p.ready {
-			if e.state == stateReady {
+			if e.State == keywindow.Ready {
 				return true
 			}
 		}
@@ -400,7 +401,7 @@ func (st *stream) handOut(e *entry) (*message.Message, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	p := e.p
-	if p.stopping || e.state != stateReady {
+	if p.stopping || e.State != keywindow.Ready {
 		return nil, nil
 	}
 	if err != nil {
@@ -408,12 +409,12 @@ func (st *stream) handOut(e *entry) (*message.Message, error) {
 		// partition stops here, as watermill-kafka's does.
 		err = fmt.Errorf("parallel: unmarshal %s/%d@%d: %w", e.m.Topic, e.m.Partition, e.m.Offset, err)
 		st.logger.Error("Message unmarshal failed: its key stops at it, and the committed offset of its partition", err, nil)
-		e.state = stateFailed
+		e.State = keywindow.Failed
 		e.nacks++
 		e.lastErr = err
 		return nil, err
 	}
-	e.state = stateInFlight
+	e.State = keywindow.InFlight
 	p.inflight++
 	s.stats.inflight++
 	if e.m.Offset > p.highest {
@@ -457,7 +458,7 @@ func (st *stream) await(e *entry, msg *message.Message, cancel context.CancelFun
 func (st *stream) pickReady() *entry {
 	var best *partState
 	for _, p := range st.parts {
-		for len(p.ready) > 0 && (p.ready[0].state != stateReady || p.stopping) {
+		for len(p.ready) > 0 && (p.ready[0].State != keywindow.Ready || p.stopping) {
 			p.ready[0] = nil
 			p.ready = p.ready[1:]
 		}
@@ -488,7 +489,7 @@ func (st *stream) unready(p *partState) {
 
 // push queues e as ready. Called with s.mu held.
 func (st *stream) push(e *entry) {
-	e.state = stateReady
+	e.State = keywindow.Ready
 	e.p.ready = append(e.p.ready, e)
 	select {
 	case st.wake <- struct{}{}:
@@ -511,15 +512,7 @@ func (st *stream) refill(p *partState, pass *refillPass) {
 			// still queued.
 			st.s.mu.Lock()
 			if !p.stopping {
-				for _, e := range pass.heads {
-					if e.state == stateSpilled && e.off == pass.from {
-						p.spilled--
-						st.s.stats.spilled--
-						p.waiting--
-						st.s.stats.waiting--
-						p.done(e)
-					}
-				}
+				p.lost(pass.heads, pass.from)
 			}
 			st.s.mu.Unlock()
 			return

@@ -8,6 +8,8 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/idemkit/watermill-idempotency/internal/keywindow"
 )
 
 // groupHandler is the sarama.ConsumerGroupHandler of a stream.
@@ -223,20 +225,10 @@ func (p *partState) revoke() {
 	s.mu.Lock()
 	p.stopping = true
 	inflight := p.inflight
-	for _, e := range p.window {
-		switch e.state {
-		case stateHeld:
+	p.win.Stop(func(e *entry) {
+		if e.State == keywindow.Held {
 			s.stats.held--
-		case stateWaiting:
-			s.stats.waiting--
-		case stateSpilled:
-			s.stats.waiting--
-			s.stats.spilled--
-		case stateReady, stateBackoff:
-		default:
-			continue
 		}
-		e.state = stateDropped
 		if e.timer != nil {
 			// A held or backing-off record's timer would keep the
 			// window, payloads included, until it fires (hours, with long
@@ -244,8 +236,7 @@ func (p *partState) revoke() {
 			e.timer.Stop()
 			e.timer = nil
 		}
-	}
-	p.waiting = 0
+	})
 	p.st.unready(p)
 	s.mu.Unlock()
 	if inflight > 0 {
@@ -275,8 +266,8 @@ func (p *partState) revoke() {
 	// Only the messages still in flight stay referenced (by their
 	// awaiting goroutines, up to MaxInFlight): the rest of the window goes.
 	p.gone = true
-	clear(p.window)
-	p.window, p.chains, p.skip = nil, nil, nil
+	p.win.Release()
+	p.skip = nil
 	s.mu.Unlock()
 	p.cancel()
 }

@@ -6,9 +6,9 @@ import (
 	"sync/atomic"
 
 	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/idemkit/watermill-idempotency/internal/kafkactx"
 	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 )
 
@@ -16,32 +16,7 @@ import (
 // watermill-kafka's, so kafka.MessagePartitionFromCtx,
 // kafka.MessagePartitionOffsetFromCtx, kafka.MessageTimestampFromCtx and
 // kafka.MessageKeyFromCtx (which the retry topics and the dedup
-// middleware's tracing read) work on them. watermill-kafka does not export
-// its context keys: each is learnt once by asking its accessor, through a
-// context that records the key it is asked for.
-var (
-	ctxKeyPartition = keyOf(func(ctx context.Context) { kafka.MessagePartitionFromCtx(ctx) })
-	ctxKeyOffset    = keyOf(func(ctx context.Context) { kafka.MessagePartitionOffsetFromCtx(ctx) })
-	ctxKeyTimestamp = keyOf(func(ctx context.Context) { kafka.MessageTimestampFromCtx(ctx) })
-	ctxKeyKey       = keyOf(func(ctx context.Context) { kafka.MessageKeyFromCtx(ctx) })
-)
-
-// keyProbe is a context that records the key of its last Value call.
-type keyProbe struct {
-	context.Context
-	key any
-}
-
-func (p *keyProbe) Value(key any) any {
-	p.key = key
-	return nil
-}
-
-func keyOf(accessor func(context.Context)) any {
-	p := &keyProbe{Context: context.Background()}
-	accessor(p)
-	return p.key
-}
+// middleware's tracing read) work on them (internal/kafkactx).
 
 // orderingKey is the context key of the Subscriber's [Ordering].
 type orderingKey struct{}
@@ -115,14 +90,9 @@ func (c *recordContext) Value(key any) any {
 		return true // the Subscriber keeps its progress itself
 	case errSlotKey{}:
 		return c.slot
-	case ctxKeyPartition:
-		return c.m.Partition
-	case ctxKeyOffset:
-		return c.m.Offset
-	case ctxKeyTimestamp:
-		return c.m.Timestamp
-	case ctxKeyKey:
-		return c.m.Key
+	}
+	if v, ok := (kafkactx.Record{Partition: c.m.Partition, Offset: c.m.Offset, Timestamp: c.m.Timestamp, Key: c.m.Key}).Value(key); ok {
+		return v
 	}
 	return c.Context.Value(key)
 }

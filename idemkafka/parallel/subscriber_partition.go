@@ -6,33 +6,16 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/idemkit/watermill-idempotency/internal/keywindow"
 )
 
-type entryState uint8
-
-const (
-	stateWaiting  entryState = iota // behind an earlier message of its key
-	stateHeld                       // waiting for its NotBeforeFunc time
-	stateReady                      // queued to be handed out
-	stateInFlight                   // handed out, no ack or nack yet
-	stateBackoff                    // nacked, waiting NackResendSleep
-	stateDone                       // acked (or done before, per the commit metadata)
-	stateFailed                     // cannot be unmarshalled: its key and the committed offset stop at it
-	stateDropped                    // its partition was revoked before it was handed out
-	stateSpilled                    // behind an earlier message of its key, payload dropped: read again from Kafka when it is its key's head
-)
-
-// spillFactor × PartitionWindow bounds the spilled records of a partition.
-const spillFactor = 64
-
-// entry is one record of a partition's window.
+// entry is one record of a partition's window (internal/keywindow holds
+// its offset, key, state and key chain).
 type entry struct {
-	m     *sarama.ConsumerMessage // nil once done: the payload goes
-	off   int64
+	keywindow.Entry[*entry]
+	m     *sarama.ConsumerMessage // nil once done or spilled: the payload goes
 	p     *partState
-	key   string
-	state entryState
-	next  *entry      // the next record of its key (OrderKey, OrderPartition)
 	timer *time.Timer // while held or backing off; stopped on revoke
 	// cancel ends the context of the attempt handed out last.
 	cancel context.CancelFunc
@@ -46,15 +29,25 @@ type entry struct {
 	stalled bool     // its stall was logged
 }
 
-// chain is the records of one key in a partition's window that are not done
-// yet, oldest first; only its head may be handed out.
-type chain struct {
-	head, tail *entry
-	held       int // its waiting records with their payload (not spilled)
+// WindowEntry implements keywindow.Elem.
+func (e *entry) WindowEntry() *keywindow.Entry[*entry] { return &e.Entry }
+
+// windowOrdering is o as internal/keywindow's.
+func windowOrdering(o Ordering) keywindow.Ordering {
+	switch o {
+	case OrderPartition:
+		return keywindow.ByPartition
+	case OrderNone:
+		return keywindow.Unordered
+	}
+	return keywindow.ByKey
 }
 
 // partState is a claimed partition: the window of records from the
-// committed offset on. Every field is guarded by the Subscriber's mu.
+// committed offset on (internal/keywindow: key order, the committed
+// offset, the bound, the spill rule), and what the claim, the refetches
+// and the commits need around it. Every field is guarded by the
+// Subscriber's mu.
 type partState struct {
 	st        *stream
 	sess      sarama.ConsumerGroupSession
@@ -63,30 +56,22 @@ type partState struct {
 	ctx    context.Context // messages' parent; cancelled when abandoned
 	cancel context.CancelFunc
 
-	// window is the records read and not done, in offset order, from the
-	// committed offset on: the first is the committed record. Done records
-	// leave it (those at its front at once, the others in batches): the
-	// offsets between two undone records are done, so the window's size is
-	// bounded by what is not done, not by the span of offsets.
-	window []*entry
-	undone int // records of window not done and not spilled: at most PartitionWindow
-	// spilled counts the window's spilled records (at most spillFactor ×
-	// PartitionWindow); fetch queues those that became their key's head,
-	// to be read again from Kafka by one fetcher at a time (fetching).
-	spilled  int
+	// win is the records read and not done, in offset order, from the
+	// committed offset on: at most PartitionWindow not done and not
+	// spilled, at most keywindow.SpillFactor × PartitionWindow spilled.
+	// fetch queues the spilled records that became their key's head, to
+	// be read again from Kafka by one fetcher at a time (fetching).
+	win      *keywindow.Window[*entry]
 	fetch    []*entry
 	fetching bool
-	chains   map[string]*chain
 	skip     []run // done before, per the commit metadata, ascending
 	ready    []*entry
 
 	progress time.Time     // the last ack, or when the window last became non-empty
 	typical  time.Duration // a head's typical time from release to ack (partState.observe)
 
-	next     int64 // the offset after the last record read
 	highest  int64 // the highest offset handed out, -1 for none
 	inflight int
-	waiting  int
 	stopping bool          // revoked: nothing more is handed out
 	gone     bool          // revoked and marked: the window is released
 	space    chan struct{} // the window shrank (buffered 1)
@@ -107,9 +92,9 @@ func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, 
 	return &partState{
 		st: st, sess: sess, partition: claim.Partition(),
 		ctx: ctx, cancel: cancel,
-		chains:    map[string]*chain{},
+		win: keywindow.New[*entry](keywindow.Config{Ordering: windowOrdering(s.cfg.Ordering), Size: s.cfg.PartitionWindow},
+			claim.InitialOffset(), &s.stats.keys),
 		skip:      skip,
-		next:      claim.InitialOffset(),
 		highest:   -1,
 		marked:    -1,
 		savedNext: -1,
@@ -119,7 +104,7 @@ func (s *Subscriber) newPartState(st *stream, sess sarama.ConsumerGroupSession, 
 }
 
 // full reports whether the window holds PartitionWindow records.
-func (p *partState) full() bool { return p.undone >= p.st.s.cfg.PartitionWindow }
+func (p *partState) full() bool { return p.win.Full() }
 
 // skipped reports whether offset is done per the commit metadata, dropping
 // the runs below it (records come in offset order).
@@ -131,10 +116,13 @@ func (p *partState) skipped(offset int64) bool {
 }
 
 // add appends a record read from the claim and queues it when nothing of
-// its key is before it. Called with mu held.
+// its key is before it. A record below the last one read is ignored.
+// Called with mu held.
 func (p *partState) add(m *sarama.ConsumerMessage) {
 	s := p.st.s
-	p.next = m.Offset + 1
+	if !p.win.Read(m.Offset) {
+		return
+	}
 	if p.skipped(m.Offset) {
 		// Done before: it never enters the window. At the window's start
 		// (the committed record itself was removed by retention,
@@ -144,31 +132,13 @@ func (p *partState) add(m *sarama.ConsumerMessage) {
 		p.changed = true
 		return
 	}
-	e := &entry{m: m, off: m.Offset, p: p}
-	if p.undone == 0 {
+	e := &entry{m: m, p: p}
+	if p.win.Undone() == 0 {
 		p.progress = time.Now()
 	}
-	p.window = append(p.window, e)
-	p.undone++
-	switch s.cfg.Ordering {
-	case OrderNone:
+	if p.win.Add(e, m.Offset, m.Key) {
 		p.release(e)
-		return
-	case OrderKey:
-		e.key = string(m.Key)
 	}
-	c := p.chains[e.key]
-	if c == nil {
-		p.chains[e.key] = &chain{head: e, tail: e}
-		p.release(e)
-		return
-	}
-	c.tail.next = e
-	c.tail = e
-	c.held++
-	e.state = stateWaiting
-	p.waiting++
-	s.stats.waiting++
 }
 
 // release queues e, or holds it until its NotBeforeFunc time. Called with
@@ -178,13 +148,13 @@ func (p *partState) release(e *entry) {
 	e.head = time.Now()
 	if f := s.cfg.NotBeforeFunc; f != nil {
 		if d := time.Until(f(e.m)); d > 0 {
-			e.state = stateHeld
+			e.State = keywindow.Held
 			s.stats.held++
 			e.timer = time.AfterFunc(d, func() {
 				s.mu.Lock()
 				defer s.mu.Unlock()
 				e.timer = nil
-				if e.state == stateHeld {
+				if e.State == keywindow.Held {
 					s.stats.held--
 					e.head = time.Now() // its wait for a stall starts now
 					if !p.stopping {
@@ -203,7 +173,7 @@ func (p *partState) release(e *entry) {
 // Called with mu held.
 func (p *partState) acked(e *entry) {
 	s := p.st.s
-	if e.state != stateInFlight {
+	if e.State != keywindow.InFlight {
 		return
 	}
 	p.settled(e)
@@ -212,10 +182,9 @@ func (p *partState) acked(e *entry) {
 		p.observe(time.Since(e.start))
 	}
 	if p.gone {
-		e.state = stateDropped // too late for the final commit
+		e.State = keywindow.Dropped // too late for the final commit
 		return
 	}
-	p.undone--
 	p.done(e)
 }
 
@@ -223,41 +192,34 @@ func (p *partState) acked(e *entry) {
 // released (or read again, when spilled), and the committed offset moves
 // past the records done at the front of the window. Called with mu held.
 func (p *partState) done(e *entry) {
-	s := p.st.s
-	e.state = stateDone
 	e.m, e.slot, e.lastErr = nil, nil, nil
 	p.progress = time.Now()
 	p.changed = true
 	if e.stalled {
 		p.st.logger.Info("Stalled key acked", watermill.LogFields{
-			"kafka_partition": p.partition, "key": e.key, "kafka_partition_offset": e.off,
+			"kafka_partition": p.partition, "key": e.Key, "kafka_partition_offset": e.Off,
 			"stalled_for": time.Since(e.head).Round(time.Millisecond).String(), "nacks": e.nacks,
 		})
 	}
-	if s.cfg.Ordering != OrderNone {
-		c := p.chains[e.key]
-		c.head = e.next
-		e.next = nil
-		switch {
-		case c.head == nil:
-			delete(p.chains, e.key)
-		case c.head.state == stateWaiting:
-			c.held--
-			p.waiting--
-			s.stats.waiting--
-			p.release(c.head)
-		case c.head.state == stateSpilled:
-			p.refetch(c.head)
+	if next := p.win.Done(e); next != nil {
+		switch next.State {
+		case keywindow.Waiting:
+			p.release(next)
+		case keywindow.Spilled:
+			p.refetch(next)
 		}
 	}
-	p.trim()
+	select {
+	case p.space <- struct{}{}:
+	default:
+	}
 }
 
 // nacked hands e out again after NackResendSleep; the later records of
 // its key stay behind it. Called with mu held.
 func (p *partState) nacked(e *entry) {
 	s := p.st.s
-	if e.state != stateInFlight {
+	if e.State != keywindow.InFlight {
 		return
 	}
 	p.settled(e)
@@ -267,7 +229,7 @@ func (p *partState) nacked(e *entry) {
 		e.lastErr = err
 	}
 	if p.stopping || p.gone {
-		e.state = stateDropped // the next owner gets it again
+		e.State = keywindow.Dropped // the next owner gets it again
 		return
 	}
 	sleep := s.cfg.NackResendSleep
@@ -275,12 +237,12 @@ func (p *partState) nacked(e *entry) {
 		p.st.push(e)
 		return
 	}
-	e.state = stateBackoff
+	e.State = keywindow.Backoff
 	e.timer = time.AfterFunc(sleep, func() {
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		e.timer = nil
-		if e.state == stateBackoff && !p.stopping {
+		if e.State == keywindow.Backoff && !p.stopping {
 			p.st.push(e)
 		}
 	})
@@ -306,50 +268,14 @@ func (p *partState) settled(e *entry) {
 // drop gives up e, in flight but never taken by the router. Called with
 // mu held.
 func (p *partState) drop(e *entry) {
-	if e.state == stateInFlight {
+	if e.State == keywindow.InFlight {
 		p.settled(e)
-		e.state = stateDropped
-	}
-}
-
-// trim drops the done records at the front of the window, and the others
-// once they are more than the rest, and signals the room. Called with mu
-// held.
-func (p *partState) trim() {
-	n := 0
-	for n < len(p.window) && p.window[n].state == stateDone {
-		n++
-	}
-	if n > 0 {
-		clear(p.window[:n])
-		p.window = p.window[n:]
-	}
-	if done := len(p.window) - p.undone - p.spilled; done > p.undone+p.spilled && done > 32 {
-		kept := p.window[:0]
-		for _, e := range p.window {
-			if e.state != stateDone {
-				kept = append(kept, e)
-			}
-		}
-		clear(p.window[len(kept):])
-		p.window = kept
-	}
-	if len(p.window) == 0 {
-		p.window = nil
-	}
-	select {
-	case p.space <- struct{}{}:
-	default:
+		e.State = keywindow.Dropped
 	}
 }
 
 // commitOffset is the offset below which every record is done.
-func (p *partState) commitOffset() int64 {
-	if len(p.window) > 0 {
-		return p.window[0].off
-	}
-	return p.next
-}
+func (p *partState) commitOffset() int64 { return p.win.CommitOffset() }
 
 // doneRuns are the done offsets above the committed one: those between the
 // records of the window that are not done, after the last of them up to
@@ -368,16 +294,17 @@ func (p *partState) doneRuns() []run {
 		done = append(done, r)
 	}
 	prev := p.commitOffset()
-	for _, e := range p.window {
-		if e.state == stateDone {
+	for _, e := range p.win.Entries() {
+		if e.State == keywindow.Done {
 			continue
 		}
-		add(run{prev, e.off})
-		prev = e.off + 1
+		add(run{prev, e.Off})
+		prev = e.Off + 1
 	}
-	add(run{prev, p.next})
+	next := p.win.Next()
+	add(run{prev, next})
 	for _, r := range p.skip {
-		add(run{max(r.start, p.next), r.end})
+		add(run{max(r.start, next), r.end})
 	}
 	return done
 }

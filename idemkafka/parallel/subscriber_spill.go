@@ -1,60 +1,30 @@
 package parallel
 
 import (
-	"cmp"
 	"slices"
 	"time"
 
 	"github.com/IBM/sarama"
+
+	"github.com/idemkit/watermill-idempotency/internal/keywindow"
 )
 
 // spill drops the payloads of waiting records of blocked keys until a
-// quarter of the window is free, as far as the spill bound allows: those
-// of the blocked key with the most waiting records first, the latest
-// first. They stay in the window (the committed offset and the commit
-// metadata count them as not done) and in their key's chain, but not in
-// PartitionWindow, and are read again from Kafka when they become their
-// key's head. A key whose head moves is not spilled: its records would be
-// read twice for nothing, and the window's back-pressure is right for it.
-// Nothing is spilled with OrderPartition (reading on would find only
-// records waiting behind the same head), nor when reading on would give
-// no handler work (partState.starved). It reports whether it freed room.
-// Called with mu held.
+// quarter of the window is free (keywindow.Window.Spill: the blocked key
+// with the most waiting records first, the latest first, as far as the
+// spill bound allows). They are read again from Kafka when they become
+// their key's head. A key whose head moves is not spilled: its records
+// would be read twice for nothing, and the window's back-pressure is
+// right for it. Nothing is spilled but with OrderKey, nor when reading on
+// would give no handler work (partState.starved). It reports whether it
+// freed room. Called with mu held.
 func (p *partState) spill() bool {
 	s := p.st.s
 	if s.cfg.Ordering != OrderKey || !p.starved() {
 		return false
 	}
-	target := s.cfg.PartitionWindow - max(s.cfg.PartitionWindow/4, 1)
-	limit := spillFactor * s.cfg.PartitionWindow
 	now := time.Now()
-	freed := false
-	for p.undone > target && p.spilled < limit {
-		var key string
-		var most *chain
-		for k, c := range p.chains {
-			if c.held > 0 && (most == nil || c.held > most.held) && p.blocked(c.head, now) {
-				key, most = k, c
-			}
-		}
-		if most == nil {
-			break
-		}
-		for i := len(p.window) - 1; i >= 0 && most.held > 0 && p.undone > target && p.spilled < limit; i-- {
-			e := p.window[i]
-			if e.state != stateWaiting || e.key != key {
-				continue
-			}
-			e.state = stateSpilled
-			e.m = nil
-			most.held--
-			p.undone--
-			p.spilled++
-			s.stats.spilled++
-			freed = true
-		}
-	}
-	return freed
+	return p.win.Spill(func(head *entry) bool { return p.blocked(head, now) }, func(e *entry) { e.m = nil })
 }
 
 // A head that has not failed counts as slow, and its key as blocked, once
@@ -77,9 +47,9 @@ func (p *partState) slowAfter() time.Duration { return max(slowFactor*p.typical,
 // (partState.slowAfter). Called with mu held.
 func (p *partState) blocked(head *entry, now time.Time) bool {
 	switch {
-	case head.state == stateBackoff || head.state == stateHeld || head.state == stateFailed || head.nacks > 0:
+	case head.State == keywindow.Backoff || head.State == keywindow.Held || head.State == keywindow.Failed || head.nacks > 0:
 		return true
-	case head.state != stateInFlight:
+	case head.State != keywindow.InFlight:
 		return false // spilled, or queued for a MaxInFlight slot
 	}
 	return now.Sub(head.start) > p.slowAfter()
@@ -90,15 +60,15 @@ func (p *partState) blocked(head *entry, now time.Time) bool {
 // partition is not starved (spill would not spill: partState.kick wakes
 // the partition when it is). Called with mu held.
 func (p *partState) untilBlocked(now time.Time) time.Duration {
-	if p.st.s.cfg.Ordering != OrderKey || p.spilled >= spillFactor*p.st.s.cfg.PartitionWindow || !p.starved() {
+	if p.st.s.cfg.Ordering != OrderKey || !p.win.SpillRoom() || !p.starved() {
 		return -1
 	}
 	wait := time.Duration(-1)
-	for _, c := range p.chains {
-		if c.held == 0 || c.head.state != stateInFlight {
+	for head := range p.win.Blocking() {
+		if head.State != keywindow.InFlight {
 			continue
 		}
-		d := max(c.head.start.Add(p.slowAfter()).Sub(now), 0) + time.Millisecond
+		d := max(head.start.Add(p.slowAfter()).Sub(now), 0) + time.Millisecond
 		if wait < 0 || d < wait {
 			wait = d
 		}
@@ -121,26 +91,22 @@ func (p *partState) observe(d time.Duration) {
 }
 
 // starved reports whether spilling p's blocked keys could give a handler
-// work: p has no ready record of its own, and p has fewer messages in
-// flight than its share of MaxInFlight (the next freed slots go to it:
-// stream.pickReady), or a MaxInFlight slot is free with no ready record
-// of the stream queued for it. Otherwise the handlers hold p
-// up, not its blocked keys: with a backlog a window holds far more ready
-// heads than MaxInFlight, and spilling would only read records twice.
-// Called with mu held.
+// work (keywindow.Starved): p has no ready record of its own, and fewer
+// messages in flight than its share of MaxInFlight (the next freed slots
+// go to it: stream.pickReady), or a MaxInFlight slot is free with no
+// ready record of the stream queued for it. Called with mu held.
 func (p *partState) starved() bool {
-	if p.hasReady() {
-		return false
-	}
 	s := p.st.s
-	share := max(s.cfg.MaxInFlight/max(len(p.st.parts), 1), 1)
-	return p.inflight < share || s.stats.inflight < s.cfg.MaxInFlight && !p.st.hasReady()
+	return keywindow.Starved(keywindow.Load{
+		Ready: p.hasReady(), InFlight: p.inflight, Partitions: len(p.st.parts),
+		Total: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight,
+	}, p.st.hasReady)
 }
 
 // hasReady reports whether p has a ready record. Called with mu held.
 func (p *partState) hasReady() bool {
 	for _, e := range p.ready {
-		if e.state == stateReady {
+		if e.State == keywindow.Ready {
 			return true
 		}
 	}
@@ -191,7 +157,7 @@ func (p *partState) fetchLoop() {
 		s.mu.Lock()
 		heads := p.fetch[:0]
 		for _, e := range p.fetch {
-			if e.state == stateSpilled {
+			if e.State == keywindow.Spilled {
 				heads = append(heads, e)
 			}
 		}
@@ -204,9 +170,9 @@ func (p *partState) fetchLoop() {
 			s.mu.Unlock()
 			return
 		}
-		pass := &refillPass{heads: slices.Clone(heads), from: heads[0].off}
+		pass := &refillPass{heads: slices.Clone(heads), from: heads[0].Off}
 		for _, e := range heads {
-			pass.from = min(pass.from, e.off)
+			pass.from = min(pass.from, e.Off)
 		}
 		s.mu.Unlock()
 		p.st.refill(p, pass)
@@ -233,49 +199,42 @@ func (p *partState) refilled(pass *refillPass, m *sarama.ConsumerMessage) (over 
 	if p.stopping {
 		return true
 	}
-	if m.Offset >= p.next {
+	if m.Offset >= p.win.Next() {
 		pass.ended = true
-	} else if i, ok := slices.BinarySearchFunc(p.window, m.Offset, func(e *entry, off int64) int { return cmp.Compare(e.off, off) }); ok {
-		e := p.window[i]
-		isHead := e.state == stateSpilled && p.chains[e.key] != nil && p.chains[e.key].head == e
-		if e.state == stateSpilled && (isHead || p.undone < s.cfg.PartitionWindow) {
+	} else if e, ok := p.win.Find(m.Offset); ok {
+		if head, ok := p.win.Refill(e); ok {
 			e.m = m
-			p.spilled--
-			s.stats.spilled--
 			s.stats.refetched++
-			p.undone++
-			if isHead {
-				p.waiting--
-				s.stats.waiting--
+			if head {
 				p.release(e)
-			} else {
-				e.state = stateWaiting
-				p.chains[e.key].held++
 			}
 		}
 	}
-	if m.Offset+1 >= p.next {
+	if m.Offset+1 >= p.win.Next() {
 		pass.ended = true
 	}
 	if pass.ended {
-		for _, e := range pass.heads {
-			if e.state == stateSpilled {
-				p.spilled--
-				s.stats.spilled--
-				p.waiting--
-				s.stats.waiting--
-				p.done(e)
-			}
-		}
+		p.lost(pass.heads, -1)
 		return true
 	}
-	if p.undone < s.cfg.PartitionWindow {
+	if !p.full() {
 		return false
 	}
 	for _, e := range p.fetch {
-		if e.state == stateSpilled && e.off > m.Offset {
+		if e.State == keywindow.Spilled && e.Off > m.Offset {
 			return false
 		}
 	}
 	return true
+}
+
+// lost marks done the spilled heads of heads not read again (at offset
+// off, or any for off < 0): retention or compaction removed them, nothing
+// to process. Called with mu held.
+func (p *partState) lost(heads []*entry, off int64) {
+	for _, e := range heads {
+		if e.State == keywindow.Spilled && (off < 0 || e.Off == off) {
+			p.done(e)
+		}
+	}
 }

@@ -1,19 +1,20 @@
 package parallel
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
-	"slices"
 	"sort"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/idemkit/watermill-idempotency/internal/keywindow"
 )
 
 // counters are the Subscriber's numbers, guarded by its mu.
 type counters struct {
-	inflight, waiting, held, spilled int
+	inflight, held                   int
+	keys                             keywindow.Counts // the windows' waiting and spilled records
 	acked, nacked, skipped, sessions uint64
 	refetched                        uint64
 	commitsRefused                   uint64
@@ -144,7 +145,7 @@ func (s *Subscriber) Stats() SubscriberStats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := SubscriberStats{
-		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.waiting, Held: s.stats.held, Spilled: s.stats.spilled, Refetched: s.stats.refetched,
+		InFlight: s.stats.inflight, MaxInFlight: s.cfg.MaxInFlight, KeysWaiting: s.stats.keys.Waiting, Held: s.stats.held, Spilled: s.stats.keys.Spilled, Refetched: s.stats.refetched,
 		Acked: s.stats.acked, Nacked: s.stats.nacked, Skipped: s.stats.skipped, Sessions: s.stats.sessions,
 		CommitsRefused: s.stats.commitsRefused, LastCommitRefusal: s.stats.lastCommitRefusal,
 	}
@@ -152,7 +153,7 @@ func (s *Subscriber) Stats() SubscriberStats {
 	for st := range s.streams {
 		for _, p := range st.parts {
 			committed := p.commitOffset()
-			ps := PartitionStats{Topic: st.topic, Partition: p.partition, Committed: committed, HighestHandedOut: p.highest, Window: p.undone}
+			ps := PartitionStats{Topic: st.topic, Partition: p.partition, Committed: committed, HighestHandedOut: p.highest, Window: p.win.Undone()}
 			stalls := p.stalls(now)
 			out.StalledKeys += len(stalls)
 			out.Stalls = append(out.Stalls, stalls...)
@@ -243,23 +244,23 @@ func (p *partState) stalls(now time.Time) []Stall {
 		return nil
 	}
 	var out []Stall
-	for _, e := range p.window {
-		switch e.state {
-		case stateReady, stateInFlight, stateBackoff, stateFailed:
+	for _, e := range p.win.Entries() {
+		switch e.State {
+		case keywindow.Ready, keywindow.InFlight, keywindow.Backoff, keywindow.Failed:
 		default:
 			continue // done, held, or behind its key's head
 		}
 		if e.head.IsZero() || now.Sub(e.head) < timeout {
 			continue
 		}
-		st := Stall{Topic: p.st.topic, Partition: p.partition, Key: e.key, Offset: e.off, For: now.Sub(e.head), Nacks: e.nacks, LastError: e.lastErr}
-		if e.state == stateInFlight {
+		st := Stall{Topic: p.st.topic, Partition: p.partition, Key: e.Key, Offset: e.Off, For: now.Sub(e.head), Nacks: e.nacks, LastError: e.lastErr}
+		if e.State == keywindow.InFlight {
 			st.Running = now.Sub(e.start)
 		}
 		switch {
 		case st.Running >= timeout:
 			st.Cause = StallSlow
-		case e.nacks > 0 || e.state == stateFailed:
+		case e.nacks > 0 || e.State == keywindow.Failed:
 			st.Cause = StallFailing
 		default:
 			st.Cause = StallQueued
@@ -280,11 +281,11 @@ func (p *partState) logStalls() {
 	s.mu.Lock()
 	var fresh []Stall
 	for _, st := range p.stalls(now) {
-		i, ok := slices.BinarySearchFunc(p.window, st.Offset, func(e *entry, off int64) int { return cmp.Compare(e.off, off) })
-		if !ok || p.window[i].stalled {
+		e, ok := p.win.Find(st.Offset)
+		if !ok || e.stalled {
 			continue
 		}
-		p.window[i].stalled = true
+		e.stalled = true
 		fresh = append(fresh, st)
 	}
 	s.mu.Unlock()

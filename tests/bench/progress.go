@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/idemkit/watermill-idempotency/internal/kafkactx"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
 )
 
@@ -16,29 +17,13 @@ func init() {
 	Register("dedup-progress", dedupProgress)
 }
 
-// keyProbe learns the unexported context keys of watermill-kafka and
-// Watermill by asking their accessors (as idemkafka/parallel does), so the
-// benchmark's messages carry a Kafka position as watermill-kafka's do.
-type keyProbe struct {
-	context.Context
-	key any
-}
-
-func (p *keyProbe) Value(key any) any {
-	p.key = key
-	return nil
-}
-
-func keyOf(accessor func(context.Context)) any {
-	p := &keyProbe{Context: context.Background()}
-	accessor(p)
-	return p.key
-}
-
+// The unexported context keys of watermill-kafka and Watermill, learnt
+// by asking their accessors (internal/kafkactx), so the benchmark's
+// messages carry a Kafka position as watermill-kafka's do.
 var (
-	ctxPartition = keyOf(func(ctx context.Context) { kafka.MessagePartitionFromCtx(ctx) })
-	ctxOffset    = keyOf(func(ctx context.Context) { kafka.MessagePartitionOffsetFromCtx(ctx) })
-	ctxTopic     = keyOf(func(ctx context.Context) { message.SubscribeTopicFromCtx(ctx) })
+	ctxPartition = kafkactx.KeyOf(func(ctx context.Context) { kafka.MessagePartitionFromCtx(ctx) })
+	ctxOffset    = kafkactx.KeyOf(func(ctx context.Context) { kafka.MessagePartitionOffsetFromCtx(ctx) })
+	ctxTopic     = kafkactx.KeyOf(func(ctx context.Context) { message.SubscribeTopicFromCtx(ctx) })
 )
 
 // partitions hands each call a partition of its own for its duration, with
