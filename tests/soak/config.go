@@ -118,7 +118,8 @@ type Config struct {
 	// one with Parallel) or [EngineFranz] (idemkafka/franz's Subscriber on
 	// the main topic and each retry topic, [ParallelMaxInFlight] and
 	// [ParallelRetryMaxInFlight] messages in flight, in key order, on the
-	// consumer group protocol GroupProtocol). Defaults to EngineSarama.
+	// consumer group protocol GroupProtocol; in either commit mode, not in
+	// lease mode). Defaults to EngineSarama.
 	Engine string
 	// GroupProtocol is, with Engine [EngineFranz], the consumer groups'
 	// protocol: "consumer" (KIP-848) or "classic" (cooperative-sticky).
@@ -134,8 +135,7 @@ type Config struct {
 	// kill may cost an event one more delivery), [SharePoisonPercent] of
 	// the events fail on every delivery and must be poisoned, at delivery
 	// [ShareMaxDeliveries], and every other event applied exactly once.
-	// Not with GroupCommit, Lease, Parallel or HostileKeys. Defaults to
-	// false.
+	// Not with Lease, Parallel or HostileKeys. Defaults to false.
 	Share bool
 	// Lease runs the consumers' dedup middleware in lease mode
 	// (idem.Config.Mode = &idem.LeaseConfig{}, Duration [Config.LeaseDuration]): the handler
@@ -307,8 +307,8 @@ func (c Config) Validate() error {
 		return errors.New("field HostileKeys: only with Parallel, not in lease mode")
 	case c.Engine != EngineSarama && c.Engine != EngineFranz:
 		return fmt.Errorf("field Engine: %q: %s or %s", c.Engine, EngineSarama, EngineFranz)
-	case c.Engine == EngineFranz && (c.Parallel || c.GroupCommit || c.Lease || c.HostileKeys):
-		return errors.New("field Engine: franz runs one transaction per message, without Parallel, GroupCommit, Lease or HostileKeys")
+	case c.Engine == EngineFranz && (c.Parallel || c.Lease || c.HostileKeys):
+		return errors.New("field Engine: franz runs its own subscribers, without Parallel, Lease or HostileKeys")
 	case c.Engine == EngineFranz && c.GroupProtocol != "consumer" && c.GroupProtocol != "classic":
 		return fmt.Errorf("field GroupProtocol: %q: consumer or classic", c.GroupProtocol)
 	case c.Engine != EngineFranz && c.GroupProtocol != "":
