@@ -39,11 +39,11 @@ func TestSoakFranzShort(t *testing.T) {
 	} {
 		t.Run(leg.name, func(t *testing.T) {
 			cfg := soak.Config{
-				Seed:        20261205,
-				Events:      1500,
-				Aggregates:  32,
-				Engine:      soak.EngineFranz,
-				Share:       leg.share,
+				Seed:       20261205,
+				Events:     1500,
+				Aggregates: 32,
+				Engine:     soak.EngineFranz,
+				Share:      leg.share,
 				// Group commit: a process's pool stays at 4 connections,
 				// within the suite's budget (docs/testing.md, "Connection
 				// budget"); one transaction per message would need one per
