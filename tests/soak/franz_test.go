@@ -104,3 +104,28 @@ func requireShare(t *testing.T, rep *soak.Report) {
 		require.GreaterOrEqual(t, g.PoisonMaxFailures, soak.ShareMaxDeliveries, "%s: failures of a poison event", g.Name)
 	}
 }
+
+// The franz-go legs refuse what they do not run: Sarama's parallel
+// subscriber or lease mode beside them, a group protocol on Sarama, a
+// share group on Sarama, and the faults a share group has no target for.
+func TestConfigRefusesFranzMisuse(t *testing.T) {
+	ok := soak.Config{DatabaseURL: "postgres://x", Events: 1, Aggregates: 1, Partitions: 1, Instances: 1, SecondInstances: 1, Producers: 1,
+		Engine: soak.EngineFranz, GroupProtocol: "consumer"}
+	require.NoError(t, ok.Validate())
+	for name, change := range map[string]func(*soak.Config){
+		"Engine":        func(c *soak.Config) { c.Engine = "kafka-go" },
+		"Parallel":      func(c *soak.Config) { c.Parallel = true },
+		"Lease":         func(c *soak.Config) { c.Lease = true },
+		"GroupProtocol": func(c *soak.Config) { c.GroupProtocol = "eager" },
+		"Sarama":        func(c *soak.Config) { c.Engine = soak.EngineSarama },
+		"Share":         func(c *soak.Config) { c.Engine, c.GroupProtocol, c.Share = soak.EngineSarama, "", true },
+		"OffsetReset":   func(c *soak.Config) { c.Share, c.Faults = true, soak.ShortFaults },
+	} {
+		c := ok
+		change(&c)
+		require.Error(t, c.Validate(), name)
+	}
+	c := ok
+	c.Share, c.Faults = true, soak.ShortShareFaults
+	require.NoError(t, c.Validate())
+}
