@@ -62,7 +62,7 @@ func main() {
 	leaseDuration := flag.Duration("lease-duration", soak.DefaultLeaseDuration, "the lease's duration in lease mode: how long a killed consumer's event waits before it is taken over")
 	engine := flag.String("engine", "", "the consumers' Kafka engine: sarama (watermill-kafka's subscriber, or -parallel) or franz (idemkafka/franz's Subscriber on every topic, one transaction per message; its fault mix adds rolling restarts); default sarama")
 	groupProtocol := flag.String("group-protocol", "", `with -engine franz: the consumer group protocol, "consumer" (KIP-848, the default) or "classic" (cooperative-sticky)`)
-	share := flag.Bool("share", false, "the main topic consumed by a KIP-932 share group (idemkafka/franz's share subscriber; implies -engine franz): no order checked, no retry topics, failures redelivered by the broker and poisoned at delivery 4; its fault mix has no offset resets nor leader elections")
+	share := flag.Bool("share", false, "the main topic consumed by a KIP-932 share group (idemkafka/franz's share subscriber; implies -engine franz): no order checked, no retry topics, failures redelivered by the broker and poisoned at delivery 4; its fault mix has no offset resets")
 	retryPercent := flag.Int("retry-percent", soak.DefaultRetryPercent, "percent of the events that fail transiently 1-3 times and go through the retry topics (negative: none)")
 	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset, leader-election, oversize-row, rolling-restart); "none" starts from an empty mix`)
 	flag.Parse()

@@ -223,8 +223,7 @@ var FullFranzFaults = withRolling(FullFaults, 2)
 var ShortFranzFaults = withRolling(ShortFaults, 1)
 
 // FullShareFaults is the full mix of the share-group leg ([Config.Share]):
-// the full mix but the offset resets (a share group commits no offsets)
-// and the leader elections (not tried on share groups yet).
+// the full mix but the offset resets (a share group commits no offsets).
 var FullShareFaults = withoutOffsets(FullFaults)
 
 // ShortShareFaults is its short mix.
@@ -236,7 +235,7 @@ func withRolling(f FaultCounts, n int) FaultCounts {
 }
 
 func withoutOffsets(f FaultCounts) FaultCounts {
-	f.OffsetResetPerGrp, f.LeaderElection = 0, 0
+	f.OffsetResetPerGrp = 0
 	return f
 }
 
@@ -315,8 +314,8 @@ func (c Config) Validate() error {
 		return errors.New("field GroupProtocol: only with Engine franz")
 	case c.Share && c.Engine != EngineFranz:
 		return errors.New("field Share: only with Engine franz")
-	case c.Share && (c.Faults.OffsetResetPerGrp > 0 || c.Faults.LeaderElection > 0):
-		return errors.New("field Faults: no offset resets (a share group commits no offsets) nor leader elections (not tried on share groups) with Share")
+	case c.Share && c.Faults.OffsetResetPerGrp > 0:
+		return errors.New("field Faults.OffsetResetPerGrp: a share group commits no offsets to reset")
 	case c.Faults.KillMidCall > 0 && !c.Lease:
 		return errors.New("field Faults.KillMidCall: only in lease mode (Lease), where the handler makes a call")
 	}
