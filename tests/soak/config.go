@@ -131,8 +131,8 @@ type Config struct {
 	// aggregates' order; no retry topic either: a failed event is released
 	// and redelivered by the broker, and its delivery count drives the
 	// poison queue (franz.RecordErrors, MaxDeliveries
-	// [ShareMaxDeliveries]). The planned transient failures are 1 or 2 (a
-	// kill may cost an event one more delivery), [SharePoisonPercent] of
+	// [ShareMaxDeliveries]). The planned transient failures are 1 (faults
+	// may cost an event two more deliveries), [SharePoisonPercent] of
 	// the events fail on every delivery and must be poisoned, at delivery
 	// [ShareMaxDeliveries], and every other event applied exactly once.
 	// Not with Lease, Parallel or HostileKeys. Defaults to false.
