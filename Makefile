@@ -106,13 +106,19 @@ demo: ## Run the billing example end to end (orders, billing with Idempotency-Ke
 	$(GO) run ./examples/billing
 
 .PHONY: soak
-soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, every fault type; one transaction per message, then group commit; on watermill-kafka's subscriber, then on idemkafka's parallel one (cooperative-sticky, with a hot key, a failing key and PartitionWindow 16); then lease mode on the parallel one (kills between the phases); each run bounded by 25 min
+soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database outages, every fault type; one transaction per message, then group commit; on watermill-kafka's subscriber, then on idemkafka's parallel one (cooperative-sticky, with a hot key, a failing key and PartitionWindow 16); then lease mode on the parallel one (kills between the phases); then soak/franz and soak/failover; each run bounded by 25 min
 	$(GO) run ./cmd/soak $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -group-commit $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -parallel $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -parallel -group-commit $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -parallel -lease $(SOAK_FLAGS)
+	$(MAKE) --no-print-directory soak/franz
 	$(MAKE) --no-print-directory soak/failover
+
+.PHONY: soak/franz
+soak/franz: ## The soak's two legs on idemkafka/franz (franz-go) alone: KIP-848 consumer groups with kills and rolling restarts; a KIP-932 share group with kills (no order checked; the delivery count drives the poison queue); each bounded by 25 min (SOAK_FLAGS=-short: 2,000 events)
+	$(GO) run ./cmd/soak -engine franz -group-protocol consumer $(SOAK_FLAGS)
+	$(GO) run ./cmd/soak -share $(SOAK_FLAGS)
 
 .PHONY: soak/failover
 soak/failover: ## The soak's full mix plus a failover to an asynchronous standby (throwaway clusters; skipped without the PostgreSQL server programs), no failing events (the retry path does not survive a failover yet: docs/soak.md); watermill-kafka's subscriber, then the parallel one

@@ -13,9 +13,15 @@
 // each event was charged once per group at the provider. With -parallel
 // (not -lease) the run adds a hot key and a failing key and runs the main
 // topic's subscriber with a PartitionWindow of 16 (soak.Config.HostileKeys;
-// -hostile-keys=false leaves them out).
+// -hostile-keys=false leaves them out). With -engine franz the consumers
+// run idemkafka/franz's Subscriber (KIP-848 by default, -group-protocol
+// classic for cooperative-sticky) on the main topic and the retry topics,
+// and the fault mix adds rolling restarts; with -share the main topic is
+// consumed by a KIP-932 share group: no order, the broker's delivery count
+// drives the poison queue (1 % of the events fail on every delivery and
+// must be poisoned), every other event applied exactly once.
 //
-//	go run ./cmd/soak [-seed N] [-events N] [-timeout 25m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-parallel [-hostile-keys=false]] [-lease [-lease-duration 3s]] [-retry-percent 5] [-keep] [-v]
+//	go run ./cmd/soak [-seed N] [-events N] [-timeout 25m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-parallel [-hostile-keys=false]] [-lease [-lease-duration 3s]] [-engine franz [-group-protocol consumer|classic]] [-share] [-retry-percent 5] [-keep] [-v]
 package main
 
 import (
@@ -54,8 +60,11 @@ func main() {
 	hostile := flag.Bool("hostile-keys", true, "with -parallel (not -lease): a hot key (1 % of the events, 200-500 ms each) and a failing key (its first event nacked until 60 % of the others are applied), PartitionWindow 16")
 	lease := flag.Bool("lease", false, "consumers in lease mode (idem.Config.Mode = &idem.LeaseConfig{}): the handler calls a fake provider with no transaction held and registers its write with idem.Complete; kills land between the phases (not with -group-commit)")
 	leaseDuration := flag.Duration("lease-duration", soak.DefaultLeaseDuration, "the lease's duration in lease mode: how long a killed consumer's event waits before it is taken over")
+	engine := flag.String("engine", "", "the consumers' Kafka engine: sarama (watermill-kafka's subscriber, or -parallel) or franz (idemkafka/franz's Subscriber on every topic, either commit mode, not -parallel nor -lease; its fault mix adds rolling restarts); default sarama")
+	groupProtocol := flag.String("group-protocol", "", `with -engine franz: the consumer group protocol, "consumer" (KIP-848, the default) or "classic" (cooperative-sticky)`)
+	share := flag.Bool("share", false, "the main topic consumed by a KIP-932 share group (idemkafka/franz's share subscriber; implies -engine franz): no order checked, no retry topics, failures redelivered by the broker and poisoned at delivery 4; its fault mix has no offset resets")
 	retryPercent := flag.Int("retry-percent", soak.DefaultRetryPercent, "percent of the events that fail transiently 1-3 times and go through the retry topics (negative: none)")
-	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset, leader-election, oversize-row, failover); "none" starts from an empty mix`)
+	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset, leader-election, oversize-row, rolling-restart, failover); "none" starts from an empty mix`)
 	flag.Parse()
 
 	cfg := soak.Config{
@@ -74,9 +83,12 @@ func main() {
 		Lease:         *lease,
 		LeaseDuration: *leaseDuration,
 		RetryPercent:  *retryPercent,
+		Engine:        *engine, // "": sarama, or franz with -share
+		Share:         *share,
+		GroupProtocol: *groupProtocol,
 		Log:           os.Stderr,
 	}
-	fc, err := faultMix(*lease, *short, *faults)
+	fc, err := faultMix(*lease, *short, *engine == soak.EngineFranz, *share, *faults)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "soak: -faults: %v\n", err)
 		os.Exit(2)
@@ -107,11 +119,17 @@ func main() {
 }
 
 // faultMix returns the fault mix: the full or short one (of lease mode when
-// lease), changed by the -faults spec.
-func faultMix(lease, short bool, spec string) (soak.FaultCounts, error) {
+// lease, of the franz-go engine when franz, of the share-group leg when
+// share), changed by the -faults spec.
+func faultMix(lease, short, franz, share bool, spec string) (soak.FaultCounts, error) {
 	full, shortMix := soak.FullFaults, soak.ShortFaults
-	if lease {
+	switch {
+	case lease:
 		full, shortMix = soak.FullLeaseFaults, soak.ShortLeaseFaults
+	case share:
+		full, shortMix = soak.FullShareFaults, soak.ShortShareFaults
+	case franz:
+		full, shortMix = soak.FullFranzFaults, soak.ShortFranzFaults
 	}
 	base := full
 	if short {

@@ -69,6 +69,12 @@ type childConfig struct {
 	Verbose     bool     `json:"verbose"`
 	GroupCommit bool     `json:"group_commit"`
 	Parallel    bool     `json:"parallel"` // idemkafka's parallel subscriber on every topic
+	// The franz-go engine ([Config.Engine]): its Subscriber on every
+	// topic, on GroupProtocol; with Share, the main topic as a member of
+	// a share group (no retry topics).
+	Engine        string `json:"engine"`
+	GroupProtocol string `json:"group_protocol"`
+	Share         bool   `json:"share"`
 	// Lease mode (idem.Config.Mode = &idem.LeaseConfig{}): the lease's duration, and the fake
 	// provider the handler calls (docs/soak.md, "The lease-mode leg").
 	Lease         bool          `json:"lease"`
@@ -219,6 +225,10 @@ func runConsumer(cfg childConfig) error {
 	if cfg.CopyToDLQ {
 		c.dlqPub = pub
 	}
+	if cfg.Share {
+		c.joined = make([]bool, 1)
+		return c.runShare(ctx, dedup, pub, logger)
+	}
 	// KeyOrder hands a key on to its next parked event through the outbox,
 	// to the first retry topic: every consumer process forwards it (the
 	// forwarders of one name share the work).
@@ -247,21 +257,18 @@ func runConsumer(cfg childConfig) error {
 	// the retry-topic middleware and around each in-process attempt.
 	router.AddMiddleware(c.outer(ctx), c.retryPath(inProcess.Middleware, c.attempt, dedup.Middleware, c.rt.ReleaseMiddleware))
 	c.joined = make([]bool, 1+len(cfg.RetryTopics))
-	if cfg.Parallel {
-		if err := c.addParallelHandlers(ctx, router, logger); err != nil {
-			return err
-		}
-	} else if err := c.addHandlers(router, kc, logger); err != nil {
+	switch {
+	case cfg.Engine == EngineFranz:
+		err = c.addFranzHandlers(router, logger)
+	case cfg.Parallel:
+		err = c.addParallelHandlers(ctx, router, logger)
+	default:
+		err = c.addHandlers(router, kc, logger)
+	}
+	if err != nil {
 		return err
 	}
-	go func() {
-		select {
-		case <-router.Running():
-			c.emit(lineReady)
-		case <-ctx.Done():
-		}
-	}()
-	return router.Run(ctx) // until SIGTERM: Close leaves the group, in-flight messages are not acked
+	return c.runRouter(ctx, router)
 }
 
 // readCommands arms the kills the soak writes to the process's input,
@@ -312,7 +319,7 @@ func (c *child) newDedup(ctx context.Context, logger watermill.LoggerAdapter) (d
 	cfg := c.cfg
 	err = retry(ctx, "dedup middleware", func() error {
 		dcfg := idem.Config{DB: c.pool, ConsumerGroup: cfg.Group, Table: tableConfig(cfg.Schema), SkipProgress: cfg.SkipProgress}
-		if cfg.Parallel {
+		if cfg.Parallel || cfg.Engine == EngineFranz {
 			// Every topic's subscriber hands out up to its MaxInFlight
 			// messages at once.
 			dcfg.Concurrency = ParallelMaxInFlight + len(cfg.RetryTopics)*ParallelRetryMaxInFlight

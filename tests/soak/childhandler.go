@@ -41,6 +41,7 @@ func (c *child) outer(ctx context.Context) message.HandlerMiddleware {
 				c.emit(lineDeliveryRetry)
 			} else {
 				c.emit(lineDelivery)
+				c.franzDelivered()
 				n := c.handlers.Add(1)
 				defer c.handlers.Add(-1)
 				if m := c.maxHandlers.Load(); n > m && c.maxHandlers.CompareAndSwap(m, n) {
@@ -285,5 +286,5 @@ RETURNING failures`, c.cfg.Group, id, fail).Scan(&n)
 		return fmt.Errorf("soak: downstream: %w", err)
 	}
 	c.emit(lineTransient)
-	return fmt.Errorf("soak: downstream unavailable for event %s (planned failure %d of %d)", id, n, fail)
+	return fmt.Errorf("%w: downstream unavailable for event %s (planned failure %d of %d)", errPlannedFailure, id, n, fail)
 }

@@ -2,6 +2,7 @@ package soak
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"time"
 
@@ -31,6 +32,17 @@ const (
 	// ([Config.Lease]): short, so that the leases of killed processes
 	// expire and are taken over within the run.
 	DefaultLeaseDuration = 3 * time.Second
+	// EngineSarama and EngineFranz are the values of [Config.Engine].
+	EngineSarama = "sarama"
+	EngineFranz  = "franz"
+	// ShareMaxDeliveries is the share-group leg's
+	// franz.SubscriberConfig.MaxDeliveries: from this delivery on, a
+	// failure is permanent and the poison queue takes the message.
+	ShareMaxDeliveries = 4
+	// SharePoisonPercent is the percent of the share-group leg's events
+	// that fail on every delivery: the poison queue must take each of
+	// them at delivery [ShareMaxDeliveries] ([Config.Share]).
+	SharePoisonPercent = 1
 )
 
 // Config of a soak run.
@@ -101,6 +113,30 @@ type Config struct {
 	// each and in order, and that the other keys flowed around them.
 	// Not in lease mode. Defaults to false.
 	HostileKeys bool
+	// Engine is the Kafka engine of the consumers' subscribers:
+	// [EngineSarama] (watermill-kafka's subscriber, or idemkafka's parallel
+	// one with Parallel) or [EngineFranz] (idemkafka/franz's Subscriber on
+	// the main topic and each retry topic, [ParallelMaxInFlight] and
+	// [ParallelRetryMaxInFlight] messages in flight, in key order, on the
+	// consumer group protocol GroupProtocol; in either commit mode, not in
+	// lease mode). Defaults to EngineSarama.
+	Engine string
+	// GroupProtocol is, with Engine [EngineFranz], the consumer groups'
+	// protocol: "consumer" (KIP-848) or "classic" (cooperative-sticky).
+	// Defaults to "consumer".
+	GroupProtocol string
+	// Share makes each consumer process consume the main topic as a member
+	// of a KIP-932 share group (idemkafka/franz's share subscriber; Engine
+	// [EngineFranz]): no order is kept, so the run does not check the
+	// aggregates' order; no retry topic either: a failed event is released
+	// and redelivered by the broker, and its delivery count drives the
+	// poison queue (franz.RecordErrors, MaxDeliveries
+	// [ShareMaxDeliveries]). The planned transient failures are 1 (faults
+	// may cost an event two more deliveries), [SharePoisonPercent] of
+	// the events fail on every delivery and must be poisoned, at delivery
+	// [ShareMaxDeliveries], and every other event applied exactly once.
+	// Not with Lease, Parallel or HostileKeys. Defaults to false.
+	Share bool
 	// Lease runs the consumers' dedup middleware in lease mode
 	// (idem.Config.Mode = &idem.LeaseConfig{}, Duration [Config.LeaseDuration]): the handler
 	// calls a fake payment provider in the soak's process with the event's
@@ -168,6 +204,7 @@ type FaultCounts struct {
 	OffsetResetPerGrp int // a group's committed offsets reset to the beginning (full replay)
 	LeaderElection    int // every partition's leader moves to another broker (in-process broker only: it runs 3 brokers then)
 	OversizeRow       int // a row larger than the producer's limit written to the outbox table by another writer (outbox producer only)
+	RollingRestart    int // every instance of a group stopped gracefully (SIGTERM) and started again, one after the other
 	// Failover runs the run's database on a throwaway primary with an
 	// asynchronous standby behind a movable address (internal/testkit/
 	// pgcluster) and fails over to the standby once, after cutting
@@ -194,6 +231,30 @@ var ShortLeaseFaults = withLeaseKills(ShortFaults, 2, 2)
 
 // FullLeaseFaults is the full mix of the lease-mode leg.
 var FullLeaseFaults = withLeaseKills(FullFaults, 4, 4)
+
+// FullFranzFaults is the full mix of the franz-go engine's KIP-848 leg
+// (Engine [EngineFranz]): the full mix and two rolling restarts.
+var FullFranzFaults = withRolling(FullFaults, 2)
+
+// ShortFranzFaults is its short mix: the short mix and a rolling restart.
+var ShortFranzFaults = withRolling(ShortFaults, 1)
+
+// FullShareFaults is the full mix of the share-group leg ([Config.Share]):
+// the full mix but the offset resets (a share group commits no offsets).
+var FullShareFaults = withoutOffsets(FullFaults)
+
+// ShortShareFaults is its short mix.
+var ShortShareFaults = withoutOffsets(ShortFaults)
+
+func withRolling(f FaultCounts, n int) FaultCounts {
+	f.RollingRestart = n
+	return f
+}
+
+func withoutOffsets(f FaultCounts) FaultCounts {
+	f.OffsetResetPerGrp = 0
+	return f
+}
 
 func withLeaseKills(f FaultCounts, afterCall, midCall int) FaultCounts {
 	f.KillMidHandler, f.KillMidCall = afterCall, midCall
@@ -227,6 +288,15 @@ func (c *Config) setDefaults() {
 	if c.Outage == 0 {
 		c.Outage = DefaultOutage
 	}
+	if c.Share && c.Engine == "" {
+		c.Engine = EngineFranz
+	}
+	if c.Engine == "" {
+		c.Engine = EngineSarama
+	}
+	if c.Engine == EngineFranz && c.GroupProtocol == "" {
+		c.GroupProtocol = "consumer"
+	}
 	if c.LeaseDuration == 0 {
 		c.LeaseDuration = DefaultLeaseDuration
 	}
@@ -251,10 +321,24 @@ func (c Config) Validate() error {
 		return errors.New("fields Lease, GroupCommit: lease mode batches its phases itself, not with group commit")
 	case c.HostileKeys && (!c.Parallel || c.Lease):
 		return errors.New("field HostileKeys: only with Parallel, not in lease mode")
+	case c.Engine != EngineSarama && c.Engine != EngineFranz:
+		return fmt.Errorf("field Engine: %q: %s or %s", c.Engine, EngineSarama, EngineFranz)
+	case c.Engine == EngineFranz && (c.Parallel || c.Lease || c.HostileKeys):
+		return errors.New("field Engine: franz runs its own subscribers, without Parallel, Lease or HostileKeys")
+	case c.Engine == EngineFranz && c.GroupProtocol != "consumer" && c.GroupProtocol != "classic":
+		return fmt.Errorf("field GroupProtocol: %q: consumer or classic", c.GroupProtocol)
+	case c.Engine != EngineFranz && c.GroupProtocol != "":
+		return errors.New("field GroupProtocol: only with Engine franz")
+	case c.Share && c.Engine != EngineFranz:
+		return errors.New("field Share: only with Engine franz")
+	case c.Share && c.Faults.OffsetResetPerGrp > 0:
+		return errors.New("field Faults.OffsetResetPerGrp: a share group commits no offsets to reset")
 	case c.Faults.KillMidCall > 0 && !c.Lease:
 		return errors.New("field Faults.KillMidCall: only in lease mode (Lease), where the handler makes a call")
 	case c.Faults.Failover > 1:
 		return errors.New("field Faults.Failover: once per run (the standby is the last one)")
+	case c.Faults.Failover > 0 && c.Engine == EngineFranz:
+		return errors.New("field Faults.Failover: the franz engine keeps no position in PostgreSQL yet (docs/engines.md): a failover would lose events by design")
 	}
 	return nil
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -68,6 +69,28 @@ type group struct {
 	maxSpilled                                  atomic.Int64 // the most spilled records in one process's main-topic subscriber at once
 	escalatedIDs                                sync.Map     // event id → true
 	escalations                                 sync.Map     // event id → *tailBuffer: its escalations and their causes
+	poisonedIDs                                 sync.Map     // share-group leg: event id → *poisoning
+}
+
+// poisoning is what the share-group leg's poison lines told of one
+// event: how many times it was poisoned (once per record of it: a double
+// publish is poisoned twice; a kill between the poison queue's publish
+// and the ack makes it once more), and the lines.
+type poisoning struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (p *poisoning) add(line string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.lines = append(p.lines, line)
+}
+
+func (p *poisoning) all() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.lines)
 }
 
 // retryGroup is the Kafka consumer group of a group's consumers of retry
@@ -187,11 +210,15 @@ func (g *group) childConfig(inst *instance) childConfig {
 		// connection for the unsafe write.
 		maxConns = h.cfg.Partitions*int32(1+len(h.retryTopics(g.idx))) + 2
 	}
-	if h.cfg.Parallel && !h.cfg.GroupCommit && !h.cfg.Lease {
+	retryTopics := h.retryTopics(g.idx)
+	if h.cfg.Share {
+		retryTopics = nil // the broker redelivers
+	}
+	if (h.cfg.Parallel || h.cfg.Engine == EngineFranz) && !h.cfg.GroupCommit && !h.cfg.Lease {
 		// One transaction per message in flight (idem.Config.Concurrency
 		// declares it; NewDedup refuses a smaller pool). With group
 		// commit the groups' 4 connections suffice.
-		maxConns = int32(ParallelMaxInFlight + len(h.retryTopics(g.idx))*ParallelRetryMaxInFlight)
+		maxConns = int32(ParallelMaxInFlight + len(retryTopics)*ParallelRetryMaxInFlight)
 	}
 	return childConfig{
 		DatabaseURL: h.cfg.DatabaseURL,
@@ -201,7 +228,7 @@ func (g *group) childConfig(inst *instance) childConfig {
 		Brokers:     h.brokers,
 		Topic:       h.topic,
 		DLQ:         h.dlq,
-		RetryTopics: h.retryTopics(g.idx),
+		RetryTopics: retryTopics,
 		PoisonTopic: h.poisonTopic(g.idx),
 		Retries:     inProcessRetries[g.idx%len(inProcessRetries)],
 		Group:       g.name,
@@ -212,6 +239,10 @@ func (g *group) childConfig(inst *instance) childConfig {
 		Verbose:     h.cfg.ConsumerLogs,
 		GroupCommit: h.cfg.GroupCommit,
 		Parallel:    h.cfg.Parallel,
+		Engine:      h.cfg.Engine,
+		// GroupProtocol is "" on the Sarama engine.
+		GroupProtocol: h.cfg.GroupProtocol,
+		Share:         h.cfg.Share,
 		// Lease mode: the middleware's phases need 2 x 1 + 1 connections
 		// (LeaseConfig.Concurrency 1), whatever the messages in flight; the
 		// fourth serves KeyOrder's parked-keys checks.
@@ -293,6 +324,13 @@ func (inst *instance) readStdout(r io.Reader) {
 			g.poisoned.Add(1)
 			p := strings.TrimPrefix(line, linePoisoned)
 			id, _, _ := strings.Cut(p, " ")
+			if h.cfg.Share {
+				// The share-group leg poisons its planned poison events:
+				// verify checks which were.
+				v, _ := g.poisonedIDs.LoadOrStore(id, &poisoning{})
+				v.(*poisoning).add(p)
+				continue
+			}
 			h.violation("%s: poisoned (the retry path gave up): %s; its escalations: %s", inst.name, p, g.escalationsOf(id))
 		case line == lineDuplicate:
 			g.duplicates.Add(1)

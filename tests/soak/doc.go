@@ -13,9 +13,15 @@
 // (whose main or TestMain calls [RunConsumerIfChild] first), and returns a
 // [Report]: the faults injected, the duplicates the dedup middleware
 // absorbed, the events lost or applied twice per group, and the violations
-// found. `make soak` runs the full version (cmd/soak); TestSoakShort
-// runs a short one inside `make test`. The failover fault
-// ([FaultCounts].Failover, once per full run) moves the run's database to a
+// found. The consumers run on Sarama (watermill-kafka's subscriber, or
+// idemkafka's parallel one) or, with [Config.Engine] [EngineFranz], on
+// idemkafka/franz: KIP-848 consumer groups (with rolling restarts in the
+// fault mix) or, with [Config.Share], a KIP-932 share group, where no order
+// is checked and the broker's delivery count drives the poison queue.
+// `make soak` runs the full version (cmd/soak; `make soak/franz` the
+// franz-go legs alone); TestSoakShort and TestSoakFranzShort run short ones
+// inside `make test`. The failover fault
+// ([FaultCounts].Failover; `make soak/failover`) moves the run's database to a
 // throwaway primary with an asynchronous standby (internal/testkit/
 // pgcluster), cuts replication, promotes the standby and moves the
 // consumers to it; TestSoakFailover runs it alone. See docs/soak.md.

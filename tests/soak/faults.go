@@ -3,6 +3,7 @@ package soak
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -73,6 +74,8 @@ func (h *harness) inject(ctx context.Context, f scheduled) {
 		h.dbGate.RUnlock()
 	case faultJoin:
 		h.joinUntil(ctx, g, f)
+	case faultRolling:
+		h.counted(f.kind, g.name+": rolling restart", h.rollingRestart(ctx, g))
 	case faultTermConsumer:
 		h.terminate(ctx, func(string) string { return f.kind }, []string{g.name + "-i"}, f.pick)
 	case faultTermProducer:
@@ -176,6 +179,43 @@ func (h *harness) joinUntil(ctx context.Context, g *group, f scheduled) {
 		return
 	}
 	h.fault(faultLeave, false)
+}
+
+// rollingRestart restarts g's instances one after the other, as a
+// deployment's rolling update does: each is stopped gracefully (SIGTERM:
+// it leaves the group, its partitions move) and a new one started in its
+// place, ready before the next is stopped. Under the group's fault lock:
+// no offset reset runs meanwhile. An instance that died on its own in the
+// meantime is skipped (its replacement is the crash's business).
+func (h *harness) rollingRestart(ctx context.Context, g *group) error {
+	g.faultMu.RLock()
+	defer g.faultMu.RUnlock()
+	g.mu.Lock()
+	old := slices.Clone(g.live)
+	g.mu.Unlock()
+	for _, inst := range old {
+		select {
+		case <-inst.exited:
+			continue
+		default:
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		inst.stop()
+		next, err := g.start(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("start the replacement of %s: %w", inst.name, err)
+		}
+		if next == nil {
+			return nil // the run is over
+		}
+		h.logf("%s: rolling restart: %s replaced by %s", g.name, inst.name, next.name)
+	}
+	return nil
 }
 
 // terminateProducer terminates a backend of one of the producer's

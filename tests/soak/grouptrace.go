@@ -28,12 +28,15 @@ type groupTrace struct {
 	// offered counts the JoinGroups per group and the protocols they
 	// offered (their names, comma-separated).
 	offered map[string]map[string]int
+	// heartbeats counts the KIP-848 (ConsumerGroupHeartbeat) and KIP-932
+	// (ShareGroupHeartbeat) heartbeats per group.
+	heartbeats map[string]map[string]int
 }
 
 const maxTraceEvents = 60
 
 func newGroupTrace(c *kfake.Cluster) *groupTrace {
-	t := &groupTrace{start: time.Now(), events: map[string][]string{}, beats: map[string]map[string]string{}, offered: map[string]map[string]int{}}
+	t := &groupTrace{start: time.Now(), events: map[string][]string{}, beats: map[string]map[string]string{}, offered: map[string]map[string]int{}, heartbeats: map[string]map[string]int{}}
 	observe := func(key int16) {
 		c.ControlKey(key, func(req kmsg.Request) (kmsg.Response, error, bool) {
 			c.KeepControl()
@@ -41,7 +44,7 @@ func newGroupTrace(c *kfake.Cluster) *groupTrace {
 			return nil, nil, false
 		})
 	}
-	for _, k := range []int16{11, 12, 13, 14} { // JoinGroup, Heartbeat, LeaveGroup, SyncGroup
+	for _, k := range []int16{11, 12, 13, 14, 68, 76} { // JoinGroup, Heartbeat, LeaveGroup, SyncGroup, ConsumerGroupHeartbeat, ShareGroupHeartbeat
 		observe(k)
 	}
 	return t
@@ -77,12 +80,74 @@ func (t *groupTrace) record(req kmsg.Request) {
 			ids = append(ids, m.MemberID)
 		}
 		add(r.Group, fmt.Sprintf("LeaveGroup members=%q", ids))
+	case *kmsg.ConsumerGroupHeartbeatRequest:
+		t.beat(r.Group, protocolKIP848)
+	case *kmsg.ShareGroupHeartbeatRequest:
+		t.beat(r.GroupID, protocolShare)
 	case *kmsg.HeartbeatRequest:
 		if t.beats[r.Group] == nil {
 			t.beats[r.Group] = map[string]string{}
 		}
 		t.beats[r.Group][r.MemberID] = fmt.Sprintf("%s generation=%d", at, r.Generation)
 	}
+}
+
+// The heartbeat protocols [groupTrace] counts.
+const (
+	protocolKIP848 = "ConsumerGroupHeartbeat (KIP-848)"
+	protocolShare  = "ShareGroupHeartbeat (KIP-932)"
+)
+
+// beat counts a heartbeat of protocol in group; t.mu is held.
+func (t *groupTrace) beat(group, protocol string) {
+	if t.heartbeats[group] == nil {
+		t.heartbeats[group] = map[string]int{}
+	}
+	t.heartbeats[group][protocol]++
+}
+
+// heartbeatsOf returns the KIP-848 and KIP-932 heartbeats group sent,
+// per protocol.
+func (t *groupTrace) heartbeatsOf(group string) map[string]int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return maps.Clone(t.heartbeats[group])
+}
+
+// verifyFranz checks, on the franz-go legs with the in-process broker,
+// that every consumer group ran the protocol asked for: KIP-848 groups
+// and share groups sent only their protocol's heartbeats and no
+// JoinGroup; classic ones offered cooperative-sticky alone.
+func (h *harness) verifyFranz() {
+	if h.trace == nil {
+		h.report.Rebalance = "not checked (a real cluster)"
+		return
+	}
+	names, want := h.consumerGroupNames(), protocolKIP848
+	switch {
+	case h.cfg.Share:
+		names, want = []string{h.groups[0].name, h.groups[1].name}, protocolShare
+	case h.cfg.GroupProtocol == "classic":
+		h.verifyCooperative()
+		return
+	}
+	beats := 0
+	for _, n := range names {
+		got := h.trace.heartbeatsOf(n)
+		for p, c := range got {
+			if p != want {
+				h.violation("%s: %d heartbeats of %s, want %s alone", n, c, p, want)
+			}
+		}
+		if got[want] == 0 {
+			h.violation("%s: no %s recorded", n, want)
+		}
+		beats += got[want]
+		if j := h.trace.offeredBy(n); len(j) > 0 {
+			h.violation("%s: JoinGroups (classic protocol) recorded: %v", n, j)
+		}
+	}
+	h.report.Rebalance = fmt.Sprintf("%s: %d groups, %d heartbeats, no JoinGroup", want, len(names), beats)
 }
 
 // dump returns group's recorded requests and last heartbeats.

@@ -40,6 +40,7 @@ func makePlan(cfg Config) []event {
 	r := rand.New(rand.NewPCG(cfg.Seed, 0x5eed_e7e7))
 	rf := rand.New(rand.NewPCG(cfg.Seed, 0xfa11_5eed))
 	rh := rand.New(rand.NewPCG(cfg.Seed, 0x4057_11e5))
+	rp := rand.New(rand.NewPCG(cfg.Seed, 0x9015_0e5d)) // the share leg's poison events
 	seqs := make([]int, cfg.Aggregates+hostileAggregates)
 	plan := make([]event, cfg.Events)
 	for i := range plan {
@@ -51,6 +52,12 @@ func makePlan(cfg Config) []event {
 		}
 		if rf.IntN(100) < cfg.RetryPercent {
 			ev.fail = 1 + rf.IntN(maxPlannedFailures)
+			if cfg.Share {
+				ev.fail = 1 + (ev.fail-1)%shareMaxPlannedFailures
+			}
+		}
+		if cfg.Share && rp.IntN(100) < SharePoisonPercent {
+			ev.fail = poisonFail
 		}
 		if cfg.HostileKeys {
 			a = hostileKey(cfg, a, rh, &ev)
@@ -82,7 +89,20 @@ const (
 	faultLeader        = "leader-election"
 	faultOversize      = "oversize-row"
 	faultFailover      = "failover (async standby promoted)"
+	faultRolling       = "rolling-restart"
 )
+
+// poisonFail is the planned failure count of a share-group leg's poison
+// event ([SharePoisonPercent]): it fails on every delivery.
+const poisonFail = 1000
+
+// shareMaxPlannedFailures is the most transient failures planned for an
+// event of the share-group leg: [ShareMaxDeliveries] - 3, so that two
+// deliveries lost to faults (a SIGKILL, a leave or a leader election
+// releases the records a member had acquired: each acquisition counts) do
+// not poison it. With 2, a full run with leader elections saw an event
+// lose two deliveries so and be poisoned at its 4th (its 2nd failure).
+const shareMaxPlannedFailures = ShareMaxDeliveries - 3
 
 // leaderBrokers is how many brokers the in-process cluster runs when the
 // fault mix has leader elections (node ids 0 to leaderBrokers-1).
@@ -147,6 +167,7 @@ func makeSchedule(cfg Config) []scheduled {
 	add(fc.RestartForwarder, faultRestartFwd, byProduced, 0.05, 0.9)
 	add(fc.LeaderElection, faultLeader, byProduced, 0.05, 0.9)
 	add(fc.OversizeRow, faultOversize, byProduced, 0.05, 0.9)
+	add(fc.RollingRestart, faultRolling, byApplied, 0.1, 0.7)
 	// Lease mode only (the other modes make no call): a stream of its
 	// own, so the rest of a seed's schedule stays as it was.
 	rl := rand.New(rand.NewPCG(cfg.Seed, 0x1ea5_e5ed))
@@ -187,12 +208,13 @@ var faultFlags = []struct {
 	{"leader-election", func(f *FaultCounts) *int { return &f.LeaderElection }},
 	{"oversize-row", func(f *FaultCounts) *int { return &f.OversizeRow }},
 	{"failover", func(f *FaultCounts) *int { return &f.Failover }},
+	{"rolling-restart", func(f *FaultCounts) *int { return &f.RollingRestart }},
 }
 
 // ParseFaults reads a fault mix such as "kill=3,crash-loop=1" on top of
 // base; kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join,
 // pg-consumer, pg-producer, restart-forwarder, offset-reset (per group),
-// leader-election, oversize-row, failover.
+// leader-election, oversize-row, rolling-restart, failover.
 func ParseFaults(base FaultCounts, spec string) (FaultCounts, error) {
 	for _, kv := range strings.Split(spec, ",") {
 		kv = strings.TrimSpace(kv)

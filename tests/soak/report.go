@@ -62,6 +62,11 @@ type Report struct {
 	// group), RetryFailures the failures planned for them in all
 	// ([Config.RetryPercent]).
 	RetryEvents, RetryFailures int
+	// PoisonEvents are the share-group leg's events planned to fail on
+	// every delivery ([SharePoisonPercent], [Config.Share]): each group's
+	// poison queue must take each of them, at delivery
+	// [ShareMaxDeliveries]; they are not in the ledger.
+	PoisonEvents int
 	// Rebalance says, in [Config.Parallel] mode, which rebalance protocol
 	// the consumers' groups ran (checked: cooperative-sticky).
 	Rebalance string
@@ -150,6 +155,11 @@ type GroupReport struct {
 	// it held with watermill-kafka's subscriber, up to
 	// [ParallelMaxInFlight] with the parallel one ([Config.Parallel]).
 	MaxHandlers int64
+	// PoisonedEvents counts the share-group leg's distinct events the
+	// group's poison queue took; PoisonMinFailures and PoisonMaxFailures
+	// are the fewest and most failures one of them had (at most
+	// [ShareMaxDeliveries]: one per delivery). 0 on the other legs.
+	PoisonedEvents, PoisonMinFailures, PoisonMaxFailures int
 	// Hostile is the hostile keys' view ([Config.HostileKeys]); nil
 	// without them.
 	Hostile *HostileReport
@@ -177,6 +187,9 @@ func (r *Report) String() string {
 	fmt.Fprintf(&b, "  %-22s %d\n", "dlq replayed", r.DLQReplayed)
 	fmt.Fprintf(&b, "  %-22s %d\n", "published twice", r.DoublePublished)
 	fmt.Fprintf(&b, "  %-22s %d events, %d failures in each group\n", "planned to fail", r.RetryEvents, r.RetryFailures)
+	if r.PoisonEvents > 0 {
+		fmt.Fprintf(&b, "  %-22s %d events, in each group (share group: at delivery %d)\n", "planned poison", r.PoisonEvents, ShareMaxDeliveries)
+	}
 	fmt.Fprintf(&b, "consumer log lines with \"i/o timeout\": %d\n", r.IOTimeouts)
 	fmt.Fprintf(&b, "consumers stopped with SIGTERM: %d, the longest exit %s\n", r.Stops, r.MaxStop.Truncate(time.Millisecond))
 	if r.ForwarderExits > 0 {
@@ -198,8 +211,16 @@ func (r *Report) String() string {
 		if g.AppliedFromRetry > 0 {
 			perEvent = float64(g.RetryDeliveries) / float64(g.AppliedFromRetry)
 		}
-		fmt.Fprintf(&b, "  retry topics (in-process retries %d): failed as planned: %d events, %d times | escalated to a retry topic: %d times, %d events, attempts up to %d | deferred behind their key: %d | retry-topic deliveries=%d applied from a retry topic=%d (%.2f deliveries per event on the retry path) | poisoned=%d\n",
-			g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, perEvent, g.Poisoned)
+		if g.PoisonMaxFailures > 0 {
+			fmt.Fprintf(&b, "  share group (no retry topics: the broker redelivers): failed as planned: %d events (poison events included), %d times\n", g.FailedEvents, g.Failures)
+		} else {
+			fmt.Fprintf(&b, "  retry topics (in-process retries %d): failed as planned: %d events, %d times | escalated to a retry topic: %d times, %d events, attempts up to %d | deferred behind their key: %d | retry-topic deliveries=%d applied from a retry topic=%d (%.2f deliveries per event on the retry path) | poisoned=%d\n",
+				g.InProcessRetries, g.FailedEvents, g.Failures, g.Escalated, g.EscalatedEvents, g.MaxAttempt, g.Deferred, g.RetryDeliveries, g.AppliedFromRetry, perEvent, g.Poisoned)
+		}
+		if g.PoisonMaxFailures > 0 {
+			fmt.Fprintf(&b, "  share group: poisoned events %d (of %d planned), %d times; failures of a poisoned event %d to %d (MaxDeliveries %d)\n",
+				g.PoisonedEvents, r.PoisonEvents, g.Poisoned, g.PoisonMinFailures, g.PoisonMaxFailures, ShareMaxDeliveries)
+		}
 		if x := g.Hostile; x != nil {
 			fmt.Fprintf(&b, "  hostile keys: hot %s: %d of %d events in the ledger, %d of them overlapped by other keys' applications | failing %s: %d of %d events in the ledger, its first one failed %d times over %s (nacked), %d other events applied before it (released at %d) | spilled records at once in a process: up to %d\n",
 				x.HotKey, x.HotRows, x.HotEvents, x.HotOverlapped, x.FailingKey, x.FailingRows, x.FailingEvents, x.BlockedFailures, x.BlockedFor.Round(time.Millisecond), x.AppliedBeforeHead, x.ReleaseAt, x.MaxSpilled)

@@ -194,7 +194,10 @@ func newHarness(cfg Config) (*harness, error) {
 	h.parked = parkedTable(h.schema)
 	h.plan = makePlan(cfg)
 	for _, ev := range h.plan {
-		if ev.fail > 0 {
+		switch {
+		case ev.fail >= poisonFail:
+			h.report.PoisonEvents++
+		case ev.fail > 0:
 			h.report.RetryEvents++
 			h.report.RetryFailures += ev.fail
 		}
@@ -214,6 +217,9 @@ func (h *harness) startBroker() (stop func(), err error) {
 		// Leaders to move between: three brokers.
 		opts = append(opts, kfake.NumBrokers(leaderBrokers))
 	}
+	if h.cfg.Engine == EngineFranz {
+		opts = append(opts, kfake.BrokerConfigs(franzBrokerConfigs))
+	}
 	fake, err := kafkatest.NewFake(opts...)
 	if err != nil {
 		return nil, fmt.Errorf("start kfake: %w", err)
@@ -222,6 +228,21 @@ func (h *harness) startBroker() (stop func(), err error) {
 	h.trace = newGroupTrace(fake)
 	h.fake = fake
 	return fake.Close, nil
+}
+
+// franzBrokerConfigs are the in-process broker's settings of the KIP-848
+// and share groups on the franz-go legs. The broker runs the sessions of
+// those groups (a member's heartbeat interval and its session timeout,
+// which a classic member asks for in its JoinGroup): as Sarama's 10 s
+// session of the other legs, a killed member's partitions, or the
+// share-group records it had acquired, go to the others 10 s after its
+// death instead of Kafka's default 45 s; heartbeats every 500 ms, so
+// that an assignment change reaches the members at once.
+var franzBrokerConfigs = map[string]string{
+	"group.consumer.heartbeat.interval.ms": "500",
+	"group.consumer.session.timeout.ms":    "10000",
+	"group.share.heartbeat.interval.ms":    "500",
+	"group.share.session.timeout.ms":       "10000",
 }
 
 // createTopics creates the run's topics: the events, the DLQ, and each
@@ -274,6 +295,12 @@ func (h *harness) run(ctx context.Context) error {
 		if h.cfg.Parallel {
 			h.report.Consumers += ", parallel subscriber"
 		}
+	}
+	switch {
+	case h.cfg.Share:
+		h.report.Consumers += ", franz-go share group (KIP-932)"
+	case h.cfg.Engine == EngineFranz:
+		h.report.Consumers += ", franz-go subscriber (group protocol " + h.cfg.GroupProtocol + ")"
 	}
 	if h.cfg.HostileKeys {
 		h.report.Consumers += fmt.Sprintf(", hostile keys (PartitionWindow %d)", HostilePartitionWindow)

@@ -3,6 +3,8 @@ package soak
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -29,9 +31,15 @@ func (h *harness) verify(ctx context.Context) error {
 	if events != h.cfg.Events {
 		h.violation("producer: %d business rows, want %d", events, h.cfg.Events)
 	}
+	// The share-group leg's poison events are never applied.
+	var poison int
+	var poisonSum int64
+	if err := h.admin.QueryRow(ctx, `SELECT count(*), coalesce(sum(amount), 0) FROM soak_event WHERE fail >= $1`, poisonFail).Scan(&poison, &poisonSum); err != nil {
+		return fmt.Errorf("verify: %w", err)
+	}
 
 	for _, g := range h.groups {
-		if err := h.verifyGroup(ctx, g, events, sum); err != nil {
+		if err := h.verifyGroup(ctx, g, events-poison, sum-poisonSum); err != nil {
 			return err
 		}
 	}
@@ -40,8 +48,11 @@ func (h *harness) verify(ctx context.Context) error {
 			return err
 		}
 	}
-	if h.cfg.Parallel {
+	switch {
+	case h.cfg.Parallel:
 		h.verifyCooperative()
+	case h.cfg.Engine == EngineFranz:
+		h.verifyFranz()
 	}
 	if n, err := h.prod.pending(ctx); err != nil || n > 0 {
 		h.violation("outbox: %d rows not forwarded (%v)", n, err)
@@ -77,7 +88,11 @@ func (h *harness) verifyGroup(ctx context.Context, g *group, events int, sum int
 			return err
 		}
 	}
-	if n, err := h.records(h.poisonTopic(g.idx)); err != nil || n > 0 {
+	if h.cfg.Share {
+		if err := h.verifyShare(ctx, g, &gr); err != nil {
+			return err
+		}
+	} else if n, err := h.records(h.poisonTopic(g.idx)); err != nil || n > 0 {
 		h.violation("%s: %d messages on the poison topic (%v)", g.name, n, err)
 	}
 	r.Groups = append(r.Groups, gr)
@@ -119,7 +134,7 @@ func (h *harness) groupLedger(ctx context.Context, g *group, gr *GroupReport) er
 		return fmt.Errorf("verify: %w", err)
 	}
 	if err := h.admin.QueryRow(ctx, `SELECT
-    (SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)),
+    (SELECT count(*) FROM soak_event e WHERE e.fail < `+poisonFailSQL+` AND NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)),
     (SELECT count(*) FROM (SELECT event_id FROM soak_ledger WHERE grp = $1 GROUP BY event_id HAVING count(*) > 1) x)`, g.name).
 		Scan(&gr.Lost, &gr.Double); err != nil {
 		return fmt.Errorf("verify: %w", err)
@@ -132,17 +147,108 @@ type groupCheck struct{ what, sql string }
 
 // groupChecks are the counts that must be zero for every group.
 func (h *harness) groupChecks() []groupCheck {
-	return []groupCheck{
-		{"events never applied", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)`},
+	checks := []groupCheck{
+		{"events never applied", `SELECT count(*) FROM soak_event e WHERE e.fail < ` + poisonFailSQL + ` AND NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = e.event_id)`},
 		{"events applied more than once", `SELECT count(*) FROM (SELECT event_id FROM soak_ledger WHERE grp = $1 GROUP BY event_id HAVING count(*) > 1) x`},
 		{"applied events the producer never committed", `SELECT count(*) FROM soak_ledger l WHERE grp = $1 AND NOT EXISTS (SELECT 1 FROM soak_event e WHERE e.event_id = l.event_id)`},
 		{"ledger rows whose data differs from the event", `SELECT count(*) FROM soak_ledger l JOIN soak_event e USING (event_id) WHERE l.grp = $1 AND (l.aggregate, l.seq, l.amount) <> (e.aggregate, e.seq, e.amount)`},
-		{"per-aggregate order breaks (seq not previous+1 in apply order)", `SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY aggregate ORDER BY applied) AS prev FROM soak_ledger WHERE grp = $1) x WHERE seq <> coalesce(prev, 0) + 1`},
-		{"events without a processed_event row", `SELECT count(*) FROM soak_event e WHERE NOT EXISTS (SELECT 1 FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND p.event_id = e.event_id)`},
-		{"events that did not fail as often as planned", `SELECT count(*) FROM soak_event e LEFT JOIN soak_failure f ON f.grp = $1 AND f.event_id = e.event_id WHERE coalesce(f.failures, 0) <> e.fail`},
+		{"events without a processed_event row", `SELECT count(*) FROM soak_event e WHERE e.fail < ` + poisonFailSQL + ` AND NOT EXISTS (SELECT 1 FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND p.event_id = e.event_id)`},
+		{"events that did not fail as often as planned", `SELECT count(*) FROM soak_event e LEFT JOIN soak_failure f ON f.grp = $1 AND f.event_id = e.event_id WHERE e.fail < ` + poisonFailSQL + ` AND coalesce(f.failures, 0) <> e.fail`},
 		{"events left parked on the retry path (retry_parked_key rows)", `SELECT count(*) FROM ` + pgx.Identifier{h.parked.Schema, "retry_parked_key"}.Sanitize() + ` WHERE consumer_group = $1`},
 		{"processed_event rows without a ledger row", `SELECT count(*) FROM ` + pgx.Identifier{h.table.Schema, "processed_event"}.Sanitize() + ` p WHERE p.consumer_group = $1 AND NOT EXISTS (SELECT 1 FROM soak_ledger l WHERE l.grp = $1 AND l.event_id = p.event_id)`},
 	}
+	if h.cfg.Share {
+		// A share group keeps no order: each event stands alone.
+		// verifyShare checks the poison events.
+		return checks
+	}
+	return append(checks, groupCheck{"per-aggregate order breaks (seq not previous+1 in apply order)", `SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY aggregate ORDER BY applied) AS prev FROM soak_ledger WHERE grp = $1) x WHERE seq <> coalesce(prev, 0) + 1`})
+}
+
+// shareDeliveryLimit is the share groups' share.delivery.count.limit on
+// the in-process broker (Kafka's default): a record is delivered at most
+// that often, then archived.
+const shareDeliveryLimit = 5
+
+// checkPoisonReason checks that the poison queue took event id because
+// its delivery count reached [ShareMaxDeliveries]: franz.RecordErrors's
+// "delivery N of at most M failed" is in the reason.
+func (h *harness) checkPoisonReason(g *group, id, line string) {
+	var d, most int
+	_, reason, _ := strings.Cut(line, " ")
+	i := strings.Index(reason, "delivery ")
+	if i < 0 {
+		h.violation("%s: event %s poisoned without the delivery count in its reason: %s", g.name, id, reason)
+		return
+	}
+	if _, err := fmt.Sscanf(reason[i:], "delivery %d of at most %d failed", &d, &most); err != nil || d < ShareMaxDeliveries || most != ShareMaxDeliveries {
+		h.violation("%s: event %s poisoned at delivery %d of at most %d (%v), want from delivery %d on: %s", g.name, id, d, most, err, ShareMaxDeliveries, reason)
+	}
+}
+
+// poisonFailSQL is [poisonFail] in a query.
+var poisonFailSQL = strconv.Itoa(poisonFail)
+
+// verifyShare checks the share-group leg's poison queue for g: the
+// events it poisoned are exactly the planned poison events, each poisoned
+// at delivery [ShareMaxDeliveries] or later (RecordErrors made the failure
+// permanent: the delivery count drove it), each on the poison topic, each
+// failed at least once and, one transaction per message, at most
+// [shareDeliveryLimit] times per poisoning (the broker delivers a record
+// no more often; it is poisoned from delivery [ShareMaxDeliveries] on,
+// later when a fault interrupts the poisoning; a double publish is two
+// records, poisoned twice); and reads their failure counts into gr.
+func (h *harness) verifyShare(ctx context.Context, g *group, gr *GroupReport) error {
+	rows, err := h.admin.Query(ctx, `SELECT e.event_id::text, coalesce(f.failures, 0) FROM soak_event e LEFT JOIN soak_failure f ON f.grp = $1 AND f.event_id = e.event_id WHERE e.fail >= $2`, g.name, poisonFail)
+	if err != nil {
+		return fmt.Errorf("verify poison: %w", err)
+	}
+	planned := map[string]int{}
+	var (
+		id       string
+		failures int
+	)
+	if _, err := pgx.ForEachRow(rows, []any{&id, &failures}, func() error {
+		planned[id] = failures
+		return nil
+	}); err != nil {
+		return fmt.Errorf("verify poison: %w", err)
+	}
+	gr.PoisonMinFailures = ShareMaxDeliveries + 1
+	for id, n := range planned {
+		gr.PoisonMinFailures, gr.PoisonMaxFailures = min(gr.PoisonMinFailures, n), max(gr.PoisonMaxFailures, n)
+		v, ok := g.poisonedIDs.Load(id)
+		if !ok {
+			h.violation("%s: poison event %s (failed %d times) was not poisoned", g.name, id, n)
+			continue
+		}
+		// In group-commit mode a delivery may run its handler more than
+		// once (a batch that fails runs its messages again one by one):
+		// only the failure's presence and the poisoning's delivery count
+		// (checkPoisonReason) tell there.
+		if lines := v.(*poisoning).all(); n < 1 || (!h.cfg.GroupCommit && n > shareDeliveryLimit*len(lines)) {
+			h.violation("%s: poison event %s failed %d times, poisoned %d times, want 1 to %d failures per poisoning: %v", g.name, id, n, len(lines), shareDeliveryLimit, lines)
+		}
+	}
+	if len(planned) == 0 {
+		gr.PoisonMinFailures = 0
+	}
+	g.poisonedIDs.Range(func(k, v any) bool {
+		gr.PoisonedEvents++
+		id := k.(string)
+		for _, line := range v.(*poisoning).all() {
+			if _, ok := planned[id]; !ok {
+				h.violation("%s: event %s poisoned, but not planned to: %s", g.name, id, line)
+				return true
+			}
+			h.checkPoisonReason(g, id, line)
+		}
+		return true
+	})
+	if n, err := h.records(h.poisonTopic(g.idx)); err != nil || n < int64(len(planned)) {
+		h.violation("%s: %d messages on the poison topic, want at least %d (%v)", g.name, n, len(planned), err)
+	}
+	return nil
 }
 
 // verifyOutbox checks the outbox producer's tables: exactly the oversize
