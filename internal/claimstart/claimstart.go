@@ -47,10 +47,25 @@ func Record(group, topic string, partition int32, offset int64) {
 }
 
 // Lookup returns the start of group's latest claim of topic/partition in
-// this process, or false when none was recorded.
+// this process, or false when none was recorded. The Kafka consumer group
+// need not be named group (a retry topic's subscriber often has a group of
+// its own while its dedup middleware keeps the main one): when none is,
+// the claim of the one Kafka group that holds topic/partition here is
+// taken; with several, none is (which one the message came from is not
+// known).
 func Lookup(group, topic string, partition int32) (Start, bool) {
 	mu.Lock()
 	defer mu.Unlock()
-	s, ok := starts[key{group, topic, partition}]
-	return s, ok
+	if s, ok := starts[key{group, topic, partition}]; ok {
+		return s, true
+	}
+	var found Start
+	n := 0
+	for k, s := range starts {
+		if k.topic == topic && k.partition == partition {
+			found = s
+			n++
+		}
+	}
+	return found, n == 1
 }

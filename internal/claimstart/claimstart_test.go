@@ -23,3 +23,21 @@ func TestLookupReturnsTheLatestClaimOfItsGroup(t *testing.T) {
 	other, _ := claimstart.Lookup("cs-b", "orders", 0)
 	require.EqualValues(t, 99, other.Offset)
 }
+
+// A retry topic's subscriber in a Kafka group of its own, behind a dedup
+// middleware of the main group: the one Kafka group holding the partition
+// answers; two groups on it leave the answer unknown.
+func TestLookupFallsBackToTheOneGroupHoldingThePartition(t *testing.T) {
+	claimstart.Record("cs-main-retry1", "cs-orders-retry1", 2, 40)
+	s, ok := claimstart.Lookup("cs-main", "cs-orders-retry1", 2)
+	require.True(t, ok)
+	require.EqualValues(t, 40, s.Offset)
+	_, ok = claimstart.Lookup("cs-main", "cs-orders-retry1", 3)
+	require.False(t, ok, "no claim of that partition")
+	claimstart.Record("cs-other-retry1", "cs-orders-retry1", 2, 7)
+	_, ok = claimstart.Lookup("cs-main", "cs-orders-retry1", 2)
+	require.False(t, ok, "two Kafka groups hold it: which one the message came from is not known")
+	s, ok = claimstart.Lookup("cs-other-retry1", "cs-orders-retry1", 2)
+	require.True(t, ok, "its own group's claim still answers")
+	require.EqualValues(t, 7, s.Offset)
+}
