@@ -599,6 +599,25 @@ func TestServeGroupProgress(t *testing.T) {
 	require.Contains(t, string(page), `id="kafka-ahead"`)
 	require.Contains(t, string(page), "idemctl groups progress billing --rewind --yes")
 
+	// Kafka gone: the page still shows PostgreSQL's position, and says why
+	// Kafka's side is missing.
+	if broker.Fake != nil {
+		broker.Fake.Close()
+		type downAPI struct {
+			ProgressError string `json:"progress_error"`
+			Progress      []struct {
+				Postgres int64 `json:"postgres_offset"`
+				Kafka    int64 `json:"kafka_offset"`
+			} `json:"progress"`
+		}
+		d, code := getJSON[downAPI](t, base+"/api/groups/billing")
+		require.Equal(t, http.StatusOK, code)
+		require.NotEmpty(t, d.ProgressError)
+		require.Len(t, d.Progress, 1)
+		require.EqualValues(t, 9, d.Progress[0].Postgres)
+		require.EqualValues(t, -1, d.Progress[0].Kafka)
+	}
+
 	base = startServe(t, db, nil)
 	g, _ = getJSON[groupAPI](t, base+"/api/groups/billing")
 	require.Zero(t, g.KafkaAhead)

@@ -276,6 +276,9 @@ type GroupPage struct {
 	// PostgreSQL's position: records a failover or a restore may have
 	// lost (stop the consumers, idemctl groups progress GROUP --rewind).
 	KafkaAhead int64 `json:"kafka_ahead"`
+	// ProgressError says why Kafka's committed offsets could not be read
+	// (the positions are then PostgreSQL's alone); empty when they were.
+	ProgressError string `json:"progress_error,omitempty"`
 }
 
 // ProgressRow is one partition of [GroupPage.Progress].
@@ -317,8 +320,12 @@ func (c *Reader) Group(ctx context.Context, name string) (*GroupPage, error) {
 		if !g.Young(now, retention) {
 			out.StaleHorizon = Time(now.Add(-retention))
 		}
-		if out.Progress, err = c.progress(ctx, tc, name); err != nil {
-			return nil, err
+		if out.Progress, err = c.progress(ctx, tc, name, true); err != nil {
+			// Kafka unreachable: the page still shows PostgreSQL's side.
+			out.ProgressError = err.Error()
+			if out.Progress, err = c.progress(ctx, tc, name, false); err != nil {
+				return nil, err
+			}
 		}
 		for _, r := range out.Progress {
 			out.KafkaAhead += r.Ahead
@@ -328,15 +335,15 @@ func (c *Reader) Group(ctx context.Context, name string) (*GroupPage, error) {
 	return nil, ErrNotFound
 }
 
-// progress reads group's position in PostgreSQL and, with Kafka, its
-// committed offsets (the Kafka consumer group of the same name, as
-// idemctl groups progress assumes by default). A table from before the
+// progress reads group's position in PostgreSQL and, withKafka and a
+// KafkaView, its committed offsets (the Kafka consumer group of the same
+// name, as idemctl groups progress assumes by default). A table from before the
 // progress migration has no position: none.
-func (c *Reader) progress(ctx context.Context, tc deduplicator.TableConfig, group string) ([]ProgressRow, error) {
+func (c *Reader) progress(ctx context.Context, tc deduplicator.TableConfig, group string, withKafka bool) ([]ProgressRow, error) {
 	table := progresssql.Table(tc.Schema, tc.Table)
 	var rows []progresskafka.Row
 	var err error
-	if c.Kafka != nil {
+	if withKafka && c.Kafka != nil {
 		rows, err = c.Kafka.progress(ctx, c.Pool, table, group)
 	} else {
 		var ps []progresssql.Position
