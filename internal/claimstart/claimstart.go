@@ -27,15 +27,16 @@ type Start struct {
 	Claim  uint64
 }
 
-type key struct {
-	group, topic string
-	partition    int32
+type part struct {
+	topic     string
+	partition int32
 }
 
 var (
 	mu     sync.Mutex
 	claims uint64
-	starts = map[key]Start{}
+	// starts holds each partition's latest claim per Kafka group.
+	starts = map[part]map[string]Start{}
 )
 
 // Record notes that group's claim of topic/partition starts at offset.
@@ -43,7 +44,11 @@ func Record(group, topic string, partition int32, offset int64) {
 	mu.Lock()
 	defer mu.Unlock()
 	claims++
-	starts[key{group, topic, partition}] = Start{Offset: offset, Claim: claims}
+	p := part{topic, partition}
+	if starts[p] == nil {
+		starts[p] = map[string]Start{}
+	}
+	starts[p][group] = Start{Offset: offset, Claim: claims}
 }
 
 // Lookup returns the start of group's latest claim of topic/partition in
@@ -56,16 +61,16 @@ func Record(group, topic string, partition int32, offset int64) {
 func Lookup(group, topic string, partition int32) (Start, bool) {
 	mu.Lock()
 	defer mu.Unlock()
-	if s, ok := starts[key{group, topic, partition}]; ok {
+	groups := starts[part{topic, partition}]
+	if s, ok := groups[group]; ok {
 		return s, true
 	}
-	var found Start
-	n := 0
-	for k, s := range starts {
-		if k.topic == topic && k.partition == partition {
-			found = s
-			n++
-		}
+	if len(groups) != 1 {
+		return Start{}, false
 	}
-	return found, n == 1
+	var only Start
+	for _, s := range groups {
+		only = s
+	}
+	return only, true
 }
