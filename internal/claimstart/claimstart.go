@@ -33,7 +33,7 @@ type part struct {
 }
 
 var (
-	mu     sync.Mutex
+	mu     sync.RWMutex
 	claims uint64
 	// starts holds each partition's latest claim per Kafka group.
 	starts = map[part]map[string]Start{}
@@ -59,8 +59,8 @@ func Record(group, topic string, partition int32, offset int64) {
 // taken; with several, none is (which one the message came from is not
 // known).
 func Lookup(group, topic string, partition int32) (Start, bool) {
-	mu.Lock()
-	defer mu.Unlock()
+	mu.RLock()
+	defer mu.RUnlock()
 	groups := starts[part{topic, partition}]
 	if s, ok := groups[group]; ok {
 		return s, true
