@@ -8,6 +8,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
+	"github.com/idemkit/watermill-idempotency/migrate"
 )
 
 // The values of [SubscriberConfig].GroupProtocol, as Kafka's consumer
@@ -122,6 +123,30 @@ type SubscriberConfig struct {
 	// only later ones; "none" leaves the group's setting alone. Defaults to
 	// "earliest".
 	ShareOffsetReset string
+	// Progress, when set, keeps the group's position in PostgreSQL, in the
+	// claims' database (a *pgxpool.Pool of the same cluster as the dedup
+	// middleware's, or the position would not follow the claims through a
+	// failover), as idemkafka/parallel's Subscriber does: each partition's
+	// commit offset (below it every record is acked, so its transaction
+	// committed) is written to <table>_progress before it is committed to
+	// Kafka, and every assignment (cooperative-sticky and KIP-848 alike)
+	// starts each partition from PostgreSQL's position, which wins over
+	// Kafka's committed offset (still committed, for lag tools). After a
+	// failover to an asynchronous standby or a point-in-time restore the
+	// events of the lost transactions are handed out again instead of
+	// being skipped (docs/guarantees.md). A write finding the server on a
+	// new timeline restarts the member's partitions from the new history's
+	// position. Not with ShareGroup (a share group has no offsets).
+	// Defaults to nil (the position is kept in Kafka only).
+	Progress migrate.DBTX
+	// ProgressSchema is the schema of the claims' table, as the
+	// middleware's deduplicator.TableConfig.Schema. Defaults to "" (public).
+	ProgressSchema string
+	// ProgressTable is the claims' table, as
+	// deduplicator.TableConfig.Table: deduplicator.MigrationLine creates
+	// its <table>_progress companion, where Progress is kept. Defaults to
+	// "" (processed_event).
+	ProgressTable string
 	// ClientOpts are more franz-go options (TLS, SASL, ClientID, session
 	// and rebalance timeouts...). The Subscriber sets the seed brokers, the
 	// group, the topic, the balancer, DisableAutoCommit,
@@ -171,6 +196,8 @@ func (c SubscriberConfig) Validate() error {
 		return bad("ConsumerGroup", "required (without a group nothing is committed)")
 	case c.ConsumerGroup != "" && c.ShareGroup != "":
 		return bad("ShareGroup", "set only one of ConsumerGroup and ShareGroup")
+	case c.ShareGroup != "" && c.Progress != nil:
+		return bad("Progress", "not with a share group: it has no offsets, the broker keeps each record's state")
 	case c.ShareGroup != "" && c.Ordering != parallel.OrderNone:
 		return bad("Ordering", fmt.Sprintf("%s with a share group: a share group keeps no order, set parallel.OrderNone (handlers that need their key's order cannot use a share group)", c.Ordering))
 	case c.MaxDeliveries < 0:
@@ -219,9 +246,13 @@ func (c SubscriberConfig) validateClientOpts() error {
 	if revoke == 0 {
 		revoke = defaultRevokeTimeout
 	}
-	if rebalance > 0 && revoke+revokeCommitAllowance >= rebalance {
+	final := revokeCommitAllowance
+	if c.Progress != nil {
+		final += progressSaveTimeout
+	}
+	if rebalance > 0 && revoke+final >= rebalance {
 		return fmt.Errorf("RevokeTimeout: %s + %s for the final commit must be shorter than the rebalance timeout of ClientOpts (%s): "+
-			"a revoked member must rejoin before it, or the coordinator expels it", revoke, revokeCommitAllowance, rebalance)
+			"a revoked member must rejoin before it, or the coordinator expels it", revoke, final, rebalance)
 	}
 	return nil
 }

@@ -24,20 +24,20 @@ func (st *stream) assigned(_ context.Context, _ *kgo.Client, assigned map[string
 // to be acked, commits, and drops the partitions (under cooperative-sticky
 // and KIP-848 only the partitions that move).
 func (st *stream) revoked(ctx context.Context, _ *kgo.Client, revoked map[string][]int32) {
-	st.release(ctx, revoked[st.topic], true)
+	st.release(ctx, revoked[st.topic], true, true)
 }
 
 // lost drops the partitions without waiting or committing: the member
 // was fenced or expelled, another member owns them already.
 func (st *stream) lost(ctx context.Context, _ *kgo.Client, lost map[string][]int32) {
-	st.release(ctx, lost[st.topic], false)
+	st.release(ctx, lost[st.topic], false, false)
 }
 
-// release stops the partitions ids, waits for their messages in flight
-// up to RevokeTimeout, and commits when commit is set; then the messages
-// still in flight are abandoned (their contexts cancelled) and the
-// partitions forgotten.
-func (st *stream) release(ctx context.Context, ids []int32, commit bool) {
+// release stops the partitions ids, with wait waits for their messages in
+// flight up to RevokeTimeout, and commits when commit is set; then the
+// messages still in flight are abandoned (their contexts cancelled) and
+// the partitions forgotten.
+func (st *stream) release(ctx context.Context, ids []int32, wait, commit bool) {
 	if len(ids) == 0 {
 		return
 	}
@@ -50,7 +50,7 @@ func (st *stream) release(ctx context.Context, ids []int32, commit bool) {
 		}
 	}
 	st.mu.Unlock()
-	if commit {
+	if wait {
 		deadline := time.NewTimer(st.s.cfg.RevokeTimeout)
 		defer deadline.Stop()
 	wait:
@@ -63,6 +63,8 @@ func (st *stream) release(ctx context.Context, ids []int32, commit bool) {
 				break wait
 			}
 		}
+	}
+	if commit {
 		st.commitMu.Lock()
 		// The final commit runs even when the stream is ending.
 		st.commit(context.WithoutCancel(ctx), ids)

@@ -67,8 +67,8 @@ func (c *recordContext) Value(key any) any {
 	case progresssql.SubscriberKey{}:
 		// Many records of a partition in flight: the dedup middleware
 		// must not record their position (a max, not a floor, and a row
-		// lock that would serialize them). This engine keeps none in
-		// PostgreSQL yet (docs/guarantees.md).
+		// lock that would serialize them). The Subscriber writes it
+		// itself with SubscriberConfig.Progress (progress.go).
 		return true
 	}
 	return c.Context.Value(key)

@@ -13,6 +13,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/idemkit/watermill-idempotency/internal/keywindow"
+	"github.com/idemkit/watermill-idempotency/internal/progresssql"
 )
 
 // stream is one Subscribe call: a group member on one topic, its
@@ -31,6 +32,10 @@ type stream struct {
 	mu    sync.Mutex
 	wake  chan struct{} // an entry became ready (buffered 1)
 	parts map[int32]*part
+	// fenced: a write of the positions found PostgreSQL on a new timeline,
+	// the poll loop restarts the partitions; pollCancel ends its poll.
+	fenced     bool
+	pollCancel context.CancelFunc
 }
 
 // run polls the group until the stream ends, then gives the partitions
@@ -48,7 +53,7 @@ func (st *stream) run() {
 		all = append(all, id)
 	}
 	st.mu.Unlock()
-	st.release(context.Background(), all, true)
+	st.release(context.Background(), all, true, true)
 	st.cl.Close()
 	st.s.mu.Lock()
 	delete(st.s.streams, st)
@@ -59,10 +64,18 @@ func (st *stream) run() {
 // poll adds the polled records to their partitions' windows and pauses
 // the partitions whose window is full. Rebalances wait while a poll's
 // records are added (BlockRebalanceOnPoll), so a revocation never races
-// with them.
+// with them, nor with a restart of a fenced stream's partitions.
 func (st *stream) poll() {
 	for st.ctx.Err() == nil {
-		fetches := st.cl.PollRecords(st.ctx, st.s.cfg.PollRecords)
+		pctx, cancel := context.WithCancel(st.ctx)
+		st.mu.Lock()
+		st.pollCancel = cancel
+		if st.fenced {
+			cancel()
+		}
+		st.mu.Unlock()
+		fetches := st.cl.PollRecords(pctx, st.s.cfg.PollRecords)
+		cancel()
 		if fetches.IsClientClosed() || st.ctx.Err() != nil {
 			st.cl.AllowRebalance()
 			return
@@ -88,7 +101,11 @@ func (st *stream) poll() {
 		if len(full) > 0 {
 			st.cl.PauseFetchPartitions(map[string][]int32{st.topic: full})
 		}
+		fenced := st.fenced
 		st.mu.Unlock()
+		if fenced {
+			st.restart()
+		}
 		st.cl.AllowRebalance()
 	}
 }
@@ -243,13 +260,23 @@ func (st *stream) commitLoop() {
 }
 
 // commit commits the offsets that moved, of the partitions ids (nil: all
-// held). Called with commitMu held.
+// held): with Progress to PostgreSQL first, then to Kafka. Called with
+// commitMu held.
 func (st *stream) commit(ctx context.Context, ids []int32) {
 	offsets := map[int32]kgo.EpochOffset{}
+	var positions []position
+	progress := st.s.cfg.Progress != nil
 	st.mu.Lock()
 	add := func(p *part) {
-		if off := p.commitOffset(); off >= 0 && off > p.committed {
+		off := p.commitOffset()
+		if off < 0 {
+			return
+		}
+		if off > p.committed {
 			offsets[p.id] = kgo.EpochOffset{Epoch: p.epoch, Offset: off}
+		}
+		if progress && off != p.saved && !st.fenced {
+			positions = append(positions, position{p, progresssql.Position{Topic: st.topic, Partition: p.id, Next: off}})
 		}
 	}
 	if ids == nil {
@@ -264,6 +291,7 @@ func (st *stream) commit(ctx context.Context, ids []int32) {
 		}
 	}
 	st.mu.Unlock()
+	st.saveProgress(ctx, positions)
 	if len(offsets) == 0 {
 		return
 	}

@@ -136,6 +136,9 @@ func (s *Subscriber) clientOpts(st *stream) []kgo.Opt {
 	if s.cfg.GroupProtocol == protocolConsumer {
 		opts = append(opts, kgo.ServerSideBalancer())
 	}
+	if s.cfg.Progress != nil {
+		opts = append(opts, kgo.AdjustFetchOffsetsFn(st.adjustOffsets))
+	}
 	return opts
 }
 

@@ -52,13 +52,18 @@ type part struct {
 	paused    bool // its fetching is paused (window full)
 	committed int64
 	drained   chan struct{} // stopping and nothing in flight (buffered 1)
+	// timeline is PostgreSQL's timeline when the partition's position was
+	// read (Progress): a write on another one is fenced. saved is the
+	// position last written there or read from there, -1 for none.
+	timeline int64
+	saved    int64
 }
 
 func newPart(st *stream, id int32) *part {
 	ctx, cancel := context.WithCancel(context.WithoutCancel(st.ctx))
 	cfg := keywindow.Config{Ordering: windowOrdering(st.s.cfg.Ordering), Size: st.s.cfg.PartitionWindow}
 	return &part{st: st, id: id, ctx: ctx, end: cancel, win: keywindow.New[*entry](cfg, -1, nil),
-		epoch: -1, committed: -1, drained: make(chan struct{}, 1)}
+		epoch: -1, committed: -1, saved: -1, drained: make(chan struct{}, 1)}
 }
 
 // full reports whether the window holds PartitionWindow records not done.
