@@ -128,6 +128,35 @@ func (st *stream) saveProgress(ctx context.Context, ps []position) {
 	}
 }
 
+// checkTimeline, on a periodic commit with no position to write (an idle
+// member), compares the server's timeline with the one the partitions'
+// positions were read on, and fences the stream when it moved: a member
+// behind a moved address (a promoted standby, a restore) then goes back to
+// the new history's position without waiting for a record to write, and
+// before it hands out the next ones. One query per CommitInterval, only
+// while idle.
+func (st *stream) checkTimeline(ctx context.Context) {
+	st.mu.Lock()
+	var seen int64
+	for _, p := range st.parts {
+		seen = max(seen, p.timeline)
+	}
+	fenced := st.fenced
+	st.mu.Unlock()
+	if seen == 0 || fenced {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), progressSaveTimeout)
+	defer cancel()
+	tl, err := progresssql.Timeline(ctx, st.s.cfg.Progress)
+	if err != nil || tl == 0 || tl == seen {
+		return // unreadable or a standby: the next write or check decides
+	}
+	st.logger.Error("PostgreSQL is on a new timeline (a promoted standby or a restore): the partitions start again from its position",
+		errors.New("progress fenced"), watermill.LogFields{"timeline": tl, "was": seen})
+	st.fence()
+}
+
 // fence stops handing out the stream's records and wakes the poll loop,
 // which restarts the partitions.
 func (st *stream) fence() {

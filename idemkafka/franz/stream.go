@@ -291,6 +291,9 @@ func (st *stream) commit(ctx context.Context, ids []int32) {
 		}
 	}
 	st.mu.Unlock()
+	if progress && ids == nil && len(positions) == 0 {
+		st.checkTimeline(ctx)
+	}
 	st.saveProgress(ctx, positions)
 	if len(offsets) == 0 {
 		return

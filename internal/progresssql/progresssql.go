@@ -133,12 +133,25 @@ type Position struct {
 	Done      string
 }
 
+// currentTimeline is the server's timeline, 0 on a standby.
+const currentTimeline = "SELECT CASE WHEN pg_is_in_recovery() THEN 0 ELSE " + timeline + " END"
+
+// Timeline returns the server's current timeline, as Load does (0 on a
+// standby): a subscriber with nothing to Save compares it with Load's to
+// find a promotion or a restore before its next write.
+func Timeline(ctx context.Context, q dbx.Querier) (tl int64, err error) {
+	if err := q.QueryRow(ctx, currentTimeline).Scan(&tl); err != nil {
+		return 0, fmt.Errorf("read timeline: %w", err)
+	}
+	return tl, nil
+}
+
 // Load returns the rows of group for topic ("" for every topic), ordered by
 // topic and partition, and the server's current timeline (for Save's fence;
 // 0 where it cannot be read, a standby).
 func Load(ctx context.Context, q dbx.Querier, progressTable, group, topic string) (rows []Position, tl int64, err error) {
-	if err := q.QueryRow(ctx, "SELECT CASE WHEN pg_is_in_recovery() THEN 0 ELSE "+timeline+" END").Scan(&tl); err != nil {
-		return nil, 0, fmt.Errorf("read timeline: %w", err)
+	if tl, err = Timeline(ctx, q); err != nil {
+		return nil, 0, err
 	}
 	r, err := q.Query(ctx, "SELECT topic, kafka_partition, next_offset, done FROM "+progressTable+
 		" WHERE consumer_group = $1 AND ($2 = '' OR topic = $2) ORDER BY topic, kafka_partition", group, topic)

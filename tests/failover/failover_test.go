@@ -17,6 +17,22 @@ func TestFailoverToAsyncStandby_Parallel(t *testing.T) {
 	failover(t, parallelSub, false)
 }
 
+// TestFailoverToAsyncStandby_Franz: the franz-go subscriber (classic
+// cooperative-sticky) starts every partition from PostgreSQL's position on
+// the promoted standby (AdjustFetchOffsetsFn), so the events whose
+// transactions the standby never received are processed again.
+func TestFailoverToAsyncStandby_Franz(t *testing.T) {
+	t.Parallel()
+	failover(t, franzSub, false)
+}
+
+// TestFailoverToAsyncStandby_FranzKIP848: the same on the KIP-848
+// consumer protocol, whose assignments the broker makes.
+func TestFailoverToAsyncStandby_FranzKIP848(t *testing.T) {
+	t.Parallel()
+	failover(t, franzKIP848, false)
+}
+
 // TestFailoverToAsyncStandby_WatermillKafka: watermill-kafka's subscriber
 // cannot be told where to start; the operator's comparison finds the
 // committed offsets ahead of the promoted standby's position, and the

@@ -18,6 +18,12 @@ func TestPointInTimeRestore_Parallel(t *testing.T) {
 	pitr(t, parallelSub)
 }
 
+// TestPointInTimeRestore_Franz: the same with the franz-go subscriber.
+func TestPointInTimeRestore_Franz(t *testing.T) {
+	t.Parallel()
+	pitr(t, franzSub)
+}
+
 // TestPointInTimeRestore_WatermillKafka: the same with watermill-kafka's
 // subscriber, after the operator's rewind.
 func TestPointInTimeRestore_WatermillKafka(t *testing.T) {

@@ -20,6 +20,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/deduplicator"
 	"github.com/idemkit/watermill-idempotency/idemkafka"
+	"github.com/idemkit/watermill-idempotency/idemkafka/franz"
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/progresskafka"
 	"github.com/idemkit/watermill-idempotency/internal/progresssql"
@@ -45,7 +46,13 @@ const (
 	parallelSub          kind = iota // idemkafka/parallel: seeks to PostgreSQL's position
 	watermillSub                     // watermill-kafka's: the operator's rewind
 	watermillGroupCommit             // the same with the middleware's group commit
+	franzSub                         // idemkafka/franz, classic cooperative-sticky: starts from PostgreSQL's position
+	franzKIP848                      // the same on the KIP-848 consumer protocol
 )
+
+// seeks reports whether k's subscriber starts from PostgreSQL's position
+// itself (no operator's rewind).
+func (k kind) seeks() bool { return k == parallelSub || k == franzSub || k == franzKIP848 }
 
 // rig is one test's topic, group and producer.
 type rig struct {
@@ -122,6 +129,15 @@ func (r *rig) consume(c interface{ URL() string }) (stop func(), dedup *idem.Ded
 			cfg.Progress = pool
 		}
 		sub, err = parallel.NewSubscriber(cfg, r.logger)
+	case franzSub, franzKIP848:
+		cfg := franz.SubscriberConfig{Brokers: r.broker.Addrs, ConsumerGroup: r.group, MaxInFlight: 8}
+		if r.kind == franzKIP848 {
+			cfg.GroupProtocol = "consumer"
+		}
+		if !kafkaOnly {
+			cfg.Progress = pool
+		}
+		sub, err = franz.NewSubscriber(cfg, r.logger)
 	case watermillSub, watermillGroupCommit:
 		var cfg kafka.SubscriberConfig
 		cfg, err = idemkafka.WatermillSubscriberConfig(client, r.group)
@@ -238,8 +254,8 @@ func (r *rig) waitCommitted() {
 }
 
 // moveTo moves the consumers to c, the database that lost the last lost
-// events. The parallel subscriber needs nothing: it starts from c's
-// position. For watermill-kafka's subscriber the operator first finds the
+// events. The parallel and franz subscribers need nothing: they start
+// from c's position. For watermill-kafka's subscriber the operator first finds the
 // partitions whose committed Kafka offset is ahead of c's position
 // (idemctl groups progress) and rewinds them (--rewind); with
 // restartFirst, the consumers restart on c before that, as they were: the
@@ -248,7 +264,7 @@ func (r *rig) waitCommitted() {
 // position, so the operator's rewind, later, still finds them.
 func (r *rig) moveTo(c *pgcluster.Cluster, lost int, restartFirst bool) {
 	t := r.t
-	if r.kind != parallelSub && !kafkaOnly {
+	if !r.kind.seeks() && !kafkaOnly {
 		if restartFirst {
 			stop, dedup := r.consume(c)
 			before := count(t, c, "SELECT count(*) FROM applied")
