@@ -12,6 +12,21 @@
 // window per partition whose fetching pauses when it is full. What runs
 // again after a crash or rebalance is absorbed by the dedup claims.
 //
+// With [SubscriberConfig].Progress the group's position is kept in
+// PostgreSQL with the claims (DESIGN §12), as idemkafka/parallel's
+// Subscriber keeps it: each partition's commit offset is written to the
+// claims' <table>_progress after the acks it covers and before the Kafka
+// commit, and every assignment (cooperative-sticky and KIP-848 alike)
+// starts each partition from it through franz-go's AdjustFetchOffsetsFn,
+// before the partition's first fetch. PostgreSQL wins over Kafka's
+// committed offset, so a failover to an asynchronous standby or a
+// point-in-time restore loses no event: the lost transactions' events are
+// handed out again. A write (or, for an idle member, a check once per
+// CommitInterval) that finds the server on a new timeline restarts the
+// member's partitions from the new history's position. The share-group
+// subscriber keeps no position: a share group has no offsets
+// (docs/guarantees.md).
+//
 // The group protocol is the classic one with the cooperative-sticky
 // balancer by default; GroupProtocol "consumer" selects KIP-848, and
 // Subscribe returns an [*UnsupportedError] when the broker does not speak
@@ -21,6 +36,7 @@
 //
 //	sub, err := franz.NewSubscriber(franz.SubscriberConfig{
 //		Brokers: brokers, ConsumerGroup: "billing", MaxInFlight: 64,
+//		Progress: pool, // the dedup middleware's database
 //	}, logger)
 //	dedup, err := idem.NewDedup(idem.Config{DB: pool, ConsumerGroup: "billing",
 //		Concurrency: sub.MaxInFlight()}, logger)

@@ -2,6 +2,7 @@ package franz_test
 
 import (
 	"context"
+	"maps"
 	"sync"
 	"testing"
 	"time"
@@ -85,11 +86,7 @@ type consumed struct {
 func (c *consumed) starts() map[int32]int64 {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	out := make(map[int32]int64, len(c.first))
-	for k, v := range c.first {
-		out[k] = v
-	}
-	return out
+	return maps.Clone(c.first)
 }
 
 // member subscribes a Subscriber of cfg to topic, acks every message, and

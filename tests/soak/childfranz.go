@@ -26,10 +26,14 @@ var errPlannedFailure = errors.New("soak: planned failure")
 // [ParallelMaxInFlight] messages in flight on the main topic,
 // [ParallelRetryMaxInFlight] on each retry topic. The franz Subscriber has
 // no NotBeforeFunc: a retry copy waits for its not-before time in the
-// retry-topic middleware (holding its slot).
+// retry-topic middleware (holding its slot). In a run with the failover
+// fault each keeps its group's position in PostgreSQL (Progress).
 func (c *child) addFranzHandlers(router *message.Router, logger watermill.LoggerAdapter) error {
 	cfg := c.cfg
 	base := franz.SubscriberConfig{Brokers: cfg.Brokers, ConsumerGroup: cfg.Group, GroupProtocol: cfg.GroupProtocol, MaxInFlight: ParallelMaxInFlight}
+	if cfg.Progress {
+		base.Progress, base.ProgressSchema = c.pool, cfg.Schema
+	}
 	sub, err := franz.NewSubscriber(base, logger)
 	if err != nil {
 		return err

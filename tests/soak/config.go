@@ -337,8 +337,8 @@ func (c Config) Validate() error {
 		return errors.New("field Faults.KillMidCall: only in lease mode (Lease), where the handler makes a call")
 	case c.Faults.Failover > 1:
 		return errors.New("field Faults.Failover: once per run (the standby is the last one)")
-	case c.Faults.Failover > 0 && c.Engine == EngineFranz:
-		return errors.New("field Faults.Failover: the franz engine keeps no position in PostgreSQL yet (docs/engines.md): a failover would lose events by design")
+	case c.Faults.Failover > 0 && c.Share:
+		return errors.New("field Faults.Failover: a share group has no position to keep in PostgreSQL (the broker acknowledged the records whose claims a failover loses): docs/guarantees.md")
 	}
 	return nil
 }

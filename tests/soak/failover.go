@@ -103,6 +103,14 @@ func (h *harness) startCluster() (stop func(), err error) {
 	return env.Close, nil
 }
 
+// subscriberKeepsPosition reports whether the run's subscribers keep the
+// groups' positions themselves, by Kafka group, and start from them (the
+// parallel and franz ones), rather than the middleware by dedup group with
+// the operator's rewind (watermill-kafka's).
+func (h *harness) subscriberKeepsPosition() bool {
+	return h.cfg.Parallel || h.cfg.Engine == EngineFranz
+}
+
 // positionKept says where the groups' position is kept, and who moves
 // the consumers to it after the failover.
 func (h *harness) positionKept() string {
@@ -111,6 +119,8 @@ func (h *harness) positionKept() string {
 		return "Kafka only (SkipProgress): no rewind"
 	case h.cfg.Parallel:
 		return "PostgreSQL; the parallel subscriber starts from it (Progress, sticky strategy)"
+	case h.cfg.Engine == EngineFranz:
+		return "PostgreSQL; the franz subscriber starts from it on every assignment (Progress, group protocol " + h.cfg.GroupProtocol + ")"
 	}
 	return "PostgreSQL; Kafka's offsets rewound to it (internal/progresskafka, idemctl groups progress --rewind)"
 }
@@ -131,7 +141,8 @@ func (h *harness) positionKept() string {
 //     pointed at it; on watermill-kafka's subscriber the harness rewinds
 //     each Kafka group to PostgreSQL's position (what `idemctl groups
 //     progress --rewind` runs); the consumers start again: the parallel
-//     subscriber starts from PostgreSQL's position itself (Progress).
+//     and franz subscribers start from PostgreSQL's position themselves
+//     (Progress).
 func (h *harness) failover(ctx context.Context) error {
 	c, fr := h.cluster, h.report.Failover
 	start := time.Now()
@@ -175,7 +186,7 @@ func (h *harness) failover(ctx context.Context) error {
 		fr.Unpositioned = h.unpositioned(ctx)
 		h.logf("failover: standby promoted, address moved: %d ledger rows lost (%d applications after the cut); partitions with a Kafka offset but no position on the promoted standby: %v",
 			fr.LedgerLost, fr.AppliedInWindow, fr.Unpositioned)
-		if h.cfg.Parallel || h.cfg.SkipProgress {
+		if h.subscriberKeepsPosition() || h.cfg.SkipProgress {
 			return nil
 		}
 		fr.Rewound, err = h.rewind(ctx)
@@ -228,8 +239,8 @@ func (h *harness) waitPositions(ctx context.Context, d time.Duration) {
 // have no position of kafkaGroup (of g) in PostgreSQL, "" when none.
 func (h *harness) missingPositions(ctx context.Context, client sarama.Client, g *group, kafkaGroup, topic string) string {
 	pgGroup := g.name // watermill-kafka: the middleware's, by dedup group
-	if h.cfg.Parallel {
-		pgGroup = kafkaGroup // the parallel subscriber's, by its Kafka group
+	if h.subscriberKeepsPosition() {
+		pgGroup = kafkaGroup // the parallel or franz subscriber's, by its Kafka group
 	}
 	rows, _, err := progresssql.Load(ctx, h.admin, progresssql.Table(h.table.Schema, "processed_event"), pgGroup, topic)
 	if err != nil {
@@ -266,8 +277,8 @@ func (h *harness) unpositioned(ctx context.Context) []string {
 	for _, g := range h.groups {
 		for kg, topic := range h.kafkaGroups(g) {
 			pgGroup := g.name // watermill-kafka: the middleware's, by dedup group
-			if h.cfg.Parallel {
-				pgGroup = kg // the parallel subscriber's, by its Kafka group
+			if h.subscriberKeepsPosition() {
+				pgGroup = kg // the parallel or franz subscriber's, by its Kafka group
 			}
 			rows, err := progresskafka.Compare(ctx, h.admin, table, pgGroup, client, kg, topic)
 			if err != nil {

@@ -25,8 +25,8 @@ import (
 // the address moved; then every event applied exactly once per group, in
 // each aggregate's order. On watermill-kafka's subscriber the harness
 // rewinds the groups to PostgreSQL's position (the operator's `idemctl
-// groups progress --rewind`); the parallel subscriber starts from it
-// itself (Progress). IDEM_FAILOVER_PROGRESS=off keeps the position in
+// groups progress --rewind`); the parallel and franz (KIP-848)
+// subscribers start from it themselves (Progress). IDEM_FAILOVER_PROGRESS=off keeps the position in
 // Kafka only (soak.Config.SkipProgress): the test then fails, the events
 // applied after the cut lost.
 //
@@ -43,9 +43,11 @@ func TestSoakFailover(t *testing.T) {
 	for _, mode := range []struct {
 		name     string
 		parallel bool
+		engine   string
 	}{
-		{"watermill-kafka subscriber", false},
-		{"parallel subscriber", true},
+		{"watermill-kafka subscriber", false, ""},
+		{"parallel subscriber", true, ""},
+		{"franz subscriber", false, soak.EngineFranz},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
 			cfg := soak.Config{
@@ -54,6 +56,7 @@ func TestSoakFailover(t *testing.T) {
 				Aggregates: 32,
 				Faults:     soak.FaultCounts{Failover: 1},
 				Parallel:   mode.parallel,
+				Engine:     mode.engine,
 				// No event fails: the retry topics' partitions get no
 				// copy. One that got its first copy after the cut would
 				// have no position on the promoted standby and start from

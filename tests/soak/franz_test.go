@@ -112,6 +112,7 @@ func TestConfigRefusesFranzMisuse(t *testing.T) {
 		"Sarama":        func(c *soak.Config) { c.Engine = soak.EngineSarama },
 		"Share":         func(c *soak.Config) { c.Engine, c.GroupProtocol, c.Share = soak.EngineSarama, "", true },
 		"OffsetReset":   func(c *soak.Config) { c.Share, c.Faults = true, soak.ShortFaults },
+		"ShareFailover": func(c *soak.Config) { c.Share, c.Faults = true, soak.FaultCounts{Failover: 1} },
 	} {
 		c := ok
 		change(&c)
@@ -120,4 +121,7 @@ func TestConfigRefusesFranzMisuse(t *testing.T) {
 	c := ok
 	c.Share, c.Faults = true, soak.ShortShareFaults
 	require.NoError(t, c.Validate())
+	c = ok
+	c.Faults = soak.FaultCounts{Failover: 1}
+	require.NoError(t, c.Validate(), "the franz subscriber keeps its position in PostgreSQL: the failover fault runs on it")
 }
