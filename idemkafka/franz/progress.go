@@ -137,23 +137,25 @@ func (st *stream) saveProgress(ctx context.Context, ps []position) {
 // while idle.
 func (st *stream) checkTimeline(ctx context.Context) {
 	st.mu.Lock()
-	var seen int64
+	var seen []int64
 	for _, p := range st.parts {
-		seen = max(seen, p.timeline)
+		if p.timeline != 0 && !slices.Contains(seen, p.timeline) {
+			seen = append(seen, p.timeline)
+		}
 	}
 	fenced := st.fenced
 	st.mu.Unlock()
-	if seen == 0 || fenced {
+	if len(seen) == 0 || fenced {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), progressSaveTimeout)
 	defer cancel()
 	tl, err := progresssql.Timeline(ctx, st.s.cfg.Progress)
-	if err != nil || tl == 0 || tl == seen {
+	if err != nil || tl == 0 || (len(seen) == 1 && seen[0] == tl) {
 		return // unreadable or a standby: the next write or check decides
 	}
 	st.logger.Error("PostgreSQL is on a new timeline (a promoted standby or a restore): the partitions start again from its position",
-		errors.New("progress fenced"), watermill.LogFields{"timeline": tl, "was": seen})
+		errors.New("progress fenced"), watermill.LogFields{"timeline": tl, "read_on": seen})
 	st.fence()
 }
 

@@ -252,7 +252,7 @@ func (g *group) childConfig(inst *instance) childConfig {
 		UnstableKey:     h.cfg.UnstableIdempotencyKey,
 		FailingKey:      h.failingKey(),
 		PartitionWindow: h.partitionWindow(),
-		Sticky:          h.cluster != nil,
+		Sticky:          h.cluster != nil && h.cfg.Parallel,
 		Progress:        h.cluster != nil && !h.cfg.SkipProgress,
 		SkipProgress:    h.cfg.SkipProgress,
 	}

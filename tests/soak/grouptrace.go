@@ -226,9 +226,12 @@ const (
 	sticky      = "sticky"
 )
 
-// protocol is the rebalance protocol the run's parallel subscribers use.
+// protocol is the rebalance protocol the run's parallel subscribers (or
+// franz ones on the classic protocol) use: franz's Progress starts a
+// partition a cooperative rebalance adds from PostgreSQL's position too,
+// so its classic groups keep cooperative-sticky with the failover fault.
 func (h *harness) protocol() string {
-	if h.cluster != nil {
+	if h.cluster != nil && h.cfg.Parallel {
 		return sticky
 	}
 	return cooperative
