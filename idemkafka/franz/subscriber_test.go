@@ -9,6 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kversion"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
 	"github.com/idemkit/watermill-idempotency/idemkafka/franz"
+	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/testkit/kafkatest"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -51,6 +53,8 @@ func TestSubscriberConfigErrors(t *testing.T) {
 		"MaxInFlight":     {Brokers: []string{"x"}, ConsumerGroup: "g", MaxInFlight: -1},
 		"PartitionWindow": {Brokers: []string{"x"}, ConsumerGroup: "g", PartitionWindow: -1},
 		"RevokeTimeout":   {Brokers: []string{"x"}, ConsumerGroup: "g", RevokeTimeout: -1},
+		// A share group has no offsets to keep in PostgreSQL.
+		"Progress": {Brokers: []string{"x"}, ShareGroup: "s", Ordering: parallel.OrderNone, Progress: (*pgxpool.Pool)(nil)},
 	} {
 		_, err := franz.NewSubscriber(cfg, nil)
 		require.ErrorContains(t, err, "invalid config: "+field+":")
