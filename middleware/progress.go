@@ -43,7 +43,9 @@ func newProgressKeeper(cfg Config, stats *counters, logger watermill.LoggerAdapt
 // partition, in the claim's own round trip and commit. Every mode calls it
 // on the context it claims with. Messages without a Kafka position, and
 // those of a subscriber that keeps its progress itself (the parallel
-// subscriber), add nothing; so does [Config.SkipProgress] (a nil d).
+// subscriber, and idemkafka's watermill-kafka subscriber with
+// ClientConfig.Progress), add nothing; so does [Config.SkipProgress] (a
+// nil d).
 func (d *progressKeeper) progressContext(ctx context.Context, msgs ...*message.Message) context.Context {
 	if d == nil {
 		return ctx
@@ -60,7 +62,11 @@ func (d *progressKeeper) progressContext(ctx context.Context, msgs ...*message.M
 		if !ok || !ok2 || topic == "" {
 			continue
 		}
-		if d.checkProgress(ctx, topic, part, off) {
+		start, exact := claimstart.Lookup(d.group, topic, part)
+		if exact && start.Kept {
+			continue // idemkafka's subscriber keeps it (ClientConfig.Progress)
+		}
+		if d.checkProgress(ctx, topic, part, off, start, exact) {
 			continue // PostgreSQL keeps the start of the gap, for the rewind
 		}
 		if p == nil {
@@ -108,9 +114,8 @@ type topicPartition struct {
 // jump (offset not following the last one seen), which a topic written in
 // Kafka transactions also shows where nothing was lost (a commit marker,
 // an aborted transaction's records): such a topic then reads as ahead.
-func (d *progressKeeper) checkProgress(ctx context.Context, topic string, partition int32, offset int64) (gap bool) {
+func (d *progressKeeper) checkProgress(ctx context.Context, topic string, partition int32, offset int64, start claimstart.Start, exact bool) (gap bool) {
 	key := topicPartition{topic, partition}
-	start, exact := claimstart.Lookup(d.group, topic, partition)
 	w := &d.watch
 	w.mu.Lock()
 	if w.last == nil {

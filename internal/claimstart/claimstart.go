@@ -14,7 +14,9 @@
 //
 // idemkafka.WatermillSubscriberConfig's handler records each claim; a
 // subscriber configured otherwise records none, and the middleware falls
-// back to the first record's offset.
+// back to the first record's offset. A claim of a subscriber that keeps
+// the positions itself (idemkafka.ClientConfig.Progress) is recorded as
+// Kept: the middleware then neither writes nor compares any.
 package claimstart
 
 import "sync"
@@ -25,6 +27,9 @@ import "sync"
 type Start struct {
 	Offset int64
 	Claim  uint64
+	// Kept: the subscriber keeps the partition's position in PostgreSQL
+	// itself.
+	Kept bool
 }
 
 type part struct {
@@ -39,8 +44,9 @@ var (
 	starts = map[part]map[string]Start{}
 )
 
-// Record notes that group's claim of topic/partition starts at offset.
-func Record(group, topic string, partition int32, offset int64) {
+// Record notes that group's claim of topic/partition starts at offset,
+// and whether the subscriber keeps its position itself.
+func Record(group, topic string, partition int32, offset int64, kept bool) {
 	mu.Lock()
 	defer mu.Unlock()
 	claims++
@@ -48,7 +54,7 @@ func Record(group, topic string, partition int32, offset int64) {
 	if starts[p] == nil {
 		starts[p] = map[string]Start{}
 	}
-	starts[p][group] = Start{Offset: offset, Claim: claims}
+	starts[p][group] = Start{Offset: offset, Claim: claims, Kept: kept}
 }
 
 // Lookup returns the start of group's latest claim of topic/partition in

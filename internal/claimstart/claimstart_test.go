@@ -11,12 +11,12 @@ import (
 func TestLookupReturnsTheLatestClaimOfItsGroup(t *testing.T) {
 	_, ok := claimstart.Lookup("cs-a", "orders", 0)
 	require.False(t, ok)
-	claimstart.Record("cs-a", "orders", 0, 10)
-	claimstart.Record("cs-b", "orders", 0, 99)
+	claimstart.Record("cs-a", "orders", 0, 10, false)
+	claimstart.Record("cs-b", "orders", 0, 99, false)
 	first, ok := claimstart.Lookup("cs-a", "orders", 0)
 	require.True(t, ok)
 	require.EqualValues(t, 10, first.Offset)
-	claimstart.Record("cs-a", "orders", 0, 10) // the partition given back: a new claim
+	claimstart.Record("cs-a", "orders", 0, 10, false) // the partition given back: a new claim
 	again, _ := claimstart.Lookup("cs-a", "orders", 0)
 	require.EqualValues(t, 10, again.Offset)
 	require.NotEqual(t, first.Claim, again.Claim)
@@ -28,13 +28,13 @@ func TestLookupReturnsTheLatestClaimOfItsGroup(t *testing.T) {
 // middleware of the main group: the one Kafka group holding the partition
 // answers; two groups on it leave the answer unknown.
 func TestLookupFallsBackToTheOneGroupHoldingThePartition(t *testing.T) {
-	claimstart.Record("cs-main-retry1", "cs-orders-retry1", 2, 40)
+	claimstart.Record("cs-main-retry1", "cs-orders-retry1", 2, 40, false)
 	s, ok := claimstart.Lookup("cs-main", "cs-orders-retry1", 2)
 	require.True(t, ok)
 	require.EqualValues(t, 40, s.Offset)
 	_, ok = claimstart.Lookup("cs-main", "cs-orders-retry1", 3)
 	require.False(t, ok, "no claim of that partition")
-	claimstart.Record("cs-other-retry1", "cs-orders-retry1", 2, 7)
+	claimstart.Record("cs-other-retry1", "cs-orders-retry1", 2, 7, false)
 	_, ok = claimstart.Lookup("cs-main", "cs-orders-retry1", 2)
 	require.False(t, ok, "two Kafka groups hold it: which one the message came from is not known")
 	s, ok = claimstart.Lookup("cs-other-retry1", "cs-orders-retry1", 2)

@@ -45,6 +45,7 @@ const (
 	parallelSub          kind = iota // idemkafka/parallel: seeks to PostgreSQL's position
 	watermillSub                     // watermill-kafka's: the operator's rewind
 	watermillGroupCommit             // the same with the middleware's group commit
+	watermillProgress                // watermill-kafka's with idemkafka.ClientConfig.Progress: starts from PostgreSQL's position
 )
 
 // rig is one test's topic, group and producer.
@@ -122,7 +123,10 @@ func (r *rig) consume(c interface{ URL() string }) (stop func(), dedup *idem.Ded
 			cfg.Progress = pool
 		}
 		sub, err = parallel.NewSubscriber(cfg, r.logger)
-	case watermillSub, watermillGroupCommit:
+	case watermillSub, watermillGroupCommit, watermillProgress:
+		if r.kind == watermillProgress && !kafkaOnly {
+			client.Progress = pool
+		}
 		var cfg kafka.SubscriberConfig
 		cfg, err = idemkafka.WatermillSubscriberConfig(client, r.group)
 		require.NoError(t, err)
@@ -238,8 +242,8 @@ func (r *rig) waitCommitted() {
 }
 
 // moveTo moves the consumers to c, the database that lost the last lost
-// events. The parallel subscriber needs nothing: it starts from c's
-// position. For watermill-kafka's subscriber the operator first finds the
+// events. The parallel subscriber, and watermill-kafka's with
+// ClientConfig.Progress, need nothing: they start from c's position. For watermill-kafka's subscriber the operator first finds the
 // partitions whose committed Kafka offset is ahead of c's position
 // (idemctl groups progress) and rewinds them (--rewind); with
 // restartFirst, the consumers restart on c before that, as they were: the
@@ -248,7 +252,7 @@ func (r *rig) waitCommitted() {
 // position, so the operator's rewind, later, still finds them.
 func (r *rig) moveTo(c *pgcluster.Cluster, lost int, restartFirst bool) {
 	t := r.t
-	if r.kind != parallelSub && !kafkaOnly {
+	if r.kind != parallelSub && r.kind != watermillProgress && !kafkaOnly {
 		if restartFirst {
 			stop, dedup := r.consume(c)
 			before := count(t, c, "SELECT count(*) FROM applied")
