@@ -17,6 +17,17 @@ import (
 // progressSaveTimeout bounds one read or write of the positions.
 const progressSaveTimeout = 5 * time.Second
 
+// progressStep, when set (by tests only), is called at each step of a
+// flush: "collected" (the marks read), "saved" (PostgreSQL holds them,
+// Kafka does not yet), "marked" (passed on to Sarama).
+var progressStep func(step string)
+
+func step(name string) {
+	if progressStep != nil {
+		progressStep(name)
+	}
+}
+
 // progressKeeper keeps a watermill-kafka subscription's position per
 // partition in PostgreSQL (ClientConfig.Progress), one per consumer-group
 // handler (one per Subscribe call).
@@ -206,6 +217,7 @@ func (k *progressKeeper) flush() {
 	if len(ps) == 0 {
 		return
 	}
+	step("collected")
 	ctx, cancel := context.WithTimeout(context.Background(), progressSaveTimeout)
 	defer cancel()
 	fenced, err := progresssql.Save(ctx, k.db, k.table, k.group, tl, ps)
@@ -219,6 +231,7 @@ func (k *progressKeeper) flush() {
 		k.fence()
 		return
 	}
+	step("saved")
 	k.mu.Lock()
 	for _, p := range ps {
 		k.saved[topicPartition{p.Topic, p.Partition}] = p.Next
@@ -227,6 +240,7 @@ func (k *progressKeeper) flush() {
 	for _, p := range ps {
 		sess.MarkOffset(p.Topic, p.Partition, p.Next, "")
 	}
+	step("marked")
 }
 
 // markingSession is the session watermill-kafka's ConsumeClaim gets: its

@@ -3,6 +3,7 @@ package idemkafka_test
 import (
 	"context"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -215,4 +216,44 @@ func TestWatermillSubscriberProgressRefusesCooperativeSticky(t *testing.T) {
 	_, err = idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: []string{"localhost:9092"}, Sarama: base, Progress: lazy}, "g")
 	require.Error(t, err)
 	require.True(t, strings.Contains(err.Error(), "Progress"), err.Error())
+}
+
+// The subscriber closes (its session ends) while a flush is paused at each
+// of its steps, with marks made after the paused flush read them: the
+// claims' last flush writes them, Kafka's committed offsets never pass
+// PostgreSQL's positions, and the next subscriber starts where PostgreSQL
+// says, losing nothing and reading nothing twice. Not parallel: the hook
+// is the package's.
+func TestWatermillSubscriberClosingDuringAFlush(t *testing.T) {
+	for _, at := range []string{"collected", "saved", "marked"} {
+		t.Run(at, func(t *testing.T) {
+			r := newProgressRig(t)
+			paused, release := make(chan struct{}), make(chan struct{})
+			var once sync.Once
+			restore := idemkafka.SetProgressStep(func(step string) {
+				if step == at {
+					once.Do(func() { close(paused); <-release })
+				}
+			})
+			defer restore()
+			ch, closeSub := r.subscribe(true)
+			r.consume(ch, 10)
+			<-paused          // the periodic flush holds the marks of some of the 10
+			r.consume(ch, 10) // marked while it waits
+			closed := make(chan struct{})
+			go func() { closeSub(); close(closed) }()
+			time.Sleep(200 * time.Millisecond) // let the close begin (a schedule, not a bound)
+			close(release)
+			<-closed
+			pg, kf := r.positions()
+			require.Equal(t, map[int32]int64{0: 10, 1: 10}, pg, "the claims' last flush wrote every mark")
+			for p := range int32(2) {
+				require.LessOrEqual(t, kf[p], pg[p], "Kafka committed an offset PostgreSQL does not hold")
+			}
+			r.produce(2)
+			ch, closeSub = r.subscribe(true)
+			defer closeSub()
+			require.Equal(t, map[int32]int64{0: 10, 1: 10}, r.consume(ch, 2), "the next subscriber starts at PostgreSQL's positions")
+		})
+	}
 }
