@@ -19,7 +19,8 @@ const progressSaveTimeout = 5 * time.Second
 
 // progressStep, when set (by tests only), is called at each step of a
 // flush: "collected" (the marks read), "saved" (PostgreSQL holds them,
-// Kafka does not yet), "marked" (passed on to Sarama).
+// Kafka does not yet), "marked" (passed on to Sarama); and with "mark" for
+// each mark watermill-kafka makes.
 var progressStep func(step string)
 
 func step(name string) {
@@ -135,6 +136,7 @@ func (k *progressKeeper) mark(tp topicPartition, next int64) {
 		k.marked[tp] = next
 	}
 	k.mu.Unlock()
+	step("mark")
 }
 
 // hasRow reports whether tp has a row in PostgreSQL (read at Setup or

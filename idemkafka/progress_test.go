@@ -228,11 +228,14 @@ func TestWatermillSubscriberClosingDuringAFlush(t *testing.T) {
 	for _, at := range []string{"collected", "saved", "marked"} {
 		t.Run(at, func(t *testing.T) {
 			r := newProgressRig(t)
-			paused, release := make(chan struct{}), make(chan struct{})
+			paused, release, marked := make(chan struct{}), make(chan struct{}), make(chan struct{}, 20)
 			var once sync.Once
 			restore := idemkafka.SetProgressStep(func(step string) {
-				if step == at {
+				switch step {
+				case at:
 					once.Do(func() { close(paused); <-release })
+				case "mark":
+					marked <- struct{}{}
 				}
 			})
 			defer restore()
@@ -240,6 +243,9 @@ func TestWatermillSubscriberClosingDuringAFlush(t *testing.T) {
 			r.consume(ch, 10)
 			<-paused          // the periodic flush holds the marks of some of the 10
 			r.consume(ch, 10) // marked while it waits
+			for range 20 {    // watermill-kafka marks after the ack, on its own goroutine
+				<-marked
+			}
 			closed := make(chan struct{})
 			go func() { closeSub(); close(closed) }()
 			time.Sleep(200 * time.Millisecond) // let the close begin (a schedule, not a bound)
