@@ -123,8 +123,11 @@ func (k *progressKeeper) flushEvery(sess sarama.ConsumerGroupSession, fenced cha
 		case <-fenced:
 			return
 		case <-t.C:
-			k.flush()
 		}
+		if sess.Context().Err() != nil {
+			return // the claims' last flushes take over
+		}
+		k.flush()
 	}
 }
 
