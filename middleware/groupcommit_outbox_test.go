@@ -8,6 +8,7 @@ package middleware_test
 import (
 	"context"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -47,6 +48,12 @@ type gcOutboxFixture struct {
 }
 
 func newGCOutboxFixture(t *testing.T, maxMessageBytes int) *gcOutboxFixture {
+	return newOutboxFixture(t, maxMessageBytes, 1, &idem.GroupCommitConfig{MaxMessages: 64, MaxWait: time.Minute, Concurrency: 1})
+}
+
+// newOutboxFixture is a middleware in mode on a counted pool of conns
+// connections, with an outbox of MaxMessageBytes maxMessageBytes.
+func newOutboxFixture(t *testing.T, maxMessageBytes int, conns int32, mode idem.Mode) *gcOutboxFixture {
 	t.Helper()
 	ctx := context.Background()
 	db := pgtest.New(t, 1)
@@ -61,15 +68,14 @@ func newGCOutboxFixture(t *testing.T, maxMessageBytes int) *gcOutboxFixture {
 	f := &gcOutboxFixture{db: db, rt: &rtcount.Counter{}, sql: &sqlRecorder{}, outbox: o, ctx: routerContext(t)}
 	cfg, err := pgxpool.ParseConfig(db.URL)
 	require.NoError(t, err)
-	cfg.MaxConns = 1
+	cfg.MaxConns = conns
 	cfg.ConnConfig.DialFunc = f.rt.DialFunc()
 	cfg.ConnConfig.Tracer = f.sql
 	cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
 	f.pool, err = pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(f.pool.Close)
-	f.dedup, err = idem.NewDedup(idem.Config{DB: f.pool, ConsumerGroup: "g", Table: table, Outbox: o,
-		Mode: &idem.GroupCommitConfig{MaxMessages: 64, MaxWait: time.Minute, Concurrency: 1}}, nil)
+	f.dedup, err = idem.NewDedup(idem.Config{DB: f.pool, ConsumerGroup: "g", Table: table, Outbox: o, Mode: mode}, nil)
 	require.NoError(t, err)
 	return f
 }
@@ -174,7 +180,7 @@ func TestGroupCommit_OutboxRowsAreOneStatement(t *testing.T) {
 		}
 		return []*message.Message{message.NewMessage(uuid.NewString(), []byte(`{"returned":1}`))}, nil
 	})
-	insert := "insert into " + f.outbox.MessagesTable(gcOutTopic)
+	insert := f.insertSQL()
 	for _, k := range []int{2, 7} {
 		for _, measured := range []bool{false, true} {
 			var rts int64
@@ -186,15 +192,7 @@ func TestGroupCommit_OutboxRowsAreOneStatement(t *testing.T) {
 			if !measured {
 				continue
 			}
-			inserts := 0
-			f.sql.mu.Lock()
-			for _, s := range f.sql.stmt {
-				if len(s) >= len(insert) && s[:len(insert)] == insert {
-					inserts++
-				}
-			}
-			f.sql.mu.Unlock()
-			require.Equal(t, 1, inserts, "k=%d: the group's outbox rows in one INSERT", k)
+			require.Equal(t, 1, f.sql.prefixed(insert), "k=%d: the group's outbox rows in one INSERT", k)
 			require.EqualValues(t, k+4, rts, "k=%d: the blocker's COMMIT, then {BEGIN + claim}, %d business INSERTs, one outbox INSERT, COMMIT", k, k)
 		}
 	}
@@ -296,4 +294,66 @@ func TestGroupCommit_OversizeMemberGetsTheTypedErrorAlone(t *testing.T) {
 	require.Equal(t, 4, f.db.Count(t, "SELECT 1 FROM business"), "the oversize member's business row is rolled back")
 	require.Equal(t, 4, f.db.Count(t, "SELECT 1 FROM "+f.outbox.MessagesTable(gcOutTopic)), "one row per other member, none of the oversize one")
 	require.Equal(t, strconv.Itoa(5), strconv.Itoa(f.db.Count(t, "SELECT 1 FROM processed_event")), "the blocker's and the four members' claims")
+}
+
+// insertSQL is how the outbox's INSERT starts, as sqlRecorder records it.
+func (f *gcOutboxFixture) insertSQL() string {
+	return strings.ToLower("INSERT INTO " + f.outbox.MessagesTable(gcOutTopic))
+}
+
+// prefixed returns how many recorded statements start with prefix.
+func (r *sqlRecorder) prefixed(prefix string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, s := range r.stmt {
+		if strings.HasPrefix(s, prefix) {
+			n++
+		}
+	}
+	return n
+}
+
+// Lease mode's completion batch writes its members' outbox rows in one
+// INSERT too: a first completion is paused until n more are queued behind
+// it; they complete as one batch, each returning a message.
+func TestLease_CompletionBatchOutboxRowsAreOneStatement(t *testing.T) {
+	t.Parallel()
+	f := newOutboxFixture(t, 0, 4, &idem.LeaseConfig{Concurrency: 1, FastPath: -1})
+	const n = 6
+	msgs := gcMsgs(n + 1)
+	for _, m := range msgs {
+		m.SetContext(f.ctx)
+	}
+	opener := msgs[0].UUID
+	firstPaused, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	idem.SetLeaseHook(f.dedup, func(point string, _ uuid.UUID) {
+		if point == "completing" {
+			once.Do(func() {
+				close(firstPaused)
+				<-release
+			})
+		}
+	})
+	h := f.dedup.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		if m.UUID != opener {
+			<-firstPaused
+		}
+		return []*message.Message{message.NewMessage(uuid.NewString(), []byte(`{}`))}, nil
+	})
+	go func() {
+		<-firstPaused
+		for idem.LeaseCompletionsQueued(f.dedup) < n {
+			time.Sleep(time.Millisecond)
+		}
+		f.sql.reset()
+		close(release)
+	}()
+	for _, err := range deliverAll(h, msgs) {
+		require.NoError(t, err)
+	}
+	require.Equal(t, n+1, f.db.Count(t, "SELECT 1 FROM "+f.outbox.MessagesTable(gcOutTopic)))
+	require.Equal(t, 1, f.sql.prefixed(f.insertSQL()), "the batch of %d: one outbox INSERT (the opener's was before the reset)", n)
+	require.Zero(t, f.dedup.Stats().GroupFallbacks)
 }

@@ -372,7 +372,10 @@ func insertArgs(msgs []*message.Message) ([]any, error) {
 // Publisher returns a message.Publisher that writes to the outbox on tx.
 // Each message is stamped with its own context (set it to the handler
 // message's context to get causation and correlation ids). Close is a
-// no-op: tx belongs to the caller.
+// no-op: tx belongs to the caller. On the transaction of a dedup
+// middleware's group (group commit, lease mode's completion batch) the
+// rows are checked and stamped at Publish, and inserted with the rest of
+// the group's rows of the table, in one statement before its COMMIT.
 func (o *Outbox) Publisher(tx pgx.Tx) message.Publisher {
 	return &txPublisher{o: o, tx: tx}
 }
