@@ -261,7 +261,7 @@ func (o *Outbox) write(ctx context.Context, tx execer, topic string, msgs []*mes
 		hooks = idemctx.HooksFor(ctx, ptx)
 	}
 	if b := hooks.BatchFor(ptx, table, func() idemctx.Batch { return &rowBatch{topic: topic, table: table} }); b != nil {
-		if err := b.(*rowBatch).add(msgs); err != nil {
+		if err := b.(*rowBatch).addRows(msgs); err != nil {
 			return err
 		}
 	} else if err := o.insert(ctx, tx, topic, table, msgs); err != nil {
@@ -301,7 +301,7 @@ type rowBatch struct {
 	args         []any
 }
 
-func (b *rowBatch) add(msgs []*message.Message) error {
+func (b *rowBatch) addRows(msgs []*message.Message) error {
 	args, err := insertArgs(msgs)
 	if err != nil {
 		return fmt.Errorf("outbox: insert into %s: %w", b.table, err)
