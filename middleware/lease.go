@@ -402,7 +402,10 @@ func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 	if err != nil {
 		return fail(fmt.Errorf("dedup: %w", err))
 	}
+	// The batch's outbox rows go in one INSERT per table before the COMMIT.
 	hooks := &idemctx.Hooks{Tx: tx}
+	hooks.Gather()
+	defer hooks.StopGathering()
 	for i, c := range batch {
 		c.result = res[i]
 		if res[i] != leasesql.Completed {
@@ -418,6 +421,15 @@ func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 			c.err = werr
 			return werr
 		}
+	}
+	if err := hooks.Flush(ctx); err != nil {
+		if len(batch) > 1 {
+			for _, c := range batch {
+				c.result, c.out = 0, nil
+			}
+			return errMemberFailed
+		}
+		return fail(fmt.Errorf("dedup: write the outbox rows: %w", err))
 	}
 	for _, id := range ids {
 		l.hook("completing", id)
