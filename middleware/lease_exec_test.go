@@ -211,3 +211,52 @@ func TestCompleteExec_Batch(t *testing.T) {
 		require.ErrorIs(t, idem.CompleteExec(context.Background(), ledgerExec, uuid.New()), idem.ErrNotInHandler)
 	})
 }
+
+// A pipelined completion paused between its token check and its commit
+// (its second statement waits for a table lock the test holds): another
+// delivery of the event, taking over or not, waits for the check's lock
+// on the lease row, then finds the event done; one write.
+func TestCompleteExec_DeliveryDuringThePipelinedCompletion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newLedgerFixture(t)
+	f.db.Exec(t, "CREATE TABLE gate (event_id uuid)")
+	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: -1})
+	other := f.leaseDedup(t, idem.LeaseConfig{BusyWait: time.Hour, FastPath: -1})
+	var calls atomic.Int32
+	h := func(m *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		id, _ := idem.EventIDFromContext(m.Context())
+		if err := idem.CompleteExec(m.Context(), ledgerExec, id); err != nil {
+			return nil, err
+		}
+		return nil, idem.CompleteExec(m.Context(), "INSERT INTO gate (event_id) VALUES ($1)", id)
+	}
+	// Both middlewares start, and prepare the statements, before the gate closes.
+	_, err := other.Middleware(h)(f.msg(publisher.NewEventID()))
+	require.NoError(t, err)
+	_, err = d.Middleware(h)(f.msg(publisher.NewEventID()))
+	require.NoError(t, err)
+	lockTx, err := f.db.Pool.Begin(ctx) // not the middleware's pool: it needs its connections
+	require.NoError(t, err)
+	defer func() { _ = lockTx.Rollback(ctx) }()
+	_, err = lockTx.Exec(ctx, "LOCK TABLE gate IN ACCESS EXCLUSIVE MODE")
+	require.NoError(t, err)
+	id := publisher.NewEventID()
+	done := deliverAsync(d.Middleware(h), f.msg(id))
+	require.Eventually(t, func() bool {
+		return f.db.Count(t, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO gate%'") == 1
+	}, 30*time.Second, 10*time.Millisecond, "the completion waits for the gate, its check done")
+	otherDone := deliverAsync(other.Middleware(h), f.msg(id))
+	require.Eventually(t, func() bool {
+		return f.db.Count(t, `SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO "' || $1 || '"."%_lease"%'`, f.db.Schema) == 1
+	}, 30*time.Second, 10*time.Millisecond, "the second delivery's take waits for the completion's lock")
+	require.NoError(t, lockTx.Rollback(ctx))
+	require.NoError(t, <-done)
+	require.NoError(t, <-otherDone)
+	require.EqualValues(t, 3, calls.Load())
+	require.EqualValues(t, 1, other.Stats().Duplicates)
+	require.Equal(t, 1, f.db.Count(t, "SELECT 1 FROM ledger WHERE event_id = $1", id))
+	require.Equal(t, 3, f.ledgerRows(t))
+	require.Zero(t, f.leases(t))
+}
