@@ -101,7 +101,7 @@ func New(schema, table, group string) *Protocol {
 
 // statements holds the lease statements of one table.
 type statements struct {
-	take, doneAfterTake, state, complete, completeAll, renew, release string
+	take, doneAfterTake, state, complete, completeAll, renew, release     string
 	fastLock, fastState, fastTakeOver, fastClaim, fastClaimAll, fastLease string
 }
 
