@@ -471,6 +471,7 @@ func (l *leaseMode) completePipelined(ctx context.Context, batch []*completeReq,
 			b.Queue(w.sql, w.args...)
 		}
 	}
+	stmts := b.Len() - 1
 	for _, id := range ids {
 		l.hook("completing", id)
 	}
@@ -480,7 +481,7 @@ func (l *leaseMode) completePipelined(ctx context.Context, batch []*completeReq,
 		if errors.Is(err, leasesql.ErrNotAllHeld) {
 			return err
 		}
-		if refused(err) {
+		if refused(err, stmts) {
 			return errPipelineRefused
 		}
 		return l.failAll(batch, fmt.Errorf("dedup: %w", err))
@@ -515,11 +516,14 @@ func (l *leaseMode) completePipelined(ctx context.Context, batch []*completeReq,
 // completing without the pipeline tells whose it was.
 var errPipelineRefused = errors.New("the pipelined completion was refused")
 
-// refused reports whether err, a pipelined completion's first result, is
-// PostgreSQL's answer (any SQLSTATE) rather than a lost connection.
-func refused(err error) bool {
+// refused reports whether err, the first result of a pipelined
+// completion that holds stmts statements of handlers, may be one of
+// them refused: PostgreSQL's error for a statement (severity ERROR), not
+// a session ended (FATAL: the server's shutdown, a terminated backend) nor
+// a lost connection.
+func refused(err error, stmts int) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr)
+	return stmts > 0 && errors.As(err, &pgErr) && pgErr.Severity == "ERROR"
 }
 
 // failAll sets err on every member of batch and returns it.

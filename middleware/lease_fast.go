@@ -349,6 +349,7 @@ func (b *fastBatch) writePipelined(fin []*fastMember, finished, takenOver []uuid
 	l := b.l
 	batch := &pgx.Batch{}
 	read := l.proto.QueueFinishAll(batch, finished, takenOver, leased, l.cfg.Duration, l.cfg.Owner)
+	own := batch.Len()
 	for _, m := range fin {
 		for _, w := range m.c.writes {
 			batch.Queue(w.sql, w.args...)
@@ -366,7 +367,7 @@ func (b *fastBatch) writePipelined(fin []*fastMember, finished, takenOver []uuid
 		if errors.Is(err, leasesql.ErrNotAllHeld) {
 			return nil, err
 		}
-		if refused(err) {
+		if refused(err, batch.Len()-own) {
 			return nil, errPipelineRefused
 		}
 		return nil, fmt.Errorf("dedup: %w", err)
