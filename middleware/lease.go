@@ -44,7 +44,9 @@ type leaseMode struct {
 	// is committed, or on the fast path its transaction holds the event;
 	// the handler not run yet), "called" (the handler returned nil, the
 	// completion not sent), "completing" (inside the completion's
-	// transaction, or the fast path's: claim inserted, not committed),
+	// transaction, or the fast path's: claim inserted, not committed; a
+	// pipelined completion, whose check and commit travel together: just
+	// before it is sent),
 	// "leased" (a fast-path handler still running at FastPath got its
 	// lease row, committed), "busy" (a take found another delivery's
 	// lease or fast-path transaction, and waits), "renewed" (a renewal
