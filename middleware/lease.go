@@ -436,7 +436,7 @@ func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 			}
 			return errMemberFailed
 		}
-		return fail(fmt.Errorf("dedup: write the outbox rows: %w", err))
+		return l.failAll(batch, fmt.Errorf("dedup: write the outbox rows: %w", err))
 	}
 	for _, id := range ids {
 		l.hook("completing", id)
