@@ -106,8 +106,9 @@ type Config struct {
 	// promoted after a replication cut, where a position first written by
 	// a record's own transaction would be missing and the rewind would
 	// skip the records processed after the cut (a retry topic's partition
-	// often gets its first record late). Nothing with SkipProgress.
-	// Defaults to none: ConsumerGroup's own claims only.
+	// often gets its first record late). Nothing with SkipProgress, nor in
+	// lease mode (which records no position yet). Defaults to none:
+	// ConsumerGroup's own claims only.
 	KafkaGroups []string
 
 	// StaleMargin is subtracted from the table's retention when deciding

@@ -36,6 +36,9 @@ func newProgressKeeper(cfg Config, stats *counters, logger watermill.LoggerAdapt
 	}
 	schema, table := claimsql.Names(cfg.Table.Schema, cfg.Table.Table)
 	d := &progressKeeper{db: cfg.DB, table: progresssql.Table(schema, table), group: cfg.ConsumerGroup, stats: stats, logger: logger}
+	if cfg.lease() != nil {
+		return d // lease mode records no position yet: no start either
+	}
 	owner := d.table + "\x00" + d.group
 	for _, kg := range append([]string{cfg.ConsumerGroup}, cfg.KafkaGroups...) {
 		claimstart.Watch(kg, owner, d.recordStart)

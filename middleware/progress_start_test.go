@@ -25,7 +25,8 @@ import (
 // parallel subscriber with Progress. A failover after the cut then still
 // finds those partitions' positions (tests/failover
 // TestFailoverWithRetryTopics_*). A Kafka group the middleware does not
-// name gets none.
+// name gets none, nor does one of a middleware in lease mode, which keeps
+// no position yet.
 func TestProgressStartsAtAssignment(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -46,7 +47,9 @@ func TestProgressStartsAtAssignment(t *testing.T) {
 
 	_, err := idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "g", Table: table, KafkaGroups: []string{"g-retry"}}, nil)
 	require.NoError(t, err)
-	for _, kg := range []string{"g-retry", "unnamed"} {
+	_, err = idem.NewDedup(idem.Config{DB: db.Pool, ConsumerGroup: "l", Table: table, KafkaGroups: []string{"l-retry"}, Mode: &idem.LeaseConfig{}}, nil)
+	require.NoError(t, err)
+	for _, kg := range []string{"g-retry", "unnamed", "l-retry"} {
 		cfg, err := idemkafka.WatermillSubscriberConfig(client, kg)
 		require.NoError(t, err)
 		sub, err := kafka.NewSubscriber(cfg, nil)
@@ -59,5 +62,5 @@ func TestProgressStartsAtAssignment(t *testing.T) {
 
 	require.Eventually(t, func() bool { return positions("g") == 3 && positions("p") == 3 }, time.Minute, 50*time.Millisecond,
 		"positions at 0 of the middleware's group (written for g-retry's claims), and of the parallel subscriber")
-	require.Zero(t, db.Count(t, "SELECT 1 FROM "+db.Schema+".processed_event_progress WHERE consumer_group <> ALL('{g,p}')"), "the unnamed group's claims write nothing")
+	require.Zero(t, db.Count(t, "SELECT 1 FROM "+db.Schema+".processed_event_progress WHERE consumer_group <> ALL('{g,p}')"), "the unnamed group's claims, and those of a lease-mode middleware's group (which records no position yet), write nothing")
 }
