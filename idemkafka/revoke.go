@@ -38,10 +38,13 @@ import (
 // transaction ends), so the two can never both apply it.
 //
 // It also records where each claim starts (internal/claimstart), under
-// group, for the dedup middleware's comparison with PostgreSQL's position.
+// group, for the dedup middleware's comparison with PostgreSQL's position,
+// and, before the claim's first record, hands it to the middleware that
+// writes it as the partition's first position (Config.KafkaGroups).
 //
-// With keep (ClientConfig.Progress), each handler also keeps the
-// subscription's positions in PostgreSQL ([progressKeeper]).
+// With keep (ClientConfig.Progress), each handler keeps the subscription's
+// positions in PostgreSQL itself ([progressKeeper]), its first rows
+// included: the middleware then writes none.
 func revokeBound(next kafka.SaramaTracer, group string, timeout time.Duration, logger watermill.LoggerAdapter, keep func() *progressKeeper) kafka.SaramaTracer {
 	if logger == nil {
 		logger = watermill.NopLogger{}
@@ -105,7 +108,7 @@ type fedClaim struct {
 func (c fedClaim) Messages() <-chan *sarama.ConsumerMessage { return c.msgs }
 
 func (h *revokeBoundHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
-	claimstart.Record(h.group, claim.Topic(), claim.Partition(), claim.InitialOffset(), h.keep != nil)
+	claimstart.Started(sess.Context(), h.group, claim.Topic(), claim.Partition(), claim.InitialOffset(), h.keep != nil)
 	fed := fedClaim{ConsumerGroupClaim: claim, msgs: make(chan *sarama.ConsumerMessage)}
 	done := make(chan error, 1)
 	finished := make(chan struct{})

@@ -1,6 +1,8 @@
 package claimstart_test
 
 import (
+	"context"
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -40,4 +42,32 @@ func TestLookupFallsBackToTheOneGroupHoldingThePartition(t *testing.T) {
 	s, ok = claimstart.Lookup("cs-other-retry1", "cs-orders-retry1", 2)
 	require.True(t, ok, "its own group's claim still answers")
 	require.EqualValues(t, 7, s.Offset)
+}
+
+// Started records the claim and calls, before it returns, the writers
+// watching its Kafka group, the latest of each owner only.
+func TestStartedCallsTheWatchersOfItsGroup(t *testing.T) {
+	var got []string
+	watch := func(name string) claimstart.StartFunc {
+		return func(_ context.Context, topic string, partition int32, offset int64) {
+			got = append(got, fmt.Sprintf("%s %s/%d@%d", name, topic, partition, offset))
+		}
+	}
+	claimstart.Watch("cs-w", "owner1", watch("replaced"))
+	claimstart.Watch("cs-w", "owner1", watch("one"))
+	claimstart.Watch("cs-other", "owner2", watch("other"))
+	claimstart.Started(context.Background(), "cs-w", "retry", 2, 7, false)
+	require.Equal(t, []string{"one retry/2@7"}, got)
+	s, ok := claimstart.Lookup("cs-w", "retry", 2)
+	require.True(t, ok)
+	require.EqualValues(t, 7, s.Offset)
+	require.False(t, s.Kept)
+
+	// A claim whose subscriber keeps the position itself is recorded, and
+	// handed to no writer.
+	claimstart.Started(context.Background(), "cs-w", "retry", 3, 9, true)
+	require.Equal(t, []string{"one retry/2@7"}, got)
+	s, ok = claimstart.Lookup("cs-w", "retry", 3)
+	require.True(t, ok)
+	require.True(t, s.Kept)
 }
