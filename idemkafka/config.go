@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/watermill-idempotency/internal/saramastrategy"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
@@ -196,6 +197,32 @@ type ClientConfig struct {
 	// not transactional, and a partial failure can put B's first copy
 	// before A's (see docs/outbox.md).
 	TransactionalID string
+	// Progress, for the subscribers of [WatermillSubscriberConfig], keeps
+	// the consumer group's position per partition in PostgreSQL, in the
+	// claims' table's <table>_progress companion (DESIGN §12): the marks
+	// watermill-kafka makes once a message is acked (its transaction
+	// committed) are written there every half Consumer.Offsets.AutoCommit.
+	// Interval, in one statement, and only then committed to Kafka; and
+	// every claimed partition starts from PostgreSQL's position, forward
+	// or back. After a failover to an asynchronous standby or a
+	// point-in-time restore, the events of the lost transactions are read
+	// again instead of being skipped, with no operator step, and the dedup
+	// transactions carry no position write of their own (the middleware
+	// writes one per message for a subscriber without Progress). A write
+	// finding the server on a new timeline ends the session, so that the
+	// next one reads the positions of the new history. Not with the
+	// cooperative-sticky strategy (a partition it adds mid-session cannot
+	// be moved). The parallel subscriber has its own
+	// (parallel.SubscriberConfig.Progress). Defaults to nil (Kafka's
+	// committed offset only).
+	Progress migrate.DBTX
+	// ProgressSchema is the schema of the claims' table, as the
+	// middleware's deduplicator.TableConfig.Schema. Defaults to "" (public).
+	ProgressSchema string
+	// ProgressTable is the claims' table, as
+	// deduplicator.TableConfig.Table: deduplicator.MigrationLine creates
+	// its <table>_progress companion. Defaults to "" (processed_event).
+	ProgressTable string
 }
 
 // WatermillSubscriberConfig returns a watermill-kafka SubscriberConfig for a
@@ -230,6 +257,20 @@ func WatermillSubscriberConfig(cfg ClientConfig, consumerGroup string) (kafka.Su
 		return kafka.SubscriberConfig{}, fmt.Errorf("invalid config: RevokeTimeout: %s must be shorter than half Consumer.Group.Rebalance.Timeout (%s)",
 			revoke, sc.Consumer.Group.Rebalance.Timeout)
 	}
+	var keep func() *progressKeeper
+	if cfg.Progress != nil {
+		for _, gs := range sc.Consumer.Group.Rebalance.GroupStrategies {
+			if gs.Name() == sarama.CooperativeStickyBalanceStrategyName {
+				return kafka.SubscriberConfig{}, errors.New("invalid config: Progress: not with the cooperative-sticky strategy: a partition it adds mid-session cannot start from PostgreSQL's position")
+			}
+		}
+		interval := max(sc.Consumer.Offsets.AutoCommit.Interval/2, 10*time.Millisecond)
+		logger := cfg.Logger
+		if logger == nil {
+			logger = watermill.NopLogger{}
+		}
+		keep = func() *progressKeeper { return newProgressKeeper(cfg, consumerGroup, interval, logger) }
+	}
 	return kafka.SubscriberConfig{
 		Brokers:               cfg.Brokers,
 		Unmarshaler:           Marshaler{},
@@ -239,7 +280,7 @@ func WatermillSubscriberConfig(cfg ClientConfig, consumerGroup string) (kafka.Su
 		// ClientConfig.RevokeTimeout). Wrap it, do not replace it, to add
 		// a tracer of your own; watermill-kafka's OTELEnabled does not
 		// apply over it (the library's own spans: docs/observability.md).
-		Tracer: revokeBound(nil, consumerGroup, revoke, cfg.Logger),
+		Tracer: revokeBound(nil, consumerGroup, revoke, cfg.Logger, keep),
 	}, nil
 }
 

@@ -1,6 +1,7 @@
 package idemkafka
 
 import (
+	"fmt"
 	"sync"
 	"time"
 
@@ -37,13 +38,23 @@ import (
 // transaction ends), so the two can never both apply it.
 //
 // It also records where each claim starts (internal/claimstart), under
-// group, for the dedup middleware's comparison with PostgreSQL's position.
-func revokeBound(next kafka.SaramaTracer, group string, timeout time.Duration, logger watermill.LoggerAdapter) kafka.SaramaTracer {
+// group, for the dedup middleware's comparison with PostgreSQL's position,
+// and, before the claim's first record, hands it to the middleware that
+// writes it as the partition's first position (Config.KafkaGroups).
+//
+// With keep (ClientConfig.Progress), each handler keeps the subscription's
+// positions in PostgreSQL itself ([progressKeeper]), its first rows
+// included: the middleware then writes none.
+func revokeBound(next kafka.SaramaTracer, group string, timeout time.Duration, logger watermill.LoggerAdapter, keep func() *progressKeeper) kafka.SaramaTracer {
 	if logger == nil {
 		logger = watermill.NopLogger{}
 	}
 	return handlertracer.New(next, func(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
-		return &revokeBoundHandler{ConsumerGroupHandler: h, group: group, timeout: timeout, logger: logger}
+		rb := &revokeBoundHandler{ConsumerGroupHandler: h, group: group, timeout: timeout, logger: logger}
+		if keep != nil {
+			rb.keep = keep()
+		}
+		return rb
 	})
 }
 
@@ -52,10 +63,22 @@ type revokeBoundHandler struct {
 	group   string
 	timeout time.Duration
 	logger  watermill.LoggerAdapter
+	keep    *progressKeeper // nil without ClientConfig.Progress
 	// detached counts watermill-kafka's ConsumeClaim calls still running
 	// after the wrapper returned for them (their message outlived
 	// RevokeTimeout).
 	detached sync.WaitGroup
+}
+
+// Setup moves the claims' start to PostgreSQL's positions (with
+// ClientConfig.Progress), then calls the wrapped Setup.
+func (h *revokeBoundHandler) Setup(sess sarama.ConsumerGroupSession) error {
+	if h.keep != nil {
+		if err := h.keep.setup(sess); err != nil {
+			return fmt.Errorf("read the positions in PostgreSQL: %w", err)
+		}
+	}
+	return h.ConsumerGroupHandler.Setup(sess)
 }
 
 // Cleanup waits, at most timeout, for the ConsumeClaim calls left running
@@ -85,23 +108,40 @@ type fedClaim struct {
 func (c fedClaim) Messages() <-chan *sarama.ConsumerMessage { return c.msgs }
 
 func (h *revokeBoundHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
-	claimstart.Record(h.group, claim.Topic(), claim.Partition(), claim.InitialOffset())
+	claimstart.Started(sess.Context(), h.group, claim.Topic(), claim.Partition(), claim.InitialOffset(), h.keep != nil)
 	fed := fedClaim{ConsumerGroupClaim: claim, msgs: make(chan *sarama.ConsumerMessage)}
 	done := make(chan error, 1)
 	finished := make(chan struct{})
+	inner := sess
+	var fenced <-chan struct{} // nil (never ready) without Progress
+	if h.keep != nil {
+		inner = markingSession{ConsumerGroupSession: sess, k: h.keep}
+		fenced = h.keep.fencedC()
+		// The claim's last marks, once its message in flight is done
+		// (or was left running): PostgreSQL first, then Kafka.
+		defer h.keep.flush()
+	}
 	go func() {
-		done <- h.ConsumerGroupHandler.ConsumeClaim(sess, fed)
+		done <- h.ConsumerGroupHandler.ConsumeClaim(inner, fed)
 		close(finished)
 	}()
 
 	var last *sarama.ConsumerMessage // the record handed out last
 	ended := sess.Context().Done()
+	tp := topicPartition{claim.Topic(), claim.Partition()}
 feed:
 	for {
 		select {
 		case m, ok := <-claim.Messages():
 			if !ok {
 				break feed
+			}
+			if h.keep != nil {
+				if err := h.keep.ensureRow(tp, m.Offset); err != nil {
+					h.logger.Error("Could not write the partition's first position in PostgreSQL: the claim ends, the session is joined again", err,
+						watermill.LogFields{"topic": claim.Topic(), "kafka_partition": claim.Partition()})
+					break feed
+				}
 			}
 			select {
 			case fed.msgs <- m:
@@ -113,6 +153,8 @@ feed:
 			}
 		case <-ended:
 			break feed
+		case <-fenced:
+			break feed // returning ends the session (Sarama cancels it when a claim returns)
 		case err := <-done:
 			return err
 		}

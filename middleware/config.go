@@ -94,6 +94,23 @@ type Config struct {
 	// messages. Defaults to false.
 	SkipProgress bool
 
+	// KafkaGroups names the Kafka consumer groups, besides ConsumerGroup,
+	// of the watermill-kafka subscribers (idemkafka.WatermillSubscriberConfig)
+	// whose messages this middleware handles: a retry topic's subscriber
+	// in a group of its own (middleware/retrytopic). When such a
+	// subscriber, or one whose Kafka group is ConsumerGroup, is assigned a
+	// partition, the middleware writes the claim's start as the
+	// partition's position in <table>_progress if it has none, before the
+	// claim's first record is handed out: a partition that consumed
+	// records then always has a position in PostgreSQL, also on a standby
+	// promoted after a replication cut, where a position first written by
+	// a record's own transaction would be missing and the rewind would
+	// skip the records processed after the cut (a retry topic's partition
+	// often gets its first record late). Nothing with SkipProgress, nor in
+	// lease mode (which records no position yet). Defaults to none:
+	// ConsumerGroup's own claims only.
+	KafkaGroups []string
+
 	// StaleMargin is subtracted from the table's retention when deciding
 	// that an event is stale. Defaults to deduplicator.DefaultStaleMargin (1 hour); it
 	// must be shorter than the retention.

@@ -77,22 +77,68 @@ func Complete(ctx context.Context, fn func(ctx context.Context, tx pgx.Tx) error
 	return fn(ctx, tx)
 }
 
+// CompleteExec registers one statement of the handler's writes, sql with
+// args, to run in the transaction that claims the event: [Complete] for a
+// write that needs no result and no Go code at completion. In lease mode
+// the completion then sends the claim and every CompleteExec write of its
+// batch in one pipeline, one round trip and one transaction however many
+// handlers and statements it holds, where [Complete]'s functions cost a
+// round trip each inside the open transaction (a batch with any of them,
+// or with a handler's messages for [Config.Outbox], completes that way,
+// the statements sent one by one). The guarantees are Complete's: the
+// statements run in the order registered (with the handler's Complete
+// functions), only once its lease's token is checked, nothing when it was
+// lost; a failing statement rolls the completion back and the middleware
+// returns its error (a *pgconn.PgError inside). args are read at the
+// completion, after the handler returned.
+//
+// In transaction mode it runs sql at once on the message's transaction and
+// returns its error. It works with [SQLDB] too (the statements travel on
+// database/sql's connection, through pgx). It returns [ErrNotInHandler]
+// when ctx comes from neither mode.
+func CompleteExec(ctx context.Context, sql string, args ...any) error {
+	if s := leaseStateFrom(ctx); s != nil {
+		s.addExec(sql, args)
+		return nil
+	}
+	tx, ok := TxFromContext(ctx)
+	if !ok {
+		return ErrNotInHandler
+	}
+	_, err := tx.Exec(ctx, sql, args...)
+	return err
+}
+
+// write is one registered write of a handler: fn ([Complete]), or sql
+// with args ([CompleteExec]).
+type write struct {
+	fn   completeFunc
+	sql  string
+	args []any
+}
+
 // leaseState collects a lease-mode handler's writes.
 type leaseState struct {
 	mu sync.Mutex
-	fs []completeFunc
+	ws []write
 }
 
 func (s *leaseState) add(fn completeFunc) {
 	s.mu.Lock()
-	s.fs = append(s.fs, fn)
+	s.ws = append(s.ws, write{fn: fn})
 	s.mu.Unlock()
 }
 
-func (s *leaseState) writes() []completeFunc {
+func (s *leaseState) addExec(sql string, args []any) {
+	s.mu.Lock()
+	s.ws = append(s.ws, write{sql: sql, args: args})
+	s.mu.Unlock()
+}
+
+func (s *leaseState) writes() []write {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.fs
+	return s.ws
 }
 
 type leaseStateKey struct{}

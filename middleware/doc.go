@@ -42,6 +42,8 @@
 // a *[LeaseConfig]): the handler holds no transaction and no connection
 // while it calls; its writes, registered with [Complete], commit with the
 // claim in a short transaction that first checks the delivery's lease.
+// Writes registered as statements with [CompleteExec] travel with the
+// check and the claims of a whole completion batch in one round trip.
 // retrytopic moves transient failures to retry topics; idemtest helps
 // test handlers.
 //

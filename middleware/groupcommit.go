@@ -19,7 +19,6 @@ import (
 
 	"github.com/idemkit/watermill-idempotency/internal/idemctx"
 	"github.com/idemkit/watermill-idempotency/internal/otelx"
-	"github.com/idemkit/watermill-idempotency/publisher"
 )
 
 // groupMode is group commit: it gathers concurrent messages into groups.
@@ -252,14 +251,17 @@ func (gc *groupMode) runOnce(reqs []*request) (again []*request) {
 
 	g := &claimedGroup{ctx: ctx, tx: tx, span: gspan, start: start}
 	gc.sortClaimed(g, reqs, first)
-	out := &groupOutbox{}
+	// The outbox rows of the whole group are gathered, one INSERT per
+	// table before the COMMIT, in the order the handlers wrote them.
 	hooks := &idemctx.Hooks{Tx: tx}
+	hooks.Gather()
+	defer hooks.StopGathering()
 	for _, r := range g.runs {
-		if err := gc.handle(tx, hooks, r, out); err != nil {
+		if err := gc.handle(tx, hooks, r); err != nil {
 			return gc.failOne(g, r, err)
 		}
 	}
-	gc.commit(g, hooks, out)
+	gc.commit(g, hooks)
 	return nil
 }
 
@@ -335,15 +337,17 @@ func (p *handlerPanic) Error() string {
 	return fmt.Sprintf("dedup: handler panicked in a group: %v", p.value)
 }
 
-// commit writes the messages the handlers returned (one multi-row INSERT
-// per topic; handle stamped them, so the outbox does not again), commits g
-// and answers each request.
-func (gc *groupMode) commit(g *claimedGroup, hooks *idemctx.Hooks, out *groupOutbox) {
+// commit writes the group's gathered outbox rows (one INSERT per table:
+// idemctx.Hooks.Flush), commits g and answers each request. When the rows
+// cannot be written, each message goes alone, where its own write reports
+// its own error.
+func (gc *groupMode) commit(g *claimedGroup, hooks *idemctx.Hooks) {
 	s := gc.s
-	if err := out.write(idemctx.WithStamped(idemctx.WithHooks(g.ctx, hooks)), s, g.tx); err != nil {
+	if err := hooks.Flush(g.ctx); err != nil {
 		s.rollback(g.ctx, g.tx, nil)
 		s.stats.groupFallbacks.Add(1)
 		g.span.RecordError(err)
+		s.logger.Info("Group's outbox write failed, processing its messages alone", watermill.LogFields{"messages": len(g.runs), "error": err.Error()})
 		gc.answer(g.runs, result{alone: true})
 		gc.answer(g.copies, result{alone: true})
 		return
@@ -399,14 +403,15 @@ func (gc *groupMode) answer(reqs []*request, res result) {
 // every handler of the group run on one connection, where a cancelled
 // statement would end the session and the whole group with it (a message
 // cancelled by a rebalance must not fail the others). Messages it returns
-// are stamped in that context (event id, causation, trace) and kept for
-// the group's outbox write, or for the router without an outbox. A panic
-// is returned as a *handlerPanic: the group is rolled back first, then the
-// message panics in its own goroutine. A handler that returns nil but
-// leaves the transaction unusable (it swallowed an SQL error, so
-// PostgreSQL refuses every later statement) fails with ErrTxAborted: it is
-// the culprit, not the next handler, whose statements would fail.
-func (gc *groupMode) handle(tx pgx.Tx, hooks *idemctx.Hooks, r *request, out *groupOutbox) (err error) {
+// go to the outbox as in transaction mode (stamped in that context), where
+// they join the group's gathered rows after the handler's own writes; or
+// are kept for the router without an outbox. A panic is returned as a
+// *handlerPanic: the group is rolled back first, then the message panics in
+// its own goroutine. A handler that returns nil but leaves the transaction
+// unusable (it swallowed an SQL error, so PostgreSQL refuses every later
+// statement) fails with ErrTxAborted: it is the culprit, not the next
+// handler, whose statements would fail.
+func (gc *groupMode) handle(tx pgx.Tx, hooks *idemctx.Hooks, r *request) (err error) {
 	s := gc.s
 	origCtx := r.msg.Context()
 	defer r.msg.SetContext(origCtx)
@@ -424,50 +429,8 @@ func (gc *groupMode) handle(tx pgx.Tx, hooks *idemctx.Hooks, r *request, out *gr
 	if err := txUsable(tx); err != nil {
 		return err
 	}
-	if len(produced) == 0 {
-		return nil
-	}
-	if s.outbox == nil {
-		r.out, err = s.toOutbox(r.msg.Context(), origCtx, tx, produced)
-		return err
-	}
-	topic, err := publishTopic(origCtx)
-	if err != nil {
-		return err
-	}
-	for _, m := range produced {
-		if _, err := publisher.Stamp(r.msg.Context(), m); err != nil {
-			return fmt.Errorf("dedup: stamp returned message: %w", err)
-		}
-	}
-	out.add(topic, produced)
-	return nil
-}
-
-// groupOutbox gathers the messages a group's handlers returned, by topic,
-// for one outbox write per topic.
-type groupOutbox struct {
-	topics []string
-	msgs   map[string][]*message.Message
-}
-
-func (o *groupOutbox) add(topic string, msgs []*message.Message) {
-	if o.msgs == nil {
-		o.msgs = map[string][]*message.Message{}
-	}
-	if _, ok := o.msgs[topic]; !ok {
-		o.topics = append(o.topics, topic)
-	}
-	o.msgs[topic] = append(o.msgs[topic], msgs...)
-}
-
-func (o *groupOutbox) write(ctx context.Context, s *steps, tx pgx.Tx) error {
-	for _, topic := range o.topics {
-		if err := s.writeOutbox(ctx, tx, topic, o.msgs[topic]); err != nil {
-			return err
-		}
-	}
-	return nil
+	r.out, err = s.toOutbox(r.msg.Context(), origCtx, tx, produced)
+	return err
 }
 
 // failedSet remembers up to about 2×max ids (two generations).

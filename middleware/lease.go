@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
@@ -43,7 +44,9 @@ type leaseMode struct {
 	// is committed, or on the fast path its transaction holds the event;
 	// the handler not run yet), "called" (the handler returned nil, the
 	// completion not sent), "completing" (inside the completion's
-	// transaction, or the fast path's: claim inserted, not committed),
+	// transaction, or the fast path's: claim inserted, not committed; a
+	// pipelined completion, whose check and commit travel together: just
+	// before it is sent),
 	// "leased" (a fast-path handler still running at FastPath got its
 	// lease row, committed), "busy" (a take found another delivery's
 	// lease or fast-path transaction, and waits), "renewed" (a renewal
@@ -73,7 +76,7 @@ type completeReq struct {
 	msg      *message.Message
 	id       uuid.UUID
 	token    uuid.UUID
-	writes   []completeFunc
+	writes   []write
 	produced []*message.Message
 
 	result leasesql.Result
@@ -381,16 +384,20 @@ func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 	// messages are nacked and the redelivery's take tells.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(batch[0].origCtx), l.cfg.Duration)
 	defer cancel()
-	fail := func(err error) error {
-		for _, c := range batch {
-			c.err = err
-		}
-		return err
-	}
 	ids := make([]uuid.UUID, len(batch))
 	toks := make([]uuid.UUID, len(batch))
 	for i, c := range batch {
 		ids[i], toks[i] = c.id, c.token
+	}
+	if l.pipelined(batch) {
+		err := l.completePipelined(ctx, batch, ids, toks)
+		if !errors.Is(err, leasesql.ErrNotAllHeld) && !errors.Is(err, errPipelineRefused) {
+			return err
+		}
+		// A token was lost, or an event claimed by another mode, or a
+		// statement refused: nothing was written; the transaction below
+		// tells which member it was, and sends the statements one by one
+		// (rare: a lease expired, an operator's release, a bad statement).
 	}
 	tx, res, err := l.proto.BeginComplete(ctx, l.db, ids, toks)
 	committed := false
@@ -400,9 +407,12 @@ func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 		}
 	}()
 	if err != nil {
-		return fail(fmt.Errorf("dedup: %w", err))
+		return l.failAll(batch, fmt.Errorf("dedup: %w", err))
 	}
+	// The batch's outbox rows go in one INSERT per table before the COMMIT.
 	hooks := &idemctx.Hooks{Tx: tx}
+	hooks.Gather()
+	defer hooks.StopGathering()
 	for i, c := range batch {
 		c.result = res[i]
 		if res[i] != leasesql.Completed {
@@ -419,17 +429,123 @@ func (l *leaseMode) completeBatch(batch []*completeReq) (err error) {
 			return werr
 		}
 	}
+	if err := hooks.Flush(ctx); err != nil {
+		if len(batch) > 1 {
+			for _, c := range batch {
+				c.result, c.out = 0, nil
+			}
+			return errMemberFailed
+		}
+		return l.failAll(batch, fmt.Errorf("dedup: write the outbox rows: %w", err))
+	}
 	for _, id := range ids {
 		l.hook("completing", id)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		// The outcome is unknown: the redelivery's take tells (done, or the
 		// lease, released by process, taken anew).
-		return fail(fmt.Errorf("dedup: complete: commit: %w", err))
+		return l.failAll(batch, fmt.Errorf("dedup: complete: commit: %w", err))
 	}
 	committed = true
 	hooks.Committed()
 	return nil
+}
+
+// pipelined reports whether every member of batch can complete in one
+// pipeline: its writes are all [CompleteExec] statements and it has no
+// messages for the outbox (whose writes need the transaction).
+func (l *leaseMode) pipelined(batch []*completeReq) bool {
+	for _, c := range batch {
+		if len(c.produced) > 0 && l.s.outbox != nil {
+			return false
+		}
+		for _, w := range c.writes {
+			if w.fn != nil {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// completePipelined completes batch in one round trip: the tokens'
+// check and the claims, then every member's statements, sent as one batch
+// that PostgreSQL runs as one implicit transaction. The check fails the
+// transaction unless every token holds its lease (returning
+// [leasesql.ErrNotAllHeld], nothing set); a failing statement fails it
+// too, and then, as in completeBatch, a lone member gets the error and a
+// batch of several returns errMemberFailed. The check's DELETE locks the
+// leases until the commit, at the end of the same batch: no takeover can
+// come between them.
+func (l *leaseMode) completePipelined(ctx context.Context, batch []*completeReq, ids, toks []uuid.UUID) error {
+	b := &pgx.Batch{}
+	l.proto.QueueCompleteAll(b, ids, toks)
+	for _, c := range batch {
+		for _, w := range c.writes {
+			b.Queue(w.sql, w.args...)
+		}
+	}
+	stmts := b.Len() - 1
+	for _, id := range ids {
+		l.hook("completing", id)
+	}
+	br := l.db.SendBatch(ctx, b)
+	defer br.Close()
+	if err := leasesql.ReadCompleteAll(br); err != nil {
+		if errors.Is(err, leasesql.ErrNotAllHeld) {
+			return err
+		}
+		if refused(err, stmts) {
+			return errPipelineRefused
+		}
+		return l.failAll(batch, fmt.Errorf("dedup: %w", err))
+	}
+	for _, c := range batch {
+		for i := range c.writes {
+			if _, err := br.Exec(); err != nil {
+				if len(batch) > 1 {
+					return errMemberFailed
+				}
+				c.err = fmt.Errorf("dedup: idem.CompleteExec statement %d of event %s: %w", i+1, c.id, err)
+				return c.err
+			}
+		}
+	}
+	if err := br.Close(); err != nil {
+		// The commit's outcome is unknown, as in completeBatch.
+		return l.failAll(batch, fmt.Errorf("dedup: complete: commit: %w", err))
+	}
+	for _, c := range batch {
+		c.result = leasesql.Completed
+		// Without an outbox the messages go to the router: no write.
+		c.out, _ = l.s.toOutbox(c.origCtx, c.origCtx, nil, c.produced)
+	}
+	return nil
+}
+
+// errPipelineRefused: PostgreSQL refused a pipelined completion at its
+// first statement. pgx prepares a batch's new statements together before
+// running any, so a member's statement that does not prepare (a missing
+// table, a syntax error) fails there, as the library's own would:
+// completing without the pipeline tells whose it was.
+var errPipelineRefused = errors.New("the pipelined completion was refused")
+
+// refused reports whether err, the first result of a pipelined
+// completion that holds stmts statements of handlers, may be one of
+// them refused: PostgreSQL's error for a statement (severity ERROR), not
+// a session ended (FATAL: the server's shutdown, a terminated backend) nor
+// a lost connection.
+func refused(err error, stmts int) bool {
+	var pgErr *pgconn.PgError
+	return stmts > 0 && errors.As(err, &pgErr) && pgErr.Severity == "ERROR"
+}
+
+// failAll sets err on every member of batch and returns it.
+func (l *leaseMode) failAll(batch []*completeReq, err error) error {
+	for _, c := range batch {
+		c.err = err
+	}
+	return err
 }
 
 // write runs c's registered writes and its returned messages' outbox
@@ -442,9 +558,15 @@ func (l *leaseMode) write(c *completeReq, tx pgx.Tx, hooks *idemctx.Hooks) (err 
 		}
 	}()
 	wctx := l.s.handlerContext(c.origCtx, tx, hooks, c.msg, c.id)
-	for _, w := range c.writes {
-		if err := w(wctx, tx); err != nil {
-			return err
+	for i, w := range c.writes {
+		if w.fn != nil {
+			if err := w.fn(wctx, tx); err != nil {
+				return err
+			}
+			continue
+		}
+		if _, err := tx.Exec(wctx, w.sql, w.args...); err != nil {
+			return fmt.Errorf("dedup: idem.CompleteExec statement %d of event %s: %w", i+1, c.id, err)
 		}
 	}
 	if err := txUsable(tx); err != nil {

@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -28,6 +29,9 @@ type fastBatch struct {
 	release func() // the take batcher's slot
 	timer   *time.Timer
 	done    chan struct{} // closed once the batch committed or failed
+	// unpipelined: a pipelined write was refused (errPipelineRefused);
+	// the batch's next writes send the statements one by one.
+	unpipelined bool
 
 	mu      sync.Mutex
 	members []*fastMember
@@ -236,9 +240,17 @@ func (b *fastBatch) finish() {
 	b.l.fast.record(len(b.members)-leased, len(b.members))
 	for {
 		failed, err := b.write(live)
-		if failed == nil {
+		if failed == nil && !errors.Is(err, leasesql.ErrNotAllHeld) && !errors.Is(err, errPipelineRefused) {
 			b.settle(live, err)
 			return
+		}
+		// A member's write failed (it has its error), or an event was
+		// claimed by another mode meanwhile (the new transaction's state
+		// read settles it as a duplicate), or a statement was refused (the
+		// next write sends them one by one, and finds whose): the others
+		// are written anew.
+		if errors.Is(err, errPipelineRefused) {
+			b.unpipelined = true
 		}
 		live = slices.DeleteFunc(live, func(m *fastMember) bool { return m == failed })
 		if live, err = b.reopen(live); err != nil {
@@ -253,7 +265,12 @@ func (b *fastBatch) finish() {
 
 // write runs the batch's writes in b.tx and commits. failed is a member
 // whose own writes failed (the transaction is rolled back; the others are
-// to be written again), with its error set; err is the batch's failure.
+// to be written again), with its error set; err is the batch's failure,
+// or [leasesql.ErrNotAllHeld] from the pipelined write (rolled back:
+// write the batch again). When every finished member's writes are
+// [CompleteExec] statements, they travel in one pipeline with the
+// batch's own statements: two round trips with the COMMIT, however many
+// members.
 func (b *fastBatch) write(live []*fastMember) (failed *fastMember, err error) {
 	l := b.l
 	committed := false
@@ -274,6 +291,16 @@ func (b *fastBatch) write(live []*fastMember) (failed *fastMember, err error) {
 		if m.takenOver {
 			takenOver = append(takenOver, m.id)
 		}
+	}
+	if !b.unpipelined && l.pipelined(completions(fin)) {
+		if failed, err := b.writePipelined(fin, finished, takenOver, leased); failed != nil || err != nil {
+			return failed, err
+		}
+		if err := b.tx.Commit(b.ctx); err != nil {
+			return nil, fmt.Errorf("dedup: complete: commit: %w", err)
+		}
+		committed = true
+		return nil, nil
 	}
 	res, err := l.proto.Finish(b.ctx, b.tx, finished, takenOver, leased, l.cfg.Duration, l.cfg.Owner)
 	if err != nil {
@@ -302,6 +329,67 @@ func (b *fastBatch) write(live []*fastMember) (failed *fastMember, err error) {
 	}
 	committed = true
 	hooks.Committed()
+	return nil, nil
+}
+
+// completions returns the completions of fin.
+func completions(fin []*fastMember) []*completeReq {
+	cs := make([]*completeReq, len(fin))
+	for i, m := range fin {
+		cs[i] = m.c
+	}
+	return cs
+}
+
+// writePipelined sends the batch's statements (the claims, which must all
+// be new, the take-overs, the leases of the running) and the finished
+// members' [CompleteExec] statements in one round trip in b.tx, not
+// committed. failed and err as in write; the caller rolls back on either.
+func (b *fastBatch) writePipelined(fin []*fastMember, finished, takenOver []uuid.UUID, leased []leasesql.Request) (failed *fastMember, err error) {
+	l := b.l
+	batch := &pgx.Batch{}
+	read := l.proto.QueueFinishAll(batch, finished, takenOver, leased, l.cfg.Duration, l.cfg.Owner)
+	own := batch.Len()
+	for _, m := range fin {
+		for _, w := range m.c.writes {
+			batch.Queue(w.sql, w.args...)
+		}
+	}
+	for _, id := range finished {
+		l.hook("completing", id)
+	}
+	if batch.Len() == 0 {
+		return nil, nil
+	}
+	br := b.tx.SendBatch(b.ctx, batch)
+	defer br.Close()
+	if err := read(br); err != nil {
+		if errors.Is(err, leasesql.ErrNotAllHeld) {
+			return nil, err
+		}
+		if refused(err, batch.Len()-own) {
+			return nil, errPipelineRefused
+		}
+		return nil, fmt.Errorf("dedup: %w", err)
+	}
+	for _, m := range fin {
+		for i := range m.c.writes {
+			if _, err := br.Exec(); err != nil {
+				m.c.result, m.c.out, m.c.err = 0, nil, fmt.Errorf("dedup: idem.CompleteExec statement %d of event %s: %w", i+1, m.id, err)
+				if len(fin) > 1 || len(leased) > 0 {
+					l.s.stats.groupFallbacks.Add(1)
+				}
+				return m, nil
+			}
+		}
+	}
+	if err := br.Close(); err != nil {
+		return nil, fmt.Errorf("dedup: %w", err)
+	}
+	for _, m := range fin {
+		m.c.result = leasesql.Completed
+		m.c.out, _ = l.s.toOutbox(m.c.origCtx, m.c.origCtx, nil, m.c.produced)
+	}
 	return nil, nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
@@ -34,8 +35,36 @@ func newProgressKeeper(cfg Config, stats *counters, logger watermill.LoggerAdapt
 		return nil
 	}
 	schema, table := claimsql.Names(cfg.Table.Schema, cfg.Table.Table)
-	return &progressKeeper{db: cfg.DB, table: progresssql.Table(schema, table), group: cfg.ConsumerGroup, stats: stats, logger: logger}
+	d := &progressKeeper{db: cfg.DB, table: progresssql.Table(schema, table), group: cfg.ConsumerGroup, stats: stats, logger: logger}
+	if cfg.lease() != nil {
+		return d // lease mode records no position yet: no start either
+	}
+	owner := d.table + "\x00" + d.group
+	for _, kg := range append([]string{cfg.ConsumerGroup}, cfg.KafkaGroups...) {
+		claimstart.Watch(kg, owner, d.recordStart)
+	}
+	return d
 }
+
+// recordStart writes where a claim of watermill-kafka's subscriber starts
+// as its partition's position when it has none (progresssql.Start), before
+// the claim's first record is handed out. A failure is logged: the
+// partition is consumed all the same, and its first claim transaction
+// writes the position.
+func (d *progressKeeper) recordStart(ctx context.Context, topic string, partition int32, offset int64) {
+	ctx, cancel := context.WithTimeout(ctx, startTimeout)
+	defer cancel()
+	err := pgx.BeginFunc(ctx, d.db, func(tx pgx.Tx) error {
+		return progresssql.Start(ctx, tx, d.table, d.group, topic, partition, offset)
+	})
+	if err != nil {
+		d.logger.Error("Could not write the partition's start to PostgreSQL", err,
+			watermill.LogFields{"topic": topic, "kafka_partition": partition, "offset": offset, "consumer_group": d.group})
+	}
+}
+
+// startTimeout bounds recordStart.
+const startTimeout = 5 * time.Second
 
 // progressContext returns ctx carrying the write of the consumer group's
 // progress that the claim transaction of msgs makes (DESIGN §12): for each
@@ -43,7 +72,9 @@ func newProgressKeeper(cfg Config, stats *counters, logger watermill.LoggerAdapt
 // partition, in the claim's own round trip and commit. Every mode calls it
 // on the context it claims with. Messages without a Kafka position, and
 // those of a subscriber that keeps its progress itself (the parallel
-// subscriber), add nothing; so does [Config.SkipProgress] (a nil d).
+// subscriber, and idemkafka's watermill-kafka subscriber with
+// ClientConfig.Progress), add nothing; so does [Config.SkipProgress] (a
+// nil d).
 func (d *progressKeeper) progressContext(ctx context.Context, msgs ...*message.Message) context.Context {
 	if d == nil {
 		return ctx
@@ -60,7 +91,11 @@ func (d *progressKeeper) progressContext(ctx context.Context, msgs ...*message.M
 		if !ok || !ok2 || topic == "" {
 			continue
 		}
-		if d.checkProgress(ctx, topic, part, off) {
+		start, exact := claimstart.Lookup(d.group, topic, part)
+		if exact && start.Kept {
+			continue // idemkafka's subscriber keeps it (ClientConfig.Progress)
+		}
+		if d.checkProgress(ctx, topic, part, off, start, exact) {
 			continue // PostgreSQL keeps the start of the gap, for the rewind
 		}
 		if p == nil {
@@ -108,9 +143,8 @@ type topicPartition struct {
 // jump (offset not following the last one seen), which a topic written in
 // Kafka transactions also shows where nothing was lost (a commit marker,
 // an aborted transaction's records): such a topic then reads as ahead.
-func (d *progressKeeper) checkProgress(ctx context.Context, topic string, partition int32, offset int64) (gap bool) {
+func (d *progressKeeper) checkProgress(ctx context.Context, topic string, partition int32, offset int64, start claimstart.Start, exact bool) (gap bool) {
 	key := topicPartition{topic, partition}
-	start, exact := claimstart.Lookup(d.group, topic, partition)
 	w := &d.watch
 	w.mu.Lock()
 	if w.last == nil {

@@ -310,3 +310,33 @@ func TestSQLDBSwallowedErrorIsTxAborted(t *testing.T) {
 	require.Zero(t, f.claims(t))
 	require.Zero(t, sdb.Stats().InUse)
 }
+
+// CompleteExec on a *sql.DB in lease mode: the pipelined completion
+// travels on database/sql's connection, through pgx, in both paths.
+func TestSQLDBLeaseModeCompleteExec(t *testing.T) {
+	t.Parallel()
+	for _, fastPath := range []time.Duration{0, -1} {
+		t.Run(map[time.Duration]string{0: "fast path", -1: "two phases"}[fastPath], func(t *testing.T) {
+			t.Parallel()
+			f := newLedgerFixture(t)
+			sdb := f.db.SQLDB(t, 6, nil)
+			d := f.sqlDedup(t, sdb, "g", func(c *idem.Config) { c.Mode = &idem.LeaseConfig{Concurrency: 2, FastPath: fastPath} })
+			var calls atomic.Int32
+			h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+				calls.Add(1)
+				id, _ := idem.EventIDFromContext(m.Context())
+				return nil, idem.CompleteExec(m.Context(), "INSERT INTO ledger (event_id, consumer_group, amount) VALUES ($1, 'g', 1)", id)
+			})
+			id := publisher.NewEventID()
+			for range 2 {
+				_, err := h(f.msg(id))
+				require.NoError(t, err)
+			}
+			require.EqualValues(t, 1, calls.Load())
+			require.Equal(t, 1, f.ledgerRows(t))
+			require.Equal(t, 1, f.claims(t))
+			require.Zero(t, f.leases(t))
+			require.Zero(t, sdb.Stats().InUse)
+		})
+	}
+}

@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -216,16 +217,21 @@ func rollback(ctx context.Context, tx pgx.Tx) {
 // causation and correlation ids come from the incoming event) and inserts
 // them, in order, into topic's table on tx. They become visible to the
 // forwarder only if tx commits. It implements the dedup middleware's
-// OutboxWriter. If a message cannot be stamped, nothing is written.
+// OutboxWriter. If a message cannot be stamped, nothing is written. On a
+// group-commit transaction the rows are inserted at the group's COMMIT, with
+// the rest of the group's rows of the table (see [Outbox.Publisher]).
 func (o *Outbox) PublishInTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
 	return o.write(ctx, tx, topic, msgs, ctx)
 }
 
 // write is the one way into the outbox tables: it stamps every message
 // ([publisher.Stamp] with stampCtx, or with the message's own context when
-// stampCtx is nil; not when ctx says the middleware stamped them:
-// idemctx.WithStamped) and, only if all were stamped, inserts them in order
-// on tx as watermill-sql's publisher would (insertRows), with ctx.
+// stampCtx is nil), checks each against Config.MaxMessageBytes and, only if
+// all passed, inserts them in order on tx as watermill-sql's publisher would
+// (insertRows), with ctx. On a transaction whose hooks gather (the dedup
+// middleware's group commit: idemctx.Hooks.Gather) the rows join the
+// table's batch instead, inserted in one statement before the COMMIT
+// (rowBatch), after the rows of earlier writes.
 func (o *Outbox) write(ctx context.Context, tx execer, topic string, msgs []*message.Message, stampCtx context.Context) error {
 	if len(msgs) == 0 {
 		return nil
@@ -233,18 +239,13 @@ func (o *Outbox) write(ctx context.Context, tx execer, topic string, msgs []*mes
 	if err := o.cfg.validateTopic(topic); err != nil {
 		return err
 	}
-	// The dedup middleware's group commit stamped its messages already,
-	// each in its handler's context.
-	stamped := idemctx.Stamped(ctx)
 	for _, msg := range msgs {
 		sctx := stampCtx
 		if sctx == nil {
 			sctx = msg.Context()
 		}
-		if !stamped {
-			if _, err := publisher.Stamp(sctx, msg); err != nil {
-				return fmt.Errorf("outbox: %w", err)
-			}
+		if _, err := publisher.Stamp(sctx, msg); err != nil {
+			return fmt.Errorf("outbox: %w", err)
 		}
 		// Stamp put sctx's trace in the metadata; a message without a
 		// context of its own takes the write's (PublishInTx's ctx).
@@ -254,11 +255,17 @@ func (o *Outbox) write(ctx context.Context, tx execer, topic string, msgs []*mes
 		}
 	}
 	table := o.MessagesTable(topic)
-	if err := insertRows(ctx, tx, table, msgs); err != nil {
-		if pgerr.Has(err, pgerrcode.UndefinedTable) {
-			return fmt.Errorf("%w: topic %q (table %s): %w", ErrTopicNotMigrated, topic, table, err)
+	ptx, isPgx := tx.(pgx.Tx)
+	var hooks *idemctx.Hooks
+	if isPgx {
+		hooks = idemctx.HooksFor(ctx, ptx)
+	}
+	if b := hooks.BatchFor(ptx, table, func() idemctx.Batch { return &rowBatch{topic: topic, table: table} }); b != nil {
+		if err := b.(*rowBatch).addRows(msgs); err != nil {
+			return err
 		}
-		return fmt.Errorf("outbox: insert into %s: %w", table, err)
+	} else if err := o.insert(ctx, tx, topic, table, msgs); err != nil {
+		return err
 	}
 	if _, nop := o.logger.(watermill.NopLogger); !nop {
 		for _, msg := range msgs {
@@ -269,24 +276,59 @@ func (o *Outbox) write(ctx context.Context, tx execer, topic string, msgs []*mes
 	// middleware commits tx and then wakes this process's forwarders of the
 	// table (wakers); on any other transaction they start looking now, the
 	// COMMIT usually following within milliseconds.
-	if ptx, ok := tx.(pgx.Tx); !ok || !idemctx.HooksFrom(ctx).OnCommit(ptx, table, func() { wakers.wake(table) }) {
+	if !hooks.OnCommit(ptx, table, func() { wakers.wake(table) }) {
 		wakers.wake(table)
 	}
 	return nil
 }
 
-// insertRows inserts msgs into table in order, in one statement: the
-// INSERT that watermill-sql's PostgreSQL schema adapter
-// (wsql.DefaultPostgreSQLSchema.InsertQuery) builds, with the same
-// arguments (uuid, payload, metadata as json.Marshal writes it: see
-// outboxsql.EncodeMetadata), run directly on tx with ctx.
-func insertRows(ctx context.Context, tx execer, table string, msgs []*message.Message) error {
+// insert runs insertRows of msgs into topic's table on tx.
+func (o *Outbox) insert(ctx context.Context, tx execer, topic, table string, msgs []*message.Message) error {
 	args, err := insertArgs(msgs)
 	if err != nil {
-		return err
+		return fmt.Errorf("outbox: insert into %s: %w", table, err)
 	}
-	if _, err := tx.Exec(ctx, insertQuery(table, len(msgs)), args...); err != nil {
-		return fmt.Errorf("could not insert message as row: %w", err)
+	return insertRows(ctx, tx, topic, table, len(msgs), args)
+}
+
+// rowBatch is the rows of one table gathered on a group-commit transaction
+// (write), inserted in one statement by Flush, in the order they were
+// written. Each row's arguments are encoded when it is written, its payload
+// copied: a message changed after its write does not change its row.
+type rowBatch struct {
+	topic, table string
+	n            int
+	args         []any
+}
+
+func (b *rowBatch) addRows(msgs []*message.Message) error {
+	args, err := insertArgs(msgs)
+	if err != nil {
+		return fmt.Errorf("outbox: insert into %s: %w", b.table, err)
+	}
+	for i := 1; i < len(args); i += 3 {
+		args[i] = bytes.Clone(args[i].([]byte))
+	}
+	b.args = append(b.args, args...)
+	b.n += len(msgs)
+	return nil
+}
+
+// Flush inserts the batch's rows on tx, in one statement.
+func (b *rowBatch) Flush(ctx context.Context, tx pgx.Tx) error {
+	return insertRows(ctx, tx, b.topic, b.table, b.n, b.args)
+}
+
+// insertRows inserts n rows into topic's table in order, in one statement:
+// the INSERT that watermill-sql's PostgreSQL schema adapter
+// (wsql.DefaultPostgreSQLSchema.InsertQuery) builds, with the same
+// arguments (insertArgs), run directly on tx with ctx.
+func insertRows(ctx context.Context, tx execer, topic, table string, n int, args []any) error {
+	if _, err := tx.Exec(ctx, insertQuery(table, n), args...); err != nil {
+		if pgerr.Has(err, pgerrcode.UndefinedTable) {
+			return fmt.Errorf("%w: topic %q (table %s): %w", ErrTopicNotMigrated, topic, table, err)
+		}
+		return fmt.Errorf("outbox: insert into %s: could not insert message as row: %w", table, err)
 	}
 	return nil
 }
@@ -330,7 +372,10 @@ func insertArgs(msgs []*message.Message) ([]any, error) {
 // Publisher returns a message.Publisher that writes to the outbox on tx.
 // Each message is stamped with its own context (set it to the handler
 // message's context to get causation and correlation ids). Close is a
-// no-op: tx belongs to the caller.
+// no-op: tx belongs to the caller. On the transaction of a dedup
+// middleware's group (group commit, lease mode's completion batch) the
+// rows are checked and stamped at Publish, and inserted with the rest of
+// the group's rows of the table, in one statement before its COMMIT.
 func (o *Outbox) Publisher(tx pgx.Tx) message.Publisher {
 	return &txPublisher{o: o, tx: tx}
 }

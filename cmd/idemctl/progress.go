@@ -81,7 +81,7 @@ func (a *app) printProgress(group string, rows, moved []progresskafka.Row, rewou
 		return a.printJSON(out)
 	}
 	if len(rows) == 0 {
-		fmt.Fprintf(a.stdout, "no position of group %q in PostgreSQL (SkipProgress, lease mode, or nothing processed yet)\n", group)
+		fmt.Fprintf(a.stdout, "no position of group %q in PostgreSQL (SkipProgress, lease mode without the subscriber keeping it, or nothing processed yet)\n", group)
 		return nil
 	}
 	tw := a.table()

@@ -140,12 +140,20 @@ func (d *demo) newParallelSubscriber(group string) (message.Subscriber, error) {
 	}, d.cfg.Logger)
 }
 
+// newWatermillSubscriber is a service's subscriber: it keeps the group's
+// position in PostgreSQL beside the claims (a failover to an asynchronous
+// standby, or a restore, then skips no event).
 func (d *demo) newWatermillSubscriber(group string) (message.Subscriber, error) {
-	return d.newSubscriber(group)
+	return d.newSubscriberWith(idemkafka.ClientConfig{Brokers: d.brokers, Progress: d.pool, ProgressSchema: d.table.Schema, ProgressTable: d.table.Table}, group)
 }
 
+// newSubscriber is an auditor's subscriber (no dedup, no position kept).
 func (d *demo) newSubscriber(group string) (*kafka.Subscriber, error) {
-	sc, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: d.brokers}, group)
+	return d.newSubscriberWith(idemkafka.ClientConfig{Brokers: d.brokers}, group)
+}
+
+func (d *demo) newSubscriberWith(cc idemkafka.ClientConfig, group string) (*kafka.Subscriber, error) {
+	sc, err := idemkafka.WatermillSubscriberConfig(cc, group)
 	if err != nil {
 		return nil, err
 	}

@@ -58,7 +58,12 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	subCfg, err := idemkafka.WatermillSubscriberConfig(kafkaCfg, env.group) // from the oldest offset
+	// The subscriber keeps the group's position in PostgreSQL beside the
+	// claims, and starts from it: a failover to an asynchronous standby or
+	// a point-in-time restore then skips no event.
+	subKafkaCfg := kafkaCfg
+	subKafkaCfg.Progress, subKafkaCfg.ProgressSchema = pool, env.schema
+	subCfg, err := idemkafka.WatermillSubscriberConfig(subKafkaCfg, env.group) // from the oldest offset
 	if err != nil {
 		return err
 	}

@@ -42,17 +42,24 @@ func (st *stream) loadProgress(ctx context.Context) ([]progresssql.Position, int
 // after OnPartitionsAssigned and before their first fetch, and starts the
 // partitions at what it returns. A partition with a row in PostgreSQL
 // starts there, forward or back: PostgreSQL wins. One without (the
-// group's first run with Progress) keeps Kafka's offset. An error makes
-// franz-go drop the assignment and rejoin: a partition never starts from
-// Kafka's offset alone because PostgreSQL could not be read.
+// group's first run with Progress) keeps Kafka's offset, which is written
+// as its row first (progresssql.Start; 0 for a group without a committed
+// offset): a partition whose first position would come after a
+// replication cut (a retry topic's, first used late) still has one on the
+// promoted standby. An error makes franz-go drop the assignment and
+// rejoin: a partition never starts from Kafka's offset alone because
+// PostgreSQL could not be read.
 func (st *stream) adjustOffsets(ctx context.Context, offsets map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
 	gained := offsets[st.topic]
 	if len(gained) == 0 {
 		return offsets, nil
 	}
 	rows, tl, err := st.loadProgress(ctx)
+	if err == nil {
+		err = st.recordStarts(ctx, gained, rows)
+	}
 	if err != nil {
-		st.logger.Error("Could not read the positions in PostgreSQL: the member rejoins the group", err, nil)
+		st.logger.Error("Could not read or write the positions in PostgreSQL: the member rejoins the group", err, nil)
 		return nil, err
 	}
 	st.mu.Lock()
@@ -75,10 +82,29 @@ func (st *stream) adjustOffsets(ctx context.Context, offsets map[string]map[int3
 	}
 	for id := range gained {
 		if st.parts[id].saved < 0 {
-			st.logger.Info("No position in PostgreSQL yet: the partition starts from Kafka's committed offset", watermill.LogFields{"kafka_partition": id})
+			st.logger.Info("No position in PostgreSQL yet: the partition starts from Kafka's committed offset, recorded as its position", watermill.LogFields{"kafka_partition": id})
 		}
 	}
 	return offsets, nil
+}
+
+// recordStarts writes, for each partition of gained without a row in
+// rows, the offset it starts from as its row (progresssql.Start: a row
+// written meanwhile is left alone).
+func (st *stream) recordStarts(ctx context.Context, gained map[int32]kgo.Offset, rows []progresssql.Position) error {
+	cfg := st.s.cfg
+	for id, off := range gained {
+		if slices.ContainsFunc(rows, func(r progresssql.Position) bool { return r.Partition == id }) {
+			continue
+		}
+		sctx, cancel := context.WithTimeout(ctx, progressSaveTimeout)
+		err := progresssql.Start(sctx, cfg.Progress, cfg.progressTable(), cfg.ConsumerGroup, st.topic, id, off.EpochOffset().Offset)
+		cancel()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // position is a partition's position to write.

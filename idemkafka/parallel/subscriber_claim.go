@@ -96,6 +96,9 @@ func (h *groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
 	st := h.st
 	s := st.s
+	if err := st.recordStart(sess, claim); err != nil {
+		return err
+	}
 	p := s.newPartState(st, sess, claim, h.skipOf(claim.Partition()))
 	s.mu.Lock()
 	st.parts[p.partition] = p

@@ -3,6 +3,7 @@ package parallel
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -60,6 +61,26 @@ func (st *stream) loadProgress(sess sarama.ConsumerGroupSession, parts []int32) 
 		st.logger.Info("No position in PostgreSQL yet: the partition starts from Kafka's committed offset", watermill.LogFields{"kafka_partition": part})
 	}
 	return out, nil
+}
+
+// recordStart writes where claim starts to PostgreSQL when its partition
+// has no position there yet, before any of its records is handed out
+// (progresssql.Start): a partition whose first position would be written
+// after a replication cut (a retry topic's, which gets its first record
+// late) still has one on the promoted standby, so it starts there and not
+// from Kafka's committed offset, past the records whose transactions the
+// standby lost. An error ends the session, as loadProgress's does.
+func (st *stream) recordStart(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	s := st.s
+	if s.cfg.Progress == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(sess.Context(), progressSaveTimeout)
+	defer cancel()
+	if err := progresssql.Start(ctx, s.cfg.Progress, s.cfg.progressTable(), s.cfg.ConsumerGroup, st.topic, claim.Partition(), claim.InitialOffset()); err != nil {
+		return fmt.Errorf("parallel: %w", err)
+	}
+	return nil
 }
 
 // saveProgress writes p's marked offset and done runs to PostgreSQL when

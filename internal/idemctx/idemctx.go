@@ -47,7 +47,9 @@ func From(ctx context.Context) *Value {
 
 // Hooks run functions once the dedup middleware has committed Tx: the
 // outbox uses it to wake this process's forwarders when the rows it wrote
-// become visible, not before.
+// become visible, not before. While the middleware gathers (Gather), they
+// also hold the writes to run as one statement per key before the COMMIT
+// (group commit: the outbox rows of a whole group in one INSERT per table).
 type Hooks struct {
 	// Tx is the transaction the hooks wait for.
 	Tx pgx.Tx
@@ -55,6 +57,110 @@ type Hooks struct {
 	mu   sync.Mutex
 	keys map[string]func()
 	done bool
+
+	gathering bool
+	batches   map[string]Batch
+	order     []string // the batches' keys, in the order of their first write
+}
+
+// Batch is the writes gathered under one key of a [Hooks], run as one
+// statement on the hooks' transaction by Flush.
+type Batch interface {
+	Flush(ctx context.Context, tx pgx.Tx) error
+}
+
+// gathering maps a transaction to the Hooks gathering its writes, for the
+// writes whose context does not carry them (outbox.Publisher(tx) with
+// messages of any context): every write on a gathering transaction must
+// join its batch, or a row written at once would come before the rows of
+// earlier handlers gathered for the same table.
+var gathering sync.Map // pgx.Tx → *Hooks
+
+// Gather makes the writes on h.Tx join batches (BatchFor) until Flush or
+// StopGathering. It does nothing when h.Tx cannot be told apart from other
+// transactions (a value of an uncomparable type): writes then run at once.
+func (h *Hooks) Gather() {
+	if !comparableTx(h.Tx) {
+		return
+	}
+	h.mu.Lock()
+	h.gathering = true
+	h.mu.Unlock()
+	gathering.Store(h.Tx, h)
+}
+
+// HooksFor returns the hooks of tx: ctx's when they are tx's, else those
+// gathering on tx, else nil.
+func HooksFor(ctx context.Context, tx pgx.Tx) *Hooks {
+	if h := HooksFrom(ctx); h != nil && sameTx(tx, h.Tx) {
+		return h
+	}
+	if !comparableTx(tx) {
+		return nil
+	}
+	if h, ok := gathering.Load(tx); ok {
+		return h.(*Hooks)
+	}
+	return nil
+}
+
+// BatchFor returns the batch of key on tx, made by mk on the first call,
+// or nil when h is nil, tx is not h.Tx or h is not gathering (the caller
+// then writes at once).
+func (h *Hooks) BatchFor(tx pgx.Tx, key string, mk func() Batch) Batch {
+	if h == nil || !sameTx(tx, h.Tx) {
+		return nil
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.gathering {
+		return nil
+	}
+	b, ok := h.batches[key]
+	if !ok {
+		if h.batches == nil {
+			h.batches = map[string]Batch{}
+		}
+		b = mk()
+		h.batches[key] = b
+		h.order = append(h.order, key)
+	}
+	return b
+}
+
+// Flush stops gathering and runs the batches on h.Tx, in the order of
+// their first write; the middleware calls it before the COMMIT. The first
+// error stops it.
+func (h *Hooks) Flush(ctx context.Context) error {
+	h.StopGathering()
+	h.mu.Lock()
+	bs, order := h.batches, h.order
+	h.batches, h.order = nil, nil
+	h.mu.Unlock()
+	for _, k := range order {
+		if err := bs[k].Flush(ctx, h.Tx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// StopGathering ends gathering on h (idempotent): later writes run at
+// once. The middleware defers it, so a rolled-back transaction leaves no
+// entry behind.
+func (h *Hooks) StopGathering() {
+	h.mu.Lock()
+	was := h.gathering
+	h.gathering = false
+	h.mu.Unlock()
+	if was {
+		gathering.CompareAndDelete(h.Tx, h)
+	}
+}
+
+// comparableTx reports whether tx can key a map.
+func comparableTx(tx pgx.Tx) bool {
+	return tx != nil && reflect.TypeOf(tx).Comparable()
 }
 
 type hooksKey struct{}
@@ -115,26 +221,6 @@ func (h *Hooks) Committed() {
 	for _, f := range fs {
 		f()
 	}
-}
-
-type stampedKey struct{}
-
-// WithStamped returns ctx marking the messages written with it as stamped
-// already: group commit stamps each handler's messages in that handler's
-// context, then writes the group's messages together, and the outbox need
-// not stamp them again (Stamp would change nothing). Only the middleware's
-// own write carries it, never a handler's context.
-func WithStamped(ctx context.Context) context.Context {
-	return context.WithValue(ctx, stampedKey{}, true)
-}
-
-// Stamped reports whether ctx comes from WithStamped.
-func Stamped(ctx context.Context) bool {
-	if ctx == nil {
-		return false
-	}
-	v, _ := ctx.Value(stampedKey{}).(bool)
-	return v
 }
 
 // WithHandler returns ctx carrying v (as With) and h (as WithHooks) in one

@@ -49,14 +49,54 @@ func TestHooks(t *testing.T) {
 	}
 }
 
-func TestStamped(t *testing.T) {
+type recBatch struct {
+	name string
+	ran  *[]string
+}
+
+func (b recBatch) Flush(context.Context, pgx.Tx) error {
+	*b.ran = append(*b.ran, b.name)
+	return nil
+}
+
+// While gathering, the writes on h.Tx join one batch per key, found from a
+// context without the hooks too; Flush runs each once, in the order of the
+// first writes, and ends the gathering; other transactions write at once.
+func TestGather(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	if Stamped(ctx) {
-		t.Fatal("a plain context says stamped")
+	tx, other := &pointerTx{}, &pointerTx{}
+	h := &Hooks{Tx: tx}
+	var ran []string
+	mk := func(name string) func() Batch { return func() Batch { return recBatch{name, &ran} } }
+	if h.BatchFor(tx, "a", mk("a")) != nil {
+		t.Fatal("not gathering: the write runs at once")
 	}
-	if !Stamped(WithStamped(ctx)) || !Stamped(WithHooks(WithStamped(ctx), &Hooks{})) {
-		t.Fatal("WithStamped not seen")
+	h.Gather()
+	defer h.StopGathering()
+	if HooksFor(context.Background(), tx) != h || HooksFor(context.Background(), other) != nil {
+		t.Fatal("HooksFor must find the hooks gathering on tx, and only on tx")
+	}
+	for _, k := range []string{"b", "a", "b"} {
+		if HooksFor(context.Background(), tx).BatchFor(tx, k, mk(k)) == nil {
+			t.Fatal("gathering: BatchFor must return the key's batch")
+		}
+	}
+	if h.BatchFor(other, "a", mk("x")) != nil {
+		t.Fatal("another transaction's write runs at once")
+	}
+	if err := h.Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if len(ran) != 2 || ran[0] != "b" || ran[1] != "a" {
+		t.Fatalf("one flush per key, in first-write order: %v", ran)
+	}
+	if HooksFor(context.Background(), tx) != nil || h.BatchFor(tx, "a", mk("a")) != nil {
+		t.Fatal("after Flush, writes run at once and tx is no longer registered")
+	}
+	u := &Hooks{Tx: uncomparableTx{notes: []string{"a"}}}
+	u.Gather()
+	if u.BatchFor(u.Tx, "a", mk("a")) != nil {
+		t.Fatal("an uncomparable transaction is never gathered")
 	}
 }
 

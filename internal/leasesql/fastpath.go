@@ -121,11 +121,49 @@ func readFastStates(rows pgx.Rows, n int) (map[uuid.UUID]Take, error) {
 // The handlers' writes follow in tx, then COMMIT.
 func (p *Protocol) Finish(ctx context.Context, tx pgx.Tx, finished, takenOver []uuid.UUID, running []Request, d time.Duration, owner string) ([]Result, error) {
 	b := &pgx.Batch{}
+	read := p.queueFinish(b, finished, takenOver, running, d, owner, false)
+	if b.Len() == 0 {
+		return nil, nil
+	}
+	br := tx.SendBatch(ctx, b)
+	defer br.Close()
+	res, err := read(br)
+	if err != nil {
+		return nil, err
+	}
+	if err := br.Close(); err != nil {
+		return nil, fmt.Errorf("finish leases: %w", err)
+	}
+	return res, nil
+}
+
+// QueueFinishAll queues [Protocol.Finish]'s statements in b, for a
+// pipeline in tx with the handlers' writes after them, and returns the
+// reader of their results, to call first. Its claim statement fails
+// unless every finished event is claimed: the reader then returns
+// [ErrNotAllHeld], and tx must be rolled back (an event was claimed by
+// another mode meanwhile; [Protocol.Open] anew tells which).
+func (p *Protocol) QueueFinishAll(b *pgx.Batch, finished, takenOver []uuid.UUID, running []Request, d time.Duration, owner string) (read func(pgx.BatchResults) error) {
+	r := p.queueFinish(b, finished, takenOver, running, d, owner, true)
+	return func(br pgx.BatchResults) error {
+		_, err := r(br)
+		return err
+	}
+}
+
+// queueFinish queues the finish statements in b and returns their reader;
+// strict: the claim is fastClaimAll (every finished event Completed, or
+// [ErrNotAllHeld]).
+func (p *Protocol) queueFinish(b *pgx.Batch, finished, takenOver []uuid.UUID, running []Request, d time.Duration, owner string, strict bool) func(pgx.BatchResults) ([]Result, error) {
 	if len(takenOver) > 0 {
 		b.Queue(p.sql.fastTakeOver, dbx.UUIDs(takenOver), p.group)
 	}
 	if len(finished) > 0 {
-		b.Queue(p.sql.fastClaim, dbx.UUIDs(finished), p.group)
+		claim := p.sql.fastClaim
+		if strict {
+			claim = p.sql.fastClaimAll
+		}
+		b.Queue(claim, dbx.UUIDs(finished), p.group)
 	}
 	if len(running) > 0 {
 		ids, toks := make([]uuid.UUID, len(running)), make([]uuid.UUID, len(running))
@@ -134,41 +172,43 @@ func (p *Protocol) Finish(ctx context.Context, tx pgx.Tx, finished, takenOver []
 		}
 		b.Queue(p.sql.fastLease, dbx.UUIDs(ids), dbx.UUIDs(toks), p.group, d.Microseconds(), owner)
 	}
-	if b.Len() == 0 {
-		return nil, nil
-	}
-	br := tx.SendBatch(ctx, b)
-	defer br.Close()
-	if len(takenOver) > 0 {
-		if _, err := br.Exec(); err != nil {
-			return nil, fmt.Errorf("finish leases: take over: %w", err)
+	return func(br pgx.BatchResults) ([]Result, error) {
+		if len(takenOver) > 0 {
+			if _, err := br.Exec(); err != nil {
+				return nil, fmt.Errorf("finish leases: take over: %w", err)
+			}
 		}
-	}
-	claimed := map[uuid.UUID]bool{}
-	if len(finished) > 0 {
-		rows, _ := br.Query()
-		var id uuid.UUID
-		if _, err := pgx.ForEachRow(rows, []any{dbx.UUIDDest(&id)}, func() error {
-			claimed[id] = true
-			return nil
-		}); err != nil {
-			return nil, fmt.Errorf("finish leases: claim: %w", err)
+		claimed := map[uuid.UUID]bool{}
+		switch {
+		case len(finished) > 0 && strict:
+			if err := readAll(br); err != nil {
+				return nil, fmt.Errorf("finish leases: claim: %w", err)
+			}
+			for _, id := range finished {
+				claimed[id] = true
+			}
+		case len(finished) > 0:
+			rows, _ := br.Query()
+			var id uuid.UUID
+			if _, err := pgx.ForEachRow(rows, []any{dbx.UUIDDest(&id)}, func() error {
+				claimed[id] = true
+				return nil
+			}); err != nil {
+				return nil, fmt.Errorf("finish leases: claim: %w", err)
+			}
 		}
-	}
-	if len(running) > 0 {
-		if _, err := br.Exec(); err != nil {
-			return nil, fmt.Errorf("finish leases: lease the running: %w", err)
+		if len(running) > 0 {
+			if _, err := br.Exec(); err != nil {
+				return nil, fmt.Errorf("finish leases: lease the running: %w", err)
+			}
 		}
-	}
-	if err := br.Close(); err != nil {
-		return nil, fmt.Errorf("finish leases: %w", err)
-	}
-	out := make([]Result, len(finished))
-	for i, id := range finished {
-		out[i] = Duplicate
-		if claimed[id] {
-			out[i] = Completed
+		out := make([]Result, len(finished))
+		for i, id := range finished {
+			out[i] = Duplicate
+			if claimed[id] {
+				out[i] = Completed
+			}
 		}
+		return out, nil
 	}
-	return out, nil
 }

@@ -11,10 +11,12 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/watermill-idempotency/internal/dbx"
 	"github.com/idemkit/watermill-idempotency/internal/ident"
+	"github.com/idemkit/watermill-idempotency/internal/pgerr"
 )
 
 // State is what a take found for one event.
@@ -99,8 +101,8 @@ func New(schema, table, group string) *Protocol {
 
 // statements holds the lease statements of one table.
 type statements struct {
-	take, doneAfterTake, state, complete, renew, release    string
-	fastLock, fastState, fastTakeOver, fastClaim, fastLease string
+	take, doneAfterTake, state, complete, completeAll, renew, release     string
+	fastLock, fastState, fastTakeOver, fastClaim, fastClaimAll, fastLease string
 }
 
 func newStatements(schema, table string) statements {
@@ -155,12 +157,52 @@ func newStatements(schema, table string) statements {
 			"ins AS (INSERT INTO " + t + " (event_id, consumer_group) SELECT event_id, $2 FROM del ORDER BY event_id " +
 			"ON CONFLICT (event_id, consumer_group) DO NOTHING RETURNING event_id) " +
 			"SELECT del.token, ins.event_id IS NOT NULL FROM del LEFT JOIN ins ON ins.event_id = del.event_id",
+		// completeAll is complete for a pipeline whose next statements
+		// (the handlers' writes) must not commit unless every token held
+		// its lease and claimed its event: it returns no row per token, and
+		// fails with division_by_zero (SQLSTATE 22012, see mustAll) unless
+		// all of them did. Plain SQL has no RAISE; a division by an
+		// aggregate's zero is evaluated at run time only, in the ELSE
+		// branch.
+		completeAll: "WITH del AS (DELETE FROM " + l + " WHERE consumer_group = $2 AND (event_id, token) IN " +
+			"(SELECT * FROM unnest($1::uuid[], $3::uuid[])) RETURNING event_id), " +
+			"ins AS (INSERT INTO " + t + " (event_id, consumer_group) SELECT event_id, $2 FROM del ORDER BY event_id " +
+			"ON CONFLICT (event_id, consumer_group) DO NOTHING RETURNING event_id) " +
+			"SELECT " + mustAll("(SELECT count(*) FROM ins)", "cardinality($1::uuid[])"),
 		renew: "UPDATE " + l + " SET expires_at = now() + $4 * interval '1 microsecond' " +
 			"WHERE event_id = $1 AND consumer_group = $2 AND token = $3",
 		release: "DELETE FROM " + l + " WHERE event_id = $1 AND consumer_group = $2 AND token = $3",
 	}
 	st.fastLock, st.fastState, st.fastTakeOver, st.fastClaim, st.fastLease = fastStatements(t, l)
+	// fastClaim for a pipeline: every finished event claimed, or
+	// division_by_zero (see completeAll).
+	st.fastClaimAll = "WITH ins AS (" + st.fastClaim + ") SELECT " + mustAll("(SELECT count(*) FROM ins)", "cardinality($1::uuid[])")
 	return st
+}
+
+// mustAll is a select list that is 0 when got equals want (two bigint
+// expressions) and otherwise fails the statement with division_by_zero
+// ([ErrNotAllHeld]).
+func mustAll(got, want string) string {
+	return "CASE WHEN " + got + " = " + want + " THEN 0 ELSE 1 / (" + got + " * 0) END"
+}
+
+// ErrNotAllHeld is a strict completion's failure ([Protocol.QueueCompleteAll],
+// [Protocol.QueueFinishAll]): a token no longer held its lease, or an
+// event had a claim already. The statement failed, so nothing of its
+// transaction commits; which member it was, a completion one by one
+// ([Protocol.BeginComplete], [Protocol.Open]) tells.
+var ErrNotAllHeld = errors.New("not every lease of the batch is held")
+
+// readAll reads a strict statement's result: nil, [ErrNotAllHeld] or the
+// statement's error. The SQLSTATE is the statement's own: its position in
+// the pipeline says it is no handler's.
+func readAll(br pgx.BatchResults) error {
+	_, err := br.Exec()
+	if pgerr.Has(err, pgerrcode.DivisionByZero) {
+		return ErrNotAllHeld
+	}
+	return err
 }
 
 // fastStatements returns the fast path's statements for the claim table t
@@ -398,6 +440,27 @@ func readComplete(rows pgx.Rows, tokens []uuid.UUID) ([]Result, error) {
 		}
 	}
 	return out, nil
+}
+
+// QueueCompleteAll queues in b, for a pipeline in one transaction (a batch
+// sent on a pool, its implicit transaction), the completion of every
+// token: their leases deleted and their events claimed, or the statement
+// fails. Queue the handlers' writes after it, and read its result with
+// [ReadCompleteAll] first: [ErrNotAllHeld] means a token was lost or an
+// event claimed already, and the pipeline's transaction must not commit
+// (a batch's implicit transaction does not: it failed).
+func (p *Protocol) QueueCompleteAll(b *pgx.Batch, eventIDs, tokens []uuid.UUID) {
+	b.Queue(p.sql.completeAll, dbx.UUIDs(eventIDs), p.group, dbx.UUIDs(tokens))
+}
+
+// ReadCompleteAll reads the result of [Protocol.QueueCompleteAll]'s
+// statement: nil when every token completed, [ErrNotAllHeld], or the
+// statement's failure.
+func ReadCompleteAll(br pgx.BatchResults) error {
+	if err := readAll(br); err != nil {
+		return fmt.Errorf("complete leases: %w", err)
+	}
+	return nil
 }
 
 // BeginComplete begins a transaction on db and runs [Protocol.Complete] in

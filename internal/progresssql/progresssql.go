@@ -38,6 +38,25 @@ func upsertOne(progressTable string) string {
 		"SET next_offset = EXCLUDED.next_offset, updated_at = now() WHERE p.next_offset < EXCLUDED.next_offset"
 }
 
+// Start records that group's claim of topic/partition starts at offset
+// (a negative offset, Kafka's oldest or newest for a group without a
+// committed offset, records 0: from the partition's start), when the
+// partition has no row yet; an existing row is left as it is. A subscriber
+// calls it when it is assigned the partition, before it processes any of
+// its records, so that a partition that consumed records always has a row:
+// the row travels with the database, and a failover to a standby that
+// lost the transactions of the records processed after it (or a restore)
+// still finds where the partition started, where Kafka's committed offset
+// would skip them.
+func Start(ctx context.Context, q dbx.Querier, progressTable, group, topic string, partition int32, offset int64) error {
+	_, err := q.Exec(ctx, "INSERT INTO "+progressTable+" (consumer_group, topic, kafka_partition, next_offset) VALUES ($1, $2, $3, $4) "+
+		"ON CONFLICT (consumer_group, topic, kafka_partition) DO NOTHING", group, topic, partition, max(offset, 0))
+	if err != nil {
+		return fmt.Errorf("record the start of group %q on %s/%d: %w", group, topic, partition, err)
+	}
+	return nil
+}
+
 // Pending is the progress write a claim transaction carries: the next
 // offset of each partition whose records it settles.
 type Pending struct {

@@ -74,3 +74,19 @@ func TestSaveFencedOnAnotherTimeline(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, pos, rows)
 }
+
+// Start writes a claim's start only where the partition has no row: an
+// existing position is never moved, back or forward; a start without a
+// committed offset (Kafka's oldest or newest, negative) is 0.
+func TestStartWritesOnlyAMissingRow(t *testing.T) {
+	t.Parallel()
+	db, table := setup(t)
+	ctx := context.Background()
+	require.NoError(t, progresssql.Start(ctx, db.Pool, table, "g", "t", 0, 5))
+	require.NoError(t, progresssql.Start(ctx, db.Pool, table, "g", "t", 0, 2))
+	require.NoError(t, progresssql.Start(ctx, db.Pool, table, "g", "t", 0, 9))
+	require.NoError(t, progresssql.Start(ctx, db.Pool, table, "g", "t", 1, -2))
+	rows, _, err := progresssql.Load(ctx, db.Pool, table, "g", "t")
+	require.NoError(t, err)
+	require.Equal(t, []progresssql.Position{{Topic: "t", Partition: 0, Next: 5}, {Topic: "t", Partition: 1, Next: 0}}, rows)
+}

@@ -12,12 +12,13 @@ const (
 	OriginalPartition = "retry_original_partition"
 	OriginalOffset    = "retry_original_offset"
 	Error             = "retry_error"
+	Parked            = "retry_parked"
 )
 
 // Has reports whether key is one of the keys above.
 func Has(key string) bool {
 	switch key {
-	case Attempt, NotBefore, OriginalTopic, OriginalPartition, OriginalOffset, Error:
+	case Attempt, NotBefore, OriginalTopic, OriginalPartition, OriginalOffset, Error, Parked:
 		return true
 	}
 	return false

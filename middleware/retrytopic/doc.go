@@ -25,7 +25,9 @@
 //	router.AddConsumerHandler("charge-retry", "orders.retry", retrySub, charge)
 //
 // Both handlers use the same dedup middleware; only the Kafka consumer
-// group of the retry topic differs. [RetryTopic.Middleware] replaces
+// group of the retry topic differs (name it in idem.Config.KafkaGroups, so
+// that its partitions' positions are written at assignment and survive a
+// failover to an asynchronous standby). [RetryTopic.Middleware] replaces
 // watermill's PoisonQueue. The retry consumer's [HoldingTracer] holds a copy until its [MetadataNotBefore] time
 // inside Sarama's session, so other partitions and rebalances keep going.
 //

@@ -34,6 +34,16 @@ const (
 	// MetadataError is the text of the failure that sent the copy here (at
 	// most [maxErrorLen] bytes).
 	MetadataError = retryheaders.Error
+	// MetadataParked ("true") marks a copy made with [KeyOrder]: its event
+	// has a row in the parked-keys table, committed with (or after) the
+	// copy. A marked copy whose event has no row, once a transaction that
+	// may be parking it has ended, is acked without running: its event
+	// was released (applied, poisoned, skipped), or parked in a history
+	// that a failover to an asynchronous standby or a restore undid, and
+	// then the event itself comes again from its topic, whose position
+	// the database rewound with it. A copy without the mark (made without
+	// KeyOrder) runs when its key is free.
+	MetadataParked = retryheaders.Parked
 )
 
 // maxErrorLen bounds the error text kept in [MetadataError].

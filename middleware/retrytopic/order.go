@@ -138,11 +138,15 @@ func (o *keyOrder) check(ctx context.Context) error {
 // On the main topic a parked event is acked (it waits in the table or its
 // copy is on the retry path) and any other event of a parked key parks
 // behind the head with its message (waiting makes it) and is acked. On a
-// retry topic the head runs, and so does a copy whose key is free (the
-// dedup claim decides; see settle); a copy of another parked event is
-// acked (its row keeps it); a copy of an event without a row while its key
-// is parked by another is probed: acked when stale, looked at again when
-// its park was under way.
+// retry topic the head runs; a copy of another parked event is acked (its
+// row keeps it); a copy of an event without a row is probed when its key
+// is parked by another or when the copy is marked ([MetadataParked]):
+// acked when stale, looked at again when its park was under way. An
+// unmarked copy whose key is free runs (the dedup claim decides; see
+// settle). A marked copy never runs without its row: after a failover to
+// an asynchronous standby, a copy published after the replication cut has
+// none, and running it would apply its event before the events of its key
+// that the promotion undid and that come again from the main topic.
 func (o *keyOrder) admit(ctx context.Context, msg *message.Message, onRetry bool, waiting func() *message.Message) (pk *parking, run bool, err error) {
 	if ord, ok := parallel.OrderingFromContext(ctx); ok && ord == parallel.OrderNone {
 		// Nothing is moved, poisoned or applied: the message is nacked
@@ -157,14 +161,16 @@ func (o *keyOrder) admit(ctx context.Context, msg *message.Message, onRetry bool
 	if err := o.look(ctx, pk); err != nil {
 		return nil, false, err
 	}
-	for probes := 0; onRetry && pk.head != nil && !pk.parked; probes++ {
+	marked := msg.Metadata.Get(MetadataParked) == "true"
+	for probes := 0; onRetry && !pk.parked && (pk.head != nil || marked); probes++ {
 		pending, err := o.probe(ctx, pk)
 		switch {
 		case err != nil:
 			return nil, false, err
 		case !pending:
 			o.stats.stale.Add(1)
-			o.logger.Debug("Stale retry copy acked: its event is not parked and its key waits for another", pk.fields())
+			o.logger.Debug("Stale retry copy acked: its event is not parked (released, or parked in a history "+
+				"a failover or restore undid), and its key waits for another or was made with KeyOrder", pk.fields())
 			return pk, false, nil
 		case probes > 0:
 			return nil, false, fmt.Errorf("retrytopic: event %s of key %q: its parked row keeps changing", pk.id, pk.key)

@@ -199,6 +199,7 @@ func (r *RetryTopic) escalate(ctx context.Context, msg *message.Message, o origi
 		return nil
 	}
 	if pk != nil {
+		c.Metadata.Set(MetadataParked, "true")
 		queued, err := r.order.park(ctx, pk, topic, next.notBefore, c, publish)
 		if err != nil {
 			return err
@@ -231,6 +232,7 @@ func (r *RetryTopic) waitingCopy(msg *message.Message, o origin) *message.Messag
 	next.notBefore = time.Time{}
 	next.set(c.Metadata, nil)
 	delete(c.Metadata, MetadataNotBefore)
+	c.Metadata.Set(MetadataParked, "true")
 	if e := msg.Metadata.Get(MetadataError); e != "" && o.attempt > 0 {
 		c.Metadata.Set(MetadataError, e) // a failed copy keeps its last failure
 	}

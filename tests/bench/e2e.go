@@ -68,6 +68,9 @@ type e2eRun struct {
 	// consumedNoProgress: the watermill-kafka round with
 	// Config.SkipProgress (no position kept in PostgreSQL).
 	consumedNoProgress []float64
+	// consumedSubProgress: the watermill-kafka round whose subscriber
+	// keeps the position (idemkafka.ClientConfig.Progress).
+	consumedSubProgress []float64
 	// parCPU and wkCPU are the same rounds' CPU time per event
 	// (e2eResult.cpuPerEvent, 0 when incomplete).
 	parCPU, wkCPU []time.Duration
@@ -119,6 +122,20 @@ func (e *e2eRun) noProgressRound(ctx context.Context) func() (float64, error) {
 	}
 }
 
+// subProgressRound is the watermill-kafka round whose subscriber keeps the
+// position in PostgreSQL itself (idemkafka.ClientConfig.Progress): one
+// write per flush instead of one per dedup transaction.
+func (e *e2eRun) subProgressRound(ctx context.Context) func() (float64, error) {
+	return func() (float64, error) {
+		res, err := e.r.pipelineWith(ctx, pipelineSpec{in: e.r.in, n: e.n, fwdWait: e.fwdWait, subscriberProgress: true})
+		if err != nil {
+			return 0, err
+		}
+		e.consumedSubProgress = append(e.consumedSubProgress, res.consumed)
+		return res.consumed, nil
+	}
+}
+
 // parRound is a round of the parallel subscriber with group commit,
 // forwarded and read back, against the watermill-kafka row's forwarded
 // rate of the same round (0 for a round not forwarded within fwdWait).
@@ -136,7 +153,7 @@ func (e *e2eRun) parRound(ctx context.Context) (float64, error) {
 // ceiling, and makes the throughput tables' rows.
 func (e *e2eRun) throughput(ctx context.Context) error {
 	rates, err := Rotate(e.rounds, func() (float64, error) { return e.r.ceiling(ctx) }, e.round(ctx, false), e.round(ctx, true),
-		func() (float64, error) { return e.parRound(ctx) }, e.noProgressRound(ctx))
+		func() (float64, error) { return e.parRound(ctx) }, e.noProgressRound(ctx), e.subProgressRound(ctx))
 	if err != nil {
 		return err
 	}
@@ -160,6 +177,10 @@ func (e *e2eRun) throughput(ctx context.Context) error {
 	e.o.Logf("  end-to-end: with/without the progress record: %s", progress)
 	e.rows = append(e.rows, []string{"… dedup + business row + outbox row without the progress record (`Config.SkipProgress`); ratio: with / without",
 		fmtRate(e.consumedNoProgress), progress.String()})
+	subProgress := Summarise(Ratios(e.consumedNoProgress, e.consumedSubProgress))
+	e.o.Logf("  end-to-end: position kept by the subscriber / none: %s", subProgress)
+	e.rows = append(e.rows, []string{"… with the position kept by the subscriber (`idemkafka.ClientConfig.Progress`: one write per flush, none per transaction); ratio: with / without",
+		fmtRate(e.consumedSubProgress), subProgress.String()})
 	e.parTable = parallelE2ETable(e2eRows{e.wkForwarded, e.parForwarded, e.wkCPU, e.parCPU, e.wkServerCPU, e.parServerCPU}, rates[3])
 	e.o.Logf("  end-to-end, parallel subscriber with group commit: %s", e.parTable[0][3:])
 	return nil

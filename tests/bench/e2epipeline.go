@@ -10,6 +10,7 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/idemkit/watermill-idempotency/idemkafka"
@@ -63,6 +64,10 @@ type pipelineSpec struct {
 	groupCommit *idem.GroupCommitConfig
 	// skipProgress is the middleware's Config.SkipProgress.
 	skipProgress bool
+	// subscriberProgress: watermill-kafka's subscriber keeps the position
+	// itself (idemkafka.ClientConfig.Progress); the middleware then writes
+	// none per message.
+	subscriberProgress bool
 	// inMiddleware, when set, is called with each successful message's
 	// time inside the dedup middleware (arrival to result).
 	inMiddleware func(time.Duration)
@@ -108,6 +113,17 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 		}
 		sub = ps
 		defer ps.Close() // runRouterOn closes it too: twice is harmless
+	case s.subscriberProgress:
+		cfg, err := idemkafka.WatermillSubscriberConfig(idemkafka.ClientConfig{Brokers: r.brokers, Progress: r.db.Pool, ProgressSchema: r.table.Schema}, group)
+		if err != nil {
+			return *res, err
+		}
+		ws, err := kafka.NewSubscriber(cfg, watermill.NopLogger{})
+		if err != nil {
+			return *res, err
+		}
+		sub = ws
+		defer ws.Close()
 	}
 	dedup, err := idem.NewDedup(idem.Config{DB: r.db.Pool, ConsumerGroup: group, Table: r.table, Outbox: r.outbox, Mode: s.groupCommit, Concurrency: s.parallel, SkipProgress: s.skipProgress}, nil)
 	if err != nil {

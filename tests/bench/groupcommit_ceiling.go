@@ -447,8 +447,8 @@ func (c *gcCeilingRun) markdown(rows, costRows, loneRows [][]string) string {
 	fmt.Fprintf(&b, "Where the time goes: each mode run once more for %s, alone (its throughput then is not comparable: the table above is). Round trips are counted at the net.Conn level; CPU per message is the rig's PostgreSQL backends' (from /proc) and this "+
 		"process's; the last four columns are the mean number of the rig's backends, sampled every 2 ms from `pg_stat_activity`, that are "+
 		"running (no wait event), waiting on the WAL (WALWrite, WALSync, WALInsert: another backend's flush or their own), waiting on anything "+
-		"else (locks, buffers), and idle in a transaction, i.e. waiting for the client. The last row is not something the middleware does: "+
-		"it shows what writing the outbox rows of a group in one statement would save.\n\n", costDur)
+		"else (locks, buffers), and idle in a transaction, i.e. waiting for the client. The last row is plain transactions whose outbox rows "+
+		"are one INSERT per group, as group commit gathers them (the handler's `PublisherFromContext` rows join one INSERT before COMMIT).\n\n", costDur)
 	b.WriteString(Table([]string{"partitions", "mode", "round trips per message", "server CPU per message",
 		"client CPU per message", "backends running", "backends waiting on WAL", "backends waiting on other", "backends waiting for the client"}, costRows))
 	fmt.Fprintf(&b, "\nA lone message (one worker: nothing ever joins its group), the modes interleaved call by call, %d rounds of %s; "+

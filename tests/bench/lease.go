@@ -53,16 +53,14 @@ func leaseCall(msg *message.Message, d time.Duration) error {
 }
 
 // leaseSlow is the lease-mode payment handler: the call with no
-// transaction, then the business row registered with Complete.
+// transaction, then the business row registered with CompleteExec (the
+// completion sends a batch's rows with its claims in one round trip).
 func leaseSlow(d time.Duration) func(*message.Message) error {
 	return func(msg *message.Message) error {
 		if err := leaseCall(msg, d); err != nil {
 			return err
 		}
-		return idem.Complete(msg.Context(), func(ctx context.Context, tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload)))
-			return err
-		})
+		return idem.CompleteExec(msg.Context(), businessSQL, msg.UUID, int64(len(msg.Payload)))
 	}
 }
 
@@ -368,7 +366,7 @@ func leaseMarkdown(o Options, n leaseSizes, rows, actRows [][]string) string {
 	fmt.Fprintf(&b, "\nKafka (%s, %d partitions, %d keys) → watermill Router → dedup middleware → handler. The waiting handlers "+
 		"model a payment handler: a provider call (a wait) and a business row. In transaction mode the row is written "+
 		"and the wait runs inside the message's transaction; in lease mode the wait runs with no transaction and the row is "+
-		"registered with `middleware.Complete`, written by the completing transaction. Transaction mode runs on the parallel "+
+		"registered with `middleware.CompleteExec`, sent with the completion's claims in one pipelined transaction. Transaction mode runs on the parallel "+
 		"subscriber's recipe (MaxInFlight %d, a pool of %d: a connection per message in flight); lease mode on a pool of %d "+
 		"(its phases hold 2 × LeaseConfig.Concurrency + 1 = 9 at most) with MaxInFlight %d, and %d with the %s call (a rate needs rate × call time messages in flight, and lease mode's cost no connection). Transaction mode counts fewer events "+
 		"(%d with the %s wait, %d with the %s one): its rate is flat, connections ÷ call time. The fast handler's lease "+

@@ -42,6 +42,16 @@ func TestFailoverToAsyncStandby_WatermillKafka(t *testing.T) {
 	failover(t, watermillSub, false)
 }
 
+// TestFailoverToAsyncStandby_WatermillKafkaProgress: with
+// idemkafka.ClientConfig.Progress, watermill-kafka's subscriber commits to
+// Kafka only the offsets PostgreSQL holds, and starts every claim from
+// PostgreSQL's position: on the promoted standby the lost events are read
+// again with no operator step.
+func TestFailoverToAsyncStandby_WatermillKafkaProgress(t *testing.T) {
+	t.Parallel()
+	failover(t, watermillProgress, false)
+}
+
 // TestFailoverToAsyncStandby_WatermillKafkaGroupCommit: the same with the
 // middleware's group commit, whose shared transaction records the position
 // of every partition in its group.

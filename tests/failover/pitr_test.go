@@ -31,6 +31,14 @@ func TestPointInTimeRestore_WatermillKafka(t *testing.T) {
 	pitr(t, watermillSub)
 }
 
+// TestPointInTimeRestore_WatermillKafkaProgress: the same for
+// watermill-kafka's subscriber with idemkafka.ClientConfig.Progress, with
+// no operator step.
+func TestPointInTimeRestore_WatermillKafkaProgress(t *testing.T) {
+	t.Parallel()
+	pitr(t, watermillProgress)
+}
+
 func pitr(t *testing.T, k kind) {
 	env := pgcluster.New(t)
 	r := newRig(t, k)

@@ -48,11 +48,14 @@ const (
 	watermillGroupCommit             // the same with the middleware's group commit
 	franzSub                         // idemkafka/franz, classic cooperative-sticky: starts from PostgreSQL's position
 	franzKIP848                      // the same on the KIP-848 consumer protocol
+	watermillProgress                // watermill-kafka's with idemkafka.ClientConfig.Progress: starts from PostgreSQL's position
 )
 
 // seeks reports whether k's subscriber starts from PostgreSQL's position
 // itself (no operator's rewind).
-func (k kind) seeks() bool { return k == parallelSub || k == franzSub || k == franzKIP848 }
+func (k kind) seeks() bool {
+	return k == parallelSub || k == franzSub || k == franzKIP848 || k == watermillProgress
+}
 
 // rig is one test's topic, group and producer.
 type rig struct {
@@ -138,7 +141,10 @@ func (r *rig) consume(c interface{ URL() string }) (stop func(), dedup *idem.Ded
 			cfg.Progress = pool
 		}
 		sub, err = franz.NewSubscriber(cfg, r.logger)
-	case watermillSub, watermillGroupCommit:
+	case watermillSub, watermillGroupCommit, watermillProgress:
+		if r.kind == watermillProgress && !kafkaOnly {
+			client.Progress = pool
+		}
 		var cfg kafka.SubscriberConfig
 		cfg, err = idemkafka.WatermillSubscriberConfig(client, r.group)
 		require.NoError(t, err)
@@ -254,8 +260,8 @@ func (r *rig) waitCommitted() {
 }
 
 // moveTo moves the consumers to c, the database that lost the last lost
-// events. The parallel and franz subscribers need nothing: they start
-// from c's position. For watermill-kafka's subscriber the operator first finds the
+// events. The parallel and franz subscribers, and watermill-kafka's with
+// ClientConfig.Progress, need nothing: they start from c's position. For watermill-kafka's subscriber the operator first finds the
 // partitions whose committed Kafka offset is ahead of c's position
 // (idemctl groups progress) and rewinds them (--rewind); with
 // restartFirst, the consumers restart on c before that, as they were: the

@@ -319,6 +319,11 @@ func (c *child) newDedup(ctx context.Context, logger watermill.LoggerAdapter) (d
 	cfg := c.cfg
 	err = retry(ctx, "dedup middleware", func() error {
 		dcfg := idem.Config{DB: c.pool, ConsumerGroup: cfg.Group, Table: tableConfig(cfg.Schema), SkipProgress: cfg.SkipProgress}
+		for i := range cfg.RetryTopics {
+			// watermill-kafka's retry subscribers: their claims' starts are
+			// the partitions' first positions (a failover keeps them).
+			dcfg.KafkaGroups = append(dcfg.KafkaGroups, retryGroup(cfg.Group, i))
+		}
 		if cfg.Parallel || cfg.Engine == EngineFranz {
 			// Every topic's subscriber hands out up to its MaxInFlight
 			// messages at once.

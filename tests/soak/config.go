@@ -214,10 +214,9 @@ type FaultCounts struct {
 }
 
 // FullFaults is the default fault mix of `make soak`. It has no failover:
-// the retry path does not survive one yet (docs/soak.md, "The failover
-// fault"), so `make soak/failover` runs the full mix with the failover
-// and no failing events (-faults failover=1 -retry-percent -1), on
-// watermill-kafka's subscriber and on the parallel one.
+// `make soak/failover` runs the full mix with the failover and the default
+// failing events (-faults failover=1), on watermill-kafka's subscriber and
+// on the parallel one.
 var FullFaults = FaultCounts{KillMidHandler: 4, KillAfterCommit: 4, Kill: 4, DisruptDB: 2, Join: 4, TerminateConsumer: 8, TerminateProducer: 4, RestartForwarder: 4, OffsetResetPerGrp: 1, LeaderElection: 3, OversizeRow: 2}
 
 // ShortFaults is the mix of the short run in `make test`. It has no

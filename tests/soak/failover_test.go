@@ -23,7 +23,8 @@ import (
 // the consumers going on on the primary alone with their offsets
 // committed, the primary stopped immediately, the standby promoted and
 // the address moved; then every event applied exactly once per group, in
-// each aggregate's order. On watermill-kafka's subscriber the harness
+// each aggregate's order, with the default failing events through the
+// retry topics. On watermill-kafka's subscriber the harness
 // rewinds the groups to PostgreSQL's position (the operator's `idemctl
 // groups progress --rewind`); the parallel and franz (KIP-848)
 // subscribers start from it themselves (Progress). IDEM_FAILOVER_PROGRESS=off keeps the position in
@@ -57,14 +58,10 @@ func TestSoakFailover(t *testing.T) {
 				Faults:     soak.FaultCounts{Failover: 1},
 				Parallel:   mode.parallel,
 				Engine:     mode.engine,
-				// No event fails: the retry topics' partitions get no
-				// copy. One that got its first copy after the cut would
-				// have no position on the promoted standby and start from
-				// Kafka's committed offset (the limit in docs/guarantees.md:
-				// its copies applied after the cut are lost, and their keys
-				// stay parked); the report's Failover.Unpositioned lists
-				// such partitions.
-				RetryPercent: -1,
+				// The default failing events go through the retry topics
+				// across the failover (KeyOrder on): their partitions have
+				// a position from their assignment on, and copies whose
+				// parks the promotion undid are acked without running.
 				SkipProgress: os.Getenv("IDEM_FAILOVER_PROGRESS") == "off",
 				Timeout:      10 * time.Minute, // a bound, not a target
 				DatabaseURL:  pgtest.URL(),
