@@ -131,7 +131,8 @@ type SubscriberConfig struct {
 	// committed) is written to <table>_progress before it is committed to
 	// Kafka, and every assignment (cooperative-sticky and KIP-848 alike)
 	// starts each partition from PostgreSQL's position, which wins over
-	// Kafka's committed offset (still committed, for lag tools). After a
+	// Kafka's committed offset (still committed, for lag tools); a
+	// partition without a row gets its start written as its row first. After a
 	// failover to an asynchronous standby or a point-in-time restore the
 	// events of the lost transactions are handed out again instead of
 	// being skipped (docs/guarantees.md). A write finding the server on a
