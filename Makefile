@@ -121,8 +121,9 @@ soak/franz: ## The soak's two legs on idemkafka/franz (franz-go) alone: KIP-848 
 	$(GO) run ./cmd/soak -share $(SOAK_FLAGS)
 
 .PHONY: soak/failover
-soak/failover: ## The soak's full mix plus a failover to an asynchronous standby (throwaway clusters; skipped without the PostgreSQL server programs), failing events through the retry topics included; watermill-kafka's subscriber, then the parallel one, then the franz one (KIP-848)
+soak/failover: ## The soak's full mix plus a failover to an asynchronous standby (throwaway clusters; skipped without the PostgreSQL server programs), failing events through the retry topics included; watermill-kafka's subscriber (the operator's rewind, then -subscriber-progress), then the parallel one, then the franz one (KIP-848)
 	$(GO) run ./cmd/soak -faults failover=1 $(SOAK_FLAGS)
+	$(GO) run ./cmd/soak -subscriber-progress -faults failover=1 $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -parallel -faults failover=1 $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -engine franz -faults failover=1 $(SOAK_FLAGS)
 

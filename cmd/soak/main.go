@@ -63,30 +63,32 @@ func main() {
 	engine := flag.String("engine", "", "the consumers' Kafka engine: sarama (watermill-kafka's subscriber, or -parallel) or franz (idemkafka/franz's Subscriber on every topic, either commit mode, not -parallel nor -lease; its fault mix adds rolling restarts); default sarama")
 	groupProtocol := flag.String("group-protocol", "", `with -engine franz: the consumer group protocol, "consumer" (KIP-848, the default) or "classic" (cooperative-sticky)`)
 	share := flag.Bool("share", false, "the main topic consumed by a KIP-932 share group (idemkafka/franz's share subscriber; implies -engine franz): no order checked, no retry topics, failures redelivered by the broker and poisoned at delivery 4; its fault mix has no offset resets")
+	subProgress := flag.Bool("subscriber-progress", false, "watermill-kafka's subscribers keep the groups' positions in PostgreSQL themselves (idemkafka.ClientConfig.Progress): no rewind after the failover fault (not with -parallel or -engine franz, which keep theirs)")
 	retryPercent := flag.Int("retry-percent", soak.DefaultRetryPercent, "percent of the events that fail transiently 1-3 times and go through the retry topics (negative: none)")
 	faults := flag.String("faults", "", `change the fault mix, e.g. "kill=6,crash-loop=1" (kinds: mid-handler, mid-call (lease mode), after-commit, kill, crash-loop, disrupt, join, pg-consumer, pg-producer, restart-forwarder, offset-reset, leader-election, oversize-row, rolling-restart, failover); "none" starts from an empty mix`)
 	flag.Parse()
 
 	cfg := soak.Config{
-		Seed:          *seed,
-		Events:        *events,
-		Aggregates:    *aggregates,
-		Partitions:    int32(*partitions),
-		Timeout:       *timeout,
-		DatabaseURL:   pgtest.URL(),
-		Brokers:       kafkatest.External(),
-		KeepDatabase:  *keep,
-		DirectPublish: *direct,
-		GroupCommit:   *groupCommit,
-		Parallel:      *parallel,
-		HostileKeys:   *parallel && !*lease && *hostile,
-		Lease:         *lease,
-		LeaseDuration: *leaseDuration,
-		RetryPercent:  *retryPercent,
-		Engine:        *engine, // "": sarama, or franz with -share
-		Share:         *share,
-		GroupProtocol: *groupProtocol,
-		Log:           os.Stderr,
+		Seed:               *seed,
+		Events:             *events,
+		Aggregates:         *aggregates,
+		Partitions:         int32(*partitions),
+		Timeout:            *timeout,
+		DatabaseURL:        pgtest.URL(),
+		Brokers:            kafkatest.External(),
+		KeepDatabase:       *keep,
+		DirectPublish:      *direct,
+		GroupCommit:        *groupCommit,
+		Parallel:           *parallel,
+		HostileKeys:        *parallel && !*lease && *hostile,
+		Lease:              *lease,
+		LeaseDuration:      *leaseDuration,
+		RetryPercent:       *retryPercent,
+		Engine:             *engine, // "": sarama, or franz with -share
+		Share:              *share,
+		GroupProtocol:      *groupProtocol,
+		SubscriberProgress: *subProgress,
+		Log:                os.Stderr,
 	}
 	fc, err := faultMix(*lease, *short, *engine == soak.EngineFranz, *share, *faults)
 	if err != nil {

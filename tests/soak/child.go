@@ -93,6 +93,9 @@ type childConfig struct {
 	Sticky       bool `json:"sticky"`
 	Progress     bool `json:"progress"`
 	SkipProgress bool `json:"skip_progress"`
+	// KeepsPosition: watermill-kafka's subscribers keep the positions
+	// themselves ([Config.SubscriberProgress]).
+	KeepsPosition bool `json:"keeps_position"`
 }
 
 // The consumer-to-soak protocol: one line on standard output per event.
@@ -373,6 +376,9 @@ func (c *child) newRetryTopic(ctx context.Context, pub message.Publisher, ob *ou
 // watermill-kafka's subscriber.
 func (c *child) addHandlers(router *message.Router, kc idemkafka.ClientConfig, logger watermill.LoggerAdapter) error {
 	cfg := c.cfg
+	if cfg.KeepsPosition {
+		kc.Progress, kc.ProgressSchema = c.pool, cfg.Schema
+	}
 	// The library's default Sarama settings: only the brokers and the group.
 	subCfg, err := idemkafka.WatermillSubscriberConfig(kc, cfg.Group)
 	if err != nil {

@@ -155,6 +155,13 @@ type Config struct {
 	// parallel subscribers, no rewind after the failover fault. The run
 	// that shows the failover's loss. Defaults to false.
 	SkipProgress bool
+	// SubscriberProgress makes watermill-kafka's subscribers (not Parallel,
+	// not Engine franz, which keep theirs already) keep the groups'
+	// positions themselves, by Kafka group (idemkafka.ClientConfig.Progress):
+	// every claim starts from PostgreSQL's position, so the failover fault
+	// needs no rewind. Defaults to false (the middleware's position and the
+	// operator's rewind).
+	SubscriberProgress bool
 	// UnstableIdempotencyKey makes the lease-mode handler send a new
 	// Idempotency-Key with each call instead of the event's: a broken
 	// handler, to check that the soak catches a double charge. Defaults to
@@ -334,6 +341,8 @@ func (c Config) Validate() error {
 		return errors.New("field Faults.OffsetResetPerGrp: a share group commits no offsets to reset")
 	case c.Faults.KillMidCall > 0 && !c.Lease:
 		return errors.New("field Faults.KillMidCall: only in lease mode (Lease), where the handler makes a call")
+	case c.SubscriberProgress && (c.Parallel || c.Engine == EngineFranz || c.SkipProgress):
+		return errors.New("field SubscriberProgress: watermill-kafka's subscribers only (the parallel and franz ones keep theirs), not with SkipProgress")
 	case c.Faults.Failover > 1:
 		return errors.New("field Faults.Failover: once per run (the standby is the last one)")
 	case c.Faults.Failover > 0 && c.Share:

@@ -255,6 +255,7 @@ func (g *group) childConfig(inst *instance) childConfig {
 		Sticky:          h.cluster != nil && h.cfg.Parallel,
 		Progress:        h.cluster != nil && !h.cfg.SkipProgress,
 		SkipProgress:    h.cfg.SkipProgress,
+		KeepsPosition:   h.cfg.SubscriberProgress,
 	}
 }
 

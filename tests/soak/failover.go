@@ -108,7 +108,7 @@ func (h *harness) startCluster() (stop func(), err error) {
 // parallel and franz ones), rather than the middleware by dedup group with
 // the operator's rewind (watermill-kafka's).
 func (h *harness) subscriberKeepsPosition() bool {
-	return h.cfg.Parallel || h.cfg.Engine == EngineFranz
+	return h.cfg.Parallel || h.cfg.Engine == EngineFranz || h.cfg.SubscriberProgress
 }
 
 // positionKept says where the groups' position is kept, and who moves
@@ -121,6 +121,8 @@ func (h *harness) positionKept() string {
 		return "PostgreSQL; the parallel subscriber starts from it (Progress, sticky strategy)"
 	case h.cfg.Engine == EngineFranz:
 		return "PostgreSQL; the franz subscriber starts from it on every assignment (Progress, group protocol " + h.cfg.GroupProtocol + ")"
+	case h.cfg.SubscriberProgress:
+		return "PostgreSQL; watermill-kafka's subscriber starts every claim from it and commits to Kafka only what it holds (idemkafka.ClientConfig.Progress)"
 	}
 	return "PostgreSQL; Kafka's offsets rewound to it (internal/progresskafka, idemctl groups progress --rewind)"
 }
