@@ -40,8 +40,8 @@ import (
 // The targets -check holds the module's totals to: lower them as the API
 // shrinks, never raise them without a reason in the commit.
 const (
-	maxTopLevel    = 172
-	maxIdentifiers = 311
+	maxTopLevel    = 173
+	maxIdentifiers = 313
 )
 
 // excluded matches the import paths that are not public API.
