@@ -122,7 +122,16 @@ func (l *leaseMode) process(msg *message.Message, h message.HandlerFunc, id uuid
 		}
 	}()
 	msg.SetContext(hctx)
+	callStart := time.Now()
 	produced, err = h(msg)
+	if member == nil && l.cfg.FastPath > 0 {
+		// A lease-row call tells the fast path's gate how long handlers take.
+		done := 0
+		if time.Since(callStart) <= l.cfg.FastPath {
+			done = 1
+		}
+		l.fast.record(done, 1)
+	}
 	var c *completeReq
 	if err == nil {
 		l.hook("called", id)

@@ -98,9 +98,10 @@ type LeaseConfig struct {
 	// It bounds how long lease mode keeps a session idle in transaction,
 	// and must be shorter than RenewInterval. While most handlers of the
 	// recent fast batches were still running at FastPath (slow calls, for
-	// which the open transaction only delays their lease rows), one take
-	// in 16 opens the fast path, to notice when they speed up; the others
-	// take lease rows at once. A negative value turns the fast path off:
+	// which the open transaction only delays their lease rows), takes
+	// write lease rows at once, and their calls are timed: when most of
+	// them return within FastPath, the fast path opens again (no take
+	// holds a transaction open across a slow call to find out). A negative value turns the fast path off:
 	// every event takes a lease row first, and no transaction stays open
 	// while a handler runs. Defaults to 20 ms.
 	FastPath time.Duration

@@ -66,20 +66,21 @@ type fastMember struct {
 }
 
 // fastGate decides whether a take opens the fast path. It does while most
-// members of recent fast batches completed within FastPath; when most
-// were still running at its deadline (slow handlers, for which the open
-// transaction only delays the lease rows), one take in fastProbeEvery
-// tries it, to notice when the handlers speed up again.
+// recent handlers returned within FastPath: the members of fast batches,
+// and, while it is closed, the handlers of takes that wrote lease rows
+// (their calls are timed too). So slow handlers turn it off, and quick ones
+// turn it back on, without a probe: a take that opened the fast path to
+// see whether handlers sped up would hold a transaction open across a
+// slow call, idle for as long as the call, or as the process is not
+// scheduled.
 type fastGate struct {
-	mu      sync.Mutex
-	share   float64 // moving average of the share of members done within FastPath
-	skipped int
+	mu    sync.Mutex
+	share float64 // moving average of the share of handlers done within FastPath
 }
 
 const (
-	fastProbeEvery = 16
-	fastMinShare   = 0.5
-	fastWeight     = 0.2 // of the latest batch in the moving average
+	fastMinShare = 0.5
+	fastWeight   = 0.2 // of the latest batch (or lease-row call) in the moving average
 )
 
 func newFastGate() *fastGate { return &fastGate{share: 1} }
@@ -88,19 +89,12 @@ func newFastGate() *fastGate { return &fastGate{share: 1} }
 func (g *fastGate) open() bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.share >= fastMinShare {
-		return true
-	}
-	g.skipped++
-	if g.skipped >= fastProbeEvery {
-		g.skipped = 0
-		return true
-	}
-	return false
+	return g.share >= fastMinShare
 }
 
 // record adds a fast batch of members, of which done returned (or
-// failed) within FastPath.
+// failed) within FastPath; or one call of a take that wrote a lease row
+// (members 1, done 1 when it returned within FastPath).
 func (g *fastGate) record(done, members int) {
 	if members == 0 {
 		return

@@ -320,9 +320,10 @@ func deliverAsync(h message.HandlerFunc, m *message.Message) <-chan error {
 }
 
 // Handlers that keep running past FastPath turn the fast path off (their
-// takes write lease rows at once, no transaction held open for nothing);
-// one take in 16 still tries it, and handlers that are quick again turn
-// it back on. Deliveries one at a time: each take is a batch of one.
+// takes write lease rows at once, no transaction held open for nothing,
+// and no probe holds one open either); the calls of those takes are timed,
+// so handlers that are quick again turn it back on. Deliveries one at a
+// time: each take is a batch of one.
 func TestFastPath_SlowHandlersTurnItOffQuickOnesBackOn(t *testing.T) {
 	t.Parallel()
 	f := newLedgerFixture(t)
@@ -348,12 +349,49 @@ func TestFastPath_SlowHandlersTurnItOffQuickOnesBackOn(t *testing.T) {
 	require.Less(t, idem.LeaseFastShare(d), 0.5, "four batches leased at their deadline")
 	require.Equal(t, 4, inserts())
 
+	before := inserts()
 	slow = false
 	for range 17 {
 		_, err := h(f.msg(publisher.NewEventID()))
 		require.NoError(t, err)
 	}
-	require.Equal(t, 4+15, inserts(), "15 takes wrote lease rows at once, the 16th tried the fast path")
-	require.EqualValues(t, 2, d.Stats().LeasesFastPath, "the probe and the take after it")
+	require.Equal(t, before+1, inserts(), "one take wrote a lease row; its quick call turned the fast path back on")
+	require.EqualValues(t, 16, d.Stats().LeasesFastPath, "the takes after it")
 	require.GreaterOrEqual(t, idem.LeaseFastShare(d), 0.5)
+}
+
+// While the gate is off, slow handlers keep it off without any take trying
+// the fast path: no transaction is held open across a slow call to find
+// out (the longest idle in transaction of the lease benchmark came from
+// such probes). Handlers sleep past FastPath, so each lease-row call is
+// timed slow whatever the machine's speed.
+func TestFastPath_NoProbeWhileHandlersAreSlow(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	inserts := f.countLeaseInserts(t)
+	d := f.leaseDedup(t, idem.LeaseConfig{FastPath: 50 * time.Millisecond, Duration: time.Minute})
+	leased := make(chan uuid.UUID, 100)
+	idem.SetLeaseHook(d, func(point string, id uuid.UUID) {
+		if point == "leased" {
+			leased <- id
+		}
+	})
+	first := 4
+	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		if first > 0 {
+			first--
+			<-leased // a fast batch's member, still running at its deadline
+			return nil, nil
+		}
+		time.Sleep(60 * time.Millisecond) // past FastPath
+		return nil, nil
+	})
+	for range 4 + 20 {
+		_, err := h(f.msg(publisher.NewEventID()))
+		require.NoError(t, err)
+	}
+	require.Less(t, idem.LeaseFastShare(d), 0.5)
+	require.Equal(t, 24, inserts(), "every take wrote a lease row: the 4 fast batches at their deadline, the 20 after at once")
+	require.Zero(t, d.Stats().LeasesFastPath)
+	require.Zero(t, len(leased), "a take tried the fast path while handlers were slow (its member leased at the deadline)")
 }
