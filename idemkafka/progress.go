@@ -59,6 +59,10 @@ type progressKeeper struct {
 	marked map[topicPartition]int64
 	saved  map[topicPartition]int64 // PostgreSQL's position, as read or last written
 	fenced chan struct{}            // closed when a write found a new timeline
+	// endFailed: a flush after the session ended failed (a database gone,
+	// each write waiting progressSaveTimeout); the session's other claims
+	// skip theirs rather than hold the rejoin one timeout each.
+	endFailed bool
 }
 
 type topicPartition struct {
@@ -104,7 +108,7 @@ func (k *progressKeeper) setup(sess sarama.ConsumerGroupSession) error {
 		saved[tp] = r.Next
 	}
 	k.mu.Lock()
-	k.sess, k.tl, k.saved, k.marked, k.fenced = sess, tl, saved, map[topicPartition]int64{}, make(chan struct{})
+	k.sess, k.tl, k.saved, k.marked, k.fenced, k.endFailed = sess, tl, saved, map[topicPartition]int64{}, make(chan struct{}), false
 	fenced := k.fenced
 	k.mu.Unlock()
 	go k.flushEvery(sess, fenced)
@@ -212,6 +216,11 @@ func (k *progressKeeper) flush() {
 	defer k.flushMu.Unlock()
 	k.mu.Lock()
 	sess, tl := k.sess, k.tl
+	ended := sess.Context().Err() != nil
+	if ended && k.endFailed {
+		k.mu.Unlock()
+		return
+	}
 	var ps []progresssql.Position
 	for tp, next := range k.marked {
 		if saved, ok := k.saved[tp]; !ok || next > saved {
@@ -230,6 +239,11 @@ func (k *progressKeeper) flush() {
 	case err != nil:
 		k.logger.Error("Could not save the positions in PostgreSQL (retried at the next flush; Kafka's offsets wait)", err,
 			watermill.LogFields{"consumer_group": k.group, "partitions": len(ps)})
+		if ended {
+			k.mu.Lock()
+			k.endFailed = true
+			k.mu.Unlock()
+		}
 		return
 	case fenced:
 		k.logger.Error("Positions not saved", errProgressFenced, watermill.LogFields{"consumer_group": k.group})
