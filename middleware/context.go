@@ -92,6 +92,16 @@ func Complete(ctx context.Context, fn func(ctx context.Context, tx pgx.Tx) error
 // returns its error (a *pgconn.PgError inside). args are read at the
 // completion, after the handler returned.
 //
+// With group commit ([GroupCommitConfig]) it gathers the statement: the
+// group sends every CompleteExec statement of its handlers, in the order
+// registered, with the group's outbox rows, in one pipeline before its
+// COMMIT, so a handler's write-only statement costs the group no round
+// trip of its own (a statement run at once costs one). The handlers of
+// the group after it do not see its write, nor does the handler itself;
+// a failing statement rolls the group back, and each of its messages is
+// then processed alone, where the statement runs at once and its error is
+// the message's.
+//
 // In transaction mode it runs sql at once on the message's transaction and
 // returns its error. It works with [SQLDB] too (the statements travel on
 // database/sql's connection, through pgx). It returns [ErrNotInHandler]
@@ -104,6 +114,9 @@ func CompleteExec(ctx context.Context, sql string, args ...any) error {
 	tx, ok := TxFromContext(ctx)
 	if !ok {
 		return ErrNotInHandler
+	}
+	if h := idemctx.HooksFor(ctx, tx); h.Exec(sql, args) {
+		return nil
 	}
 	_, err := tx.Exec(ctx, sql, args...)
 	return err

@@ -337,8 +337,9 @@ func (p *handlerPanic) Error() string {
 	return fmt.Sprintf("dedup: handler panicked in a group: %v", p.value)
 }
 
-// commit writes the group's gathered outbox rows (one INSERT per table:
-// idemctx.Hooks.Flush), commits g and answers each request. When the rows
+// commit writes the group's gathered writes in one pipeline (its handlers'
+// CompleteExec statements, then one INSERT of outbox rows per table:
+// idemctx.Hooks.Flush), commits g and answers each request. When they
 // cannot be written, each message goes alone, where its own write reports
 // its own error.
 func (gc *groupMode) commit(g *claimedGroup, hooks *idemctx.Hooks) {
@@ -347,7 +348,7 @@ func (gc *groupMode) commit(g *claimedGroup, hooks *idemctx.Hooks) {
 		s.rollback(g.ctx, g.tx, nil)
 		s.stats.groupFallbacks.Add(1)
 		g.span.RecordError(err)
-		s.logger.Info("Group's outbox write failed, processing its messages alone", watermill.LogFields{"messages": len(g.runs), "error": err.Error()})
+		s.logger.Info("Group's gathered writes (CompleteExec statements, outbox rows) failed, processing its messages alone", watermill.LogFields{"messages": len(g.runs), "error": err.Error()})
 		gc.answer(g.runs, result{alone: true})
 		gc.answer(g.copies, result{alone: true})
 		return

@@ -314,9 +314,12 @@ func (b *rowBatch) addRows(msgs []*message.Message) error {
 	return nil
 }
 
-// Flush inserts the batch's rows on tx, in one statement.
-func (b *rowBatch) Flush(ctx context.Context, tx pgx.Tx) error {
-	return insertRows(ctx, tx, b.topic, b.table, b.n, b.args)
+// Queue adds the INSERT of the batch's rows, in one statement, to pb.
+func (b *rowBatch) Queue(pb *pgx.Batch) {
+	pb.Queue(insertQuery(b.table, b.n), b.args...).Fn = func(br pgx.BatchResults) error {
+		_, err := br.Exec()
+		return insertError(b.topic, b.table, err)
+	}
 }
 
 // insertRows inserts n rows into topic's table in order, in one statement:
@@ -324,13 +327,21 @@ func (b *rowBatch) Flush(ctx context.Context, tx pgx.Tx) error {
 // (wsql.DefaultPostgreSQLSchema.InsertQuery) builds, with the same
 // arguments (insertArgs), run directly on tx with ctx.
 func insertRows(ctx context.Context, tx execer, topic, table string, n int, args []any) error {
-	if _, err := tx.Exec(ctx, insertQuery(table, n), args...); err != nil {
-		if pgerr.Has(err, pgerrcode.UndefinedTable) {
-			return fmt.Errorf("%w: topic %q (table %s): %w", ErrTopicNotMigrated, topic, table, err)
-		}
+	_, err := tx.Exec(ctx, insertQuery(table, n), args...)
+	return insertError(topic, table, err)
+}
+
+// insertError is the error of an INSERT into topic's table that failed
+// with err (nil for nil).
+func insertError(topic, table string, err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case pgerr.Has(err, pgerrcode.UndefinedTable):
+		return fmt.Errorf("%w: topic %q (table %s): %w", ErrTopicNotMigrated, topic, table, err)
+	default:
 		return fmt.Errorf("outbox: insert into %s: could not insert message as row: %w", table, err)
 	}
-	return nil
 }
 
 // insertQuery is watermill-sql's INSERT of n rows into table.

@@ -16,9 +16,9 @@ import (
 // table (watermill-sql's columns).
 var rowInsert = regexp.MustCompile(`(?is)\bINSERT\s+INTO\b.*\(\s*"?uuid"?\s*,.*"?transaction_id"?\s*\)`)
 
-// One writer of the outbox's rows: Outbox.write, through insert (at once)
-// or rowBatch.Flush (a dedup group's rows, before its COMMIT), both on
-// insertRows, the one holder of the INSERT (insertQuery). No other
+// One writer of the outbox's rows: Outbox.write, through insert (at once,
+// insertRows) or rowBatch.Queue (a dedup group's rows, in the pipeline
+// before its COMMIT), the two users of the INSERT (insertQuery). No other
 // package holds SQL inserting rows, except the operator's retry of dead
 // rows, which moves rows written here back (internal/outboxsql's dead.go).
 func TestOutboxRowsHaveOneWriter(t *testing.T) {
@@ -29,8 +29,8 @@ func TestOutboxRowsHaveOneWriter(t *testing.T) {
 	}
 	// callers are the only functions allowed to name each writer function.
 	callers := map[string][]string{
-		"insertQuery": {"insertRows"},
-		"insertRows":  {"insert", "Flush"},
+		"insertQuery": {"insertRows", "Queue"},
+		"insertRows":  {"insert"},
 		"insert":      {"write"},
 		"addRows":     {"write"},
 	}

@@ -6,6 +6,7 @@ package idemctx
 import (
 	"context"
 	"errors"
+	"fmt"
 	"reflect"
 	"sync"
 
@@ -61,12 +62,22 @@ type Hooks struct {
 	gathering bool
 	batches   map[string]Batch
 	order     []string // the batches' keys, in the order of their first write
+	// execs are the statements gathered by Exec, in the order registered.
+	execs []exec
 }
 
-// Batch is the writes gathered under one key of a [Hooks], run as one
-// statement on the hooks' transaction by Flush.
+// exec is one statement gathered by [Hooks.Exec].
+type exec struct {
+	sql  string
+	args []any
+}
+
+// Batch is the writes gathered under one key of a [Hooks], queued as one
+// statement of the pipeline Flush sends on the hooks' transaction.
 type Batch interface {
-	Flush(ctx context.Context, tx pgx.Tx) error
+	// Queue adds the batch's statement to b, with a result function that
+	// returns its error as the writer reports it.
+	Queue(b *pgx.Batch)
 }
 
 // gathering maps a transaction to the Hooks gathering its writes, for the
@@ -128,21 +139,52 @@ func (h *Hooks) BatchFor(tx pgx.Tx, key string, mk func() Batch) Batch {
 	return b
 }
 
-// Flush stops gathering and runs the batches on h.Tx, in the order of
-// their first write; the middleware calls it before the COMMIT. The first
-// error stops it.
+// Exec gathers sql with args to run at Flush, before the batches, in the
+// order registered, and reports true; it reports false when h is nil or
+// not gathering (the caller then runs the statement at once).
+func (h *Hooks) Exec(sql string, args []any) bool {
+	if h == nil {
+		return false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.gathering {
+		return false
+	}
+	h.execs = append(h.execs, exec{sql: sql, args: args})
+	return true
+}
+
+// ErrGatheredExec wraps the error of a statement gathered by Exec.
+var ErrGatheredExec = errors.New("a gathered statement failed")
+
+// Flush stops gathering and sends the gathered statements (Exec's, then the
+// batches', in the order of their first write) on h.Tx in one pipeline: one
+// round trip however many there are. The middleware calls it before the
+// COMMIT. The first error is returned; PostgreSQL skips the statements
+// after it, and the transaction is then aborted.
 func (h *Hooks) Flush(ctx context.Context) error {
 	h.StopGathering()
 	h.mu.Lock()
-	bs, order := h.batches, h.order
-	h.batches, h.order = nil, nil
+	bs, order, execs := h.batches, h.order, h.execs
+	h.batches, h.order, h.execs = nil, nil, nil
 	h.mu.Unlock()
-	for _, k := range order {
-		if err := bs[k].Flush(ctx, h.Tx); err != nil {
-			return err
+	if len(order) == 0 && len(execs) == 0 {
+		return nil
+	}
+	b := &pgx.Batch{}
+	for i, e := range execs {
+		b.Queue(e.sql, e.args...).Fn = func(br pgx.BatchResults) error {
+			if _, err := br.Exec(); err != nil {
+				return fmt.Errorf("%w (statement %d of %d): %w", ErrGatheredExec, i+1, len(execs), err)
+			}
+			return nil
 		}
 	}
-	return nil
+	for _, k := range order {
+		bs[k].Queue(b)
+	}
+	return h.Tx.SendBatch(ctx, b).Close()
 }
 
 // StopGathering ends gathering on h (idempotent): later writes run at

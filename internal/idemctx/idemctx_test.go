@@ -2,6 +2,7 @@ package idemctx
 
 import (
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -13,7 +14,31 @@ type uncomparableTx struct {
 	notes []string
 }
 
-type pointerTx struct{ pgx.Tx }
+// pointerTx is a comparable pgx.Tx whose SendBatch records the batch.
+type pointerTx struct {
+	pgx.Tx
+	sent []*pgx.Batch
+}
+
+func (tx *pointerTx) SendBatch(_ context.Context, b *pgx.Batch) pgx.BatchResults {
+	tx.sent = append(tx.sent, b)
+	return closedResults{}
+}
+
+// closedResults is the results of a batch that all went well.
+type closedResults struct{ pgx.BatchResults }
+
+func (closedResults) Close() error { return nil }
+
+// sentSQL is the statements of the batches tx was sent, in order.
+func (tx *pointerTx) sentSQL() (sqls []string) {
+	for _, b := range tx.sent {
+		for _, q := range b.QueuedQueries {
+			sqls = append(sqls, q.SQL)
+		}
+	}
+	return sqls
+}
 
 func TestHooks(t *testing.T) {
 	tx, other := &pointerTx{}, &pointerTx{}
@@ -49,15 +74,9 @@ func TestHooks(t *testing.T) {
 	}
 }
 
-type recBatch struct {
-	name string
-	ran  *[]string
-}
+type recBatch struct{ name string }
 
-func (b recBatch) Flush(context.Context, pgx.Tx) error {
-	*b.ran = append(*b.ran, b.name)
-	return nil
-}
+func (b recBatch) Queue(pb *pgx.Batch) { pb.Queue(b.name) }
 
 // While gathering, the writes on h.Tx join one batch per key, found from a
 // context without the hooks too; Flush runs each once, in the order of the
@@ -66,8 +85,10 @@ func TestGather(t *testing.T) {
 	t.Parallel()
 	tx, other := &pointerTx{}, &pointerTx{}
 	h := &Hooks{Tx: tx}
-	var ran []string
-	mk := func(name string) func() Batch { return func() Batch { return recBatch{name, &ran} } }
+	mk := func(name string) func() Batch { return func() Batch { return recBatch{name} } }
+	if h.Exec("not yet", nil) {
+		t.Fatal("not gathering: Exec's statement runs at once")
+	}
 	if h.BatchFor(tx, "a", mk("a")) != nil {
 		t.Fatal("not gathering: the write runs at once")
 	}
@@ -84,14 +105,22 @@ func TestGather(t *testing.T) {
 	if h.BatchFor(other, "a", mk("x")) != nil {
 		t.Fatal("another transaction's write runs at once")
 	}
+	for _, q := range []string{"exec 1", "exec 2"} {
+		if !h.Exec(q, nil) {
+			t.Fatal("gathering: Exec must gather")
+		}
+	}
 	if err := h.Flush(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if len(ran) != 2 || ran[0] != "b" || ran[1] != "a" {
-		t.Fatalf("one flush per key, in first-write order: %v", ran)
+	if got := strings.Join(tx.sentSQL(), ","); len(tx.sent) != 1 || got != "exec 1,exec 2,b,a" {
+		t.Fatalf("one pipeline: Exec's statements in order, then one statement per key in first-write order: %d batches, %s", len(tx.sent), got)
 	}
-	if HooksFor(context.Background(), tx) != nil || h.BatchFor(tx, "a", mk("a")) != nil {
+	if HooksFor(context.Background(), tx) != nil || h.BatchFor(tx, "a", mk("a")) != nil || h.Exec("late", nil) {
 		t.Fatal("after Flush, writes run at once and tx is no longer registered")
+	}
+	if err := h.Flush(context.Background()); err != nil || len(tx.sent) != 1 {
+		t.Fatalf("nothing gathered: Flush sends nothing (%v, %d batches)", err, len(tx.sent))
 	}
 	u := &Hooks{Tx: uncomparableTx{notes: []string{"a"}}}
 	u.Gather()

@@ -18,6 +18,7 @@ import (
 	"github.com/idemkit/watermill-idempotency/idemkafka/parallel"
 	"github.com/idemkit/watermill-idempotency/internal/relaystep"
 	idem "github.com/idemkit/watermill-idempotency/middleware"
+	"github.com/idemkit/watermill-idempotency/migrate"
 	"github.com/idemkit/watermill-idempotency/outbox"
 	"github.com/idemkit/watermill-idempotency/publisher"
 )
@@ -64,9 +65,10 @@ type pipelineSpec struct {
 	groupCommit *idem.GroupCommitConfig
 	// skipProgress is the middleware's Config.SkipProgress.
 	skipProgress bool
-	// subscriberProgress: watermill-kafka's subscriber keeps the position
-	// itself (idemkafka.ClientConfig.Progress); the middleware then writes
-	// none per message.
+	// subscriberProgress: the subscriber keeps the position itself
+	// (idemkafka.ClientConfig.Progress, or the parallel and franz-go
+	// subscribers' SubscriberConfig.Progress); the middleware then writes
+	// none per transaction.
 	subscriberProgress bool
 	// inMiddleware, when set, is called with each successful message's
 	// time inside the dedup middleware (arrival to result).
@@ -86,6 +88,11 @@ type pipelineSpec struct {
 	// serial runs the forwarder as before its reads were pipelined
 	// (relaystep.WithSerial).
 	serial bool
+	// completeExec: the handler registers its business row with
+	// idem.CompleteExec (run at once in transaction mode, gathered into
+	// the group's pipeline with group commit) instead of Exec on the
+	// transaction.
+	completeExec bool
 }
 
 // pipelineWith is one pipeline round as described by s.
@@ -98,16 +105,20 @@ func (r *e2eRig) pipelineWith(ctx context.Context, s pipelineSpec) (e2eResult, e
 	}
 	group := fmt.Sprintf("bench-e2e-%d", r.seq.Add(1))
 	var sub message.Subscriber
+	var progress migrate.DBTX
+	if s.subscriberProgress {
+		progress = r.db.Pool
+	}
 	switch {
 	case s.parallel > 0 && s.franz:
-		fs, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: s.parallel}, nil)
+		fs, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: s.parallel, Progress: progress, ProgressSchema: r.table.Schema}, nil)
 		if err != nil {
 			return *res, err
 		}
 		sub = fs
 		defer fs.Close()
 	case s.parallel > 0:
-		ps, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: r.brokers}, ConsumerGroup: group, MaxInFlight: s.parallel}, nil)
+		ps, err := parallel.NewSubscriber(parallel.SubscriberConfig{Client: idemkafka.ClientConfig{Brokers: r.brokers}, ConsumerGroup: group, MaxInFlight: s.parallel, Progress: progress, ProgressSchema: r.table.Schema}, nil)
 		if err != nil {
 			return *res, err
 		}
@@ -261,7 +272,11 @@ func (p *pipelineRound) startForwarder(ctx context.Context, producer sarama.Sync
 // publish time.
 func (p *pipelineRound) publishForward(msg *message.Message) ([]*message.Message, error) {
 	ctx := msg.Context()
-	if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
+	if p.s.completeExec {
+		if err := idem.CompleteExec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
+			return nil, err
+		}
+	} else if _, err := idem.MustTxFromContext(ctx).Exec(ctx, businessSQL, msg.UUID, int64(len(msg.Payload))); err != nil {
 		return nil, err
 	}
 	fwdMsg := message.NewMessage(watermill.NewUUID(), msg.Payload)
