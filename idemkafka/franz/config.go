@@ -39,6 +39,7 @@ const (
 	defaultRevokeTimeout   = 10 * time.Second
 	defaultCommitInterval  = time.Second
 	defaultPollRecords     = 500
+	defaultFetchMaxWait    = 100 * time.Millisecond
 	defaultMaxDeliveries   = 4
 	defaultShareReset      = "earliest"
 )
@@ -68,12 +69,22 @@ type SubscriberConfig struct {
 	// PartitionWindow is how many records a partition holds that are not
 	// done (ready, in flight, backing off, waiting for an earlier record of
 	// their key). When it is reached the partition's fetching is paused
-	// until a record is done; the other partitions keep flowing. A
-	// partition may exceed it by one poll (PollRecords). Defaults to 1024.
+	// until there is room for a poll again (PollRecords, at most half the
+	// window); the other partitions keep flowing. A partition may exceed
+	// it by one poll. Defaults to 1024.
 	PartitionWindow int
 	// PollRecords is the most records one poll takes from the client.
 	// Defaults to 500.
 	PollRecords int
+	// FetchMaxWait is how long a fetch with no new data waits at the
+	// broker (kgo.FetchMaxWait). A resumed partition joins the broker's
+	// next fetch, after the one in flight, and that one waits this long
+	// when the other partitions there are idle: so it bounds how long a
+	// partition whose window filled waits for more records beside idle
+	// ones. franz-go's own default, 5 s, held such a partition 5 s on each
+	// refill. A kgo.FetchMaxWait in ClientOpts overrides it. Defaults to
+	// 100 ms.
+	FetchMaxWait time.Duration
 	// NackResendSleep is how long a nacked message waits before it is
 	// handed out again; the later messages of its key wait behind it.
 	// Defaults to 100 ms.
@@ -149,9 +160,10 @@ type SubscriberConfig struct {
 	// "" (processed_event).
 	ProgressTable string
 	// ClientOpts are more franz-go options (TLS, SASL, ClientID, session
-	// and rebalance timeouts...). The Subscriber sets the seed brokers, the
-	// group, the topic, the balancer, DisableAutoCommit,
-	// BlockRebalanceOnPoll and the partition callbacks after them.
+	// and rebalance timeouts...). The Subscriber sets FetchMaxWait before
+	// them, and the seed brokers, the group, the topic, the balancer,
+	// DisableAutoCommit, BlockRebalanceOnPoll and the partition callbacks
+	// after them.
 	// Defaults to none.
 	ClientOpts []kgo.Opt
 }
@@ -168,6 +180,9 @@ func (c *SubscriberConfig) setDefaults() {
 	}
 	if c.PollRecords == 0 {
 		c.PollRecords = defaultPollRecords
+	}
+	if c.FetchMaxWait == 0 {
+		c.FetchMaxWait = defaultFetchMaxWait
 	}
 	if c.NackResendSleep == 0 {
 		c.NackResendSleep = defaultNackResendSleep
@@ -215,6 +230,8 @@ func (c SubscriberConfig) Validate() error {
 		return bad("PartitionWindow", "must be positive")
 	case c.PollRecords < 1:
 		return bad("PollRecords", "must be positive")
+	case c.FetchMaxWait < 0:
+		return bad("FetchMaxWait", "must not be negative")
 	case c.NackResendSleep < 0:
 		return bad("NackResendSleep", "must not be negative")
 	case c.RevokeTimeout < 0:

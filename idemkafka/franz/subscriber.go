@@ -117,7 +117,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 
 // clientOpts are the user's options, then the Subscriber's.
 func (s *Subscriber) clientOpts(st *stream) []kgo.Opt {
-	opts := append([]kgo.Opt(nil), s.cfg.ClientOpts...)
+	opts := append([]kgo.Opt{kgo.FetchMaxWait(s.cfg.FetchMaxWait)}, s.cfg.ClientOpts...)
 	opts = append(opts,
 		kgo.SeedBrokers(s.cfg.Brokers...),
 		kgo.ConsumerGroup(s.cfg.ConsumerGroup),

@@ -98,10 +98,20 @@ func (p *part) acked(e *entry) {
 	if next := p.win.Done(e); next != nil && next.State == keywindow.Waiting && !p.stopping {
 		p.st.push(next)
 	}
-	if p.paused && !p.full() && !p.stopping {
+	if p.paused && p.roomForAPoll() && !p.stopping {
 		p.paused = false
 		p.st.cl.ResumeFetchPartitions(map[string][]int32{p.st.topic: {p.id}})
 	}
+}
+
+// roomForAPoll reports whether a paused partition may fetch again: its
+// window has room for a poll (PollRecords, at most half the window).
+// Resuming at the first free slot would fetch a batch of which one poll
+// fits before the window is full again, and franz-go drops the rest of a
+// paused partition's buffered records, to fetch them again.
+func (p *part) roomForAPoll() bool {
+	size := p.st.s.cfg.PartitionWindow
+	return p.win.Undone() <= size-min(p.st.s.cfg.PollRecords, size/2)
 }
 
 // nacked hands e out again after NackResendSleep; the later records of its
