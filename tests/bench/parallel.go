@@ -168,6 +168,9 @@ type parConsumer struct {
 	// share consumes with the franz-go subscriber in a share group (the
 	// share-group section) instead.
 	share bool
+	// franz consumes with the franz-go engine's subscriber
+	// (idemkafka/franz) instead of the parallel subscriber.
+	franz bool
 	// progress: the subscriber keeps the group's position in PostgreSQL
 	// (idemkafka.ClientConfig.Progress, parallel.SubscriberConfig.Progress),
 	// the configuration docs/guarantees.md recommends, so the middleware
@@ -232,9 +235,16 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 	if c.handler != nil {
 		handler = c.handler
 	}
-	sub, concurrency, err := r.subscriber(c.parallel, c.progress, group, inFlight)
-	if c.share {
+	var sub message.Subscriber
+	var concurrency int
+	var err error
+	switch {
+	case c.share:
 		sub, concurrency, err = r.shareSubscriber(group, inFlight)
+	case c.franz:
+		sub, concurrency, err = r.franzSubscriber(group, inFlight, c.progress)
+	default:
+		sub, concurrency, err = r.subscriber(c.parallel, c.progress, group, inFlight)
 	}
 	if err != nil {
 		return res, err

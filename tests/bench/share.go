@@ -24,6 +24,21 @@ func (r *parRig) shareSubscriber(group string, inFlight int) (message.Subscriber
 	return s, s.MaxInFlight(), nil
 }
 
+// franzSubscriber is the franz-go engine's subscriber in the rig's
+// consumer group (MaxInFlight inFlight, the partition window as the
+// parallel subscriber's), keeping the position with progress.
+func (r *parRig) franzSubscriber(group string, inFlight int, progress bool) (message.Subscriber, int, error) {
+	cfg := franz.SubscriberConfig{Brokers: r.brokers, ConsumerGroup: group, MaxInFlight: inFlight, PartitionWindow: max(1024, inFlight/parPartitions)}
+	if progress {
+		cfg.Progress, cfg.ProgressSchema = r.db.Pool, r.table.Schema
+	}
+	s, err := franz.NewSubscriber(cfg, nil)
+	if err != nil {
+		return nil, 0, err
+	}
+	return s, s.MaxInFlight(), nil
+}
+
 // shareGroup compares a share group with the parallel subscriber on the
 // lease section's 50 ms workload, both in lease mode on the small pool.
 func shareGroup(ctx context.Context, o Options) (Section, error) {
