@@ -194,6 +194,34 @@ func TestSQLDBGroupCommit(t *testing.T) {
 	require.Zero(t, sdb.Stats().InUse)
 }
 
+// Group commit on a *sql.DB gathers CompleteExec statements as on a pool:
+// the group's pipeline travels on database/sql's connection, through pgx,
+// and every member's row commits with its claim.
+func TestSQLDBGroupCommitCompleteExec(t *testing.T) {
+	t.Parallel()
+	f := newLedgerFixture(t)
+	sdb := f.db.SQLDB(t, 4, nil)
+	d := f.sqlDedup(t, sdb, "g", func(c *idem.Config) {
+		c.Mode = &idem.GroupCommitConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond, Concurrency: 2}
+	})
+	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		id, _ := idem.EventIDFromContext(m.Context())
+		return nil, idem.CompleteExec(m.Context(), "INSERT INTO ledger (event_id, consumer_group, amount) VALUES ($1, 'g', 1)", id.String())
+	})
+	ids := make([]uuid.UUID, 8)
+	errs := make([]error, len(ids))
+	var wg sync.WaitGroup
+	for i := range ids {
+		ids[i] = publisher.NewEventID()
+		wg.Go(func() { _, errs[i] = h(f.msg(ids[i])) })
+	}
+	wg.Wait()
+	require.NoError(t, errors.Join(errs...))
+	require.Equal(t, len(ids), f.ledgerRows(t))
+	require.Equal(t, len(ids), f.claims(t))
+	require.Zero(t, sdb.Stats().InUse)
+}
+
 // Lease mode on a *sql.DB: the handler holds no transaction, and the
 // writes it registers with CompleteSQL commit with the completion, on
 // the fast path and off it.
