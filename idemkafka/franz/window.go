@@ -111,7 +111,8 @@ func (p *part) acked(e *entry) {
 // paused partition's buffered records, to fetch them again.
 func (p *part) roomForAPoll() bool {
 	size := p.st.s.cfg.PartitionWindow
-	return p.win.Undone() <= size-min(p.st.s.cfg.PollRecords, size/2)
+	room := max(1, min(p.st.s.cfg.PollRecords, size/2)) // a window of 1 resumes empty, not full
+	return p.win.Undone() <= size-room
 }
 
 // nacked hands e out again after NackResendSleep; the later records of its
