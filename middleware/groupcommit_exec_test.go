@@ -13,6 +13,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
@@ -70,13 +71,8 @@ func TestGroupCommit_CompleteExecStatementsArePipelined(t *testing.T) {
 	// In the order registered: the rows' identity follows the handlers'.
 	rows, err := f.db.Pool.Query(context.Background(), "SELECT event_id::text FROM business ORDER BY seq")
 	require.NoError(t, err)
-	var got []string
-	for rows.Next() {
-		var id string
-		require.NoError(t, rows.Scan(&id))
-		got = append(got, id)
-	}
-	require.NoError(t, rows.Err())
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
 	mu.Lock()
 	defer mu.Unlock()
 	require.Equal(t, ran, got)

@@ -162,64 +162,54 @@ func TestSQLDBRoundTrips(t *testing.T) {
 	require.Equal(t, [2]int64{4, 3}, counts["sql"], "BEGIN, claim, INSERT, COMMIT; BEGIN, claim, ROLLBACK")
 }
 
-// Group commit on a *sql.DB: concurrent messages share one *sql.Tx per
-// group; each is applied once, duplicates run nothing.
+// Group commit on a *sql.DB: a group's handlers write on its *sql.Tx
+// (Exec at once), or register the row with CompleteExec, gathered into the
+// group's pipeline, which travels on database/sql's connection through
+// pgx; every row commits with its claim, the duplicates run nothing, and
+// every connection goes back.
 func TestSQLDBGroupCommit(t *testing.T) {
 	t.Parallel()
-	f := newLedgerFixture(t)
-	sdb := f.db.SQLDB(t, 4, nil)
-	d := f.sqlDedup(t, sdb, "g", func(c *idem.Config) {
-		c.Mode = &idem.GroupCommitConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond, Concurrency: 2}
-	})
-	var calls atomic.Int32
-	h := d.Middleware(sqlInsertHandler(&calls, nil))
-	ids := make([]uuid.UUID, 8)
-	for i := range ids {
-		ids[i] = publisher.NewEventID()
-	}
-	run := func() {
-		var wg sync.WaitGroup
-		errs := make([]error, len(ids))
-		for i, id := range ids {
-			wg.Go(func() { _, errs[i] = h(f.msg(id)) })
+	completeExec := func(calls *atomic.Int32) message.HandlerFunc {
+		return func(m *message.Message) ([]*message.Message, error) {
+			calls.Add(1)
+			id, _ := idem.EventIDFromContext(m.Context())
+			return nil, idem.CompleteExec(m.Context(), "INSERT INTO ledger (event_id, consumer_group, amount) VALUES ($1, 'g', 1)", id.String())
 		}
-		wg.Wait()
-		require.NoError(t, errors.Join(errs...))
 	}
-	run()
-	run() // all duplicates
-	require.EqualValues(t, len(ids), calls.Load())
-	require.Equal(t, len(ids), f.ledgerRows(t))
-	require.Equal(t, len(ids), f.claims(t))
-	require.Zero(t, sdb.Stats().InUse)
-}
-
-// Group commit on a *sql.DB gathers CompleteExec statements as on a pool:
-// the group's pipeline travels on database/sql's connection, through pgx,
-// and every member's row commits with its claim.
-func TestSQLDBGroupCommitCompleteExec(t *testing.T) {
-	t.Parallel()
-	f := newLedgerFixture(t)
-	sdb := f.db.SQLDB(t, 4, nil)
-	d := f.sqlDedup(t, sdb, "g", func(c *idem.Config) {
-		c.Mode = &idem.GroupCommitConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond, Concurrency: 2}
-	})
-	h := d.Middleware(func(m *message.Message) ([]*message.Message, error) {
-		id, _ := idem.EventIDFromContext(m.Context())
-		return nil, idem.CompleteExec(m.Context(), "INSERT INTO ledger (event_id, consumer_group, amount) VALUES ($1, 'g', 1)", id.String())
-	})
-	ids := make([]uuid.UUID, 8)
-	errs := make([]error, len(ids))
-	var wg sync.WaitGroup
-	for i := range ids {
-		ids[i] = publisher.NewEventID()
-		wg.Go(func() { _, errs[i] = h(f.msg(ids[i])) })
+	for name, handler := range map[string]func(*atomic.Int32) message.HandlerFunc{
+		"Exec on the tx": func(calls *atomic.Int32) message.HandlerFunc { return sqlInsertHandler(calls, nil) },
+		"CompleteExec":   completeExec,
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			f := newLedgerFixture(t)
+			sdb := f.db.SQLDB(t, 4, nil)
+			d := f.sqlDedup(t, sdb, "g", func(c *idem.Config) {
+				c.Mode = &idem.GroupCommitConfig{MaxMessages: 8, MaxWait: 20 * time.Millisecond, Concurrency: 2}
+			})
+			var calls atomic.Int32
+			h := d.Middleware(handler(&calls))
+			ids := make([]uuid.UUID, 8)
+			for i := range ids {
+				ids[i] = publisher.NewEventID()
+			}
+			run := func() {
+				var wg sync.WaitGroup
+				errs := make([]error, len(ids))
+				for i, id := range ids {
+					wg.Go(func() { _, errs[i] = h(f.msg(id)) })
+				}
+				wg.Wait()
+				require.NoError(t, errors.Join(errs...))
+			}
+			run()
+			run() // all duplicates
+			require.EqualValues(t, len(ids), calls.Load())
+			require.Equal(t, len(ids), f.ledgerRows(t))
+			require.Equal(t, len(ids), f.claims(t))
+			require.Zero(t, sdb.Stats().InUse)
+		})
 	}
-	wg.Wait()
-	require.NoError(t, errors.Join(errs...))
-	require.Equal(t, len(ids), f.ledgerRows(t))
-	require.Equal(t, len(ids), f.claims(t))
-	require.Zero(t, sdb.Stats().InUse)
 }
 
 // Lease mode on a *sql.DB: the handler holds no transaction, and the

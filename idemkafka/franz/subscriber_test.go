@@ -93,13 +93,7 @@ func TestSubscriberReadsWatermillKafkaRecords(t *testing.T) {
 	bad.Metadata.Set(kafka.UUIDHeaderKey, "x")
 	require.ErrorContains(t, fpub.Publish(topic, bad), "reserved")
 
-	sub, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "compat"}, nil)
-	require.NoError(t, err)
-	defer sub.Close()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	ch, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
+	ch := subscribe(t, franz.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "compat"}, topic)
 	select {
 	case got := <-ch:
 		require.Equal(t, in.UUID, got.UUID)
@@ -179,13 +173,7 @@ func TestSubscriberFullPartitionBesideAnIdleOneKeepsFlowing(t *testing.T) {
 	}
 	require.NoError(t, pub.Publish(topic, msgs...))
 
-	sub, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "refill", PartitionWindow: window, PollRecords: window}, nil)
-	require.NoError(t, err)
-	defer sub.Close()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	ch, err := sub.Subscribe(ctx, topic)
-	require.NoError(t, err)
+	ch := subscribe(t, franz.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "refill", PartitionWindow: window, PollRecords: window}, topic)
 	// A liveness bound, far from both outcomes: about 5 s with the fix,
 	// over 4 minutes without it (144 of 400 records in 90 s).
 	deadline := time.After(90 * time.Second)
@@ -198,4 +186,16 @@ func TestSubscriberFullPartitionBesideAnIdleOneKeepsFlowing(t *testing.T) {
 			t.Fatalf("%d of %d records in 90 s: the refills of the full partition wait for the idle one's fetch", i, n)
 		}
 	}
+}
+
+// subscribe starts a Subscriber of cfg on topic, closed when the test ends.
+func subscribe(t *testing.T, cfg franz.SubscriberConfig, topic string) <-chan *message.Message {
+	t.Helper()
+	sub, err := franz.NewSubscriber(cfg, nil)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); require.NoError(t, sub.Close()) })
+	ch, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	return ch
 }

@@ -155,9 +155,6 @@ func (h *Hooks) Exec(sql string, args []any) bool {
 	return true
 }
 
-// ErrGatheredExec wraps the error of a statement gathered by Exec.
-var ErrGatheredExec = errors.New("a gathered statement failed")
-
 // Flush stops gathering and sends the gathered statements (Exec's, then the
 // batches', in the order of their first write) on h.Tx in one pipeline: one
 // round trip however many there are. The middleware calls it before the
@@ -176,7 +173,7 @@ func (h *Hooks) Flush(ctx context.Context) error {
 	for i, e := range execs {
 		b.Queue(e.sql, e.args...).Fn = func(br pgx.BatchResults) error {
 			if _, err := br.Exec(); err != nil {
-				return fmt.Errorf("%w (statement %d of %d): %w", ErrGatheredExec, i+1, len(execs), err)
+				return fmt.Errorf("gathered statement %d of %d: %w", i+1, len(execs), err)
 			}
 			return nil
 		}
