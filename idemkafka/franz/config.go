@@ -58,6 +58,27 @@ type SubscriberConfig struct {
 	// rebalance barrier; Subscribe returns an [*UnsupportedError] where
 	// the broker lacks ConsumerGroupHeartbeat v1). Defaults to "classic".
 	GroupProtocol string
+	// InstanceID makes the member static (Kafka's group.instance.id,
+	// KIP-345; with GroupProtocol "consumer", KIP-848's static
+	// membership): Close keeps the member's partitions reserved for it
+	// instead of handing them to the others, and a process that comes back
+	// with the same InstanceID within the session timeout (45 s by
+	// default: kgo.SessionTimeout in ClientOpts for "classic", the
+	// broker's group.consumer.session.timeout.ms for "consumer") gets them
+	// again at once, with no reassignment. A rolling restart then moves no
+	// partition: with KIP-848 a dynamic member's partitions move at the
+	// others' heartbeats, which come every group.consumer.heartbeat.interval.ms
+	// (5 s by default), and the restarted member waits for them (see
+	// docs/engines.md). The other side: the partitions of an instance that
+	// does not come back (scaled down, crashed for good) wait the session
+	// timeout. Give each instance its own stable name, such as a
+	// StatefulSet pod's name; two live members with one InstanceID fence
+	// each other. Each Subscribe call joins as
+	// "<InstanceID>-<topic>" (the n-th call on a topic, n > 1, as
+	// "<InstanceID>-<topic>-<n>"). Letters, digits, '.', '_' and '-' only,
+	// as Kafka requires. Not with ShareGroup. Defaults to "" (a dynamic
+	// member).
+	InstanceID string
 	// Ordering is which earlier messages a message waits for, as for
 	// idemkafka/parallel's Subscriber. Defaults to parallel.OrderKey.
 	Ordering parallel.Ordering
@@ -220,6 +241,10 @@ func (c SubscriberConfig) Validate() error {
 		return bad("MaxDeliveries", "must be positive")
 	case c.ShareOffsetReset != "" && c.ShareOffsetReset != "earliest" && c.ShareOffsetReset != "latest" && c.ShareOffsetReset != "none":
 		return bad("ShareOffsetReset", fmt.Sprintf("%q: earliest, latest or none", c.ShareOffsetReset))
+	case c.InstanceID != "" && c.ShareGroup != "":
+		return bad("InstanceID", "not with a share group: share groups have no static membership")
+	case !validInstanceID(c.InstanceID):
+		return bad("InstanceID", fmt.Sprintf("%q: letters, digits, '.', '_' and '-' only, at most %d characters", c.InstanceID, maxInstanceID))
 	case c.GroupProtocol != "" && c.GroupProtocol != protocolClassic && c.GroupProtocol != protocolConsumer:
 		return bad("GroupProtocol", fmt.Sprintf("%q: classic or consumer", c.GroupProtocol))
 	case c.Ordering < parallel.OrderKey || c.Ordering > parallel.OrderNone:
@@ -240,6 +265,25 @@ func (c SubscriberConfig) Validate() error {
 		return bad("CommitInterval", "must not be negative")
 	}
 	return c.validateClientOpts()
+}
+
+// maxInstanceID leaves room in Kafka's 249 characters for the topic that
+// Subscribe appends.
+const maxInstanceID = 100
+
+// validInstanceID says whether id is empty or a legal group.instance.id
+// prefix (Kafka's rule: [a-zA-Z0-9._-]).
+func validInstanceID(id string) bool {
+	if len(id) > maxInstanceID {
+		return false
+	}
+	for _, r := range id {
+		ok := r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-'
+		if !ok {
+			return false
+		}
+	}
+	return true
 }
 
 // revokeCommitAllowance is what the RevokeTimeout check gives a revoked

@@ -31,6 +31,7 @@ type Subscriber struct {
 
 	mu      sync.Mutex
 	streams map[*stream]struct{}
+	topics  map[string]int // Subscribe calls per topic, for InstanceID
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -55,6 +56,7 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 		closing: make(chan struct{}),
 		closed:  make(chan struct{}),
 		streams: map[*stream]struct{}{},
+		topics:  map[string]int{},
 	}, nil
 }
 
@@ -85,6 +87,13 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 			return nil, err
 		}
 	}
+	s.mu.Lock()
+	s.topics[topic]++
+	call := s.topics[topic]
+	s.mu.Unlock()
+	if id := instanceID(s.cfg.InstanceID, topic, call); len(id) > maxKafkaInstanceID {
+		return nil, fmt.Errorf("franz: InstanceID: %q is over Kafka's %d characters for a group.instance.id", id, maxKafkaInstanceID)
+	}
 	sctx, cancel := context.WithCancel(ctx)
 	st := &stream{
 		s: s, topic: topic, ctx: sctx, cancel: cancel,
@@ -93,7 +102,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		parts:  map[int32]*part{},
 		logger: s.logger.With(watermill.LogFields{"topic": topic}),
 	}
-	cl, err := kgo.NewClient(s.clientOpts(st)...)
+	cl, err := kgo.NewClient(s.clientOpts(st, call)...)
 	if err != nil {
 		cancel()
 		return nil, fmt.Errorf("franz: new Kafka client: %w", err)
@@ -115,8 +124,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	return st.out, nil
 }
 
-// clientOpts are the user's options, then the Subscriber's.
-func (s *Subscriber) clientOpts(st *stream) []kgo.Opt {
+// clientOpts are the user's options, then the Subscriber's; call is which
+// Subscribe call on st's topic this is (1 for the first).
+func (s *Subscriber) clientOpts(st *stream, call int) []kgo.Opt {
 	opts := append([]kgo.Opt{kgo.FetchMaxWait(s.cfg.FetchMaxWait)}, s.cfg.ClientOpts...)
 	opts = append(opts,
 		kgo.SeedBrokers(s.cfg.Brokers...),
@@ -136,10 +146,29 @@ func (s *Subscriber) clientOpts(st *stream) []kgo.Opt {
 	if s.cfg.GroupProtocol == protocolConsumer {
 		opts = append(opts, kgo.ServerSideBalancer())
 	}
+	if s.cfg.InstanceID != "" {
+		opts = append(opts, kgo.InstanceID(instanceID(s.cfg.InstanceID, st.topic, call)))
+	}
 	if s.cfg.Progress != nil {
 		opts = append(opts, kgo.AdjustFetchOffsetsFn(st.adjustOffsets))
 	}
 	return opts
+}
+
+// maxKafkaInstanceID is the longest group.instance.id Kafka takes.
+const maxKafkaInstanceID = 249
+
+// instanceID is the group.instance.id of the call-th Subscribe call on
+// topic ("" without a prefix): one per member, the same after a restart
+// that subscribes in the same order.
+func instanceID(prefix, topic string, call int) string {
+	switch {
+	case prefix == "":
+		return ""
+	case call == 1:
+		return prefix + "-" + topic
+	}
+	return fmt.Sprintf("%s-%s-%d", prefix, topic, call)
 }
 
 // checkAPI asks a broker for its API versions and returns an

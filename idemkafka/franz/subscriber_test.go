@@ -53,13 +53,16 @@ func TestSubscriberConfigErrors(t *testing.T) {
 		"MaxInFlight":     {Brokers: []string{"x"}, ConsumerGroup: "g", MaxInFlight: -1},
 		"PartitionWindow": {Brokers: []string{"x"}, ConsumerGroup: "g", PartitionWindow: -1},
 		"RevokeTimeout":   {Brokers: []string{"x"}, ConsumerGroup: "g", RevokeTimeout: -1},
+		"InstanceID":      {Brokers: []string{"x"}, ConsumerGroup: "g", InstanceID: "pod 1"},
 		// A share group has no offsets to keep in PostgreSQL.
 		"Progress": {Brokers: []string{"x"}, ShareGroup: "s", Ordering: parallel.OrderNone, Progress: (*pgxpool.Pool)(nil)},
 	} {
 		_, err := franz.NewSubscriber(cfg, nil)
 		require.ErrorContains(t, err, "invalid config: "+field+":")
 	}
-	_, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: []string{"x"}, ConsumerGroup: "g",
+	_, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: []string{"x"}, ShareGroup: "s", Ordering: parallel.OrderNone, InstanceID: "pod-1"}, nil)
+	require.ErrorContains(t, err, "invalid config: InstanceID: not with a share group")
+	_, err = franz.NewSubscriber(franz.SubscriberConfig{Brokers: []string{"x"}, ConsumerGroup: "g",
 		ClientOpts: []kgo.Opt{kgo.RebalanceTimeout(5 * time.Second)}}, nil)
 	require.ErrorContains(t, err, "invalid config: RevokeTimeout: 10s + 1s for the final commit must be shorter than the rebalance timeout of ClientOpts (5s)")
 	_, err = franz.NewSubscriber(franz.SubscriberConfig{Brokers: []string{"x"}, ConsumerGroup: "g", RevokeTimeout: time.Second,
