@@ -171,6 +171,9 @@ type parConsumer struct {
 	// franz consumes with the franz-go engine's subscriber
 	// (idemkafka/franz) instead of the parallel subscriber.
 	franz bool
+	// memory feeds the run's count of messages built in memory instead
+	// (memSubscriber: no Kafka client, the engines' ceiling).
+	memory bool
 	// progress: the subscriber keeps the group's position in PostgreSQL
 	// (idemkafka.ClientConfig.Progress, parallel.SubscriberConfig.Progress),
 	// the configuration docs/guarantees.md recommends, so the middleware
@@ -243,6 +246,8 @@ func (r *parRig) run(ctx context.Context, c parConsumer, run parRun) (parResult,
 		sub, concurrency, err = r.shareSubscriber(group, inFlight)
 	case c.franz:
 		sub, concurrency, err = r.franzSubscriber(group, inFlight, c.progress)
+	case c.memory:
+		sub, concurrency = newMemSubscriber(run.count, inFlight), inFlight
 	default:
 		sub, concurrency, err = r.subscriber(c.parallel, c.progress, group, inFlight)
 	}
