@@ -41,6 +41,7 @@ const (
 	defaultPollRecords     = 500
 	defaultFetchMaxWait    = 100 * time.Millisecond
 	defaultMaxDeliveries   = 4
+	defaultShareMembers    = 2
 	defaultShareReset      = "earliest"
 )
 
@@ -133,6 +134,15 @@ type SubscriberConfig struct {
 	// claim) may use it. See docs/engines.md. Defaults to "" (a consumer
 	// group).
 	ShareGroup string
+	// ShareMembers is, with ShareGroup, how many members of the share
+	// group (franz-go clients) each Subscribe call runs. A member polls
+	// up to its share of MaxInFlight and polls again only once each of
+	// those records was acked or nacked (franz-go accepts at the next
+	// poll whatever the previous one left), so a lone member idles while
+	// its poll's last handlers finish; with several, the others hand out
+	// their records meanwhile, and one slow handler holds only its
+	// member's share. Defaults to 2.
+	ShareMembers int
 	// MaxDeliveries is, with ShareGroup, the delivery of a record from
 	// which a failing handler's error is made permanent by
 	// [RecordErrors] (idem.Permanent), so that a poison queue filtered by
@@ -214,6 +224,9 @@ func (c *SubscriberConfig) setDefaults() {
 	if c.CommitInterval == 0 {
 		c.CommitInterval = defaultCommitInterval
 	}
+	if c.ShareMembers == 0 {
+		c.ShareMembers = defaultShareMembers
+	}
 	if c.MaxDeliveries == 0 {
 		c.MaxDeliveries = defaultMaxDeliveries
 	}
@@ -237,6 +250,8 @@ func (c SubscriberConfig) Validate() error {
 		return bad("Progress", "not with a share group: it has no offsets, the broker keeps each record's state")
 	case c.ShareGroup != "" && c.Ordering != parallel.OrderNone:
 		return bad("Ordering", fmt.Sprintf("%s with a share group: a share group keeps no order, set parallel.OrderNone (handlers that need their key's order cannot use a share group)", c.Ordering))
+	case c.ShareMembers < 0:
+		return bad("ShareMembers", "must be positive")
 	case c.MaxDeliveries < 0:
 		return bad("MaxDeliveries", "must be positive")
 	case c.ShareOffsetReset != "" && c.ShareOffsetReset != "earliest" && c.ShareOffsetReset != "latest" && c.ShareOffsetReset != "none":

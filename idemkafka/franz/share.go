@@ -85,21 +85,32 @@ func (s *Subscriber) subscribeShare(ctx context.Context, topic string) (<-chan *
 	if err := s.setShareReset(ctx); err != nil {
 		return nil, err
 	}
+	// ShareMembers members, each polling its share of MaxInFlight: while
+	// one waits for the last acknowledgements of its poll, the others
+	// hand out theirs.
+	perMember := max(1, s.cfg.MaxInFlight/s.cfg.ShareMembers)
 	opts := append(append([]kgo.Opt(nil), s.cfg.ClientOpts...),
 		kgo.SeedBrokers(s.cfg.Brokers...),
 		kgo.ShareGroup(s.cfg.ShareGroup),
-		// A poll takes up to MaxInFlight records, and the next waits for
-		// all of them: fetch as many at once.
-		kgo.ShareMaxRecords(int32(min(s.cfg.MaxInFlight, math.MaxInt32))),
+		// A poll takes up to its member's share of MaxInFlight, and the
+		// member's next poll waits for all of them: fetch as many at once.
+		kgo.ShareMaxRecords(int32(min(perMember, math.MaxInt32))),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		kgo.ConsumeTopics(topic),
 	)
-	cl, err := kgo.NewClient(opts...)
-	if err != nil {
-		return nil, fmt.Errorf("franz: new Kafka client: %w", err)
+	clients := make([]*kgo.Client, 0, s.cfg.ShareMembers)
+	for range s.cfg.ShareMembers {
+		cl, err := kgo.NewClient(opts...)
+		if err != nil {
+			for _, c := range clients {
+				c.Close()
+			}
+			return nil, fmt.Errorf("franz: new Kafka client: %w", err)
+		}
+		clients = append(clients, cl)
 	}
 	sctx, cancel := context.WithCancel(ctx)
-	st := &stream{s: s, topic: topic, ctx: sctx, cancel: cancel, cl: cl,
+	st := &stream{s: s, topic: topic, ctx: sctx, cancel: cancel,
 		out:    make(chan *message.Message),
 		logger: s.logger.With(watermill.LogFields{"topic": topic, "share_group": s.cfg.ShareGroup}),
 	}
@@ -108,14 +119,27 @@ func (s *Subscriber) subscribeShare(ctx context.Context, topic string) (<-chan *
 	case <-s.closing:
 		s.mu.Unlock()
 		cancel()
-		cl.Close()
+		for _, c := range clients {
+			c.Close()
+		}
 		return nil, errClosed
 	default:
 	}
 	s.streams[st] = struct{}{}
 	s.wg.Add(1)
 	s.mu.Unlock()
-	go st.runShare()
+	go func() {
+		defer s.wg.Done()
+		var members sync.WaitGroup
+		for _, cl := range clients {
+			members.Go(func() { st.runShare(cl, perMember) })
+		}
+		members.Wait()
+		st.s.mu.Lock()
+		delete(st.s.streams, st)
+		st.s.mu.Unlock()
+		close(st.out)
+	}()
 	return st.out, nil
 }
 
@@ -149,13 +173,13 @@ func (s *Subscriber) setShareReset(ctx context.Context) error {
 	return nil
 }
 
-// runShare polls up to MaxInFlight records, hands them out, and polls
-// again once each was acked or nacked: franz-go accepts at the next poll
-// whatever the previous one left without an acknowledgement.
-func (st *stream) runShare() {
-	defer st.s.wg.Done()
+// runShare is one member of the share group: it polls up to limit records,
+// hands them out, and polls again once each was acked or nacked: franz-go
+// accepts at the next poll whatever the previous one left without an
+// acknowledgement.
+func (st *stream) runShare(cl *kgo.Client, limit int) {
 	for st.ctx.Err() == nil {
-		fetches := st.cl.PollRecords(st.ctx, st.s.cfg.MaxInFlight)
+		fetches := cl.PollRecords(st.ctx, limit)
 		if fetches.IsClientClosed() || st.ctx.Err() != nil {
 			break
 		}
@@ -168,15 +192,11 @@ func (st *stream) runShare() {
 	}
 	// Records never handed out are released by the client's leave.
 	flush, cancel := context.WithTimeout(context.Background(), st.s.cfg.RevokeTimeout)
-	if err := st.cl.FlushAcks(flush); err != nil {
+	if err := cl.FlushAcks(flush); err != nil {
 		st.logger.Error("Flushing the share acknowledgements", err, nil)
 	}
 	cancel()
-	st.cl.Close()
-	st.s.mu.Lock()
-	delete(st.s.streams, st)
-	st.s.mu.Unlock()
-	close(st.out)
+	cl.Close()
 }
 
 // handOutShare hands out recs, one MaxInFlight slot each, and returns when

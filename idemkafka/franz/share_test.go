@@ -3,6 +3,7 @@ package franz_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"sync"
 	"testing"
@@ -197,4 +198,58 @@ func TestShareGroupPoisonQueueAfterMaxDeliveries(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	require.Equal(t, []int32{1, 2}, deliveries)
+}
+
+// A handler that holds its record holds only its member's next poll: with
+// ShareMembers 2 the other member hands out the other records meanwhile
+// (all but those the held member has acquired); with 1, the lone member's
+// next poll waits for the held record, and nothing but its batch comes
+// (the control).
+func TestShareGroupHeldRecordHoldsOnlyItsMember(t *testing.T) {
+	t.Parallel()
+	needShareGroups(t)
+	b := kafkatest.Start(t)
+	for _, members := range []int{2, 1} {
+		t.Run(fmt.Sprintf("members=%d", members), func(t *testing.T) {
+			t.Parallel()
+			topic := b.Topic(t, "share-held", 1)
+			const n = 20
+			b.ProduceKeyed(t, topic, "k", n)
+			sub, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: b.Addrs, ShareGroup: "held-" + topic, Ordering: parallel.OrderNone,
+				MaxInFlight: 2 * members, ShareMembers: members}, nil)
+			require.NoError(t, err)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer func() { cancel(); require.NoError(t, sub.Close()) }()
+			ch, err := sub.Subscribe(ctx, topic)
+			require.NoError(t, err)
+			var held *message.Message
+			others := 0
+			// Wait for the others well past a poll's round trip; with one
+			// member none comes after the held record's batch.
+			quiet := time.NewTimer(10 * time.Second)
+			defer quiet.Stop()
+		loop:
+			for others < n-1 {
+				select {
+				case m := <-ch:
+					if held == nil {
+						held = m
+						continue
+					}
+					others++
+					m.Ack()
+				case <-quiet.C:
+					break loop
+				}
+			}
+			// A member acquires its next batch (2 records) before it polls
+			// it: those wait with the held record.
+			if members == 1 {
+				require.Less(t, others, 2, "one member handed out more than its batch while a record was held")
+			} else {
+				require.GreaterOrEqual(t, others, n-1-2, "a held record held the other member too")
+			}
+			held.Ack()
+		})
+	}
 }
