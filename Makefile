@@ -116,8 +116,9 @@ soak: ## Long chaos soak: 20,000 events, consumer processes SIGKILLed, database 
 	$(MAKE) --no-print-directory soak/failover
 
 .PHONY: soak/franz
-soak/franz: ## The soak's two legs on idemkafka/franz (franz-go) alone: KIP-848 consumer groups with kills and rolling restarts; a KIP-932 share group with kills (no order checked; the delivery count drives the poison queue); each bounded by 25 min (SOAK_FLAGS=-short: 2,000 events)
+soak/franz: ## The soak's legs on idemkafka/franz (franz-go) alone: KIP-848 consumer groups with kills and rolling restarts, with dynamic members, then static ones (InstanceID); a KIP-932 share group with kills (no order checked; the delivery count drives the poison queue); each bounded by 25 min (SOAK_FLAGS=-short: 2,000 events)
 	$(GO) run ./cmd/soak -engine franz -group-protocol consumer $(SOAK_FLAGS)
+	$(GO) run ./cmd/soak -engine franz -group-protocol consumer -static $(SOAK_FLAGS)
 	$(GO) run ./cmd/soak -share $(SOAK_FLAGS)
 
 .PHONY: soak/failover

@@ -21,7 +21,7 @@
 // drives the poison queue (1 % of the events fail on every delivery and
 // must be poisoned), every other event applied exactly once.
 //
-//	go run ./cmd/soak [-seed N] [-events N] [-timeout 25m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-parallel [-hostile-keys=false]] [-lease [-lease-duration 3s]] [-engine franz [-group-protocol consumer|classic]] [-share] [-retry-percent 5] [-keep] [-v]
+//	go run ./cmd/soak [-seed N] [-events N] [-timeout 25m] [-short] [-faults kind=n,...] [-direct] [-group-commit] [-parallel [-hostile-keys=false]] [-lease [-lease-duration 3s]] [-engine franz [-group-protocol consumer|classic] [-static]] [-share] [-retry-percent 5] [-keep] [-v]
 package main
 
 import (
@@ -62,6 +62,7 @@ func main() {
 	leaseDuration := flag.Duration("lease-duration", soak.DefaultLeaseDuration, "the lease's duration in lease mode: how long a killed consumer's event waits before it is taken over")
 	engine := flag.String("engine", "", "the consumers' Kafka engine: sarama (watermill-kafka's subscriber, or -parallel) or franz (idemkafka/franz's Subscriber on every topic, either commit mode, not -parallel nor -lease; its fault mix adds rolling restarts); default sarama")
 	groupProtocol := flag.String("group-protocol", "", `with -engine franz: the consumer group protocol, "consumer" (KIP-848, the default) or "classic" (cooperative-sticky)`)
+	static := flag.Bool("static", false, "with -engine franz: each consumer process is a static member (InstanceID) named after its slot; a restarted process takes the slot it freed")
 	share := flag.Bool("share", false, "the main topic consumed by a KIP-932 share group (idemkafka/franz's share subscriber; implies -engine franz): no order checked, no retry topics, failures redelivered by the broker and poisoned at delivery 4; its fault mix has no offset resets")
 	subProgress := flag.Bool("subscriber-progress", false, "watermill-kafka's subscribers keep the groups' positions in PostgreSQL themselves (idemkafka.ClientConfig.Progress): no rewind after the failover fault (not with -parallel or -engine franz, which keep theirs)")
 	retryPercent := flag.Int("retry-percent", soak.DefaultRetryPercent, "percent of the events that fail transiently 1-3 times and go through the retry topics (negative: none)")
@@ -86,6 +87,7 @@ func main() {
 		RetryPercent:       *retryPercent,
 		Engine:             *engine, // "": sarama, or franz with -share
 		Share:              *share,
+		Static:             *static,
 		GroupProtocol:      *groupProtocol,
 		SubscriberProgress: *subProgress,
 		Log:                os.Stderr,

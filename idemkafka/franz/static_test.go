@@ -22,29 +22,38 @@ import (
 )
 
 // A static member (InstanceID) that closes keeps its partitions: the other
-// member never gets them, and the member that comes back with the same
-// InstanceID gets them again. A dynamic member's partitions move to the
-// other member, with either protocol: the control that shows the test
+// member does not get them, and the member that comes back with the same
+// InstanceID gets them again. One that does not come back loses them at
+// its session timeout. A dynamic member's partitions move to the other
+// member at once, with either protocol: the control that shows the test
 // can tell the two apart.
 func TestSubscriberStaticMemberKeepsItsPartitionsThroughARestart(t *testing.T) {
 	t.Parallel()
 	if kafkatest.External() != nil {
-		t.Skip("sets the broker's KIP-848 heartbeat interval: needs the in-process broker")
+		t.Skip("sets the broker's KIP-848 heartbeat interval and session timeout: needs the in-process broker")
 	}
-	// Heartbeats every 250 ms (KIP-848's interval is the broker's; the
+	// Heartbeats every 250 ms (KIP-848's interval is the broker's, the
 	// classic one the client's): a partition that is going to move moves
-	// well within the wait below.
-	const heartbeat = 250 * time.Millisecond
-	c, err := kafkatest.NewFake(kfake.BrokerConfigs(map[string]string{"group.consumer.heartbeat.interval.ms": fmt.Sprint(heartbeat.Milliseconds())}))
+	// well within the 3 s the test watches. Sessions time out after 6 s
+	// (KIP-848's timeout is the broker's, the classic one the client's).
+	const heartbeat, session, watch = 250 * time.Millisecond, 6 * time.Second, 3 * time.Second
+	c, err := kafkatest.NewFake(kfake.BrokerConfigs(map[string]string{
+		"group.consumer.heartbeat.interval.ms": fmt.Sprint(heartbeat.Milliseconds()),
+		"group.consumer.session.timeout.ms":    fmt.Sprint(session.Milliseconds()),
+	}))
 	require.NoError(t, err)
 	t.Cleanup(c.Close)
 	b := &kafkatest.Broker{Addrs: c.ListenAddrs(), Fake: c}
 
 	for _, tc := range []struct {
-		protocol string
-		static   bool
-	}{{"classic", true}, {"consumer", true}, {"classic", false}, {"consumer", false}} {
-		t.Run(fmt.Sprintf("%s/static=%v", tc.protocol, tc.static), func(t *testing.T) {
+		protocol         string
+		static, comeBack bool
+	}{
+		{"classic", true, true}, {"consumer", true, true},
+		{"classic", true, false}, {"consumer", true, false},
+		{"classic", false, false}, {"consumer", false, false},
+	} {
+		t.Run(fmt.Sprintf("%s/static=%v/back=%v", tc.protocol, tc.static, tc.comeBack), func(t *testing.T) {
 			t.Parallel()
 			topic := b.Topic(t, "static", 4)
 			group := "static-" + topic
@@ -53,7 +62,7 @@ func TestSubscriberStaticMemberKeepsItsPartitionsThroughARestart(t *testing.T) {
 			var seen handled
 			start := func(name, instance string) *franz.Subscriber {
 				sub, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: group, GroupProtocol: tc.protocol,
-					InstanceID: instance, ClientOpts: []kgo.Opt{kgo.HeartbeatInterval(heartbeat)}}, nil)
+					InstanceID: instance, ClientOpts: []kgo.Opt{kgo.HeartbeatInterval(heartbeat), kgo.SessionTimeout(session)}}, nil)
 				require.NoError(t, err)
 				ch, err := sub.Subscribe(context.Background(), topic)
 				require.NoError(t, err)
@@ -75,26 +84,36 @@ func TestSubscriberStaticMemberKeepsItsPartitionsThroughARestart(t *testing.T) {
 			a := start("a", instance("a"))
 			defer a.Close()
 			bsub := start("b", instance("b"))
-			require.Eventually(t, func() bool { return len(seen.partsOf("a")) > 0 && len(seen.partsOf("b")) > 0 && seen.balanced(4) },
+			require.Eventually(t, func() bool { return seen.balanced(4) },
 				60*time.Second, 50*time.Millisecond, "both members never had partitions: %v", seen.snapshot())
 			bParts := seen.partsOf("b")
 			require.NoError(t, bsub.Close())
+			closed := time.Now()
 			seen.reset()
+			moved := func() bool {
+				return slices.ContainsFunc(bParts, func(p int32) bool { return slices.Contains(seen.partsOf("a"), p) })
+			}
 
-			// Many heartbeats later: where did b's partitions go?
-			time.Sleep(40 * heartbeat)
-			moved := slices.ContainsFunc(bParts, func(p int32) bool { return slices.Contains(seen.partsOf("a"), p) })
+			// Many heartbeats later, within the session timeout: where did
+			// b's partitions go?
+			time.Sleep(watch)
 			if !tc.static {
-				require.True(t, moved, "a dynamic member's partitions %v stayed unconsumed after it left: %v", bParts, seen.snapshot())
+				require.True(t, moved(), "a dynamic member's partitions %v stayed unconsumed after it left: %v", bParts, seen.snapshot())
 				return
 			}
-			require.False(t, moved, "the static member's partitions %v went to the other member: %v", bParts, seen.snapshot())
-
+			require.False(t, moved(), "the static member's partitions %v went to the other member: %v", bParts, seen.snapshot())
+			if !tc.comeBack {
+				require.Eventually(t, moved, 60*time.Second, 50*time.Millisecond,
+					"the partitions %v of a static member that did not come back were never reassigned: %v", bParts, seen.snapshot())
+				require.GreaterOrEqual(t, time.Since(closed), session-heartbeat, "reassigned before the session timeout")
+				return
+			}
 			b2 := start("b again", "b")
 			defer b2.Close()
 			require.Eventually(t, func() bool { return len(seen.partsOf("b again")) == len(bParts) },
 				60*time.Second, 50*time.Millisecond, "the restarted member did not get its partitions %v back: %v", bParts, seen.snapshot())
 			require.ElementsMatch(t, bParts, seen.partsOf("b again"))
+			require.False(t, moved(), "the static member's partitions %v went to the other member: %v", bParts, seen.snapshot())
 		})
 	}
 }

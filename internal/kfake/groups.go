@@ -2182,10 +2182,11 @@ func (g *group) consumerStaticLeave(req *kmsg.ConsumerGroupHeartbeatRequest, res
 	m.partitionsPendingRevocation = make(map[uuid][]int32)
 	m.memberEpoch = -2
 	g.addPartitionEpochs(m.lastReconciledSent, m.memberID, -2)
-	if m.t != nil {
-		m.t.Stop()
-		m.t = nil
-	}
+	// PATCHED (watermill-idempotency): Kafka keeps the session timer of a
+	// static member that leaves with epoch -2 (consumerGroupStaticMemberGroupLeave
+	// cancels no timer): it "would be back within session timeout", and one
+	// that is not is fenced then, freeing its partitions. Stopping the timer
+	// here kept a departed static member, and its partitions, for good.
 	g.cancelConsumerRebalanceTimeout(m)
 	// Keep g.staticMembers[*m.instanceID] intact.
 
@@ -2303,12 +2304,14 @@ func (g *group) computeTargetAssignment() {
 
 	subscribedSet := make(map[string]struct{})
 	for mid, m := range g.consumerMembers {
-		// Skip members with epoch -2 (static leave) - they are
-		// "away" and should not receive new partitions, but their
-		// existing assignment stays reserved via partition epochs.
-		if m.memberEpoch == -2 {
-			continue
-		}
+		// PATCHED (watermill-idempotency): a member with epoch -2
+		// (static leave) stays in the target assignment, as in Kafka
+		// (the assignor gets every member of the group, the departed
+		// static one included, until its session times out). Skipping
+		// it gave its target's partitions to the others while it was
+		// away, and its rejoin, which inherits its old target without
+		// a new computation, then put those partitions in two targets:
+		// the group reconciled for good.
 		subs := make(map[string]struct{}, len(m.subscribedTopics))
 		for _, t := range m.subscribedTopics {
 			subs[t] = struct{}{}

@@ -74,7 +74,9 @@ type childConfig struct {
 	// a share group (no retry topics).
 	Engine        string `json:"engine"`
 	GroupProtocol string `json:"group_protocol"`
-	Share         bool   `json:"share"`
+	// InstanceID makes the franz subscribers static members (Config.Static).
+	InstanceID string `json:"instance_id,omitempty"`
+	Share      bool   `json:"share"`
 	// Lease mode (idem.Config.Mode = &idem.LeaseConfig{}): the lease's duration, and the fake
 	// provider the handler calls (docs/soak.md, "The lease-mode leg").
 	Lease         bool          `json:"lease"`

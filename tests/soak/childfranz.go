@@ -30,7 +30,8 @@ var errPlannedFailure = errors.New("soak: planned failure")
 // fault each keeps its group's position in PostgreSQL (Progress).
 func (c *child) addFranzHandlers(router *message.Router, logger watermill.LoggerAdapter) error {
 	cfg := c.cfg
-	base := franz.SubscriberConfig{Brokers: cfg.Brokers, ConsumerGroup: cfg.Group, GroupProtocol: cfg.GroupProtocol, MaxInFlight: ParallelMaxInFlight}
+	base := franz.SubscriberConfig{Brokers: cfg.Brokers, ConsumerGroup: cfg.Group, GroupProtocol: cfg.GroupProtocol, MaxInFlight: ParallelMaxInFlight,
+		InstanceID: cfg.InstanceID}
 	if cfg.Progress {
 		base.Progress, base.ProgressSchema = c.pool, cfg.Schema
 	}

@@ -125,6 +125,14 @@ type Config struct {
 	// protocol: "consumer" (KIP-848) or "classic" (cooperative-sticky).
 	// Defaults to "consumer".
 	GroupProtocol string
+	// Static makes, with Engine [EngineFranz] (not Share), each consumer
+	// process a static member (franz.SubscriberConfig.InstanceID) named
+	// after its slot, the lowest one no live process of its group holds:
+	// a process started after a kill or a stop takes the slot it freed, as
+	// a StatefulSet's pod does. After a SIGKILL its KIP-848 rejoin is
+	// refused (UNRELEASED_INSTANCE_ID) until the broker's session timeout
+	// expires the killed member. Defaults to false.
+	Static bool
 	// Share makes each consumer process consume the main topic as a member
 	// of a KIP-932 share group (idemkafka/franz's share subscriber; Engine
 	// [EngineFranz]): no order is kept, so the run does not check the
@@ -335,6 +343,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("field GroupProtocol: %q: consumer or classic", c.GroupProtocol)
 	case c.Engine != EngineFranz && c.GroupProtocol != "":
 		return errors.New("field GroupProtocol: only with Engine franz")
+	case c.Static && (c.Engine != EngineFranz || c.Share):
+		return errors.New("field Static: only with Engine franz on consumer groups, not with Share")
 	case c.Share && c.Engine != EngineFranz:
 		return errors.New("field Share: only with Engine franz")
 	case c.Share && c.Faults.OffsetResetPerGrp > 0:

@@ -114,8 +114,11 @@ const (
 
 // instance is one consumer process.
 type instance struct {
-	g       *group
-	id      int
+	g  *group
+	id int
+	// slot is the lowest slot free at its start (freeSlotLocked): its
+	// static member's name with Config.Static.
+	slot    int
 	name    string
 	cmd     *exec.Cmd
 	stdin   io.WriteCloser
@@ -166,7 +169,7 @@ func (g *group) start(ctx context.Context) (*instance, error) {
 func (g *group) startLocked(ctx context.Context) (*instance, error) {
 	h := g.h
 	g.next++
-	inst := &instance{g: g, id: g.next, ready: make(chan struct{}), exited: make(chan struct{}), settled: make(chan struct{}), stderr: &tailBuffer{max: 20}}
+	inst := &instance{g: g, id: g.next, slot: g.freeSlotLocked(), ready: make(chan struct{}), exited: make(chan struct{}), settled: make(chan struct{}), stderr: &tailBuffer{max: 20}}
 	inst.name = fmt.Sprintf("%s-i%d", g.name, inst.id)
 	p, err := childproc.Start(h.exe, ConsumerEnv, g.childConfig(inst))
 	if err != nil {
@@ -198,6 +201,24 @@ func (g *group) startLocked(ctx context.Context) (*instance, error) {
 		g.orphans = g.orphans[:n-1]
 	}
 	return inst, nil
+}
+
+// instanceID is inst's static member name with Config.Static, else "".
+func (g *group) instanceID(inst *instance) string {
+	if !g.h.cfg.Static {
+		return ""
+	}
+	return fmt.Sprintf("%s-slot%d", g.name, inst.slot)
+}
+
+// freeSlotLocked is the lowest slot no live instance of g holds (g.mu
+// held): a process that replaces a killed or stopped one takes its slot.
+func (g *group) freeSlotLocked() int {
+	for slot := 0; ; slot++ {
+		if !slices.ContainsFunc(g.live, func(x *instance) bool { return x.slot == slot }) {
+			return slot
+		}
+	}
 }
 
 // childConfig is the configuration of inst, a consumer process of g.
@@ -243,6 +264,7 @@ func (g *group) childConfig(inst *instance) childConfig {
 		// GroupProtocol is "" on the Sarama engine.
 		GroupProtocol: h.cfg.GroupProtocol,
 		Share:         h.cfg.Share,
+		InstanceID:    g.instanceID(inst),
 		// Lease mode: the middleware's phases need 2 x 1 + 1 connections
 		// (LeaseConfig.Concurrency 1), whatever the messages in flight; the
 		// fourth serves KeyOrder's parked-keys checks.
