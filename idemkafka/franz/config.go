@@ -72,13 +72,15 @@ type SubscriberConfig struct {
 	// (5 s by default), and the restarted member waits for them (see
 	// docs/engines.md). The other side: the partitions of an instance that
 	// does not come back (scaled down, crashed for good) wait the session
-	// timeout. Give each instance its own stable name, such as a
-	// StatefulSet pod's name; two live members with one InstanceID fence
-	// each other. Each Subscribe call joins as
-	// "<InstanceID>-<topic>" (the n-th call on a topic, n > 1, as
-	// "<InstanceID>-<topic>-<n>"). Letters, digits, '.', '_' and '-' only,
-	// as Kafka requires. Not with ShareGroup. Defaults to "" (a dynamic
-	// member).
+	// timeout, and after a crash (no Close) a KIP-848 broker refuses the
+	// returning instance until that timeout expires the crashed member.
+	// Give each process its own stable name, such as a StatefulSet pod's
+	// name, and each Subscriber of one process and group its own: a second
+	// live member with the same name fences the first (classic) or is
+	// refused (KIP-848). A Subscribe call joins as "<InstanceID>-<topic>";
+	// a second live call on the same topic is refused. Letters, digits,
+	// '.', '_' and '-' only, at most 100 characters, as Kafka requires.
+	// Not with ShareGroup. Defaults to "" (a dynamic member).
 	InstanceID string
 	// Ordering is which earlier messages a message waits for, as for
 	// idemkafka/parallel's Subscriber. Defaults to parallel.OrderKey.
@@ -141,7 +143,8 @@ type SubscriberConfig struct {
 	// poll whatever the previous one left), so a lone member idles while
 	// its poll's last handlers finish; with several, the others hand out
 	// their records meanwhile, and one slow handler holds only its
-	// member's share. Defaults to 2.
+	// member's share. At most MaxInFlight. Defaults to 2 (1 with a
+	// MaxInFlight of 1).
 	ShareMembers int
 	// MaxDeliveries is, with ShareGroup, the delivery of a record from
 	// which a failing handler's error is made permanent by
@@ -225,7 +228,7 @@ func (c *SubscriberConfig) setDefaults() {
 		c.CommitInterval = defaultCommitInterval
 	}
 	if c.ShareMembers == 0 {
-		c.ShareMembers = defaultShareMembers
+		c.ShareMembers = min(defaultShareMembers, max(c.MaxInFlight, 1))
 	}
 	if c.MaxDeliveries == 0 {
 		c.MaxDeliveries = defaultMaxDeliveries
@@ -252,6 +255,8 @@ func (c SubscriberConfig) Validate() error {
 		return bad("Ordering", fmt.Sprintf("%s with a share group: a share group keeps no order, set parallel.OrderNone (handlers that need their key's order cannot use a share group)", c.Ordering))
 	case c.ShareMembers < 0:
 		return bad("ShareMembers", "must be positive")
+	case c.ShareMembers > c.MaxInFlight && c.MaxInFlight > 0:
+		return bad("ShareMembers", fmt.Sprintf("%d members for MaxInFlight %d: each member needs at least one slot", c.ShareMembers, c.MaxInFlight))
 	case c.MaxDeliveries < 0:
 		return bad("MaxDeliveries", "must be positive")
 	case c.ShareOffsetReset != "" && c.ShareOffsetReset != "earliest" && c.ShareOffsetReset != "latest" && c.ShareOffsetReset != "none":

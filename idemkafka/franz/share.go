@@ -88,18 +88,18 @@ func (s *Subscriber) subscribeShare(ctx context.Context, topic string) (<-chan *
 	// ShareMembers members, each polling its share of MaxInFlight: while
 	// one waits for the last acknowledgements of its poll, the others
 	// hand out theirs.
-	perMember := max(1, s.cfg.MaxInFlight/s.cfg.ShareMembers)
-	opts := append(append([]kgo.Opt(nil), s.cfg.ClientOpts...),
-		kgo.SeedBrokers(s.cfg.Brokers...),
-		kgo.ShareGroup(s.cfg.ShareGroup),
-		// A poll takes up to its member's share of MaxInFlight, and the
-		// member's next poll waits for all of them: fetch as many at once.
-		kgo.ShareMaxRecords(int32(min(perMember, math.MaxInt32))),
-		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
-		kgo.ConsumeTopics(topic),
-	)
+	shares := shareOf(s.cfg.MaxInFlight, s.cfg.ShareMembers)
 	clients := make([]*kgo.Client, 0, s.cfg.ShareMembers)
-	for range s.cfg.ShareMembers {
+	for _, share := range shares {
+		opts := append(append([]kgo.Opt(nil), s.cfg.ClientOpts...),
+			kgo.SeedBrokers(s.cfg.Brokers...),
+			kgo.ShareGroup(s.cfg.ShareGroup),
+			// A poll takes up to the member's share of MaxInFlight, and
+			// its next poll waits for all of them: fetch as many at once.
+			kgo.ShareMaxRecords(int32(min(share, math.MaxInt32))),
+			kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+			kgo.ConsumeTopics(topic),
+		)
 		cl, err := kgo.NewClient(opts...)
 		if err != nil {
 			for _, c := range clients {
@@ -131,8 +131,8 @@ func (s *Subscriber) subscribeShare(ctx context.Context, topic string) (<-chan *
 	go func() {
 		defer s.wg.Done()
 		var members sync.WaitGroup
-		for _, cl := range clients {
-			members.Go(func() { st.runShare(cl, perMember) })
+		for i, cl := range clients {
+			members.Go(func() { st.runShare(cl, shares[i]) })
 		}
 		members.Wait()
 		st.s.mu.Lock()
@@ -141,6 +141,19 @@ func (s *Subscriber) subscribeShare(ctx context.Context, topic string) (<-chan *
 		close(st.out)
 	}()
 	return st.out, nil
+}
+
+// shareOf splits maxInFlight between members: the first maxInFlight %
+// members get one more.
+func shareOf(maxInFlight, members int) []int {
+	out := make([]int, members)
+	for i := range out {
+		out[i] = maxInFlight / members
+		if i < maxInFlight%members {
+			out[i]++
+		}
+	}
+	return out
 }
 
 // setShareReset sets the group's share.auto.offset.reset.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -207,4 +208,30 @@ func (h *handled) snapshot() map[string][]int32 {
 		out[m] = slices.Sorted(maps.Keys(ps))
 	}
 	return out
+}
+
+// With an InstanceID a Subscriber holds one live Subscribe call per topic
+// (one static member, "<InstanceID>-<topic>"): a second live call on the
+// topic is refused, and once the first has ended the topic can be
+// subscribed again, under the same name.
+func TestSubscriberInstanceIDOneLiveCallPerTopic(t *testing.T) {
+	t.Parallel()
+	b := kafkatest.Start(t)
+	topic := b.Topic(t, "static-once", 1)
+	sub, err := franz.NewSubscriber(franz.SubscriberConfig{Brokers: b.Addrs, ConsumerGroup: "once-" + topic, InstanceID: "pod-0"}, nil)
+	require.NoError(t, err)
+	defer sub.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	first, err := sub.Subscribe(ctx, topic)
+	require.NoError(t, err)
+	_, err = sub.Subscribe(context.Background(), topic)
+	require.ErrorContains(t, err, `already has a live Subscribe call on this Subscriber, as static member "pod-0-`+topic+`"`)
+	cancel()
+	for range first { // closed once the member has left
+	}
+	again, err := sub.Subscribe(context.Background(), topic)
+	require.NoError(t, err)
+	require.NotNil(t, again)
+	_, err = sub.Subscribe(context.Background(), strings.Repeat("t", 245))
+	require.ErrorContains(t, err, "over Kafka's 249 characters")
 }

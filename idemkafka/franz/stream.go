@@ -55,6 +55,7 @@ func (st *stream) run() {
 	st.mu.Unlock()
 	st.release(context.Background(), all, true, true)
 	st.cl.Close()
+	st.s.releaseInstance(st.topic)
 	st.s.mu.Lock()
 	delete(st.s.streams, st)
 	st.s.mu.Unlock()

@@ -31,7 +31,7 @@ type Subscriber struct {
 
 	mu      sync.Mutex
 	streams map[*stream]struct{}
-	topics  map[string]int // Subscribe calls per topic, for InstanceID
+	static  map[string]bool // with InstanceID: the topics with a live Subscribe call
 }
 
 var _ message.Subscriber = (*Subscriber)(nil)
@@ -56,7 +56,7 @@ func NewSubscriber(cfg SubscriberConfig, logger watermill.LoggerAdapter) (*Subsc
 		closing: make(chan struct{}),
 		closed:  make(chan struct{}),
 		streams: map[*stream]struct{}{},
-		topics:  map[string]int{},
+		static:  map[string]bool{},
 	}, nil
 }
 
@@ -70,7 +70,8 @@ func (s *Subscriber) MaxInFlight() int { return s.cfg.MaxInFlight }
 // it speaks KIP-848, and returns an [*UnsupportedError] when not. The
 // channel closes when ctx ends or the Subscriber closes, after the
 // messages in flight were given RevokeTimeout and the offsets were
-// committed. Each call is its own client and group member.
+// committed. Each call is its own group member (a share group's, its own
+// ShareMembers members); with InstanceID, one live call per topic.
 func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	select {
 	case <-s.closing:
@@ -87,12 +88,10 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 			return nil, err
 		}
 	}
-	s.mu.Lock()
-	s.topics[topic]++
-	call := s.topics[topic]
-	s.mu.Unlock()
-	if id := instanceID(s.cfg.InstanceID, topic, call); len(id) > maxKafkaInstanceID {
-		return nil, fmt.Errorf("franz: InstanceID: %q is over Kafka's %d characters for a group.instance.id", id, maxKafkaInstanceID)
+	if s.cfg.InstanceID != "" {
+		if err := s.claimInstance(topic); err != nil {
+			return nil, err
+		}
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	st := &stream{
@@ -102,8 +101,9 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		parts:  map[int32]*part{},
 		logger: s.logger.With(watermill.LogFields{"topic": topic}),
 	}
-	cl, err := kgo.NewClient(s.clientOpts(st, call)...)
+	cl, err := kgo.NewClient(s.clientOpts(st)...)
 	if err != nil {
+		s.releaseInstance(topic)
 		cancel()
 		return nil, fmt.Errorf("franz: new Kafka client: %w", err)
 	}
@@ -111,6 +111,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	s.mu.Lock()
 	select {
 	case <-s.closing:
+		delete(s.static, topic)
 		s.mu.Unlock()
 		cancel()
 		cl.Close()
@@ -124,9 +125,8 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	return st.out, nil
 }
 
-// clientOpts are the user's options, then the Subscriber's; call is which
-// Subscribe call on st's topic this is (1 for the first).
-func (s *Subscriber) clientOpts(st *stream, call int) []kgo.Opt {
+// clientOpts are the user's options, then the Subscriber's.
+func (s *Subscriber) clientOpts(st *stream) []kgo.Opt {
 	opts := append([]kgo.Opt{kgo.FetchMaxWait(s.cfg.FetchMaxWait)}, s.cfg.ClientOpts...)
 	opts = append(opts,
 		kgo.SeedBrokers(s.cfg.Brokers...),
@@ -147,7 +147,7 @@ func (s *Subscriber) clientOpts(st *stream, call int) []kgo.Opt {
 		opts = append(opts, kgo.ServerSideBalancer())
 	}
 	if s.cfg.InstanceID != "" {
-		opts = append(opts, kgo.InstanceID(instanceID(s.cfg.InstanceID, st.topic, call)))
+		opts = append(opts, kgo.InstanceID(instanceID(s.cfg.InstanceID, st.topic)))
 	}
 	if s.cfg.Progress != nil {
 		opts = append(opts, kgo.AdjustFetchOffsetsFn(st.adjustOffsets))
@@ -158,17 +158,40 @@ func (s *Subscriber) clientOpts(st *stream, call int) []kgo.Opt {
 // maxKafkaInstanceID is the longest group.instance.id Kafka takes.
 const maxKafkaInstanceID = 249
 
-// instanceID is the group.instance.id of the call-th Subscribe call on
-// topic ("" without a prefix): one per member, the same after a restart
-// that subscribes in the same order.
-func instanceID(prefix, topic string, call int) string {
-	switch {
-	case prefix == "":
-		return ""
-	case call == 1:
-		return prefix + "-" + topic
+// instanceID is the group.instance.id of the member on topic: the same
+// after a restart, and one per topic, since a Subscriber holds at most one
+// live Subscribe call per topic with an InstanceID (claimInstance).
+func instanceID(prefix, topic string) string {
+	return prefix + "-" + topic
+}
+
+// claimInstance reserves topic's static member for a Subscribe call: a
+// second live call on the topic would join with the same
+// group.instance.id and fence the first (classic) or be refused
+// (KIP-848).
+func (s *Subscriber) claimInstance(topic string) error {
+	if id := instanceID(s.cfg.InstanceID, topic); len(id) > maxKafkaInstanceID {
+		return fmt.Errorf("franz: InstanceID: %q is over Kafka's %d characters for a group.instance.id", id, maxKafkaInstanceID)
 	}
-	return fmt.Sprintf("%s-%s-%d", prefix, topic, call)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.static[topic] {
+		return fmt.Errorf("franz: InstanceID: topic %q already has a live Subscribe call on this Subscriber, as static member %q: "+
+			"a static member is one per topic (use another Subscriber, with its own InstanceID)", topic, instanceID(s.cfg.InstanceID, topic))
+	}
+	s.static[topic] = true
+	return nil
+}
+
+// releaseInstance frees topic's static member once its Subscribe call has
+// ended (or failed).
+func (s *Subscriber) releaseInstance(topic string) {
+	if s.cfg.InstanceID == "" {
+		return
+	}
+	s.mu.Lock()
+	delete(s.static, topic)
+	s.mu.Unlock()
 }
 
 // checkAPI asks a broker for its API versions and returns an

@@ -3,6 +3,7 @@ package franz
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -90,4 +91,16 @@ func TestWindowPausesAFullPartition(t *testing.T) {
 	mu.Unlock()
 	release.Store(true)
 	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return acked == 20 }, 60*time.Second, 10*time.Millisecond)
+}
+
+func TestShareOfSplitsMaxInFlight(t *testing.T) {
+	for _, tc := range []struct {
+		max, members int
+		want         []int
+	}{{64, 2, []int{32, 32}}, {5, 2, []int{3, 2}}, {7, 3, []int{3, 2, 2}}, {1, 1, []int{1}}} {
+		got := shareOf(tc.max, tc.members)
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("shareOf(%d, %d) = %v, want %v", tc.max, tc.members, got, tc.want)
+		}
+	}
 }

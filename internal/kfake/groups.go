@@ -2349,7 +2349,7 @@ func (g *group) computeTargetAssignment() {
 	// Sort members deterministically. For the range assignor, static
 	// members (sorted by instanceID) come before dynamic members
 	// (sorted by memberID), matching Kafka's behavior. Epoch -2
-	// members are excluded (skipped in memberSubs above).
+	// members are included (see memberSubs above).
 	memberIDs := slices.Collect(maps.Keys(memberSubs))
 	if g.assignorName == "range" {
 		slices.SortFunc(memberIDs, func(a, b string) int {

@@ -156,7 +156,7 @@ func enginesFast(ctx context.Context, o Options) (string, error) {
 		"the business row registered with `idem.CompleteExec` and one outbox row, as in the table above; no forwarder), %d events per run, group commit on both engines, "+
 		"each keeping its position in PostgreSQL; %d rounds rotated, steady rates (the commits between the 10th and the 90th percentile), ratios of the same round. "+
 		"The last row is the ceiling of any engine: the same messages built in memory and handed to the same router, middleware and database, "+
-		"at most %d unacked, with no Kafka client and no broker. Of that ceiling, in the same round, franz-go reaches %s and Sarama's parallel subscriber %s.\n\n",
+		"at most %d unacked, with no Kafka client and no broker (nor key order, nor a position kept in PostgreSQL: a little above what even a free client could reach). Of that ceiling, in the same round, franz-go reaches %s and Sarama's parallel subscriber %s.\n\n",
 		parPartitions, parKeys, n, rounds, parMaxInFlight, franzOf, saramaOf)
 	return md + Table([]string{"consumer", "msg/s (median)", "× parallel (Sarama)", "target"}, rows), nil
 }
