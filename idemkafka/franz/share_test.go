@@ -224,9 +224,10 @@ func TestShareGroupHeldRecordHoldsOnlyItsMember(t *testing.T) {
 			require.NoError(t, err)
 			var held *message.Message
 			others := 0
-			// Wait for the others well past a poll's round trip; with one
-			// member none comes after the held record's batch.
-			quiet := time.NewTimer(10 * time.Second)
+			// Wait for the others well past the group's join and a poll's
+			// round trip; with one member none comes after the held
+			// record's batch.
+			quiet := time.NewTimer(20 * time.Second)
 			defer quiet.Stop()
 		loop:
 			for others < n-1 {
